@@ -1,0 +1,455 @@
+"""ShardedEngine: the chapter's pseudo-API made real on an mpi4py communicator.
+
+Every collective maps onto one mpi4py buffer (uppercase) call, so arrays never go through
+pickle. `group=` names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the
+whole world. Each call documents its adjoint, because the strategies use them in pairs:
+
+    all_reduce(sum)        forward  <->  all_reduce(sum)        backward (of a sum over copies)
+    all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
+    reduce_scatter(axis)   forward  <->  all_gather(axis)       backward
+    all_to_all(axis)       forward  <->  all_to_all(axis)       backward (the inverse exchange)
+    send(dest)             forward  <->  receive(dest)          backward
+
+The engine counts the bytes each rank sends per collective kind (`comm_bytes`), using what a
+bandwidth-optimal (ring) algorithm sends: all_reduce 2(n-1)/n * size, all_gather and
+reduce_scatter (n-1)/n * full size, all_to_all (n-1)/n * size, send the message size.
+
+Debug mode (`MPISHARD_DEBUG=1` or `debug=True`): before each collective the group compares op,
+dtype and shape and raises `CollectiveMismatchError` on every rank naming the difference,
+instead of corrupting data or hanging.
+"""
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import Backend
+from .mesh import DeviceMesh, parse_layout
+
+_DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
+                                 "bool", "complex128", "complex64")]
+_KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier"]
+_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_HEADER = 12  # int64 words: dtype code, ndim, up to 10 dims
+_TAG_HEADER, _TAG_DATA, _TAG_RAW = 0, 1, 2
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one group called a collective with different op, dtype or shape."""
+
+
+def _dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported for MPI transfer; use one of "
+                        f"{[str(d) for d in _DTYPES]}")
+    return _DTYPES.index(dtype)
+
+
+class Future:
+    """A pending non-blocking transfer (Isend/Irecv). `result()` waits, `done()` polls."""
+
+    def __init__(self, requests, finish=None, keep=()):
+        self._requests = list(requests)
+        self._finish = finish
+        self._keep = keep  # buffers that must stay alive until completion
+        self._value = None
+        self._done = False
+
+    def done(self) -> bool:
+        if self._done:
+            return True
+        if MPI.Request.Testall(self._requests):
+            self._complete()
+        return self._done
+
+    def result(self):
+        if not self._done:
+            MPI.Request.Waitall(self._requests)
+            self._complete()
+        return self._value
+
+    wait = result
+
+    def _complete(self):
+        self._done = True
+        self._value = self._finish() if self._finish is not None else None
+        self._keep = ()
+
+
+class ShardedEngine(ABC):
+    """Base class: device identity, point-to-point and collective calls, inference loop.
+
+    Subclasses implement `load_checkpoint`, `forward` and `backward` (the chapter's contract).
+    """
+
+    def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None):
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.layout = parse_layout(layout)
+        self.mesh = DeviceMesh(self.comm, self.layout)  # raises on a world-size mismatch
+        self.backend = Backend(device, self.comm)
+        self.xp = self.backend.xp
+        self.dtype = np.dtype(dtype)
+        if debug is None:
+            debug = os.environ.get("MPISHARD_DEBUG", "0") not in ("", "0")
+        self.debug = bool(debug)
+        self.comm_bytes: Counter = Counter()
+        self.comm_calls: Counter = Counter()
+        self.comm_time: Counter = Counter()
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def device_id(self) -> int:
+        """The rank of this device in the engine's communicator."""
+        return self.comm.Get_rank()
+
+    @property
+    def num_devices(self) -> int:
+        """World size."""
+        return self.comm.Get_size()
+
+    def group_size(self, group=None) -> int:
+        return self.mesh.size(group) if group is not None else self.num_devices
+
+    def group_rank(self, group=None) -> int:
+        return self.mesh.coord(group) if group is not None else self.device_id
+
+    def barrier(self, group=None) -> None:
+        """Blocks until every device of the group reaches this line."""
+        self.mesh.comm(group).Barrier()
+
+    def reset_comm_stats(self) -> None:
+        self.comm_bytes.clear()
+        self.comm_calls.clear()
+        self.comm_time.clear()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _prepare(self, arr):
+        xp = self.xp
+        a = xp.ascontiguousarray(xp.asarray(arr))
+        _dtype_code(a.dtype)
+        return a
+
+    def _count(self, kind, nbytes, t0):
+        self.comm_calls[kind] += 1
+        self.comm_bytes[kind] += int(nbytes)
+        self.comm_time[kind] += time.perf_counter() - t0
+
+    def _check(self, comm, kind, a, op="", axis=0, skip_axis=False):
+        """Debug mode: every rank of the group compares (kind, op, dtype, shape, axis)."""
+        if not self.debug:
+            return
+        shape = list(a.shape)
+        if skip_axis and len(shape) > axis:
+            shape[axis] = -1  # all_gather may concatenate uneven lengths along `axis`
+        sig = np.full(4 + 10, -2, dtype=np.int64)
+        sig[0] = _KINDS.index(kind)
+        sig[1] = list(_OPS).index(op) if op in _OPS else -1
+        sig[2] = _dtype_code(a.dtype)
+        sig[3] = axis
+        sig[4:4 + min(10, len(shape))] = shape[:10]
+        sig[4 + len(shape):] = -3
+        allsig = np.empty((comm.Get_size(), sig.size), dtype=np.int64)
+        comm.Allgather(sig, allsig)
+        if (allsig != allsig[0]).any():
+            def show(s):
+                dims = [int(d) for d in s[4:] if d != -3]
+                return (f"{_KINDS[s[0]]}(op={list(_OPS)[s[1]] if s[1] >= 0 else '-'}, "
+                        f"dtype={_DTYPES[s[2]]}, shape={tuple(dims)}, axis={s[3]})")
+            ranks = "; ".join(f"group rank {r}: {show(s)}" for r, s in enumerate(allsig))
+            raise CollectiveMismatchError(f"collective mismatch in {kind}: {ranks}")
+
+    def _norm_axis(self, a, axis):
+        if not -a.ndim <= axis < max(a.ndim, 1):
+            raise ValueError(f"axis {axis} out of range for an array of shape {a.shape}")
+        return axis % max(a.ndim, 1)
+
+    # -- point to point ------------------------------------------------------------------------
+    def _header(self, a):
+        h = np.zeros(_HEADER, dtype=np.int64)
+        if a.ndim > _HEADER - 2:
+            raise ValueError(f"send supports up to {_HEADER - 2} dims, got {a.ndim}")
+        h[0], h[1] = _dtype_code(a.dtype), a.ndim
+        h[2:2 + a.ndim] = a.shape
+        return h
+
+    def _tag(self, tag, kind):
+        return 3 * int(tag) + kind
+
+    def send(self, dest_id: int, arr, tag: int = 0, group=None) -> None:
+        """Blocking send of `arr` (any shape/dtype) to `dest_id`; adjoint: receive."""
+        t0 = time.perf_counter()
+        a = self._prepare(arr)
+        comm = self.mesh.comm(group)
+        comm.Send(self._header(a), dest=dest_id, tag=self._tag(tag, _TAG_HEADER))
+        buf = self.backend.mpi_buffer(a)
+        comm.Send(buf, dest=dest_id, tag=self._tag(tag, _TAG_DATA))
+        self._count("send", a.nbytes, t0)
+
+    def receive(self, src_id: int, tag: int = 0, group=None):
+        """Blocking receive of an array sent with `send`; shape and dtype travel with it."""
+        return self.receive_async(src_id, tag=tag, group=group).result()
+
+    def send_async(self, arr, dst=None, target_device_id=None, *, dest=None, tag: int = 0,
+                   group=None) -> Future:
+        """Non-blocking send (Isend); returns a Future.
+
+        Two forms: `send_async(arr, dest)` (the receiver calls `receive_async(src)` and learns
+        shape and dtype from a header), and the seed's `send_async(src, dst, target_device_id)`
+        where `dst` is the buffer the target receives into (`receive_async(src, out=dst)`), so
+        no header is sent and the message lands without an extra copy.
+        """
+        t0 = time.perf_counter()
+        a = self._prepare(arr)
+        comm = self.mesh.comm(group)
+        if target_device_id is not None:         # seed form: (src, dst_buffer, target)
+            buf = self.backend.mpi_buffer(a, slot="isend")
+            req = comm.Isend(buf, dest=target_device_id, tag=self._tag(tag, _TAG_RAW))
+            self._count("send", a.nbytes, t0)
+            return Future([req], keep=(a, buf))
+        dest = dst if dest is None else dest
+        if dest is None or not isinstance(dest, (int, np.integer)):
+            raise TypeError("send_async(arr, dest) needs an integer destination rank")
+        h = self._header(a)
+        buf = self.backend.mpi_buffer(a, slot="isend")
+        reqs = [comm.Isend(h, dest=int(dest), tag=self._tag(tag, _TAG_HEADER)),
+                comm.Isend(buf, dest=int(dest), tag=self._tag(tag, _TAG_DATA))]
+        self._count("send", a.nbytes, t0)
+        return Future(reqs, keep=(a, buf, h))
+
+    def receive_async(self, src_id: int, out=None, tag: int = 0, group=None) -> Future:
+        """Non-blocking receive (Irecv); `result()` returns the array.
+
+        With `out=` the message (sent by the seed form of send_async) lands in that buffer.
+        """
+        comm = self.mesh.comm(group)
+        if out is not None:
+            if not out.flags.c_contiguous:
+                raise ValueError("receive_async(out=...) needs a C-contiguous buffer")
+            buf = self.backend.mpi_buffer(out, slot="irecv") if self.backend.is_gpu else out
+            req = comm.Irecv(buf, source=src_id, tag=self._tag(tag, _TAG_RAW))
+
+            def finish():
+                self.backend.mpi_finish(buf, out)
+                return out
+            return Future([req], finish, keep=(buf,))
+        h = np.empty(_HEADER, dtype=np.int64)
+        req = comm.Irecv(h, source=src_id, tag=self._tag(tag, _TAG_HEADER))
+
+        def finish_header():
+            dtype, ndim = _DTYPES[int(h[0])], int(h[1])
+            shape = tuple(int(d) for d in h[2:2 + ndim])
+            out_arr = self.xp.empty(shape, dtype=dtype)
+            buf = self.backend.mpi_buffer(out_arr, slot="recv") if self.backend.is_gpu else out_arr
+            comm.Recv(buf, source=src_id, tag=self._tag(tag, _TAG_DATA))
+            self.backend.mpi_finish(buf, out_arr)
+            return out_arr
+        return Future([req], finish_header, keep=(h,))
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, arr, op: str = "sum", group=None, out=None):
+        """Element-wise reduction over the group, result on every rank (MPI Allreduce).
+
+        op: 'sum', 'avg' (sum / group size), 'max', 'min'. Adjoint of a sum over replicas:
+        all_reduce(sum) backward; adjoint of 'avg' is 'avg'.
+        """
+        if op not in _OPS:
+            raise ValueError(f"all_reduce op must be one of {list(_OPS)}, got {op!r}")
+        t0 = time.perf_counter()
+        a = self._prepare(arr)
+        if op == "avg" and a.dtype.kind not in "fc":
+            raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
+        comm = self.mesh.comm(group)
+        self._check(comm, "all_reduce", a, op)
+        n = comm.Get_size()
+        if out is None:
+            out = self.xp.empty_like(a)
+        sbuf = self.backend.mpi_buffer(a)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        comm.Allreduce(sbuf, rbuf, op=_OPS[op])
+        self.backend.mpi_finish(rbuf, out)
+        if op == "avg" and n > 1:
+            out /= n
+        self._count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
+        return out
+
+    def all_gather(self, arr, axis: int = 0, group=None):
+        """Concatenate the group's arrays along `axis` (MPI Allgather / Allgatherv).
+
+        Lengths along `axis` may differ between ranks (they are exchanged first); the other
+        dimensions must agree. Adjoint: reduce_scatter(sum) along the same axis.
+        """
+        t0 = time.perf_counter()
+        xp = self.xp
+        a = xp.asarray(arr)
+        if a.ndim == 0:
+            a = a.reshape(1)
+        axis = self._norm_axis(a, axis)
+        comm = self.mesh.comm(group)
+        self._check(comm, "all_gather", a, axis=axis, skip_axis=True)
+        n = comm.Get_size()
+        moved = self._prepare(xp.moveaxis(a, axis, 0))      # (len_i, ...rest)
+        rest = moved.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        lens = np.empty(n, dtype=np.int64)
+        comm.Allgather(np.array([moved.shape[0]], dtype=np.int64), lens)
+        out = xp.empty((int(lens.sum()),) + rest, dtype=moved.dtype)
+        sbuf = self.backend.mpi_buffer(moved)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        if (lens == lens[0]).all():
+            comm.Allgather(sbuf, rbuf)
+        else:
+            counts = lens * row
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            comm.Allgatherv(sbuf, [rbuf, counts, displs, MPI._typedict[moved.dtype.char]])
+        self.backend.mpi_finish(rbuf, out)
+        self._count("all_gather", (n - 1) / n * out.nbytes, t0)
+        return xp.moveaxis(out, 0, axis) if axis != 0 else out
+
+    def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
+        """Reduce over the group, then rank i keeps block i along `axis` (Reduce_scatter).
+
+        Blocks follow numpy.array_split, so a length not divisible by the group size is
+        allowed (the first blocks are one longer). Adjoint: all_gather along the same axis.
+        """
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
+        t0 = time.perf_counter()
+        xp = self.xp
+        a = xp.asarray(arr)
+        axis = self._norm_axis(a, axis)
+        comm = self.mesh.comm(group)
+        self._check(comm, "reduce_scatter", a, op, axis=axis)
+        n, r = comm.Get_size(), comm.Get_rank()
+        moved = self._prepare(xp.moveaxis(a, axis, 0))
+        length, rest = moved.shape[0], moved.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
+        out = xp.empty((lens[r],) + rest, dtype=moved.dtype)
+        sbuf = self.backend.mpi_buffer(moved)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        if length % n == 0:
+            comm.Reduce_scatter_block(sbuf, rbuf, op=MPI.SUM)
+        else:
+            comm.Reduce_scatter(sbuf, rbuf, [c * row for c in lens], op=MPI.SUM)
+        self.backend.mpi_finish(rbuf, out)
+        if op == "avg" and n > 1:
+            if out.dtype.kind not in "fc":
+                raise TypeError(f"reduce_scatter(op='avg') needs a floating dtype, got {out.dtype}")
+            out /= n
+        self._count("reduce_scatter", (n - 1) / n * moved.nbytes, t0)
+        return xp.moveaxis(out, 0, axis) if axis != 0 else out
+
+    def all_to_all(self, arr, axis: int = 0, group=None):
+        """Split `arr` into group-size blocks along `axis`; block j goes to rank j, and the
+        received blocks are concatenated along `axis` in rank order (MPI Alltoall).
+        Adjoint: all_to_all along the same axis (the exchange undoes itself).
+        """
+        t0 = time.perf_counter()
+        xp = self.xp
+        a = xp.asarray(arr)
+        axis = self._norm_axis(a, axis)
+        comm = self.mesh.comm(group)
+        n = comm.Get_size()
+        if a.shape[axis] % n:
+            raise ValueError(f"all_to_all: length {a.shape[axis]} along axis {axis} is not "
+                             f"divisible by the group size {n}")
+        self._check(comm, "all_to_all", a, axis=axis)
+        moved = self._prepare(xp.moveaxis(a, axis, 0))
+        out = xp.empty_like(moved)
+        sbuf = self.backend.mpi_buffer(moved)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        comm.Alltoall(sbuf, rbuf)
+        self.backend.mpi_finish(rbuf, out)
+        self._count("all_to_all", (n - 1) / n * moved.nbytes, t0)
+        return xp.moveaxis(out, 0, axis) if axis != 0 else out
+
+    def all_to_all_v(self, arr, send_counts, group=None):
+        """Variable-count exchange along axis 0 (MPI Alltoallv).
+
+        `send_counts[j]` rows of `arr` (consecutive, in rank order) go to rank j. The counts are
+        exchanged first; returns (received rows concatenated in source-rank order, recv_counts).
+        Adjoint: all_to_all_v of the gradient with send and receive counts swapped.
+        """
+        t0 = time.perf_counter()
+        xp = self.xp
+        comm = self.mesh.comm(group)
+        n = comm.Get_size()
+        a = self._prepare(arr)
+        sc = np.ascontiguousarray(np.asarray(send_counts, dtype=np.int64))
+        if sc.shape != (n,) or sc.sum() != a.shape[0] or (sc < 0).any():
+            raise ValueError(f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
+                             f"counts summing to the {a.shape[0]} rows given")
+        rc = np.empty(n, dtype=np.int64)
+        comm.Alltoall(sc, rc)
+        rest = a.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        out = xp.empty((int(rc.sum()),) + rest, dtype=a.dtype)
+        sdis = np.concatenate([[0], np.cumsum(sc)[:-1]]) * row
+        rdis = np.concatenate([[0], np.cumsum(rc)[:-1]]) * row
+        mtype = MPI._typedict[a.dtype.char]
+        sbuf = self.backend.mpi_buffer(a)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        comm.Alltoallv([sbuf, sc * row, sdis, mtype], [rbuf, rc * row, rdis, mtype])
+        self.backend.mpi_finish(rbuf, out)
+        me = comm.Get_rank()
+        self._count("all_to_all", (sc.sum() - sc[me]) * row * a.itemsize, t0)
+        return out, rc
+
+    def broadcast(self, arr, root: int = 0, group=None):
+        """Every rank gets root's array (MPI Bcast). Non-root ranks may pass None: shape and
+        dtype come from root. Adjoint: reduce(sum) to root.
+        """
+        t0 = time.perf_counter()
+        comm = self.mesh.comm(group)
+        if comm.Get_rank() == root:
+            a = self._prepare(arr)
+            h = self._header(a)
+        else:
+            h = np.empty(_HEADER, dtype=np.int64)
+        comm.Bcast(h, root=root)
+        if comm.Get_rank() != root:
+            shape = tuple(int(d) for d in h[2:2 + int(h[1])])
+            a = self.xp.empty(shape, dtype=_DTYPES[int(h[0])])
+        buf = self.backend.mpi_buffer(a, slot="bcast")
+        comm.Bcast(buf, root=root)
+        self.backend.mpi_finish(buf, a)
+        n = comm.Get_size()
+        self._count("broadcast", (n - 1) / n * a.nbytes if comm.Get_rank() == root else 0, t0)
+        return a
+
+    def agree(self, ok: bool, message: str = "", group=None) -> None:
+        """Collective error check: if `ok` is False on any rank, every rank raises ValueError
+        with the first failing rank's message (no rank is left waiting in a collective)."""
+        comm = self.mesh.comm(group)
+        flag = np.array([0 if ok else 1], dtype=np.int64)
+        total = np.empty(1, dtype=np.int64)
+        comm.Allreduce(flag, total, op=MPI.SUM)
+        if total[0]:
+            msgs = comm.allgather(None if ok else message)   # small control data only
+            first = next(m for m in msgs if m is not None)
+            raise ValueError(first)
+
+    # -- model lifecycle -----------------------------------------------------------------------
+    @abstractmethod
+    def load_checkpoint(self, params: dict) -> None:
+        ...
+
+    @abstractmethod
+    def forward(self, x):
+        ...
+
+    @abstractmethod
+    def backward(self, grads) -> dict:
+        ...
+
+    def inference_loop(self, input_stream, output_stream) -> None:
+        """Forward every array of `input_stream`, writing results to `output_stream`; returns
+        on every rank when the input is exhausted (pipelines override this)."""
+        for x in iter(input_stream):
+            output_stream.write(self.predict(x) if hasattr(self, "predict") else self.forward(x))

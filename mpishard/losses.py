@@ -1,0 +1,120 @@
+"""Losses with PyTorch's default reductions: value and gradient, on any array module.
+
+Every loss is called as `loss(y, t) -> (value, dy)`: `value` is a Python float, the mean over
+this rank's rows (the DDP/Horovod convention), and `dy = dL/dy` of that local mean. The engines
+average values and gradients over the data-parallel axes, which for equal local batches gives
+the single-device numbers of the mean over the global batch.
+
+- `MSE`: mean over all elements of (y - t)^2            (torch.nn.MSELoss())
+- `BCE`: mean over all elements of -(t log y + (1-t) log(1-y)) on probabilities, each log
+  clamped at -100                                       (torch.nn.BCELoss())
+- `CrossEntropy`: logits (B, C), integer labels (B,), mean over rows of -log softmax(y)[t]
+                                                        (torch.nn.CrossEntropyLoss())
+"""
+from __future__ import annotations
+
+from .nn import array_module
+
+
+class Loss:
+    name = "loss"
+
+    def __call__(self, y, t):
+        return self.value(y, t), self.grad(y, t)
+
+    def value(self, y, t) -> float:
+        raise NotImplementedError
+
+    def grad(self, y, t):
+        raise NotImplementedError
+
+    def check(self, y, t):
+        if y.shape[0] != t.shape[0]:
+            raise ValueError(f"{self.name}: output has {y.shape[0]} rows but target has "
+                             f"{t.shape[0]}")
+
+
+class MSE(Loss):
+    name = "mse"
+
+    def check(self, y, t):
+        super().check(y, t)
+        if y.shape != t.shape:
+            raise ValueError(f"mse: output shape {y.shape} != target shape {t.shape}")
+
+    def value(self, y, t):
+        self.check(y, t)
+        d = y - t
+        return float((d * d).mean())
+
+    def grad(self, y, t):
+        return (2.0 / y.size) * (y - t)         # d/dy mean((y - t)^2)
+
+
+class BCE(Loss):
+    """Binary cross entropy on probabilities (after a sigmoid), like torch.nn.BCELoss."""
+
+    name = "bce"
+    eps = 1e-12  # PyTorch clamps the denominator y(1-y) at 1e-12 in the backward
+
+    def check(self, y, t):
+        super().check(y, t)
+        if y.shape != t.shape:
+            raise ValueError(f"bce: output shape {y.shape} != target shape {t.shape}")
+
+    def value(self, y, t):
+        self.check(y, t)
+        xp = array_module(y)
+        log_y = xp.maximum(xp.log(y), -100.0)
+        log_1my = xp.maximum(xp.log1p(-y), -100.0)
+        return float(-(t * log_y + (1.0 - t) * log_1my).mean())
+
+    def grad(self, y, t):
+        xp = array_module(y)
+        return (y - t) / xp.maximum(y * (1.0 - y), self.eps) / y.size
+
+
+class CrossEntropy(Loss):
+    """Softmax cross entropy on logits (B, C) with integer labels (B,), mean over rows."""
+
+    name = "cross_entropy"
+
+    def check(self, y, t):
+        super().check(y, t)
+        if y.ndim != 2 or t.ndim != 1:
+            raise ValueError(f"cross_entropy: expects logits (B, C) and labels (B,), got "
+                             f"{y.shape} and {t.shape}")
+        if t.dtype.kind not in "iu":
+            raise TypeError(f"cross_entropy: labels must be integers, got {t.dtype}")
+        if t.size and (int(t.min()) < 0 or int(t.max()) >= y.shape[1]):
+            raise ValueError(f"cross_entropy: labels must lie in [0, {y.shape[1]}), got "
+                             f"[{int(t.min())}, {int(t.max())}]")
+
+    @staticmethod
+    def _log_softmax(y):
+        xp = array_module(y)
+        z = y - y.max(axis=1, keepdims=True)
+        return z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
+
+    def value(self, y, t):
+        self.check(y, t)
+        xp = array_module(y)
+        lp = self._log_softmax(y)
+        return float(-lp[xp.arange(y.shape[0]), t].mean())
+
+    def grad(self, y, t):
+        xp = array_module(y)
+        p = xp.exp(self._log_softmax(y))        # softmax
+        p[xp.arange(y.shape[0]), t] -= 1.0       # softmax - onehot
+        return p / y.shape[0]
+
+
+LOSSES = {"mse": MSE, "bce": BCE, "cross_entropy": CrossEntropy, "ce": CrossEntropy}
+
+
+def get_loss(name) -> Loss:
+    if isinstance(name, Loss):
+        return name
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
+    return LOSSES[name]()

@@ -1,0 +1,62 @@
+"""Packaging for mpishard.
+
+    pip install -e .            # library: mpi4py, numpy, tqdm; bring your own MPI
+    pip install -e '.[mpich]'   # plus the embedded MPICH wheel (mpiexec in the venv)
+    pip install -e '.[dev]'     # what `make venv` installs: MPICH wheel, pytest, ruff, ...
+
+On a cluster with a site MPI, build mpi4py against it and leave the `mpich` extra out
+(see README.md, "Install on a cluster with a site MPI").
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+README = HERE / "README.md"
+
+setup(
+    name="mpishard",
+    version="0.1.0",
+    description=(
+        "Distributed training and inference engine on MPI: data, tensor, pipeline, "
+        "FSDP and expert parallelism written by hand with mpi4py and numpy/cupy"
+    ),
+    long_description=README.read_text(encoding="utf-8") if README.exists() else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["mpishard", "mpishard.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "mpi4py>=4",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        # The MPICH binary wheel: libmpi plus mpiexec (hydra) inside the virtual environment.
+        "mpich": ["mpich"],
+        "dev": [
+            "mpich",
+            "pytest>=7",
+            "pytest-mpi>=0.6",
+            "scikit-learn>=1.2",
+            "matplotlib>=3.5",
+            "safetensors>=0.4",
+            "ruff",
+        ],
+        "examples": ["mpich", "scikit-learn>=1.2", "matplotlib>=3.5"],
+        # PyTorch as the peer the benchmarks compare against.
+        "bench": ["torch==2.13.0"],
+        # GPU arrays (pick the one matching your CUDA major version).
+        "cuda12": ["cupy-cuda12x"],
+        "cuda13": ["cupy-cuda13x"],
+    },
+    entry_points={
+        "console_scripts": ["mpishard=mpishard.cli:main"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Intended Audience :: Science/Research",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+    ],
+)
