@@ -1,0 +1,50 @@
+"""Shared test helpers.
+
+MPI tests are marked `@pytest.mark.mpi(min_size=N)` and run under
+`mpiexec -n {1,2,4,8} python -m mpi4py -m pytest --with-mpi` (see the Makefile).
+A test that needs exactly `n` ranks takes `group_comm(n)`: the world split into consecutive
+groups of `n` ranks, each running the test independently (at 8 ranks a 4-rank layout runs
+twice, side by side). It skips when the world size is not a multiple of n.
+"""
+import numpy as np
+import pytest
+
+RTOL64 = 1e-9
+RTOL32 = 1e-4
+
+
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def group_comm(n):
+    """Split COMM_WORLD into groups of n consecutive ranks; skip if it does not divide."""
+    comm = world()
+    size = comm.Get_size()
+    if size < n or size % n:
+        pytest.skip(f"needs a world size that is a multiple of {n}, got {size}")
+    return comm.Split(comm.Get_rank() // n, comm.Get_rank())
+
+
+def assert_close(got, want, rtol=RTOL64, atol=0.0, what=""):
+    """Compare with an explicit tolerance relative to the largest |want| and print the max
+    difference (style rule 6)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-300)
+    diff = float(np.abs(got - want).max()) if want.size else 0.0
+    print(f"{what}: max |diff| = {diff:.3e} (scale {scale:.3e}, rtol {rtol:g})")
+    assert diff <= rtol * scale + atol, f"{what}: max |diff| {diff:.3e} > {rtol:g} * {scale:.3e}"
+
+
+def assert_dicts_close(got, want, rtol=RTOL64, what=""):
+    assert set(got) == set(want), f"{what}: keys {sorted(got)} != {sorted(want)}"
+    for k in want:
+        assert_close(got[k], want[k], rtol=rtol, what=f"{what} {k}")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
