@@ -329,6 +329,30 @@ class MeshEngine(ShardedEngine):
             v = self.all_reduce(v, op="avg", group=DATA_AXES)
         return float(self.backend.to_host(v)[0])
 
+    # -- what the optimizer sees ---------------------------------------------------------------
+    def replication(self, name) -> int:
+        """Number of ranks holding an identical copy of this rank's block of `name` (the
+        product of the mesh axes it is replicated on, pp excluded: a parameter lives on one
+        stage). Norms divide each rank's local sum of squares by it, so a replicated
+        parameter is counted once and a sharded one summed over its shards."""
+        placement = self.placements[name]
+        r = 1
+        for axis in self.layout.sizes:
+            if axis != "pp" and placement.is_replicated_on(axis):
+                r *= self.mesh.size(axis)
+        return r
+
+    def optimizer_shards(self):
+        """(name, param block, grad block, replication) for every block this rank updates.
+
+        The optimizer updates exactly these arrays in place and keeps its state shaped like
+        them, so optimizer state has the sharding of its parameter. ZeRO-1/2 override this to
+        hand out only the owned slice."""
+        return [(n, self.params[n], self.grads[n], self.replication(n)) for n in self.params]
+
+    def after_optimizer_step(self) -> None:
+        """Hook run by the optimizer after it updated its shards (ZeRO-1/2 all-gather here)."""
+
     # -- full views ----------------------------------------------------------------------------
     def _gather_full(self, local: dict) -> dict:
         out = {}
