@@ -353,6 +353,16 @@ class MeshEngine(ShardedEngine):
     def after_optimizer_step(self) -> None:
         """Hook run by the optimizer after it updated its shards (ZeRO-1/2 all-gather here)."""
 
+    def block_region(self, name, which: str = "param"):
+        """Where this rank's block of `name` sits in the full array: a list of (start, stop)
+        per dim (padding excluded) — the block's first stop-start entries along each dim are
+        real data. which='param' is the stored parameter block; which='optimizer' the block
+        handed out by optimizer_shards() (ZeRO-1/2 override it). Checkpoints use this."""
+        sizes = {a: self.mesh.size(a) for a in self.layout.sizes}
+        ranges, _ = pl.local_slices(self.full_shapes[name], self.placements[name], sizes,
+                                    self.mesh.coords)
+        return ranges
+
     # -- full views ----------------------------------------------------------------------------
     def _gather_full(self, local: dict) -> dict:
         out = {}
