@@ -6,14 +6,15 @@
     engine.load_checkpoint(model.init(seed=0))
     loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), ms.losses.MSE())
 """
-from . import losses, nn
+from . import checkpoint, data, losses, nn, optim, trainer
 from .engine import CollectiveMismatchError, Future, ShardedEngine
 from .mesh import DeviceMesh, Layout, parse_layout
-from .model import MLP
+from .model import MLP, MoE
 from .strategies import MeshEngine, SingleDevice, make_engine
 
 __version__ = "0.1.0"
 
-__all__ = ["MLP", "ShardedEngine", "MeshEngine", "SingleDevice", "DeviceMesh", "Layout",
+__all__ = ["MLP", "MoE", "ShardedEngine", "MeshEngine", "SingleDevice", "DeviceMesh", "Layout",
            "CollectiveMismatchError", "Future", "make_engine", "parse_layout", "losses", "nn",
+           "checkpoint", "data", "optim", "trainer",
            "__version__"]

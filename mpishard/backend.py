@@ -93,13 +93,16 @@ class Backend:
         """Return the object to give to an mpi4py uppercase call for the contiguous array `a`.
 
         On GPU without CUDA-aware MPI the data is copied into a reused host array; call
-        `mpi_finish(buffer, a)` after a receive to copy it back to the device.
+        `mpi_finish(buffer, a)` after a receive to copy it back to the device. `slot=None`
+        gives a fresh host array (non-blocking sends: several may be in flight at once).
         """
         if not self.is_gpu:
             return a
         self.xp.cuda.get_current_stream().synchronize()
         if self.cuda_aware:
             return a
+        if slot is None:
+            return a.get()
         key = (slot, a.shape, a.dtype.str)
         host = self._staging.get(key)
         if host is None:

@@ -93,6 +93,8 @@ class Linear(Layer):
         b = self.access.get(self.b_name, mb) if self.b_name else None
         y = nn.linear_forward(x, w, b)                          # 'bd,df->bf' + b
         self.access.release(self.w_name, mb)
+        if self.b_name:
+            self.access.release(self.b_name, mb)                # FSDP drops the gathered bias
         self.save(mb, record, x)
         return y
 

@@ -188,10 +188,11 @@ class DeviceMesh:
         """The communicator of this rank's group over `axes` (None: the whole world)."""
         if axes is None:
             return self.world
-        key = (axes,) if isinstance(axes, str) else tuple(sorted(axes, key=AXES.index))
+        key = (axes,) if isinstance(axes, str) else tuple(axes)
         for a in key:
             if a not in AXES:
                 raise ValueError(f"unknown mesh axis {a!r}; axes are {list(AXES)}")
+        key = tuple(sorted(key, key=AXES.index))
         if key not in self._comms:
             # color: my coordinates on every other axis; key: my index within the group.
             color = 0

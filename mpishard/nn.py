@@ -43,11 +43,26 @@ def _matmul_plan(spec: str):
     return (a[0] == c, b[1] == c, out != i + k)
 
 
+CACHE_PATHS = True
+"""Reuse numpy's contraction path per (spec, shapes) for non-matmul specs (switchable)."""
+_PATHS: dict = {}
+
+
+def _einsum_path(spec, a, b):
+    key = (spec, a.shape, b.shape)
+    path = _PATHS.get(key)
+    if path is None:
+        path = _PATHS[key] = np.einsum_path(spec, a, b, optimize="greedy")[0]
+    return path
+
+
 def einsum(spec: str, a, b):
     """`xp.einsum(spec, a, b)`, on BLAS for matmul-shaped specs."""
     plan = _matmul_plan(spec)
     xp = array_module(a)
     if plan is None:
+        if CACHE_PATHS and xp is np:       # path search once per (spec, shapes), not per call
+            return np.einsum(spec, a, b, optimize=_einsum_path(spec, a, b))
         return xp.einsum(spec, a, b, optimize=True)
     ta, tb, tout = plan
     if tout:  # (A B)^T = B^T A^T: swap operands instead of transposing the result

@@ -36,15 +36,24 @@ class Shard:
 class Placement:
     shards: tuple = ()
     stage: int = 0                    # pp coordinate holding this parameter
+    # {axis: coord}: only ranks at these mesh coordinates hold the parameter (a MoE expert
+    # lives on one ep rank). Such an axis counts as sharded, not replicated; gather_params
+    # broadcasts from the owner.
+    owner: dict = field(default_factory=dict, hash=False)
 
     def sharded_axes(self) -> tuple:
-        return tuple(s.axis for s in self.shards)
+        return tuple(s.axis for s in self.shards) + tuple(self.owner)
 
     def is_replicated_on(self, axis: str) -> bool:
         return axis not in self.sharded_axes()
 
+    def held_at(self, coords: dict) -> bool:
+        """Whether the rank at mesh coordinates `coords` holds a block of this parameter."""
+        return all(coords.get(a, 0) == c for a, c in self.owner.items())
+
     def __str__(self) -> str:
         parts = [f"Shard({s.axis}, dim={s.dim}{', pad' if s.pad else ''})" for s in self.shards]
+        parts += [f"Owner({a}={c})" for a, c in self.owner.items()]
         return "[" + ", ".join(parts or ["Replicate"]) + f"] stage {self.stage}"
 
 

@@ -8,10 +8,28 @@ batch when local batches are equal:
 
 Adjoint: the forward broadcast of W to every replica (done once, by load_checkpoint).
 
-Gradients are packed into flat buckets (`bucket_mb`, DDP's 25 MB default) so many small
-tensors cost one all-reduce instead of one each. A parameter is averaged over every data axis
-(dp, fsdp, ep) on which it is replicated; axes on which it is sharded (fsdp) are handled by
-that strategy's reduce-scatter.
+A parameter is averaged over every data axis (dp, fsdp, ep) on which it is replicated; axes on
+which it is sharded (fsdp) are handled by that strategy's reduce-scatter.
+
+Three optimisations, each switchable, each giving the same numbers as without it:
+
+1. Buckets (layout option `bucket_mb`, DDP's 25 MB default; `bucket_mb=0` means one all-reduce
+   per tensor). Gradients are grouped, last layer first (the backward's order), into flat
+   buckets of at most `bucket_mb` MiB, so many small tensors cost one all-reduce.
+2. Gradients as bucket views. Each bucket owns one flat buffer and the engine's gradient
+   arrays are views into it (what DDP calls `gradient_as_bucket_view`), so a bucket is reduced
+   in place (MPI_IN_PLACE) with no pack/unpack copies and no allocation per step. If something
+   replaced a gradient array since, the bucket falls back to pack -> all-reduce -> unpack.
+3. Overlap (layout option `overlap=1`). The layers call `engine.on_grad_ready(name)` once a
+   gradient is final; when the last gradient of a bucket is ready its non-blocking all-reduce
+   (`engine.all_reduce_async`, MPI Iallreduce) starts while the backward of earlier layers
+   still runs, and `sync()` waits for them. Only a backward that syncs communicates: the
+   engine calls `begin(overlap=sync)` first, so gradient accumulation with `sync=False` starts
+   nothing. Overlap needs each gradient to be final after one `add_grad`, which holds for the
+   sequential runner with local parameters (pp=1, no fsdp, MLP); elsewhere buckets are reduced
+   in `sync()` as with overlap=0 (`overlap_active` says which).
+
+Bucket order, and so the order of the collectives, is the same on every rank of a group.
 """
 from __future__ import annotations
 
@@ -22,44 +40,176 @@ DEFAULT_BUCKET_MB = 25.0
 
 def replicated_data_axes(engine, name) -> tuple:
     """The data axes over which gradient `name` must be averaged."""
-    placement = engine.placements[name]
+    # the gradient's own layout (ZeRO-1/2 shard gradients of replicated parameters on fsdp)
+    placement = getattr(engine, "grad_placements", engine.placements)[name]
     return tuple(a for a in DATA_AXES
                  if engine.mesh.size(a) > 1 and placement.is_replicated_on(a)
                  and a not in engine.grad_sync_exempt.get(name, ()))
 
 
-class GradientSync:
-    """Bucketed all_reduce(avg) of gradients over the data axes on which they are replicated."""
-
-    def __init__(self, engine, bucket_mb: float = DEFAULT_BUCKET_MB):
-        self.engine = engine
-        self.bucket_bytes = max(1, int(bucket_mb * 2 ** 20))
-        # groups: axes tuple -> list of buckets, each a list of parameter names (backward order)
-        self.buckets: dict = {}
-        names = list(reversed(list(engine.params)))   # last layers' gradients are ready first
-        for name in names:
-            axes = replicated_data_axes(engine, name)
-            if not axes:
+def plan_buckets(names, nbytes: dict, axes_of: dict, bucket_bytes: int) -> list:
+    """Group `names` (in backward order) into buckets: [(axes, [names])], at most
+    `bucket_bytes` each (a larger tensor gets a bucket of its own; bucket_bytes <= 0: one
+    tensor per bucket). No MPI: the same plan on every rank."""
+    buckets: list = []
+    open_bucket: dict = {}            # axes -> index into buckets of the one being filled
+    for name in names:
+        axes = axes_of[name]
+        if not axes:
+            continue
+        i = open_bucket.get(axes)
+        if i is not None and bucket_bytes > 0:
+            size = sum(nbytes[n] for n in buckets[i][1])
+            if size + nbytes[name] <= bucket_bytes:
+                buckets[i][1].append(name)
                 continue
-            bl = self.buckets.setdefault(axes, [[]])
-            size = sum(engine.grads[n].nbytes for n in bl[-1])
-            if bl[-1] and size + engine.grads[name].nbytes > self.bucket_bytes:
-                bl.append([])
-            bl[-1].append(name)
+        open_bucket[axes] = len(buckets)
+        buckets.append((axes, [name]))
+    return buckets
 
+
+class Bucket:
+    """Gradients reduced together: one flat buffer, the gradients views into it."""
+
+    def __init__(self, engine, axes, names, views: bool):
+        self.engine, self.axes, self.names = engine, axes, list(names)
+        xp = engine.xp
+        grads = engine.grads
+        self.flat = None
+        if len(self.names) > 1 and views:
+            total = sum(grads[n].size for n in self.names)
+            self.flat = xp.empty(total, dtype=grads[self.names[0]].dtype)
+            offset = 0
+            for n in self.names:                     # the engine's gradients become views
+                g = grads[n]
+                view = self.flat[offset:offset + g.size].reshape(g.shape)
+                view[...] = g
+                grads[n] = view
+                offset += g.size
+        self.views = {n: grads[n] for n in self.names} if self.flat is not None else {}
+        self.ready: set = set()
+        self.future = None
+        self.packed = None
+
+    def buffer(self, grads):
+        """The contiguous array to reduce in place: the flat buffer, the single gradient, or
+        (fallback) a packed copy to unpack after."""
+        if len(self.names) == 1:
+            g = grads[self.names[0]]
+            if g.flags.c_contiguous:
+                return g
+        if self.flat is not None and all(grads[n] is self.views[n] for n in self.names):
+            return self.flat
+        xp = self.engine.xp
+        self.packed = xp.concatenate([grads[n].ravel() for n in self.names])    # pack
+        return self.packed
+
+    def unpack(self, grads, buf) -> None:
+        if buf is not self.packed:
+            return
+        offset = 0
+        for n in self.names:                                                    # unpack
+            g = grads[n]
+            g[...] = buf[offset:offset + g.size].reshape(g.shape)
+            offset += g.size
+        self.packed = None
+
+    def start(self, grads) -> None:
+        """Launch the non-blocking all-reduce(sum) in place (the average is taken on wait)."""
+        buf = self.buffer(grads)
+        self.future = self.engine.all_reduce_async(buf, op="sum", group=self.axes, out=buf)
+
+    def finish(self, grads) -> None:
+        """Wait for a started bucket, or all-reduce it now; leave the average in `grads`."""
+        n = self.engine.group_size(self.axes)
+        if self.future is not None:
+            buf = self.future.result()
+            self.future = None
+            if n > 1:
+                buf /= n                                           # sum -> avg
+        else:
+            buf = self.buffer(grads)
+            self.engine.all_reduce(buf, op="avg", group=self.axes, out=buf)
+        self.unpack(grads, buf)
+
+
+class GradientSync:
+    """Bucketed all_reduce(avg) of gradients over the data axes on which they are replicated.
+
+    engine.grads must exist (load_checkpoint builds this after allocating them). With
+    `views=True` multi-tensor buckets re-home the engine's gradient arrays into flat buffers.
+    `overlap=None` reads the layout option `overlap` (default 0).
+    """
+
+    def __init__(self, engine, bucket_mb: float = DEFAULT_BUCKET_MB, overlap=None,
+                 views: bool = True):
+        if bucket_mb is None:
+            bucket_mb = DEFAULT_BUCKET_MB
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be >= 0 (0: one all-reduce per tensor), "
+                             f"got {bucket_mb}")
+        self.engine = engine
+        self.bucket_bytes = int(bucket_mb * 2 ** 20)
+        if overlap is None:
+            overlap = engine.layout.option("overlap", 0)
+        self.overlap = bool(overlap)
+        names = list(reversed(list(engine.params)))   # last layers' gradients are ready first
+        plan = plan_buckets(names, {n: engine.grads[n].nbytes for n in names},
+                            {n: replicated_data_axes(engine, n) for n in names},
+                            self.bucket_bytes)
+        self.buckets = [Bucket(engine, axes, bnames, views) for axes, bnames in plan]
+        self.bucket_of = {n: b for b in self.buckets for n in b.names}
+        self.overlap_active = self.overlap and self._overlap_supported()
+        self._armed = False
+
+    def _overlap_supported(self) -> bool:
+        from ..layers import LocalAccess
+        from .mesh_engine import SequentialRunner
+
+        e = self.engine
+        return (type(e.access) is LocalAccess and type(e.runner) is SequentialRunner
+                and getattr(e.model, "kind", "mlp") == "mlp")
+
+    # -- the backward's hooks ------------------------------------------------------------------
+    def begin(self, overlap: bool = True) -> None:
+        """A backward starts. overlap=False (a sync=False accumulation step) starts nothing."""
+        for b in self.buckets:          # a previous pass that never synced: finish it cleanly
+            if b.future is not None:
+                b.future.result()
+                b.future = None
+            b.ready.clear()
+            b.packed = None
+        self._armed = self.overlap_active and bool(overlap)
+
+    def on_grad_ready(self, name) -> None:
+        """Gradient `name` is final: start its bucket's all-reduce if it was the last one."""
+        if not self._armed:
+            return
+        b = self.bucket_of.get(name)
+        if b is None:
+            return
+        if name in b.ready:
+            raise RuntimeError(f"gradient {name!r} reported ready twice in one backward; "
+                               "overlap needs one add_grad per gradient")
+        b.ready.add(name)
+        if len(b.ready) == len(b.names):
+            b.start(self.engine.grads)
+        for other in self.buckets:      # let MPI progress the ones in flight
+            if other.future is not None:
+                other.future.done()
+
+    # -- the synchronisation -------------------------------------------------------------------
     def sync(self, grads: dict) -> None:
         """Average `grads` in place over their data axes (collective on every rank)."""
-        xp = self.engine.xp
-        for axes, buckets in self.buckets.items():
-            for bucket in buckets:
-                if len(bucket) == 1:
-                    g = grads[bucket[0]]
-                    g[...] = self.engine.all_reduce(g, op="avg", group=axes)
-                    continue
-                flat = xp.concatenate([grads[n].ravel() for n in bucket])   # pack
-                flat = self.engine.all_reduce(flat, op="avg", group=axes)
-                offset = 0
-                for n in bucket:                                              # unpack
-                    g = grads[n]
-                    g[...] = flat[offset:offset + g.size].reshape(g.shape)
-                    offset += g.size
+        self._armed = False
+        for b in self.buckets:
+            b.finish(grads)
+            b.ready.clear()
+
+    def describe(self) -> str:
+        lines = [f"{len(self.buckets)} bucket(s), cap {self.bucket_bytes / 2 ** 20:g} MiB, "
+                 f"overlap {'on' if self.overlap_active else 'off'}"]
+        for b in self.buckets:
+            nbytes = sum(self.engine.grads[n].nbytes for n in b.names)
+            lines.append(f"  {'+'.join(b.axes)}: {nbytes / 2 ** 20:.2f} MiB {b.names}")
+        return "\n".join(lines)

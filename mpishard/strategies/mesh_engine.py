@@ -23,7 +23,6 @@ from ..engine import ShardedEngine
 from ..layers import Activation, Layer, Linear, LocalAccess
 from ..losses import get_loss
 from ..mesh import DATA_AXES, parse_layout
-from ..model import MLP
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
                               tp_role, tp_shards)
@@ -63,7 +62,9 @@ def plan_params(model, layout) -> dict:
         for pname, shape in spec.param_shapes.items():
             kind = pname.rsplit("/", 1)[1]
             shards = tp_shards(role, kind) if tp > 1 else ()
-            if fsdp > 1:
+            if fsdp > 1 and layout.option("zero", 3) == 3:
+                # ZeRO-3 shards the parameter itself; ZeRO-1/2 keep it replicated on fsdp and
+                # shard only gradients/optimizer state (fsdp.py sets grad_placements)
                 shards = shards + (pl.Shard("fsdp", 0, pad=True),)
             plan[pname] = pl.ParamInfo(pname, tuple(shape),
                                        pl.Placement(shards, stage=vstages[spec.index] % pp))
@@ -89,7 +90,6 @@ class SequentialRunner:
         return dy
 
     def train_step(self, x, t, loss, grad_scale):
-        e = self.engine
         y = self.forward(x)
         value, dy = loss(y, t)
         if grad_scale != 1.0:
@@ -125,10 +125,13 @@ class MeshEngine(ShardedEngine):
         self.placements = {n: info.placement for n, info in self.plan.items()}
         self.full_shapes = {n: info.full_shape for n, info in self.plan.items()}
         self.local_names = [n for n, info in self.plan.items() if info.placement.stage ==
-                            self.stage]
+                            self.stage and info.placement.held_at(self.mesh.coords)]
         self.params: dict = {}
         self.grads: dict = {}
         self.grad_sync_exempt: dict = {}   # name -> data axes handled elsewhere (ep, fsdp)
+        # how each gradient (and optimizer-state) block is laid out; = placements except
+        # under ZeRO-1/2, where fsdp.FSDPAccess adds the fsdp split to replicated parameters
+        self.grad_placements: dict = dict(self.placements)
         self.access = self._make_access()
         self.chunks = self._build_chunks()
         self.loaded = False
@@ -201,9 +204,14 @@ class MeshEngine(ShardedEngine):
         for name in self.local_names:
             self.params[name] = pl.shard_array(params[name], self.placements[name], sizes,
                                                self.mesh.coords, self.xp, self.dtype)
-            self.grads[name] = self.xp.zeros_like(self.params[name])
+            # gradient blocks follow grad_placements (ZeRO-1/2: only the owned fsdp slice)
+            self.grads[name] = self.xp.zeros(
+                pl.local_shape(self.full_shapes[name], self.grad_placements[name], sizes),
+                dtype=self.dtype)
         for layer in self.layers:
             layer.clear()
+        if hasattr(self.access, "on_load"):    # FSDP ZeRO-1/2: padded parameter buffers
+            self.access.on_load()
         self.loaded = True
         self.grad_sync = GradientSync(self, self.layout.option("bucket_mb", DEFAULT_BUCKET_MB))
 
@@ -272,6 +280,8 @@ class MeshEngine(ShardedEngine):
     def zero_grad(self) -> None:
         for g in self.grads.values():
             g[...] = 0
+        if hasattr(self.access, "zero_grad"):  # FSDP ZeRO-1: its full gradient buffers
+            self.access.zero_grad()
 
     def backward(self, dy, mb: int = 0, accumulate: bool = False, sync: bool = True) -> dict:
         """dy: dL/dy of this rank's local-mean loss. Returns this rank's gradient shards
@@ -280,6 +290,7 @@ class MeshEngine(ShardedEngine):
         self._require_loaded()
         if not accumulate:
             self.zero_grad()
+        self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
         self.runner.backward(None if dy is None else self._to_device(dy), mb=mb)
         if sync:
             self.sync_grads()
@@ -293,6 +304,8 @@ class MeshEngine(ShardedEngine):
 
     def on_grad_ready(self, name) -> None:
         """Hook: gradient `name` is final for this backward (overlap strategies use it)."""
+        if self.grad_sync is not None:
+            self.grad_sync.on_grad_ready(name)  # layout overlap=1: start its bucket's all-reduce
 
     def train_step(self, x, t, loss, *, accumulate: bool = False, sync: bool = True,
                    grad_scale: float = 1.0):
@@ -311,9 +324,10 @@ class MeshEngine(ShardedEngine):
         if t is not None:
             t = self.backend.asarray(t)
             if t.dtype.kind == "f":
-                t = t.astype(self.dtype)
+                t = t.astype(self.dtype, copy=False)   # no copy when it already matches
         if not accumulate:
             self.zero_grad()
+        self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
         value, _ = self.runner.train_step(x, t, loss, grad_scale)
         if sync:
             self.sync_grads()
@@ -334,8 +348,10 @@ class MeshEngine(ShardedEngine):
         """Number of ranks holding an identical copy of this rank's block of `name` (the
         product of the mesh axes it is replicated on, pp excluded: a parameter lives on one
         stage). Norms divide each rank's local sum of squares by it, so a replicated
-        parameter is counted once and a sharded one summed over its shards."""
-        placement = self.placements[name]
+        parameter is counted once and a sharded one summed over its shards.
+        It describes the gradient/optimizer block (grad_placements: under ZeRO-1/2 the owned
+        fsdp slice, not the replicated parameter)."""
+        placement = self.grad_placements[name]
         r = 1
         for axis in self.layout.sizes:
             if axis != "pp" and placement.is_replicated_on(axis):
@@ -348,10 +364,14 @@ class MeshEngine(ShardedEngine):
         The optimizer updates exactly these arrays in place and keeps its state shaped like
         them, so optimizer state has the sharding of its parameter. ZeRO-1/2 override this to
         hand out only the owned slice."""
-        return [(n, self.params[n], self.grads[n], self.replication(n)) for n in self.params]
+        owned = getattr(self.access, "owned", None)   # FSDP ZeRO-1/2: the owned slice (a view)
+        return [(n, owned(n) if owned else self.params[n], self.grads[n], self.replication(n))
+                for n in self.params]
 
     def after_optimizer_step(self) -> None:
         """Hook run by the optimizer after it updated its shards (ZeRO-1/2 all-gather here)."""
+        if hasattr(self.access, "after_optimizer_step"):
+            self.access.after_optimizer_step()
 
     def block_region(self, name, which: str = "param"):
         """Where this rank's block of `name` sits in the full array: a list of (start, stop)
@@ -359,18 +379,24 @@ class MeshEngine(ShardedEngine):
         real data. which='param' is the stored parameter block; which='optimizer' the block
         handed out by optimizer_shards() (ZeRO-1/2 override it). Checkpoints use this."""
         sizes = {a: self.mesh.size(a) for a in self.layout.sizes}
-        ranges, _ = pl.local_slices(self.full_shapes[name], self.placements[name], sizes,
+        placement = self.grad_placements[name] if which == "optimizer" else \
+            self.placements[name]                 # ZeRO-1/2: the owned fsdp slice
+        ranges, _ = pl.local_slices(self.full_shapes[name], placement, sizes,
                                     self.mesh.coords)
         return ranges
 
     # -- full views ----------------------------------------------------------------------------
-    def _gather_full(self, local: dict) -> dict:
+    def _gather_full(self, local: dict, placements: dict | None = None) -> dict:
+        placements = self.placements if placements is None else placements
         out = {}
         pp = self.layout.size("pp")
         for name, info in self.plan.items():
             full = None
             if info.placement.stage == self.stage:
-                full = pl.gather_array(self, local[name], info.placement, info.full_shape)
+                if info.placement.held_at(self.mesh.coords):
+                    full = pl.gather_array(self, local[name], placements[name], info.full_shape)
+                for axis, coord in info.placement.owner.items():   # e.g. an expert's ep rank
+                    full = self.broadcast(full, root=coord, group=axis)
             if pp > 1:
                 full = self.broadcast(full, root=info.placement.stage, group="pp")
             out[name] = full
@@ -384,7 +410,36 @@ class MeshEngine(ShardedEngine):
     def gather_grads(self, grads: dict | None = None) -> dict:
         """Collective: full-shape gradients on every rank."""
         self._require_loaded()
-        return self._gather_full(self.grads if grads is None else grads)
+        return self._gather_full(self.grads if grads is None else grads, self.grad_placements)
+
+    def memory_report(self, optimizer=None) -> dict:
+        """Bytes this rank holds, measured from its arrays (no communication):
+
+        params         parameter storage (padding included; views counted once, by buffer)
+        grads          gradient storage, with the full gradient buffers ZeRO-1 keeps
+        optimizer      the arrays in `optimizer.state` (0 without an optimizer)
+        gathered_peak  the most bytes of all-gathered (FSDP ZeRO-3) weights alive at once
+        total          their sum
+        """
+        def held(arrays):
+            buffers = {}
+            for a in arrays:
+                while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+                    a = a.base                         # a view: count the buffer it lives in
+                buffers[id(a)] = int(a.nbytes)
+            return sum(buffers.values())
+
+        extra_grads = getattr(self.access, "grad_buffers", {})
+        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+        report = {
+            "params": held(self.params.values()),
+            "grads": held(list(self.grads.values()) + list(extra_grads.values())),
+            "optimizer": held(v for entry in state.values() for v in entry.values()
+                              if hasattr(v, "nbytes") and getattr(v, "ndim", 0) > 0),
+            "gathered_peak": int(getattr(self.access, "peak_gathered_bytes", 0)),
+        }
+        report["total"] = sum(report.values())
+        return report
 
     def inference_loop(self, input_stream, output_stream) -> None:
         if self.layout.size("pp") > 1:

@@ -102,6 +102,7 @@ class RowParallelLinear(Layer):
         y = self.engine.all_reduce(partial, op="sum", group="tp")  # g: all-reduce forward
         if self.b_name:
             y += self.access.get(self.b_name, mb)                   # bias once, after the sum
+            self.access.release(self.b_name, mb)                    # FSDP drops the gathered b
         self.save(mb, record, x)
         return y
 

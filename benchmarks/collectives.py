@@ -1,0 +1,134 @@
+"""Collective overhead: the engine's collectives against raw mpi4py buffer calls.
+
+    mpiexec -n 2 python -m mpi4py benchmarks/collectives.py [--quick] [--json out.json]
+
+For every size (bytes of each rank's input, 1 KiB .. 64 MiB; 16 MiB with --quick) and kind:
+
+    all_reduce      engine.all_reduce(a)            vs  comm.Allreduce(a, out)
+    all_reduce_out  engine.all_reduce(a, out=out)   vs  comm.Allreduce(a, out)
+    all_gather      engine.all_gather(a)            vs  comm.Allgather(a, out)
+    reduce_scatter  engine.reduce_scatter(a)        vs  comm.Reduce_scatter_block(a, out)
+    all_to_all      engine.all_to_all(a)            vs  comm.Alltoall(a, out)
+
+on the same float32 buffers and the same communicator (the engine's 'dp' group, which spans
+the world). The raw calls get their output preallocated once; the engine is called as a user
+calls it. One sample is `inner` back-to-back calls between barriers, its time the slowest
+rank's; the two sides alternate sample by sample (so background load hits both alike), and
+the figure is median(engine) / median(raw) after a warm-up. `allreduce_overhead_ratio` is the
+worst all_reduce ratio at 1 MiB and up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpishard as ms
+
+KIB, MIB = 1024, 1024 * 1024
+SIZES = [KIB * 4 ** k for k in range(10)]          # 1 KiB, 4 KiB, ..., 64 MiB (262144 KiB)
+SIZES = [s for s in SIZES if s <= 64 * MIB]
+
+
+def _plan(nbytes, quick, tiny=False):
+    """(inner calls per sample, samples per side) so a sample lasts ~1 ms or more."""
+    inner = max(1, min(200, (256 * KIB) // nbytes))
+    samples = 3 if tiny else 5 if quick else (9 if nbytes >= 4 * MIB else 15)
+    return inner, samples
+
+
+def _sample(comm, fn, inner):
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    dt = np.array([(time.perf_counter() - t0) / inner])
+    comm.Allreduce(MPI.IN_PLACE, dt, op=MPI.MAX)
+    return float(dt[0])
+
+
+def compare(comm, ours, raw, inner, samples, warmup=2):
+    """median seconds per call of `ours` and `raw`, alternating them sample by sample."""
+    for _ in range(warmup):
+        _sample(comm, raw, inner)
+        _sample(comm, ours, inner)
+    t_ours, t_raw = [], []
+    for i in range(samples):
+        pair = [(t_raw, raw), (t_ours, ours)]
+        for times, fn in (pair if i % 2 == 0 else pair[::-1]):
+            times.append(_sample(comm, fn, inner))
+    return float(np.median(t_ours)), float(np.median(t_raw))
+
+
+def cases(engine, comm, nbytes):
+    """kind -> (engine call, raw mpi4py call) on the same buffers."""
+    n = comm.Get_size()
+    count = max(n, nbytes // 4 // n * n)        # float32 elements, divisible by n
+    a = np.random.default_rng(comm.Get_rank()).standard_normal(count).astype(np.float32)
+    out = np.empty_like(a)
+    gathered = np.empty(count * n, dtype=np.float32)
+    scattered = np.empty(count // n, dtype=np.float32)
+    mine = np.empty_like(a)
+    return {
+        "all_reduce": (lambda: engine.all_reduce(a, group="dp"),
+                       lambda: comm.Allreduce(a, out)),
+        "all_reduce_out": (lambda: engine.all_reduce(a, group="dp", out=mine),
+                           lambda: comm.Allreduce(a, out)),
+        "all_gather": (lambda: engine.all_gather(a, group="dp"),
+                       lambda: comm.Allgather(a, gathered)),
+        "reduce_scatter": (lambda: engine.reduce_scatter(a, group="dp"),
+                           lambda: comm.Reduce_scatter_block(a, scattered)),
+        "all_to_all": (lambda: engine.all_to_all(a, group="dp"),
+                       lambda: comm.Alltoall(a, out)),
+    }
+
+
+def run(quick=False, max_bytes=None, comm=None, tiny=False):
+    comm = MPI.COMM_WORLD if comm is None else comm
+    n = comm.Get_size()
+    engine = ms.make_engine(ms.MLP([2, 2]), f"dp={n}", comm=comm, dtype=np.float32)
+    comm = engine.mesh.comm("dp")           # raw calls on the very communicator the engine uses
+    cap = max_bytes or (64 * KIB if tiny else 16 * MIB if quick else 64 * MIB)
+    rows = []
+    for nbytes in [s for s in SIZES if s <= cap]:
+        inner, samples = _plan(nbytes, quick, tiny)
+        for kind, (ours, raw) in cases(engine, comm, nbytes).items():
+            t_ours, t_raw = compare(comm, ours, raw, inner, samples)
+            rows.append({"ranks": n, "bytes": nbytes, "kind": kind, "engine_s": t_ours,
+                         "raw_s": t_raw, "ratio": t_ours / t_raw})
+    big = [r["ratio"] for r in rows if r["kind"] == "all_reduce" and r["bytes"] >= MIB]
+    return {"ranks": n, "rows": rows,
+            "allreduce_overhead_ratio": max(big) if big else None,
+            "worst_ratio_1mib_up": {k: max((r["ratio"] for r in rows
+                                            if r["kind"] == k and r["bytes"] >= MIB),
+                                           default=None)
+                                    for k in ("all_reduce", "all_reduce_out", "all_gather",
+                                              "reduce_scatter", "all_to_all")}}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="sizes up to 16 MiB, fewer samples")
+    p.add_argument("--tiny", action="store_true", help="up to 64 KiB, 3 samples (smoke test)")
+    p.add_argument("--max-bytes", type=int, default=None, help="largest size (bytes)")
+    p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    args = p.parse_args(argv)
+    res = run(args.quick, args.max_bytes, tiny=args.tiny)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        for r in res["rows"]:
+            print(f"{r['ranks']} ranks {r['bytes'] / KIB:>8.0f} KiB {r['kind']:<15} "
+                  f"engine {r['engine_s'] * 1e6:10.1f} us  raw {r['raw_s'] * 1e6:10.1f} us  "
+                  f"ratio {r['ratio']:.3f}")
+        print(f"allreduce_overhead_ratio={res['allreduce_overhead_ratio']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""`make bench`: every benchmark, as ratios measured in one run, into results.json + results.md.
+
+    python benchmarks/run_all.py --mpiexec ".venv/bin/mpiexec"            # ~5-10 min here
+    python benchmarks/run_all.py --mpiexec "mpirun --oversubscribe" --quick  # ~2 min
+    python benchmarks/run_all.py --tiny --parts collectives,scaling-dp \\
+        --out /tmp/r.json --md /tmp/r.md                                      # smoke test
+
+Parts (each a subprocess, so thread settings apply from the start and a crash in one part
+is recorded without losing the others):
+
+    mfu          benchmarks/mfu.py: float32 train_step GFLOP/s over plain matmul GFLOP/s,
+                 single rank, three model sizes (the largest is the headline)
+    collectives  benchmarks/collectives.py at 2 and 4 ranks: engine vs raw mpi4py calls
+    peers        benchmarks/peers_torch.py: single step vs torch; dp=2 vs torch DDP (gloo)
+    scaling-dp   benchmarks/scaling.py dp / tp (2 ranks) and pp (4 ranks)
+    scaling-tp
+    scaling-pp
+
+Every child gets OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = MKL_NUM_THREADS = BLAS_THREADS
+(default 1: ranks share the cores; the Makefile exports the same), and torch runs with
+torch.set_num_threads(1), so both sides use one thread per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TARGETS = {  # headline key: (comparison, target)
+    "mfu_fraction": (">=", 0.75),
+    "allreduce_overhead_ratio": ("<=", 1.10),
+    "vs_torch_single_step_ratio": ("<=", 1.0),
+    "vs_torch_ddp2_step_ratio": ("<=", 1.0),
+}
+PARTS = ["mfu", "collectives", "peers", "scaling-dp", "scaling-tp", "scaling-pp"]
+MFU_SIZES = {  # (dims, batch): small, medium, and the foundation's MLP([1024, 4096, 1024])
+    "full": [([256, 1024, 256], 128), ([512, 2048, 512], 256), ([1024, 4096, 1024], 512)],
+    "quick": [([128, 512, 128], 64), ([256, 1024, 256], 128), ([512, 2048, 512], 256)],
+    "tiny": [([16, 32, 16], 8), ([32, 64, 32], 16), ([64, 128, 64], 32)],
+}
+
+
+class Runner:
+    """Launches the parts and collects their JSON."""
+
+    def __init__(self, args):
+        self.args = args
+        self.mpiexec = shlex.split(args.mpiexec)
+        self.env = dict(os.environ)
+        threads = os.environ.get("BLAS_THREADS", "1")
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            self.env[var] = os.environ.get(var, threads)
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(HERE), str(HERE.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        self.mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+        self.size_flag = {"tiny": ["--tiny"], "quick": ["--quick"], "full": []}[self.mode]
+        self.log = []
+
+    def run(self, cmd, timeout):
+        """Run `cmd` with a --json file appended; returns its JSON, or {'error': ...}."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            cmd = [str(c) for c in cmd] + ["--json", str(out)]
+            t0 = time.perf_counter()
+            print("==> " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+            try:
+                proc = subprocess.run(cmd, env=self.env, cwd=HERE.parent, timeout=timeout,
+                                      capture_output=True, text=True)
+            except subprocess.TimeoutExpired:
+                return {"error": f"timed out after {timeout} s: {' '.join(cmd)}"}
+            wall = time.perf_counter() - t0
+            self.log.append({"cmd": " ".join(cmd), "rc": proc.returncode, "wall_s": wall})
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            if self.args.verbose or proc.returncode:
+                print("\n".join(tail), flush=True)
+            if proc.returncode or not out.exists():
+                return {"error": f"exit {proc.returncode}: " + " | ".join(tail[-4:])}
+            res = json.loads(out.read_text())
+            res.setdefault("wall_s", wall)
+            return res
+
+    def mpi(self, n, script, *extra, timeout):
+        return self.run(self.mpiexec + ["-n", str(n), sys.executable, "-m", "mpi4py",
+                                        HERE / script, *extra, *self.size_flag], timeout)
+
+    def serial(self, script, *extra, timeout, flags=True):
+        return self.run([sys.executable, HERE / script, *extra,
+                         *(self.size_flag if flags else [])], timeout)
+
+
+# -- the parts -----------------------------------------------------------------------------------
+def part_mfu(r: Runner) -> dict:
+    if not (HERE / "mfu.py").exists():
+        return {"skipped": "benchmarks/mfu.py not found"}
+    sizes = []
+    for dims, batch in MFU_SIZES[r.mode]:
+        res = r.run([sys.executable, HERE / "run_all.py", "--mfu-one", json.dumps([dims, batch])],
+                    timeout=r.args.part_timeout)
+        res.update(dims=dims, batch=batch)
+        sizes.append(res)
+    out = {"sizes": sizes}
+    largest = sizes[-1]
+    if "mfu_fraction" in largest:
+        out["mfu_fraction"] = largest["mfu_fraction"]
+    return out
+
+
+def mfu_one(spec: str, json_path: str) -> None:
+    """Child process: measure one MLP size with benchmarks/mfu.py's own measurement."""
+    import mfu  # benchmarks/mfu.py (the foundation's single-rank MFU benchmark)
+
+    dims, batch = json.loads(spec)
+    res = mfu.measure(dims=dims, batch=batch)
+    res = dict(res) if isinstance(res, dict) else {"mfu_fraction": float(res)}
+    Path(json_path).write_text(json.dumps(res))
+
+
+def part_collectives(r: Runner) -> dict:
+    out = {}
+    ranks = [2] if r.mode == "tiny" else [2, 4]
+    for n in ranks:
+        out[str(n)] = r.mpi(n, "collectives.py", timeout=r.args.part_timeout)
+    worst = [v.get("allreduce_overhead_ratio") for v in out.values()]
+    worst = [w for w in worst if w is not None]
+    if worst:
+        out["allreduce_overhead_ratio"] = max(worst)
+    return out
+
+
+def part_peers(r: Runner) -> dict:
+    out = {"single": r.serial("peers_torch.py", "single", timeout=r.args.part_timeout)}
+    single = out["single"]
+    if "ratio" in single:
+        out["vs_torch_single_step_ratio"] = single["ratio"]
+    if "skipped" in single:            # no torch: no point launching the DDP pair
+        out["ddp2"] = {"skipped": single["skipped"]}
+        return out
+    if r.mode == "tiny":
+        out["ddp2"] = {"skipped": "not run in --tiny mode (starting torch twice is slow)"}
+        return out
+    ours = {lay: r.mpi(2, "peers_torch.py", "ours-dp2", "--layout", lay,
+                       timeout=r.args.part_timeout)
+            for lay in ("dp=2,overlap=1", "dp=2")}
+    theirs = r.serial("peers_torch.py", "torch-ddp2", timeout=r.args.part_timeout)
+    out["ddp2"] = {"ours": ours, "torch": theirs}
+    if "torch_s" in theirs and "ours_s" in ours["dp=2,overlap=1"]:
+        # DDP's defaults are 25 MB buckets overlapped with the backward: compare like for like
+        out["vs_torch_ddp2_step_ratio"] = ours["dp=2,overlap=1"]["ours_s"] / theirs["torch_s"]
+        if "ours_s" in ours["dp=2"]:
+            out["vs_torch_ddp2_step_ratio_overlap0"] = ours["dp=2"]["ours_s"] / theirs["torch_s"]
+    return out
+
+
+def part_scaling(r: Runner, mode: str) -> dict:
+    n = 4 if mode == "pp" else 2
+    return r.mpi(n, "scaling.py", mode, timeout=r.args.part_timeout)
+
+
+# -- report --------------------------------------------------------------------------------------
+def headline(results: dict) -> dict:
+    h = {}
+    mfu = results.get("mfu", {})
+    if "mfu_fraction" in mfu:
+        h["mfu_fraction"] = mfu["mfu_fraction"]
+    coll = results.get("collective_overhead", {})
+    if "allreduce_overhead_ratio" in coll:
+        h["allreduce_overhead_ratio"] = coll["allreduce_overhead_ratio"]
+    peers = results.get("peers", {})
+    for k in ("vs_torch_single_step_ratio", "vs_torch_ddp2_step_ratio"):
+        if k in peers:
+            h[k] = peers[k]
+    sc = results.get("scaling", {})
+    if "dp_efficiency" in sc.get("dp", {}):
+        h["dp_1_to_2_efficiency"] = sc["dp"]["dp_efficiency"]
+    if "tp_speedup" in sc.get("tp", {}):
+        h["tp2_speedup"] = sc["tp"]["tp_speedup"]
+    return h
+
+
+def _fmt(v, digits=3):
+    return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def _why(results, key):
+    """Why a headline figure is missing: the part's skip or error message."""
+    part = {"mfu_fraction": "mfu", "allreduce_overhead_ratio": "collective_overhead",
+            "vs_torch_single_step_ratio": "peers", "vs_torch_ddp2_step_ratio": "peers"}[key]
+    res = results.get(part, {})
+    for sub in [res] + [v for v in res.values() if isinstance(v, dict)]:
+        for k in ("skipped", "error"):
+            if k in sub:
+                msg = str(sub[k]).replace("|", "/").replace("\n", " ")
+                return f"{k}: {msg[:160]}"
+    return "not measured"
+
+
+def markdown(results: dict) -> str:
+    meta, h = results["meta"], results["headline"]
+    lines = [f"Measured {meta['date']} on {meta['machine']} with `{meta['command']}` "
+             f"({meta['mode']} mode, {meta['threads_per_rank']} BLAS thread per rank, "
+             f"wall {meta['wall_s']:.0f} s).", "",
+             "| figure | value | target | met |", "| --- | --- | --- | --- |"]
+    for key, (cmp, target) in TARGETS.items():
+        v = h.get(key)
+        if v is None:
+            lines.append(f"| `{key}` | {_why(results, key)} | {cmp} {target} | - |")
+            continue
+        met = v >= target if cmp == ">=" else v <= target
+        lines.append(f"| `{key}` | {_fmt(v)} | {cmp} {target} | {'yes' if met else 'no'} |")
+    for key in ("dp_1_to_2_efficiency", "tp2_speedup"):
+        if key in h:
+            lines.append(f"| `{key}` | {_fmt(h[key])} | - | - |")
+    mfu = results.get("mfu", {})
+    if mfu.get("sizes"):
+        lines += ["", "MFU (float32 train_step GFLOP/s over matmul GFLOP/s, one rank):", "",
+                  "| MLP dims | batch | mfu_fraction |", "| --- | --- | --- |"]
+        for s in mfu["sizes"]:
+            lines.append(f"| {s['dims']} | {s['batch']} | "
+                         f"{_fmt(s.get('mfu_fraction')) if 'mfu_fraction' in s else s.get('error', s.get('skipped'))} |")
+    coll = results.get("collective_overhead", {})
+    kinds = ("all_reduce", "all_reduce_out", "all_gather", "reduce_scatter", "all_to_all")
+    rows = [(n, v) for n, v in coll.items() if isinstance(v, dict) and "rows" in v]
+    if rows:
+        lines += ["", "Collectives: engine time over raw mpi4py time (1.0 = no overhead); "
+                  "`all_reduce_out` passes a reused `out=`:", "",
+                  "| ranks | size | " + " | ".join(kinds) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in kinds) + " |"]
+        for n, v in rows:
+            sizes = sorted({r["bytes"] for r in v["rows"]})
+            for b in sizes:
+                if b < 1024 * 1024 and b not in (1024, 64 * 1024):
+                    continue
+                cells = {r["kind"]: r["ratio"] for r in v["rows"] if r["bytes"] == b}
+                size = f"{b // 1024 // 1024} MiB" if b >= 1024 * 1024 else f"{b // 1024} KiB"
+                lines.append(f"| {n} | {size} | "
+                             + " | ".join(_fmt(cells.get(k)) for k in kinds) + " |")
+    sc = results.get("scaling", {})
+    pp = sc.get("pp", {})
+    if "gpipe" in pp:
+        lines += ["", f"Pipeline, pp={pp['ranks']}, {pp['microbatches']} microbatches, "
+                  f"MLP {pp['dims'][0]}x{len(pp['dims']) - 1} layers, batch {pp['batch']}:", "",
+                  "| schedule | step ms | vs GPipe | peak stashed | peak activation KiB |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name in ("gpipe", "1f1b", "interleaved"):
+            s = pp[name]
+            lines.append(f"| {name} | {s['step_s'] * 1e3:.1f} | {s['vs_gpipe_time']:.2f} | "
+                         f"{s['peak_stashed']} | {s['peak_activation_bytes'] / 1024:.0f} |")
+    elif pp:
+        lines += ["", f"Pipeline: {pp.get('skipped') or pp.get('error')}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mpiexec", default=os.environ.get("MPIEXEC", "mpiexec"),
+                   help="launcher and its flags, e.g. '.venv/bin/mpiexec' or "
+                        "'mpirun --oversubscribe'")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, collectives to 16 MiB")
+    p.add_argument("--tiny", action="store_true", help="toy sizes (the smoke test)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
+    p.add_argument("--out", default=str(HERE / "results.json"))
+    p.add_argument("--md", default=str(HERE / "results.md"))
+    p.add_argument("--part-timeout", type=int, default=600, help="seconds per subprocess")
+    p.add_argument("--verbose", action="store_true", help="print each part's output tail")
+    p.add_argument("--mfu-one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.mfu_one is not None:                         # child mode for one MFU size
+        return mfu_one(args.mfu_one, args.json)
+    parts = [s.strip() for s in args.parts.split(",") if s.strip()]
+    bad = [s for s in parts if s not in PARTS]
+    if bad:
+        p.error(f"unknown parts {bad}; choose from {PARTS}")
+    r = Runner(args)
+    t0 = time.perf_counter()
+    results: dict = {}
+    if "mfu" in parts:
+        results["mfu"] = part_mfu(r)
+    if "collectives" in parts:
+        results["collective_overhead"] = part_collectives(r)
+    if "peers" in parts:
+        results["peers"] = part_peers(r)
+    for mode in ("dp", "tp", "pp"):
+        if f"scaling-{mode}" in parts:
+            results.setdefault("scaling", {})[mode] = part_scaling(r, mode)
+    results["headline"] = headline(results)
+    results["targets"] = {k: f"{c} {t}" for k, (c, t) in TARGETS.items()}
+    results["meta"] = meta(args, r, time.perf_counter() - t0)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    md = markdown(results)
+    Path(args.md).write_text(md)
+    print(md)
+    print(f"wrote {args.out} and {args.md}")
+
+
+def meta(args, r: Runner, wall) -> dict:
+    import numpy
+
+    try:
+        from mpi4py import MPI
+
+        mpi = MPI.Get_library_version().splitlines()[0].strip()
+    except Exception as exc:      # noqa: BLE001 - informational only
+        mpi = f"unknown ({exc})"
+    try:
+        import importlib.metadata as md
+
+        torch_version = md.version("torch")
+    except Exception:             # noqa: BLE001
+        torch_version = None
+    cmd = "python benchmarks/run_all.py" + (" --quick" if args.quick else "") + \
+        (" --tiny" if args.tiny else "")
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "python": platform.python_version(), "numpy": numpy.__version__, "mpi": mpi,
+            "torch": torch_version, "mode": r.mode, "parts": args.parts,
+            "threads_per_rank": int(r.env["OMP_NUM_THREADS"]),
+            "mpiexec": args.mpiexec, "command": cmd, "wall_s": wall, "runs": r.log}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Optimizers on local shards, global-norm clipping aware of sharding, learning-rate schedules.
+
+Each optimizer walks `engine.optimizer_shards()`, a list of
+
+    (name, param block, grad block, replication)
+
+and updates the parameter block in place. Its state (momentum buffer, Adam moments) is created
+with the block's shape, so the state has exactly the sharding of its parameter: tp-split under
+tp, split again under fsdp/ZeRO, replicated where the parameter is. After the update it calls
+`engine.after_optimizer_step()` (ZeRO-1/2 all-gather the updated slices there).
+
+The update rules are PyTorch's, so a user moving from PyTorch gets the same numbers:
+
+    SGD     g <- g + wd p                       (weight decay added to the gradient)
+            b <- g on the first step, else b <- mu b + g        (dampening 0)
+            p <- p - lr b   (or p - lr g without momentum)
+    AdamW   p <- p (1 - lr wd)                  (decoupled decay, first)
+            m <- m + (1 - b1)(g - m)            v <- b2 v + (1 - b2) g^2
+            p <- p - lr/(1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+Clipping follows `torch.nn.utils.clip_grad_norm_`: total = ||all gradients||_2, every gradient
+multiplied by min(1, max_norm / (total + 1e-6)). The total is global: each rank sums the squares
+of its grad blocks divided by their replication (the number of ranks holding an identical copy),
+and one all_reduce(sum) over the whole world adds the rest. A replicated block is therefore
+counted once and a sharded one summed over its shards, on every layout.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _check_number(name, value, low=0.0, high=None, low_open=False):
+    """ValueError/TypeError naming the hyper-parameter (the same on every rank)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < low or (low_open and value == low) or \
+            (high is not None and value >= high):
+        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and < {high:g}" if high else "")
+        raise ValueError(f"{name} must be {bound}, got {value:g}")
+    return value
+
+
+class Optimizer:
+    """Base: state per parameter name, shaped like this rank's block of it."""
+
+    def __init__(self, engine, lr, weight_decay=0.0):
+        if not hasattr(engine, "optimizer_shards"):
+            raise TypeError(f"optimizer needs an mpishard engine, got {type(engine).__name__}")
+        self.engine = engine
+        self.lr = _check_number("lr", lr)
+        self.weight_decay = _check_number("weight_decay", weight_decay)
+        self.state: dict = {}           # name -> {'step': int, arrays shaped like the block}
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, value) -> None:
+        self._lr = _check_number("lr", value)
+
+    def step(self, grads=None) -> None:
+        """Update this rank's parameter blocks in place from their gradient blocks.
+
+        `grads` (the dict returned by train_step) is accepted for API compatibility; the arrays
+        used are the engine's own blocks from `optimizer_shards()`, which are the same arrays
+        (or, under ZeRO, the slice of them this rank owns).
+        """
+        if grads is not None and not isinstance(grads, dict):
+            raise TypeError(f"step(grads): grads must be the dict from train_step, got "
+                            f"{type(grads).__name__}")
+        for name, param, grad, _ in self.engine.optimizer_shards():
+            self.update(name, param, grad)
+        self.engine.after_optimizer_step()
+
+    def update(self, name, param, grad) -> None:
+        raise NotImplementedError
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "weight_decay": self.weight_decay}
+
+    # -- state in and out (the sharded checkpoint writes these arrays) ---------------------------
+    def state_dict(self) -> dict:
+        """{'type', 'hyperparameters', 'state': {name: {'step': int, key: host array}}}.
+
+        The arrays are host (numpy) copies of this rank's local blocks, shaped like the
+        parameter block, keyed by the full parameter name."""
+        to_host = self.engine.backend.to_host
+        state = {name: {k: (int(v) if k == "step" else np.array(to_host(v), copy=True))
+                        for k, v in entry.items()} for name, entry in self.state.items()}
+        return {"type": type(self).__name__, "hyperparameters": self.hyperparameters(),
+                "state": state}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore `state_dict()` output (this rank's blocks). Raises ValueError for another
+        optimizer type or a block whose shape does not match this rank's parameter block."""
+        if sd.get("type") != type(self).__name__:
+            raise ValueError(f"state dict is for {sd.get('type')!r}, not {type(self).__name__}")
+        blocks = {name: p.shape for name, p, _, _ in self.engine.optimizer_shards()}
+        xp, dtype = self.engine.xp, self.engine.dtype
+        state = {}
+        for name, entry in sd["state"].items():
+            if blocks and name not in blocks:
+                raise ValueError(f"optimizer state has {name!r}, which this rank does not hold; "
+                                 f"it holds {sorted(blocks)}")
+            new = {}
+            for k, v in entry.items():
+                if k == "step":
+                    new[k] = int(v)
+                    continue
+                if name in blocks and tuple(np.shape(v)) != tuple(blocks[name]):
+                    raise ValueError(f"optimizer state {name}/{k} has shape {np.shape(v)}, but "
+                                     f"this rank's block is {tuple(blocks[name])}")
+                new[k] = xp.array(v, dtype=dtype)
+            state[name] = new
+        for k, v in sd.get("hyperparameters", {}).items():
+            setattr(self, k, tuple(v) if k == "betas" else v)
+        self.state = state
+
+
+class SGD(Optimizer):
+    """torch.optim.SGD (dampening 0, no Nesterov): weight decay into the gradient, momentum
+    buffer initialised to the first gradient."""
+
+    def __init__(self, engine, lr, momentum=0.0, weight_decay=0.0):
+        super().__init__(engine, lr, weight_decay)
+        self.momentum = _check_number("momentum", momentum)
+
+    def hyperparameters(self) -> dict:
+        return dict(super().hyperparameters(), momentum=self.momentum)
+
+    def update(self, name, p, g) -> None:
+        if self.weight_decay:
+            g = g + self.weight_decay * p                 # grad.add(param, alpha=wd)
+        if self.momentum:
+            entry = self.state.setdefault(name, {"step": 0})
+            buf = entry.get("momentum_buffer")
+            if buf is None:
+                buf = entry["momentum_buffer"] = g.copy()         # first step: b = g
+            else:
+                buf *= self.momentum                               # b = mu b + g
+                buf += g
+            entry["step"] += 1
+            g = buf
+        p -= self.lr * g
+
+
+class AdamW(Optimizer):
+    """torch.optim.AdamW (amsgrad off): decoupled weight decay, bias-corrected moments."""
+
+    def __init__(self, engine, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(engine, lr, weight_decay)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        self.betas = (_check_number("beta1", betas[0], 0.0, 1.0),
+                      _check_number("beta2", betas[1], 0.0, 1.0))
+        self.eps = _check_number("eps", eps)
+
+    def hyperparameters(self) -> dict:
+        return dict(super().hyperparameters(), betas=list(self.betas), eps=self.eps)
+
+    def update(self, name, p, g) -> None:
+        xp = self.engine.xp
+        b1, b2 = self.betas
+        entry = self.state.get(name)
+        if entry is None:
+            entry = self.state[name] = {"step": 0, "exp_avg": xp.zeros_like(p),
+                                        "exp_avg_sq": xp.zeros_like(p)}
+        entry["step"] += 1
+        t = entry["step"]
+        m, v = entry["exp_avg"], entry["exp_avg_sq"]
+        if self.weight_decay:
+            p *= 1.0 - self.lr * self.weight_decay         # decoupled decay first
+        m += (1.0 - b1) * (g - m)                          # exp_avg.lerp_(grad, 1 - beta1)
+        v *= b2                                            # exp_avg_sq.mul_(b2)
+        v += (1.0 - b2) * (g * g)                          #   .addcmul_(g, g, value=1 - b2)
+        step_size = self.lr / (1.0 - b1 ** t)
+        denom = xp.sqrt(v) / math.sqrt(1.0 - b2 ** t) + self.eps
+        p -= step_size * (m / denom)                       # p.addcdiv_(m, denom, -step_size)
+
+
+OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
+
+
+# -- clipping ----------------------------------------------------------------------------------
+def global_grad_norm(engine, norm_type=2.0) -> float:
+    """||gradients|| over the whole model, the same float on every rank (one all_reduce)."""
+    xp = engine.xp
+    local = 0.0
+    inf = norm_type == math.inf
+    for _, _, g, replication in engine.optimizer_shards():
+        if g.size == 0:
+            continue
+        if inf:
+            local = max(local, float(xp.abs(g).max()))
+        else:
+            g64 = g.astype(xp.float64, copy=False).ravel()
+            local += float(xp.vdot(g64, g64)) / replication    # a copy on r ranks counts 1/r
+    total = engine.all_reduce(np.array([local], dtype=np.float64), op="max" if inf else "sum",
+                              group=None)
+    total = float(engine.backend.to_host(total)[0])
+    return total if inf else math.sqrt(total)
+
+
+def clip_grad_norm(engine, grads=None, max_norm=1.0, norm_type=2.0) -> float:
+    """Scale the gradients in place so their global norm is at most `max_norm` (PyTorch's
+    clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1). Returns the norm
+    before clipping, the same float on every rank. Collective over the whole world.
+
+    `grads` (the dict from train_step) is accepted for API compatibility; the blocks scaled are
+    `engine.optimizer_shards()`'s gradient blocks, which are those arrays."""
+    max_norm = _check_number("max_norm", max_norm, low_open=True)
+    if norm_type not in (2, 2.0, math.inf):
+        raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type!r}")
+    total = global_grad_norm(engine, norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:                                   # clamp(max=1.0): 1.0 leaves grads as they are
+        for _, _, g, _ in engine.optimizer_shards():
+            g *= coef
+    return total
+
+
+# -- learning-rate schedules -------------------------------------------------------------------
+def constant_schedule(lr, warmup_steps=0):
+    """step -> lr, after a linear warm-up from 0 over `warmup_steps` (step is 0-based)."""
+    lr = _check_number("lr", lr)
+    warmup_steps = int(_check_number("warmup_steps", warmup_steps))
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return lr * step / warmup_steps
+        return lr
+    return schedule
+
+
+def cosine_schedule(lr, total_steps, warmup_steps=0, min_lr=0.0):
+    """step -> lr: linear warm-up 0 -> lr over `warmup_steps`, then a half cosine lr -> min_lr
+    reached at `total_steps` (the formula of transformers' get_cosine_schedule_with_warmup,
+    with a floor). `step` is the 0-based index of the optimizer step about to run."""
+    lr = _check_number("lr", lr)
+    total_steps = int(_check_number("total_steps", total_steps, low=1))
+    warmup_steps = int(_check_number("warmup_steps", warmup_steps))
+    min_lr = _check_number("min_lr", min_lr)
+    if min_lr > lr:
+        raise ValueError(f"min_lr {min_lr:g} must not exceed lr {lr:g}")
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return lr * step / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return schedule
+
+
+def make_schedule(name, lr, total_steps, warmup_steps=0, min_lr=0.0):
+    """'constant' or 'cosine' -> a step -> lr function."""
+    if name == "constant":
+        return constant_schedule(lr, warmup_steps)
+    if name == "cosine":
+        return cosine_schedule(lr, total_steps, warmup_steps, min_lr)
+    raise ValueError(f"unknown schedule {name!r}; choose 'constant' or 'cosine'")
+
+
+__all__ = ["Optimizer", "SGD", "AdamW", "OPTIMIZERS", "clip_grad_norm", "global_grad_norm",
+           "constant_schedule", "cosine_schedule", "make_schedule"]

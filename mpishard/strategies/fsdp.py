@@ -1,0 +1,223 @@
+"""FSDP / ZeRO: parameters, gradients and optimizer state sharded over the `fsdp` axis.
+
+`fsdp` is a data axis: each of its N ranks is fed different rows, like dp. What differs is what
+a rank keeps. With P the parameter bytes, per rank (AdamW: 2 state arrays per parameter):
+
+    stage     parameters   gradients        optimizer state   communication per step
+    dp        P            P                2P                all_reduce(avg)        2(N-1)/N P
+    zero=1    P            P + P/N          2P/N              reduce_scatter + all_gather = dp
+    zero=2    P            P/N              2P/N              reduce_scatter + all_gather = dp
+    zero=3    P/N          P/N              2P/N              all_gather fwd + bwd, reduce_scatter
+                                                              = 1.5 dp (bias-free model)
+
+(plus zero padding, and under zero=3 one layer's gathered weights alive at a time).
+
+Shard layout, every stage: the block a rank would hold without fsdp (its tp block, or the whole
+array) is split along dim 0 into N slices of s = ceil(L / N) rows, the last ones zero-padded:
+`Shard('fsdp', 0, pad=True)` as the placement's last step. Padding rows are zeros that never
+reach a gradient, a checkpoint or `gather_params`: gathered weights are trimmed to L rows, and
+gradients are padded with zero rows before they are reduce-scattered.
+
+ZeRO-3 (zero=3, the default; the chapter's FSDP). The parameter placement itself is sharded, so
+`engine.params[name]` is the (s, ...) slice and the optimizer updates only it:
+
+    get(W)       W = all_gather(W_r, axis 0, 'fsdp')[:L]      before the forward, and again in
+                                                               the backward
+                 adjoint: reduce_scatter(sum) along axis 0 -- the gradient line below
+    release(W)   the gathered W is dropped (discard after use)
+    add_grad(W)  dW_r += reduce_scatter(pad(dW), 'avg', axis 0, 'fsdp')
+                 adjoint of the all_gather; 'avg' rather than 'sum' because fsdp also splits the
+                 batch (the data-parallel average and the adjoint in one call)
+
+Activation gradients (dL/dx) are per-row quantities, so they are never reduce-scattered.
+
+ZeRO-1 and ZeRO-2: parameters are replicated on fsdp (the placement has no fsdp step; the
+layers use them as they are), while gradients and optimizer state are sharded. The gradient
+placement `engine.grad_placements[name]` adds the fsdp step, so `engine.grads[name]` is the
+averaged gradient of the (s, ...) slice this rank owns, and `optimizer_shards()` hands out that
+slice of the parameter: a view into a zero-padded (N s, ...) buffer of which
+`engine.params[name]` is the first L rows, so owning a slice costs no extra parameter memory.
+After the optimizer step every rank's updated slice is all-gathered back into the buffer
+(`after_optimizer_step`; adjoint of nothing: it only re-replicates parameters).
+
+- ZeRO-1 holds a full (padded) gradient buffer per parameter during the backward; `finish_grads`
+  (called by sync_grads) reduce-scatters it (avg, in buckets of `bucket_mb`) into the owned slice.
+- ZeRO-2 reduce-scatters each weight gradient as soon as its layer's backward produced it
+  (`add_grad`) and keeps only its slice: no rank holds a full gradient after a layer's backward.
+
+The fsdp average is done here, so GradientSync is told to skip fsdp (`grad_sync_exempt`); it
+still averages the slices over dp (hybrid sharding, HSDP: dp=2,fsdp=2).
+
+Gradient accumulation (backward/train_step with sync=False, then accumulate=True):
+- ZeRO-1 accumulates into its full buffers and communicates nothing until the synchronising
+  step, exactly like dp.
+- ZeRO-2 and ZeRO-3 reduce-scatter every micro-step (a rank cannot keep a gradient it does not
+  own; reduce-scatter is linear, so the sum of the micro-steps' slices is the slice of the sum).
+  The sync=False promise of no communication therefore holds for dp only; ZeRO-3 must all-gather
+  weights every micro-step anyway. The dp all-reduce of the slices still waits for sync=True.
+  With sync=False, `engine.grads` of ZeRO-2/3 are already averaged over fsdp (not over dp).
+  The same holds for pipeline microbatches (pp with fsdp): ZeRO-2/3 reduce-scatter each
+  microbatch's gradient, so their reduce_scatter bytes grow with `microbatches=`.
+
+Prefetching the next layer's all_gather (layout option prefetch=1) is not implemented yet.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import placement as pl
+from .data_parallel import DEFAULT_BUCKET_MB
+
+FSDP_SHARD = pl.Shard("fsdp", 0, pad=True)
+
+
+def pad_rows(xp, a, n: int):
+    """`a` with zero rows appended along dim 0 up to a multiple of n (no copy if it divides)."""
+    extra = -a.shape[0] % n
+    if not extra:
+        return a
+    out = xp.zeros((a.shape[0] + extra,) + tuple(a.shape[1:]), dtype=a.dtype)
+    out[:a.shape[0]] = a
+    return out
+
+
+def buckets(names, nbytes, limit: int) -> list:
+    """Consecutive groups of `names` whose nbytes add up to at most `limit` (at least one each)."""
+    out, size = [[]], 0
+    for name in names:
+        if out[-1] and size + nbytes(name) > limit:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes(name)
+    return [b for b in out if b]
+
+
+class FSDPAccess:
+    """Parameter-access policy of the `fsdp` axis (see layers.LocalAccess for the interface).
+
+    The stage is decided per parameter: one whose placement is sharded on fsdp gets ZeRO-3
+    gather-before-use; one replicated on fsdp gets ZeRO-1 or ZeRO-2 (zero=3 on a parameter
+    another strategy left replicated on fsdp falls back to ZeRO-2).
+    """
+
+    def __init__(self, engine):
+        layout = engine.layout
+        if layout.option("prefetch", 0):
+            raise ValueError(f"layout {layout.text!r}: prefetch=1 (all_gather of the next layer "
+                             "issued early) is not implemented yet; use prefetch=0")
+        self.engine = engine
+        self.n = engine.mesh.size("fsdp")
+        self.rank = engine.mesh.coord("fsdp")
+        self.zero = layout.option("zero", 3)
+        self.bucket_bytes = max(1, int(layout.option("bucket_mb", DEFAULT_BUCKET_MB) * 2 ** 20))
+        sizes = {a: engine.mesh.size(a) for a in layout.sizes}
+        self.stage: dict = {}   # name -> 1, 2 or 3
+        self.rows: dict = {}    # name -> L, rows of the block before the fsdp split
+        for name, placement in engine.placements.items():
+            if placement.is_replicated_on("fsdp"):
+                self.stage[name] = min(self.zero, 2)
+                self.rows[name] = pl.local_shape(engine.full_shapes[name], placement, sizes)[0]
+                # gradients (and so optimizer state) are sharded even though parameters are not
+                engine.grad_placements[name] = replace(placement,
+                                                       shards=placement.shards + (FSDP_SHARD,))
+                exempt = tuple(engine.grad_sync_exempt.get(name, ()))
+                engine.grad_sync_exempt[name] = exempt + ("fsdp",)
+            else:
+                assert placement.shards[-1] == FSDP_SHARD, f"{name}: {placement}"
+                self.stage[name] = 3
+                before = replace(placement, shards=placement.shards[:-1])
+                self.rows[name] = pl.local_shape(engine.full_shapes[name], before, sizes)[0]
+        self.padded: dict = {}      # ZeRO-1/2: name -> (N s, ...) replicated parameter buffer
+        self.grad_buffers: dict = {}  # ZeRO-1: name -> (N s, ...) full local gradient
+        self._live: dict = {}       # (name, mb) -> bytes of a gathered copy not yet released
+        self.live_bytes = 0
+        self.peak_gathered_bytes = 0
+
+    # -- set-up, called by MeshEngine.load_checkpoint --------------------------------------------
+    def on_load(self) -> None:
+        """ZeRO-1/2: move each replicated parameter into a zero-padded buffer of N s rows (the
+        parameter becomes a view of its first L rows) and allocate ZeRO-1's gradient buffers."""
+        e, xp = self.engine, self.engine.xp
+        self.padded.clear()
+        self.grad_buffers.clear()
+        for name in e.local_names:
+            if self.stage[name] == 3:
+                continue
+            buf = pad_rows(xp, e.params[name], self.n)
+            self.padded[name] = buf
+            e.params[name] = buf[:self.rows[name]]
+            if self.stage[name] == 1:
+                self.grad_buffers[name] = xp.zeros_like(buf)
+        self._live.clear()
+        self.live_bytes = 0
+
+    def owned(self, name):
+        """The block of parameter `name` this rank's optimizer updates (a view)."""
+        if self.stage[name] == 3:
+            return self.engine.params[name]
+        buf = self.padded[name]
+        s = buf.shape[0] // self.n
+        return buf[self.rank * s:(self.rank + 1) * s]
+
+    # -- the access policy -----------------------------------------------------------------------
+    def get(self, name, mb=0):
+        """The (L, ...) block to compute with: all-gathered over fsdp under ZeRO-3."""
+        e = self.engine
+        if self.stage[name] != 3:
+            return e.params[name]
+        full = e.all_gather(e.params[name], axis=0, group="fsdp")    # (N s, ...); adjoint: RS
+        self.live_bytes += full.nbytes - self._live.get((name, mb), 0)   # (an unreleased copy
+        self._live[(name, mb)] = full.nbytes                            #  counts as dropped)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.live_bytes)
+        return full[:self.rows[name]]                                 # trim the padding rows
+
+    def release(self, name, mb=0) -> None:
+        """The gathered weight is no longer needed: drop it (nothing is kept here)."""
+        self.live_bytes -= self._live.pop((name, mb), 0)
+
+    def add_grad(self, name, g) -> None:
+        """g = dL/d(block) of this rank's rows, shaped (L, ...) like get(name)."""
+        e = self.engine
+        if self.stage[name] == 1:
+            self.grad_buffers[name][:self.rows[name]] += g            # held until finish_grads
+        else:   # ZeRO-2/3: average over fsdp now and keep only the own slice
+            shard = e.reduce_scatter(pad_rows(e.xp, g, self.n), op="avg", axis=0, group="fsdp")
+            e.grads[name] += shard                                    # adjoint of all_gather
+        e.on_grad_ready(name)
+
+    # -- engine hooks ------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for g in self.grad_buffers.values():
+            g[...] = 0
+
+    def finish_grads(self) -> None:
+        """ZeRO-1, at sync: reduce-scatter(avg) the full gradients into the owned slices.
+
+        A bucket packs several gradients as an (N, k) array whose row r holds every gradient's
+        slice r, so one reduce_scatter along axis 0 serves them all."""
+        e, xp = self.engine, self.engine.xp
+        names = list(reversed(list(self.grad_buffers)))           # backward order
+        for bucket in buckets(names, lambda n: self.grad_buffers[n].nbytes, self.bucket_bytes):
+            rows = [self.grad_buffers[n].reshape(self.n, -1) for n in bucket]
+            flat = rows[0] if len(rows) == 1 else xp.concatenate(rows, axis=1)   # pack
+            mine = e.reduce_scatter(flat, op="avg", axis=0, group="fsdp")        # (1, k)
+            offset = 0
+            for name, r in zip(bucket, rows):                                     # unpack
+                g = e.grads[name]
+                g += mine[0, offset:offset + r.shape[1]].reshape(g.shape)
+                offset += r.shape[1]
+                self.grad_buffers[name][...] = 0                   # consumed (accumulation)
+
+    def after_optimizer_step(self) -> None:
+        """ZeRO-1/2: all-gather every rank's updated slice back into the replicated buffers."""
+        e, xp = self.engine, self.engine.xp
+        names = list(self.padded)
+        for bucket in buckets(names, lambda n: self.padded[n].nbytes, self.bucket_bytes):
+            mine = [self.owned(n).reshape(1, -1) for n in bucket]
+            flat = mine[0] if len(mine) == 1 else xp.concatenate(mine, axis=1)  # (1, k)
+            full = e.all_gather(flat, axis=0, group="fsdp")                      # (N, k)
+            offset = 0
+            for name, m in zip(bucket, mine):
+                self.padded[name].reshape(self.n, -1)[...] = full[:, offset:offset + m.shape[1]]
+                offset += m.shape[1]

@@ -1,0 +1,379 @@
+"""Pipeline parallelism: stages of layers, an executor for `schedules.py`, streaming inference.
+
+The chapter's pipeline puts layer 0 on device 0 and layer 1 on device 1 and passes the
+activation forward with `send`, the gradient back with `send` the other way:
+
+    stage 0:  h = relu(x W0 + b0)         send(h, 1)            ...   dh = receive(1)
+    stage 1:  h = receive(0)              y = sigmoid(h W1 + b1)      send(dh, 0)
+
+Here the model's layers are cut into `pp * v` contiguous *virtual stages* (`assign_stages`);
+virtual stage k = chunk * pp + stage lives on pp rank k % pp as its chunk k // pp (v = 1
+except for the interleaved schedule). A batch is split into `microbatches`, and every rank runs
+its row of a schedule from `schedules.py`, a plain list of actions:
+
+    F(mb, c):  h = x[mb] (k = 0) or receive(stage of k-1)    forward chunk c    send(stage of k+1)
+    B(mb, c):  dy = dLoss (k = last) or receive(stage of k+1) backward chunk c  send(stage of k-1)
+
+send / receive are adjoint: the activation sent forward is what the gradient comes back for.
+Sends are non-blocking (Isend, kept as Futures until the step ends), so a rank never waits for
+its neighbour to *take* a message, only to *produce* one: the executor then deadlocks exactly
+when the schedule's simulation (buffered sends) does, which `schedules.simulate` rules out.
+Every message's tag encodes (microbatch, receiving chunk, direction), so with interleaving
+stage 0 can receive activations from stage pp-1 and gradients from stage 1 (one rank at pp=2)
+without mixing them up. Each layer keeps one tape entry per microbatch, so microbatches in
+flight never share buffers. Under tp each tp rank talks to the same tp coordinate of its
+neighbour stage (the 'pp' communicator groups exactly those ranks); under dp every replica
+runs its own pipeline.
+
+The loss lives on the last stage: each microbatch's local-mean loss, averaged over the m
+microbatches, with dy scaled by 1/m, which equals the single-device gradient of the batch mean.
+
+`engine.stats` after a `train_step` (per rank): `peak_stashed` (most microbatch-chunks whose
+forward is done and backward not yet, read off the layers' tapes), `idle_s` (time blocked
+waiting for a neighbour's message or for our sends to drain), `busy_s` (compute), `step_s`,
+`bubble_fraction` (1 - busy_s / step_s on this rank), `actions` (the order actually run) and
+`timeline` ((action, start, end) from the step's start). `pipeline_bubble(engine)` combines
+the stages' numbers (a small collective over 'pp').
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..mesh import DATA_AXES, parse_layout
+from ..schedules import make_schedule
+
+FWD, BWD = 0, 1            # message direction: activation forward, gradient backward
+_EOS_NDIM = 1              # inference end-of-stream: a 1-D int64 array [group size]; data is 2-D
+
+
+# -- which layers go where (no MPI) ------------------------------------------------------------
+def pipeline_options(layout):
+    """(pp, schedule name, virtual stages, microbatches) of a layout; ValueError if they clash."""
+    layout = parse_layout(layout)
+    pp = layout.size("pp")
+    name = layout.option("schedule", "1f1b")
+    v = layout.option("virtual_stages", 2 if name == "interleaved" else 1)
+    m = layout.option("microbatches", pp)
+    if name == "interleaved" and v < 2:
+        raise ValueError(f"schedule=interleaved needs virtual_stages >= 2, got {v} "
+                         f"(layout {layout.text!r})")
+    if name != "interleaved" and v != 1:
+        raise ValueError(f"virtual_stages={v} needs schedule=interleaved, got schedule={name} "
+                         f"(layout {layout.text!r})")
+    if m < 1:
+        raise ValueError(f"microbatches must be >= 1, got {m} (layout {layout.text!r})")
+    return pp, name, v, m
+
+
+def _balanced_counts(costs, parts):
+    """Layers per part: contiguous, >= 1 each, the largest part's cost as small as possible,
+    then the sum of squared part costs as small as possible (an even split of equal layers)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def seg(i, j):                                     # cost of layers i..j-1
+        return prefix[j] - prefix[i]
+
+    inf = float("inf")
+    # pass 1: the smallest possible maximum part cost
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            best[k][j] = min(max(best[k - 1][i], seg(i, j)) for i in range(k - 1, j))
+    cap = best[parts][n]
+    # pass 2: among splits under that cap, the most even one (first cut on ties)
+    sq = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    sq[0][0] = 0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            for i in range(k - 1, j):
+                if seg(i, j) <= cap and sq[k - 1][i] + seg(i, j) ** 2 < sq[k][j]:
+                    sq[k][j], cut[k][j] = sq[k - 1][i] + seg(i, j) ** 2, i
+    counts, j = [], n
+    for k in range(parts, 0, -1):
+        counts.append(j - cut[k][j])
+        j = cut[k][j]
+    return counts[::-1]
+
+
+def assign_stages(model, layout) -> list:
+    """Virtual-stage index (0 .. pp*v - 1) of every layer: contiguous, non-decreasing.
+
+    Default: balance the parameter count over the pp*v virtual stages (each gets >= 1 layer);
+    with schedule=interleaved the virtual stages must divide the layer count. The layout
+    option `stages=2+1+1` (layers per virtual stage) overrides. Raises ValueError with the
+    numbers, the same on every rank (no communication happens here).
+    """
+    layout = parse_layout(layout)
+    pp, name, v, _ = pipeline_options(layout)
+    n, k_total = model.n_layers, pp * v
+    what = f"pp={pp}" + (f" x virtual_stages={v} = {k_total} virtual stages" if v > 1 else "")
+    if k_total > n:
+        raise ValueError(f"{what} needs at least {k_total} layers, model has {n}")
+    text = layout.option("stages")
+    if text is not None:
+        try:
+            counts = [int(p) for p in str(text).split("+")]
+        except ValueError:
+            raise ValueError(f"stages={text!r}: expected layer counts joined by '+', "
+                             f"e.g. stages=2+1+1") from None
+        if len(counts) != k_total:
+            raise ValueError(f"stages={text} names {len(counts)} stages, but {what} needs "
+                             f"{k_total}")
+        if min(counts) < 1:
+            raise ValueError(f"stages={text}: every stage needs at least 1 layer")
+        if sum(counts) != n:
+            raise ValueError(f"stages={text} sums to {sum(counts)} layers, model has {n}")
+    else:
+        if v > 1 and n % k_total:
+            raise ValueError(f"{what} do not divide the model's {n} layers (interleaving "
+                             f"needs equal chunks; give stages= to split unevenly)")
+        costs = [int(sum(int(np.prod(s)) for s in spec.param_shapes.values()))
+                 for spec in model.layers()]
+        counts = _balanced_counts(costs, k_total)
+    return [k for k, c in enumerate(counts) for _ in range(c)]
+
+
+# -- the executor ------------------------------------------------------------------------------
+class PipelineRunner:
+    """Runs this rank's chunks of layers: single passes, a training schedule, a stream."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pp, self.schedule_name, self.v, self.m = pipeline_options(engine.layout)
+        self.stage = engine.stage
+        self.n_virtual = self.pp * self.v
+        self.chunks = engine.chunks
+        assert len(self.chunks) == self.v and all(self.chunks), "every chunk holds layers"
+        # raises ValueError (e.g. interleaved with microbatches % pp != 0) before any comm
+        self.schedule = make_schedule(self.schedule_name, self.pp, self.m, self.v)[self.stage]
+        # Communicators are created by a world-wide Split on first use. Inside the pipeline
+        # ranks reach their first tp/pp call at different times, so create them all here,
+        # where every rank is at the same line.
+        for axis in engine.layout.active_axes:
+            engine.mesh.comm(axis)
+        engine.mesh.comm(DATA_AXES)
+        self._sends = []
+        self._idle = 0.0
+        self._peak = 0
+
+    # -- topology: virtual stage k = chunk * pp + stage -----------------------------------------
+    def _k(self, chunk):
+        return chunk * self.pp + self.stage
+
+    def _tag(self, mb, chunk, direction):
+        """Unique per (microbatch, receiving chunk, direction); mb = -1 (predict) allowed."""
+        return 2 * ((mb + 1) * self.v + chunk) + direction
+
+    def _send(self, arr, k_to, mb, direction):
+        """Non-blocking send to the rank of virtual stage k_to; adjoint: its _receive."""
+        fut = self.engine.send_async(arr, dest=k_to % self.pp, group="pp",
+                                     tag=self._tag(mb, k_to // self.pp, direction))
+        self._sends.append(fut)
+
+    def _post_receive(self, k_from, mb, chunk, direction):
+        return self.engine.receive_async(k_from % self.pp, group="pp",
+                                         tag=self._tag(mb, chunk, direction))
+
+    def _wait(self, future):
+        """Block until a neighbour's message is here; the wait is idle time."""
+        t0 = time.perf_counter()
+        arr = future.result()
+        self._idle += time.perf_counter() - t0
+        return arr
+
+    def _drain_sends(self, keep=0):
+        """Wait for all but the newest `keep` sends (their buffers are then free)."""
+        self._sends = [f for f in self._sends if not f.done()]
+        while len(self._sends) > keep:
+            self._wait(self._sends.pop(0))
+
+    def _stashed(self):
+        """Microbatch-chunks with a saved activation, read off the layers' tapes."""
+        return sum(len(set().union(*(layer.tape.keys() for layer in chunk)))
+                   for chunk in self.chunks)
+
+    # -- one chunk: forward and backward side by side ------------------------------------------
+    def _chunk_forward(self, c, h, mb, record):
+        for layer in self.chunks[c]:
+            h = layer.forward(h, mb, record)
+        if record:
+            self._peak = max(self._peak, self._stashed())
+        return h
+
+    def _chunk_backward(self, c, dy, mb):
+        for layer in reversed(self.chunks[c]):         # undoes _chunk_forward, last layer first
+            dy = layer.backward(dy, mb)
+        return dy
+
+    # -- single passes (engine.forward / predict / backward) -----------------------------------
+    def forward(self, x, mb=0, record=True):
+        """Forward one batch through every stage; the output on the last stage, else None."""
+        if self.stage == 0 and x is None:
+            raise ValueError("pipeline stage 0 needs the input x (got None)")
+        out = None
+        for c in range(self.v):
+            k = self._k(c)
+            h = x if k == 0 else self._wait(self._post_receive(k - 1, mb, c, FWD))
+            h = self._chunk_forward(c, h, mb, record)
+            if k == self.n_virtual - 1:
+                out = h
+            else:
+                self._send(h, k + 1, mb, FWD)                # adjoint: the B receive below
+        self._drain_sends()
+        return out
+
+    def backward(self, dy, mb=0):
+        """Backward one batch; dy (dL/dy of the local-mean loss) is used on the last stage."""
+        if self.stage == self.pp - 1 and dy is None:
+            raise ValueError("the last pipeline stage needs dy (got None)")
+        for c in reversed(range(self.v)):
+            k = self._k(c)
+            g = dy if k == self.n_virtual - 1 else self._wait(self._post_receive(k + 1, mb, c, BWD))
+            g = self._chunk_backward(c, g, mb)
+            if k > 0:
+                self._send(g, k - 1, mb, BWD)                # adjoint of the F receive
+        self._drain_sends()
+        return None                                          # layer 0 computes no dx
+
+    # -- training: run the schedule ------------------------------------------------------------
+    def _check_batch(self, x, t):
+        ref = x if x is not None else t
+        if ref is None:
+            raise ValueError("train_step needs x (first stage) and t (last stage), got None")
+        rows = int(ref.shape[0])
+        if rows % self.m:
+            raise ValueError(f"microbatches={self.m} does not divide the local batch of "
+                             f"{rows} rows (layout {self.engine.layout.text!r})")
+        if self.stage == 0 and x is None:
+            raise ValueError("pipeline stage 0 needs the inputs x (got None)")
+        if self.stage == self.pp - 1 and t is None:
+            raise ValueError("the last pipeline stage needs the targets t (got None)")
+        return rows
+
+    def train_step(self, x, t, loss, grad_scale):
+        """Forward + loss + backward of every microbatch in schedule order.
+
+        Returns (this rank's local-mean loss on the last stage, else 0.0; local rows).
+        """
+        rows = self._check_batch(x, t)
+        m, b, last_k = self.m, rows // self.m, self.n_virtual - 1
+        xs = [x[i * b:(i + 1) * b] for i in range(m)] if self.stage == 0 else None
+        ts = [t[i * b:(i + 1) * b] for i in range(m)] if self.stage == self.pp - 1 else None
+        t_start = time.perf_counter()
+        self._idle, self._peak, busy = 0.0, self._stashed(), 0.0
+        # post every receive of the step now (distinct tags): messages land as they come
+        pending = {}
+        for a in self.schedule:
+            k = self._k(a.chunk)
+            if a.kind == "F" and k > 0:
+                pending[a] = self._post_receive(k - 1, a.microbatch, a.chunk, FWD)
+            elif a.kind == "B" and k < last_k:
+                pending[a] = self._post_receive(k + 1, a.microbatch, a.chunk, BWD)
+        dys, values, timeline = {}, [], []
+        for a in self.schedule:
+            mb, c, k = a.microbatch, a.chunk, self._k(a.chunk)
+            if a.kind == "F":
+                h = xs[mb] if k == 0 else self._wait(pending.pop(a))
+                t0 = time.perf_counter()
+                y = self._chunk_forward(c, h, mb, record=True)
+                if k == last_k:                                  # the loss lives here
+                    value, dy = loss(y, ts[mb])
+                    values.append(value)
+                    dys[mb] = dy * (grad_scale / m)              # mean over microbatches
+            else:
+                g = dys.pop(mb) if k == last_k else self._wait(pending.pop(a))
+                t0 = time.perf_counter()
+                g = self._chunk_backward(c, g, mb)
+            t1 = time.perf_counter()
+            busy += t1 - t0
+            timeline.append((a, t0 - t_start, t1 - t_start))
+            if a.kind == "F" and k < last_k:
+                self._send(y, k + 1, mb, FWD)                    # adjoint: B receive
+            elif a.kind == "B" and k > 0:
+                self._send(g, k - 1, mb, BWD)                    # adjoint: F receive
+        assert not pending and not dys, "schedule left messages or gradients behind"
+        self._drain_sends()
+        step = time.perf_counter() - t_start
+        self.engine.stats.update(
+            schedule=self.schedule_name, pp=self.pp, stage=self.stage, microbatches=m,
+            virtual_stages=self.v, peak_stashed=self._peak, idle_s=self._idle, busy_s=busy,
+            step_s=step, bubble_fraction=1.0 - busy / step if step > 0 else 0.0,
+            actions=[a for a, _, _ in timeline], timeline=timeline)
+        value = float(sum(values) / m) if self.stage == self.pp - 1 else 0.0
+        return value, rows
+
+    # -- streaming inference -------------------------------------------------------------------
+    def inference_loop(self, input_stream, output_stream):
+        """Stage 0 reads `input_stream`, the last stage writes `output_stream`, every stage
+        forwards what it receives; returns on every rank once the input is exhausted.
+
+        Requests go in groups of G (G = 1, or pp when interleaved): chunk 0 for each request of
+        the group, then chunk 1, ... Each rank works in the order (group, chunk, request), in
+        which every message it waits for was produced earlier, so with non-blocking sends no
+        rank waits forever, and stage 0 reads request i+1 while stage 1 works on request i.
+        End of stream: stage 0 sends a 1-D array [q] (q < G requests in the last group) in
+        place of request q+1 down the chunk-0 stages; each stage finishes that group and
+        returns.
+        """
+        e, pp, s = self.engine, self.pp, self.stage
+        group = pp if self.v > 1 else 1
+        window = 4 * group * self.v + 4            # bounds the sends in flight per rank
+        stream = iter(input_stream) if s == 0 else None
+        self._idle, busy, requests = 0.0, 0.0, 0
+        t_start = time.perf_counter()
+
+        def work(c, h):                            # forward chunk c of one request, pass it on
+            nonlocal busy, requests
+            k = self._k(c)
+            t0 = time.perf_counter()
+            y = self._chunk_forward(c, h, -1, record=False)
+            busy += time.perf_counter() - t0
+            if k == self.n_virtual - 1:
+                output_stream.write(y)
+                requests += 1
+            else:
+                self._send(y, k + 1, -1, FWD)
+                self._drain_sends(keep=window)
+
+        while True:
+            q = 0                                  # requests in this group
+            while q < group:                       # chunk 0
+                if s == 0:
+                    x = next(stream, None)
+                    if x is None:
+                        break
+                    x = e._to_device(x)
+                    e._check_input(x)
+                else:
+                    x = self._wait(self._post_receive(s - 1, -1, 0, FWD))
+                    if x.ndim == _EOS_NDIM:
+                        break
+                work(0, x)
+                q += 1
+            for c in range(1, self.v):             # later chunks of the same group
+                for _ in range(q):
+                    work(c, self._wait(self._post_receive(self._k(c) - 1, -1, c, FWD)))
+            if q < group:                          # end of stream: tell the next stage, stop
+                if s < pp - 1:
+                    self._send(np.array([q], dtype=np.int64), s + 1, -1, FWD)
+                break
+        self._drain_sends()
+        step = time.perf_counter() - t_start
+        self.engine.stats.update(inference_requests=requests, inference_idle_s=self._idle,
+                                 inference_busy_s=busy, inference_s=step)
+
+
+def pipeline_bubble(engine) -> float:
+    """Measured bubble of the last train_step over this rank's pipeline (collective on 'pp'):
+    1 - sum of the stages' busy time / (pp * the longest stage's step time)."""
+    pp = engine.layout.size("pp")
+    mine = np.array([[engine.stats["busy_s"], engine.stats["step_s"]]], dtype=np.float64)
+    every = engine.backend.to_host(engine.all_gather(mine, axis=0, group="pp"))
+    return float(1.0 - every[:, 0].sum() / (pp * every[:, 1].max()))

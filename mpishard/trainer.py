@@ -1,0 +1,323 @@
+"""The training loop: accumulation, clipping, schedules, evaluation, logging, progress, metrics.
+
+The Trainer talks to the engine only through its public API (`data_parallel_size/rank` for
+batching, `train_step`, `global_mean`, `predict`, `gather_batch`, and the optimizer's
+`optimizer_shards`), so every layout plugs in unchanged: single, dp, tp, and pp/fsdp/ep alike.
+
+One optimizer step with gradient accumulation over k micro-steps (DDP's `no_sync` idea):
+
+    for i in range(k):
+        loss_i, grads = engine.train_step(x_i, t_i, loss, accumulate=i > 0,
+                                          sync=i == k - 1, grad_scale=1 / k)
+    # micro-steps 0..k-2 return their local loss and communicate nothing; the last one averages
+    # the gradients over the data axes and returns its global mean loss. The step's loss is
+    # (global_mean(sum of the first k-1 local losses) + loss_{k-1}) / k.
+    clip_grad_norm(engine, grads, clip); optimizer.step(grads)
+
+Checkpoints plug in as a callback: `TrainState` holds the step (the data position follows from
+it, see DistributedBatcher.position) and the histories, and `Callback.on_step_end` runs after
+every optimizer step on every rank (checkpoint.py saves there; a resume restores the engine,
+the optimizer and `trainer.state` before `fit()`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .data import Dataset, DistributedBatcher, eval_chunks
+from .losses import get_loss
+from .optim import clip_grad_norm
+
+LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
+
+
+# -- logging -----------------------------------------------------------------------------------
+class _TqdmHandler(logging.StreamHandler):
+    """Writes through tqdm so log lines do not tear the progress bar."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # pragma: no cover - logging must never raise
+            self.handleError(record)
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record):
+        record.rank = self.rank
+        return True
+
+
+def configure_logging(rank: int, level=logging.INFO, name="mpishard") -> logging.Logger:
+    """The 'mpishard' logger: `level` on rank 0, warnings and errors only elsewhere, with the
+    rank in every line. Idempotent."""
+    logger = logging.getLogger(name)
+    for h in [h for h in logger.handlers if getattr(h, "_mpishard", False)]:
+        logger.removeHandler(h)
+    handler = _TqdmHandler(sys.stderr)
+    handler._mpishard = True
+    handler.addFilter(_RankFilter(rank))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(level if rank == 0 else logging.WARNING)
+    logger.propagate = False
+    return logger
+
+
+# -- state and callbacks -----------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """What a resume needs besides parameters and optimizer state: the step (the data
+    position is DistributedBatcher.position(step)) and the histories so far."""
+
+    step: int = 0
+    samples: int = 0
+    loss_history: list = field(default_factory=list)
+    grad_norm_history: list = field(default_factory=list)
+    lr_history: list = field(default_factory=list)
+    eval_history: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainState":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+class Callback:
+    """Hooks run on every rank (collectives are allowed: every rank calls them in step)."""
+
+    def on_train_begin(self, trainer) -> None: ...
+
+    def on_step_end(self, trainer) -> None: ...
+
+    def on_evaluate(self, trainer, result: dict) -> None: ...
+
+    def on_train_end(self, trainer, metrics: dict) -> None: ...
+
+
+# -- the trainer -------------------------------------------------------------------------------
+class Trainer:
+    """Train `engine` (already loaded) on `data` with `optimizer`.
+
+    Parameters
+    ----------
+    batch : global batch size (rows per optimizer step, over all data-parallel ranks)
+    steps / epochs : how long (exactly one of them; epochs * steps_per_epoch steps)
+    accumulate : micro-steps per optimizer step (batch must divide by accumulate * dp)
+    clip : max global gradient norm, or None
+    schedule : step -> lr function (optim.cosine_schedule, ...), or None for a constant lr
+    eval_every : evaluate on the test split every this many steps (0: only at the end)
+    log_every : log the loss on rank 0 every this many steps (0: never)
+    progress : a tqdm bar on rank 0 (loss, samples/s)
+    callbacks : Callback objects (checkpointing, custom metrics)
+    """
+
+    def __init__(self, engine, optimizer, data: Dataset, loss=None, *, batch=64, steps=None,
+                 epochs=None, accumulate=1, clip=None, schedule=None, eval_every=0,
+                 log_every=50, seed=0, progress=True, callbacks=(), logger=None,
+                 shuffle=True):
+        if (steps is None) == (epochs is None):
+            raise ValueError(f"give exactly one of steps and epochs (got steps={steps}, "
+                             f"epochs={epochs})")
+        for what, v in (("steps", steps), ("epochs", epochs)):
+            if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
+                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        for what, v in (("eval_every", eval_every), ("log_every", log_every)):
+            if not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{what} must be an integer >= 0, got {v!r}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be > 0 (or None), got {clip}")
+        self.engine, self.optimizer, self.data = engine, optimizer, data
+        self.loss = get_loss(loss or data.default_loss)
+        self.batcher = DistributedBatcher.for_engine(engine, data.x_train, data.t_train, batch,
+                                                     seed, accumulate, shuffle)
+        self.batch, self.accumulate, self.clip = int(batch), int(accumulate), clip
+        self.total_steps = int(steps) if steps is not None else \
+            int(epochs) * self.batcher.steps_per_epoch
+        self.schedule = schedule
+        self.eval_every, self.log_every = int(eval_every), int(log_every)
+        self.progress = bool(progress)
+        self.callbacks = list(callbacks)
+        self.rank = engine.device_id
+        self.log = logger or logging.getLogger("mpishard")
+        self.state = TrainState()
+        self.train_time = 0.0
+
+    # -- one optimizer step ----------------------------------------------------------------------
+    def train_step(self) -> float:
+        """Run the k micro-steps, clip, update; returns the step's global mean loss."""
+        e, k, st = self.engine, self.accumulate, self.state
+        if self.schedule is not None:
+            self.optimizer.lr = self.schedule(st.step)
+        local_sum, value, grads = 0.0, 0.0, None
+        for i, (x, t) in enumerate(self.batcher.micro_batches(st.step)):
+            value, grads = e.train_step(x, t, self.loss, accumulate=i > 0, sync=i == k - 1,
+                                        grad_scale=1.0 / k)
+            if i < k - 1:
+                local_sum += value                       # local losses: no communication yet
+        loss = (e.global_mean(local_sum) + value) / k if k > 1 else value
+        if self.clip is not None:
+            st.grad_norm_history.append(clip_grad_norm(e, grads, self.clip))
+        self.optimizer.step(grads)
+        st.lr_history.append(self.optimizer.lr)
+        st.loss_history.append(loss)
+        st.step += 1
+        st.samples += self.batch
+        return loss
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Loss (and accuracy for classification) on the test split, the same on every rank.
+
+        The test rows go through `predict` in chunks shaped like the training micro-batches
+        (the last one padded), and `gather_batch` assembles the global outputs."""
+        e, d = self.engine, self.data
+        n = len(d.x_test)
+        micro = self.batcher.micro_batch
+        chunk = micro * max(1, min(-(-n // micro), 256 // micro))
+        outs = []
+        for idx, real in eval_chunks(n, chunk, e.data_parallel_size, e.data_parallel_rank):
+            y = e.backend.to_host(e.gather_batch(e.predict(d.x_test[idx])))
+            outs.append(y[:real])
+        y = np.concatenate(outs).astype(np.float64)
+        result = {"step": self.state.step, "test_loss": float(self.loss.value(y, d.t_test))}
+        if d.task == "classification":
+            result["test_accuracy"] = float((y.argmax(axis=1) == d.t_test).mean())
+        elif d.task == "binary":
+            result["test_accuracy"] = float(((y >= 0.5) == (d.t_test >= 0.5)).mean())
+        return result
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self, metrics_path=None) -> dict:
+        """Train until `total_steps` (continuing from `state.step`), evaluate, and return the
+        metrics dict (the same on every rank); rank 0 writes it to `metrics_path` as JSON."""
+        e, st = self.engine, self.state
+        for cb in self.callbacks:
+            cb.on_train_begin(self)
+        self.log.info("training %s on %d rank(s), layout %s: %d steps of %d rows "
+                      "(%d micro-step(s) of %d rows per data-parallel rank), %d steps/epoch",
+                      _model_text(e), e.num_devices, e.layout.text, self.total_steps,
+                      self.batch, self.accumulate, self.batcher.local_rows,
+                      self.batcher.steps_per_epoch)
+        bar = self._progress_bar()
+        t_start = time.perf_counter()
+        while st.step < self.total_steps:
+            t0 = time.perf_counter()
+            loss = self.train_step()
+            self.train_time += time.perf_counter() - t0
+            rate = st.samples / self.train_time if self.train_time > 0 else 0.0
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{rate:.0f}", refresh=False)
+                bar.update(1)
+            if self.log_every and st.step % self.log_every == 0:
+                epoch = st.step / self.batcher.steps_per_epoch
+                norm = f" grad_norm {st.grad_norm_history[-1]:.4g}" if self.clip else ""
+                self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %.0f",
+                              st.step, self.total_steps, epoch, loss, self.optimizer.lr, norm,
+                              rate)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {st.step}; lower --lr or "
+                                         f"enable --clip")
+            if self.eval_every and st.step % self.eval_every == 0 and \
+                    st.step < self.total_steps:
+                self._evaluate_and_log()
+            for cb in self.callbacks:
+                cb.on_step_end(self)
+        if bar is not None:
+            bar.close()
+        final = self._evaluate_and_log()
+        metrics = self.metrics(final, time.perf_counter() - t_start)
+        for cb in self.callbacks:
+            cb.on_train_end(self, metrics)
+        if metrics_path and self.rank == 0:
+            with open(metrics_path, "w") as f:
+                json.dump(metrics, f, indent=1)
+            self.log.info("wrote metrics to %s", metrics_path)
+        return metrics
+
+    def _evaluate_and_log(self) -> dict:
+        result = self.evaluate()
+        self.state.eval_history.append(result)
+        acc = result.get("test_accuracy")
+        self.log.info("eval step %d: test loss %.6g%s", result["step"], result["test_loss"],
+                      "" if acc is None else f", test accuracy {acc:.4f}")
+        for cb in self.callbacks:
+            cb.on_evaluate(self, result)
+        return result
+
+    def _progress_bar(self):
+        if not (self.progress and self.rank == 0):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.state.step, unit="step",
+                    desc=f"train {self.engine.layout.text}", file=sys.stderr, dynamic_ncols=True,
+                    mininterval=0.2)
+
+    def metrics(self, final: dict, wall_time: float) -> dict:
+        e, st = self.engine, self.state
+        return {
+            "layout": e.layout.text,
+            "world_size": e.num_devices,
+            "model": _model_text(e),
+            "dataset": self.data.name,
+            "loss": self.loss.name,
+            "optimizer": type(self.optimizer).__name__,
+            "dtype": str(np.dtype(e.dtype)),
+            "batch": self.batch,
+            "accumulate": self.accumulate,
+            "steps": st.step,
+            "epochs": st.step / self.batcher.steps_per_epoch,
+            "final_loss": st.loss_history[-1] if st.loss_history else None,
+            "test_loss": final["test_loss"],
+            "test_accuracy": final.get("test_accuracy"),
+            "samples_per_s": st.samples / self.train_time if self.train_time > 0 else 0.0,
+            "train_time_s": self.train_time,
+            "wall_time_s": wall_time,
+            "loss_history": list(st.loss_history),
+            "grad_norm_history": list(st.grad_norm_history),
+            "lr_history": list(st.lr_history),
+            "eval_history": list(st.eval_history),
+        }
+
+
+def _model_text(engine) -> str:
+    dims = getattr(engine.model, "dims", None)
+    return "->".join(map(str, dims)) if dims else repr(engine.model)
+
+
+def summary_table(metrics: dict) -> str:
+    """The end-of-training table (rank 0 prints it)."""
+    acc = metrics.get("test_accuracy")
+    rows = [("layout", metrics["layout"]),
+            ("world size", str(metrics["world_size"])),
+            ("model", metrics.get("model", "")),
+            ("dataset", metrics.get("dataset", "")),
+            ("steps", f"{metrics['steps']} ({metrics.get('epochs', 0):.2f} epochs)"),
+            ("final loss", f"{metrics['final_loss']:.6g}"),
+            ("test loss", f"{metrics['test_loss']:.6g}"),
+            ("test accuracy", "-" if acc is None else f"{100 * acc:.2f}%"),
+            ("samples/s", f"{metrics['samples_per_s']:.0f}"),
+            ("wall time", f"{metrics['wall_time_s']:.2f} s")]
+    w0 = max(len(k) for k, _ in rows)
+    w1 = max(len(v) for _, v in rows)
+    line = f"+-{'-' * w0}-+-{'-' * w1}-+"
+    body = [f"| {k:<{w0}} | {v:<{w1}} |" for k, v in rows]
+    return "\n".join([line, *body, line])
+
+
+__all__ = ["Callback", "Trainer", "TrainState", "configure_logging", "summary_table"]

@@ -1,0 +1,108 @@
+"""Smoke test of `make bench` (benchmarks/run_all.py) so the harness does not rot.
+
+Runs the harness end to end in --tiny mode (toy sizes, 2-4 ranks through mpiexec, ~20 s) and
+checks what it writes; the report formatting and the no-torch path are checked directly.
+The numbers themselves are not asserted: they are timings on a shared machine.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import peers_torch  # noqa: E402
+import run_all  # noqa: E402
+
+
+def _mpiexec():
+    here = Path(sys.executable).parent / "mpiexec"
+    return os.environ.get("MPIEXEC", str(here) if here.exists() else "mpiexec")
+
+
+def test_run_all_tiny_end_to_end(tmp_path):
+    out, md = tmp_path / "results.json", tmp_path / "results.md"
+    parts = "mfu,collectives,peers,scaling-dp,scaling-pp"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run_all.py"), "--mpiexec", _mpiexec(), "--tiny",
+         "--parts", parts, "--out", str(out), "--md", str(md), "--part-timeout", "120"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["meta"]["mode"] == "tiny" and res["meta"]["threads_per_rank"] >= 1
+    # every part either produced numbers or says why not; none crashed
+    for part in ("mfu", "collective_overhead", "peers"):
+        assert "error" not in json.dumps(res[part]), res[part]
+    coll = res["collective_overhead"]["2"]
+    kinds = {r["kind"] for r in coll["rows"]}
+    assert kinds == {"all_reduce", "all_reduce_out", "all_gather", "reduce_scatter",
+                     "all_to_all"}
+    assert all(r["ratio"] > 0 and r["ranks"] == 2 for r in coll["rows"])
+    assert max(r["bytes"] for r in coll["rows"]) == 64 * 1024
+    single = res["peers"]["single"]
+    if "skipped" not in single:          # torch installed: same work on both sides
+        assert single["max_loss_rel_diff"] < 1e-4
+        assert res["headline"]["vs_torch_single_step_ratio"] == single["ratio"]
+    dp = res["scaling"]["dp"]
+    assert dp["ranks"] == 2 and dp["dp_efficiency"] > 0
+    pp = res["scaling"]["pp"]
+    if "skipped" not in pp:
+        assert pp["gpipe"]["peak_stashed"] >= pp["1f1b"]["peak_stashed"]
+        assert pp["gpipe"]["peak_activation_bytes"] > pp["1f1b"]["peak_activation_bytes"]
+    text = md.read_text()
+    assert "| figure | value | target | met |" in text
+    assert "`allreduce_overhead_ratio`" in text
+
+
+def test_report_marks_targets_met_or_not():
+    results = {
+        "mfu": {"mfu_fraction": 0.8},
+        "collective_overhead": {"allreduce_overhead_ratio": 1.25},
+        "peers": {"single": {"skipped": "torch is not installed"}},
+        "scaling": {"dp": {"dp_efficiency": 0.9}},
+    }
+    results["headline"] = run_all.headline(results)
+    results["meta"] = {"date": "d", "machine": "m", "command": "c", "mode": "quick",
+                       "threads_per_rank": 1, "wall_s": 1.0}
+    text = run_all.markdown(results)
+    assert "| `mfu_fraction` | 0.800 | >= 0.75 | yes |" in text
+    assert "| `allreduce_overhead_ratio` | 1.250 | <= 1.1 | no |" in text
+    assert "| `vs_torch_single_step_ratio` | skipped: torch is not installed |" in text
+    assert "| `dp_1_to_2_efficiency` | 0.900 |" in text
+
+
+def test_peers_skip_with_a_message_without_torch(monkeypatch):
+    monkeypatch.setattr(peers_torch, "torch_or_none", lambda: None)
+    for res in (peers_torch.run_single([4, 4], 2, 1), peers_torch.run_torch_ddp2([4, 4], 2, 1)):
+        assert "torch is not installed" in res["skipped"]
+
+
+def test_unknown_part_is_refused():
+    with pytest.raises(SystemExit):
+        run_all.main(["--parts", "collectives,nope"])
+
+
+@pytest.mark.parametrize("spec,sa,sb", [("bij,bjk->bik", (3, 4, 5), (3, 5, 2)),
+                                        ("ebd,edf->ebf", (2, 3, 4), (2, 4, 6)),
+                                        ("bd,df->bf", (3, 4), (4, 5))])
+def test_cached_einsum_paths_give_the_same_numbers(spec, sa, sb, monkeypatch):
+    import numpy as np
+
+    from mpishard import nn
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(sa), rng.standard_normal(sb)
+    want = np.einsum(spec, a, b)
+    monkeypatch.setattr(nn, "CACHE_PATHS", False)
+    off = nn.einsum(spec, a, b)
+    monkeypatch.setattr(nn, "CACHE_PATHS", True)
+    on1, on2 = nn.einsum(spec, a, b), nn.einsum(spec, a, b)
+    for got in (off, on1, on2):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    if nn._matmul_plan(spec) is None:            # the path was computed once and kept
+        assert (spec, sa, sb) in nn._PATHS
