@@ -9,13 +9,15 @@ checkpoint (parameters + AdamW state) half way. Then resume it under dp=2,tp=2, 
 the uninterrupted run: the parameters right after loading are equal bit for bit, and the
 finished loss curve matches (bit for bit on the same layout, float64 1e-9 elsewhere). Rank 0
 prints one row per layout, the checkpoint as `python -m mpishard inspect` shows it, and writes
-`model.safetensors` (one consolidated file, PyTorch names with --torch-names). The job exits
+`model.safetensors` (one consolidated file, PyTorch names with --torch-names) into --out
+(default: a temporary directory, removed at the end). The job exits
 with status 1 if any comparison fails.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 
@@ -116,6 +118,9 @@ def main():
         ms.checkpoint.export_safetensors(path, st, names="torch" if args.torch_names
                                          else "mpishard")
         print(f"\nwrote {st} ({os.path.getsize(st)} bytes)")
+    world.Barrier()
+    if args.out is None and rank == 0:
+        shutil.rmtree(out)                         # a temporary directory: leave nothing
     sys.exit(0 if ok else 1)
 
 

@@ -413,22 +413,55 @@ def _run_schedule(args) -> int:
             sys.stdout, sys.stderr = old
 
 
-# -- inspect (a checkpoint; serial) ------------------------------------------------------------
+# -- inspect (a checkpoint, or a layout plan; serial) -------------------------------------------
 def _add_inspect(p):
     p.add_argument("checkpoint", nargs="?", metavar="CKPT",
                    help="a checkpoint directory: prints names, shapes, dtypes, layout, step")
+    p.add_argument("--layout", help="plan a layout instead (no MPI launch needed): the mesh "
+                   "groups, each rank's shard shapes and memory, e.g. dp=2,tp=2,pp=2")
+    p.add_argument("--model", help="with --layout: comma-separated MLP dims, e.g. 64,256,256,10")
+    p.add_argument("--activation", default="relu", help="with --layout (default relu)")
+    p.add_argument("--no-bias", action="store_true", help="with --layout: layers without bias")
+    p.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                   help="with --layout: optimizer whose state is counted (default adamw)")
+    p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
     return p
 
 
 def _run_inspect(args) -> int:
+    if args.layout is not None or args.model is not None:
+        return _run_inspect_layout(args)
     from .checkpoint import CheckpointError, describe
 
     if args.checkpoint is None:
-        raise UsageError("inspect: give a checkpoint directory (inspect CKPT)")
+        raise UsageError("inspect: give a checkpoint directory (inspect CKPT) or "
+                         "--layout L --model DIMS")
     try:
         text = describe(args.checkpoint)              # every rank reads, rank 0 prints
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
+    if _rank() == 0:
+        print(text, flush=True)
+    return 0
+
+
+def _run_inspect_layout(args) -> int:
+    from .mesh import parse_layout
+    from .model import MLP
+    from .planning import layout_report
+
+    if args.checkpoint is not None:
+        raise UsageError("inspect: give either a checkpoint or --layout/--model, not both")
+    if args.layout is None or args.model is None:
+        raise UsageError("inspect: --layout and --model go together, e.g. "
+                         "inspect --layout dp=2,tp=2 --model 64,256,256,10")
+    try:
+        model = MLP(parse_dims(args.model), activation=args.activation, bias=not args.no_bias)
+        text = layout_report(model, parse_layout(args.layout), dtype=args.dtype,
+                             optimizer=args.optimizer, momentum=args.momentum)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"inspect: {exc}") from None
     if _rank() == 0:
         print(text, flush=True)
     return 0
@@ -442,7 +475,8 @@ COMMANDS = {
               add_train_arguments, run_train),
     "schedule": ("print a pipeline schedule's timeline, bubble and memory (no MPI needed)",
                  _add_schedule, _run_schedule),
-    "inspect": ("show a checkpoint: names, shapes, dtypes, layout, step (inspect CKPT)",
+    "inspect": ("show a checkpoint (inspect CKPT) or plan a layout without MPI "
+                "(inspect --layout L --model DIMS): groups, shard shapes, memory per rank",
                 _add_inspect, _run_inspect),
 }
 

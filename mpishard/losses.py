@@ -13,6 +13,8 @@ the single-device numbers of the mean over the global batch.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .nn import array_module
 
 
@@ -65,8 +67,9 @@ class BCE(Loss):
     def value(self, y, t):
         self.check(y, t)
         xp = array_module(y)
-        log_y = xp.maximum(xp.log(y), -100.0)
-        log_1my = xp.maximum(xp.log1p(-y), -100.0)
+        with np.errstate(divide="ignore"):          # log(0) = -inf, clamped like PyTorch
+            log_y = xp.maximum(xp.log(y), -100.0)
+            log_1my = xp.maximum(xp.log1p(-y), -100.0)
         return float(-(t * log_y + (1.0 - t) * log_1my).mean())
 
     def grad(self, y, t):

@@ -7,7 +7,9 @@ prints is what the engine will hold.
 
 Memory per rank counts the blocks a rank stores:
   parameters   the stored parameter blocks (fsdp zero=3: 1/N of each tensor, padded)
-  gradients    same shapes as the parameters; zero=2 keeps only the owned 1/N slice
+  gradients    same shapes as the parameters; zero=1 adds the owned 1/N averaged slice to the
+               full gradient it holds during the backward, zero=2 keeps only the slice
+               (zero=1/2 store parameters and full gradients padded to N equal slices)
   optimizer    AdamW: 2 arrays per parameter block (exp_avg, exp_avg_sq), SGD with momentum:
                1, plain SGD: 0; zero=1/2 keep state only for the owned 1/N slice
 Transient buffers (an fsdp all-gathered weight, activations) are not included: the running
@@ -53,12 +55,16 @@ def rank_memory(model, layout, rank: int, itemsize: int = 8, optimizer: str = "a
         shape = pl.local_shape(info.full_shape, info.placement, layout.sizes)
         shapes[name] = shape
         n = prod(shape) * itemsize
-        params += n
         if zero in (1, 2):
+            # ZeRO-1/2 (fsdp.py): the parameter sits in a buffer padded to N owned slices;
+            # zero=1 holds the full (padded) gradient during the backward plus its owned
+            # averaged slice, zero=2 only the slice; optimizer state covers the slice.
             sliced = prod(_owned_slice_shape(shape, nf)) * itemsize
-            grads += sliced if zero == 2 else n
+            params += sliced * nf
+            grads += sliced if zero == 2 else sliced * nf + sliced
             state += n_state * sliced
         else:
+            params += n
             grads += n
             state += n_state * n
     return {"parameters": params, "gradients": grads, "optimizer": state,

@@ -126,3 +126,80 @@ def test_bad_layouts_raise_everywhere(layout, model, needle):
     msgs = comm.allgather(str(err.value))
     assert len(set(msgs)) == 1, msgs
     print(msgs[0])
+
+
+PLAN_LAYOUTS = [(8, "dp=2,tp=2,pp=2"), (8, "fsdp=2,tp=2,pp=2"), (8, "fsdp=4,tp=2,zero=2"),
+                (4, "fsdp=4,zero=1"), (4, "tp=2,pp=2"), (2, "dp=2")]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n,layout", PLAN_LAYOUTS, ids=[lt for _, lt in PLAN_LAYOUTS])
+def test_inspect_plan_matches_running_engine(n, layout):
+    """What `inspect --layout` predicts per rank is what the running engine holds."""
+    from mpishard.planning import rank_memory
+
+    comm = group_comm(n)
+    model = ms.MLP([7, 16, 16, 8, 5], activation="relu")
+    eng = ms.make_engine(model, layout, comm=comm)
+    eng.load_checkpoint(model.init(seed=0))
+    opt = ms.optim.AdamW(eng, lr=1e-3)
+    x, t = _data(np.random.default_rng(0), 16, 7, 5)
+    _, grads = eng.train_step(eng.shard_batch(x), eng.shard_batch(t), ms.losses.MSE())
+    opt.step(grads)
+    held = eng.memory_report(opt)
+    plan = rank_memory(model, layout, comm.Get_rank(), itemsize=8, optimizer="adamw")
+    print(layout, comm.Get_rank(), held, {k: v for k, v in plan.items() if k != "shapes"})
+    assert held["params"] == plan["parameters"]
+    assert held["grads"] == plan["gradients"]
+    assert held["optimizer"] == plan["optimizer"]
+    for name, shape in plan["shapes"].items():
+        assert tuple(eng.params[name].shape) == shape, name
+
+
+def test_inspect_cli_prints_mesh_shards_and_memory():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mpishard", "inspect", "--layout",
+                          "dp=2,tp=2,pp=2", "--model", "64,256,256,10"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "tp=2 groups: [0,1] [2,3] [4,5] [6,7]" in text
+    assert "dp=2 groups: [0,4] [1,5] [2,6] [3,7]" in text
+    assert "layer_0/weights                    64x256 -> 64x128 on ranks 0,1,4,5" in text
+    assert "memory per rank" in text
+    bad = subprocess.run([sys.executable, "-m", "mpishard", "inspect", "--layout", "tp=3",
+                          "--model", "64,256,10"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "does not divide" in bad.stderr
+
+
+def test_cli_digits_dp_tp_pp_matches_single(tmp_path):
+    """The CLI trains digits under dp=2,tp=2,pp=2 to the same loss curve and accuracy as
+    single (float64)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
+        shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    args = ["-m", "mpishard", "train", "--dataset", "digits", "--model", "64,32,32,10",
+            "--optimizer", "adamw", "--lr", "0.003", "--batch", "32", "--steps", "40",
+            "--clip", "1.0", "--dtype", "float64", "--no-progress"]
+    runs = {}
+    for n, layout in ((1, "single"), (8, "dp=2,tp=2,pp=2")):
+        path = tmp_path / f"{n}.json"
+        r = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py"] + args
+                           + ["--layout", layout, "--metrics-json", str(path)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[layout] = json.loads(path.read_text())
+    a, b = runs["single"], runs["dp=2,tp=2,pp=2"]
+    assert len(a["loss_history"]) == len(b["loss_history"]) == 40
+    assert_close(np.array(b["loss_history"]), np.array(a["loss_history"]), what="loss curve")
+    assert b["test_accuracy"] == a["test_accuracy"]

@@ -39,6 +39,10 @@ def make_trainer(layout, comm, dtype=np.float64, steps=50, accumulate=2, clip=0.
 
 def compare_runs(got, want, rtol, what):
     assert_close(got["loss_history"], want["loss_history"], rtol=rtol, what=f"{what} losses")
+    g, w = np.array(got["loss_history"]), np.array(want["loss_history"])
+    worst = float(np.max(np.abs(g - w) / np.abs(w)))            # relative at every step
+    print(f"{what}: max relative loss difference per step {worst:.2e}")
+    assert worst <= rtol, f"{what}: step losses differ by {worst:.2e} relative > {rtol:g}"
     assert_close(got["grad_norm_history"], want["grad_norm_history"], rtol=rtol,
                  what=f"{what} grad norms")
     assert_close(got["test_loss"], want["test_loss"], rtol=rtol, what=f"{what} test loss")

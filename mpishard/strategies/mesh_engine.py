@@ -399,6 +399,8 @@ class MeshEngine(ShardedEngine):
                     full = self.broadcast(full, root=coord, group=axis)
             if pp > 1:
                 full = self.broadcast(full, root=info.placement.stage, group="pp")
+            if full is local.get(name):        # unsharded: hand out a copy, never the live array
+                full = full.copy()
             out[name] = full
         return out
 
