@@ -103,8 +103,9 @@ def part_mfu(r: Runner) -> dict:
         return {"skipped": "benchmarks/mfu.py not found"}
     sizes = []
     for dims, batch in MFU_SIZES[r.mode]:
-        res = r.run([sys.executable, HERE / "run_all.py", "--mfu-one", json.dumps([dims, batch])],
-                    timeout=r.args.part_timeout)
+        repeats = {"tiny": 3, "quick": 5, "full": 7}[r.mode]
+        res = r.run([sys.executable, HERE / "run_all.py", "--mfu-one",
+                     json.dumps([dims, batch, repeats])], timeout=r.args.part_timeout)
         res.update(dims=dims, batch=batch)
         sizes.append(res)
     out = {"sizes": sizes}
@@ -118,8 +119,8 @@ def mfu_one(spec: str, json_path: str) -> None:
     """Child process: measure one MLP size with benchmarks/mfu.py's own measurement."""
     import mfu  # benchmarks/mfu.py (the foundation's single-rank MFU benchmark)
 
-    dims, batch = json.loads(spec)
-    res = mfu.measure(dims=dims, batch=batch)
+    dims, batch, repeats = json.loads(spec)
+    res = mfu.measure(dims=dims, batch=batch, repeats=repeats)
     res = dict(res) if isinstance(res, dict) else {"mfu_fraction": float(res)}
     Path(json_path).write_text(json.dumps(res))
 

@@ -267,7 +267,17 @@ class MeshEngine(ShardedEngine):
         if x is not None:
             x = self._to_device(x)
             self._check_input(x)
+        self._drop_tape(mb)          # a forward that never got its backward is forgotten
         return self.runner.forward(x, mb=mb, record=True)
+
+    def _drop_tape(self, mb=None) -> None:
+        """Forget saved activations (of microbatch `mb`, or all): a new forward replaces
+        a recorded one whose backward never came, as re-running a model does in PyTorch."""
+        for layer in self.layers:
+            if mb is None:
+                layer.clear()
+            else:
+                layer.tape.pop(mb, None)
 
     def predict(self, x):
         """Forward without an activation tape (inference)."""
@@ -328,6 +338,7 @@ class MeshEngine(ShardedEngine):
         if not accumulate:
             self.zero_grad()
         self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
+        self._drop_tape()
         value, _ = self.runner.train_step(x, t, loss, grad_scale)
         if sync:
             self.sync_grads()
