@@ -467,9 +467,22 @@ def _run_inspect_layout(args) -> int:
     return 0
 
 
+# -- infer (batch inference from a checkpoint; inference.py) ------------------------------------
+def _add_infer(p):
+    from .inference import add_infer_arguments
+
+    return add_infer_arguments(p)
+
+
+def _run_infer(args) -> int:
+    from .inference import run_infer
+
+    return run_infer(args)          # builds inside agreed(comm, build), as train does
+
+
 # -- the command table ---------------------------------------------------------------------------
 # name -> (help, add_arguments(parser) -> parser, run(args) -> exit code).
-# Add `infer`, `inspect`, `plan` and `bench` here when they exist.
+# Add `plan` and `bench` here when they exist.
 COMMANDS = {
     "train": ("train an MLP on a layout (python -m mpi4py -m mpishard train ...)",
               add_train_arguments, run_train),
@@ -478,6 +491,9 @@ COMMANDS = {
     "inspect": ("show a checkpoint (inspect CKPT) or plan a layout without MPI "
                 "(inspect --layout L --model DIMS): groups, shard shapes, memory per rank",
                 _add_inspect, _run_inspect),
+    "infer": ("run a checkpoint over the rows of an .npy file on a layout (python -m mpi4py "
+              "-m mpishard infer --checkpoint DIR --input X.npy --output Y.npy ...)",
+              _add_infer, _run_infer),
 }
 
 

@@ -1,0 +1,367 @@
+"""Reading a checkpoint: its index, lazily memory-mapped arrays, sha256 verification.
+
+    ckpt = ms.checkpoint.load("ckpt")          # local; Checkpoint: name -> LazyArray
+    engine.load_checkpoint(ckpt)               # each rank reads only the blocks it slices
+    ckpt.step, ckpt.extra, ckpt.model()        # what was saved with it
+    print(ms.checkpoint.describe("ckpt"))      # what `python -m mpishard inspect` prints
+
+The on-disk format (a directory of .npy blocks plus `index.json`) and the crash-consistent
+save are described in checkpoint.py, which writes what this module reads. A `LazyArray` maps
+the chunks overlapping a slice (np.load with mmap_mode="r", allow_pickle=False) and copies only
+that region, so loading a shard of a large checkpoint reads about the shard's bytes. Before the
+first read from a file its sha256 is checked against the index (`verify=False` skips that);
+every file's presence and size is checked when the checkpoint is opened.
+
+This module also holds what writer and reader share: the format constants, `CheckpointError`,
+the model-spec JSON (`model_spec` / `model_from_spec`) and the "same error on every rank"
+helpers `_run` / `_agree`.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+FORMAT, VERSION, INDEX = "mpishard-checkpoint", 1, "index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or does not fit (raised on every rank)."""
+
+
+# -- small helpers ----------------------------------------------------------------------------
+def _agree(comm, error) -> None:
+    """Collective: if any rank has an error (a string), every rank raises the first one."""
+    msgs = comm.allgather(None if error is None else str(error))   # small control data
+    first = next((m for m in msgs if m is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _run(fn, *args):
+    """fn(*args) -> (result, None) or (None, 'message') for _agree."""
+    try:
+        return fn(*args), None
+    except Exception as e:          # reported to every rank by _agree
+        return None, f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _json_default(o):
+    if hasattr(o, "tolist"):          # numpy scalars and small arrays in `extra`
+        return o.tolist()
+    raise TypeError(f"extra/hyperparameter value of type {type(o).__name__} is not JSON")
+
+
+def model_spec(model) -> dict:
+    """A JSON description of a model spec (class + its simple attributes)."""
+    spec = {"class": type(model).__name__, "kind": getattr(model, "kind", "mlp")}
+    for k, v in sorted(vars(model).items()):
+        if not k.startswith("_") and (v is None or isinstance(v, (int, float, str, bool, list,
+                                                                  tuple))):
+            spec[k] = list(v) if isinstance(v, tuple) else v
+    return json.loads(json.dumps(spec, default=_json_default))
+
+
+def model_from_spec(spec: dict):
+    """Rebuild the model spec saved in an index (MLP, MoE) or None if it cannot."""
+    import mpishard as ms
+
+    cls = getattr(ms, spec.get("class", ""), None)
+    if cls is None:
+        return None
+    params = inspect.signature(cls).parameters
+    try:
+        return cls(**{k: v for k, v in spec.items() if k in params})
+    except (TypeError, ValueError):
+        return None
+
+
+# -- load -------------------------------------------------------------------------------------
+def _resolve(path) -> str:
+    """The directory holding the complete checkpoint `path` (`path.old` mid-swap)."""
+    path = os.path.abspath(os.fspath(path))
+    for p in (path, path + ".old"):
+        if os.path.isfile(os.path.join(p, INDEX)):
+            return p
+    raise CheckpointError(f"{path} is not a checkpoint: no {INDEX} (missing, or an "
+                          "incomplete save that never finished)")
+
+
+def read_index(path) -> dict:
+    """The parsed index.json of checkpoint `path` (checked for format and version)."""
+    d = _resolve(path)
+    try:
+        with open(os.path.join(d, INDEX)) as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{d}/{INDEX} cannot be read: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"{d}/{INDEX} is not an mpishard checkpoint index")
+    if index.get("version") != VERSION:
+        raise CheckpointError(f"{d}/{INDEX} has format version {index.get('version')}, this "
+                              f"mpishard reads version {VERSION}")
+    return index
+
+
+class LazyArray:
+    """A full array in a checkpoint, read only where sliced: `.shape`, `.dtype`, `a[slices]`
+    and `np.asarray(a)`. Its chunks are memory-mapped .npy files."""
+
+    def __init__(self, ckpt, name, entry):
+        self._ckpt, self.name = ckpt, name
+        self.shape = tuple(entry["shape"])
+        self.dtype = np.dtype(entry["dtype"])
+        self._chunks = entry["chunks"]
+
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __repr__(self):
+        return f"LazyArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+    def files_for(self, region) -> list:
+        """Files of the chunks overlapping region [(start, stop), ...]."""
+        out = []
+        for c in self._chunks:
+            shape = self._ckpt.file_shape(c["file"])
+            if all(max(a, o) < min(b, o + n) for (a, b), o, n in zip(region, c["offset"], shape)):
+                out.append(c["file"])
+        return out
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            i = key.index(Ellipsis)
+            key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
+        key = key + (slice(None),) * (self.ndim - len(key))
+        if len(key) != self.ndim:
+            raise IndexError(f"{len(key)} indices for a {self.ndim}-d array {self.name!r}")
+        region, post = [], []
+        for k, n in zip(key, self.shape):
+            if isinstance(k, slice):
+                r = range(*k.indices(n))
+                if r.step == 1 or len(r) == 0:
+                    region.append((r.start, max(r.start, r.stop)) if len(r) else (0, 0))
+                    post.append(slice(None))
+                else:                 # read the span, then take every step-th entry
+                    lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
+                    stop = r[-1] - lo + (1 if r.step > 0 else -1)
+                    region.append((lo, hi))
+                    post.append(slice(r[0] - lo, stop if stop >= 0 else None, r.step))
+            else:
+                i = int(k) + n if int(k) < 0 else int(k)
+                if not 0 <= i < n:
+                    raise IndexError(f"index {k} out of range for {n} in {self.name!r}")
+                region.append((i, i + 1))
+                post.append(0)
+        out = np.empty([b - a for a, b in region], dtype=self.dtype)
+        for c in self._chunks:                 # only chunks overlapping the region are opened
+            src, dst = [], []
+            for (a, b), o, n in zip(region, c["offset"], self._ckpt.file_shape(c["file"])):
+                lo, hi = max(a, o), min(b, o + n)
+                if lo >= hi:
+                    break
+                src.append(slice(lo - o, hi - o))
+                dst.append(slice(lo - a, hi - a))
+            else:
+                out[tuple(dst)] = self._ckpt.open_file(c["file"])[tuple(src)]
+        return out[tuple(post)]
+
+    def __array__(self, dtype=None, copy=None):
+        a = self[...]
+        return a if dtype is None else a.astype(dtype)
+
+
+class Checkpoint(Mapping):
+    """Read-only mapping name -> LazyArray of the parameters of a checkpoint on disk.
+
+    Attributes: `step`, `extra`, `layout`, `world_size`, `model_spec`, `index`, `path`;
+    `model()` rebuilds the spec, `optimizer_state(name)` the state of one parameter,
+    `verify()` checks every file's sha256."""
+
+    def __init__(self, path, verify: bool = True):
+        self.index = read_index(path)
+        self.path = _resolve(path)
+        self.verify_on_open = bool(verify)
+        self._open: dict = {}
+        self._verified: set = set()
+        self._shapes: dict = {}
+        ix = self.index
+        self.step, self.extra = int(ix.get("step", 0)), ix.get("extra")
+        self.layout, self.world_size = ix.get("layout"), ix.get("world_size")
+        self.model_spec = ix.get("model", {})
+        self._check_files()
+        self._arrays = {n: LazyArray(self, n, e) for n, e in ix["tensors"].items()}
+
+    def _entries(self):
+        yield from self.index["tensors"].items()
+        for name, st in ((self.index.get("optimizer") or {}).get("state") or {}).items():
+            for key, e in st["tensors"].items():
+                yield f"{name} ({key})", e
+
+    def _check_files(self) -> None:
+        """Every file the index names exists with its recorded size; chunks cover arrays."""
+        files = self.index.get("files", {})
+        for fname, info in files.items():
+            full = os.path.join(self.path, fname)
+            if not os.path.isfile(full):
+                raise CheckpointError(f"checkpoint {self.path}: shard file {fname} is missing")
+            size = os.path.getsize(full)
+            if size != info["bytes"]:
+                raise CheckpointError(f"checkpoint {self.path}: shard file {fname} has {size} "
+                                      f"bytes, the index says {info['bytes']} (truncated?)")
+        for name, e in self._entries():
+            vol = 0
+            for c in e["chunks"]:
+                if c["file"] not in files:
+                    raise CheckpointError(f"checkpoint {self.path}: {name} names unknown file "
+                                          f"{c['file']}")
+                vol += int(np.prod(self.file_shape(c["file"]), dtype=np.int64))
+            if vol != int(np.prod(e["shape"], dtype=np.int64)):
+                raise CheckpointError(f"checkpoint {self.path}: the chunks of {name} hold {vol} "
+                                      f"elements, its shape {tuple(e['shape'])} needs "
+                                      f"{int(np.prod(e['shape']))}")
+
+    def file_shape(self, fname) -> tuple:
+        """Shape of a block from its .npy header (no data read)."""
+        if fname not in self._shapes:
+            with open(os.path.join(self.path, fname), "rb") as f:
+                try:
+                    fmt = np.lib.format
+                    read = (fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0)
+                            else fmt.read_array_header_2_0)
+                    shape, _, _ = read(f)
+                except ValueError as e:
+                    raise CheckpointError(f"checkpoint {self.path}: {fname} is not a valid "
+                                          f".npy file: {e}") from None
+            self._shapes[fname] = tuple(shape)
+        return self._shapes[fname]
+
+    def verify_file(self, fname) -> None:
+        if fname in self._verified:
+            return
+        want = self.index["files"][fname]["sha256"]
+        got = _sha256(os.path.join(self.path, fname))
+        if got != want:
+            raise CheckpointError(f"checkpoint {self.path}: shard file {fname} is corrupt "
+                                  f"(sha256 {got[:16]}..., the index says {want[:16]}...)")
+        self._verified.add(fname)
+
+    def verify(self, files=None, comm=None) -> None:
+        """Check the sha256 of `files` (default all). With `comm`: collective, each rank
+        hashes a share and every rank raises the same error."""
+        files = sorted(self.index["files"]) if files is None else sorted(set(files))
+        if comm is None:
+            for f in files:
+                self.verify_file(f)
+            return
+        mine = files[comm.Get_rank()::comm.Get_size()]
+        _agree(comm, _run(lambda: [self.verify_file(f) for f in mine])[1])
+
+    def open_file(self, fname):
+        if fname not in self._open:
+            if self.verify_on_open:
+                self.verify_file(fname)
+            self._open[fname] = np.load(os.path.join(self.path, fname), mmap_mode="r",
+                                        allow_pickle=False)
+        return self._open[fname]
+
+    def __getitem__(self, name):
+        return self._arrays[name]
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self):
+        return len(self._arrays)
+
+    def model(self):
+        return model_from_spec(self.model_spec)
+
+    @property
+    def optimizer_type(self):
+        return (self.index.get("optimizer") or {}).get("type")
+
+    @property
+    def optimizer_hyperparameters(self) -> dict:
+        return (self.index.get("optimizer") or {}).get("hyperparameters") or {}
+
+    def optimizer_state(self, name) -> dict:
+        """{key: LazyArray, scalar: value} for parameter `name` ({} if none was saved)."""
+        st = ((self.index.get("optimizer") or {}).get("state") or {}).get(name)
+        if not st:
+            return {}
+        out = dict(st.get("scalars", {}))
+        out.update({k: LazyArray(self, f"{name} ({k})", e) for k, e in st["tensors"].items()})
+        return out
+
+    def check_model(self, model) -> None:
+        if model_spec(model) != self.model_spec:
+            raise CheckpointError(f"checkpoint {self.path} holds a different model: "
+                                  f"{_spec_text(self.model_spec)}, not {model!r}")
+
+    def __repr__(self):
+        return (f"Checkpoint({self.path!r}, step={self.step}, layout={self.layout!r}, "
+                f"{len(self)} tensors)")
+
+
+def _spec_text(spec) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k not in ("class", "kind"))
+    return f"{spec.get('class', '?')}({args})"
+
+
+def load(path, verify: bool = True, model=None, comm=None) -> Checkpoint:
+    """Open a checkpoint: a read-only mapping name -> LazyArray reading only what is sliced,
+    so `engine.load_checkpoint(load(path))` reshards to any layout and world size.
+
+    verify=True checks each file's sha256 before its first read. `model=` raises if the
+    checkpoint holds another model; `comm=` verifies all files collectively up front."""
+    ckpt = Checkpoint(path, verify=verify)
+    if model is not None:
+        ckpt.check_model(model)
+    if comm is not None:
+        ckpt.verify(comm=comm)
+    return ckpt
+
+
+def describe(path) -> str:
+    """What `python -m mpishard inspect CKPT` prints."""
+    ckpt = load(path, verify=False)
+    ix = ckpt.index
+    lines = [f"checkpoint {ckpt.path}",
+             f"  model      {_spec_text(ckpt.model_spec)}",
+             f"  layout     {ckpt.layout} ({ckpt.world_size} ranks)",
+             f"  step       {ckpt.step}",
+             f"  optimizer  {ckpt.optimizer_type or '-'} {ckpt.optimizer_hyperparameters or ''}",
+             f"  files      {len(ix['files'])}, "
+             f"{sum(f['bytes'] for f in ix['files'].values())} bytes"]
+    opt_state = (ix.get("optimizer") or {}).get("state") or {}
+    if opt_state:
+        keys = sorted({k for st in opt_state.values() for k in st["tensors"]})
+        steps = sorted({st["scalars"].get("step") for st in opt_state.values()} - {None})
+        lines.append(f"  opt state  {', '.join(keys)} for {len(opt_state)} tensors, "
+                     f"step {', '.join(map(str, steps)) or '-'}")
+    if ckpt.extra:
+        lines.append(f"  extra      {json.dumps(ckpt.extra)[:200]}")
+    width = max(len(n) for n in ckpt) if len(ckpt) else 4
+    lines.append(f"  {'name':<{width}}  {'shape':<14} {'dtype':<8} chunks")
+    for name, a in ckpt.items():
+        lines.append(f"  {name:<{width}}  {str(a.shape):<14} {str(a.dtype):<8} "
+                     f"{len(a._chunks)}")
+    return "\n".join(lines)
+

@@ -1,0 +1,191 @@
+"""Batch inference from a checkpoint: `python -m mpishard infer`, and `infer_rows` under it.
+
+    mpiexec -n 4 python -m mpi4py -m mpishard infer --checkpoint ckpt --layout dp=2,pp=2 \\
+        --input x.npy --output y.npy --batch 256
+
+Every rank rebuilds the model from the checkpoint's index (`Checkpoint.model()`), makes the
+engine for `--layout` and calls `engine.load_checkpoint(ms.checkpoint.load(DIR))`: reshard on
+load, each rank reads only the blocks it keeps (any layout, whatever the saving layout was).
+The input `.npy` is memory-mapped (allow_pickle=False); its rows go in batches of `--batch`
+through `engine.inference_loop(input_stream, output_stream)`:
+
+  - Data axes (dp, fsdp, ep): every batch is split by `engine.shard_batch`, so each replica
+    computes 1/dp of every batch (fsdp ranks must run the same batches in lock-step anyway).
+    `--batch` must divide by the data-parallel size; a short last batch is padded with zero
+    rows up to a multiple of it and the padded rows' outputs are dropped.
+  - pp > 1: the pipeline's streaming loop (strategies/pipeline.py): stage 0 reads the
+    batches, stage k works on batch i while stage k-1 works on batch i+1, and an end-of-stream
+    message shuts the stages down; the outputs appear on the last stage. pp = 1: `predict`
+    per batch.
+  - Then the outputs are collected one batch at a time with `engine.gather_batch` (broadcast
+    from the last stage over pp, all-gather over the data axes) and rank 0 writes them into
+    the output `.npy` (memory-mapped, a plain .npy without pickle, written under a temporary
+    name and renamed once complete) and prints one line: rows, batches, rows/s.
+
+Memory: a rank touches only its rows of the input; a last-stage rank keeps its share of the
+outputs (rows / dp x d_out) until the stream ends. Bad input (no checkpoint, an input of the
+wrong width, a batch the data axes do not divide, ...) is found inside `cli.agreed` before any
+collective: one `mpishard: error:` line and exit code 2 on every rank.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+DEFAULT_BATCH = 256
+
+
+def add_infer_arguments(p):
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="checkpoint directory (saved under any layout and world size)")
+    p.add_argument("--layout", help="mesh layout, e.g. dp=2 or pp=2 (default: dp over all "
+                   "ranks, single on one)")
+    p.add_argument("--input", required=True, metavar="X.npy",
+                   help="2-D array (rows, model input width), read memory-mapped")
+    p.add_argument("--output", required=True, metavar="Y.npy",
+                   help="written by rank 0: (rows, model output width)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                   help=f"rows per batch (default {DEFAULT_BATCH}); must divide by the "
+                   "data-parallel size")
+    p.add_argument("--dtype", choices=("float32", "float64"),
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    return p
+
+
+# -- the stream (collective) -------------------------------------------------------------------
+class _Held:
+    """output_stream for inference_loop: this rank's output block of every batch, in order."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def write(self, y):
+        self.blocks.append(y)
+
+
+def batch_spans(rows: int, batch: int) -> list:
+    """[(start, stop), ...] of consecutive batches covering `rows` (the last may be short)."""
+    return [(i, min(i + batch, rows)) for i in range(0, rows, batch)]
+
+
+def infer_rows(engine, x, batch: int, out=None) -> int:
+    """Collective: run every row of `x` (host array or memmap, (rows, d_in)) through `engine`
+    in batches of `batch` rows; where `out` is given (rank 0 in the CLI) write the outputs into
+    it. Every rank passes the same x and batch. Returns the number of batches."""
+    dp = engine.data_parallel_size
+    spans = batch_spans(int(x.shape[0]), batch)
+
+    def batches():                 # read by stage 0 only under pp; by every rank otherwise
+        for start, stop in spans:
+            rows = x[start:stop]
+            short = -len(rows) % dp              # only the last batch can be short
+            if short:
+                rows = np.concatenate([rows, np.zeros((short,) + rows.shape[1:], rows.dtype)])
+            yield engine.shard_batch(rows).astype(engine.dtype, copy=False)
+
+    held = _Held()
+    engine.inference_loop(batches(), held)
+    last_stage = engine.stage == engine.layout.size("pp") - 1
+    assert not last_stage or len(held.blocks) == len(spans), "one output per batch"
+    for b, (start, stop) in enumerate(spans):
+        y = engine.gather_batch(held.blocks[b] if last_stage else None)   # every rank
+        if out is not None:
+            out[start:stop] = engine.backend.to_host(y)[:stop - start]
+    return len(spans)
+
+
+# -- the command: validate and build inside cli.agreed, then stream ----------------------------
+def _open_input(path, d_in):
+    from .cli import UsageError
+
+    try:
+        x = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"--input {path}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--input {path}: not a readable .npy array without pickle: {exc}"
+                         ) from None
+    if not isinstance(x, np.ndarray):            # an .npz archive
+        x.close()
+        raise UsageError(f"--input {path}: an .npz archive; give one .npy array")
+    if x.ndim != 2 or x.shape[1] != d_in:
+        raise UsageError(f"--input {path}: shape {x.shape}, the model takes (rows, {d_in})")
+    if x.dtype.kind not in "fiu":
+        raise UsageError(f"--input {path}: dtype {x.dtype} is not a real number type")
+    if x.shape[0] == 0:
+        raise UsageError(f"--input {path}: no rows")
+    return x
+
+
+def build_inference(args, comm):
+    """Validate (the same on every rank), open the checkpoint and the input, make the engine
+    and load it. Returns (engine, x). Raises UsageError/ValueError/TypeError; the only
+    communication is inside make_engine, after every check that can fail on a rank alone."""
+    import mpishard as ms
+
+    from .checkpoint import CheckpointError
+    from .cli import UsageError, _positive
+    from .mesh import check_world_size, parse_layout
+
+    size = comm.Get_size()
+    text = args.layout or (f"dp={size}" if size > 1 else "single")
+    try:
+        layout = parse_layout(text)
+        check_world_size(layout, size)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--layout: {exc}") from None
+    _positive("batch", args.batch)
+    dp = layout.data_parallel_size
+    if args.batch % dp:
+        raise UsageError(f"--batch {args.batch} must divide by the {dp} data-parallel ranks "
+                         f"of layout {layout.text!r}")
+    try:
+        ckpt = ms.checkpoint.load(args.checkpoint)
+    except CheckpointError as exc:
+        raise UsageError(f"--checkpoint: {exc}") from None
+    model = ckpt.model()
+    if model is None:
+        raise UsageError(f"--checkpoint {args.checkpoint}: cannot rebuild the model from its "
+                         f"index ({ckpt.model_spec})")
+    x = _open_input(args.input, model.d_in)
+    out = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise UsageError(f"--output {args.output}: directory {os.path.dirname(out)} does not "
+                         f"exist")
+    if not os.access(os.path.dirname(out), os.W_OK):
+        raise UsageError(f"--output {args.output}: directory {os.path.dirname(out)} is not "
+                         f"writable")
+    if os.path.exists(out) and os.path.samefile(out, args.input):
+        raise UsageError(f"--output {args.output} is the input file")
+    dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)
+    engine = ms.make_engine(model, layout, dtype=dtype, comm=comm, device=args.device)
+    engine.load_checkpoint(ckpt)         # local reads (a corrupt block raises here)
+    return engine, x
+
+
+def run_infer(args) -> int:
+    from .cli import _world, agreed
+
+    comm = _world()
+    engine, x = agreed(comm, lambda: build_inference(args, comm))
+    rows, path = int(x.shape[0]), os.path.abspath(args.output)
+    out = tmp = None
+    if comm.Get_rank() == 0:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=engine.dtype,
+                                        shape=(rows, engine.model.d_out))
+    t0 = time.perf_counter()
+    n_batches = infer_rows(engine, x, args.batch, out)
+    if out is not None:
+        out.flush()
+        del out
+        os.replace(tmp, path)
+        seconds = time.perf_counter() - t0
+        print(f"infer: {rows} rows in {n_batches} batches of {args.batch} on layout "
+              f"{engine.layout.text!r} on {comm.Get_size()} rank(s): {rows / seconds:.0f} rows/s "
+              f"-> {args.output}", flush=True)
+    return 0
