@@ -379,6 +379,37 @@ class ShardedEngine(ABC):
         self._count("all_gather", (n - 1) / n * out.nbytes, t0)
         return xp.moveaxis(out, 0, axis) if axis != 0 else out
 
+    def all_gather_async(self, arr, axis: int = 0, group=None) -> Future:
+        """Non-blocking all_gather (MPI Iallgather); `result()` waits and returns the array.
+
+        Every rank must pass the same shape (equal lengths along `axis`: no lengths are
+        exchanged; debug mode checks it); `arr` must not be modified until the Future
+        completes, which keeps the send and receive buffers alive. FSDP's prefetch gathers the
+        next layer's weight with it while the current layer computes. Adjoint:
+        reduce_scatter(sum) along the same axis. Bytes are counted when the call is issued
+        (the all_gather formula, under 'all_gather'); comm_time counts the issue only.
+        """
+        t0 = time.perf_counter()
+        xp = self.xp
+        a = xp.asarray(arr)
+        if a.ndim == 0:
+            a = a.reshape(1)
+        axis = self._norm_axis(a, axis)
+        comm = self.mesh.comm(group)
+        self._check(comm, "all_gather", a, axis=axis)
+        n = comm.Get_size()
+        moved = self._prepare(xp.moveaxis(a, axis, 0))      # (len, ...rest), same on every rank
+        out = xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
+        sbuf = self.backend.mpi_buffer(moved, slot=None)    # fresh staging: several in flight
+        rbuf = self.backend.mpi_buffer(out, slot=None)
+        req = comm.Iallgather(sbuf, rbuf)
+
+        def finish():
+            self.backend.mpi_finish(rbuf, out)
+            return xp.moveaxis(out, 0, axis) if axis != 0 else out
+        self._count("all_gather", (n - 1) / n * out.nbytes, t0)
+        return Future([req], finish, keep=(moved, sbuf, out, rbuf))
+
     def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
         """Reduce over the group, then rank i keeps block i along `axis` (Reduce_scatter).
 

@@ -150,11 +150,145 @@ def test_adamw_steps_match_single(base, n, dims, zero):
     assert_dicts_close(e.gather_params(), ref.gather_params(), what=f"{base},zero={zero} AdamW")
 
 
+# -- prefetch=1: the next layer's all_gather issued before the current layer computes -----------
+# two or more layers per chunk, so every chunk has a next layer to prefetch
+PREFETCH_CASES = [("fsdp=2", 2, [5, 7, 6, 3]), ("fsdp=4", 4, [5, 7, 6, 3]),
+                  ("fsdp=8", 8, [5, 7, 6, 3]), ("fsdp=2,tp=2", 4, [5, 6, 4, 3]),
+                  ("dp=2,fsdp=2", 4, [5, 7, 6, 3]),
+                  ("fsdp=2,pp=2,microbatches=2,schedule=1f1b", 4, [5, 7, 6, 4, 3]),
+                  ("fsdp=2,pp=2,microbatches=2,schedule=interleaved", 4,
+                   [5, 7, 6, 4, 6, 5, 4, 7, 3]),
+                  ("fsdp=2,pp=2,tp=2,microbatches=2,schedule=gpipe", 8, [5, 6, 4, 6, 4, 3])]
+
+
+def expected_prefetches(e, forward_passes, backward_passes):
+    """Tensors a replayed plan prefetches: in a forward pass every layer's parameters but the
+    first layer's; in a backward pass every layer's weight but the last layer's (a Linear's
+    backward gathers only its weight)."""
+    total = 0
+    for chunk in e.chunks:
+        layers = [layer for layer in chunk if layer.param_names]
+        total += forward_passes * sum(len(layer.param_names) for layer in layers[1:])
+        total += backward_passes * (len(layers) - 1)
+    return total
+
+
 @pytest.mark.mpi(min_size=2)
-def test_prefetch_is_refused_until_implemented():
+@pytest.mark.parametrize("base,n,dims", PREFETCH_CASES)
+def test_prefetch_matches_no_prefetch_and_single(base, n, dims):
+    """prefetch=1 gives bit-identical predictions, losses, gradients and 3 clipped AdamW steps
+    to prefetch=0 (and single's within rtol 1e-9), with the same collectives and bytes; and
+    it does prefetch: after the first pass of each chunk, every next layer."""
+    model, params, x, t = problem(dims)
+    ref = reference(model, params)
+    e0, e1 = (engine(model, params, f"{base},prefetch={p}", n) for p in (0, 1))
+    opts = [ms.optim.AdamW(m, lr=0.05, weight_decay=0.1) for m in (ref, e0, e1)]
+    xl, tl = e1.shard_batch(x), e1.shard_batch(t)
+    y0, y1 = (e.gather_batch(e.predict(xl)) for e in (e0, e1))   # records the forward plans
+    assert np.array_equal(y1, y0), "predict differs"
+    assert_close(y1, ref.predict(x), what=f"{base} prefetch predict")
+    for step in range(3):
+        loss_ref, _ = ref.train_step(x, t, "mse")
+        for e in (e0, e1):
+            e.reset_comm_stats()
+        (l0, g0), (l1, g1) = (e.train_step(xl, tl, "mse") for e in (e0, e1))
+        assert dict(e1.comm_bytes) == dict(e0.comm_bytes), step     # same collectives, earlier
+        assert dict(e1.comm_calls) == dict(e0.comm_calls), step
+        assert l1 == l0, (step, l1, l0)
+        assert_close(l1, loss_ref, what=f"{base} step {step} loss")
+        for name in g0:
+            assert np.array_equal(g1[name], g0[name]), f"step {step} {name}: grads differ"
+        assert_dicts_close(e1.gather_grads(g1), ref.grads, what=f"{base} step {step} grads")
+        norms = [ms.optim.clip_grad_norm(m, m.grads, max_norm=0.05) for m in (ref, e0, e1)]
+        assert norms[2] == norms[1] and norms[0] > 0.05
+        for opt, m in zip(opts, (ref, e0, e1)):
+            opt.step(m.grads)
+    for name in e0.params:
+        assert np.array_equal(e1.params[name], e0.params[name]), f"{name}: params differ"
+    assert_dicts_close(e1.gather_params(), ref.gather_params(), what=f"{base} prefetch AdamW")
+    m = e1.layout.option("microbatches", e1.layout.size("pp")) if e1.layout.size("pp") > 1 else 1
+    counts = e1.access.prefetcher.counts      # predict recorded the forward plans, the first
+    want = expected_prefetches(e1, 3 * m, 3 * m - 1)   # backward pass the backward plans
+    assert (counts["issued"], counts["used"], counts["wasted"]) == (want, want, 0), counts
+    assert want > 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_prefetch_memory_is_two_layers():
+    """gathered_peak: one layer's gathered weight + bias without prefetch, the largest pair of
+    consecutive layers with it (the next layer is gathered while the current one is used)."""
+    n = 2
+    model, params, x, t = problem(MEM_DIMS)
+    layer = [shape_bytes(w, padded_rows(w[0], n)) + shape_bytes(b, padded_rows(b[0], n))
+             for w, b in zip(*[iter(model.param_shapes().values())] * 2)]
+    peaks = {}
+    for p in (0, 1):
+        e = engine(model, params, f"fsdp={n},prefetch={p}", n)
+        for _ in range(2):                       # the first step records the plans
+            e.train_step(e.shard_batch(x), e.shard_batch(t), "mse")
+        peaks[p] = e.memory_report()["gathered_peak"]
+        assert e.access.live_bytes == 0, "gathered bytes left alive after the step"
+    assert peaks[0] == max(layer)
+    assert peaks[1] == max(a + b for a, b in zip(layer, layer[1:])) <= 2 * max(layer)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_prefetch_departing_from_the_plan_gives_the_same_numbers():
+    """A plan that does not match the pass (here: corrupted to prefetch every parameter of
+    the chunk at its first gather) costs bytes, never numbers: unused prefetches are completed
+    and dropped at the pass's end, and the next step relearns the plan."""
+    model, params, x, t = problem([5, 7, 6, 3])
+    e0, e1 = (engine(model, params, f"fsdp=2,prefetch={p}", 2) for p in (0, 1))
+    xl, tl = e1.shard_batch(x), e1.shard_batch(t)
+    for e in (e0, e1):
+        e.train_step(xl, tl, "mse")                              # records the plans
+    pre = e1.access.prefetcher
+    names = tuple(reversed(list(e1.params)))
+    for key, (order, _) in pre.plans.items():
+        pre.plans[key] = (order, {0: names})
+    for step in range(2):
+        for e in (e0, e1):
+            e.reset_comm_stats()
+        before = pre.counts["wasted"]
+        (l0, g0), (l1, g1) = (e.train_step(xl, tl, "mse") for e in (e0, e1))
+        assert l1 == l0 and all(np.array_equal(g1[k], g0[k]) for k in g0), step
+        wasted = pre.counts["wasted"] - before
+        extra = e1.comm_bytes["all_gather"] - e0.comm_bytes["all_gather"]
+        if step == 0:
+            assert wasted > 0 and extra > 0, (wasted, extra)
+        else:                                                    # relearned
+            assert wasted == 0 and extra == 0, (wasted, extra)
+    assert e1.access.live_bytes == 0 and not pre.pending
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_prefetch_needs_zero3(zero):
+    """ZeRO-1/2 keep parameters replicated: nothing to prefetch, so prefetch=1 is refused."""
     model, params, _, _ = problem([5, 7, 3])
-    with pytest.raises(ValueError, match="prefetch"):
-        ms.make_engine(model, "fsdp=2,prefetch=1", comm=group_comm(2))
+    with pytest.raises(ValueError, match=f"prefetch=1 needs zero=3, got zero={zero}"):
+        ms.make_engine(model, f"fsdp=2,zero={zero},prefetch=1", comm=group_comm(2))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_all_gather_async_matches_all_gather(axis):
+    """engine.all_gather_async (Iallgather) returns what all_gather does and counts the same
+    bytes under 'all_gather'."""
+    e = ms.make_engine(ms.MLP([4, 3]), "fsdp=2", comm=group_comm(2))
+    r = e.mesh.coord("fsdp")
+    a = np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1)
+    futures = [e.all_gather_async(a + k, axis=axis, group="fsdp") for k in range(3)]
+    e.reset_comm_stats()
+    want = [e.all_gather(a + k, axis=axis, group="fsdp") for k in range(3)]
+    sync_bytes = e.comm_bytes["all_gather"]
+    e.reset_comm_stats()
+    e.all_gather_async(a, axis=axis, group="fsdp").result()
+    assert e.comm_bytes["all_gather"] * 3 == sync_bytes > 0
+    for f, w in zip(futures, want):                        # three in flight at once
+        got = f.result()
+        assert got.shape == w.shape == ((6, 4) if axis == 0 else (3, 8))
+        assert np.array_equal(got, w)
 
 
 # -- memory --------------------------------------------------------------------------------------
