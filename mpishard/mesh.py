@@ -43,6 +43,13 @@ OPTIONS = {
     "prefetch": (int, (0, 1)),      # fsdp: issue the next layer's all_gather early
 }
 
+# option name -> the axes it configures (one of them must be in the layout)
+OPTION_AXES = {
+    "microbatches": ("pp",), "schedule": ("pp",), "virtual_stages": ("pp",), "stages": ("pp",),
+    "zero": ("fsdp",), "prefetch": ("fsdp",),
+    "bucket_mb": DATA_AXES, "overlap": DATA_AXES,
+}
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -120,8 +127,11 @@ def parse_layout(text) -> Layout:
         else:
             raise ValueError(f"layout {text!r}: unknown axis or option {key!r}; axes are "
                              f"{list(AXES)}, options are {sorted(OPTIONS)}")
-    if sizes["dp"] > 1 and sizes["fsdp"] > 1:
-        pass  # hybrid sharding (HSDP) is allowed: fsdp inside dp replicas
+    for key in options:                     # an option without its axis is a mistake, not a no-op
+        axes = OPTION_AXES.get(key, ())
+        if axes and not any(a in seen for a in axes):
+            raise ValueError(f"layout {text!r}: option {key!r} applies to the "
+                             f"{' or '.join(axes)} axis, which the layout does not have")
     return Layout(sizes, options, s)
 
 

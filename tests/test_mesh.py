@@ -140,3 +140,10 @@ def test_describe_lists_the_groups():
     assert "dp=2 groups: [0,2] [1,3]" in text
     assert "tp=2 groups: [0,1] [2,3]" in text
     assert np.all(np.array(comm.allgather(text)) == text)
+
+
+@pytest.mark.parametrize("layout,axis", [("dp=2,prefetch=1", "fsdp"), ("tp=2,microbatches=2", "pp"),
+                                         ("dp=2,zero=2", "fsdp"), ("tp=2,overlap=1", "dp")])
+def test_option_without_its_axis_is_refused(layout, axis):
+    with pytest.raises(ValueError, match=f"applies to the {axis}"):
+        ms.parse_layout(layout)
