@@ -22,7 +22,7 @@ TIMEOUT_CMD   ?= timeout -k 10 $(TIMEOUT)
 TEST_SIZES    ?= 1 2 4 8
 # One BLAS/OpenMP thread per rank: ranks share the cores, extra threads only oversubscribe.
 BLAS_THREADS  ?= 1
-BENCH_EXTRAS  ?= dev
+BENCH_EXTRAS  ?= dev,bench
 BENCH_TIMEOUT ?= 3600
 
 DEMO_ARGS ?= train --dataset digits --layout dp=2,tp=2 --model 64,128,128,10 \

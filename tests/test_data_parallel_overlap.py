@@ -124,6 +124,19 @@ def test_dp_tp_overlap(overlap):
     assert_dicts_close(got, want, what=f"dp=2,tp=2 overlap={overlap}")
 
 
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", ["dp=2,pp=2,microbatches=2", "dp=2,fsdp=2"])
+def test_overlap_falls_back_where_unsupported(layout):
+    """Pipelines and FSDP call add_grad per microbatch / through their own access: overlap=1
+    there reduces buckets in sync(), with the same numbers."""
+    comm = group_comm(4)
+    want = _reference()
+    engine, got = _run(f"{layout},bucket_mb=0.0008,overlap=1", comm)
+    assert not engine.grad_sync.overlap_active
+    assert engine.launched_early == [0]
+    assert_dicts_close(got, want, what=f"{layout} overlap=1")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_replaced_gradient_array_falls_back_to_packing():
     """Someone swapping an engine.grads entry for a new array must not lose its average."""
@@ -187,23 +200,27 @@ def test_in_place_really_is_in_place():
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("reuse", [True, False])
-def test_result_buffer_reuse_never_overwrites_a_held_result(reuse):
+@pytest.mark.parametrize("cols", [3, 50_000])   # small, and >= 1 MiB (mmap-backed buffers)
+def test_result_buffer_reuse_never_overwrites_a_held_result(reuse, cols):
     comm = world()
     n = comm.Get_size()
     engine = ms.make_engine(ms.MLP([4, 4]), f"dp={n}", comm=comm)
     engine.reuse_buffers = reuse
-    a = np.arange(12.0).reshape(3, 4)
+    a = np.arange(3.0 * cols).reshape(3, cols)
     held = [engine.all_reduce(a * k) for k in range(4)]       # all alive at once
-    view = engine.reduce_scatter(np.ones((2 * n, 3)) * 5, axis=0)[:, :2]
+    rs_view = engine.reduce_scatter(np.ones((2 * n, cols)) * 5, axis=0)[:, :2]
+    ar_view = engine.all_reduce(a * 7)[1:, :2]                # only a view survives
     y = None
     for k in range(4):                                         # y = all_reduce(...) loop
         y = engine.all_reduce(a * (10 + k))
-        x = engine.all_to_all(np.ones((n, 2)) * k)
-        assert_close(x, np.full((n, 2), float(k)), what="all_to_all")
+        x = engine.all_to_all(np.ones((n, cols)) * k)
+        assert_close(x, np.full((n, cols), float(k)), what="all_to_all")
+        engine.reduce_scatter(np.ones((2 * n, cols)), axis=0)
     for k, h in enumerate(held):
         assert_close(h, a * k * n, what=f"held result {k}")
-    assert_close(view, np.full((2, 2), 5.0 * n), what="view of a reduce_scatter result")
+    assert_close(rs_view, np.full((2, 2), 5.0 * n), what="view of a reduce_scatter result")
+    assert_close(ar_view, a[1:, :2] * 7 * n, what="view of an all_reduce result")
     assert_close(y, a * 13 * n, what="last loop result")
     if reuse:   # the loop alternates between two pooled buffers
-        ids = {id(engine.all_reduce(a)) for _ in range(4)}
-        assert len(ids) <= 2
+        ptrs = {engine.all_reduce(a).ctypes.data for _ in range(4)}
+        assert len(ptrs) <= 2
