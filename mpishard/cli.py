@@ -526,6 +526,12 @@ def main(argv=None) -> int:
         if _rank() == 0:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except FloatingPointError as exc:
+        # the trainer raises this from the global mean loss, the same float on every rank,
+        # so every rank is here and can exit cleanly instead of aborting
+        if _rank() == 0:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 def exit_cleanly(code: int) -> None:

@@ -168,3 +168,15 @@ def test_cli_runs_match_across_layouts(tmp_path):
         assert_close(runs[layout]["loss_history"], runs["single"]["loss_history"],
                      what=f"{layout} loss history")
         assert runs[layout]["test_accuracy"] == runs["single"]["test_accuracy"]
+
+
+def test_diverging_training_stops_every_rank_with_one_line():
+    """A non-finite loss (the global mean: the same on every rank) ends every rank with exit
+    code 1 and one error line, no traceback, no abort."""
+    rc, out, err, secs = launch(2, "train", "--dataset", "synthetic-regression", "--layout",
+                                "dp=2", "--optimizer", "sgd", "--lr", "1e6", "--steps", "50",
+                                "--no-progress")
+    lines = [ln for ln in err.splitlines() if ln.startswith("mpishard: error:")]
+    assert rc == 1, err
+    assert len(lines) == 1 and "loss is nan" in lines[0], err
+    assert "Traceback" not in err and secs < 60
