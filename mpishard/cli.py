@@ -480,9 +480,46 @@ def _run_infer(args) -> int:
     return run_infer(args)          # builds inside agreed(comm, build), as train does
 
 
+# -- plan (every layout of a world size ranked by memory and communication; serial) -------------
+def _add_plan(p):
+    from .planning import add_plan_arguments
+
+    return add_plan_arguments(p)
+
+
+def _run_plan(args) -> int:
+    from .model import MLP
+    from .planning import plan_report
+
+    for name in ("world_size", "batch", "microbatches", "top"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    try:
+        model = MLP(parse_dims(args.model), activation=args.activation, bias=not args.no_bias)
+        text = plan_report(model, args.world_size, args.batch, dtype=args.dtype,
+                           optimizer=args.optimizer, momentum=args.momentum,
+                           microbatches=args.microbatches, top=args.top, sort=args.sort)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"plan: {exc}") from None
+    if _rank() == 0:
+        print(text, flush=True)
+    return 0
+
+
+# -- bench (time training steps of one layout; bench.py) ----------------------------------------
+def _add_bench(p):
+    from .bench import add_bench_arguments
+
+    return add_bench_arguments(p)
+
+
+def _run_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)          # builds inside agreed(comm, build), as train does
+
+
 # -- the command table ---------------------------------------------------------------------------
 # name -> (help, add_arguments(parser) -> parser, run(args) -> exit code).
-# Add `plan` and `bench` here when they exist.
 COMMANDS = {
     "train": ("train an MLP on a layout (python -m mpi4py -m mpishard train ...)",
               add_train_arguments, run_train),
@@ -494,6 +531,11 @@ COMMANDS = {
     "infer": ("run a checkpoint over the rows of an .npy file on a layout (python -m mpi4py "
               "-m mpishard infer --checkpoint DIR --input X.npy --output Y.npy ...)",
               _add_infer, _run_infer),
+    "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
+             "(plan --model DIMS --world-size N --batch B)", _add_plan, _run_plan),
+    "bench": ("time training steps of a layout on synthetic data: step time, samples/s, "
+              "GFLOP/s, communication (python -m mpi4py -m mpishard bench --layout L ...)",
+              _add_bench, _run_bench),
 }
 
 

@@ -1,0 +1,170 @@
+"""`python -m mpi4py -m mpishard bench`: time training steps of one layout on synthetic data.
+
+    mpiexec -n 4 python -m mpi4py -m mpishard bench --layout dp=2,tp=2 --model 784,512,256,10 \\
+        --batch 64 --steps 20 --warmup 3
+
+Every rank builds the engine (inside `cli.agreed`, so bad input gives one error line and exit
+code 2 everywhere), loads `model.init(seed)`, draws a seeded synthetic regression batch (the
+global batch on every rank, then `engine.shard_batch`), and runs `--warmup` untimed and
+`--steps` timed steps of `engine.train_step(x, t, MSE)` + `optimizer.step()`. Rank 0 prints:
+
+  step time      the median over the timed steps of the slowest rank's step time
+                 (each step's time is combined with all_reduce(op='max'))
+  samples/s      global batch / that median
+  GFLOP/s        model FLOPs per step / median, with 2 FLOPs per multiply-add and
+                   forward  F = 2 B sum_i d_in_i d_out_i
+                   backward 2F - 2 B d_0 d_1  (dW and dx per layer; the first layer has no dx)
+                 so 3F - 2 B d_0 d_1 per step (biases, activations, loss and optimizer left
+                 out; work repeated on several ranks, like tp's replicated last layer, counted
+                 once)
+  comm time      the fraction of step time inside the engine's collectives (engine.comm_time:
+                 blocking calls for their whole duration, non-blocking ones for the issue only;
+                 pipeline receives are waits, shown as 'pipeline idle' instead), max over ranks
+  comm bytes     bytes sent per step per kind (engine.comm_bytes / steps), max over ranks,
+                 next to the prediction of planning.step_comm (max over ranks) for comparison;
+                 'total' is the busiest rank's sum (not the sum of the rows above it)
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .planning import COMM_KINDS, check_fit, step_comm_total
+
+
+def add_bench_arguments(p):
+    p.add_argument("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, "
+                   "single on one)")
+    p.add_argument("--model", required=True, help="comma-separated MLP dims, e.g. "
+                   "784,512,256,10")
+    p.add_argument("--activation", default="relu", help="hidden activation (relu)")
+    p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data (0)")
+    return p
+
+
+def model_flops(dims, batch: int) -> int:
+    """FLOPs of one training step of an MLP (module docstring): 3F - 2 B d_0 d_1."""
+    forward = 2 * batch * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
+    return 3 * forward - 2 * batch * dims[0] * dims[1]
+
+
+def build_bench(args, comm):
+    """Validate and build (engine, optimizer, x_local, t_local); ValueError/TypeError before
+    any collective on bad input."""
+    import mpishard as ms
+
+    from .cli import UsageError, parse_dims
+    from .mesh import check_world_size, parse_layout
+
+    for name, low in (("batch", 1), ("steps", 1), ("warmup", 0), ("seed", 0)):
+        if getattr(args, name) < low:
+            raise UsageError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr:g}")
+    world = comm.Get_size()
+    text = args.layout or (f"dp={world}" if world > 1 else "single")
+    try:
+        layout = parse_layout(text)
+        check_world_size(layout, world)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--layout: {exc}") from None
+    model = ms.MLP(parse_dims(args.model), activation=args.activation)
+    check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
+    engine = ms.make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
+                            device=args.device)
+    engine.load_checkpoint(model.init(seed=args.seed))
+    opt = (ms.optim.AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
+           else ms.optim.SGD(engine, lr=args.lr))
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal((args.batch, model.d_in))
+    t = rng.standard_normal((args.batch, model.d_out))
+    return engine, opt, engine.shard_batch(x), engine.shard_batch(t)
+
+
+def measure(engine, opt, x, t, steps: int, warmup: int) -> dict:
+    """Collective: warm-up, then `steps` timed steps; numbers combined over ranks (max)."""
+    from .losses import MSE
+
+    loss = MSE()
+    sync = (engine.xp.cuda.get_current_stream().synchronize if engine.backend.is_gpu
+            else (lambda: None))
+
+    def step():
+        value, grads = engine.train_step(x, t, loss)
+        opt.step(grads)
+        sync()
+        return value
+
+    for _ in range(warmup):
+        step()
+    engine.barrier()
+    engine.reset_comm_stats()
+    times, idle = [], 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        value = step()
+        times.append(time.perf_counter() - t0)
+        idle += engine.stats.get("idle_s", 0.0)
+    total = sum(times)
+    local = [engine.comm_bytes.get(k, 0) / steps for k in COMM_KINDS]
+    local += [sum(local), sum(engine.comm_time.values()) / total, idle / total]
+    host = engine.backend.to_host
+    # max over ranks (these two all_reduces come after the counters were read)
+    step_max = host(engine.all_reduce(np.array(times), op="max"))
+    combined = host(engine.all_reduce(np.array(local, dtype=np.float64), op="max"))
+    n = len(COMM_KINDS)
+    return {"median_s": float(np.median(step_max)), "loss": value,
+            "bytes": dict(zip(COMM_KINDS, combined[:n].tolist())), "total": float(combined[n]),
+            "comm_fraction": float(combined[n + 1]), "idle_fraction": float(combined[n + 2])}
+
+
+def _num(v: float) -> str:
+    return f"{int(v)}" if float(v).is_integer() else f"{v:.1f}"
+
+
+def format_table(engine, args, result) -> str:
+    model, layout = engine.model, engine.layout
+    world = engine.num_devices
+    itemsize = engine.dtype.itemsize
+    per_rank = [step_comm_total(model, layout, r, args.batch, itemsize) for r in range(world)]
+    plan = {k: max(c.get(k, 0) for c in per_rank) for k in COMM_KINDS}
+    med = result["median_s"]
+    flops = model_flops(model.dims, args.batch)
+    rows = [("step time (median)", f"{med * 1e3:.3f} ms", ""),
+            ("samples/s", f"{args.batch / med:,.0f}", ""),
+            ("GFLOP/s (model)", f"{flops / med / 1e9:.3f}", ""),
+            ("comm time fraction", f"{100 * result['comm_fraction']:.1f} %", "")]
+    if layout.size("pp") > 1:
+        rows.append(("pipeline idle fraction", f"{100 * result['idle_fraction']:.1f} %", ""))
+    for k in COMM_KINDS:
+        if result["bytes"][k] or plan[k]:
+            rows.append((f"comm bytes/step {k}", _num(result["bytes"][k]), _num(plan[k])))
+    rows.append(("comm bytes/step total", _num(result["total"]),
+                 _num(max(sum(c.values()) for c in per_rank))))
+    head = [f"bench  {model!r}: {model.num_params():,} parameters, layout {layout.text!r} on "
+            f"{world} rank(s), batch {args.batch}, {engine.dtype.name}, {args.optimizer}, "
+            f"{engine.backend.name}",
+            f"       {args.steps} timed steps after {args.warmup} warm-up (train_step + "
+            f"optimizer step); max over ranks; {flops:,} FLOP per step",
+            f"{'metric':<30}{'measured':>16}{'plan':>16}"]
+    return "\n".join(head + [f"{a:<30}{b:>16}{c:>16}" for a, b, c in rows])
+
+
+def run_bench(args) -> int:
+    from .cli import _world, agreed
+
+    comm = _world()
+    engine, opt, x, t = agreed(comm, lambda: build_bench(args, comm))
+    result = measure(engine, opt, x, t, args.steps, args.warmup)
+    if comm.Get_rank() == 0:
+        print(format_table(engine, args, result), flush=True)
+    return 0

@@ -1,0 +1,245 @@
+"""`plan` and `bench`: the communication model checked against the running engine.
+
+    pytest -m "not mpi" tests/test_plan_bench.py                 # formulas, plan CLI, bench runs
+    mpiexec -n {2,4,8} python -m mpi4py -m pytest --with-mpi -m mpi tests/test_plan_bench.py
+
+The MPI test runs one `train_step` and one optimizer step per layout and requires the bytes the
+engine counted (`engine.comm_bytes`, per kind, per phase, on every rank) to equal
+`planning.step_comm` exactly: all group sizes here are powers of two, for which the engine's
+per-call ring formulas give integers. The model widths are chosen so that fsdp pads (12 and 6
+rows do not divide by 4 or 8), tp leaves an odd last layer replicated, and a pipeline boundary
+falls after a column-parallel layer (a tp-sharded activation is sent).
+"""
+import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mpishard as ms
+from mpishard import cli, planning
+from mpishard.bench import model_flops
+
+from conftest import RTOL32, assert_close, group_comm
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 16
+ODD = [12, 16, 8, 6]          # 3 layers: under tp the last is replicated
+EVEN = [10, 16, 8, 16, 6]     # 4 layers: interleaved pp=2 x 2 virtual stages, tp=4
+
+CASES = [  # (ranks, layout, dims, dtype)
+    (2, "dp=2", ODD, np.float64),
+    (2, "tp=2", ODD, np.float64),
+    (2, "pp=2", ODD, np.float64),
+    (2, "fsdp=2", ODD, np.float64),
+    (2, "fsdp=2,zero=1", ODD, np.float64),
+    (2, "fsdp=2,zero=2", ODD, np.float32),
+    (4, "dp=2,tp=2", ODD, np.float32),
+    (4, "tp=2,pp=2", ODD, np.float64),
+    (4, "fsdp=2,tp=2", ODD, np.float64),
+    (4, "fsdp=4,zero=2", ODD, np.float64),
+    (4, "tp=4", EVEN, np.float64),
+    (4, "dp=2,pp=2,microbatches=4", ODD, np.float64),
+    (4, "fsdp=2,pp=2,zero=3,microbatches=2,schedule=gpipe", ODD, np.float64),
+    (4, "pp=2,tp=2,schedule=interleaved,microbatches=2", EVEN, np.float64),
+    (8, "fsdp=8", ODD, np.float64),
+    (8, "dp=2,fsdp=2,tp=2", ODD, np.float64),
+    (8, "fsdp=2,pp=2,tp=2,zero=1", ODD, np.float64),
+    (8, "dp=2,fsdp=2,pp=2,zero=2,microbatches=4", EVEN, np.float64),
+]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n,layout,dims,dtype", CASES, ids=[c[1] for c in CASES])
+def test_comm_bytes_match_the_plan(n, layout, dims, dtype):
+    comm = group_comm(n)
+    model = ms.MLP(dims, activation="tanh")
+    params = model.init(seed=1)
+    rng = np.random.default_rng(5)
+    x, t = rng.standard_normal((BATCH, dims[0])), rng.standard_normal((BATCH, dims[-1]))
+    eng = ms.make_engine(model, layout, dtype=dtype, comm=comm)
+    eng.load_checkpoint(params)
+    opt = ms.optim.AdamW(eng, lr=1e-3)
+    xl, tl = eng.shard_batch(x), eng.shard_batch(t)
+    want = planning.step_comm(model, layout, comm.Get_rank(), BATCH, np.dtype(dtype).itemsize)
+
+    eng.reset_comm_stats()
+    loss, grads = eng.train_step(xl, tl, ms.losses.MSE())
+    got_step = {k: v for k, v in eng.comm_bytes.items() if v}
+    eng.reset_comm_stats()
+    opt.step(grads)
+    got_opt = {k: v for k, v in eng.comm_bytes.items() if v}
+    print(f"{layout} rank {comm.Get_rank()}: train_step {got_step} (plan {want['train_step']}), "
+          f"optimizer {got_opt} (plan {want['optimizer']})")
+    assert got_step == want["train_step"], f"{layout} rank {comm.Get_rank()}"
+    assert got_opt == want["optimizer"], f"{layout} rank {comm.Get_rank()}"
+
+    ref = ms.SingleDevice(model)          # and it was the real step
+    ref.load_checkpoint(params)
+    ref_loss, _ = ref.train_step(x, t, ms.losses.MSE())
+    rtol = RTOL32 if np.dtype(dtype) == np.float32 else 1e-9
+    assert_close(loss, ref_loss, rtol=rtol, what=f"{layout} loss")
+
+
+# -- the formulas against the closed forms in the strategy docstrings (serial) ------------------
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_dp_is_a_gradient_all_reduce_plus_the_loss(n):
+    model = ms.MLP([12, 16, 8, 6])
+    got = planning.step_comm(model, f"dp={n}", n - 1, batch=8 * n, itemsize=4)
+    p = model.num_params() * 4
+    assert got == {"train_step": {"all_reduce": 2 * (n - 1) / n * (p + 8)}, "optimizer": {}}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fsdp_stages_cost_what_fsdp_py_says(n):
+    """fsdp.py's table, for a bias-free model whose rows divide by N (no padding):
+    zero=1/2 cost what dp costs, zero=3 1.5 times that (the loss all_reduce aside)."""
+    model = ms.MLP([16, 32, 8, 4], bias=False)
+    loss = 2 * (n - 1) / n * 8
+
+    def total(layout):
+        c = planning.step_comm_total(model, layout, 0, batch=4 * n, itemsize=8)
+        return sum(c.values()) - loss
+
+    dp = total(f"dp={n}")
+    assert dp == 2 * (n - 1) / n * model.num_params() * 8
+    assert total(f"fsdp={n},zero=1") == dp
+    assert total(f"fsdp={n},zero=2") == dp
+    assert total(f"fsdp={n},zero=3") == 1.5 * dp
+
+
+def test_tp_and_pp_terms():
+    model = ms.MLP([12, 16, 8, 6])      # layer 0 column, 1 row, 2 replicated
+    rows, s = 16, 8
+    tp = planning.step_comm_total(model, "tp=2", 0, batch=rows, itemsize=s)
+    # only the row layer's forward all-reduce (the first layer needs no dL/dx), rows x 8
+    assert tp == {"all_reduce": 2 * (2 - 1) / 2 * rows * 8 * s}
+    # pp=2 puts layer 0 on stage 0 (most parameters); its 16-wide output goes forward and
+    # its gradient comes back; under tp=2 the column layer's output is the 8-wide block
+    for layout, width in (("pp=2", 16), ("pp=2,tp=2", 8)):
+        first = planning.step_comm(model, layout, 0, rows, s)["train_step"]
+        last = planning.step_comm(model, layout, planning.meshmod.rank_of(
+            ms.parse_layout(layout), {"pp": 1}), rows, s)["train_step"]
+        assert first["send"] == last["send"] == rows * width * s
+        assert last["broadcast"] == 4 and "broadcast" not in first   # the loss, from the last
+
+
+def test_model_flops_counts_each_gemm():
+    dims, b = [2, 3, 4], 5
+    gemms = [2 * b * 2 * 3, 2 * b * 3 * 4]               # forward
+    gemms += [2 * b * 2 * 3, 2 * b * 3 * 4]              # backward dW
+    gemms += [2 * b * 3 * 4]                             # backward dx, none for layer 0
+    assert model_flops(dims, b) == sum(gemms)
+
+
+# -- plan: enumeration and the command (serial) ---------------------------------------------------
+@pytest.mark.parametrize("world", [1, 6, 8])
+def test_candidates_are_every_factorisation(world):
+    got = planning.candidate_layouts(world)
+    assert len(got) == len(set(got))
+    want = set()
+    for dp, nf, pp, tp in itertools.product(range(1, world + 1), repeat=4):
+        if dp * nf * pp * tp == world:
+            for z in ((1, 2, 3) if nf > 1 else (None,)):
+                want.add((dp, nf, pp, tp, z))
+    parsed = set()
+    for text in got:
+        lt = ms.parse_layout(text)
+        assert lt.world_size == world
+        parsed.add((lt.size("dp"), lt.size("fsdp"), lt.size("pp"), lt.size("tp"),
+                    lt.option("zero")))
+    assert parsed == want
+
+
+def test_plan_table(capsys):
+    rc = cli.main(["plan", "--model", "784,512,256,10", "--world-size", "8", "--batch", "64",
+                   "--top", "6"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("layout "))
+    body = lines[head + 1:head + 7]
+    assert lines[head + 7] == ""
+    model = ms.MLP([784, 512, 256, 10])
+    rows, rejected = planning.plan_layouts(model, 8, 64)
+    rows.sort(key=planning.SORT_KEYS["memory"])
+    assert [ln.split()[0] for ln in body] == [r["layout"] for r in rows[:6]]
+    mems = [r["memory"] for r in rows]
+    assert mems == sorted(mems)
+    # pp=4 and pp=8 need 4 and 8 layers; tp=8 divides 512 and fits
+    assert {t for t, _ in rejected} == {x for x in planning.candidate_layouts(8)
+                                       if ms.parse_layout(x).size("pp") > 3}
+    assert "pp=8: pp=8 needs at least 8 layers, model has 3" in out
+    assert any(r["layout"] == "tp=8" for r in rows)
+
+
+def test_plan_filters_on_batch_and_microbatches():
+    model = ms.MLP([12, 16, 8, 6])
+    rows, rejected = planning.plan_layouts(model, 4, batch=6, microbatches=2)
+    fits = {r["layout"] for r in rows}
+    reasons = dict(rejected)
+    assert "dp=4" in reasons and "does not divide by the 4 data-parallel" in reasons["dp=4"]
+    assert "pp=2,tp=2,microbatches=2" in fits                     # 6 rows, 2 microbatches
+    assert "microbatches=2 does not divide the local batch of 3" in \
+        reasons["dp=2,pp=2,microbatches=2"]                       # 3 rows per dp rank
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "0"], "--world-size must be > 0"),
+    (["--model", "5"], "need at least two positive dims"),
+    (["--microbatches", "0"], "--microbatches must be > 0"),
+    (["--sort", "speed"], "invalid choice: 'speed'"),
+    (["--activation", "swish"], "plan: "),
+])
+def test_plan_errors(capsys, argv, message):
+    base = {"--model": "12,16,6", "--world-size": "2"}
+    args = ["plan"]
+    for k, v in base.items():
+        if k not in argv:
+            args += [k, v]
+    rc = cli.main(args + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("mpishard: error:") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+# -- bench under mpiexec (serial test, subprocess) ---------------------------------------------
+def _launch(n, *args, timeout=120):
+    exe = Path(sys.executable).parent / "mpiexec"
+    if not exe.exists():
+        pytest.skip("no mpiexec next to the interpreter")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [str(exe), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bench_two_ranks():
+    r = _launch(2, "bench", "--layout", "fsdp=2,zero=2", "--model", "12,16,8,6", "--batch",
+                "16", "--steps", "3", "--warmup", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {}
+    for line in r.stdout.splitlines():
+        line = line.rstrip()
+        m = re.match(r"(\S.*?)\s{2,}(\S+(?: \S+)?)(?:\s{2,}(\S+))?$", line)
+        if m:
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    for name in ("step time (median)", "samples/s", "GFLOP/s (model)", "comm time fraction",
+                 "comm bytes/step all_reduce", "comm bytes/step all_gather",
+                 "comm bytes/step reduce_scatter", "comm bytes/step total"):
+        assert name in rows, f"{name!r} missing from:\n{r.stdout}"
+    assert rows["step time (median)"][0].endswith("ms") and "layout 'fsdp=2,zero=2'" in r.stdout
+    for name, (measured, plan) in rows.items():
+        if name.startswith("comm bytes/step"):
+            assert measured == plan, f"{name}: measured {measured} != plan {plan}"
+
+
+def test_bench_bad_input_exits_2_on_every_rank():
+    r = _launch(2, "bench", "--layout", "tp=2", "--model", "12,15,6", "--steps", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == ("mpishard: error: tp=2 does not divide the hidden size 15 of "
+                                "layer 0 (12 -> 15); Megatron splits it column-wise")
