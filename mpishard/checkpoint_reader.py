@@ -21,12 +21,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import operator
 import os
 from collections.abc import Mapping
 
 import numpy as np
 
 FORMAT, VERSION, INDEX = "mpishard-checkpoint", 1, "index.json"
+_OPEN_ATTEMPTS = 5          # opening retries while a concurrent save swaps the directory
 
 
 class CheckpointError(ValueError):
@@ -99,6 +101,15 @@ def _resolve(path) -> str:
                           "incomplete save that never finished)")
 
 
+def _stamp(directory):
+    """Identity of a directory's index file (None when absent): changes when a save swaps."""
+    try:
+        st = os.stat(os.path.join(directory, INDEX))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def read_index(path) -> dict:
     """The parsed index.json of checkpoint `path` (checked for format and version)."""
     d = _resolve(path)
@@ -164,7 +175,8 @@ class LazyArray:
                     region.append((lo, hi))
                     post.append(slice(r[0] - lo, stop if stop >= 0 else None, r.step))
             else:
-                i = int(k) + n if int(k) < 0 else int(k)
+                i = operator.index(k)       # an integer (not a float, not an array)
+                i = i + n if i < 0 else i
                 if not 0 <= i < n:
                     raise IndexError(f"index {k} out of range for {n} in {self.name!r}")
                 region.append((i, i + 1))
@@ -195,17 +207,31 @@ class Checkpoint(Mapping):
     `verify()` checks every file's sha256."""
 
     def __init__(self, path, verify: bool = True):
-        self.index = read_index(path)
-        self.path = _resolve(path)
         self.verify_on_open = bool(verify)
-        self._open: dict = {}
-        self._verified: set = set()
-        self._shapes: dict = {}
+        for attempt in range(_OPEN_ATTEMPTS):
+            # A save to `path` may swap directories while this opens it: the index and the
+            # files checked must come from one directory, so retry when its index changed.
+            self._open, self._verified, self._shapes, self._dtypes = {}, set(), {}, {}
+            stamp = None
+            try:
+                self.path = _resolve(path)
+                stamp = _stamp(self.path)
+                self.index = read_index(self.path)
+                self._check_files()
+            except CheckpointError:
+                if attempt + 1 < _OPEN_ATTEMPTS and (stamp is None or
+                                                     _stamp(self.path) != stamp):
+                    continue
+                raise
+            if _stamp(self.path) == stamp:
+                break
+        else:
+            raise CheckpointError(f"{os.path.abspath(os.fspath(path))} kept changing while "
+                                  f"being opened ({_OPEN_ATTEMPTS} tries)")
         ix = self.index
         self.step, self.extra = int(ix.get("step", 0)), ix.get("extra")
         self.layout, self.world_size = ix.get("layout"), ix.get("world_size")
         self.model_spec = ix.get("model", {})
-        self._check_files()
         self._arrays = {n: LazyArray(self, n, e) for n, e in ix["tensors"].items()}
 
     def _entries(self):
@@ -215,23 +241,45 @@ class Checkpoint(Mapping):
                 yield f"{name} ({key})", e
 
     def _check_files(self) -> None:
-        """Every file the index names exists with its recorded size; chunks cover arrays."""
+        """Every file the index names exists with its recorded size; chunks lie inside their
+        array, with its dtype, and cover it. A malformed index raises CheckpointError."""
+        try:
+            self._check_files_unsafe()
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise CheckpointError(f"checkpoint {self.path}: malformed {INDEX} "
+                                  f"({type(e).__name__}: {e})") from None
+
+    def _check_files_unsafe(self) -> None:
+        int(self.index.get("step", 0))
         files = self.index.get("files", {})
         for fname, info in files.items():
             full = os.path.join(self.path, fname)
             if not os.path.isfile(full):
                 raise CheckpointError(f"checkpoint {self.path}: shard file {fname} is missing")
             size = os.path.getsize(full)
+            if not isinstance(info["sha256"], str):
+                raise TypeError(f"sha256 of {fname} is not a string")
             if size != info["bytes"]:
                 raise CheckpointError(f"checkpoint {self.path}: shard file {fname} has {size} "
                                       f"bytes, the index says {info['bytes']} (truncated?)")
         for name, e in self._entries():
-            vol = 0
+            vol, shape, dtype = 0, tuple(int(d) for d in e["shape"]), np.dtype(e["dtype"])
             for c in e["chunks"]:
                 if c["file"] not in files:
                     raise CheckpointError(f"checkpoint {self.path}: {name} names unknown file "
                                           f"{c['file']}")
-                vol += int(np.prod(self.file_shape(c["file"]), dtype=np.int64))
+                block, offset = self.file_shape(c["file"]), tuple(int(o) for o in c["offset"])
+                if (len(block) != len(shape) or len(offset) != len(shape)
+                        or any(o < 0 or o + b > n for o, b, n in zip(offset, block, shape))):
+                    raise CheckpointError(f"checkpoint {self.path}: chunk {c['file']} of shape "
+                                          f"{block} at offset {offset} does not fit {name} of "
+                                          f"shape {shape}")
+                if self._dtypes[c["file"]] != dtype:
+                    raise CheckpointError(f"checkpoint {self.path}: chunk {c['file']} holds "
+                                          f"{self._dtypes[c['file']]}, {name} is {dtype}")
+                vol += int(np.prod(block, dtype=np.int64))
             if vol != int(np.prod(e["shape"], dtype=np.int64)):
                 raise CheckpointError(f"checkpoint {self.path}: the chunks of {name} hold {vol} "
                                       f"elements, its shape {tuple(e['shape'])} needs "
@@ -245,11 +293,11 @@ class Checkpoint(Mapping):
                     fmt = np.lib.format
                     read = (fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0)
                             else fmt.read_array_header_2_0)
-                    shape, _, _ = read(f)
+                    shape, _, dtype = read(f)
                 except ValueError as e:
                     raise CheckpointError(f"checkpoint {self.path}: {fname} is not a valid "
                                           f".npy file: {e}") from None
-            self._shapes[fname] = tuple(shape)
+            self._shapes[fname], self._dtypes[fname] = tuple(shape), np.dtype(dtype)
         return self._shapes[fname]
 
     def verify_file(self, fname) -> None:
@@ -275,10 +323,15 @@ class Checkpoint(Mapping):
 
     def open_file(self, fname):
         if fname not in self._open:
-            if self.verify_on_open:
-                self.verify_file(fname)
-            self._open[fname] = np.load(os.path.join(self.path, fname), mmap_mode="r",
-                                        allow_pickle=False)
+            try:
+                if self.verify_on_open:
+                    self.verify_file(fname)
+                self._open[fname] = np.load(os.path.join(self.path, fname), mmap_mode="r",
+                                            allow_pickle=False)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {self.path}: shard file {fname} vanished "
+                                      "after the checkpoint was opened (replaced by a newer "
+                                      "save?); load it again") from None
         return self._open[fname]
 
     def __getitem__(self, name):

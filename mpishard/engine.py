@@ -34,7 +34,8 @@ from .mesh import DeviceMesh, parse_layout
 
 _DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
                                  "bool", "complex128", "complex64")]
-_KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier"]
+_KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
+          "all_to_all_v"]
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _HEADER = 12  # int64 words: dtype code, ndim, up to 10 dims
 _TAG_HEADER, _TAG_DATA, _TAG_RAW = 0, 1, 2
@@ -106,6 +107,7 @@ class ShardedEngine(ABC):
         # _result_buffer); False allocates a fresh result every call
         self.reuse_buffers = True
         self._result_pool: dict = {}
+        self._header_recvs: dict = {}   # (comm, src, tag) -> pending receives, in order
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -179,16 +181,23 @@ class ShardedEngine(ABC):
         self.comm_time[kind] += time.perf_counter() - t0
 
     def _check(self, comm, kind, a, op="", axis=0, skip_axis=False):
-        """Debug mode: every rank of the group compares (kind, op, dtype, shape, axis)."""
+        """Debug mode: every rank of the group compares (kind, op, dtype, shape, axis).
+
+        Called before any check that depends on this rank's array (dtype, axis range,
+        divisibility), so such a mistake on one rank is reported on every rank, not raised on
+        that rank alone while the others wait. `a=None`: no array (broadcast)."""
         if not self.debug:
             return
-        shape = list(a.shape)
-        if skip_axis and len(shape) > axis:
+        shape = list(a.shape) if a is not None else []
+        if -len(shape) <= axis < len(shape):
+            axis %= len(shape)
+        if skip_axis and 0 <= axis < len(shape):
             shape[axis] = -1  # all_gather may concatenate uneven lengths along `axis`
         sig = np.full(4 + 10, -2, dtype=np.int64)
         sig[0] = _KINDS.index(kind)
         sig[1] = list(_OPS).index(op) if op in _OPS else -1
-        sig[2] = _dtype_code(a.dtype)
+        if a is not None:   # unsupported dtypes as -1 - ord(char): named, raised after the check
+            sig[2] = _DTYPES.index(a.dtype) if a.dtype in _DTYPES else -1 - ord(a.dtype.char)
         sig[3] = axis
         sig[4:4 + min(10, len(shape))] = shape[:10]
         sig[4 + len(shape):] = -3
@@ -197,8 +206,11 @@ class ShardedEngine(ABC):
         if (allsig != allsig[0]).any():
             def show(s):
                 dims = [int(d) for d in s[4:] if d != -3]
+                dtype = (_DTYPES[s[2]] if s[2] >= 0 else "-" if s[2] == -2
+                         else f"unsupported {np.dtype(chr(-1 - s[2]))}")
                 return (f"{_KINDS[s[0]]}(op={list(_OPS)[s[1]] if s[1] >= 0 else '-'}, "
-                        f"dtype={_DTYPES[s[2]]}, shape={tuple(dims)}, axis={s[3]})")
+                        f"dtype={dtype}, shape={tuple(dims)}, "
+                        f"{'root' if _KINDS[s[0]] == 'broadcast' else 'axis'}={s[3]})")
             ranks = "; ".join(f"group rank {r}: {show(s)}" for r, s in enumerate(allsig))
             raise CollectiveMismatchError(f"collective mismatch in {kind}: {ranks}")
 
@@ -217,6 +229,9 @@ class ShardedEngine(ABC):
         return h
 
     def _tag(self, tag, kind):
+        # a negative tag would map onto MPI_ANY_TAG (-1) or an invalid tag
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or tag < 0:
+            raise ValueError(f"tag must be an integer >= 0, got {tag!r}")
         return 3 * int(tag) + kind
 
     def send(self, dest_id: int, arr, tag: int = 0, group=None) -> None:
@@ -278,8 +293,20 @@ class ShardedEngine(ABC):
             return Future([req], finish, keep=(buf,))
         h = np.empty(_HEADER, dtype=np.int64)
         req = comm.Irecv(h, source=src_id, tag=self._tag(tag, _TAG_HEADER))
+        # Headers match the receives in posting order, and so must the data messages (the
+        # blocking Recv below): a later receive from the same source and tag finishes the
+        # earlier ones first, whatever order result()/done() are called in.
+        key = (comm.py2f(), src_id, int(tag))
+        queue = self._header_recvs.setdefault(key, [])
+        fut = Future([req], keep=(h,))
+        queue.append(fut)
 
         def finish_header():
+            while queue[0] is not fut:
+                queue[0].result()
+            queue.pop(0)
+            if not queue and self._header_recvs.get(key) is queue:
+                del self._header_recvs[key]
             dtype, ndim = _DTYPES[int(h[0])], int(h[1])
             shape = tuple(int(d) for d in h[2:2 + ndim])
             out_arr = self.xp.empty(shape, dtype=dtype)
@@ -287,7 +314,8 @@ class ShardedEngine(ABC):
             comm.Recv(buf, source=src_id, tag=self._tag(tag, _TAG_DATA))
             self.backend.mpi_finish(buf, out_arr)
             return out_arr
-        return Future([req], finish_header, keep=(h,))
+        fut._finish = finish_header
+        return fut
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, arr, op: str = "sum", group=None, out=None):
@@ -312,6 +340,9 @@ class ShardedEngine(ABC):
     def _all_reduce_args(self, arr, op, group, out, pooled=False):
         """(input, result buffer, communicator, group size); the result `is` the input when
         reducing in place (`out=arr`, which must then be C-contiguous)."""
+        comm = self.mesh.comm(group)
+        if self.debug:
+            self._check(comm, "all_reduce", self.xp.asarray(arr), op)
         if op not in _OPS:
             raise ValueError(f"all_reduce op must be one of {list(_OPS)}, got {op!r}")
         a = arr if out is not None and out is arr else self._prepare(arr)
@@ -323,8 +354,6 @@ class ShardedEngine(ABC):
             raise ValueError(f"all_reduce: out= must be C-contiguous with shape {a.shape} and "
                              f"dtype {a.dtype}, got shape {out.shape} and dtype {out.dtype}")
         _dtype_code(a.dtype)
-        comm = self.mesh.comm(group)
-        self._check(comm, "all_reduce", a, op)
         return a, out, comm, comm.Get_size()
 
     def all_reduce_async(self, arr, op: str = "sum", group=None, out=None) -> Future:
@@ -336,8 +365,11 @@ class ShardedEngine(ABC):
         (the all_reduce formula, under 'all_reduce'); comm_time counts the issue only.
         """
         t0 = time.perf_counter()
+        reused = out is not None               # a caller's buffer: its staging copy is kept
         a, out, comm, n = self._all_reduce_args(arr, op, group, out)
-        slot = f"iallreduce-{id(out)}"        # GPU staging: one host buffer per live result
+        # GPU staging without CUDA-aware MPI: one kept host buffer per caller-owned result;
+        # a fresh one otherwise, so the staging dict does not grow with every call
+        slot = f"iallreduce-{id(out)}" if reused else None
         sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a, slot=None)
         rbuf = self.backend.mpi_buffer(out, slot=slot)
         req = comm.Iallreduce(sbuf, rbuf, op=_OPS[op])
@@ -361,9 +393,9 @@ class ShardedEngine(ABC):
         a = xp.asarray(arr)
         if a.ndim == 0:
             a = a.reshape(1)
-        axis = self._norm_axis(a, axis)
         comm = self.mesh.comm(group)
         self._check(comm, "all_gather", a, axis=axis, skip_axis=True)
+        axis = self._norm_axis(a, axis)
         n = comm.Get_size()
         moved = self._prepare(xp.moveaxis(a, axis, 0))      # (len_i, ...rest)
         rest = moved.shape[1:]
@@ -398,9 +430,9 @@ class ShardedEngine(ABC):
         a = xp.asarray(arr)
         if a.ndim == 0:
             a = a.reshape(1)
-        axis = self._norm_axis(a, axis)
         comm = self.mesh.comm(group)
         self._check(comm, "all_gather", a, axis=axis)
+        axis = self._norm_axis(a, axis)
         n = comm.Get_size()
         moved = self._prepare(xp.moveaxis(a, axis, 0))      # (len, ...rest), same on every rank
         out = xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
@@ -420,14 +452,14 @@ class ShardedEngine(ABC):
         Blocks follow numpy.array_split, so a length not divisible by the group size is
         allowed (the first blocks are one longer). Adjoint: all_gather along the same axis.
         """
-        if op not in ("sum", "avg"):
-            raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
         t0 = time.perf_counter()
         xp = self.xp
         a = xp.asarray(arr)
-        axis = self._norm_axis(a, axis)
         comm = self.mesh.comm(group)
         self._check(comm, "reduce_scatter", a, op, axis=axis)
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
+        axis = self._norm_axis(a, axis)
         n, r = comm.Get_size(), comm.Get_rank()
         moved = self._prepare(xp.moveaxis(a, axis, 0))
         length, rest = moved.shape[0], moved.shape[1:]
@@ -456,13 +488,13 @@ class ShardedEngine(ABC):
         t0 = time.perf_counter()
         xp = self.xp
         a = xp.asarray(arr)
-        axis = self._norm_axis(a, axis)
         comm = self.mesh.comm(group)
+        self._check(comm, "all_to_all", a, axis=axis)
+        axis = self._norm_axis(a, axis)
         n = comm.Get_size()
         if a.shape[axis] % n:
             raise ValueError(f"all_to_all: length {a.shape[axis]} along axis {axis} is not "
                              f"divisible by the group size {n}")
-        self._check(comm, "all_to_all", a, axis=axis)
         moved = self._prepare(xp.moveaxis(a, axis, 0))
         out = self._result_buffer(moved.shape, moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
@@ -483,11 +515,18 @@ class ShardedEngine(ABC):
         xp = self.xp
         comm = self.mesh.comm(group)
         n = comm.Get_size()
+        if self.debug:
+            self._check(comm, "all_to_all_v", xp.asarray(arr), axis=0, skip_axis=True)
         a = self._prepare(arr)
         sc = np.ascontiguousarray(np.asarray(send_counts, dtype=np.int64))
+        bad = None
         if sc.shape != (n,) or sc.sum() != a.shape[0] or (sc < 0).any():
-            raise ValueError(f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
-                             f"counts summing to the {a.shape[0]} rows given")
+            bad = (f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
+                   f"counts summing to the {a.shape[0]} rows given")
+        if self.debug:          # counts are this rank's own: agree, so no rank waits alone
+            self.agree(bad is None, f"group rank {comm.Get_rank()}: {bad}", group=group)
+        elif bad is not None:
+            raise ValueError(bad)
         rc = np.empty(n, dtype=np.int64)
         comm.Alltoall(sc, rc)
         rest = a.shape[1:]
@@ -510,12 +549,22 @@ class ShardedEngine(ABC):
         """
         t0 = time.perf_counter()
         comm = self.mesh.comm(group)
+        self._check(comm, "broadcast", None, axis=root)
+        error = None
         if comm.Get_rank() == root:
-            a = self._prepare(arr)
-            h = self._header(a)
+            try:
+                a = self._prepare(arr)
+                h = self._header(a)
+            except (TypeError, ValueError) as exc:   # root's mistake: raised on every rank
+                error = exc
+                h = np.full(_HEADER, -1 if isinstance(exc, TypeError) else -2, dtype=np.int64)
         else:
             h = np.empty(_HEADER, dtype=np.int64)
         comm.Bcast(h, root=root)
+        if h[0] < 0:
+            msg = comm.bcast(str(error) if error is not None else None, root=root)
+            raise (TypeError if h[0] == -1 else ValueError)(f"broadcast from group rank "
+                                                              f"{root}: {msg}")
         if comm.Get_rank() != root:
             shape = tuple(int(d) for d in h[2:2 + int(h[1])])
             a = self.xp.empty(shape, dtype=_DTYPES[int(h[0])])

@@ -159,6 +159,8 @@ def build_inference(args, comm):
     if not os.access(os.path.dirname(out), os.W_OK):
         raise UsageError(f"--output {args.output}: directory {os.path.dirname(out)} is not "
                          f"writable")
+    if os.path.isdir(out):                # found only at the final rename otherwise
+        raise UsageError(f"--output {args.output} is a directory; give a file name")
     if os.path.exists(out) and os.path.samefile(out, args.input):
         raise UsageError(f"--output {args.output} is the input file")
     dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)

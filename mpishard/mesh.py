@@ -23,7 +23,7 @@ combined data-parallel group, for example).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import prod
+from math import isfinite, prod
 
 AXES = ("dp", "fsdp", "ep", "pp", "tp")
 """Mesh axes, outermost first (the rank order)."""
@@ -120,6 +120,9 @@ def parse_layout(text) -> Layout:
             except ValueError:
                 raise ValueError(f"layout {text!r}: option {key!r} must be {typ.__name__}, "
                                  f"got {value!r}") from None
+            if typ is float and not isfinite(v):
+                raise ValueError(f"layout {text!r}: option {key!r} must be a finite number, "
+                                 f"got {value!r}")
             if allowed is not None and v not in allowed:
                 raise ValueError(f"layout {text!r}: option {key}={value!r} not one of "
                                  f"{list(allowed)}")
@@ -132,6 +135,10 @@ def parse_layout(text) -> Layout:
         if axes and not any(a in seen for a in axes):
             raise ValueError(f"layout {text!r}: option {key!r} applies to the "
                              f"{' or '.join(axes)} axis, which the layout does not have")
+    if options.get("prefetch") and options.get("zero", 3) != 3:
+        raise ValueError(f"layout {text!r}: prefetch=1 needs zero=3, got zero="
+                         f"{options['zero']}: ZeRO-1/2 keep parameters replicated on fsdp, so "
+                         "no layer all-gathers a weight that could be prefetched")
     return Layout(sizes, options, s)
 
 
@@ -183,7 +190,7 @@ class DeviceMesh:
 
     def size(self, axes) -> int:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        return prod(self.layout.size(a) for a in axes)
+        return prod(self.layout.size(a) for a in set(axes))   # a repeated axis counts once
 
     def coord(self, axes) -> int:
         """This rank's index inside its group over `axes` (row-major, outermost first)."""

@@ -43,6 +43,8 @@ class MLP:
     kind = "mlp"
 
     def __init__(self, dims, activation="relu", bias=True, final_activation=None):
+        if any(isinstance(d, bool) or int(d) != d for d in dims):
+            raise ValueError(f"MLP dims must be integers, got {list(dims)}")
         dims = [int(d) for d in dims]
         if len(dims) < 2:
             raise ValueError(f"MLP needs at least 2 dims (input and output), got {dims}")

@@ -36,7 +36,9 @@ def _check_number(name, value, low=0.0, high=None, low_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
-    if not math.isfinite(value) or value < low or (low_open and value == low) or \
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value:g}")
+    if value < low or (low_open and value == low) or \
             (high is not None and value >= high):
         bound = f"{'>' if low_open else '>='} {low:g}" + (f" and < {high:g}" if high else "")
         raise ValueError(f"{name} must be {bound}, got {value:g}")

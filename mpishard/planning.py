@@ -113,6 +113,7 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
                   momentum: float = 0.0, shapes: bool = True) -> str:
     """Text report: the mesh groups, each rank's shard shapes and memory (no MPI)."""
     layout = parse_layout(layout)
+    check_fit(model, layout)       # the engine's own ValueError for a layout it would refuse
     itemsize = np.dtype(dtype).itemsize
     world = layout.world_size
     lines = [f"model  {model!r}: {model.num_params():,} parameters",

@@ -117,7 +117,8 @@ class Trainer:
     ----------
     batch : global batch size (rows per optimizer step, over all data-parallel ranks)
     steps / epochs : how long (exactly one of them; epochs * steps_per_epoch steps)
-    accumulate : micro-steps per optimizer step (batch must divide by accumulate * dp)
+    accumulate : micro-steps per optimizer step (batch must divide by accumulate * dp, and
+                 each micro-step's local rows by the pipeline's microbatches)
     clip : max global gradient norm, or None
     schedule : step -> lr function (optim.cosine_schedule, ...), or None for a constant lr
     eval_every : evaluate on the test split every this many steps (0: only at the end)
@@ -139,12 +140,19 @@ class Trainer:
         for what, v in (("eval_every", eval_every), ("log_every", log_every)):
             if not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"{what} must be an integer >= 0, got {v!r}")
-        if clip is not None and not clip > 0:
-            raise ValueError(f"clip must be > 0 (or None), got {clip}")
+        if clip is not None and not (clip > 0 and math.isfinite(clip)):
+            # clip_grad_norm refuses a non-finite max_norm; refuse it here, before training
+            raise ValueError(f"clip must be a finite number > 0 (or None), got {clip}")
         self.engine, self.optimizer, self.data = engine, optimizer, data
         self.loss = get_loss(loss or data.default_loss)
         self.batcher = DistributedBatcher.for_engine(engine, data.x_train, data.t_train, batch,
                                                      seed, accumulate, shuffle)
+        m = _pipeline_microbatches(engine)
+        if self.batcher.local_rows % m:      # train_step would raise it mid-fit otherwise
+            raise ValueError(f"microbatches={m} does not divide the {self.batcher.local_rows} "
+                             f"rows each rank gets per micro-step (batch {batch} / accumulate "
+                             f"{accumulate} / {engine.data_parallel_size} data-parallel ranks) "
+                             f"of layout {engine.layout.text!r}")
         self.batch, self.accumulate, self.clip = int(batch), int(accumulate), clip
         self.total_steps = int(steps) if steps is not None else \
             int(epochs) * self.batcher.steps_per_epoch
@@ -293,6 +301,15 @@ class Trainer:
             "lr_history": list(st.lr_history),
             "eval_history": list(st.eval_history),
         }
+
+
+def _pipeline_microbatches(engine) -> int:
+    """Microbatches each train_step splits its rows into (1 without pp)."""
+    if engine.layout.size("pp") == 1:
+        return 1
+    from .strategies.pipeline import pipeline_options
+
+    return pipeline_options(engine.layout)[3]
 
 
 def _model_text(engine) -> str:

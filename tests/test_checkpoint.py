@@ -340,6 +340,74 @@ def test_lazy_array_assembles_a_region_from_several_shards(tmp_path):
     assert w.files_for([(0, 2), (6, 8)]) == ["part1.npy"]
 
 
+def test_a_malformed_index_or_misfit_chunk_is_a_checkpoint_error(tmp_path):
+    """An index with a missing field, a chunk outside its array or of another dtype: a
+    CheckpointError when opened (never a KeyError, never uninitialised memory read back)."""
+    _single_checkpoint(tmp_path / "c")
+    w0 = "layer_0/weights"
+
+    def edit(name, fn):
+        d = tmp_path / name
+        shutil.copytree(tmp_path / "c", d)
+        index = json.loads((d / "index.json").read_text())
+        fn(index)
+        (d / "index.json").write_text(json.dumps(index))
+        return d
+
+    cases = {
+        "no tensors": (lambda ix: ix.pop("tensors"), "malformed index.json.*tensors"),
+        "no chunks": (lambda ix: ix["tensors"][w0].pop("chunks"), "malformed.*chunks"),
+        "no sha256": (lambda ix: [f.pop("sha256") for f in ix["files"].values()],
+                      "malformed.*sha256"),
+        "step": (lambda ix: ix.update(step="ten"), "malformed"),
+        "transposed": (lambda ix: ix["tensors"][w0].update(shape=[8, 6]),
+                       r"shape \(6, 8\) at offset \(0, 0\) does not fit layer_0/weights of "
+                       r"shape \(8, 6\)"),
+        "offset": (lambda ix: ix["tensors"][w0]["chunks"][0].update(offset=[1, 0]),
+                   "does not fit"),
+        "dtype": (lambda ix: ix["tensors"][w0].update(dtype="float32"),
+                  "holds float64, layer_0/weights is float32"),
+    }
+    for name, (fn, message) in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            ms.checkpoint.load(edit(name, fn), verify=False)
+    # a block rewritten with the same byte count but another dtype (verify=False: no sha256)
+    d = edit("int64", lambda ix: None)
+    block = d / json.loads((d / "index.json").read_text())["tensors"][w0]["chunks"][0]["file"]
+    np.save(block, np.load(block).view(np.int64), allow_pickle=False)
+    with pytest.raises(CheckpointError, match="holds int64"):
+        ms.checkpoint.load(d, verify=False)
+    w = ms.checkpoint.load(tmp_path / "c")[w0]                   # integers index, floats don't
+    assert np.array_equal(w[np.int64(-1)], np.asarray(w)[-1])
+    with pytest.raises(TypeError):
+        w[1.5]
+
+
+def test_load_while_a_save_swaps_the_directory(tmp_path, monkeypatch):
+    """A save that completes between reading the index and checking the files (another job
+    saving to the same path): load retries on the new checkpoint instead of pairing the old
+    index with the new files (a false 'corrupt' or 'missing' error, or mixed data)."""
+    from mpishard import checkpoint_reader
+
+    path = tmp_path / "ck"
+    _single_checkpoint(path, seed=1, step=1)
+    real, calls = checkpoint_reader.read_index, []
+
+    def read_then_swap(p):
+        index = real(p)
+        if not calls:
+            calls.append(p)
+            _single_checkpoint(path, seed=2, step=2)             # same file names, new data
+        return index
+
+    monkeypatch.setattr(checkpoint_reader, "read_index", read_then_swap)
+    ck = ms.checkpoint.load(path)
+    assert calls and ck.step == 2
+    want = ms.MLP([6, 8, 8, 3], activation="tanh").init(seed=2)
+    for name in want:
+        assert np.array_equal(np.asarray(ck[name]), want[name]), name
+
+
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     """Rank 1 writes part of a shard and SIGKILLs itself during the second save: the job ends
     with an error, the first checkpoint still loads and verifies, the next save cleans up."""

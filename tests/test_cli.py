@@ -135,6 +135,8 @@ def test_shipped_configs_are_valid(path):
     (["--layout", "tp=4"], "but the world size is 2"),
     (["--model", "10,10"], "digits dataset has 64 features"),
     (["--layout", "tp=2", "--model", "64,7,10"], "tp=2 does not divide the hidden size 7"),
+    (["--layout", "pp=2,microbatches=3", "--batch", "8"], "microbatches=3 does not divide"),
+    (["--clip", "inf"], "clip must be a finite number > 0"),
 ])
 def test_bad_input_exits_nonzero_with_one_line_on_two_ranks(argv, message):
     rc, out, err, seconds = launch(2, "train", *argv, timeout=60)

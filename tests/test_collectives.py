@@ -411,3 +411,70 @@ def test_debug_mode_off_by_default(monkeypatch):
     assert not engine(debug=None).debug
     monkeypatch.setenv("MPISHARD_DEBUG", "0")
     assert not engine(debug=None).debug
+
+
+# -- adversarial regressions -------------------------------------------------------------------
+@pytest.mark.mpi(min_size=1)
+def test_header_receives_complete_in_posting_order():
+    """Two header-form receives from one source with one tag: finishing the second first
+    (result() or done()) must not pair its header with the first message's data."""
+    e = engine()
+    n, r = nr(e)
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    for finish_second_first in (lambda f: f.result(), lambda f: [0 for _ in iter(f.done, True)],
+                                None):
+        sends = [e.send_async(np.full(2, 1.0 + r), nxt, tag=3),
+                 e.send_async(np.full((3, 2), 2.0 + r), nxt, tag=3)]
+        first = e.receive_async(prv, tag=3)
+        if finish_second_first is None:                  # a blocking receive in between
+            second = e.receive(prv, tag=3)
+        else:
+            fut = e.receive_async(prv, tag=3)
+            finish_second_first(fut)
+            second = fut.result()
+        np.testing.assert_array_equal(second, np.full((3, 2), 2.0 + prv))
+        np.testing.assert_array_equal(first.result(), np.full(2, 1.0 + prv))
+        for s in sends:
+            s.result()
+    assert e._header_recvs == {}                         # nothing pending is kept
+    with pytest.raises(ValueError, match="tag must be an integer >= 0, got -1"):
+        e.receive_async(prv, out=np.empty(2), tag=-1)    # -1 would be MPI_ANY_TAG
+
+
+@pytest.mark.mpi(min_size=1)
+def test_broadcast_a_bad_root_array_raises_on_every_rank():
+    e = engine()
+    n, r = nr(e)
+    with pytest.raises(TypeError, match="broadcast from group rank 0: dtype object"):
+        e.broadcast(None, root=0)                        # the root forgot its array
+    with pytest.raises(ValueError, match=f"broadcast from group rank {n - 1}: .*11"):
+        e.broadcast(np.zeros((1,) * 11) if r == n - 1 else None, root=n - 1)
+    np.testing.assert_array_equal(e.broadcast(np.arange(3) if r == 0 else None), np.arange(3))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_catches_mistakes_that_one_rank_would_raise_alone():
+    """A dtype, length or axis that only one rank gets wrong is compared before that rank's
+    own checks, so every rank raises CollectiveMismatchError (none is left waiting)."""
+    e = engine(debug=True)
+    n, r = nr(e)
+    last = r == n - 1
+    cases = [
+        (lambda: e.all_reduce(np.ones(3, np.int64 if last else np.float64), op="avg"),
+         r"dtype=int64"),
+        (lambda: e.all_reduce(np.ones(3, np.longdouble if last else np.float64)),
+         r"dtype=unsupported float128|dtype=unsupported longdouble"),
+        (lambda: e.all_to_all(np.ones((n + 1 if last else n, 2))), r"all_to_all"),
+        (lambda: e.all_gather(np.ones(2) if last else np.ones((2, 3)), axis=1), r"all_gather"),
+        (lambda: e.reduce_scatter(np.ones((n, 2)), op="max" if last else "sum"), r"op=max"),
+        (lambda: e.all_to_all_v(np.ones(n, np.float32 if last else np.float64), [1] * n),
+         r"all_to_all_v.*float32"),
+        (lambda: e.broadcast(np.ones(2), root=r), r"broadcast.*root=1"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ms.CollectiveMismatchError, match=message) as info:
+            call()
+        assert len(set(world().allgather(str(info.value)))) == 1
+    with pytest.raises(ValueError, match=rf"group rank {n - 1}: all_to_all_v: send_counts"):
+        e.all_to_all_v(np.ones(n), [2] * n if last else [1] * n)
+    np.testing.assert_array_equal(e.all_reduce(np.ones(2)), np.full(2, n))   # still in step

@@ -93,6 +93,7 @@ def test_bad_input_in_process(saved, tmp_path, capsys):
         (infer_args(ck, tmp_path / "missing.npy", y), "no such file"),
         (infer_args(ck, x, x), "is the input file"),
         (infer_args(ck, x, tmp_path / "no" / "y.npy"), "does not exist"),
+        (infer_args(ck, x, tmp_path), "is a directory"),
         (infer_args(ck, x, y, "--batch", "0"), "--batch must be > 0"),
         (infer_args(ck, x, y, "--layout", "dp=2"), "needs dp=2 = 2 ranks"),
     ]

@@ -47,6 +47,8 @@ def test_data_parallel_size_counts_every_data_axis():
     ("dp", r"expected 'name=value', got 'dp'"),
     ("pp=2,schedule=zigzag", r"schedule='zigzag' not one of"),
     ("pp=2,microbatches=x", r"option 'microbatches' must be int"),
+    ("dp=2,bucket_mb=inf", r"option 'bucket_mb' must be a finite number, got 'inf'"),
+    ("fsdp=2,bucket_mb=nan", r"option 'bucket_mb' must be a finite number, got 'nan'"),
 ])
 def test_bad_layouts_name_the_problem(text, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -112,7 +114,8 @@ def test_axis_communicators_match_group_ranks():
         dm = ms.DeviceMesh(comm, text)
         layout = dm.layout
         assert dm.coords == mesh.coordinates(layout, rank)
-        for axes in [(a,) for a in mesh.AXES] + [("dp", "tp"), ("dp", "fsdp", "ep"), None]:
+        for axes in [(a,) for a in mesh.AXES] + [("dp", "tp"), ("dp", "fsdp", "ep"), None,
+                                                 ("tp", "dp", "tp")]:     # repeated: once
             sub = dm.comm(axes)
             members = sub.allgather(rank)      # world ranks, in group-rank order
             want = list(range(n)) if axes is None else dm.group_ranks(axes)
@@ -147,3 +150,14 @@ def test_describe_lists_the_groups():
 def test_option_without_its_axis_is_refused(layout, axis):
     with pytest.raises(ValueError, match=f"applies to the {axis}"):
         ms.parse_layout(layout)
+
+
+def test_prefetch_with_zero1_or_2_is_refused_at_parse_time():
+    for zero in (1, 2):
+        with pytest.raises(ValueError, match="prefetch=1 needs zero=3"):
+            ms.parse_layout(f"fsdp=2,zero={zero},prefetch=1")
+
+
+def test_mlp_dims_must_be_integers():
+    with pytest.raises(ValueError, match="must be integers"):
+        ms.MLP([4.5, 2])

@@ -175,6 +175,17 @@ def test_inspect_cli_prints_mesh_shards_and_memory():
     assert bad.stderr.strip().count("\n") == 0 and "does not divide" in bad.stderr
 
 
+def test_inspect_refuses_a_schedule_the_engine_refuses():
+    """inspect --layout prints only layouts the engine builds: interleaved 1F1B needs
+    microbatches to be a multiple of pp (make_schedule), which plan_params alone misses."""
+    from mpishard.planning import layout_report
+
+    model = ms.MLP([8, 8, 8, 8, 4])
+    with pytest.raises(ValueError, match=r"microbatches \(3\) to be a multiple of pp \(2\)"):
+        layout_report(model, "pp=2,schedule=interleaved,microbatches=3")
+    assert "memory per rank" in layout_report(model, "pp=2,schedule=interleaved,microbatches=4")
+
+
 def test_cli_digits_dp_tp_pp_matches_single(tmp_path):
     """The CLI trains digits under dp=2,tp=2,pp=2 to the same loss curve and accuracy as
     single (float64)."""

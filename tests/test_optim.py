@@ -137,6 +137,8 @@ def test_hyperparameters_are_checked():
     assert opt.lr == 0.5
     with pytest.raises(ValueError, match="lr"):
         opt.lr = float("nan")
+    with pytest.raises(ValueError, match="lr must be a finite number, got inf"):
+        SGD(e, float("inf"))                      # not ">= 0, got inf"
     with pytest.raises(TypeError, match="grads"):
         opt.step([1, 2])
 

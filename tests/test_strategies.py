@@ -172,6 +172,28 @@ def test_float32_within_1e4(layout):
         np.testing.assert_array_equal(full[k], params[k].astype(np.float32))
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("layout", ["single", "dp=2", "tp=2", "pp=2"])
+def test_integer_inputs_compute_in_the_engine_dtype(layout):
+    """Integer features (raw pixel counts, say) are cast like float16 ones: a float32 engine
+    computes (and a pipeline sends) float32, not float64, and matches single fed floats."""
+    model = ms.MLP([6, 16, 12, 5], "relu")
+    params = model.init(seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.integers(-3, 4, (BATCH, model.d_in))
+    t = rng.standard_normal((BATCH, model.d_out))
+    want_y, want_loss, want_grads = reference(model, params, x.astype(np.float32), t,
+                                              dtype=np.float32)
+    engine = build(model, layout, params, dtype=np.float32)
+    y = engine.gather_batch(engine.predict(engine.shard_batch(x)))
+    assert y.dtype == np.float32, f"{layout}: output {y.dtype} from int64 input"
+    assert_close(y, want_y, RTOL32, what=f"{layout} int input y")
+    loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t),
+                                    ms.losses.MSE())
+    assert_close(loss, want_loss, RTOL32, what=f"{layout} int input loss")
+    assert_dicts_close(engine.gather_grads(grads), want_grads, RTOL32, what=f"{layout} int")
+
+
 # -- training: several SGD steps by hand -------------------------------------------------------
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -218,8 +218,26 @@ def test_trainer_rejects_bad_arguments():
         Trainer(e, opt, data, batch=16, steps=3, epochs=1)
     with pytest.raises(ValueError, match="global batch 12 must divide by accumulate 8"):
         Trainer(e, opt, data, batch=12, steps=3, accumulate=8)
-    with pytest.raises(ValueError, match="clip must be > 0"):
+    with pytest.raises(ValueError, match="clip must be a finite number > 0"):
         Trainer(e, opt, data, batch=16, steps=3, clip=0)
+    with pytest.raises(ValueError, match="clip must be a finite number > 0"):
+        Trainer(e, opt, data, batch=16, steps=3, clip=float("inf"))   # not at the first clip
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout,batch,accumulate,rows", [("pp=2,microbatches=4", 8, 4, 2),
+                                                          ("pp=2,microbatches=3", 8, 1, 8)])
+def test_trainer_checks_microbatches_against_each_micro_step(layout, batch, accumulate, rows):
+    """Each micro-step feeds batch / accumulate / dp rows to train_step, which splits them
+    into microbatches: a mismatch is refused when the Trainer is built (the same ValueError on
+    every rank, so the CLI prints one line), not mid-fit."""
+    comm = group_comm(2)
+    data = synthetic_regression(64, 16, d_in=DIMS[0], d_out=DIMS[-1], seed=0)
+    e = ms.make_engine(ms.MLP(DIMS), layout, comm=comm)
+    e.load_checkpoint(ms.MLP(DIMS).init(0))
+    with pytest.raises(ValueError, match=f"does not divide the {rows} rows each rank gets"):
+        Trainer(e, SGD(e, 0.1), data, batch=batch, steps=1, accumulate=accumulate,
+                progress=False)
 
 
 def test_logging_has_the_rank_and_only_rank_0_informs(capsys):

@@ -255,18 +255,20 @@ class MeshEngine(ShardedEngine):
         return self.all_gather(y_local, axis=0, group=DATA_AXES)
 
     def _check_input(self, x):
+        """Raise ValueError on a wrongly shaped input; returns x in the engine's dtype (an
+        integer or bool input would otherwise compute, and pipeline-send, in float64)."""
         d_in = self.model.d_in
         if x.ndim != 2 or x.shape[1] != d_in:
             raise ValueError(f"input has shape {tuple(x.shape)}, expected (batch, {d_in}) for "
                              f"{self.model!r}")
+        return x if x.dtype == self.dtype else x.astype(self.dtype)
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, x, mb: int = 0):
         """Forward this rank's rows, recording activations for `backward`."""
         self._require_loaded()
         if x is not None:
-            x = self._to_device(x)
-            self._check_input(x)
+            x = self._check_input(self._to_device(x))
         self._drop_tape(mb)          # a forward that never got its backward is forgotten
         return self.runner.forward(x, mb=mb, record=True)
 
@@ -283,8 +285,7 @@ class MeshEngine(ShardedEngine):
         """Forward without an activation tape (inference)."""
         self._require_loaded()
         if x is not None:
-            x = self._to_device(x)
-            self._check_input(x)
+            x = self._check_input(self._to_device(x))
         return self.runner.forward(x, mb=-1, record=False)
 
     def zero_grad(self) -> None:
@@ -329,8 +330,7 @@ class MeshEngine(ShardedEngine):
         self._require_loaded()
         loss = get_loss(loss)
         if x is not None:
-            x = self._to_device(x)
-            self._check_input(x)
+            x = self._check_input(self._to_device(x))
         if t is not None:
             t = self.backend.asarray(t)
             if t.dtype.kind == "f":
