@@ -163,3 +163,25 @@ def test_wrong_target_shape():
                       lambda: engine.train_step(x, np.zeros((8, 2)), ms.losses.MSE()))
     raises_everywhere(comm, ValueError, r"unknown loss 'l1'",
                       lambda: engine.train_step(x, np.zeros((8, 3)), "l1"))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["pp=2", "dp=2", "tp=2"])
+def test_bad_targets_raise_on_every_rank_before_communication(layout):
+    """Under pp the loss runs on the last stage only; the targets are still checked on every
+    rank first, so every rank raises the same error instead of one rank aborting the job."""
+    comm = group_comm(2)
+    model = ms.MLP([4, 6, 6, 3])
+    eng = ms.make_engine(model, layout, comm=comm)
+    eng.load_checkpoint(model.init(0))
+    x = np.zeros((4, 4))
+    cases = [(ms.losses.MSE(), np.zeros((4, 2)), "target shape"),
+             (ms.losses.CrossEntropy(), np.full(4, 7, dtype=np.int64),
+              r"labels must lie in \[0, 3\)")]
+    for loss, t, needle in cases:
+        with pytest.raises(ValueError, match=needle) as err:
+            eng.train_step(eng.shard_batch(x), eng.shard_batch(t), loss)
+        assert len(set(comm.allgather(str(err.value)))) == 1
+    # and the engine still trains afterwards
+    value, _ = eng.train_step(eng.shard_batch(x), eng.shard_batch(np.zeros((4, 3))), "mse")
+    assert np.isfinite(value)

@@ -335,6 +335,11 @@ class MeshEngine(ShardedEngine):
             t = self.backend.asarray(t)
             if t.dtype.kind == "f":
                 t = t.astype(self.dtype, copy=False)   # no copy when it already matches
+            # check the targets on every rank before any communication (under pp the loss
+            # itself runs on the last stage only): a shape-only stand-in for the output
+            stand_in = self.xp.broadcast_to(self.xp.zeros((), self.dtype),
+                                            (t.shape[0], self.model.d_out))
+            loss.check(stand_in, t)
         if not accumulate:
             self.zero_grad()
         self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
