@@ -41,7 +41,7 @@ DEFAULT_BUCKET_MB = 25.0
 def replicated_data_axes(engine, name) -> tuple:
     """The data axes over which gradient `name` must be averaged."""
     # the gradient's own layout (ZeRO-1/2 shard gradients of replicated parameters on fsdp)
-    placement = getattr(engine, "grad_placements", engine.placements)[name]
+    placement = engine.grad_placements[name]
     return tuple(a for a in DATA_AXES
                  if engine.mesh.size(a) > 1 and placement.is_replicated_on(a)
                  and a not in engine.grad_sync_exempt.get(name, ()))
@@ -52,18 +52,18 @@ def plan_buckets(names, nbytes: dict, axes_of: dict, bucket_bytes: int) -> list:
     `bucket_bytes` each (a larger tensor gets a bucket of its own; bucket_bytes <= 0: one
     tensor per bucket). No MPI: the same plan on every rank."""
     buckets: list = []
-    open_bucket: dict = {}            # axes -> index into buckets of the one being filled
+    open_bucket: dict = {}            # axes -> [index into buckets, bytes so far] being filled
     for name in names:
         axes = axes_of[name]
         if not axes:
             continue
-        i = open_bucket.get(axes)
-        if i is not None and bucket_bytes > 0:
-            size = sum(nbytes[n] for n in buckets[i][1])
-            if size + nbytes[name] <= bucket_bytes:
-                buckets[i][1].append(name)
-                continue
-        open_bucket[axes] = len(buckets)
+        filling = open_bucket.get(axes)
+        if filling is not None and bucket_bytes > 0 and \
+                filling[1] + nbytes[name] <= bucket_bytes:
+            buckets[filling[0]][1].append(name)
+            filling[1] += nbytes[name]
+            continue
+        open_bucket[axes] = [len(buckets), nbytes[name]]
         buckets.append((axes, [name]))
     return buckets
 
@@ -164,11 +164,11 @@ class GradientSync:
 
     def _overlap_supported(self) -> bool:
         from ..layers import LocalAccess
-        from .mesh_engine import SequentialRunner
+        from .mesh_engine import SequentialRunner, uses_moe
 
         e = self.engine
         return (type(e.access) is LocalAccess and type(e.runner) is SequentialRunner
-                and getattr(e.model, "kind", "mlp") == "mlp")
+                and not uses_moe(e.model, e.layout))
 
     # -- the backward's hooks ------------------------------------------------------------------
     def begin(self, overlap: bool = True) -> None:

@@ -115,7 +115,7 @@ class FSDPAccess:
         self.n = engine.mesh.size("fsdp")
         self.rank = engine.mesh.coord("fsdp")
         self.bucket_bytes = max(1, int(layout.option("bucket_mb", DEFAULT_BUCKET_MB) * 2 ** 20))
-        sizes = {a: engine.mesh.size(a) for a in layout.sizes}
+        sizes = layout.sizes
         self.stage: dict = {}   # name -> 1, 2 or 3
         self.rows: dict = {}    # name -> L, rows of the block before the fsdp split
         for name, placement in engine.placements.items():

@@ -40,6 +40,12 @@ def layer_stages(model, layout) -> list:
     return assign_stages(model, layout)
 
 
+def uses_moe(model, layout) -> bool:
+    """Expert-parallel composition: an ms.MoE model, or a layout with an ep axis (which
+    expert_parallel refuses for anything but a MoE)."""
+    return getattr(model, "kind", "mlp") == "moe" or layout.size("ep") > 1
+
+
 def plan_params(model, layout) -> dict:
     """name -> ParamInfo(full_shape, Placement) for every parameter of `model` under `layout`.
 
@@ -47,7 +53,7 @@ def plan_params(model, layout) -> dict:
     does not fit the model.
     """
     layout = parse_layout(layout)
-    if getattr(model, "kind", "mlp") == "moe" or layout.size("ep") > 1:
+    if uses_moe(model, layout):
         from .expert_parallel import plan_moe_params
 
         return plan_moe_params(model, layout)
@@ -149,7 +155,7 @@ class MeshEngine(ShardedEngine):
 
     def _build_chunks(self) -> list:
         """The layers of this rank: one list per virtual stage it holds (pp=1: one list)."""
-        if getattr(self.model, "kind", "mlp") == "moe" or self.layout.size("ep") > 1:
+        if uses_moe(self.model, self.layout):
             from .expert_parallel import build_moe_chunks
 
             return build_moe_chunks(self)
@@ -200,7 +206,7 @@ class MeshEngine(ShardedEngine):
         """Every rank passes the full dict (arrays or lazily loaded arrays); each keeps only
         its shards. Raises the same ValueError on every rank for a missing/misshaped key."""
         self.model.check_params(params)
-        sizes = {a: self.mesh.size(a) for a in self.layout.sizes}
+        sizes = self.layout.sizes
         for name in self.local_names:
             self.params[name] = pl.shard_array(params[name], self.placements[name], sizes,
                                                self.mesh.coords, self.xp, self.dtype)
@@ -254,9 +260,13 @@ class MeshEngine(ShardedEngine):
             return y_local
         return self.all_gather(y_local, axis=0, group=DATA_AXES)
 
+    def _input(self, x):
+        """x on the device in the engine's dtype (an integer or bool input would otherwise
+        compute, and pipeline-send, in float64); ValueError on a wrongly shaped input."""
+        return self._check_input(self.backend.asarray(x))
+
     def _check_input(self, x):
-        """Raise ValueError on a wrongly shaped input; returns x in the engine's dtype (an
-        integer or bool input would otherwise compute, and pipeline-send, in float64)."""
+        """Raise ValueError on a wrongly shaped input; returns x in the engine's dtype."""
         d_in = self.model.d_in
         if x.ndim != 2 or x.shape[1] != d_in:
             raise ValueError(f"input has shape {tuple(x.shape)}, expected (batch, {d_in}) for "
@@ -268,7 +278,7 @@ class MeshEngine(ShardedEngine):
         """Forward this rank's rows, recording activations for `backward`."""
         self._require_loaded()
         if x is not None:
-            x = self._check_input(self._to_device(x))
+            x = self._input(x)
         self._drop_tape(mb)          # a forward that never got its backward is forgotten
         return self.runner.forward(x, mb=mb, record=True)
 
@@ -285,7 +295,7 @@ class MeshEngine(ShardedEngine):
         """Forward without an activation tape (inference)."""
         self._require_loaded()
         if x is not None:
-            x = self._check_input(self._to_device(x))
+            x = self._input(x)
         return self.runner.forward(x, mb=-1, record=False)
 
     def zero_grad(self) -> None:
@@ -330,11 +340,9 @@ class MeshEngine(ShardedEngine):
         self._require_loaded()
         loss = get_loss(loss)
         if x is not None:
-            x = self._check_input(self._to_device(x))
+            x = self._input(x)
         if t is not None:
-            t = self.backend.asarray(t)
-            if t.dtype.kind == "f":
-                t = t.astype(self.dtype, copy=False)   # no copy when it already matches
+            t = self._to_device(t)             # float targets in the engine dtype, labels as is
             # check the targets on every rank before any communication (under pp the loss
             # itself runs on the last stage only): a shape-only stand-in for the output
             stand_in = self.xp.broadcast_to(self.xp.zeros((), self.dtype),
@@ -394,10 +402,9 @@ class MeshEngine(ShardedEngine):
         per dim (padding excluded) — the block's first stop-start entries along each dim are
         real data. which='param' is the stored parameter block; which='optimizer' the block
         handed out by optimizer_shards() (ZeRO-1/2 override it). Checkpoints use this."""
-        sizes = {a: self.mesh.size(a) for a in self.layout.sizes}
         placement = self.grad_placements[name] if which == "optimizer" else \
             self.placements[name]                 # ZeRO-1/2: the owned fsdp slice
-        ranges, _ = pl.local_slices(self.full_shapes[name], placement, sizes,
+        ranges, _ = pl.local_slices(self.full_shapes[name], placement, self.layout.sizes,
                                     self.mesh.coords)
         return ranges
 
@@ -462,8 +469,7 @@ class MeshEngine(ShardedEngine):
     def inference_loop(self, input_stream, output_stream) -> None:
         if self.layout.size("pp") > 1:
             return self.runner.inference_loop(input_stream, output_stream)
-        for x in iter(input_stream):
-            output_stream.write(self.predict(x))
+        return super().inference_loop(input_stream, output_stream)
 
     def __repr__(self):
         return f"MeshEngine({self.model!r}, layout={self.layout.text!r}, rank={self.device_id})"

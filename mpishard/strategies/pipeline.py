@@ -349,7 +349,7 @@ class PipelineRunner:
                     x = next(stream, None)
                     if x is None:
                         break
-                    x = e._check_input(e._to_device(x))
+                    x = e._input(x)
                 else:
                     x = self._wait(self._post_receive(s - 1, -1, 0, FWD))
                     if x.ndim == _EOS_NDIM:

@@ -79,21 +79,17 @@ class ColumnParallelLinear(Linear):
     """
 
 
-class RowParallelLinear(Layer):
+class RowParallelLinear(Linear):
     """y = all_reduce_tp(x_local W[block, :]) + b     'bf,fd->bd' with f = F / tp.
 
     g: all-reduce(sum) forward / identity backward: dy is already the full, replicated
-    gradient, so each rank's block gradient needs no communication.
+    gradient, so each rank's block gradient needs no communication: the backward is
+    Linear's (dW = 'bf,bd->fd', db = sum_b dy, dx = 'bd,fd->bf', dx stays sharded).
     """
 
     def __init__(self, engine, access, w_name, b_name=None, need_dx=True):
-        super().__init__()
-        self.engine, self.access = engine, access
-        self.w_name, self.b_name, self.need_dx = w_name, b_name, need_dx
-        self.param_names = (w_name,) + ((b_name,) if b_name else ())
-
-    def __repr__(self):
-        return f"RowParallelLinear({self.w_name})"
+        super().__init__(access, w_name, b_name, need_dx)
+        self.engine = engine
 
     def forward(self, x, mb=0, record=True):
         w = self.access.get(self.w_name, mb)
@@ -105,13 +101,3 @@ class RowParallelLinear(Layer):
             self.access.release(self.b_name, mb)                    # FSDP drops the gathered b
         self.save(mb, record, x)
         return y
-
-    def backward(self, dy, mb=0):
-        x = self.pop(mb)                                            # g backward: identity
-        w = self.access.get(self.w_name, mb)
-        dx, dw, db = nn.linear_backward(dy, x, w, self.need_dx)     # undoes 'bf,fd->bd'
-        self.access.release(self.w_name, mb)
-        self.access.add_grad(self.w_name, dw)
-        if self.b_name:
-            self.access.add_grad(self.b_name, db)                   # undoes + b
-        return dx
