@@ -163,11 +163,10 @@ class ShardedEngine(ABC):
         self._result_pool[key] = bufs                   # most recently used shape last
         if len(self._result_pool) > self._POOL_SHAPES:
             self._result_pool.pop(next(iter(self._result_pool)))
-        for i in range(len(bufs)):
-            # 2 = the list's reference (buf.base's, for an owner) + getrefcount's argument;
-            # numpy views reference the memory's owner, so check the owner too
-            if sys.getrefcount(bufs[i]) == 2 and (bufs[i].base is None
-                                                  or sys.getrefcount(bufs[i].base) == 2):
+        for i in range(len(bufs)):          # indexed: a loop variable would add a reference
+            # 2 = the list's reference + getrefcount's argument; every view of a pooled
+            # array (the moveaxis of a result, a slice of it) holds one more, as its .base
+            if sys.getrefcount(bufs[i]) == 2:
                 return bufs[i]
         buf = self.xp.empty(shape, dtype=dtype)
         bufs.append(buf)
@@ -305,7 +304,7 @@ class ShardedEngine(ABC):
             while queue[0] is not fut:
                 queue[0].result()
             queue.pop(0)
-            if not queue and self._header_recvs.get(key) is queue:
+            if not queue:        # the last pending receive of this key: forget the key
                 del self._header_recvs[key]
             dtype, ndim = _DTYPES[int(h[0])], int(h[1])
             shape = tuple(int(d) for d in h[2:2 + ndim])
@@ -382,6 +381,18 @@ class ShardedEngine(ABC):
         self._count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
         return Future([req], finish, keep=(a, sbuf, rbuf))
 
+    def _gather_args(self, arr, axis, group, uneven=False):
+        """(arr with `axis` moved first, contiguous; the axis normalised; communicator; group
+        size) for all_gather(_async); a 0-d array gathers as shape (1,). `uneven`: lengths
+        along `axis` may differ, so debug mode leaves them out of the comparison."""
+        a = self.xp.asarray(arr)
+        if a.ndim == 0:
+            a = a.reshape(1)
+        comm = self.mesh.comm(group)
+        self._check(comm, "all_gather", a, axis=axis, skip_axis=uneven)
+        axis = self._norm_axis(a, axis)
+        return self._prepare(self.xp.moveaxis(a, axis, 0)), axis, comm, comm.Get_size()
+
     def all_gather(self, arr, axis: int = 0, group=None):
         """Concatenate the group's arrays along `axis` (MPI Allgather / Allgatherv).
 
@@ -390,14 +401,7 @@ class ShardedEngine(ABC):
         """
         t0 = time.perf_counter()
         xp = self.xp
-        a = xp.asarray(arr)
-        if a.ndim == 0:
-            a = a.reshape(1)
-        comm = self.mesh.comm(group)
-        self._check(comm, "all_gather", a, axis=axis, skip_axis=True)
-        axis = self._norm_axis(a, axis)
-        n = comm.Get_size()
-        moved = self._prepare(xp.moveaxis(a, axis, 0))      # (len_i, ...rest)
+        moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...rest)
         rest = moved.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
         lens = np.empty(n, dtype=np.int64)
@@ -427,14 +431,7 @@ class ShardedEngine(ABC):
         """
         t0 = time.perf_counter()
         xp = self.xp
-        a = xp.asarray(arr)
-        if a.ndim == 0:
-            a = a.reshape(1)
-        comm = self.mesh.comm(group)
-        self._check(comm, "all_gather", a, axis=axis)
-        axis = self._norm_axis(a, axis)
-        n = comm.Get_size()
-        moved = self._prepare(xp.moveaxis(a, axis, 0))      # (len, ...rest), same on every rank
+        moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
         out = xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
         sbuf = self.backend.mpi_buffer(moved, slot=None)    # fresh staging: several in flight
         rbuf = self.backend.mpi_buffer(out, slot=None)

@@ -31,23 +31,17 @@ AXES = ("dp", "fsdp", "ep", "pp", "tp")
 DATA_AXES = ("dp", "fsdp", "ep")
 """Axes over which the batch is split (ep splits tokens like dp does)."""
 
-# option name -> (type, allowed values or None)
+# option name -> (type, allowed values or None, the axes it configures: one of them must be
+# in the layout)
 OPTIONS = {
-    "microbatches": (int, None),
-    "schedule": (str, ("gpipe", "1f1b", "interleaved")),
-    "virtual_stages": (int, None),
-    "stages": (str, None),          # explicit layer split, e.g. "2+1+1"
-    "zero": (int, (1, 2, 3)),
-    "bucket_mb": (float, None),     # gradient bucket size for dp/fsdp all-reduce
-    "overlap": (int, (0, 1)),       # overlap gradient communication with backward
-    "prefetch": (int, (0, 1)),      # fsdp: issue the next layer's all_gather early
-}
-
-# option name -> the axes it configures (one of them must be in the layout)
-OPTION_AXES = {
-    "microbatches": ("pp",), "schedule": ("pp",), "virtual_stages": ("pp",), "stages": ("pp",),
-    "zero": ("fsdp",), "prefetch": ("fsdp",),
-    "bucket_mb": DATA_AXES, "overlap": DATA_AXES,
+    "microbatches": (int, None, ("pp",)),
+    "schedule": (str, ("gpipe", "1f1b", "interleaved"), ("pp",)),
+    "virtual_stages": (int, None, ("pp",)),
+    "stages": (str, None, ("pp",)),         # explicit layer split, e.g. "2+1+1"
+    "zero": (int, (1, 2, 3), ("fsdp",)),
+    "bucket_mb": (float, None, DATA_AXES),  # gradient bucket size for dp/fsdp all-reduce
+    "overlap": (int, (0, 1), DATA_AXES),    # overlap gradient communication with backward
+    "prefetch": (int, (0, 1), ("fsdp",)),   # fsdp: issue the next layer's all_gather early
 }
 
 
@@ -114,7 +108,7 @@ def parse_layout(text) -> Layout:
                 raise ValueError(f"layout {text!r}: size of axis {key!r} must be >= 1, got {n}")
             sizes[key] = n
         elif key in OPTIONS:
-            typ, allowed = OPTIONS[key]
+            typ, allowed, _ = OPTIONS[key]
             try:
                 v = typ(value)
             except ValueError:
@@ -131,8 +125,8 @@ def parse_layout(text) -> Layout:
             raise ValueError(f"layout {text!r}: unknown axis or option {key!r}; axes are "
                              f"{list(AXES)}, options are {sorted(OPTIONS)}")
     for key in options:                     # an option without its axis is a mistake, not a no-op
-        axes = OPTION_AXES.get(key, ())
-        if axes and not any(a in seen for a in axes):
+        axes = OPTIONS[key][2]
+        if not any(a in seen for a in axes):
             raise ValueError(f"layout {text!r}: option {key!r} applies to the "
                              f"{' or '.join(axes)} axis, which the layout does not have")
     if options.get("prefetch") and options.get("zero", 3) != 3:
