@@ -501,12 +501,14 @@ class ShardedEngine(ABC):
         self._count("all_to_all", (n - 1) / n * moved.nbytes, t0)
         return xp.moveaxis(out, 0, axis) if axis != 0 else out
 
-    def all_to_all_v(self, arr, send_counts, group=None):
+    def all_to_all_v(self, arr, send_counts, group=None, recv_counts=None):
         """Variable-count exchange along axis 0 (MPI Alltoallv).
 
         `send_counts[j]` rows of `arr` (consecutive, in rank order) go to rank j. The counts are
-        exchanged first; returns (received rows concatenated in source-rank order, recv_counts).
-        Adjoint: all_to_all_v of the gradient with send and receive counts swapped.
+        exchanged first, unless the caller already knows `recv_counts` (e.g. the reverse of an
+        earlier exchange); returns (received rows concatenated in source-rank order,
+        recv_counts). Adjoint: all_to_all_v of the gradient with send and receive counts
+        swapped.
         """
         t0 = time.perf_counter()
         xp = self.xp
@@ -524,8 +526,11 @@ class ShardedEngine(ABC):
             self.agree(bad is None, f"group rank {comm.Get_rank()}: {bad}", group=group)
         elif bad is not None:
             raise ValueError(bad)
-        rc = np.empty(n, dtype=np.int64)
-        comm.Alltoall(sc, rc)
+        if recv_counts is None:
+            rc = np.empty(n, dtype=np.int64)
+            comm.Alltoall(sc, rc)
+        else:
+            rc = np.ascontiguousarray(np.asarray(recv_counts, dtype=np.int64))
         rest = a.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
         out = xp.empty((int(rc.sum()),) + rest, dtype=a.dtype)

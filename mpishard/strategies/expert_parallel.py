@@ -140,12 +140,12 @@ class MoELayer(Layer):
         return dx
 
     # -- exchanges -----------------------------------------------------------------------------
-    def _exchange(self, rows, send_counts):
-        """all_to_all_v over ep (identity when ep=1). Adjoint: the same call on the gradient
-        with the counts the forward received as send counts."""
+    def _exchange(self, rows, send_counts, recv_counts):
+        """all_to_all_v over ep (identity when ep=1); both count vectors are known here, so
+        no count exchange. Adjoint: the same call on the gradient with the counts swapped."""
         if self.ep == 1:
             return rows, send_counts
-        return self.engine.all_to_all_v(rows, send_counts, group="ep")
+        return self.engine.all_to_all_v(rows, send_counts, group="ep", recv_counts=recv_counts)
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x, mb=0, record=True):
@@ -179,8 +179,8 @@ class MoELayer(Layer):
             from_src = from_src.reshape(self.ep, self.n_local)
         else:
             from_src = per_expert.reshape(1, n_exp)
-        recv, recv_counts = self._exchange(send, send_counts)                 # dispatch
-        assert (np.asarray(recv_counts) == from_src.sum(axis=1)).all()
+        recv_counts = from_src.sum(axis=1)               # rows from each source rank
+        recv, _ = self._exchange(send, send_counts, recv_counts)              # dispatch
 
         # experts: group received rows (source-major) by local expert
         starts = np.concatenate([[0], np.cumsum(from_src.ravel())[:-1]]).reshape(from_src.shape)
@@ -197,7 +197,7 @@ class MoELayer(Layer):
         out_recv = xp.empty_like(recv)
         out_recv[xp.asarray(perm)] = xp.concatenate(outs, axis=0)
 
-        back, _ = self._exchange(out_recv, recv_counts)                       # combine
+        back, _ = self._exchange(out_recv, recv_counts, send_counts)          # combine
         slots = xp.zeros((b * k, x.shape[1]), dtype=x.dtype)                  # dropped: zero
         slots[xp.asarray(order)] = back
         slots = slots.reshape(b, k, x.shape[1])
@@ -231,7 +231,8 @@ class MoELayer(Layer):
         dgates = (slots * dy[:, None, :]).sum(axis=2)                         # 'bkd,bd->bk'
         dslots = (gates[:, :, None] * dy[:, None, :]).reshape(b * k, d)       # 'bk,bd->bkd'
         # adjoint of combine: gradient rows back to the experts (counts swapped)
-        d_recv, _ = self._exchange(dslots[xp.asarray(order)], s["send_counts"])
+        d_recv, _ = self._exchange(dslots[xp.asarray(order)], s["send_counts"],
+                                   s["recv_counts"])
         perm, bounds = xp.asarray(s["perm"]), s["bounds"]
         de = d_recv[perm]
         dxs = []
@@ -243,7 +244,7 @@ class MoELayer(Layer):
             dx_recv = xp.empty_like(d_recv)
             dx_recv[perm] = xp.concatenate(dxs, axis=0)
             # adjoint of dispatch: input-gradient rows back to the token owners
-            dx_back, _ = self._exchange(dx_recv, s["recv_counts"])
+            dx_back, _ = self._exchange(dx_recv, s["recv_counts"], s["send_counts"])
             dx_slots = xp.zeros((b * k, d), dtype=x.dtype)
             dx_slots[xp.asarray(order)] = dx_back
             dx = dx_slots.reshape(b, k, d).sum(axis=1)                        # undoes x[t] copies
