@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpi4py -m mpishard bench --layout dp=2,tp=2 --model 784,512,256,10 \\
         --batch 64 --steps 20 --warmup 3
 
-Every rank builds the engine (inside `cli.agreed`, so bad input gives one error line and exit
+Every rank builds the engine (inside `agreed`, so bad input gives one error line and exit
 code 2 everywhere), loads `model.init(seed)`, draws a seeded synthetic regression batch (the
 global batch on every rank, then `engine.shard_batch`), and runs `--warmup` untimed and
 `--steps` timed steps of `engine.train_step(x, t, MSE)` + `optimizer.step()`. Rank 0 prints:
@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from .cli_usage import (UsageError, _world, agreed, checked_layout, default_layout, parse_dims,
+                        print_report)
 from .planning import COMM_KINDS, check_fit, step_comm_total
 
 
@@ -62,21 +64,13 @@ def build_bench(args, comm):
     any collective on bad input."""
     import mpishard as ms
 
-    from .cli import UsageError, parse_dims
-    from .mesh import check_world_size, parse_layout
-
     for name, low in (("batch", 1), ("steps", 1), ("warmup", 0), ("seed", 0)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr:g}")
     world = comm.Get_size()
-    text = args.layout or (f"dp={world}" if world > 1 else "single")
-    try:
-        layout = parse_layout(text)
-        check_world_size(layout, world)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"--layout: {exc}") from None
+    layout = checked_layout(args.layout or default_layout(world), world)
     model = ms.MLP(parse_dims(args.model), activation=args.activation)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
     engine = ms.make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
@@ -160,11 +154,7 @@ def format_table(engine, args, result) -> str:
 
 
 def run_bench(args) -> int:
-    from .cli import _world, agreed
-
     comm = _world()
     engine, opt, x, t = agreed(comm, lambda: build_bench(args, comm))
     result = measure(engine, opt, x, t, args.steps, args.warmup)
-    if comm.Get_rank() == 0:
-        print(format_table(engine, args, result), flush=True)
-    return 0
+    return print_report(format_table(engine, args, result))

@@ -24,7 +24,7 @@ through `engine.inference_loop(input_stream, output_stream)`:
 
 Memory: a rank touches only its rows of the input; a last-stage rank keeps its share of the
 outputs (rows / dp x d_out) until the stream ends. Bad input (no checkpoint, an input of the
-wrong width, a batch the data axes do not divide, ...) is found inside `cli.agreed` before any
+wrong width, a batch the data axes do not divide, ...) is found inside `agreed` before any
 collective: one `mpishard: error:` line and exit code 2 on every rank.
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ import os
 import time
 
 import numpy as np
+
+from .cli_usage import UsageError, _positive, _world, agreed, checked_layout, default_layout
 
 DEFAULT_BATCH = 256
 
@@ -98,10 +100,8 @@ def infer_rows(engine, x, batch: int, out=None) -> int:
     return len(spans)
 
 
-# -- the command: validate and build inside cli.agreed, then stream ----------------------------
+# -- the command: validate and build inside agreed, then stream --------------------------------
 def _open_input(path, d_in):
-    from .cli import UsageError
-
     try:
         x = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
@@ -128,16 +128,9 @@ def build_inference(args, comm):
     import mpishard as ms
 
     from .checkpoint import CheckpointError
-    from .cli import UsageError, _positive
-    from .mesh import check_world_size, parse_layout
 
     size = comm.Get_size()
-    text = args.layout or (f"dp={size}" if size > 1 else "single")
-    try:
-        layout = parse_layout(text)
-        check_world_size(layout, size)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"--layout: {exc}") from None
+    layout = checked_layout(args.layout or default_layout(size), size)
     _positive("batch", args.batch)
     dp = layout.data_parallel_size
     if args.batch % dp:
@@ -170,8 +163,6 @@ def build_inference(args, comm):
 
 
 def run_infer(args) -> int:
-    from .cli import _world, agreed
-
     comm = _world()
     engine, x = agreed(comm, lambda: build_inference(args, comm))
     rows, path = int(x.shape[0]), os.path.abspath(args.output)

@@ -106,7 +106,6 @@ def _fmt_bytes(n: float) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
@@ -133,10 +132,8 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
     lines.append("")
     mems = [rank_memory(model, layout, r, itemsize, optimizer, momentum) for r in range(world)]
     if shapes:
-        names = list(model.param_shapes())
         lines.append("shard shapes (full shape -> local block, on which ranks)")
-        for name in names:
-            full = tuple(model.param_shapes()[name])
+        for name, full in model.param_shapes().items():
             blocks = [mems[r]["shapes"].get(name) for r in range(world)]
             distinct = sorted({b for b in blocks if b is not None}, key=str)
             where = ", ".join(

@@ -1,0 +1,305 @@
+"""`python -m mpi4py -m mpishard train`: its flags, the --config TOML file, validation, build.
+
+    mpiexec -n 4 python -m mpi4py -m mpishard train --dataset digits --layout dp=2,tp=2 \\
+        --model 64,128,128,10 --optimizer adamw --lr 0.003 --batch 64 --epochs 12 --clip 1.0
+
+Every flag defaults to None in argparse, so "given on the command line" is visible: the
+command line wins over the --config file, which wins over `TRAIN_DEFAULTS`. Validation needs no
+MPI and is the same on every rank; the build runs inside `agreed` (cli_usage.py).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import numpy as np
+
+from .cli_usage import (PROG, Parser, UsageError, _positive, _world, agreed, checked_layout,
+                        default_layout, parse_dims, print_report)
+
+# -- arguments ----------------------------------------------------------------------------------
+DATASET_MODELS = {"digits": "64,128,128,10", "synthetic-regression": "16,32,32,1",
+                  "synthetic-classification": "16,32,32,4"}
+LOSS_CHOICES = ("mse", "bce", "cross_entropy")
+
+# Defaults applied after merging the command line and the --config file (argparse itself
+# defaults everything to None, so "given on the command line" is visible and wins).
+TRAIN_DEFAULTS = {
+    "layout": None, "model": None, "activation": "relu", "dataset": "digits", "loss": None,
+    "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": None,
+    "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+    "schedule": "constant", "warmup": 0, "min_lr": 0.0, "batch": 64, "epochs": None,
+    "steps": None, "accumulate": 1, "clip": None, "seed": 0, "dtype": "float32",
+    "device": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
+    "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
+    "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
+}
+DEFAULT_EPOCHS = 10
+
+
+def add_train_arguments(p):
+    from .data import DATASETS
+    from .nn import ACTIVATIONS
+
+    m = p.add_argument_group("model and layout")
+    m.add_argument("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all "
+                   "ranks, single on one)")
+    m.add_argument("--model", help="comma-separated layer dims, e.g. 64,128,128,10 (default: "
+                   "by dataset, " + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items())
+                   + ")")
+    m.add_argument("--activation", choices=sorted(ACTIVATIONS), help="hidden activation "
+                   "(default relu)")
+    m.add_argument("--dtype", choices=("float32", "float64"), help="default float32")
+    m.add_argument("--device", choices=("auto", "cpu", "gpu"),
+                   help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    d = p.add_argument_group("data")
+    d.add_argument("--dataset", choices=DATASETS, help="default digits")
+    d.add_argument("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for "
+                   "regression, cross_entropy for classes, bce for one output (sigmoid added)")
+    d.add_argument("--n-train", type=int, help="synthetic sets: training rows (default 1024)")
+    d.add_argument("--n-test", type=int, help="synthetic sets: test rows (default 256)")
+    d.add_argument("--seed", type=int, help="data split, shuffling and initialisation (0)")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--optimizer", choices=("adamw", "sgd"), help="default adamw")
+    o.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    o.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
+    o.add_argument("--weight-decay", type=float, help="default 0.01 for adamw, 0 for sgd")
+    o.add_argument("--beta1", type=float, help="adamw beta1 (0.9)")
+    o.add_argument("--beta2", type=float, help="adamw beta2 (0.999)")
+    o.add_argument("--eps", type=float, help="adamw eps (1e-8)")
+    o.add_argument("--schedule", choices=("constant", "cosine"), help="lr schedule (constant)")
+    o.add_argument("--warmup", type=int, help="linear warm-up steps (0)")
+    o.add_argument("--min-lr", type=float, help="cosine floor (0)")
+    o.add_argument("--batch", type=int, help="global batch, rows per optimizer step (64)")
+    o.add_argument("--epochs", type=int, help=f"passes over the training set (default "
+                   f"{DEFAULT_EPOCHS} when --steps is not given)")
+    o.add_argument("--steps", type=int, help="optimizer steps (instead of --epochs)")
+    o.add_argument("--accumulate", type=int, help="micro-steps per optimizer step (1)")
+    o.add_argument("--clip", type=float, help="max global gradient norm (off)")
+    r = p.add_argument_group("reporting")
+    r.add_argument("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
+    r.add_argument("--log-every", type=int, help="log the loss every N steps (50; 0: never)")
+    r.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), help="rank 0 (INFO)")
+    r.add_argument("--metrics-json", metavar="PATH", help="write the metrics here (rank 0)")
+    r.add_argument("--no-progress", action="store_true", default=None,
+                   help="no progress bar")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="save a sharded checkpoint to DIR "
+                   "(replaced atomically at each save) at the end and every --checkpoint-every "
+                   "steps; `python -m mpishard inspect DIR` shows it")
+    c.add_argument("--checkpoint-every", type=int, metavar="N", help="save every N optimizer "
+                   "steps (0, default: only at the end)")
+    c.add_argument("--resume", action="store_true", default=None, help="continue from the "
+                   "checkpoint in --checkpoint-dir: parameters, optimizer state, step and data "
+                   "position (any layout or world size)")
+    p.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file whose "
+                   "keys mirror the flags (model = \"64,128,10\", no-progress = true, ...); "
+                   "flags given on the command line win")
+    return p
+
+
+def _load_toml(path):
+    try:
+        import tomllib
+    except ImportError:                                    # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise UsageError("--config needs Python 3.11+ (tomllib) or `pip install tomli`"
+                             ) from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"config file {path!r} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config {path}: invalid TOML: {exc}") from None
+
+
+def config_tokens(parser, config: dict, path="config") -> list:
+    """A TOML table as command-line tokens for `parser` (keys are flag names without '--',
+    '-' or '_'), so the values get exactly the checks the flags get."""
+    actions = parser._option_string_actions
+    tokens = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag in ("--config", "--help"):
+            known = sorted(a[2:] for a in actions if a.startswith("--")
+                           and a not in ("--config", "--help"))
+            raise UsageError(f"config {path}: unknown key {key!r}; known keys: "
+                             f"{', '.join(known)}")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise UsageError(f"config {path}: {key} must be true or false, got {value!r}")
+            tokens += [flag] if value else []
+            continue
+        if isinstance(value, list) and key == "model":
+            value = ",".join(str(v) for v in value)
+        if isinstance(value, (bool, dict, list)):
+            raise UsageError(f"config {path}: {key} = {value!r} is not a valid value")
+        tokens += [flag, str(value)]
+    return tokens
+
+
+def parse_train_args(argv, parser=None):
+    """Namespace of the train options: command line over --config file over defaults."""
+    parser = parser or add_train_arguments(Parser(prog=f"{PROG} train"))
+    cli = parser.parse_args(argv)
+    merged = dict(vars(cli))
+    if cli.config:
+        try:
+            cfg = parser.parse_args(config_tokens(parser, _load_toml(cli.config), cli.config))
+        except UsageError as exc:
+            msg = str(exc)
+            raise UsageError(msg if msg.startswith("config") else f"config {cli.config}: {msg}"
+                             ) from None
+        for k, v in vars(cfg).items():
+            if merged.get(k) is None and v is not None:
+                merged[k] = v
+        if cli.steps is not None and cli.epochs is None:     # a --steps flag beats config epochs
+            merged["epochs"] = None
+        if cli.epochs is not None and cli.steps is None:
+            merged["steps"] = None
+    for k, v in TRAIN_DEFAULTS.items():
+        if merged.get(k) is None:
+            merged[k] = v
+    return argparse.Namespace(**merged)
+
+
+# -- validation (no MPI; identical on every rank) ----------------------------------------------
+def validate_train_args(args, world_size: int):
+    """Check everything that can be checked without communication; returns (layout, dims,
+    loss name). Raises UsageError (the same on every rank)."""
+    if args.layout is None:
+        args.layout = default_layout(world_size)
+    layout = checked_layout(args.layout, world_size)
+    if args.model is None:
+        args.model = DATASET_MODELS[args.dataset]
+    dims = parse_dims(args.model)
+    for name in ("lr", "weight_decay", "momentum", "eps", "min_lr"):
+        _positive(name.replace("_", "-"), getattr(args, name), allow_zero=name != "eps")
+    for name in ("batch", "accumulate", "n_train", "n_test", "steps", "epochs"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    for name in ("warmup", "eval_every", "log_every", "seed"):
+        _positive(name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    _positive("clip", args.clip)
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise UsageError(f"--{name} must lie in [0, 1), got {getattr(args, name):g}")
+    if args.steps is not None and args.epochs is not None:
+        raise UsageError(f"give --steps or --epochs, not both (got --steps {args.steps} and "
+                         f"--epochs {args.epochs})")
+    if args.steps is None and args.epochs is None:
+        args.epochs = DEFAULT_EPOCHS
+    if args.optimizer != "sgd" and args.momentum:
+        raise UsageError(f"--momentum {args.momentum:g} applies to --optimizer sgd only")
+    if args.weight_decay is None:
+        args.weight_decay = 0.01 if args.optimizer == "adamw" else 0.0
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr:g} must not exceed --lr {args.lr:g}")
+    # the model must fit the data and the loss
+    if args.dataset == "digits":
+        from .data import DIGITS_CLASSES, DIGITS_FEATURES
+
+        if dims[0] != DIGITS_FEATURES or dims[-1] != DIGITS_CLASSES:
+            raise UsageError(f"--model {args.model}: the digits dataset has {DIGITS_FEATURES} "
+                             f"features and {DIGITS_CLASSES} classes, so the model must be "
+                             f"{DIGITS_FEATURES},...,{DIGITS_CLASSES}")
+    # the one loss that fits the dataset (one class output: bce, sigmoid added)
+    fits = {"synthetic-regression": "mse", "digits": "cross_entropy",
+            "synthetic-classification": "bce" if dims[-1] == 1 else "cross_entropy"}
+    loss = args.loss or fits[args.dataset]
+    if loss != fits[args.dataset]:
+        raise UsageError(f"--loss {loss} does not fit dataset {args.dataset} with {dims[-1]} "
+                         f"output(s); use --loss {fits[args.dataset]}")
+    dp = layout.data_parallel_size
+    if args.batch % (args.accumulate * dp):
+        raise UsageError(f"--batch {args.batch} must divide by --accumulate {args.accumulate} "
+                         f"x {dp} data-parallel ranks of layout {layout.text!r} = "
+                         f"{args.accumulate * dp}")
+    if args.dataset != "digits" and args.batch > args.n_train:
+        raise UsageError(f"--batch {args.batch} is larger than --n-train {args.n_train}")
+    _validate_checkpoint_args(args)
+    if args.metrics_json:
+        parent = os.path.dirname(os.path.abspath(args.metrics_json))
+        if not os.path.isdir(parent):
+            raise UsageError(f"--metrics-json {args.metrics_json}: directory {parent} does "
+                             f"not exist")
+    return layout, dims, loss
+
+
+def _validate_checkpoint_args(args):
+    """--checkpoint-dir / --checkpoint-every / --resume (no MPI; the same on every rank)."""
+    from .checkpoint import INDEX
+
+    _positive("checkpoint-every", args.checkpoint_every, allow_zero=True)
+    if args.checkpoint_dir is None:
+        if args.resume or args.checkpoint_every:
+            flag = "--resume" if args.resume else "--checkpoint-every"
+            raise UsageError(f"{flag} needs --checkpoint-dir DIR")
+        return
+    path = os.path.abspath(args.checkpoint_dir)
+    if not os.path.isdir(os.path.dirname(path)):
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: directory "
+                         f"{os.path.dirname(path)} does not exist")
+    complete = any(os.path.isfile(os.path.join(p, INDEX)) for p in (path, path + ".old"))
+    if args.resume and not complete:
+        raise UsageError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no {INDEX})")
+    if not complete and os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a "
+                         f"checkpoint; refusing to replace it")
+
+
+# -- build and run -----------------------------------------------------------------------------
+def build_training(args, comm=None):
+    """Validate, then build (engine, optimizer, dataset, trainer). Raises UsageError,
+    ValueError or TypeError before any collective on a bad input."""
+    import mpishard as ms
+
+    from .data import load_dataset
+    from .optim import AdamW, SGD, make_schedule
+    from .trainer import Trainer, configure_logging
+
+    comm = comm or _world()
+    layout, dims, loss = validate_train_args(args, comm.Get_size())
+    data = load_dataset(args.dataset, d_in=dims[0], d_out=dims[-1], n_train=args.n_train,
+                        n_test=args.n_test, seed=args.seed)
+    if args.batch > len(data.x_train):
+        raise UsageError(f"--batch {args.batch} is larger than the {len(data.x_train)} "
+                         f"training rows of {args.dataset}")
+    model = ms.MLP(dims, activation=args.activation,
+                   final_activation="sigmoid" if loss == "bce" else None)
+    engine = ms.make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
+                            device=args.device)
+    engine.load_checkpoint(model.init(seed=args.seed))
+    if args.optimizer == "adamw":
+        opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                    weight_decay=args.weight_decay)
+    else:
+        opt = SGD(engine, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    log = configure_logging(engine.device_id, getattr(logging, args.log_level))
+    trainer = Trainer(engine, opt, data, loss, batch=args.batch, steps=args.steps,
+                      epochs=args.epochs, accumulate=args.accumulate, clip=args.clip,
+                      eval_every=args.eval_every, log_every=args.log_every, seed=args.seed,
+                      progress=not args.no_progress, logger=log)
+    if args.schedule != "constant" or args.warmup:
+        trainer.schedule = make_schedule(args.schedule, args.lr, trainer.total_steps,
+                                         args.warmup, args.min_lr)
+    if args.checkpoint_dir:
+        from .checkpoint import Checkpointer, resume
+
+        trainer.callbacks.append(Checkpointer(args.checkpoint_dir, args.checkpoint_every))
+        if args.resume:
+            resume(trainer, args.checkpoint_dir)      # collective; the same error everywhere
+    return trainer
+
+
+def run_train(args) -> int:
+    from .trainer import summary_table
+
+    comm = _world()
+    trainer = agreed(comm, lambda: build_training(args, comm))
+    metrics = trainer.fit(metrics_path=args.metrics_json)
+    return print_report(summary_table(metrics))
