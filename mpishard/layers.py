@@ -39,6 +39,23 @@ class LocalAccess:
         self.engine.grads[name] += g
         self.engine.on_grad_ready(name)
 
+    # Engine hooks; FSDPAccess gives them work, here there is none.
+    def on_load(self) -> None:
+        """After load_checkpoint allocated params and grads."""
+
+    def zero_grad(self) -> None:
+        """Clear any gradient storage besides engine.grads."""
+
+    def finish_grads(self) -> None:
+        """Before the data-parallel gradient sync."""
+
+    def owned(self, name):
+        """The parameter block the optimizer updates: the whole local block."""
+        return self.engine.params[name]
+
+    def after_optimizer_step(self) -> None:
+        """After the optimizer updated the owned blocks."""
+
 
 class Layer:
     """Base: a tape of saved activations per microbatch."""

@@ -216,8 +216,7 @@ class MeshEngine(ShardedEngine):
                 dtype=self.dtype)
         for layer in self.layers:
             layer.clear()
-        if hasattr(self.access, "on_load"):    # FSDP ZeRO-1/2: padded parameter buffers
-            self.access.on_load()
+        self.access.on_load()                  # FSDP ZeRO-1/2: padded parameter buffers
         self.loaded = True
         self.grad_sync = GradientSync(self, self.layout.option("bucket_mb", DEFAULT_BUCKET_MB))
 
@@ -301,8 +300,7 @@ class MeshEngine(ShardedEngine):
     def zero_grad(self) -> None:
         for g in self.grads.values():
             g[...] = 0
-        if hasattr(self.access, "zero_grad"):  # FSDP ZeRO-1: its full gradient buffers
-            self.access.zero_grad()
+        self.access.zero_grad()                # FSDP ZeRO-1: its full gradient buffers
 
     def backward(self, dy, mb: int = 0, accumulate: bool = False, sync: bool = True) -> dict:
         """dy: dL/dy of this rank's local-mean loss. Returns this rank's gradient shards
@@ -319,8 +317,7 @@ class MeshEngine(ShardedEngine):
 
     def sync_grads(self) -> None:
         """Average gradients over the data axes on which they are replicated (collective)."""
-        if hasattr(self.access, "finish_grads"):
-            self.access.finish_grads()
+        self.access.finish_grads()             # FSDP: reduce-scatter what is still full
         self.grad_sync.sync(self.grads)
 
     def on_grad_ready(self, name) -> None:
@@ -388,14 +385,12 @@ class MeshEngine(ShardedEngine):
         The optimizer updates exactly these arrays in place and keeps its state shaped like
         them, so optimizer state has the sharding of its parameter. ZeRO-1/2 override this to
         hand out only the owned slice."""
-        owned = getattr(self.access, "owned", None)   # FSDP ZeRO-1/2: the owned slice (a view)
-        return [(n, owned(n) if owned else self.params[n], self.grads[n], self.replication(n))
-                for n in self.params]
+        owned = self.access.owned              # FSDP ZeRO-1/2: the owned slice (a view)
+        return [(n, owned(n), self.grads[n], self.replication(n)) for n in self.params]
 
     def after_optimizer_step(self) -> None:
         """Hook run by the optimizer after it updated its shards (ZeRO-1/2 all-gather here)."""
-        if hasattr(self.access, "after_optimizer_step"):
-            self.access.after_optimizer_step()
+        self.access.after_optimizer_step()
 
     def block_region(self, name, which: str = "param"):
         """Where this rank's block of `name` sits in the full array: a list of (start, stop)
