@@ -42,6 +42,7 @@ comm=comm)` verifies every file collectively up front.
 The pieces live in their own files; this module re-exports them, so `ms.checkpoint.X` is the
 one place to reach any of them:
   checkpoint.py           the format (above), `save` (writer) and `restore` (exact resume)
+  checkpoint_format.py    what writer and reader share: constants, CheckpointError, model spec
   checkpoint_reader.py    `load`: the index, lazy memory-mapped arrays, verification, `describe`
   checkpoint_callback.py  the Trainer's `Checkpointer` callback and `resume`
   safetensors_io.py       `export_safetensors` / `import_safetensors`, PyTorch's name map
@@ -55,9 +56,9 @@ import shutil
 import numpy as np
 
 from .checkpoint_callback import Checkpointer, resume
-from .checkpoint_reader import (FORMAT, INDEX, VERSION, Checkpoint, CheckpointError, LazyArray,
-                                _agree, _json_default, _run, _sha256, describe, load,
-                                model_from_spec, model_spec, read_index)
+from .checkpoint_format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _json_default,
+                                _run, _sha256, model_from_spec, model_spec)
+from .checkpoint_reader import Checkpoint, LazyArray, describe, load, read_index
 from .safetensors_io import export_safetensors, import_safetensors, torch_name_map
 
 __all__ = ["save", "load", "restore", "describe", "Checkpoint", "LazyArray", "CheckpointError",
@@ -71,7 +72,6 @@ def _fsync_dir(path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
 
 
 def _optimizer_hyper(opt) -> dict:
@@ -94,8 +94,14 @@ def _file_name(kind, name, key, region) -> str:
     return f"{stem}__{where}.npy"
 
 
-def _host(engine, a):
-    return np.ascontiguousarray(engine.backend.to_host(a))
+def _region(engine, name, which):
+    """This rank's block of `name` in the full array, as a hashable ((start, stop), ...)."""
+    return tuple(tuple(r) for r in engine.block_region(name, which))
+
+
+def _real(region) -> tuple:
+    """Slices of a (possibly padded) local block that hold the region's real entries."""
+    return tuple(slice(0, b - a) for a, b in region)
 
 
 # -- save -------------------------------------------------------------------------------------
@@ -104,21 +110,19 @@ def _blocks(engine, optimizer):
     (unpadded) part of the block; kind 'param' or 'optim' (key: the state's array name)."""
     out = []
     for name in engine.local_names:
-        region = tuple(tuple(r) for r in engine.block_region(name, "param"))
-        real = engine.params[name][tuple(slice(0, b - a) for a, b in region)]
-        out.append(("param", name, "", region, real, {}))
+        region = _region(engine, name, "param")
+        out.append(("param", name, "", region, engine.params[name][_real(region)], {}))
     if optimizer is not None:
         for name, *_ in engine.optimizer_shards():
             state = optimizer.state.get(name)
             if not state:
                 continue
-            region = tuple(tuple(r) for r in engine.block_region(name, "optimizer"))
-            cut = tuple(slice(0, b - a) for a, b in region)
+            region = _region(engine, name, "optimizer")
             scalars = {k: (v.item() if hasattr(v, "item") else v) for k, v in state.items()
                        if np.ndim(v) == 0}
             for key, arr in sorted(state.items()):
                 if np.ndim(arr) > 0:
-                    out.append(("optim", name, key, region, arr[cut], scalars))
+                    out.append(("optim", name, key, region, arr[_real(region)], scalars))
     return [b for b in out if _volume(b[3]) > 0]
 
 
@@ -130,7 +134,7 @@ def _assign_writers(all_descs, full_shapes) -> tuple:
         for i, d in enumerate(descs):
             owner.setdefault((d[0], d[1], d[2], d[3]), (rank, i, d))
     covered: dict = {}
-    for (kind, name, key, region), (_, _, d) in owner.items():
+    for kind, name, key, region in owner:
         covered[(kind, name, key)] = covered.get((kind, name, key), 0) + _volume(region)
     for (kind, name, key), vol in covered.items():
         full = int(np.prod(full_shapes[name], dtype=np.int64))
@@ -241,7 +245,7 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
             kind, name, key, region, arr, _ = descs[i]
             fname = _file_name(kind, name, key, region)
             full = os.path.join(tmp, fname)
-            _write_block(full, _host(engine, arr))
+            _write_block(full, np.ascontiguousarray(engine.backend.to_host(arr)))
             written.append((i, fname, _sha256(full), os.path.getsize(full)))
         err = None
     except Exception as e:
@@ -251,8 +255,9 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
     # 3. rank 0: the index, last, then the swap
     if rank == 0:
         err = next((e for e, _ in results if e is not None), None)
+        if err is None:       # inside _run: an error here must reach the other ranks too
+            index, err = _run(_make_index, engine, optimizer, step, extra, results, owners)
         if err is None:
-            index = _make_index(engine, optimizer, step, extra, gathered, results, owners)
             _, err = _run(_write_index, path, tmp, index)
         if err is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -260,7 +265,7 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
     return path
 
 
-def _make_index(engine, optimizer, step, extra, gathered, results, owners) -> dict:
+def _make_index(engine, optimizer, step, extra, results, owners) -> dict:
     files, where = {}, {}
     for rank, (_, written) in enumerate(results):
         for i, fname, sha, nbytes in written:
@@ -285,6 +290,7 @@ def _make_index(engine, optimizer, step, extra, gathered, results, owners) -> di
             "layout": engine.layout.text, "world_size": engine.num_devices, "step": int(step),
             "extra": extra, "tensors": {n: tensors[n] for n in engine.full_shapes},
             "optimizer": optimizer_entry, "files": files}
+
 
 def restore(path, engine, optimizer=None) -> int:
     """Collective exact resume: parameters, and the optimizer state sliced into this rank's
@@ -324,12 +330,11 @@ def _restore(path, engine, optimizer) -> Checkpoint:
             if not saved:
                 continue
             region = engine.block_region(name, "optimizer")
-            cut = tuple(slice(0, b - a) for a, b in region)
             state[name] = {}
             for key, v in saved.items():
                 if isinstance(v, LazyArray):
                     a = np.zeros(block.shape, dtype=v.dtype)    # padding stays zero
-                    a[cut] = v[tuple(slice(lo, hi) for lo, hi in region)]
+                    a[_real(region)] = v[tuple(slice(lo, hi) for lo, hi in region)]
                     v = a
                 state[name][key] = v
         return {"type": ckpt.optimizer_type, "state": state,

@@ -13,10 +13,11 @@ import os
 
 import numpy as np
 
-from .checkpoint_reader import CheckpointError
+from .checkpoint_format import CheckpointError
+from .trainer import Callback, TrainState
 
 
-class Checkpointer:
+class Checkpointer(Callback):
     """Trainer callback: save to `path` every `every` optimizer steps and at the end (each save
     replaces the previous one atomically). The extra holds the TrainState (step, histories)
     and the data position, so `resume` continues the same loss curve."""
@@ -39,15 +40,9 @@ class Checkpointer:
         self.last_saved = st.step
         trainer.log.info("saved checkpoint %s at step %d", self.path, st.step)
 
-    def on_train_begin(self, trainer) -> None:
-        pass
-
     def on_step_end(self, trainer) -> None:
         if self.every and trainer.state.step % self.every == 0:
             self.save(trainer)
-
-    def on_evaluate(self, trainer, result) -> None:
-        pass
 
     def on_train_end(self, trainer, metrics) -> None:
         if self.last_saved != trainer.state.step:
@@ -59,7 +54,6 @@ def resume(trainer, path) -> int:
     the data position follows from the step) from a Checkpointer's checkpoint. Returns the
     step. Warns when the data settings differ from the saved ones."""
     from .checkpoint import _restore
-    from .trainer import TrainState
 
     ckpt = _restore(path, trainer.engine, trainer.optimizer)
     extra = ckpt.extra or {}

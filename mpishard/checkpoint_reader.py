@@ -10,16 +10,11 @@ save are described in checkpoint.py, which writes what this module reads. A `Laz
 the chunks overlapping a slice (np.load with mmap_mode="r", allow_pickle=False) and copies only
 that region, so loading a shard of a large checkpoint reads about the shard's bytes. Before the
 first read from a file its sha256 is checked against the index (`verify=False` skips that);
-every file's presence and size is checked when the checkpoint is opened.
-
-This module also holds what writer and reader share: the format constants, `CheckpointError`,
-the model-spec JSON (`model_spec` / `model_from_spec`) and the "same error on every rank"
-helpers `_run` / `_agree`.
+every file's presence and size is checked when the checkpoint is opened. What writer and
+reader share (constants, CheckpointError, the model-spec JSON) is in checkpoint_format.py.
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import operator
 import os
@@ -27,67 +22,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-FORMAT, VERSION, INDEX = "mpishard-checkpoint", 1, "index.json"
+from .checkpoint_format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _run, _sha256,
+                                _spec_text, model_from_spec, model_spec)
+
 _OPEN_ATTEMPTS = 5          # opening retries while a concurrent save swaps the directory
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be trusted or does not fit (raised on every rank)."""
-
-
-# -- small helpers ----------------------------------------------------------------------------
-def _agree(comm, error) -> None:
-    """Collective: if any rank has an error (a string), every rank raises the first one."""
-    msgs = comm.allgather(None if error is None else str(error))   # small control data
-    first = next((m for m in msgs if m is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
-
-
-def _run(fn, *args):
-    """fn(*args) -> (result, None) or (None, 'message') for _agree."""
-    try:
-        return fn(*args), None
-    except Exception as e:          # reported to every rank by _agree
-        return None, f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _json_default(o):
-    if hasattr(o, "tolist"):          # numpy scalars and small arrays in `extra`
-        return o.tolist()
-    raise TypeError(f"extra/hyperparameter value of type {type(o).__name__} is not JSON")
-
-
-def model_spec(model) -> dict:
-    """A JSON description of a model spec (class + its simple attributes)."""
-    spec = {"class": type(model).__name__, "kind": getattr(model, "kind", "mlp")}
-    for k, v in sorted(vars(model).items()):
-        if not k.startswith("_") and (v is None or isinstance(v, (int, float, str, bool, list,
-                                                                  tuple))):
-            spec[k] = list(v) if isinstance(v, tuple) else v
-    return json.loads(json.dumps(spec, default=_json_default))
-
-
-def model_from_spec(spec: dict):
-    """Rebuild the model spec saved in an index (MLP, MoE) or None if it cannot."""
-    import mpishard as ms
-
-    cls = getattr(ms, spec.get("class", ""), None)
-    if cls is None:
-        return None
-    params = inspect.signature(cls).parameters
-    try:
-        return cls(**{k: v for k, v in spec.items() if k in params})
-    except (TypeError, ValueError):
-        return None
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -145,14 +83,21 @@ class LazyArray:
     def __repr__(self):
         return f"LazyArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
+    def _overlap(self, region, chunk):
+        """Where `chunk` meets region [(start, stop), ...]: (slices into the chunk, slices
+        into the region), or None when they do not overlap."""
+        src, dst = [], []
+        for (a, b), o, n in zip(region, chunk["offset"], self._ckpt.file_shape(chunk["file"])):
+            lo, hi = max(a, o), min(b, o + n)
+            if lo >= hi:
+                return None
+            src.append(slice(lo - o, hi - o))
+            dst.append(slice(lo - a, hi - a))
+        return tuple(src), tuple(dst)
+
     def files_for(self, region) -> list:
         """Files of the chunks overlapping region [(start, stop), ...]."""
-        out = []
-        for c in self._chunks:
-            shape = self._ckpt.file_shape(c["file"])
-            if all(max(a, o) < min(b, o + n) for (a, b), o, n in zip(region, c["offset"], shape)):
-                out.append(c["file"])
-        return out
+        return [c["file"] for c in self._chunks if self._overlap(region, c) is not None]
 
     def __getitem__(self, key):
         key = key if isinstance(key, tuple) else (key,)
@@ -183,15 +128,9 @@ class LazyArray:
                 post.append(0)
         out = np.empty([b - a for a, b in region], dtype=self.dtype)
         for c in self._chunks:                 # only chunks overlapping the region are opened
-            src, dst = [], []
-            for (a, b), o, n in zip(region, c["offset"], self._ckpt.file_shape(c["file"])):
-                lo, hi = max(a, o), min(b, o + n)
-                if lo >= hi:
-                    break
-                src.append(slice(lo - o, hi - o))
-                dst.append(slice(lo - a, hi - a))
-            else:
-                out[tuple(dst)] = self._ckpt.open_file(c["file"])[tuple(src)]
+            where = self._overlap(region, c)
+            if where is not None:
+                out[where[1]] = self._ckpt.open_file(c["file"])[where[0]]
         return out[tuple(post)]
 
     def __array__(self, dtype=None, copy=None):
@@ -234,9 +173,13 @@ class Checkpoint(Mapping):
         self.model_spec = ix.get("model", {})
         self._arrays = {n: LazyArray(self, n, e) for n, e in ix["tensors"].items()}
 
+    @property
+    def _optimizer(self) -> dict:
+        return self.index.get("optimizer") or {}
+
     def _entries(self):
         yield from self.index["tensors"].items()
-        for name, st in ((self.index.get("optimizer") or {}).get("state") or {}).items():
+        for name, st in (self._optimizer.get("state") or {}).items():
             for key, e in st["tensors"].items():
                 yield f"{name} ({key})", e
 
@@ -348,15 +291,15 @@ class Checkpoint(Mapping):
 
     @property
     def optimizer_type(self):
-        return (self.index.get("optimizer") or {}).get("type")
+        return self._optimizer.get("type")
 
     @property
     def optimizer_hyperparameters(self) -> dict:
-        return (self.index.get("optimizer") or {}).get("hyperparameters") or {}
+        return self._optimizer.get("hyperparameters") or {}
 
     def optimizer_state(self, name) -> dict:
         """{key: LazyArray, scalar: value} for parameter `name` ({} if none was saved)."""
-        st = ((self.index.get("optimizer") or {}).get("state") or {}).get(name)
+        st = (self._optimizer.get("state") or {}).get(name)
         if not st:
             return {}
         out = dict(st.get("scalars", {}))
@@ -371,11 +314,6 @@ class Checkpoint(Mapping):
     def __repr__(self):
         return (f"Checkpoint({self.path!r}, step={self.step}, layout={self.layout!r}, "
                 f"{len(self)} tensors)")
-
-
-def _spec_text(spec) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k not in ("class", "kind"))
-    return f"{spec.get('class', '?')}({args})"
 
 
 def load(path, verify: bool = True, model=None, comm=None) -> Checkpoint:
@@ -403,7 +341,7 @@ def describe(path) -> str:
              f"  optimizer  {ckpt.optimizer_type or '-'} {ckpt.optimizer_hyperparameters or ''}",
              f"  files      {len(ix['files'])}, "
              f"{sum(f['bytes'] for f in ix['files'].values())} bytes"]
-    opt_state = (ix.get("optimizer") or {}).get("state") or {}
+    opt_state = ckpt._optimizer.get("state") or {}
     if opt_state:
         keys = sorted({k for st in opt_state.values() for k in st["tensors"]})
         steps = sorted({st["scalars"].get("step") for st in opt_state.values()} - {None})

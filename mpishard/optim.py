@@ -52,7 +52,7 @@ class Optimizer:
         if not hasattr(engine, "optimizer_shards"):
             raise TypeError(f"optimizer needs an mpishard engine, got {type(engine).__name__}")
         self.engine = engine
-        self.lr = _check_number("lr", lr)
+        self.lr = lr                    # checked by the setter below
         self.weight_decay = _check_number("weight_decay", weight_decay)
         self.state: dict = {}           # name -> {'step': int, arrays shaped like the block}
 
@@ -184,9 +184,6 @@ class AdamW(Optimizer):
         p -= step_size * (m / denom)                       # p.addcdiv_(m, denom, -step_size)
 
 
-OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
-
-
 # -- clipping ----------------------------------------------------------------------------------
 def global_grad_norm(engine, norm_type=2.0) -> float:
     """||gradients|| over the whole model, the same float on every rank (one all_reduce)."""
@@ -266,5 +263,5 @@ def make_schedule(name, lr, total_steps, warmup_steps=0, min_lr=0.0):
     raise ValueError(f"unknown schedule {name!r}; choose 'constant' or 'cosine'")
 
 
-__all__ = ["Optimizer", "SGD", "AdamW", "OPTIMIZERS", "clip_grad_norm", "global_grad_norm",
+__all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_grad_norm",
            "constant_schedule", "cosine_schedule", "make_schedule"]
