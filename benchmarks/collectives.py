@@ -26,7 +26,6 @@ plain call, whose result lands in a buffer of the engine's own (see benchmarks/R
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -34,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
+from _common import write_json
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [KIB * 4 ** k for k in range(10)]          # 1 KiB, 4 KiB, ..., 64 MiB (262144 KiB)
@@ -147,9 +147,7 @@ def main(argv=None):
                   f"ratio {r['ratio']:.3f}")
         print(f"allreduce_overhead_ratio_default={res['allreduce_overhead_ratio_default']}")
         print(f"allreduce_overhead_ratio={res['allreduce_overhead_ratio']}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
+        write_json(args.json, res)
     sys.stdout.flush()
 
 

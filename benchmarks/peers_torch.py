@@ -26,9 +26,10 @@ import json
 import os
 import socket
 import sys
-import time
 
 import numpy as np
+
+from _common import median_times, mpi_sync, write_json
 
 DIMS = [1024, 2048, 2048, 1024]
 BATCH = 512
@@ -55,25 +56,6 @@ def problem(dims, batch, seed=0):
     x = rng.standard_normal((batch, dims[0])).astype(np.float32)
     t = rng.standard_normal((batch, dims[-1])).astype(np.float32)
     return model, model.init(seed=seed), x, t
-
-
-def median_times(fns, samples, warmup=2, sync=None):
-    """Median seconds of each callable, alternating them sample by sample. `sync()` is called
-    around each sample and returns the slowest rank's time for it (distributed runs)."""
-    times = [[] for _ in fns]
-    for i in range(warmup + samples):
-        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
-        for j in order:
-            if sync is not None:
-                sync(None)
-            t0 = time.perf_counter()
-            fns[j]()
-            dt = time.perf_counter() - t0
-            if sync is not None:
-                dt = sync(dt)
-            if i >= warmup:
-                times[j].append(dt)
-    return [float(np.median(t)) for t in times]
 
 
 # -- ours ----------------------------------------------------------------------------------------
@@ -150,13 +132,7 @@ def run_ours_dp2(dims, batch, samples, layout):
 
     comm = MPI.COMM_WORLD
     step, losses, engine = our_step(dims, batch, layout, comm)
-
-    def sync(dt):
-        if dt is None:
-            comm.Barrier()
-            return None
-        return comm.allreduce(dt, op=MPI.MAX)
-    (t,) = median_times([step], samples, sync=sync)
+    (t,) = median_times([step], samples, sync=mpi_sync(comm))
     return {"dims": dims, "batch": batch, "layout": layout, "ranks": comm.Get_size(),
             "ours_s": t, "first_loss": losses[0],
             "bucket_plan": engine.grad_sync.describe()}
@@ -233,9 +209,7 @@ def main(argv=None):
             print(f"skipped: {res['skipped']}")
         else:
             print(json.dumps({k: v for k, v in res.items() if k != "bucket_plan"}))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
+        write_json(args.json, res)
     sys.stdout.flush()
 
 

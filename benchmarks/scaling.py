@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from peers_torch import median_times
+from _common import median_times, mpi_sync, write_json
 
 F32 = np.float32
 
@@ -49,15 +49,6 @@ def _step(engine, x, t):
     return lambda: engine.train_step(xl, tl, loss)
 
 
-def _sync(comm):
-    def sync(dt):
-        if dt is None:
-            comm.Barrier()
-            return None
-        return comm.allreduce(dt, op=MPI.MAX)
-    return sync
-
-
 def _alone(comm, fn):
     """Run `fn` on rank 0 only (the other ranks idle in the next barrier)."""
     return (lambda: fn()) if comm.Get_rank() == 0 else (lambda: None)
@@ -71,7 +62,7 @@ def run_dp(comm, dims, batch, samples):
     single = _alone(comm, _step(_engine(model, "single", MPI.COMM_SELF), x1, t1))
     layouts = [f"dp={n}", f"dp={n},overlap=1"]
     steps = [_step(_engine(model, lay, comm), x2, t2) for lay in layouts]
-    times = median_times([single] + steps, samples, sync=_sync(comm))
+    times = median_times([single] + steps, samples, sync=mpi_sync(comm))
     out = {"dims": dims, "batch_per_rank": batch, "ranks": n, "single_s": times[0]}
     for lay, tm in zip(layouts, times[1:]):
         key = "overlap1" if "overlap=1" in lay else "overlap0"
@@ -87,7 +78,7 @@ def run_tp(comm, dims, batch, samples):
     x, t = _data(dims, batch)
     single = _alone(comm, _step(_engine(model, "single", MPI.COMM_SELF), x, t))
     tp = _step(_engine(model, f"tp={n}", comm), x, t)
-    t_single, t_tp = median_times([single, tp], samples, sync=_sync(comm))
+    t_single, t_tp = median_times([single, tp], samples, sync=mpi_sync(comm))
     return {"dims": dims, "batch": batch, "ranks": n, "single_s": t_single, "tp_s": t_tp,
             "tp_speedup": t_single / t_tp}
 
@@ -132,7 +123,7 @@ def run_pp(comm, dims, batch, samples, microbatches=8):
         e = _engine(model, f"pp={n},microbatches={microbatches},{opts}", comm)
         engines[name], meters[name] = e, _track_tape_bytes(e)
         steps.append(_step(e, x, t))
-    times = median_times(steps, samples, sync=_sync(comm))
+    times = median_times(steps, samples, sync=mpi_sync(comm))
     out = {"dims": dims, "batch": batch, "ranks": n, "microbatches": microbatches}
     for (name, e), tm in zip(engines.items(), times):
         out[name] = {"step_s": tm,
@@ -167,9 +158,7 @@ def main(argv=None):
         res = {"skipped": f"pp benchmark failed: {type(exc).__name__}: {exc}"}
     if comm.Get_rank() == 0:
         print(json.dumps(res))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
+        write_json(args.json, res)
     sys.stdout.flush()
 
 

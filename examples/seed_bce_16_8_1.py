@@ -91,10 +91,9 @@ def main():
                 continue
         else:
             results[layout] = train(layout, args, data)
-    cols = list(results)
     ref = np.array(results["single"][0]) if "single" in results else None
     diffs = {c: float(np.max(np.abs(np.array(results[c][0]) - ref) / np.abs(ref)))
-             for c in cols if ref is not None and c != "single"}
+             for c in results if ref is not None and c != "single"}
     worst = max(diffs.values(), default=0.0)          # the same on every rank
     if rank0:
         report(args, comm.Get_size(), results, diffs)

@@ -4,8 +4,9 @@ rank holds under each layout, as a table and a bar chart next to the unsharded m
     mpiexec -n 4 python -m mpi4py examples/seed_memory_placement.py --png memory.png
     python examples/seed_memory_placement.py --layouts dp=4 tp=4 pp=4 fsdp=4 dp=2,tp=2
 
-The numbers come from the placement plan (`plan_params`: which stage holds a parameter and how
-it is split on each mesh axis), so any layout can be shown on any number of ranks. For every
+The numbers come from the placement plan (`planning.rank_memory`: which stage holds a
+parameter and how it is split on each mesh axis), so any layout can be shown on any number of
+ranks. For every
 layout whose size equals the world size, the script also builds the real engine, loads the
 weights, and checks that the bytes each rank actually holds equal the plan's (exit status 1
 if not). Rank 0 prints and draws.
@@ -23,9 +24,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard import placement as pl
 from mpishard.mesh import AXES, coordinates, parse_layout
-from mpishard.strategies import plan_params
+from mpishard.planning import rank_memory
 
 DIMS = [784, 512, 256, 128, 10]
 DEFAULT_LAYOUTS = ["dp=4", "tp=4", "pp=4", "fsdp=4", "dp=2,tp=2"]
@@ -34,19 +34,13 @@ DEFAULT_LAYOUTS = ["dp=4", "tp=4", "pp=4", "fsdp=4", "dp=2,tp=2"]
 def plan_memory(model, layout, itemsize):
     """rows[rank] = {layer prefix: parameter count held}, from the plan alone (no MPI)."""
     layout = parse_layout(layout)
-    plan = plan_params(model, layout)
-    sizes = dict(layout.sizes)
     rows = []
     for rank in range(layout.world_size):
-        coords = coordinates(layout, rank)
         held = {}
-        for name, info in plan.items():
-            if info.placement.stage != coords["pp"]:
-                continue
-            n = int(np.prod(pl.local_shape(info.full_shape, info.placement, sizes)))
+        for name, shape in rank_memory(model, layout, rank, itemsize)["shapes"].items():
             prefix = name.split("/")[0]
-            held[prefix] = held.get(prefix, 0) + n
-        rows.append({"coords": coords, "params": held,
+            held[prefix] = held.get(prefix, 0) + int(np.prod(shape))
+        rows.append({"coords": coordinates(layout, rank), "params": held,
                      "bytes": sum(held.values()) * itemsize})
     return rows
 

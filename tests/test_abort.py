@@ -6,14 +6,9 @@ into the gradient all-reduce, which rank 1 never joins: without `python -m mpi4p
 would wait there forever; with it, the uncaught exception calls MPI_Abort and mpiexec ends
 both ranks.
 """
-import os
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import pytest
+from conftest import run_mpi
 
 SCRIPT = '''
 import numpy as np
@@ -42,24 +37,11 @@ print("rank", comm.Get_rank(), "should never get here", flush=True)
 '''
 
 
-def find_mpiexec():
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    return shutil.which("mpiexec")
-
-
 def test_rank_exception_aborts_the_job(tmp_path):
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH")
     script = tmp_path / "fail_mid_step.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPISHARD_DEBUG="0")
     t0 = time.perf_counter()
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
-                          capture_output=True, text=True, timeout=60, env=env,
-                          cwd=Path(__file__).resolve().parent.parent)
+    proc = run_mpi(2, script, timeout=60, env={"MPISHARD_DEBUG": "0"})
     elapsed = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     print(f"rc={proc.returncode} after {elapsed:.1f} s\n{out[-2000:]}")

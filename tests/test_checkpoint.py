@@ -26,7 +26,7 @@ from mpishard.data import synthetic_classification
 from mpishard.optim import SGD, AdamW, cosine_schedule
 from mpishard.trainer import Trainer
 
-from conftest import assert_close, assert_dicts_close, group_comm, world
+from conftest import assert_close, assert_dicts_close, group_comm, run_mpi, world
 
 ROOT = Path(__file__).resolve().parents[1]
 DIMS = [6, 8, 8, 3]          # fsdp=4 pads W0's 6 rows and the 3-wide bias; tp=2 divides 8
@@ -414,9 +414,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     path = tmp_path / "ck"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPISHARD_TEST_CRASH_AFTER_SHARD="1")
-    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script),
-                           str(path)], env=env, capture_output=True, text=True, timeout=120)
+    proc = run_mpi(2, script, path, env={"MPISHARD_TEST_CRASH_AFTER_SHARD": "1"})
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "save 2 finished" not in proc.stdout
     assert (tmp_path / "ck.tmp-2").is_dir()                      # the half-written one
@@ -560,35 +558,20 @@ def test_import_a_pytorch_written_mlp_gives_pytorch_outputs(tmp_path):
 
 
 # -- serial: the CLI and the example -----------------------------------------------------------
-def mpiexec():
-    exe = Path(sys.executable).parent / "mpiexec"
-    exe = str(exe) if exe.exists() else shutil.which("mpiexec")
-    if exe is None:
-        pytest.skip("no mpiexec")
-    return exe
-
-
-def launch(n, *args, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_cli_train_checkpoint_resume_and_inspect(tmp_path):
     common = ["-m", "mpishard", "train", "--dataset", "synthetic-classification", "--model",
               "16,16,4", "--steps", "10", "--batch", "16", "--dtype", "float64", "--lr", "0.01",
               "--no-progress", "--log-every", "0"]
     ck = tmp_path / "ck"
-    whole = launch(2, *common, "--layout", "tp=2", "--metrics-json", str(tmp_path / "a.json"))
+    whole = run_mpi(2, *common, "--layout", "tp=2", "--metrics-json", str(tmp_path / "a.json"))
     assert whole.returncode == 0, whole.stderr
     # a first run of 5 steps under dp=2 (constant lr, so 5 then 10 steps = 10 steps), saving
     # at 2, 4 and at its end; then 10 steps resumed under tp=2
-    part = launch(2, *common, "--layout", "dp=2", "--checkpoint-dir", str(ck),
-                  "--checkpoint-every", "2", "--steps", "5")
+    part = run_mpi(2, *common, "--layout", "dp=2", "--checkpoint-dir", str(ck),
+                   "--checkpoint-every", "2", "--steps", "5")
     assert part.returncode == 0, part.stderr
-    resumed = launch(2, *common, "--layout", "tp=2", "--checkpoint-dir", str(ck), "--resume",
-                     "--metrics-json", str(tmp_path / "b.json"))
+    resumed = run_mpi(2, *common, "--layout", "tp=2", "--checkpoint-dir", str(ck), "--resume",
+                      "--metrics-json", str(tmp_path / "b.json"))
     assert resumed.returncode == 0, resumed.stderr
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
     assert b["steps"] == 10
@@ -599,7 +582,7 @@ def test_cli_train_checkpoint_resume_and_inspect(tmp_path):
     for text in ("layer_0/weights", "(16, 16)", "float64", "tp=2 (2 ranks)", "step       10",
                  "AdamW"):
         assert text in r.stdout, (text, r.stdout)
-    bad = launch(2, *common, "--checkpoint-dir", str(tmp_path / "none"), "--resume")
+    bad = run_mpi(2, *common, "--checkpoint-dir", str(tmp_path / "none"), "--resume")
     assert bad.returncode == 2 and "holds no checkpoint" in bad.stderr
     r = subprocess.run([sys.executable, "-m", "mpishard", "inspect", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
@@ -607,7 +590,7 @@ def test_cli_train_checkpoint_resume_and_inspect(tmp_path):
 
 
 def test_example_checkpoint_reshard(tmp_path):
-    r = launch(4, str(ROOT / "examples" / "checkpoint_reshard.py"), "--out", str(tmp_path),
-               timeout=180)
+    r = run_mpi(4, str(ROOT / "examples" / "checkpoint_reshard.py"), "--out", str(tmp_path),
+                timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bit for bit" in r.stdout and (tmp_path / "model.safetensors").exists()

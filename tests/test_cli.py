@@ -5,10 +5,6 @@
 Serial tests; the subprocess ones launch `mpiexec -n 2 python -m mpi4py -m mpishard ...`.
 """
 import json
-import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,26 +12,16 @@ import pytest
 
 from mpishard import cli
 
-from conftest import assert_close
+from conftest import assert_close, run_mpi
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
 
-def mpiexec():
-    exe = Path(sys.executable).parent / "mpiexec"
-    exe = str(exe) if exe.exists() else shutil.which("mpiexec")
-    if exe is None:
-        pytest.skip("no mpiexec")
-    return exe
-
-
 def launch(n, *args, timeout=120):
     """Run `mpiexec -n n python -m mpi4py -m mpishard args...`; (rc, stdout, stderr, seconds)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard", *args]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    r = run_mpi(n, "-m", "mpishard", *args, timeout=timeout)
     return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
 
 

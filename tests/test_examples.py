@@ -5,14 +5,12 @@ dp and tp on 2) with a timeout, and checks the return code, the launch line in t
 and that every line is printed once (a line printed by every rank would appear N times).
 """
 import ast
-import os
-import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from conftest import run_mpi
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -22,19 +20,8 @@ CHAPTER = [("chapter_single.py", 1, "single device"),
            ("chapter_tensor_parallel.py", 2, "tensor parallel tp=2")]
 
 
-def mpiexec():
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
-
-
 def run(script, n, timeout=120):
-    exe = mpiexec()
-    if exe is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([exe, "-n", str(n), sys.executable, "-m", "mpi4py",
-                           str(EXAMPLES / script)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = run_mpi(n, EXAMPLES / script, timeout=timeout)
     print(proc.stdout)
     print(proc.stderr[-3000:])
     return proc

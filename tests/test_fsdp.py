@@ -6,10 +6,6 @@ The models' widths (5, 7, 3, ...) do not divide by the fsdp sizes, so every shar
 Memory and communication are checked against formulas written from the shapes alone.
 """
 import math
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +16,7 @@ import mpishard.optim  # noqa: F401  (ms.optim)
 from mpishard import placement as pl
 from mpishard.strategies import plan_params
 
-from conftest import assert_close, assert_dicts_close, group_comm
+from conftest import assert_close, assert_dicts_close, group_comm, run_mpi
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 16
@@ -385,13 +381,6 @@ def test_comm_bytes_per_step(n, dims, bias):
 
 # -- the example -----------------------------------------------------------------------------------
 def test_example_runs_at_two_ranks():
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py",
-                             str(ROOT / "examples" / "fsdp_train.py"), "--steps", "2"],
-                            capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    result = run_mpi(2, ROOT / "examples" / "fsdp_train.py", "--steps", "2", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "zero=3" in result.stdout and "matches single" in result.stdout, result.stdout

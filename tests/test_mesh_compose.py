@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from conftest import assert_close, assert_dicts_close, group_comm
+from conftest import assert_close, assert_dicts_close, group_comm, mpiexec, single_reference
 
 MLP_LAYOUTS = [
     # (world size, layout)
@@ -60,10 +60,7 @@ def test_layout_matches_single(n, layout):
     x, t = _data(rng, 16, 7, 5, classes=True)
     loss = ms.losses.CrossEntropy()
 
-    ref = ms.SingleDevice(model)
-    ref.load_checkpoint(params)
-    ref_loss, ref_grads = ref.train_step(x, t, loss)
-    ref_grads = {k: v.copy() for k, v in ref_grads.items()}
+    ref, ref_loss, ref_grads = single_reference(model, params, x, t, loss)
     ref_y = ref.predict(x)
 
     eng = ms.make_engine(model, layout, comm=comm)
@@ -190,22 +187,17 @@ def test_cli_digits_dp_tp_pp_matches_single(tmp_path):
     """The CLI trains digits under dp=2,tp=2,pp=2 to the same loss curve and accuracy as
     single (float64)."""
     import json
-    import shutil
     import subprocess
     import sys
-    from pathlib import Path
 
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
-        shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec")
+    launcher = mpiexec()
     args = ["-m", "mpishard", "train", "--dataset", "digits", "--model", "64,32,32,10",
             "--optimizer", "adamw", "--lr", "0.003", "--batch", "32", "--steps", "40",
             "--clip", "1.0", "--dtype", "float64", "--no-progress"]
     runs = {}
     for n, layout in ((1, "single"), (8, "dp=2,tp=2,pp=2")):
         path = tmp_path / f"{n}.json"
-        r = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py"] + args
+        r = subprocess.run([launcher, "-n", str(n), sys.executable, "-m", "mpi4py"] + args
                            + ["--layout", layout, "--metrics-json", str(path)],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]

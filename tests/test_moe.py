@@ -5,14 +5,11 @@ loop, finite-difference gradients, plan errors, the example at 2 ranks).
 MPI: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/test_moe.py`, N in 1, 2,
 4, 8: ep / dp / dp x ep against `single` with the same capacity groups, float64 rtol 1e-9.
 """
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_close, assert_dicts_close, group_comm
+from conftest import assert_close, assert_dicts_close, group_comm, run_mpi
 
 import mpishard as ms
 from mpishard.strategies.expert_parallel import MoELayer
@@ -289,13 +286,7 @@ def test_bad_layouts_raise_the_same_error_on_every_rank():
 
 # -- the example, at 2 ranks (serial test: it launches mpiexec itself) ----------------------------
 def test_example_runs_at_two_ranks():
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py",
-           str(ROOT / "examples" / "moe_expert_parallel.py"), "--steps", "4"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    res = run_mpi(2, ROOT / "examples" / "moe_expert_parallel.py", "--steps", "4", timeout=240)
     print(res.stdout, res.stderr)
     assert res.returncode == 0
     assert "matches single" in res.stdout

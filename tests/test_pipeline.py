@@ -4,17 +4,13 @@ MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/test
 for N in 1, 2, 4, 8 (a pp=k layout runs on `group_comm(k)`, several groups side by side).
 Serial tests (stage assignment, the examples under mpiexec): `pytest -m "not mpi"`.
 """
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mpishard as ms
-from conftest import assert_close, assert_dicts_close, group_comm
+from conftest import assert_close, assert_dicts_close, group_comm, run_mpi, single_reference
 from mpishard.schedules import Action, ideal_bubble, simulate
 from mpishard.strategies.pipeline import assign_stages, pipeline_bubble
 
@@ -40,10 +36,7 @@ def check_against_single(comm, layout, depth, loss="mse", rows=16):
     model = make_model(depth)
     params = model.init(seed=depth)
     x, t = make_data(model, rows, loss)
-    ref = ms.SingleDevice(model)
-    ref.load_checkpoint(params)
-    ref_loss, ref_grads = ref.train_step(x, t, loss)
-    ref_grads = {k: v.copy() for k, v in ref_grads.items()}
+    ref, ref_loss, ref_grads = single_reference(model, params, x, t, loss)
     engine = ms.make_engine(model, layout, comm=comm)
     engine.load_checkpoint(params)
     value, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), loss)
@@ -281,24 +274,13 @@ def test_pp_larger_than_the_model_and_uneven_virtual_stages():
 
 
 # -- the examples, launched as a user would ----------------------------------------------------
-def _mpiexec():
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else shutil.which("mpiexec")
-
-
 @pytest.mark.parametrize("script,n,args", [
     ("pipeline_bce_two_stages.py", 2, []),
     ("pipeline_deep_mlp.py", 4, ["--steps", "2"]),
     ("pipeline_deep_mlp.py", 4, ["--steps", "1", "--schedule", "interleaved"]),
 ])
 def test_example_runs_and_agrees(script, n, args):
-    mpiexec = _mpiexec()
-    if mpiexec is None:
-        pytest.skip("no mpiexec")
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py",
-                           str(ROOT / "examples" / script)] + args, capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env=env)
+    proc = run_mpi(n, ROOT / "examples" / script, *args, env={"OPENBLAS_NUM_THREADS": "1"})
     print(proc.stdout, proc.stderr)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "agrees with single" in proc.stdout

@@ -11,10 +11,7 @@ rows do not divide by 4 or 8), tp leaves an odd last layer replicated, and a pip
 falls after a column-parallel layer (a tp-sharded activation is sent).
 """
 import itertools
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +21,7 @@ import mpishard as ms
 from mpishard import cli, planning
 from mpishard.bench import model_flops
 
-from conftest import RTOL32, assert_close, group_comm
+from conftest import RTOL32, assert_close, group_comm, run_mpi
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 16
@@ -208,14 +205,9 @@ def test_plan_errors(capsys, argv, message):
 
 
 # -- bench under mpiexec (serial test, subprocess) ---------------------------------------------
-def _launch(n, *args, timeout=120):
-    exe = Path(sys.executable).parent / "mpiexec"
-    if not exe.exists():
-        pytest.skip("no mpiexec next to the interpreter")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [str(exe), "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "mpishard", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def _launch(n, *args):
+    """`mpiexec -n n python -m mpi4py -m mpishard args...`, the CompletedProcess."""
+    return run_mpi(n, "-m", "mpishard", *args)
 
 
 def test_bench_two_ranks():

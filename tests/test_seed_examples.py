@@ -6,16 +6,11 @@ Serial tests: each launches `mpiexec -n 2 python -m mpi4py examples/<script> ...
 run, and the memory accounting is checked against formulas from the shapes.
 """
 import importlib.util
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
 import mpishard as ms
+from conftest import run_mpi
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -23,14 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def launch(n, script, *args, timeout=240):
-    exe = Path(sys.executable).parent / "mpiexec"
-    exe = str(exe) if exe.exists() else shutil.which("mpiexec")
-    if exe is None:
-        pytest.skip("no mpiexec")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([exe, "-n", str(n), sys.executable, "-m", "mpi4py",
-                        str(EXAMPLES / script), *map(str, args)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = run_mpi(n, EXAMPLES / script, *args, timeout=timeout)
     print(r.stdout)
     print(r.stderr[-3000:])
     return r
