@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.optim import AdamW, clip_grad_norm
+from mpishard.train.optim import AdamW, clip_grad_norm
 
 RTOL = 1e-9
 

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-import mpishard.optim  # noqa: F401  (ms.optim)
+import mpishard.train.optim  # noqa: F401  (ms.optim)
 
 RTOL = 1e-9
 

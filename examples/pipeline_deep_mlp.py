@@ -19,8 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.schedules import Action, ideal_bubble, simulate
-from mpishard.strategies.pipeline import pipeline_bubble
+from mpishard.parallel.schedules import Action, ideal_bubble, simulate
+from mpishard.parallel.pipeline import pipeline_bubble
 
 RTOL = 1e-9
 

@@ -17,9 +17,9 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.data import load_dataset
-from mpishard.optim import AdamW, cosine_schedule
-from mpishard.trainer import Trainer
+from mpishard.train.data import load_dataset
+from mpishard.train.optim import AdamW, cosine_schedule
+from mpishard.train.trainer import Trainer
 
 
 def default_layouts(n):

@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.data import DistributedBatcher
+from mpishard.train.data import DistributedBatcher
 
 RTOL = 1e-9
 

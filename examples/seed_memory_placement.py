@@ -24,8 +24,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.mesh import AXES, coordinates, parse_layout
-from mpishard.planning import rank_memory
+from mpishard.comm.mesh import AXES, coordinates, parse_layout
+from mpishard.cli.plan import rank_memory
 
 DIMS = [784, 512, 256, 128, 10]
 DEFAULT_LAYOUTS = ["dp=4", "tp=4", "pp=4", "fsdp=4", "dp=2,tp=2"]

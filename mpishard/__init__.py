@@ -6,11 +6,13 @@
     engine.load_checkpoint(model.init(seed=0))
     loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), ms.losses.MSE())
 """
-from . import checkpoint, data, losses, nn, optim, trainer
+from . import checkpoint, nn
+from .nn import losses
+from .train import data, optim, trainer
 from .engine import CollectiveMismatchError, Future, ShardedEngine
-from .mesh import DeviceMesh, Layout, parse_layout
-from .model import MLP, MoE
-from .strategies import MeshEngine, SingleDevice, make_engine
+from .comm.mesh import DeviceMesh, Layout, parse_layout
+from .nn.models import MLP, MoE
+from .parallel import MeshEngine, SingleDevice, make_engine
 
 __version__ = "0.1.0"
 

@@ -29,8 +29,8 @@ from collections import Counter
 import numpy as np
 from mpi4py import MPI
 
-from .backend import Backend
-from .mesh import DeviceMesh, parse_layout
+from .comm.backend import Backend
+from .comm.mesh import DeviceMesh, parse_layout
 
 _DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
                                  "bool", "complex128", "complex64")]

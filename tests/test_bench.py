@@ -95,7 +95,7 @@ def test_unknown_part_is_refused():
 def test_cached_einsum_paths_give_the_same_numbers(spec, sa, sb, monkeypatch):
     import numpy as np
 
-    from mpishard import nn
+    from mpishard.nn import functional as nn
 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(sa), rng.standard_normal(sb)

@@ -22,9 +22,9 @@ import pytest
 
 import mpishard as ms
 from mpishard.checkpoint import Checkpointer, CheckpointError, LazyArray, resume
-from mpishard.data import synthetic_classification
-from mpishard.optim import SGD, AdamW, cosine_schedule
-from mpishard.trainer import Trainer
+from mpishard.train.data import synthetic_classification
+from mpishard.train.optim import SGD, AdamW, cosine_schedule
+from mpishard.train.trainer import Trainer
 
 from conftest import assert_close, assert_dicts_close, group_comm, run_mpi, world
 
@@ -387,7 +387,7 @@ def test_load_while_a_save_swaps_the_directory(tmp_path, monkeypatch):
     """A save that completes between reading the index and checking the files (another job
     saving to the same path): load retries on the new checkpoint instead of pairing the old
     index with the new files (a false 'corrupt' or 'missing' error, or mixed data)."""
-    from mpishard import checkpoint_reader
+    from mpishard.checkpoint import reader as checkpoint_reader
 
     path = tmp_path / "ck"
     _single_checkpoint(path, seed=1, step=1)

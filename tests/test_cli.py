@@ -109,7 +109,7 @@ def test_schedule_subcommand(capsys):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):
     a = train_args("--config", str(path))
-    from mpishard.mesh import parse_layout
+    from mpishard.comm.mesh import parse_layout
 
     cli.validate_train_args(a, world_size=parse_layout(a.layout).world_size)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.data import (DistributedBatcher, digits, eval_chunks, load_dataset,
+from mpishard.train.data import (DistributedBatcher, digits, eval_chunks, load_dataset,
                            synthetic_classification, synthetic_regression)
 
 from conftest import world

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.strategies.data_parallel import GradientSync, plan_buckets
+from mpishard.parallel.data_parallel import GradientSync, plan_buckets
 
 from conftest import assert_close, assert_dicts_close, group_comm, world
 

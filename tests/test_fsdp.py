@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-import mpishard.optim  # noqa: F401  (ms.optim)
-from mpishard import placement as pl
-from mpishard.strategies import plan_params
+import mpishard.train.optim  # noqa: F401  (ms.optim)
+from mpishard.parallel import placement as pl
+from mpishard.parallel import plan_params
 
 from conftest import assert_close, assert_dicts_close, group_comm, run_mpi
 

@@ -70,7 +70,7 @@ def test_infer_in_process_float32_and_streaming_helper(saved, capsys):
     engine = ms.SingleDevice(model)
     engine.load_checkpoint(ms.checkpoint.load(ck))
     out = np.full((ROWS, DIMS[-1]), np.nan)
-    from mpishard.inference import batch_spans, infer_rows
+    from mpishard.cli.infer import batch_spans, infer_rows
 
     assert batch_spans(5, 2) == [(0, 2), (2, 4), (4, 5)]
     assert infer_rows(engine, np.load(x, mmap_mode="r"), 8, out) == 3

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard import mesh
+from mpishard.comm import mesh
 
 from conftest import group_comm, world
 

@@ -12,8 +12,8 @@ import pytest
 from conftest import assert_close, assert_dicts_close, group_comm, run_mpi
 
 import mpishard as ms
-from mpishard.strategies.expert_parallel import MoELayer
-from mpishard.strategies.mesh_engine import plan_params
+from mpishard.parallel.expert_parallel import MoELayer
+from mpishard.parallel.compose import plan_params
 
 ROOT = Path(__file__).resolve().parent.parent
 D_MODEL, D_HIDDEN, N_EXPERTS, BATCH = 6, 8, 8, 32

@@ -7,7 +7,7 @@ to the backward and compares every input gradient with central differences.
 import numpy as np
 import pytest
 
-from mpishard import nn
+from mpishard.nn import functional as nn
 
 H = 1e-6          # central-difference step
 FD_RTOL = 1e-7    # float64 central differences are good to ~1e-9 relative here

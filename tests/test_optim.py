@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.optim import (SGD, AdamW, clip_grad_norm, constant_schedule, cosine_schedule,
+from mpishard.train.optim import (SGD, AdamW, clip_grad_norm, constant_schedule, cosine_schedule,
                             make_schedule)
 
 from conftest import assert_close, assert_dicts_close, world

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard import cli, planning
-from mpishard.bench import model_flops
+from mpishard import cli
+from mpishard.cli import plan as planning
+from mpishard.cli.bench import model_flops
 
 from conftest import RTOL32, assert_close, group_comm, run_mpi
 

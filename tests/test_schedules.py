@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from mpishard.schedules import (Action, ScheduleError, ScheduleStats, add_schedule_arguments,
+from mpishard.parallel.schedules import (Action, ScheduleError, ScheduleStats, add_schedule_arguments,
                                 ideal_bubble, make_schedule, plot_timeline, render_timeline,
                                 run_schedule_command, simulate, validate)
 

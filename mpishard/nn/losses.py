@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .nn import array_module
+from .functional import array_module
 
 
 class Loss:

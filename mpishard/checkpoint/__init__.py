@@ -55,11 +55,11 @@ import shutil
 
 import numpy as np
 
-from .checkpoint_callback import Checkpointer, resume
-from .checkpoint_format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _json_default,
+from .callback import Checkpointer, resume
+from .format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _json_default,
                                 _run, _sha256, model_from_spec, model_spec)
-from .checkpoint_reader import Checkpoint, LazyArray, describe, load, read_index
-from .safetensors_io import export_safetensors, import_safetensors, torch_name_map
+from .reader import Checkpoint, LazyArray, describe, load, read_index
+from .safetensors import export_safetensors, import_safetensors, torch_name_map
 
 __all__ = ["save", "load", "restore", "describe", "Checkpoint", "LazyArray", "CheckpointError",
            "Checkpointer", "resume", "export_safetensors", "import_safetensors",

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from .mesh import check_world_size, parse_layout
+from ..comm.mesh import check_world_size, parse_layout
 
 PROG = "mpishard"
 

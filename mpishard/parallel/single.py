@@ -3,7 +3,7 @@
 Every other layout is tested against this engine. It is the composition with no mesh axis:
 plain `Linear` + `Activation` layers run in order, gradients need no communication.
 
-    engine = ms.strategies.SingleDevice(ms.MLP([784, 512, 10]))
+    engine = ms.SingleDevice(ms.MLP([784, 512, 10]))
     engine.load_checkpoint(params)
     y = engine.forward(x)          # 'bd,df->bf' per layer
     grads = engine.backward(dy)    # {'layer_0/weights': ..., ...}
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .mesh_engine import MeshEngine
+from .compose import MeshEngine
 
 
 class SingleDevice(MeshEngine):

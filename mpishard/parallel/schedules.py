@@ -2,7 +2,7 @@
 
 A schedule is ``schedule[stage] = [Action('F', 0, 0), Action('F', 1, 0), ..., Action('B', 0, 0)]``,
 the order in which that stage runs forward (F) and backward (B) passes of microbatches.
-``strategies/pipeline.py`` executes it with send/receive; here it is only data, so it can be
+``parallel/pipeline.py`` executes it with send/receive; here it is only data, so it can be
 built, simulated, drawn and checked on a laptop.
 
 Virtual stages. With ``v`` chunks per stage (interleaved schedules) the model's layers are cut

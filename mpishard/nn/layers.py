@@ -18,7 +18,7 @@ and inserting communication layers, not by rewriting the math.
 """
 from __future__ import annotations
 
-from . import nn
+from . import functional as nn
 
 
 class LocalAccess:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .data import Dataset, DistributedBatcher, eval_chunks
-from .losses import get_loss
+from ..nn.losses import get_loss
 from .optim import clip_grad_norm
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
@@ -307,7 +307,7 @@ def _pipeline_microbatches(engine) -> int:
     """Microbatches each train_step splits its rows into (1 without pp)."""
     if engine.layout.size("pp") == 1:
         return 1
-    from .strategies.pipeline import pipeline_options
+    from ..parallel.pipeline import pipeline_options
 
     return pipeline_options(engine.layout)[3]
 

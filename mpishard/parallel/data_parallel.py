@@ -33,7 +33,7 @@ Bucket order, and so the order of the collectives, is the same on every rank of 
 """
 from __future__ import annotations
 
-from ..mesh import DATA_AXES
+from ..comm.mesh import DATA_AXES
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -163,8 +163,8 @@ class GradientSync:
         self._armed = False
 
     def _overlap_supported(self) -> bool:
-        from ..layers import LocalAccess
-        from .mesh_engine import SequentialRunner, uses_moe
+        from ..nn.layers import LocalAccess
+        from .compose import SequentialRunner, uses_moe
 
         e = self.engine
         return (type(e.access) is LocalAccess and type(e.runner) is SequentialRunner

@@ -30,9 +30,9 @@ import time
 
 import numpy as np
 
-from .cli_usage import (UsageError, _world, agreed, checked_layout, default_layout, parse_dims,
+from .usage import (UsageError, _world, agreed, checked_layout, default_layout, parse_dims,
                         print_report)
-from .planning import COMM_KINDS, check_fit, step_comm_total
+from .plan import COMM_KINDS, check_fit, step_comm_total
 
 
 def add_bench_arguments(p):
@@ -86,7 +86,7 @@ def build_bench(args, comm):
 
 def measure(engine, opt, x, t, steps: int, warmup: int) -> dict:
     """Collective: warm-up, then `steps` timed steps; numbers combined over ranks (max)."""
-    from .losses import MSE
+    from ..nn.losses import MSE
 
     loss = MSE()
     sync = (engine.xp.cuda.get_current_stream().synchronize if engine.backend.is_gpu

@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 
-from .checkpoint_format import CheckpointError
-from .trainer import Callback, TrainState
+from .format import CheckpointError
+from ..train.trainer import Callback, TrainState
 
 
 class Checkpointer(Callback):
@@ -28,7 +28,7 @@ class Checkpointer(Callback):
         self.path, self.every, self.last_saved = os.fspath(path), int(every), None
 
     def save(self, trainer) -> None:
-        from .checkpoint import save
+        from . import save
 
         b, st = trainer.batcher, trainer.state
         epoch, index = b.position(st.step)
@@ -53,7 +53,7 @@ def resume(trainer, path) -> int:
     """Collective: restore parameters, optimizer state and `trainer.state` (step, histories;
     the data position follows from the step) from a Checkpointer's checkpoint. Returns the
     step. Warns when the data settings differ from the saved ones."""
-    from .checkpoint import _restore
+    from . import _restore
 
     ckpt = _restore(path, trainer.engine, trainer.optimizer)
     extra = ckpt.extra or {}

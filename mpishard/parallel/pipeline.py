@@ -41,8 +41,8 @@ import time
 
 import numpy as np
 
-from ..mesh import DATA_AXES, parse_layout
-from ..schedules import make_schedule
+from ..comm.mesh import DATA_AXES, parse_layout
+from .schedules import make_schedule
 
 FWD, BWD = 0, 1            # message direction: activation forward, gradient backward
 _EOS_NDIM = 1              # inference end-of-stream: a 1-D int64 array [group size]; data is 2-D

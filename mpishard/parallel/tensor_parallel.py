@@ -22,9 +22,9 @@ row b and the replicated last layer: replicated on tp.
 """
 from __future__ import annotations
 
-from .. import nn
-from ..layers import Layer, Linear
-from ..placement import Shard
+from ..nn import functional as nn
+from ..nn.layers import Layer, Linear
+from .placement import Shard
 
 
 def tp_role(index: int, n_layers: int) -> str:

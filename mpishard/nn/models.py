@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .nn import check_activation
+from .functional import check_activation
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Strategy pieces (one file each) and their composition over a device mesh."""
-from .mesh_engine import MeshEngine, make_engine, plan_params
+from .compose import MeshEngine, make_engine, plan_params
 from .single import SingleDevice
 
 __all__ = ["MeshEngine", "SingleDevice", "make_engine", "plan_params"]

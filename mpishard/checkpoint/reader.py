@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .checkpoint_format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _run, _sha256,
+from .format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _run, _sha256,
                                 _spec_text, model_from_spec, model_spec)
 
 _OPEN_ATTEMPTS = 5          # opening retries while a concurrent save swaps the directory

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from .cli_usage import (PROG, Parser, UsageError, _positive, _world, agreed, checked_layout,
+from .usage import (PROG, Parser, UsageError, _positive, _world, agreed, checked_layout,
                         default_layout, parse_dims, print_report)
 
 # -- arguments ----------------------------------------------------------------------------------
@@ -39,8 +39,8 @@ DEFAULT_EPOCHS = 10
 
 
 def add_train_arguments(p):
-    from .data import DATASETS
-    from .nn import ACTIVATIONS
+    from ..train.data import DATASETS
+    from ..nn.functional import ACTIVATIONS
 
     m = p.add_argument_group("model and layout")
     m.add_argument("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all "
@@ -201,7 +201,7 @@ def validate_train_args(args, world_size: int):
         raise UsageError(f"--min-lr {args.min_lr:g} must not exceed --lr {args.lr:g}")
     # the model must fit the data and the loss
     if args.dataset == "digits":
-        from .data import DIGITS_CLASSES, DIGITS_FEATURES
+        from ..train.data import DIGITS_CLASSES, DIGITS_FEATURES
 
         if dims[0] != DIGITS_FEATURES or dims[-1] != DIGITS_CLASSES:
             raise UsageError(f"--model {args.model}: the digits dataset has {DIGITS_FEATURES} "
@@ -232,7 +232,7 @@ def validate_train_args(args, world_size: int):
 
 def _validate_checkpoint_args(args):
     """--checkpoint-dir / --checkpoint-every / --resume (no MPI; the same on every rank)."""
-    from .checkpoint import INDEX
+    from ..checkpoint import INDEX
 
     _positive("checkpoint-every", args.checkpoint_every, allow_zero=True)
     if args.checkpoint_dir is None:
@@ -258,9 +258,9 @@ def build_training(args, comm=None):
     ValueError or TypeError before any collective on a bad input."""
     import mpishard as ms
 
-    from .data import load_dataset
-    from .optim import AdamW, SGD, make_schedule
-    from .trainer import Trainer, configure_logging
+    from ..train.data import load_dataset
+    from ..train.optim import AdamW, SGD, make_schedule
+    from ..train.trainer import Trainer, configure_logging
 
     comm = comm or _world()
     layout, dims, loss = validate_train_args(args, comm.Get_size())
@@ -288,7 +288,7 @@ def build_training(args, comm=None):
         trainer.schedule = make_schedule(args.schedule, args.lr, trainer.total_steps,
                                          args.warmup, args.min_lr)
     if args.checkpoint_dir:
-        from .checkpoint import Checkpointer, resume
+        from ..checkpoint import Checkpointer, resume
 
         trainer.callbacks.append(Checkpointer(args.checkpoint_dir, args.checkpoint_every))
         if args.resume:
@@ -297,7 +297,7 @@ def build_training(args, comm=None):
 
 
 def run_train(args) -> int:
-    from .trainer import summary_table
+    from ..train.trainer import summary_table
 
     comm = _world()
     trainer = agreed(comm, lambda: build_training(args, comm))

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import nn
-from .. import placement as pl
-from ..layers import Layer
-from ..mesh import DATA_AXES
+from ..nn import functional as nn
+from . import placement as pl
+from ..nn.layers import Layer
+from ..comm.mesh import DATA_AXES
 
 
 # -- planning (no MPI) -------------------------------------------------------------------------

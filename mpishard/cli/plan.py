@@ -51,9 +51,9 @@ from math import prod
 
 import numpy as np
 
-from . import mesh as meshmod
-from . import placement as pl
-from .mesh import AXES, parse_layout
+from ..comm import mesh as meshmod
+from ..parallel import placement as pl
+from ..comm.mesh import AXES, parse_layout
 
 
 def _owned_slice_shape(shape, n):
@@ -66,7 +66,7 @@ def _owned_slice_shape(shape, n):
 def rank_memory(model, layout, rank: int, itemsize: int = 8, optimizer: str = "adamw",
                 momentum: float = 0.0) -> dict:
     """Bytes of parameters, gradients and optimizer state held by `rank` (no MPI)."""
-    from .strategies.mesh_engine import plan_params
+    from ..parallel.compose import plan_params
 
     layout = parse_layout(layout)
     plan = plan_params(model, layout)
@@ -164,14 +164,14 @@ def _all_reduce_bytes(n: int, nbytes: float) -> float:
 def check_fit(model, layout, batch=None) -> int:
     """Raise ValueError (the engine's own, where it has one) unless `layout` can train `model`
     on a global batch of `batch` rows; returns the microbatches per step (1 without pp)."""
-    from .schedules import make_schedule
-    from .strategies.mesh_engine import plan_params
+    from ..parallel.schedules import make_schedule
+    from ..parallel.compose import plan_params
 
     layout = parse_layout(layout)
     plan_params(model, layout)          # tp must divide the hidden sizes, pp <= layers, ...
     m = 1
     if layout.size("pp") > 1:
-        from .strategies.pipeline import pipeline_options
+        from ..parallel.pipeline import pipeline_options
 
         pp, name, v, m = pipeline_options(layout)
         make_schedule(name, pp, m, v)   # interleaved: microbatches a multiple of pp
@@ -192,8 +192,8 @@ def check_fit(model, layout, batch=None) -> int:
 def boundary_widths(model, layout) -> dict:
     """Virtual stage k -> width of the activation it sends on (its last layer's d_out, the
     local tp block after a column-parallel layer)."""
-    from .strategies.mesh_engine import layer_stages
-    from .strategies.tensor_parallel import tp_role
+    from ..parallel.compose import layer_stages
+    from ..parallel.tensor_parallel import tp_role
 
     layout = parse_layout(layout)
     tp, layers = layout.size("tp"), model.layers()
@@ -211,8 +211,8 @@ def step_comm(model, layout, rank: int, batch: int, itemsize: int = 8) -> dict:
 
     'train_step' is `engine.train_step(x, t, loss)` with sync (forward, backward, gradient
     sync, the global loss); 'optimizer' is `opt.step()` (ZeRO-1/2 all-gather there)."""
-    from .strategies.mesh_engine import layer_stages, plan_params
-    from .strategies.tensor_parallel import tp_role
+    from ..parallel.compose import layer_stages, plan_params
+    from ..parallel.tensor_parallel import tp_role
 
     layout = parse_layout(layout)
     if getattr(model, "kind", "mlp") != "mlp" or layout.size("ep") > 1:

@@ -19,12 +19,12 @@ import os
 import sys
 
 from .bench import add_bench_arguments, run_bench
-from .cli_train import (add_train_arguments, build_training, config_tokens, parse_train_args,
+from .train import (add_train_arguments, build_training, config_tokens, parse_train_args,
                         run_train, validate_train_args)
-from .cli_usage import PROG, Parser, UsageError, _positive, _rank, agreed, parse_dims, print_report
-from .inference import add_infer_arguments, run_infer
-from .planning import add_plan_arguments, plan_report
-from .schedules import add_schedule_arguments, run_schedule_command
+from .usage import PROG, Parser, UsageError, _positive, _rank, agreed, parse_dims, print_report
+from .infer import add_infer_arguments, run_infer
+from .plan import add_plan_arguments, plan_report
+from ..parallel.schedules import add_schedule_arguments, run_schedule_command
 
 __all__ = ["COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError", "Parser", "agreed",
            "parse_dims", "parse_train_args", "config_tokens", "validate_train_args",
@@ -59,7 +59,7 @@ def _add_inspect(p):
 def _run_inspect(args) -> int:
     if args.layout is not None or args.model is not None:
         return _run_inspect_layout(args)
-    from .checkpoint import CheckpointError, describe
+    from ..checkpoint import CheckpointError, describe
 
     if args.checkpoint is None:
         raise UsageError("inspect: give a checkpoint directory (inspect CKPT) or "
@@ -72,8 +72,8 @@ def _run_inspect(args) -> int:
 
 
 def _run_inspect_layout(args) -> int:
-    from .mesh import parse_layout
-    from .planning import layout_report
+    from ..comm.mesh import parse_layout
+    from .plan import layout_report
 
     if args.checkpoint is not None:
         raise UsageError("inspect: give either a checkpoint or --layout/--model, not both")
@@ -97,7 +97,7 @@ def _run_plan(args) -> int:
 def _report_mlp(command, args, report) -> int:
     """inspect --layout and plan: `report(MLP from --model/--activation/--no-bias)`, printed by
     rank 0; the model's or the layout's ValueError/TypeError is a UsageError."""
-    from .model import MLP
+    from ..nn.models import MLP
 
     try:
         model = MLP(parse_dims(args.model), activation=args.activation, bias=not args.no_bias)

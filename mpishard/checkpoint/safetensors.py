@@ -26,8 +26,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .checkpoint_format import model_spec
-from .checkpoint_reader import load
+from .format import model_spec
+from .reader import load
 
 _TORCH_KEY = re.compile(r"^(?P<prefix>.*?)(?P<idx>\d+)\.(?P<kind>weight|bias)$")
 _OURS_KEY = re.compile(r"^layer_\d+/(weights|bias)$")

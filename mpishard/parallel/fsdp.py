@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import placement as pl
+from . import placement as pl
 from .data_parallel import DEFAULT_BUCKET_MB
 from .fsdp_prefetch import Prefetcher
 

@@ -13,7 +13,7 @@ through `engine.inference_loop(input_stream, output_stream)`:
     computes 1/dp of every batch (fsdp ranks must run the same batches in lock-step anyway).
     `--batch` must divide by the data-parallel size; a short last batch is padded with zero
     rows up to a multiple of it and the padded rows' outputs are dropped.
-  - pp > 1: the pipeline's streaming loop (strategies/pipeline.py): stage 0 reads the
+  - pp > 1: the pipeline's streaming loop (parallel/pipeline.py): stage 0 reads the
     batches, stage k works on batch i while stage k-1 works on batch i+1, and an end-of-stream
     message shuts the stages down; the outputs appear on the last stage. pp = 1: `predict`
     per batch.
@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from .cli_usage import UsageError, _positive, _world, agreed, checked_layout, default_layout
+from .usage import UsageError, _positive, _world, agreed, checked_layout, default_layout
 
 DEFAULT_BATCH = 256
 
@@ -127,7 +127,7 @@ def build_inference(args, comm):
     communication is inside make_engine, after every check that can fail on a rank alone."""
     import mpishard as ms
 
-    from .checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError
 
     size = comm.Get_size()
     layout = checked_layout(args.layout or default_layout(size), size)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..layers import Layer
+from ..nn.layers import Layer
 
 FWD, BWD = "forward", "backward"
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import placement as pl
+from . import placement as pl
 from ..engine import ShardedEngine
-from ..layers import Activation, Layer, Linear, LocalAccess
-from ..losses import get_loss
-from ..mesh import DATA_AXES, parse_layout
+from ..nn.layers import Activation, Layer, Linear, LocalAccess
+from ..nn.losses import get_loss
+from ..comm.mesh import DATA_AXES, parse_layout
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
                               tp_role, tp_shards)

@@ -1,0 +1,1 @@
+"""Training: the trainer loop, optimizers, learning-rate schedules and data sets."""
