@@ -111,6 +111,11 @@ class ShardedEngine(ABC):
 
     # -- identity ------------------------------------------------------------------------------
     @property
+    def mpi_comm(self):
+        """The engine's mpi4py communicator (world of this engine), for control data."""
+        return self.comm
+
+    @property
     def device_id(self) -> int:
         """The rank of this device in the engine's communicator."""
         return self.comm.Get_rank()
