@@ -23,7 +23,8 @@ import pytest
 import mpishard as ms
 from mpishard.checkpoint import Checkpointer, CheckpointError, LazyArray, resume
 from mpishard.train.data import synthetic_classification
-from mpishard.train.optim import SGD, AdamW, cosine_schedule
+from mpishard.train.lr import cosine_schedule
+from mpishard.train.optim import SGD, AdamW
 from mpishard.train.trainer import Trainer
 
 from conftest import assert_close, assert_dicts_close, group_comm, run_mpi, world
@@ -450,7 +451,7 @@ if os.environ.get("MPISHARD_TEST_CRASH_AFTER_SHARD") and MPI.COMM_WORLD.Get_rank
             f.flush()
             os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
-    ms.checkpoint._write_block = crash
+    ms.checkpoint.writer.write_block = crash
 ms.checkpoint.save(path, engine, step=2)
 print("save 2 finished", flush=True)
 '''

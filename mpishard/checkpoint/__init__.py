@@ -17,336 +17,35 @@ block, plus `index.json`:
      "files":     {file: {"sha256", "bytes"}}}
 
 A chunk is the real (unpadded) region `offset[d] : offset[d] + shape[d]` of the full array.
-Every block is written once: blocks held by several ranks (replicated on dp, on tp for a
-bias, ...) are deduplicated by region, the lowest rank holding a region writes it.
-
-Crash consistency (save over an existing checkpoint `P`):
-  1. rank 0 creates the fresh sibling `P.tmp-<step>` (removing any stale one);
-  2. every rank writes its blocks there, fsyncs them and sends (file, sha256) to rank 0;
-  3. rank 0 writes `index.json.tmp`, fsyncs it, `os.replace`s it to `index.json` and fsyncs
-     the directory: the index exists only once every block it names is durable;
-  4. rank 0 swaps: `P -> P.old`, `P.tmp-<step> -> P`, fsync of the parent, removes `P.old`.
-A crash in 1-3 leaves `P` untouched (the tmp directory has no index: not a checkpoint). A
-crash between the two renames of 4 leaves the complete old checkpoint at `P.old`: `load`
-reads it from there and the next `save` renames it back first. A crash after leaves `P`
-complete and `P.old` as garbage the next save removes. At no moment is there no complete
-checkpoint. `load` never opens a directory without `index.json`; it checks that every file
-the index names exists with its recorded size up front, and a file's sha256 before the first
-read from it (a rank reads and hashes only the files overlapping the slices it asks for).
+Every block is written once, by the lowest rank holding it; the save is crash-consistent: the
+index is written last and the new directory swapped in atomically, so at no moment is there
+no complete checkpoint (writer.py describes the steps). `load` never opens a directory
+without `index.json`; it checks that every file the index names exists with its recorded
+size up front, and a file's sha256 before the first read from it (a rank reads and hashes
+only the files overlapping the slices it asks for).
 
 Errors (corrupt/missing/truncated shard, missing index, another model) raise
 `CheckpointError` (a ValueError). `save` and `restore` are collective and raise the same
 error on every rank (no rank is left in a collective); `load` is local, and `load(path,
 comm=comm)` verifies every file collectively up front.
 
-The pieces live in their own files; this module re-exports them, so `ms.checkpoint.X` is the
-one place to reach any of them:
-  checkpoint.py           the format (above), `save` (writer) and `restore` (exact resume)
-  checkpoint_format.py    what writer and reader share: constants, CheckpointError, model spec
-  checkpoint_reader.py    `load`: the index, lazy memory-mapped arrays, verification, `describe`
-  checkpoint_callback.py  the Trainer's `Checkpointer` callback and `resume`
-  safetensors_io.py       `export_safetensors` / `import_safetensors`, PyTorch's name map
+The pieces live in their own modules; this package re-exports them, so `ms.checkpoint.X` is
+the one place to reach any of them:
+  format.py       what the others share: constants, CheckpointError, the model spec JSON
+  writer.py       `save`: blocks deduplicated over ranks, crash-consistent directory swap
+  reader.py       `load`: the index, lazy memory-mapped arrays, verification, `describe`
+  restorer.py     `restore`: exact resume of an engine and its optimizer
+  callback.py     the Trainer's `Checkpointer` callback and `resume`
+  safetensors.py  `export_safetensors` / `import_safetensors`, PyTorch's name map
 """
-from __future__ import annotations
-
-import json
-import os
-import shutil
-
-import numpy as np
-
 from .callback import Checkpointer, resume
-from .format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _json_default,
-                                _run, _sha256, model_from_spec, model_spec)
+from .format import FORMAT, INDEX, VERSION, CheckpointError, model_from_spec, model_spec
 from .reader import Checkpoint, LazyArray, describe, load, read_index
+from .restorer import restore
 from .safetensors import export_safetensors, import_safetensors, torch_name_map
+from .writer import save
 
 __all__ = ["save", "load", "restore", "describe", "Checkpoint", "LazyArray", "CheckpointError",
            "Checkpointer", "resume", "export_safetensors", "import_safetensors",
-           "torch_name_map", "model_spec", "model_from_spec", "read_index", "INDEX"]
-
-
-def _fsync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _optimizer_hyper(opt) -> dict:
-    if hasattr(opt, "hyperparameters"):
-        hp = opt.hyperparameters
-        hp = hp() if callable(hp) else hp
-    else:
-        hp = {k: v for k, v in vars(opt).items() if not k.startswith("_") and
-              isinstance(v, (int, float, str, bool, tuple, list)) and k != "state"}
-    return json.loads(json.dumps(hp, default=_json_default))
-
-
-def _volume(region) -> int:
-    return int(np.prod([b - a for a, b in region], dtype=np.int64))
-
-
-def _file_name(kind, name, key, region) -> str:
-    where = "_".join(f"{a}-{b}" for a, b in region) or "scalar"
-    stem = ".".join(p for p in (kind, key, name.replace("/", ".")) if p)
-    return f"{stem}__{where}.npy"
-
-
-def _region(engine, name, which):
-    """This rank's block of `name` in the full array, as a hashable ((start, stop), ...)."""
-    return tuple(tuple(r) for r in engine.block_region(name, which))
-
-
-def _real(region) -> tuple:
-    """Slices of a (possibly padded) local block that hold the region's real entries."""
-    return tuple(slice(0, b - a) for a, b in region)
-
-
-# -- save -------------------------------------------------------------------------------------
-def _blocks(engine, optimizer):
-    """This rank's candidate blocks: (kind, name, key, region, array, scalars) with the real
-    (unpadded) part of the block; kind 'param' or 'optim' (key: the state's array name)."""
-    out = []
-    for name in engine.local_names:
-        region = _region(engine, name, "param")
-        out.append(("param", name, "", region, engine.params[name][_real(region)], {}))
-    if optimizer is not None:
-        for name, *_ in engine.optimizer_shards():
-            state = optimizer.state.get(name)
-            if not state:
-                continue
-            region = _region(engine, name, "optimizer")
-            scalars = {k: (v.item() if hasattr(v, "item") else v) for k, v in state.items()
-                       if np.ndim(v) == 0}
-            for key, arr in sorted(state.items()):
-                if np.ndim(arr) > 0:
-                    out.append(("optim", name, key, region, arr[_real(region)], scalars))
-    return [b for b in out if _volume(b[3]) > 0]
-
-
-def _assign_writers(all_descs, full_shapes) -> tuple:
-    """Rank 0: the lowest rank holding a region writes it; check the regions cover each
-    array exactly once. Returns (per-rank lists of block indices, the unique blocks)."""
-    owner: dict = {}
-    for rank, descs in enumerate(all_descs):
-        for i, d in enumerate(descs):
-            owner.setdefault((d[0], d[1], d[2], d[3]), (rank, i, d))
-    covered: dict = {}
-    for kind, name, key, region in owner:
-        covered[(kind, name, key)] = covered.get((kind, name, key), 0) + _volume(region)
-    for (kind, name, key), vol in covered.items():
-        full = int(np.prod(full_shapes[name], dtype=np.int64))
-        if vol != full:
-            raise CheckpointError(f"{kind} {name!r} {key}: the ranks' blocks cover {vol} of "
-                                  f"{full} elements (optimizer state missing on some ranks?)")
-    todo = [[] for _ in all_descs]
-    for rank, i, _ in owner.values():
-        todo[rank].append(i)
-    return todo, owner
-
-
-def _write_block(path, arr) -> None:
-    """Write one block durably (tests monkeypatch this to crash half-way)."""
-    with open(path, "wb") as f:
-        np.save(f, arr, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _prepare_dirs(path, tmp) -> None:
-    """Rank 0, before anything is written: finish or roll back an interrupted swap, refuse to
-    replace a directory that is not a checkpoint, start a fresh tmp directory."""
-    old = path + ".old"
-    has_index = os.path.exists(os.path.join(path, INDEX))
-    if os.path.isdir(old) and os.path.exists(os.path.join(old, INDEX)) and not has_index:
-        if os.path.isdir(path):
-            raise CheckpointError(f"{path} has no {INDEX} and {old} holds the previous "
-                                  "checkpoint; move one of them away")
-        os.rename(old, path)                  # crash between the renames: roll back
-        has_index = True
-    elif os.path.isdir(old) and has_index:
-        shutil.rmtree(old)                    # crash after the swap: finish it
-    if os.path.exists(path) and not has_index and (not os.path.isdir(path) or os.listdir(path)):
-        raise CheckpointError(f"{path} exists and is not a checkpoint (no {INDEX}); "
-                              "refusing to replace it")
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"directory {parent} does not exist")
-    base = os.path.basename(path)
-    for entry in os.listdir(parent):          # stale tmp dirs of crashed saves: garbage
-        if entry.startswith(base + ".tmp-"):
-            shutil.rmtree(os.path.join(parent, entry))
-    os.mkdir(tmp)
-
-
-def _write_index(path, tmp, index) -> None:
-    """Rank 0, once every block is durable: index last, then the atomic swap."""
-    name = os.path.join(tmp, INDEX)
-    with open(name + ".tmp", "w") as f:
-        json.dump(index, f, indent=1, default=_json_default)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(name + ".tmp", name)
-    _fsync_dir(tmp)
-    old = path + ".old"
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-    if os.path.exists(old):
-        shutil.rmtree(old)
-
-
-def save(path, engine, optimizer=None, step=0, extra=None) -> str:
-    """Collective: write this engine's parameters (and optimizer state) to directory `path`.
-
-    Each rank writes only the blocks it is the first holder of; rank 0 writes the index last
-    and swaps the new directory in (see the module docstring). `extra` (rank 0's) is any
-    JSON-able dict, e.g. the data position and RNG state. Returns the path."""
-    comm = engine.comm
-    rank = comm.Get_rank()
-    path = os.path.abspath(os.fspath(path))
-    tmp = f"{path}.tmp-{int(step)}"
-    err = None
-    try:
-        if not getattr(engine, "loaded", True):
-            raise ValueError("the engine holds no parameters yet: call load_checkpoint first")
-        json.dumps(extra, default=_json_default)
-        if optimizer is not None and not hasattr(optimizer, "state"):
-            raise TypeError(f"optimizer {type(optimizer).__name__} has no .state")
-        descs = _blocks(engine, optimizer)
-    except Exception as e:
-        err, descs = f"{type(e).__name__}: {e}", []
-    _agree(comm, err)
-    if rank == 0:
-        _, err = _run(_prepare_dirs, path, tmp)
-    _agree(comm, err)
-
-    # 1. who writes what (control data: names and regions only)
-    meta = [(k, n, key, reg, str(a.dtype), sc) for k, n, key, reg, a, sc in descs]
-    gathered = comm.gather(meta, root=0)
-    payload = owners = None
-    if rank == 0:
-        res, err = _run(_assign_writers, gathered, engine.full_shapes)
-        todos, owners = res if err is None else ([[]] * len(gathered), {})
-        payload = [(err, todo) for todo in todos]
-    err, todo = comm.scatter(payload, root=0)
-    if err is not None:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(err)
-
-    # 2. write my blocks, durably, and hash them
-    written = []
-    try:
-        for i in todo:
-            kind, name, key, region, arr, _ = descs[i]
-            fname = _file_name(kind, name, key, region)
-            full = os.path.join(tmp, fname)
-            _write_block(full, np.ascontiguousarray(engine.backend.to_host(arr)))
-            written.append((i, fname, _sha256(full), os.path.getsize(full)))
-        err = None
-    except Exception as e:
-        err = f"rank {rank}: {type(e).__name__}: {e}"
-    results = comm.gather((err, written), root=0)
-
-    # 3. rank 0: the index, last, then the swap
-    if rank == 0:
-        err = next((e for e, _ in results if e is not None), None)
-        if err is None:       # inside _run: an error here must reach the other ranks too
-            index, err = _run(_make_index, engine, optimizer, step, extra, results, owners)
-        if err is None:
-            _, err = _run(_write_index, path, tmp, index)
-        if err is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    _agree(comm, err if rank == 0 else None)
-    return path
-
-
-def _make_index(engine, optimizer, step, extra, results, owners) -> dict:
-    files, where = {}, {}
-    for rank, (_, written) in enumerate(results):
-        for i, fname, sha, nbytes in written:
-            if fname in files:
-                raise CheckpointError(f"two blocks map to the file name {fname}")
-            files[fname] = {"sha256": sha, "bytes": nbytes}
-            where[(rank, i)] = fname
-    tensors, opt_state = {}, {}
-    for (kind, name, key, region), (rank, i, d) in sorted(owners.items()):
-        chunk = {"file": where[(rank, i)], "offset": [a for a, _ in region]}
-        entry = {"shape": list(engine.full_shapes[name]), "dtype": d[4], "chunks": []}
-        if kind == "param":
-            tensors.setdefault(name, entry)["chunks"].append(chunk)
-        else:
-            st = opt_state.setdefault(name, {"scalars": d[5], "tensors": {}})
-            st["tensors"].setdefault(key, entry)["chunks"].append(chunk)
-    optimizer_entry = None
-    if optimizer is not None:
-        optimizer_entry = {"type": type(optimizer).__name__,
-                           "hyperparameters": _optimizer_hyper(optimizer), "state": opt_state}
-    return {"format": FORMAT, "version": VERSION, "model": model_spec(engine.model),
-            "layout": engine.layout.text, "world_size": engine.num_devices, "step": int(step),
-            "extra": extra, "tensors": {n: tensors[n] for n in engine.full_shapes},
-            "optimizer": optimizer_entry, "files": files}
-
-
-def restore(path, engine, optimizer=None) -> int:
-    """Collective exact resume: parameters, and the optimizer state sliced into this rank's
-    optimizer blocks (any layout, any world size). Returns the step; `load(path).extra` has
-    the rest. Raises the same CheckpointError on every rank, before touching the engine."""
-    return _restore(path, engine, optimizer).step
-
-
-def _restore(path, engine, optimizer) -> Checkpoint:
-    comm = engine.comm
-    ckpt, err = _run(load, path, True, engine.model)
-    _agree(comm, err)
-    shards = engine.optimizer_shards() if optimizer is not None else []
-    opt_saved = optimizer is not None and ckpt.optimizer_type is not None
-
-    def verify_needed():
-        files = []
-        for name in engine.local_names:
-            files += ckpt[name].files_for(engine.block_region(name, "param"))
-        if opt_saved:
-            if ckpt.optimizer_type != type(optimizer).__name__:
-                raise CheckpointError(f"checkpoint {ckpt.path} holds {ckpt.optimizer_type} "
-                                      f"state, the optimizer is {type(optimizer).__name__}")
-            for name, *_ in shards:
-                for v in ckpt.optimizer_state(name).values():
-                    if isinstance(v, LazyArray):
-                        files += v.files_for(engine.block_region(name, "optimizer"))
-        for f in sorted(set(files)):
-            ckpt.verify_file(f)
-    _agree(comm, _run(verify_needed)[1])
-
-    def read_optimizer_state():
-        """This rank's optimizer blocks as optimizer.state_dict() would return them."""
-        state = {}
-        for name, block, *_ in shards:
-            saved = ckpt.optimizer_state(name)
-            if not saved:
-                continue
-            region = engine.block_region(name, "optimizer")
-            state[name] = {}
-            for key, v in saved.items():
-                if isinstance(v, LazyArray):
-                    a = np.zeros(block.shape, dtype=v.dtype)    # padding stays zero
-                    a[_real(region)] = v[tuple(slice(lo, hi) for lo, hi in region)]
-                    v = a
-                state[name][key] = v
-        return {"type": ckpt.optimizer_type, "state": state,
-                "hyperparameters": ckpt.optimizer_hyperparameters}
-    sd, err = _run(read_optimizer_state) if opt_saved else (None, None)
-    _agree(comm, err)
-
-    engine.load_checkpoint(ckpt)
-    if sd is not None:
-        if hasattr(optimizer, "load_state_dict"):
-            optimizer.load_state_dict(sd)
-        else:
-            optimizer.state = {n: {k: engine.xp.asarray(v) if np.ndim(v) else v
-                                   for k, v in st.items()} for n, st in sd["state"].items()}
-    return ckpt
+           "torch_name_map", "model_spec", "model_from_spec", "read_index", "INDEX", "FORMAT",
+           "VERSION"]

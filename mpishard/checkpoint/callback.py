@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
-from .format import CheckpointError
 from ..train.trainer import Callback, TrainState
+from ..validate import check_number
+from .format import CheckpointError
+from .restorer import restore_state
+from .writer import save
 
 
 class Checkpointer(Callback):
@@ -23,13 +24,10 @@ class Checkpointer(Callback):
     and the data position, so `resume` continues the same loss curve."""
 
     def __init__(self, path, every: int = 0):
-        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 0:
-            raise ValueError(f"checkpoint every must be an integer >= 0, got {every!r}")
-        self.path, self.every, self.last_saved = os.fspath(path), int(every), None
+        self.every = check_number("checkpoint every", every, low=0, integer=True)
+        self.path, self.last_saved = os.fspath(path), None
 
     def save(self, trainer) -> None:
-        from . import save
-
         b, st = trainer.batcher, trainer.state
         epoch, index = b.position(st.step)
         extra = {"trainer": st.to_dict(),
@@ -53,9 +51,7 @@ def resume(trainer, path) -> int:
     """Collective: restore parameters, optimizer state and `trainer.state` (step, histories;
     the data position follows from the step) from a Checkpointer's checkpoint. Returns the
     step. Warns when the data settings differ from the saved ones."""
-    from . import _restore
-
-    ckpt = _restore(path, trainer.engine, trainer.optimizer)
+    ckpt = restore_state(path, trainer.engine, trainer.optimizer)
     extra = ckpt.extra or {}
     if "trainer" not in extra:
         raise CheckpointError(f"checkpoint {ckpt.path} was not written by a Trainer "

@@ -1,14 +1,18 @@
-"""What the checkpoint writer (checkpoint.py) and reader (checkpoint_reader.py) share.
+"""What the checkpoint writer (writer.py), reader (reader.py) and restorer (restorer.py) share.
 
 The format constants, `CheckpointError`, the JSON of a model spec (`model_spec` /
-`model_from_spec`, `_spec_text` for messages), the file hash, and the "same error on every
-rank" pair `_run` / `_agree`. The on-disk layout itself is described in checkpoint.py.
+`model_from_spec`, `spec_text` for messages), the file hash, the real (unpadded) slices of a
+block, and `run_captured`, which turns an exception into the message that
+`comm.collectives.agree` hands to every rank. The on-disk layout itself is described in the
+package docstring (checkpoint/__init__.py).
 """
 from __future__ import annotations
 
 import hashlib
 import inspect
 import json
+
+from ..nn import models
 
 FORMAT, VERSION, INDEX = "mpishard-checkpoint", 1, "index.json"
 
@@ -17,26 +21,17 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or does not fit (raised on every rank)."""
 
 
-def _agree(comm, error) -> None:
-    """Collective: if any rank has an error (a string), every rank raises the first one.
-
-    Not the engine's `agree`: this raises CheckpointError, and `load(path, comm=)` has a
-    communicator but no engine."""
-    msgs = comm.allgather(None if error is None else str(error))   # small control data
-    first = next((m for m in msgs if m is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
-
-
-def _run(fn, *args):
-    """fn(*args) -> (result, None) or (None, 'message') for _agree."""
+def run_captured(fn, *args):
+    """fn(*args) -> (result, None) or (None, 'message'): the message is what `agree` raises on
+    every rank (a CheckpointError's own text, else prefixed with the exception's type)."""
     try:
         return fn(*args), None
-    except Exception as e:          # reported to every rank by _agree
+    except Exception as e:          # reported to every rank by agree
         return None, f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
 
 
-def _sha256(path) -> str:
+def sha256_file(path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -44,10 +39,17 @@ def _sha256(path) -> str:
     return h.hexdigest()
 
 
-def _json_default(o):
+def json_default(o):
+    """`json.dump(default=)`: numpy scalars and small arrays as lists, anything else refused."""
     if hasattr(o, "tolist"):          # numpy scalars and small arrays in `extra`
         return o.tolist()
     raise TypeError(f"extra/hyperparameter value of type {type(o).__name__} is not JSON")
+
+
+def real_slices(region) -> tuple:
+    """Slices of a (possibly padded) local block that hold region [(start, stop), ...]'s real
+    entries."""
+    return tuple(slice(0, b - a) for a, b in region)
 
 
 def model_spec(model) -> dict:
@@ -57,15 +59,14 @@ def model_spec(model) -> dict:
         if not k.startswith("_") and (v is None or isinstance(v, (int, float, str, bool, list,
                                                                   tuple))):
             spec[k] = list(v) if isinstance(v, tuple) else v
-    return json.loads(json.dumps(spec, default=_json_default))
+    return json.loads(json.dumps(spec, default=json_default))
 
 
 def model_from_spec(spec: dict):
-    """Rebuild the model spec saved in an index (MLP, MoE) or None if it cannot."""
-    import mpishard as ms
-
-    cls = getattr(ms, spec.get("class", ""), None)
-    if cls is None:
+    """Rebuild the model spec saved in an index (a model class of nn.models: MLP, MoE, ...)
+    or None if it cannot."""
+    cls = getattr(models, spec.get("class", ""), None)
+    if not (isinstance(cls, type) and hasattr(cls, "init")):
         return None
     params = inspect.signature(cls).parameters
     try:
@@ -74,6 +75,7 @@ def model_from_spec(spec: dict):
         return None
 
 
-def _spec_text(spec) -> str:
+def spec_text(spec) -> str:
+    """A model spec as a constructor call, for messages: 'MLP(dims=[8, 16, 4], ...)'."""
     args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k not in ("class", "kind"))
     return f"{spec.get('class', '?')}({args})"

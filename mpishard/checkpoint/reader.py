@@ -5,13 +5,14 @@
     ckpt.step, ckpt.extra, ckpt.model()        # what was saved with it
     print(ms.checkpoint.describe("ckpt"))      # what `python -m mpishard inspect` prints
 
-The on-disk format (a directory of .npy blocks plus `index.json`) and the crash-consistent
-save are described in checkpoint.py, which writes what this module reads. A `LazyArray` maps
+The on-disk format (a directory of .npy blocks plus `index.json`) is described in the
+package docstring, and the crash-consistent save in writer.py, which writes what this module
+reads. A `LazyArray` maps
 the chunks overlapping a slice (np.load with mmap_mode="r", allow_pickle=False) and copies only
 that region, so loading a shard of a large checkpoint reads about the shard's bytes. Before the
 first read from a file its sha256 is checked against the index (`verify=False` skips that);
 every file's presence and size is checked when the checkpoint is opened. What writer and
-reader share (constants, CheckpointError, the model-spec JSON) is in checkpoint_format.py.
+reader share (constants, CheckpointError, the model-spec JSON) is in format.py.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .format import (FORMAT, INDEX, VERSION, CheckpointError, _agree, _run, _sha256,
-                                _spec_text, model_from_spec, model_spec)
+from ..comm.collectives import agree
+from .format import (FORMAT, INDEX, VERSION, CheckpointError, model_from_spec, model_spec,
+                     run_captured, sha256_file, spec_text)
 
 _OPEN_ATTEMPTS = 5          # opening retries while a concurrent save swaps the directory
 
@@ -247,7 +249,7 @@ class Checkpoint(Mapping):
         if fname in self._verified:
             return
         want = self.index["files"][fname]["sha256"]
-        got = _sha256(os.path.join(self.path, fname))
+        got = sha256_file(os.path.join(self.path, fname))
         if got != want:
             raise CheckpointError(f"checkpoint {self.path}: shard file {fname} is corrupt "
                                   f"(sha256 {got[:16]}..., the index says {want[:16]}...)")
@@ -262,7 +264,8 @@ class Checkpoint(Mapping):
                 self.verify_file(f)
             return
         mine = files[comm.Get_rank()::comm.Get_size()]
-        _agree(comm, _run(lambda: [self.verify_file(f) for f in mine])[1])
+        err = run_captured(lambda: [self.verify_file(f) for f in mine])[1]
+        agree(comm, err, exc=CheckpointError)
 
     def open_file(self, fname):
         if fname not in self._open:
@@ -309,7 +312,7 @@ class Checkpoint(Mapping):
     def check_model(self, model) -> None:
         if model_spec(model) != self.model_spec:
             raise CheckpointError(f"checkpoint {self.path} holds a different model: "
-                                  f"{_spec_text(self.model_spec)}, not {model!r}")
+                                  f"{spec_text(self.model_spec)}, not {model!r}")
 
     def __repr__(self):
         return (f"Checkpoint({self.path!r}, step={self.step}, layout={self.layout!r}, "
@@ -335,7 +338,7 @@ def describe(path) -> str:
     ckpt = load(path, verify=False)
     ix = ckpt.index
     lines = [f"checkpoint {ckpt.path}",
-             f"  model      {_spec_text(ckpt.model_spec)}",
+             f"  model      {spec_text(ckpt.model_spec)}",
              f"  layout     {ckpt.layout} ({ckpt.world_size} ranks)",
              f"  step       {ckpt.step}",
              f"  optimizer  {ckpt.optimizer_type or '-'} {ckpt.optimizer_hyperparameters or ''}",
