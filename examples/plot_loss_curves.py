@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 import mpishard as ms
 from mpishard.train.data import load_dataset
-from mpishard.train.optim import AdamW, cosine_schedule
+from mpishard.train.lr import cosine_schedule
+from mpishard.train.optim import AdamW
 from mpishard.train.trainer import Trainer
 
 

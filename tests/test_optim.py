@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.train.optim import (SGD, AdamW, clip_grad_norm, constant_schedule, cosine_schedule,
-                            make_schedule)
+from mpishard.train.lr import constant_schedule, cosine_schedule, make_lr_schedule
+from mpishard.train.optim import SGD, AdamW, clip_grad_norm
 
 from conftest import assert_close, assert_dicts_close, world
 
@@ -222,10 +222,10 @@ def test_cosine_schedule_with_warmup():
 def test_constant_schedule_and_factory():
     s = constant_schedule(0.3, warmup_steps=3)
     assert [s(i) for i in range(5)] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.3])
-    assert make_schedule("constant", 0.3, 100)(0) == 0.3
-    assert make_schedule("cosine", 0.3, 100)(0) == 0.3
+    assert make_lr_schedule("constant", 0.3, 100)(0) == 0.3
+    assert make_lr_schedule("cosine", 0.3, 100)(0) == 0.3
     with pytest.raises(ValueError, match="unknown schedule 'linear'"):
-        make_schedule("linear", 0.3, 100)
+        make_lr_schedule("linear", 0.3, 100)
     with pytest.raises(ValueError, match="min_lr"):
         cosine_schedule(0.1, 10, min_lr=0.2)
 

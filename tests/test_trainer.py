@@ -14,7 +14,8 @@ import pytest
 
 import mpishard as ms
 from mpishard.train.data import synthetic_classification, synthetic_regression
-from mpishard.train.optim import AdamW, SGD, cosine_schedule
+from mpishard.train.lr import cosine_schedule
+from mpishard.train.optim import AdamW, SGD
 from mpishard.train.trainer import Callback, Trainer, TrainState, configure_logging, summary_table
 
 from conftest import RTOL32, RTOL64, assert_close, assert_dicts_close, group_comm, world

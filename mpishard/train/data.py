@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..validate import check_number
+
 DATASETS = ("synthetic-regression", "synthetic-classification", "digits")
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10
 
@@ -60,16 +62,10 @@ class Dataset:
                 f"test {self.x_test.shape}, d_in {self.d_in}, d_out {self.d_out})")
 
 
-def _check_positive(**values):
-    """ValueError naming the first value that is not a positive integer."""
-    for what, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{what} must be a positive integer, got {v!r}")
-
-
 def synthetic_regression(n_train=1024, n_test=256, d_in=16, d_out=1, seed=0, noise=0.05):
     """x ~ N(0, 1); t = sin(x A) B / sqrt(h) + noise, a smooth teacher an MLP can learn."""
-    _check_positive(n_train=n_train, n_test=n_test, d_in=d_in, d_out=d_out)
+    for what, v in (("n_train", n_train), ("n_test", n_test), ("d_in", d_in), ("d_out", d_out)):
+        check_number(what, v, low=1, integer=True)
     rng = np.random.default_rng([int(seed), 1])
     hidden = 32
     a = rng.normal(0.0, 1.0 / np.sqrt(d_in), (d_in, hidden))
@@ -86,7 +82,9 @@ def synthetic_classification(n_train=1024, n_test=256, d_in=16, n_classes=4, see
 
     n_classes >= 2 gives int64 labels; n_classes == 1 gives the binary task (two blobs, float
     0/1 targets of shape (N, 1), for a sigmoid output and BCE)."""
-    _check_positive(n_train=n_train, n_test=n_test, d_in=d_in, d_out=n_classes)
+    for what, v in (("n_train", n_train), ("n_test", n_test), ("d_in", d_in),
+                    ("d_out", n_classes)):
+        check_number(what, v, low=1, integer=True)
     rng = np.random.default_rng([int(seed), 2])
     k = max(2, n_classes)
     centres = rng.normal(0.0, spread, (k, d_in))
@@ -149,7 +147,8 @@ class DistributedBatcher:
         n = len(x)
         if len(t) != n:
             raise ValueError(f"inputs have {n} rows but targets have {len(t)}")
-        _check_positive(batch=batch, accumulate=accumulate, dp_size=dp_size)
+        for what, v in (("batch", batch), ("accumulate", accumulate), ("dp_size", dp_size)):
+            check_number(what, v, low=1, integer=True)
         if batch % (accumulate * dp_size):
             raise ValueError(f"global batch {batch} must divide by accumulate {accumulate} x "
                              f"{dp_size} data-parallel ranks = {accumulate * dp_size}")

@@ -1,4 +1,4 @@
-"""Optimizers on local shards, global-norm clipping aware of sharding, learning-rate schedules.
+"""Optimizers on local shards, and global-norm clipping aware of sharding.
 
 Each optimizer walks `engine.optimizer_shards()`, a list of
 
@@ -30,19 +30,7 @@ import math
 
 import numpy as np
 
-
-def _check_number(name, value, low=0.0, high=None, low_open=False):
-    """ValueError/TypeError naming the hyper-parameter (the same on every rank)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value:g}")
-    if value < low or (low_open and value == low) or \
-            (high is not None and value >= high):
-        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and < {high:g}" if high else "")
-        raise ValueError(f"{name} must be {bound}, got {value:g}")
-    return value
+from ..validate import check_number
 
 
 class Optimizer:
@@ -53,7 +41,7 @@ class Optimizer:
             raise TypeError(f"optimizer needs an mpishard engine, got {type(engine).__name__}")
         self.engine = engine
         self.lr = lr                    # checked by the setter below
-        self.weight_decay = _check_number("weight_decay", weight_decay)
+        self.weight_decay = check_number("weight_decay", weight_decay, low=0)
         self.state: dict = {}           # name -> {'step': int, arrays shaped like the block}
 
     @property
@@ -62,7 +50,7 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value) -> None:
-        self._lr = _check_number("lr", value)
+        self._lr = check_number("lr", value, low=0)
 
     def step(self, grads=None) -> None:
         """Update this rank's parameter blocks in place from their gradient blocks.
@@ -129,7 +117,7 @@ class SGD(Optimizer):
 
     def __init__(self, engine, lr, momentum=0.0, weight_decay=0.0):
         super().__init__(engine, lr, weight_decay)
-        self.momentum = _check_number("momentum", momentum)
+        self.momentum = check_number("momentum", momentum, low=0)
 
     def hyperparameters(self) -> dict:
         return dict(super().hyperparameters(), momentum=self.momentum)
@@ -157,9 +145,9 @@ class AdamW(Optimizer):
         super().__init__(engine, lr, weight_decay)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        self.betas = (_check_number("beta1", betas[0], 0.0, 1.0),
-                      _check_number("beta2", betas[1], 0.0, 1.0))
-        self.eps = _check_number("eps", eps)
+        self.betas = (check_number("beta1", betas[0], low=0, high=1),
+                      check_number("beta2", betas[1], low=0, high=1))
+        self.eps = check_number("eps", eps, low=0)
 
     def hyperparameters(self) -> dict:
         return dict(super().hyperparameters(), betas=list(self.betas), eps=self.eps)
@@ -211,7 +199,7 @@ def clip_grad_norm(engine, grads=None, max_norm=1.0, norm_type=2.0) -> float:
 
     `grads` (the dict from train_step) is accepted for API compatibility; the blocks scaled are
     `engine.optimizer_shards()`'s gradient blocks, which are those arrays."""
-    max_norm = _check_number("max_norm", max_norm, low_open=True)
+    max_norm = check_number("max_norm", max_norm, low=0, low_open=True)
     if norm_type not in (2, 2.0, math.inf):
         raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type!r}")
     total = global_grad_norm(engine, norm_type)
@@ -222,46 +210,4 @@ def clip_grad_norm(engine, grads=None, max_norm=1.0, norm_type=2.0) -> float:
     return total
 
 
-# -- learning-rate schedules -------------------------------------------------------------------
-def constant_schedule(lr, warmup_steps=0):
-    """step -> lr, after a linear warm-up from 0 over `warmup_steps` (step is 0-based)."""
-    lr = _check_number("lr", lr)
-    warmup_steps = int(_check_number("warmup_steps", warmup_steps))
-
-    def schedule(step: int) -> float:
-        if step < warmup_steps:
-            return lr * step / warmup_steps
-        return lr
-    return schedule
-
-
-def cosine_schedule(lr, total_steps, warmup_steps=0, min_lr=0.0):
-    """step -> lr: linear warm-up 0 -> lr over `warmup_steps`, then a half cosine lr -> min_lr
-    reached at `total_steps` (the formula of transformers' get_cosine_schedule_with_warmup,
-    with a floor). `step` is the 0-based index of the optimizer step about to run."""
-    lr = _check_number("lr", lr)
-    total_steps = int(_check_number("total_steps", total_steps, low=1))
-    warmup_steps = int(_check_number("warmup_steps", warmup_steps))
-    min_lr = _check_number("min_lr", min_lr)
-    if min_lr > lr:
-        raise ValueError(f"min_lr {min_lr:g} must not exceed lr {lr:g}")
-
-    def schedule(step: int) -> float:
-        if step < warmup_steps:
-            return lr * step / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return schedule
-
-
-def make_schedule(name, lr, total_steps, warmup_steps=0, min_lr=0.0):
-    """'constant' or 'cosine' -> a step -> lr function."""
-    if name == "constant":
-        return constant_schedule(lr, warmup_steps)
-    if name == "cosine":
-        return cosine_schedule(lr, total_steps, warmup_steps, min_lr)
-    raise ValueError(f"unknown schedule {name!r}; choose 'constant' or 'cosine'")
-
-
-__all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_grad_norm",
-           "constant_schedule", "cosine_schedule", "make_schedule"]
+__all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm", "global_grad_norm"]

@@ -16,8 +16,8 @@ One optimizer step with gradient accumulation over k micro-steps (DDP's `no_sync
 
 Checkpoints plug in as a callback: `TrainState` holds the step (the data position follows from
 it, see DistributedBatcher.position) and the histories, and `Callback.on_step_end` runs after
-every optimizer step on every rank (checkpoint.py saves there; a resume restores the engine,
-the optimizer and `trainer.state` before `fit()`).
+every optimizer step on every rank (the checkpoint package's `Checkpointer` saves there; its
+`resume` restores the engine, the optimizer and `trainer.state` before `fit()`).
 """
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .data import Dataset, DistributedBatcher, eval_chunks
 from ..nn.losses import get_loss
+from ..parallel.pipeline import pipeline_options
+from ..validate import check_number
+from .data import Dataset, DistributedBatcher, eval_chunks
 from .optim import clip_grad_norm
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
@@ -120,7 +122,7 @@ class Trainer:
     accumulate : micro-steps per optimizer step (batch must divide by accumulate * dp, and
                  each micro-step's local rows by the pipeline's microbatches)
     clip : max global gradient norm, or None
-    schedule : step -> lr function (optim.cosine_schedule, ...), or None for a constant lr
+    schedule : step -> lr function (lr.cosine_schedule, ...), or None for a constant lr
     eval_every : evaluate on the test split every this many steps (0: only at the end)
     log_every : log the loss on rank 0 every this many steps (0: never)
     progress : a tqdm bar on rank 0 (loss, samples/s)
@@ -135,11 +137,10 @@ class Trainer:
             raise ValueError(f"give exactly one of steps and epochs (got steps={steps}, "
                              f"epochs={epochs})")
         for what, v in (("steps", steps), ("epochs", epochs)):
-            if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
-                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+            if v is not None:
+                check_number(what, v, low=1, integer=True)
         for what, v in (("eval_every", eval_every), ("log_every", log_every)):
-            if not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"{what} must be an integer >= 0, got {v!r}")
+            check_number(what, v, low=0, integer=True)
         if clip is not None and not (clip > 0 and math.isfinite(clip)):
             # clip_grad_norm refuses a non-finite max_norm; refuse it here, before training
             raise ValueError(f"clip must be a finite number > 0 (or None), got {clip}")
@@ -307,8 +308,6 @@ def _pipeline_microbatches(engine) -> int:
     """Microbatches each train_step splits its rows into (1 without pp)."""
     if engine.layout.size("pp") == 1:
         return 1
-    from ..parallel.pipeline import pipeline_options
-
     return pipeline_options(engine.layout)[3]
 
 
