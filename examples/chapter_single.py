@@ -1,14 +1,14 @@
-"""The chapter's 2-layer ReLU MLP on one device, checked against the chapter's numpy by hand.
+"""A 2-layer ReLU MLP on one device, checked against the same model written out in numpy.
 
     mpiexec -n 1 python -m mpi4py examples/chapter_single.py
     python examples/chapter_single.py                      # the same, without mpiexec
 
-The chapter's model is y = relu(x W0 + b0) W1 + b1 with model_dim -> hidden_dim -> model_dim
+The model is y = relu(x W0 + b0) W1 + b1 with model_dim -> hidden_dim -> model_dim
 (16 -> 64 -> 16 here), trained with the mean squared error. This script trains it for a few
 steps of plain SGD (w -= lr * g, by hand: there is no optimizer here) twice:
 
 - with `ms.SingleDevice`, the reference engine every strategy is tested against, and
-- with the chapter's forward and backward written out in numpy, line by line,
+- with its forward and backward written out in numpy, line by line (`chapter_train_step`),
 
 and exits non-zero if the two disagree by more than 1e-9 relative. Under mpiexec with more
 than one rank every rank runs its own copy and rank 0 alone prints.
@@ -24,7 +24,7 @@ MODEL_DIM, HIDDEN_DIM, BATCH, STEPS, LR, RTOL = 16, 64, 32, 5, 0.1, 1e-9
 
 
 def chapter_train_step(p, x, t):
-    """The chapter's forward and backward for relu(x W0 + b0) W1 + b1 under the MSE loss."""
+    """(loss, gradients) of relu(x W0 + b0) W1 + b1 under the MSE loss, in plain numpy."""
     z = x @ p["layer_0/weights"] + p["layer_0/bias"]      # 'bd,df->bf'
     h = np.maximum(z, 0.0)                                # relu
     y = h @ p["layer_1/weights"] + p["layer_1/bias"]      # 'bf,fd->bd'

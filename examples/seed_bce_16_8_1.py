@@ -1,9 +1,9 @@
-"""The seed notebook's 16 -> 8 -> 1 sigmoid + BCE model, SGD lr 0.5, batch 32, on every layout.
+"""A 16 -> 8 -> 1 sigmoid + BCE classifier, SGD lr 0.5, batch 32, trained under every layout.
 
     mpiexec -n 2 python -m mpi4py examples/seed_bce_16_8_1.py
     mpiexec -n 2 python -m mpi4py examples/seed_bce_16_8_1.py --steps 200 --print-every 50
 
-The notebook's task: x ~ N(0, 1) in 16 dimensions, label 1 where x . w > 0 for a random w
+The task: x ~ N(0, 1) in 16 dimensions, label 1 where x . w > 0 for a random w
 (linearly separable). The model is relu(x W0 + b0) -> sigmoid(h W1 + b1), the loss BCE, the
 optimizer plain SGD (lr 0.5) on batches of 32 rows drawn, reshuffled every epoch, from 1024
 training rows. The same initial weights and the same batches run under each layout:
@@ -11,7 +11,7 @@ training rows. The same initial weights and the same batches run under each layo
     single   one device (every rank runs it on its own COMM_SELF)
     dp=2     each rank gets 16 of the 32 rows, gradients averaged with all_reduce
     tp=2     W0 split by columns (4 hidden units per rank), W1 by rows, one all_reduce forward
-    pp=2     layer 0 on rank 0, layer 1 on rank 1 (when the pipeline strategy is present)
+    pp=2     layer 0 on rank 0, layer 1 on rank 1
 
 Rank 0 prints the loss every `--print-every` steps (1000 by default) in one column per layout;
 the columns agree to float64 rounding, and the script exits non-zero if any layout departs
@@ -31,7 +31,8 @@ RTOL = 1e-9
 
 
 def task(n_train=1024, n_test=256, seed=0):
-    """The notebook's linearly separable toy problem, as float (N, 1) 0/1 targets."""
+    """Rows x ~ N(0, 1) labelled 1 where x . w > 0 for a random w: (x, t, x_test, t_test) with
+    float (N, 1) 0/1 targets."""
     rng = np.random.default_rng(seed)
     w = rng.normal(size=(16, 1))
     x = rng.normal(size=(n_train + n_test, 16))

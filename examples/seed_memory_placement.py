@@ -1,15 +1,14 @@
-"""The seed's sharded classifier 784 -> 512 -> 256 -> 128 -> 10: how much parameter memory each
-rank holds under each layout, as a table and a bar chart next to the unsharded model.
+"""A 784 -> 512 -> 256 -> 128 -> 10 classifier: how much parameter memory each rank holds under
+each layout, as a table and a bar chart next to the unsharded model.
 
     mpiexec -n 4 python -m mpi4py examples/seed_memory_placement.py --png memory.png
     python examples/seed_memory_placement.py --layouts dp=4 tp=4 pp=4 fsdp=4 dp=2,tp=2
 
-The numbers come from the placement plan (`planning.rank_memory`: which stage holds a
-parameter and how it is split on each mesh axis), so any layout can be shown on any number of
-ranks. For every
-layout whose size equals the world size, the script also builds the real engine, loads the
-weights, and checks that the bytes each rank actually holds equal the plan's (exit status 1
-if not). Rank 0 prints and draws.
+The numbers come from the placement plan (`rank_memory`, the `plan` command's per-rank memory:
+which stage holds a parameter and how it is split on each mesh axis), so any layout can be shown
+on any number of ranks. For every layout whose size equals the world size, the script also
+builds the real engine, loads the weights, and checks that the bytes each rank actually holds
+equal the plan's (exit status 1 if not). Rank 0 prints and draws.
 
     dp=4      every rank holds the whole model (replicas)
     tp=4      Megatron: W0, W2 split by columns, W1, W3 by rows; the row layers' biases are
