@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mpishard import cli
+from mpishard.cli.train import parse_train_args, validate_train_args
 
 from conftest import assert_close, run_mpi
 
@@ -26,7 +27,7 @@ def launch(n, *args, timeout=120):
 
 
 def train_args(*argv):
-    return cli.parse_train_args(list(argv))
+    return parse_train_args(list(argv))
 
 
 # -- parsing and validation in-process -----------------------------------------------------------
@@ -34,12 +35,12 @@ def test_defaults_and_flags():
     a = train_args("--layout", "dp=2", "--lr", "0.01", "--no-progress")
     assert a.layout == "dp=2" and a.lr == 0.01 and a.no_progress is True
     assert a.dataset == "digits" and a.optimizer == "adamw" and a.batch == 64
-    layout, dims, loss = cli.validate_train_args(a, world_size=2)
+    layout, dims, loss = validate_train_args(a, world_size=2)
     assert dims == [64, 128, 128, 10] and loss == "cross_entropy" and a.epochs == 10
     assert a.weight_decay == 0.01
     b = train_args("--optimizer", "sgd", "--dataset", "synthetic-classification", "--model",
                    "16,8,1", "--steps", "5")
-    _, dims, loss = cli.validate_train_args(b, world_size=1)
+    _, dims, loss = validate_train_args(b, world_size=1)
     assert loss == "bce" and b.weight_decay == 0.0 and b.epochs is None
 
 
@@ -51,7 +52,7 @@ def test_config_file_and_command_line_precedence(tmp_path):
     assert a.layout == "dp=2,tp=2" and a.model == "64,32,10" and a.no_progress is True
     assert a.lr == 0.5 and a.steps == 7 and a.epochs is None          # the flags win
     assert a.metrics_json == "m.json" and a.weight_decay == 0.0
-    cli.validate_train_args(a, world_size=4)
+    validate_train_args(a, world_size=4)
 
 
 @pytest.mark.parametrize("text,message", [
@@ -87,7 +88,7 @@ def test_bad_config_files(tmp_path, text, message):
 ])
 def test_bad_input_is_a_usage_error(argv, world, message):
     with pytest.raises(cli.UsageError, match=message.replace("(", r"\(").replace("+", r"\+")):
-        cli.validate_train_args(train_args(*argv), world)
+        validate_train_args(train_args(*argv), world)
 
 
 def test_main_prints_one_line_and_returns_2(capsys):
@@ -111,7 +112,7 @@ def test_shipped_configs_are_valid(path):
     a = train_args("--config", str(path))
     from mpishard.comm.mesh import parse_layout
 
-    cli.validate_train_args(a, world_size=parse_layout(a.layout).world_size)
+    validate_train_args(a, world_size=parse_layout(a.layout).world_size)
 
 
 # -- real processes: mpiexec -n 2 ------------------------------------------------------------------

@@ -3,9 +3,9 @@ import argparse
 
 import pytest
 
-from mpishard.parallel.schedules import (Action, ScheduleError, ScheduleStats, add_schedule_arguments,
-                                ideal_bubble, make_schedule, plot_timeline, render_timeline,
-                                run_schedule_command, simulate, validate)
+from mpishard.cli.schedule import add_schedule_arguments, plot_timeline, run_schedule_command
+from mpishard.parallel.schedules import (Action, ScheduleError, ScheduleStats, ideal_bubble,
+                                         make_schedule, render_timeline, simulate, validate)
 
 PPS = range(1, 9)
 

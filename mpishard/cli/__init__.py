@@ -4,40 +4,29 @@
         --model 64,128,128,10 --optimizer adamw --lr 0.003 --batch 64 --epochs 12 --clip 1.0
     python -m mpishard schedule --pp 4 --microbatches 8 --schedule 1f1b
 
-Commands live in `COMMANDS`: name -> (help, add_arguments(parser), run(args) -> exit code).
-A new command (infer, inspect, plan, bench) is one entry there; `train` lives in cli_train.py,
-`infer` in inference.py, `bench` in bench.py, `plan` in planning.py.
+Commands live in `COMMANDS`: name -> (help, add_arguments(parser), run(args) -> exit code),
+one file per command in this package: train.py, infer.py, bench.py, schedule.py, plan.py,
+inspect.py. A new command is one file and one entry there.
 
-Bad input is a user mistake, not a crash (cli_usage.py): every rank validates the same argv
+Bad input is a user mistake, not a crash (usage.py): every rank validates the same argv
 before any collective, a command builds inside `agreed(comm, build)`, and `main` turns a
 `UsageError` into one line from rank 0, `mpishard: error: ...`, and exit code 2 on every rank.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 
+from mpi4py import MPI
+
 from .bench import add_bench_arguments, run_bench
-from .train import (add_train_arguments, build_training, config_tokens, parse_train_args,
-                        run_train, validate_train_args)
-from .usage import PROG, Parser, UsageError, _positive, _rank, agreed, parse_dims, print_report
 from .infer import add_infer_arguments, run_infer
 from .plan import add_plan_arguments, plan_report
-from ..parallel.schedules import add_schedule_arguments, run_schedule_command
+from .schedule import add_schedule_arguments, run_schedule_command
+from .train import add_train_arguments, parse_train_args, run_train
+from .usage import (PROG, Parser, UsageError, check_flags, parse_dims, print_report,
+                    world_rank)
 
-__all__ = ["COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError", "Parser", "agreed",
-           "parse_dims", "parse_train_args", "config_tokens", "validate_train_args",
-           "build_training", "run_train"]
-
-
-# -- schedule (pipeline schedules as data, serial) -----------------------------------------------
-def _run_schedule(args) -> int:
-    if _rank() == 0:
-        return run_schedule_command(args)
-    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), \
-            contextlib.redirect_stderr(null):     # every rank computes, rank 0 prints
-        return run_schedule_command(args)
+__all__ = ["COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError"]
 
 
 # -- inspect (a checkpoint, or a layout plan; serial) -------------------------------------------
@@ -87,8 +76,7 @@ def _run_inspect_layout(args) -> int:
 
 # -- plan (every layout of a world size ranked by memory and communication; serial) -------------
 def _run_plan(args) -> int:
-    for name in ("world_size", "batch", "microbatches", "top"):
-        _positive(name.replace("_", "-"), getattr(args, name))
+    check_flags(args, ("world_size", "batch", "microbatches", "top"), low=0, low_open=True)
     return _report_mlp("plan", args, lambda model: plan_report(
         model, args.world_size, args.batch, dtype=args.dtype, optimizer=args.optimizer,
         momentum=args.momentum, microbatches=args.microbatches, top=args.top, sort=args.sort))
@@ -113,7 +101,7 @@ COMMANDS = {
     "train": ("train an MLP on a layout (python -m mpi4py -m mpishard train ...)",
               add_train_arguments, run_train),
     "schedule": ("print a pipeline schedule's timeline, bubble and memory (no MPI needed)",
-                 add_schedule_arguments, _run_schedule),
+                 add_schedule_arguments, run_schedule_command),
     "inspect": ("show a checkpoint (inspect CKPT) or plan a layout without MPI "
                 "(inspect --layout L --model DIMS): groups, shard shapes, memory per rank",
                 _add_inspect, _run_inspect),
@@ -129,11 +117,15 @@ COMMANDS = {
 
 
 def build_parser():
+    """The `mpishard` parser with one subcommand per COMMANDS entry; `parser.commands` maps
+    each command's name to its own parser."""
     parser = Parser(prog=PROG, description="mpishard: distributed training on MPI. Launch "
                     "under mpiexec with `python -m mpi4py -m mpishard <command>`.")
     sub = parser.add_subparsers(dest="command", metavar="command", parser_class=Parser)
+    parser.commands = {}
     for name, (help_text, add_arguments, _) in COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(parser.commands[name])
     return parser
 
 
@@ -149,14 +141,13 @@ def main(argv=None) -> int:
         if args.command is None:
             raise UsageError(f"choose a command: {', '.join(COMMANDS)} (see --help)")
         command = args.command
-        if command == "train":
-            train_parser = parser._subparsers._group_actions[0].choices["train"]
-            args = parse_train_args(argv[argv.index("train") + 1:], train_parser)
+        if command == "train":              # again, with the --config file under the flags
+            args = parse_train_args(argv[argv.index("train") + 1:], parser.commands["train"])
         return COMMANDS[command][2](args)
     except (UsageError, FloatingPointError) as exc:
         # the trainer raises FloatingPointError from the global mean loss, the same float on
         # every rank, so every rank is here and can exit cleanly instead of aborting
-        if _rank() == 0:
+        if world_rank() == 0:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, UsageError) else 1
 
@@ -167,8 +158,6 @@ def exit_cleanly(code: int) -> None:
     if code:
         sys.stdout.flush()
         sys.stderr.flush()
-        from mpi4py import MPI
-
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
     sys.exit(code)

@@ -21,7 +21,7 @@ global batch on every rank, then `engine.shard_batch`), and runs `--warmup` unti
                  blocking calls for their whole duration, non-blocking ones for the issue only;
                  pipeline receives are waits, shown as 'pipeline idle' instead), max over ranks
   comm bytes     bytes sent per step per kind (engine.comm_bytes / steps), max over ranks,
-                 next to the prediction of planning.step_comm (max over ranks) for comparison;
+                 next to the prediction of cli/plan.py's step_comm (max over ranks);
                  'total' is the busiest rank's sum (not the sum of the rows above it)
 """
 from __future__ import annotations
@@ -30,9 +30,13 @@ import time
 
 import numpy as np
 
-from .usage import (UsageError, _world, agreed, checked_layout, default_layout, parse_dims,
-                        print_report)
+from ..nn.losses import MSE
+from ..nn.models import MLP
+from ..parallel import make_engine
+from ..train.optim import SGD, AdamW
 from .plan import COMM_KINDS, check_fit, step_comm_total
+from .usage import (agreed, check_flags, checked_layout, default_layout, parse_dims,
+                    print_report, world_comm)
 
 
 def add_bench_arguments(p):
@@ -62,22 +66,17 @@ def model_flops(dims, batch: int) -> int:
 def build_bench(args, comm):
     """Validate and build (engine, optimizer, x_local, t_local); ValueError/TypeError before
     any collective on bad input."""
-    import mpishard as ms
-
-    for name, low in (("batch", 1), ("steps", 1), ("warmup", 0), ("seed", 0)):
-        if getattr(args, name) < low:
-            raise UsageError(f"--{name} must be >= {low}, got {getattr(args, name)}")
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be > 0, got {args.lr:g}")
+    check_flags(args, ("batch", "steps", "lr"), low=0, low_open=True)
+    check_flags(args, ("warmup", "seed"), low=0)
     world = comm.Get_size()
     layout = checked_layout(args.layout or default_layout(world), world)
-    model = ms.MLP(parse_dims(args.model), activation=args.activation)
+    model = MLP(parse_dims(args.model), activation=args.activation)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
-    engine = ms.make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
+    engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                             device=args.device)
     engine.load_checkpoint(model.init(seed=args.seed))
-    opt = (ms.optim.AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
-           else ms.optim.SGD(engine, lr=args.lr))
+    opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
+           else SGD(engine, lr=args.lr))
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.batch, model.d_in))
     t = rng.standard_normal((args.batch, model.d_out))
@@ -86,8 +85,6 @@ def build_bench(args, comm):
 
 def measure(engine, opt, x, t, steps: int, warmup: int) -> dict:
     """Collective: warm-up, then `steps` timed steps; numbers combined over ranks (max)."""
-    from ..nn.losses import MSE
-
     loss = MSE()
     sync = (engine.xp.cuda.get_current_stream().synchronize if engine.backend.is_gpu
             else (lambda: None))
@@ -154,7 +151,7 @@ def format_table(engine, args, result) -> str:
 
 
 def run_bench(args) -> int:
-    comm = _world()
+    comm = world_comm()
     engine, opt, x, t = agreed(comm, lambda: build_bench(args, comm))
     result = measure(engine, opt, x, t, args.steps, args.warmup)
     return print_report(format_table(engine, args, result))

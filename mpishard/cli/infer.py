@@ -13,7 +13,7 @@ through `engine.inference_loop(input_stream, output_stream)`:
     computes 1/dp of every batch (fsdp ranks must run the same batches in lock-step anyway).
     `--batch` must divide by the data-parallel size; a short last batch is padded with zero
     rows up to a multiple of it and the padded rows' outputs are dropped.
-  - pp > 1: the pipeline's streaming loop (parallel/pipeline.py): stage 0 reads the
+  - pp > 1: the pipeline's streaming loop (mpishard/parallel/pipeline.py): stage 0 reads the
     batches, stage k works on batch i while stage k-1 works on batch i+1, and an end-of-stream
     message shuts the stages down; the outputs appear on the last stage. pp = 1: `predict`
     per batch.
@@ -34,7 +34,11 @@ import time
 
 import numpy as np
 
-from .usage import UsageError, _positive, _world, agreed, checked_layout, default_layout
+from ..checkpoint import CheckpointError
+from ..checkpoint import load as load_checkpoint
+from ..parallel import make_engine
+from .usage import (UsageError, agreed, check_flags, checked_layout, default_layout,
+                    world_comm)
 
 DEFAULT_BATCH = 256
 
@@ -121,23 +125,32 @@ def _open_input(path, d_in):
     return x
 
 
+def _check_output(path, input_path):
+    """--output names a new or replaceable file in a writable directory, not the input."""
+    out = os.path.abspath(path)
+    if not os.path.isdir(os.path.dirname(out)):
+        raise UsageError(f"--output {path}: directory {os.path.dirname(out)} does not exist")
+    if not os.access(os.path.dirname(out), os.W_OK):
+        raise UsageError(f"--output {path}: directory {os.path.dirname(out)} is not writable")
+    if os.path.isdir(out):                # found only at the final rename otherwise
+        raise UsageError(f"--output {path} is a directory; give a file name")
+    if os.path.exists(out) and os.path.samefile(out, input_path):
+        raise UsageError(f"--output {path} is the input file")
+
+
 def build_inference(args, comm):
     """Validate (the same on every rank), open the checkpoint and the input, make the engine
     and load it. Returns (engine, x). Raises UsageError/ValueError/TypeError; the only
     communication is inside make_engine, after every check that can fail on a rank alone."""
-    import mpishard as ms
-
-    from ..checkpoint import CheckpointError
-
     size = comm.Get_size()
     layout = checked_layout(args.layout or default_layout(size), size)
-    _positive("batch", args.batch)
+    check_flags(args, ("batch",), low=0, low_open=True)
     dp = layout.data_parallel_size
     if args.batch % dp:
         raise UsageError(f"--batch {args.batch} must divide by the {dp} data-parallel ranks "
                          f"of layout {layout.text!r}")
     try:
-        ckpt = ms.checkpoint.load(args.checkpoint)
+        ckpt = load_checkpoint(args.checkpoint)
     except CheckpointError as exc:
         raise UsageError(f"--checkpoint: {exc}") from None
     model = ckpt.model()
@@ -145,25 +158,15 @@ def build_inference(args, comm):
         raise UsageError(f"--checkpoint {args.checkpoint}: cannot rebuild the model from its "
                          f"index ({ckpt.model_spec})")
     x = _open_input(args.input, model.d_in)
-    out = os.path.abspath(args.output)
-    if not os.path.isdir(os.path.dirname(out)):
-        raise UsageError(f"--output {args.output}: directory {os.path.dirname(out)} does not "
-                         f"exist")
-    if not os.access(os.path.dirname(out), os.W_OK):
-        raise UsageError(f"--output {args.output}: directory {os.path.dirname(out)} is not "
-                         f"writable")
-    if os.path.isdir(out):                # found only at the final rename otherwise
-        raise UsageError(f"--output {args.output} is a directory; give a file name")
-    if os.path.exists(out) and os.path.samefile(out, args.input):
-        raise UsageError(f"--output {args.output} is the input file")
+    _check_output(args.output, args.input)
     dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)
-    engine = ms.make_engine(model, layout, dtype=dtype, comm=comm, device=args.device)
+    engine = make_engine(model, layout, dtype=dtype, comm=comm, device=args.device)
     engine.load_checkpoint(ckpt)         # local reads (a corrupt block raises here)
     return engine, x
 
 
 def run_infer(args) -> int:
-    comm = _world()
+    comm = world_comm()
     engine, x = agreed(comm, lambda: build_inference(args, comm))
     rows, path = int(x.shape[0]), os.path.abspath(args.output)
     out = tmp = None

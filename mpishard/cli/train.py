@@ -5,18 +5,36 @@
 
 Every flag defaults to None in argparse, so "given on the command line" is visible: the
 command line wins over the --config file, which wins over `TRAIN_DEFAULTS`. Validation needs no
-MPI and is the same on every rank; the build runs inside `agreed` (cli_usage.py).
+MPI and is the same on every rank; the build runs inside `agreed` (cli/usage.py).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 
 import numpy as np
 
-from .usage import (PROG, Parser, UsageError, _positive, _world, agreed, checked_layout,
-                        default_layout, parse_dims, print_report)
+from ..checkpoint import INDEX, Checkpointer, resume
+from ..nn.functional import ACTIVATIONS
+from ..nn.models import MLP
+from ..parallel import make_engine
+from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
+from ..train.lr import make_lr_schedule
+from ..train.optim import SGD, AdamW
+from ..train.trainer import Trainer, configure_logging, summary_table
+from .usage import (PROG, Parser, UsageError, agreed, check_flags, checked_layout,
+                    default_layout, parse_dims, print_report, world_comm)
+
+try:
+    import tomllib
+except ImportError:                                        # Python < 3.11
+    try:
+        import tomli as tomllib
+    except ImportError:
+        tomllib = None
+
 
 # -- arguments ----------------------------------------------------------------------------------
 DATASET_MODELS = {"digits": "64,128,128,10", "synthetic-regression": "16,32,32,1",
@@ -39,75 +57,75 @@ DEFAULT_EPOCHS = 10
 
 
 def add_train_arguments(p):
-    from ..train.data import DATASETS
-    from ..nn.functional import ACTIVATIONS
-
-    m = p.add_argument_group("model and layout")
-    m.add_argument("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all "
-                   "ranks, single on one)")
-    m.add_argument("--model", help="comma-separated layer dims, e.g. 64,128,128,10 (default: "
-                   "by dataset, " + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items())
-                   + ")")
-    m.add_argument("--activation", choices=sorted(ACTIVATIONS), help="hidden activation "
-                   "(default relu)")
-    m.add_argument("--dtype", choices=("float32", "float64"), help="default float32")
-    m.add_argument("--device", choices=("auto", "cpu", "gpu"),
-                   help="arrays on cupy when a GPU is visible (auto, default), or forced")
-    d = p.add_argument_group("data")
-    d.add_argument("--dataset", choices=DATASETS, help="default digits")
-    d.add_argument("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for "
-                   "regression, cross_entropy for classes, bce for one output (sigmoid added)")
-    d.add_argument("--n-train", type=int, help="synthetic sets: training rows (default 1024)")
-    d.add_argument("--n-test", type=int, help="synthetic sets: test rows (default 256)")
-    d.add_argument("--seed", type=int, help="data split, shuffling and initialisation (0)")
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--optimizer", choices=("adamw", "sgd"), help="default adamw")
-    o.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
-    o.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
-    o.add_argument("--weight-decay", type=float, help="default 0.01 for adamw, 0 for sgd")
-    o.add_argument("--beta1", type=float, help="adamw beta1 (0.9)")
-    o.add_argument("--beta2", type=float, help="adamw beta2 (0.999)")
-    o.add_argument("--eps", type=float, help="adamw eps (1e-8)")
-    o.add_argument("--schedule", choices=("constant", "cosine"), help="lr schedule (constant)")
-    o.add_argument("--warmup", type=int, help="linear warm-up steps (0)")
-    o.add_argument("--min-lr", type=float, help="cosine floor (0)")
-    o.add_argument("--batch", type=int, help="global batch, rows per optimizer step (64)")
-    o.add_argument("--epochs", type=int, help=f"passes over the training set (default "
-                   f"{DEFAULT_EPOCHS} when --steps is not given)")
-    o.add_argument("--steps", type=int, help="optimizer steps (instead of --epochs)")
-    o.add_argument("--accumulate", type=int, help="micro-steps per optimizer step (1)")
-    o.add_argument("--clip", type=float, help="max global gradient norm (off)")
-    r = p.add_argument_group("reporting")
-    r.add_argument("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
-    r.add_argument("--log-every", type=int, help="log the loss every N steps (50; 0: never)")
-    r.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), help="rank 0 (INFO)")
-    r.add_argument("--metrics-json", metavar="PATH", help="write the metrics here (rank 0)")
-    r.add_argument("--no-progress", action="store_true", default=None,
-                   help="no progress bar")
-    c = p.add_argument_group("checkpoints")
-    c.add_argument("--checkpoint-dir", metavar="DIR", help="save a sharded checkpoint to DIR "
-                   "(replaced atomically at each save) at the end and every --checkpoint-every "
-                   "steps; `python -m mpishard inspect DIR` shows it")
-    c.add_argument("--checkpoint-every", type=int, metavar="N", help="save every N optimizer "
-                   "steps (0, default: only at the end)")
-    c.add_argument("--resume", action="store_true", default=None, help="continue from the "
-                   "checkpoint in --checkpoint-dir: parameters, optimizer state, step and data "
-                   "position (any layout or world size)")
+    """The train flags on parser `p`; `p.config_options` maps each flag that a --config file
+    may set to its argparse Action (returns p)."""
+    options = {}
+    m = _recording(p.add_argument_group("model and layout"), options)
+    m("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, single on one)")
+    m("--model", help="comma-separated layer dims, e.g. 64,128,128,10 (default: by dataset, "
+      + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
+    m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
+    m("--dtype", choices=("float32", "float64"), help="default float32")
+    m("--device", choices=("auto", "cpu", "gpu"),
+      help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    d = _recording(p.add_argument_group("data"), options)
+    d("--dataset", choices=DATASETS, help="default digits")
+    d("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for regression, "
+      "cross_entropy for classes, bce for one output (sigmoid added)")
+    d("--n-train", type=int, help="synthetic sets: training rows (default 1024)")
+    d("--n-test", type=int, help="synthetic sets: test rows (default 256)")
+    d("--seed", type=int, help="data split, shuffling and initialisation (0)")
+    o = _recording(p.add_argument_group("optimisation"), options)
+    o("--optimizer", choices=("adamw", "sgd"), help="default adamw")
+    o("--lr", type=float, help="peak learning rate (default 1e-3)")
+    o("--momentum", type=float, help="sgd momentum (default 0)")
+    o("--weight-decay", type=float, help="default 0.01 for adamw, 0 for sgd")
+    o("--beta1", type=float, help="adamw beta1 (0.9)")
+    o("--beta2", type=float, help="adamw beta2 (0.999)")
+    o("--eps", type=float, help="adamw eps (1e-8)")
+    o("--schedule", choices=("constant", "cosine"), help="lr schedule (constant)")
+    o("--warmup", type=int, help="linear warm-up steps (0)")
+    o("--min-lr", type=float, help="cosine floor (0)")
+    o("--batch", type=int, help="global batch, rows per optimizer step (64)")
+    o("--epochs", type=int, help=f"passes over the training set (default {DEFAULT_EPOCHS} "
+      "when --steps is not given)")
+    o("--steps", type=int, help="optimizer steps (instead of --epochs)")
+    o("--accumulate", type=int, help="micro-steps per optimizer step (1)")
+    o("--clip", type=float, help="max global gradient norm (off)")
+    r = _recording(p.add_argument_group("reporting"), options)
+    r("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
+    r("--log-every", type=int, help="log the loss every N steps (50; 0: never)")
+    r("--log-level", choices=("DEBUG", "INFO", "WARNING"), help="rank 0 (INFO)")
+    r("--metrics-json", metavar="PATH", help="write the metrics here (rank 0)")
+    r("--no-progress", action="store_true", default=None, help="no progress bar")
+    c = _recording(p.add_argument_group("checkpoints"), options)
+    c("--checkpoint-dir", metavar="DIR", help="save a sharded checkpoint to DIR (replaced "
+      "atomically at each save) at the end and every --checkpoint-every steps; "
+      "`python -m mpishard inspect DIR` shows it")
+    c("--checkpoint-every", type=int, metavar="N", help="save every N optimizer steps (0, "
+      "default: only at the end)")
+    c("--resume", action="store_true", default=None, help="continue from the checkpoint in "
+      "--checkpoint-dir: parameters, optimizer state, step and data position (any layout or "
+      "world size)")
     p.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file whose "
                    "keys mirror the flags (model = \"64,128,10\", no-progress = true, ...); "
                    "flags given on the command line win")
+    p.config_options = options
     return p
 
 
+def _recording(group, options: dict):
+    """`group.add_argument`, also recording each option string's Action in `options`."""
+    def add(*flags, **kwargs):
+        action = group.add_argument(*flags, **kwargs)
+        options.update(dict.fromkeys(action.option_strings, action))
+        return action
+    return add
+
+
 def _load_toml(path):
-    try:
-        import tomllib
-    except ImportError:                                    # Python < 3.11
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise UsageError("--config needs Python 3.11+ (tomllib) or `pip install tomli`"
-                             ) from None
+    if tomllib is None:
+        raise UsageError("--config needs Python 3.11+ (tomllib) or `pip install tomli`")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -119,18 +137,18 @@ def _load_toml(path):
 
 def config_tokens(parser, config: dict, path="config") -> list:
     """A TOML table as command-line tokens for `parser` (keys are flag names without '--',
-    '-' or '_'), so the values get exactly the checks the flags get."""
-    actions = parser._option_string_actions
+    '-' or '_'), so the values get exactly the checks the flags get. The keys a config may
+    hold are `parser.config_options` (set by add_train_arguments)."""
+    options = parser.config_options
     tokens = []
     for key, value in config.items():
         flag = "--" + str(key).replace("_", "-")
-        action = actions.get(flag)
-        if action is None or flag in ("--config", "--help"):
-            known = sorted(a[2:] for a in actions if a.startswith("--")
-                           and a not in ("--config", "--help"))
+        action = options.get(flag)
+        if action is None:
+            known = sorted(a[2:] for a in options if a.startswith("--"))
             raise UsageError(f"config {path}: unknown key {key!r}; known keys: "
                              f"{', '.join(known)}")
-        if isinstance(action, argparse._StoreTrueAction):
+        if action.nargs == 0:                              # an on/off switch (store_true)
             if not isinstance(value, bool):
                 raise UsageError(f"config {path}: {key} must be true or false, got {value!r}")
             tokens += [flag] if value else []
@@ -178,16 +196,7 @@ def validate_train_args(args, world_size: int):
     if args.model is None:
         args.model = DATASET_MODELS[args.dataset]
     dims = parse_dims(args.model)
-    for name in ("lr", "weight_decay", "momentum", "eps", "min_lr"):
-        _positive(name.replace("_", "-"), getattr(args, name), allow_zero=name != "eps")
-    for name in ("batch", "accumulate", "n_train", "n_test", "steps", "epochs"):
-        _positive(name.replace("_", "-"), getattr(args, name))
-    for name in ("warmup", "eval_every", "log_every", "seed"):
-        _positive(name.replace("_", "-"), getattr(args, name), allow_zero=True)
-    _positive("clip", args.clip)
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise UsageError(f"--{name} must lie in [0, 1), got {getattr(args, name):g}")
+    _check_numbers(args)
     if args.steps is not None and args.epochs is not None:
         raise UsageError(f"give --steps or --epochs, not both (got --steps {args.steps} and "
                          f"--epochs {args.epochs})")
@@ -199,21 +208,7 @@ def validate_train_args(args, world_size: int):
         args.weight_decay = 0.01 if args.optimizer == "adamw" else 0.0
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr:g} must not exceed --lr {args.lr:g}")
-    # the model must fit the data and the loss
-    if args.dataset == "digits":
-        from ..train.data import DIGITS_CLASSES, DIGITS_FEATURES
-
-        if dims[0] != DIGITS_FEATURES or dims[-1] != DIGITS_CLASSES:
-            raise UsageError(f"--model {args.model}: the digits dataset has {DIGITS_FEATURES} "
-                             f"features and {DIGITS_CLASSES} classes, so the model must be "
-                             f"{DIGITS_FEATURES},...,{DIGITS_CLASSES}")
-    # the one loss that fits the dataset (one class output: bce, sigmoid added)
-    fits = {"synthetic-regression": "mse", "digits": "cross_entropy",
-            "synthetic-classification": "bce" if dims[-1] == 1 else "cross_entropy"}
-    loss = args.loss or fits[args.dataset]
-    if loss != fits[args.dataset]:
-        raise UsageError(f"--loss {loss} does not fit dataset {args.dataset} with {dims[-1]} "
-                         f"output(s); use --loss {fits[args.dataset]}")
+    loss = _fitting_loss(args, dims)
     dp = layout.data_parallel_size
     if args.batch % (args.accumulate * dp):
         raise UsageError(f"--batch {args.batch} must divide by --accumulate {args.accumulate} "
@@ -230,11 +225,37 @@ def validate_train_args(args, world_size: int):
     return layout, dims, loss
 
 
+def _check_numbers(args):
+    """Every numeric flag within its range (a flag left at None is not checked)."""
+    check_flags(args, ("lr", "weight_decay", "momentum", "min_lr", "warmup", "eval_every",
+                       "log_every", "seed", "checkpoint_every"), low=0)
+    check_flags(args, ("eps", "batch", "accumulate", "n_train", "n_test", "steps", "epochs"),
+                low=0, low_open=True)
+    check_flags(args, ("beta1", "beta2"), low=0, high=1)
+    if args.clip is not None and math.isfinite(args.clip):
+        # a non-finite clip is left to the Trainer, whose message states the whole rule:
+        # "clip must be a finite number > 0 (or None)"
+        check_flags(args, ("clip",), low=0, low_open=True)
+
+
+def _fitting_loss(args, dims) -> str:
+    """The loss for --dataset and the model's output width: --loss if given and it fits."""
+    if args.dataset == "digits" and (dims[0] != DIGITS_FEATURES or dims[-1] != DIGITS_CLASSES):
+        raise UsageError(f"--model {args.model}: the digits dataset has {DIGITS_FEATURES} "
+                         f"features and {DIGITS_CLASSES} classes, so the model must be "
+                         f"{DIGITS_FEATURES},...,{DIGITS_CLASSES}")
+    # the one loss that fits the dataset (one class output: bce, sigmoid added)
+    fits = {"synthetic-regression": "mse", "digits": "cross_entropy",
+            "synthetic-classification": "bce" if dims[-1] == 1 else "cross_entropy"}
+    loss = args.loss or fits[args.dataset]
+    if loss != fits[args.dataset]:
+        raise UsageError(f"--loss {loss} does not fit dataset {args.dataset} with {dims[-1]} "
+                         f"output(s); use --loss {fits[args.dataset]}")
+    return loss
+
+
 def _validate_checkpoint_args(args):
     """--checkpoint-dir / --checkpoint-every / --resume (no MPI; the same on every rank)."""
-    from ..checkpoint import INDEX
-
-    _positive("checkpoint-every", args.checkpoint_every, allow_zero=True)
     if args.checkpoint_dir is None:
         if args.resume or args.checkpoint_every:
             flag = "--resume" if args.resume else "--checkpoint-every"
@@ -256,23 +277,17 @@ def _validate_checkpoint_args(args):
 def build_training(args, comm=None):
     """Validate, then build (engine, optimizer, dataset, trainer). Raises UsageError,
     ValueError or TypeError before any collective on a bad input."""
-    import mpishard as ms
-
-    from ..train.data import load_dataset
-    from ..train.optim import AdamW, SGD, make_schedule
-    from ..train.trainer import Trainer, configure_logging
-
-    comm = comm or _world()
+    comm = comm or world_comm()
     layout, dims, loss = validate_train_args(args, comm.Get_size())
     data = load_dataset(args.dataset, d_in=dims[0], d_out=dims[-1], n_train=args.n_train,
                         n_test=args.n_test, seed=args.seed)
     if args.batch > len(data.x_train):
         raise UsageError(f"--batch {args.batch} is larger than the {len(data.x_train)} "
                          f"training rows of {args.dataset}")
-    model = ms.MLP(dims, activation=args.activation,
-                   final_activation="sigmoid" if loss == "bce" else None)
-    engine = ms.make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
-                            device=args.device)
+    model = MLP(dims, activation=args.activation,
+                final_activation="sigmoid" if loss == "bce" else None)
+    engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
+                         device=args.device)
     engine.load_checkpoint(model.init(seed=args.seed))
     if args.optimizer == "adamw":
         opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
@@ -285,11 +300,9 @@ def build_training(args, comm=None):
                       eval_every=args.eval_every, log_every=args.log_every, seed=args.seed,
                       progress=not args.no_progress, logger=log)
     if args.schedule != "constant" or args.warmup:
-        trainer.schedule = make_schedule(args.schedule, args.lr, trainer.total_steps,
-                                         args.warmup, args.min_lr)
+        trainer.schedule = make_lr_schedule(args.schedule, args.lr, trainer.total_steps,
+                                            args.warmup, args.min_lr)
     if args.checkpoint_dir:
-        from ..checkpoint import Checkpointer, resume
-
         trainer.callbacks.append(Checkpointer(args.checkpoint_dir, args.checkpoint_every))
         if args.resume:
             resume(trainer, args.checkpoint_dir)      # collective; the same error everywhere
@@ -297,9 +310,7 @@ def build_training(args, comm=None):
 
 
 def run_train(args) -> int:
-    from ..train.trainer import summary_table
-
-    comm = _world()
+    comm = world_comm()
     trainer = agreed(comm, lambda: build_training(args, comm))
     metrics = trainer.fit(metrics_path=args.metrics_json)
     return print_report(summary_table(metrics))

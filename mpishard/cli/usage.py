@@ -2,22 +2,23 @@
 
 Bad input is a user mistake, not a crash: every rank parses the same argv and validates it
 before any collective, so all ranks fail the same way. A command builds what it needs inside
-`agreed(build)`: a ValueError/TypeError raised there on any rank becomes a `UsageError` on every
-rank (one flag Allreduce). `cli.main` catches UsageError at the top: rank 0 prints one line,
-`mpishard: error: ...`, and every rank returns exit code 2 (no traceback, no hang; `__main__`
-finalizes MPI before exiting so mpi4py does not abort). A ValueError raised later, in the middle
-of collectives, is not caught: it may be raised on some ranks only, and finishing those ranks
-would leave the others waiting, so it propagates and `python -m mpi4py` aborts the job.
+`agreed(comm, build)`: a ValueError/TypeError raised there on any rank becomes a `UsageError` on
+every rank (`comm.collectives.agree`: one flag Allreduce). `cli.main` catches UsageError at the
+top: rank 0 prints one line, `mpishard: error: ...`, and every rank returns exit code 2 (no
+traceback, no hang; `cli.exit_cleanly` finalizes MPI before exiting so mpi4py does not abort).
+A ValueError raised later, in the middle of collectives, is not caught: it may be raised on some
+ranks only, and finishing those ranks would leave the others waiting, so it propagates and
+`python -m mpi4py` aborts the job.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 
-import numpy as np
 from mpi4py import MPI
 
+from ..comm.collectives import agree
 from ..comm.mesh import check_world_size, parse_layout
+from ..validate import check_number
 
 PROG = "mpishard"
 
@@ -26,44 +27,57 @@ class UsageError(ValueError):
     """Bad command-line or config input (printed as one line, exit code 2)."""
 
 
-def _world():
+def world_comm():
+    """The communicator every command runs on: MPI.COMM_WORLD."""
     return MPI.COMM_WORLD
 
 
-def _rank() -> int:
-    return _world().Get_rank()
+def world_rank() -> int:
+    return world_comm().Get_rank()
 
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises UsageError instead of printing usage from every rank, and prints
-    help on rank 0 only."""
+    help (and any exit message) on rank 0 only."""
 
     def error(self, message):
         raise UsageError(message)
 
-    def _print_message(self, message, file=None):
-        if message and _rank() == 0:
-            (file or sys.stdout).write(message)
+    def print_help(self, file=None):
+        if world_rank() == 0:
+            super().print_help(file)
+
+    def print_usage(self, file=None):
+        if world_rank() == 0:
+            super().print_usage(file)
+
+    def exit(self, status=0, message=None):
+        super().exit(status, message if world_rank() == 0 else None)
 
 
 def agreed(comm, build):
-    """Run `build()` on every rank; if it raised a user error on any rank, every rank raises
-    the first failing rank's message (one Allreduce of a flag, so no rank is left waiting)."""
-    err, result = None, None
+    """Run `build()` on every rank of `comm`; if it raised a user error (ValueError/TypeError)
+    on any rank, every rank raises UsageError with the first failing rank's message, so no
+    rank is left waiting alone."""
+    error, result = None, None
     try:
         result = build()
     except (ValueError, TypeError) as exc:        # UsageError is a ValueError
-        err = str(exc) or type(exc).__name__
-    flag = np.array([0 if err is None else 1], dtype=np.int64)
-    total = np.empty_like(flag)
-    comm.Allreduce(flag, total, op=MPI.SUM)
-    if total[0]:
-        msgs = comm.allgather(err)                # small control data only
-        raise UsageError(next(m for m in msgs if m is not None))
+        error = str(exc) or type(exc).__name__
+    agree(comm, error, exc=UsageError)
     return result
 
 
 # -- argument checks (no MPI; identical on every rank) -------------------------------------------
+def check_flags(args, names, **bounds):
+    """`check_number` on each option in `names` that is set in `args` (None: not given),
+    raising UsageError that names the flag: `--batch must be > 0, got 0`."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            check_number("--" + name.replace("_", "-"), value, error=UsageError, **bounds)
+
+
 def parse_dims(text) -> list:
     try:
         dims = [int(s) for s in str(text).split(",")]
@@ -73,13 +87,6 @@ def parse_dims(text) -> list:
     if len(dims) < 2 or min(dims) < 1:
         raise UsageError(f"--model {text!r}: need at least two positive dims (input, output)")
     return dims
-
-
-def _positive(name, value, allow_zero=False):
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero) or value != value:
-        raise UsageError(f"--{name} must be {'>= 0' if allow_zero else '> 0'}, got {value:g}")
 
 
 def default_layout(world_size: int) -> str:
@@ -99,6 +106,6 @@ def checked_layout(text, world_size: int):
 
 def print_report(text) -> int:
     """Rank 0 prints `text` (every rank computed it); exit code 0."""
-    if _rank() == 0:
+    if world_rank() == 0:
         print(text, flush=True)
     return 0

@@ -18,8 +18,6 @@ order; an action starts when its stage is free and its dependency has finished (
 when the dependency ran on another stage). Sends are buffered (non-blocking), so only true
 dependency cycles deadlock. Charts below use ``t_forward == t_backward == 1`` (one cell each).
 """
-import argparse
-import sys
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -239,9 +237,10 @@ def ideal_bubble(pp, microbatches, virtual_stages=1):
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
-# ---------------------------------------------------------------------------------- drawing
+# ---------------------------------------------------------------------------------- text chart
 
-def _label(action, v):
+def action_label(action, v):
+    """'F0', 'B3'; with v > 1 the chunk is a letter: 'F0a', 'B3b'."""
     return f"{action.kind}{action.microbatch}" + (chr(ord('a') + action.chunk) if v > 1 else '')
 
 
@@ -265,97 +264,16 @@ def render_timeline(timeline, pp=None, microbatches=None, virtual_stages=None, w
     v = stats.virtual_stages
     cell = min(stats.t_forward, stats.t_backward) / v
     ncells = int(round(stats.makespan / cell))
-    cw = max(2, max(len(_label(a, v)) for row in stats.start_times for a, _, _ in row))
+    cw = max(2, max(len(action_label(a, v)) for row in stats.start_times for a, _, _ in row))
     lines = []
     for s, row in enumerate(stats.start_times):
         cells = ['.' * cw] * ncells
         for a, start, end in row:
             first = int(round(start / cell))
             for i in range(first, min(ncells, first + max(1, int(round((end - start) / cell))))):
-                cells[i] = _label(a, v).ljust(cw)
+                cells[i] = action_label(a, v).ljust(cw)
         line = f"stage {s:>{len(str(stats.pp - 1))}} | " + ' '.join(cells).rstrip()
         if width is not None and len(line) > width:
             line = line[:max(width - 1, 0)] + '>'
         lines.append(line)
     return '\n'.join(lines)
-
-
-def plot_timeline(stats, path, title=None):
-    """Write a PNG chart of ``stats``: F boxes blue, B boxes green (darker for later chunks)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg   # lazy: matplotlib optional
-    from matplotlib.figure import Figure
-    v = stats.virtual_stages
-    fig = Figure(figsize=(min(30.0, max(6.0, 0.35 * stats.makespan * v / stats.t_forward)),
-                          0.6 * stats.pp + 1.2))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    blues, greens = ['#9fc5e8', '#6fa8dc', '#3d85c6'], ['#b6d7a8', '#93c47d', '#6aa84f']
-    for s, row in enumerate(stats.start_times):
-        for a, start, end in row:
-            color = (blues if a.kind == 'F' else greens)[a.chunk % 3]
-            ax.broken_barh([(start, end - start)], (s - 0.4, 0.8), facecolors=color,
-                           edgecolors='black', linewidth=0.5)
-            ax.text((start + end) / 2, s, _label(a, v), ha='center', va='center', fontsize=7)
-    ax.set_ylim(stats.pp - 0.5, -0.5)
-    ax.set_xlim(0, stats.makespan)
-    ax.set_yticks(range(stats.pp))
-    ax.set_yticklabels([f"stage {s}" for s in range(stats.pp)])
-    ax.set_xlabel('time')
-    ax.set_title(f"{title + ': ' if title else ''}pp={stats.pp}, microbatches={stats.microbatches}"
-                 f"{f', v={v}' if v > 1 else ''}, bubble {stats.bubble_fraction:.1%}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
-
-
-# ---------------------------------------------------------------------------------- command line
-
-def add_schedule_arguments(parser):
-    """Add the ``schedule`` subcommand's options to an argparse parser."""
-    parser.add_argument('--pp', type=int, default=4, help='pipeline stages (default 4)')
-    parser.add_argument('--microbatches', type=int, default=8, help='microbatches (default 8)')
-    parser.add_argument('--schedule', choices=SCHEDULES, default='1f1b', help='default 1f1b')
-    parser.add_argument('--virtual-stages', type=int, default=None,
-                        help='chunks per stage (default 1; 2 for interleaved)')
-    parser.add_argument('--t-forward', type=float, default=1.0, help='forward time per microbatch')
-    parser.add_argument('--t-backward', type=float, default=2.0,
-                        help='backward time per microbatch')
-    parser.add_argument('--t-comm', type=float, default=0.0, help='stage-to-stage transfer time')
-    parser.add_argument('--width', type=int, default=None, help='cut chart rows at this many chars')
-    parser.add_argument('--png', default=None, help='also write a PNG chart (needs matplotlib)')
-    return parser
-
-
-def run_schedule_command(args):
-    """Print the timeline, bubble fraction (simulated vs ideal) and peak live activations."""
-    v = args.virtual_stages or (2 if args.schedule == 'interleaved' else 1)
-    try:
-        schedule = make_schedule(args.schedule, args.pp, args.microbatches, v)
-        stats = simulate(schedule, args.pp, args.microbatches, v, args.t_forward,
-                         args.t_backward, args.t_comm)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.schedule}: pp={args.pp}, microbatches={args.microbatches}, virtual_stages={v}, "
-          f"t_forward={args.t_forward:g}, t_backward={args.t_backward:g}, t_comm={args.t_comm:g} "
-          f"(one cell = {min(args.t_forward, args.t_backward) / v:g})")
-    print(render_timeline(stats, width=args.width))
-    print(f"makespan: {stats.makespan:g}")
-    print(f"bubble fraction: {stats.bubble_fraction:.4f} simulated, "
-          f"{ideal_bubble(args.pp, args.microbatches, v):.4f} ideal (p-1)/(v*m+p-1)")
-    print(f"peak live activations per stage (microbatch-chunks): {stats.peak_live_activations}")
-    if args.png:
-        plot_timeline(stats, args.png, title=args.schedule)
-        print(f"wrote {args.png}")
-    return 0
-
-
-def main(argv=None):
-    """``python -m mpishard.schedules --pp 4 --microbatches 8 --schedule 1f1b``."""
-    parser = add_schedule_arguments(argparse.ArgumentParser(prog='mpishard schedule',
-                                                            description=__doc__.splitlines()[0]))
-    return run_schedule_command(parser.parse_args(argv))
-
-
-if __name__ == '__main__':
-    sys.exit(main())
