@@ -111,7 +111,7 @@ def run(quick=False, max_bytes=None, comm=None, tiny=False):
         for _ in range(trials):
             # fresh buffers (and a fresh result pool) each trial: on this VM a large buffer's
             # speed depends on where its pages landed, by 10-20%, whichever side owns it
-            engine._result_pool.clear()
+            engine.comm.pool.clear()
             for kind, (ours, raw) in cases(engine, comm, nbytes).items():
                 found.setdefault(kind, []).append(compare(comm, ours, raw, inner, samples))
         for kind, res in found.items():

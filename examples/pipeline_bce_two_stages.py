@@ -59,7 +59,7 @@ def main():
     bce = ms.losses.BCE()
 
     ok = True
-    held = engine.comm.gather(sorted(engine.local_names), root=0)       # control data
+    held = engine.mpi_comm.gather(sorted(engine.local_names), root=0)       # control data
     if rank0:
         print(f"{layout} on {engine.num_devices} ranks")
         for s, names in enumerate(held):
@@ -84,8 +84,8 @@ def main():
     engine.inference_loop((x[i:i + 4] for i in range(0, 32, 4)), out)
     if engine.stage == 1:                          # the last stage wrote the outputs
         ok &= len(out.items) == 8 and close(np.concatenate(out.items), single.predict(x))
-    ok = engine.comm.allreduce(bool(ok), op=MPI.LAND)   # control data
-    every = engine.comm.gather((stats["peak_stashed"], stats["idle_s"], stats["busy_s"]), root=0)
+    ok = engine.mpi_comm.allreduce(bool(ok), op=MPI.LAND)   # control data
+    every = engine.mpi_comm.gather((stats["peak_stashed"], stats["idle_s"], stats["busy_s"]), root=0)
     if rank0:
         for s, (peak, idle, busy) in enumerate(every):
             print(f"stage {s}: peak stashed microbatches {peak}, idle {idle * 1e3:.2f} ms, "

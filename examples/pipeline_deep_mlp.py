@@ -47,7 +47,7 @@ def main():
     engine.load_checkpoint(params)
     single = ms.SingleDevice(model)
     single.load_checkpoint(params)
-    comm, rank0 = engine.comm, engine.device_id == 0
+    comm, rank0 = engine.mpi_comm, engine.device_id == 0
 
     rng = np.random.default_rng(0)                 # labels from a random linear teacher
     x = rng.normal(size=(64, 32))

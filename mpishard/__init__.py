@@ -7,12 +7,12 @@
     loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), ms.losses.MSE())
 """
 from . import checkpoint, nn
-from .nn import losses
-from .train import data, optim, trainer
-from .engine import CollectiveMismatchError, Future, ShardedEngine
+from .comm.collectives import CollectiveMismatchError, Future
 from .comm.mesh import DeviceMesh, Layout, parse_layout
+from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
+from .nn import losses
 from .nn.models import MLP, MoE
-from .parallel import MeshEngine, SingleDevice, make_engine
+from .train import data, optim, trainer
 
 __version__ = "0.1.0"
 

@@ -1,129 +1,88 @@
-"""ShardedEngine: the chapter's pseudo-API made real on an mpi4py communicator.
+"""ShardedEngine: devices, collectives and a model split over a device mesh.
 
-Every collective maps onto one mpi4py buffer (uppercase) call, so arrays never go through
-pickle. `group=` names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the
-whole world. Each call documents its adjoint, because the strategies use them in pairs:
+`ShardedEngine` is the engine's public surface: device identity, point-to-point and
+collective calls (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`,
+`send`, `receive`, `send_async`, `receive_async`, `barrier`, each with `group=` naming a mesh
+axis), `load_checkpoint`, `forward`, `backward` and `inference_loop`. It *has* a communicator:
+every collective is a call on its `Comm` (comm/collectives.py), which counts bytes per kind.
 
-    all_reduce(sum)        forward  <->  all_reduce(sum)        backward (of a sum over copies)
-    all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
-    reduce_scatter(axis)   forward  <->  all_gather(axis)       backward
-    all_to_all(axis)       forward  <->  all_to_all(axis)       backward (the inverse exchange)
-    send(dest)             forward  <->  receive(dest)          backward
+`MeshEngine` is the one concrete engine, for every layout. `parallel.compose` builds its parts
+from (model, layout): a parameter store, the gradient sync, an access policy, the layers of
+this rank's pipeline stage(s) and a runner. The engine only orchestrates them:
 
-The engine counts the bytes each rank sends per collective kind (`comm_bytes`), using what a
-bandwidth-optimal (ring) algorithm sends: all_reduce 2(n-1)/n * size, all_gather and
-reduce_scatter (n-1)/n * full size, all_to_all (n-1)/n * size, send the message size.
-
-Debug mode (`MPISHARD_DEBUG=1` or `debug=True`): before each collective the group compares op,
-dtype and shape and raises `CollectiveMismatchError` on every rank naming the difference,
-instead of corrupting data or hanging.
+    train_step  ->  runner.train_step (layers: forward, loss, backward; tp/fsdp/pp/ep
+                    communication inside the layers and the runner)
+                ->  sync_grads: access.finish_grads (fsdp), grad_sync.sync (dp all_reduce)
 """
 from __future__ import annotations
 
+import functools
 import os
-import sys
-import time
 from abc import ABC, abstractmethod
-from collections import Counter
 
 import numpy as np
 from mpi4py import MPI
 
 from .comm.backend import Backend
-from .comm.mesh import DeviceMesh, parse_layout
-
-_DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
-                                 "bool", "complex128", "complex64")]
-_KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
-          "all_to_all_v"]
-_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_HEADER = 12  # int64 words: dtype code, ndim, up to 10 dims
-_TAG_HEADER, _TAG_DATA, _TAG_RAW = 0, 1, 2
+from .comm.collectives import Comm
+from .comm.mesh import DATA_AXES, DeviceMesh, parse_layout
+from .nn.losses import get_loss
+from .parallel import placement as pl
+from .parallel.compose import compose
 
 
-class CollectiveMismatchError(RuntimeError):
-    """Ranks of one group called a collective with different op, dtype or shape."""
+def _on_comm(name):
+    """An engine method that is the same call on the engine's Comm."""
+    method = getattr(Comm, name)
 
-
-def _dtype_code(dtype) -> int:
-    dtype = np.dtype(dtype)
-    if dtype not in _DTYPES:
-        raise TypeError(f"dtype {dtype} is not supported for MPI transfer; use one of "
-                        f"{[str(d) for d in _DTYPES]}")
-    return _DTYPES.index(dtype)
-
-
-class Future:
-    """A pending non-blocking transfer (Isend/Irecv). `result()` waits, `done()` polls."""
-
-    def __init__(self, requests, finish=None, keep=()):
-        self._requests = list(requests)
-        self._finish = finish
-        self._keep = keep  # buffers that must stay alive until completion
-        self._value = None
-        self._done = False
-
-    def done(self) -> bool:
-        if self._done:
-            return True
-        if MPI.Request.Testall(self._requests):
-            self._complete()
-        return self._done
-
-    def result(self):
-        if not self._done:
-            MPI.Request.Waitall(self._requests)
-            self._complete()
-        return self._value
-
-    wait = result
-
-    def _complete(self):
-        self._done = True
-        self._value = self._finish() if self._finish is not None else None
-        self._keep = ()
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return method(self.comm, *args, **kwargs)
+    return call
 
 
 class ShardedEngine(ABC):
-    """Base class: device identity, point-to-point and collective calls, inference loop.
+    """Device identity, point-to-point and collective calls, the inference loop.
 
-    Subclasses implement `load_checkpoint`, `forward` and `backward` (the chapter's contract).
+    Subclasses implement `load_checkpoint`, `forward` and `backward`.
+    Debug mode (`MPISHARD_DEBUG=1` or `debug=True`): every collective first compares op,
+    dtype and shape across its group and raises `CollectiveMismatchError` on every rank.
     """
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None):
-        self.comm = MPI.COMM_WORLD if comm is None else comm
+        world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
-        self.mesh = DeviceMesh(self.comm, self.layout)  # raises on a world-size mismatch
-        self.backend = Backend(device, self.comm)
+        self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
+        self.backend = Backend(device, world)
         self.xp = self.backend.xp
         self.dtype = np.dtype(dtype)
         if debug is None:
             debug = os.environ.get("MPISHARD_DEBUG", "0") not in ("", "0")
-        self.debug = bool(debug)
-        self.comm_bytes: Counter = Counter()
-        self.comm_calls: Counter = Counter()
-        self.comm_time: Counter = Counter()
-        # receive-buffer reuse for all_reduce / reduce_scatter / all_to_all results (see
-        # _result_buffer); False allocates a fresh result every call
-        self.reuse_buffers = True
-        self._result_pool: dict = {}
-        self._header_recvs: dict = {}   # (comm, src, tag) -> pending receives, in order
+        self.comm = Comm(self.mesh, self.backend, debug)
 
     # -- identity ------------------------------------------------------------------------------
     @property
     def mpi_comm(self):
-        """The engine's mpi4py communicator (world of this engine), for control data."""
-        return self.comm
+        """The engine's mpi4py communicator (its world), for control data."""
+        return self.mesh.world
 
     @property
     def device_id(self) -> int:
         """The rank of this device in the engine's communicator."""
-        return self.comm.Get_rank()
+        return self.mesh.rank
 
     @property
     def num_devices(self) -> int:
         """World size."""
-        return self.comm.Get_size()
+        return self.mesh.world.Get_size()
+
+    @property
+    def debug(self) -> bool:
+        return self.comm.debug
+
+    @debug.setter
+    def debug(self, value) -> None:
+        self.comm.debug = bool(value)
 
     def group_size(self, group=None) -> int:
         return self.mesh.size(group) if group is not None else self.num_devices
@@ -131,468 +90,47 @@ class ShardedEngine(ABC):
     def group_rank(self, group=None) -> int:
         return self.mesh.coord(group) if group is not None else self.device_id
 
-    def barrier(self, group=None) -> None:
-        """Blocks until every device of the group reaches this line."""
-        self.mesh.comm(group).Barrier()
+    # -- communication statistics (per rank) ---------------------------------------------------
+    @property
+    def comm_bytes(self):
+        """Bytes this rank sent per kind (ring-algorithm counts; see comm/collectives.py)."""
+        return self.comm.stats.bytes
+
+    @property
+    def comm_calls(self):
+        return self.comm.stats.calls
+
+    @property
+    def comm_time(self):
+        return self.comm.stats.time
 
     def reset_comm_stats(self) -> None:
-        self.comm_bytes.clear()
-        self.comm_calls.clear()
-        self.comm_time.clear()
+        self.comm.stats.reset()
 
-    # -- helpers -------------------------------------------------------------------------------
-    def _prepare(self, arr):
-        xp = self.xp
-        a = xp.asarray(arr)
-        a = xp.ascontiguousarray(a).reshape(a.shape)   # ascontiguousarray makes 0-d 1-d
-        _dtype_code(a.dtype)
-        return a
+    @property
+    def reuse_buffers(self) -> bool:
+        """Collective results come from a pool of reused buffers (False: fresh each call)."""
+        return self.comm.pool.enabled
 
-    _POOL_SHAPES, _POOL_PER_SHAPE = 8, 2
+    @reuse_buffers.setter
+    def reuse_buffers(self, value) -> None:
+        self.comm.pool.enabled = bool(value)
 
-    def _result_buffer(self, shape, dtype):
-        """A result array for a collective: a reused one that nobody holds any more, or new.
-
-        Up to two results per shape and dtype (for the last few shapes) are kept, so the loop
-        `y = engine.all_reduce(x)` alternates between two buffers; one is handed out again
-        only when no other reference to it, or to a view of it, remains (CPython reference
-        counts of the array and of the memory's owner), so a result the caller still holds is
-        never overwritten. This saves the page faults of a fresh large allocation per call
-        (15-40% of a 16 MiB all_reduce here). all_gather results are not pooled: gathered
-        weights (FSDP) must really be freed.
-        """
-        if not self.reuse_buffers:
-            return self.xp.empty(shape, dtype=dtype)
-        key = (tuple(shape), np.dtype(dtype).str)
-        bufs = self._result_pool.pop(key, [])
-        self._result_pool[key] = bufs                   # most recently used shape last
-        if len(self._result_pool) > self._POOL_SHAPES:
-            self._result_pool.pop(next(iter(self._result_pool)))
-        for i in range(len(bufs)):          # indexed: a loop variable would add a reference
-            # 2 = the list's reference + getrefcount's argument; every view of a pooled
-            # array (the moveaxis of a result, a slice of it) holds one more, as its .base
-            if sys.getrefcount(bufs[i]) == 2:
-                return bufs[i]
-        buf = self.xp.empty(shape, dtype=dtype)
-        bufs.append(buf)
-        if len(bufs) > self._POOL_PER_SHAPE:
-            bufs.pop(0)                                 # the oldest stays with its holder
-        return buf
-
-    def _count(self, kind, nbytes, t0):
-        self.comm_calls[kind] += 1
-        self.comm_bytes[kind] += int(nbytes)
-        self.comm_time[kind] += time.perf_counter() - t0
-
-    def _check(self, comm, kind, a, op="", axis=0, skip_axis=False):
-        """Debug mode: every rank of the group compares (kind, op, dtype, shape, axis).
-
-        Called before any check that depends on this rank's array (dtype, axis range,
-        divisibility), so such a mistake on one rank is reported on every rank, not raised on
-        that rank alone while the others wait. `a=None`: no array (broadcast)."""
-        if not self.debug:
-            return
-        shape = list(a.shape) if a is not None else []
-        if -len(shape) <= axis < len(shape):
-            axis %= len(shape)
-        if skip_axis and 0 <= axis < len(shape):
-            shape[axis] = -1  # all_gather may concatenate uneven lengths along `axis`
-        sig = np.full(4 + 10, -2, dtype=np.int64)
-        sig[0] = _KINDS.index(kind)
-        sig[1] = list(_OPS).index(op) if op in _OPS else -1
-        if a is not None:   # unsupported dtypes as -1 - ord(char): named, raised after the check
-            sig[2] = _DTYPES.index(a.dtype) if a.dtype in _DTYPES else -1 - ord(a.dtype.char)
-        sig[3] = axis
-        sig[4:4 + min(10, len(shape))] = shape[:10]
-        sig[4 + len(shape):] = -3
-        allsig = np.empty((comm.Get_size(), sig.size), dtype=np.int64)
-        comm.Allgather(sig, allsig)
-        if (allsig != allsig[0]).any():
-            def show(s):
-                dims = [int(d) for d in s[4:] if d != -3]
-                dtype = (_DTYPES[s[2]] if s[2] >= 0 else "-" if s[2] == -2
-                         else f"unsupported {np.dtype(chr(-1 - s[2]))}")
-                return (f"{_KINDS[s[0]]}(op={list(_OPS)[s[1]] if s[1] >= 0 else '-'}, "
-                        f"dtype={dtype}, shape={tuple(dims)}, "
-                        f"{'root' if _KINDS[s[0]] == 'broadcast' else 'axis'}={s[3]})")
-            ranks = "; ".join(f"group rank {r}: {show(s)}" for r, s in enumerate(allsig))
-            raise CollectiveMismatchError(f"collective mismatch in {kind}: {ranks}")
-
-    def _norm_axis(self, a, axis):
-        if not -a.ndim <= axis < max(a.ndim, 1):
-            raise ValueError(f"axis {axis} out of range for an array of shape {a.shape}")
-        return axis % max(a.ndim, 1)
-
-    # -- point to point ------------------------------------------------------------------------
-    def _header(self, a):
-        h = np.zeros(_HEADER, dtype=np.int64)
-        if a.ndim > _HEADER - 2:
-            raise ValueError(f"send supports up to {_HEADER - 2} dims, got {a.ndim}")
-        h[0], h[1] = _dtype_code(a.dtype), a.ndim
-        h[2:2 + a.ndim] = a.shape
-        return h
-
-    def _tag(self, tag, kind):
-        # a negative tag would map onto MPI_ANY_TAG (-1) or an invalid tag
-        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or tag < 0:
-            raise ValueError(f"tag must be an integer >= 0, got {tag!r}")
-        return 3 * int(tag) + kind
-
-    def send(self, dest_id: int, arr, tag: int = 0, group=None) -> None:
-        """Blocking send of `arr` (any shape/dtype) to `dest_id`; adjoint: receive."""
-        t0 = time.perf_counter()
-        a = self._prepare(arr)
-        comm = self.mesh.comm(group)
-        comm.Send(self._header(a), dest=dest_id, tag=self._tag(tag, _TAG_HEADER))
-        buf = self.backend.mpi_buffer(a)
-        comm.Send(buf, dest=dest_id, tag=self._tag(tag, _TAG_DATA))
-        self._count("send", a.nbytes, t0)
-
-    def receive(self, src_id: int, tag: int = 0, group=None):
-        """Blocking receive of an array sent with `send`; shape and dtype travel with it."""
-        return self.receive_async(src_id, tag=tag, group=group).result()
-
-    def send_async(self, arr, dst=None, target_device_id=None, *, dest=None, tag: int = 0,
-                   group=None) -> Future:
-        """Non-blocking send (Isend); returns a Future.
-
-        Two forms: `send_async(arr, dest)` (the receiver calls `receive_async(src)` and learns
-        shape and dtype from a header), and the seed's `send_async(src, dst, target_device_id)`
-        where `dst` is the buffer the target receives into (`receive_async(src, out=dst)`), so
-        no header is sent and the message lands without an extra copy.
-        """
-        t0 = time.perf_counter()
-        a = self._prepare(arr)
-        comm = self.mesh.comm(group)
-        if target_device_id is not None:         # seed form: (src, dst_buffer, target)
-            buf = self.backend.mpi_buffer(a, slot=None)  # fresh: many in flight
-            req = comm.Isend(buf, dest=target_device_id, tag=self._tag(tag, _TAG_RAW))
-            self._count("send", a.nbytes, t0)
-            return Future([req], keep=(a, buf))
-        dest = dst if dest is None else dest
-        if dest is None or not isinstance(dest, (int, np.integer)):
-            raise TypeError("send_async(arr, dest) needs an integer destination rank")
-        h = self._header(a)
-        buf = self.backend.mpi_buffer(a, slot=None)  # fresh: many in flight
-        reqs = [comm.Isend(h, dest=int(dest), tag=self._tag(tag, _TAG_HEADER)),
-                comm.Isend(buf, dest=int(dest), tag=self._tag(tag, _TAG_DATA))]
-        self._count("send", a.nbytes, t0)
-        return Future(reqs, keep=(a, buf, h))
-
-    def receive_async(self, src_id: int, out=None, tag: int = 0, group=None) -> Future:
-        """Non-blocking receive (Irecv); `result()` returns the array.
-
-        With `out=` the message (sent by the seed form of send_async) lands in that buffer.
-        """
-        comm = self.mesh.comm(group)
-        if out is not None:
-            if not out.flags.c_contiguous:
-                raise ValueError("receive_async(out=...) needs a C-contiguous buffer")
-            buf = self.backend.mpi_buffer(out, slot="irecv") if self.backend.is_gpu else out
-            req = comm.Irecv(buf, source=src_id, tag=self._tag(tag, _TAG_RAW))
-
-            def finish():
-                self.backend.mpi_finish(buf, out)
-                return out
-            return Future([req], finish, keep=(buf,))
-        h = np.empty(_HEADER, dtype=np.int64)
-        req = comm.Irecv(h, source=src_id, tag=self._tag(tag, _TAG_HEADER))
-        # Headers match the receives in posting order, and so must the data messages (the
-        # blocking Recv below): a later receive from the same source and tag finishes the
-        # earlier ones first, whatever order result()/done() are called in.
-        key = (comm.py2f(), src_id, int(tag))
-        queue = self._header_recvs.setdefault(key, [])
-        fut = Future([req], keep=(h,))
-        queue.append(fut)
-
-        def finish_header():
-            while queue[0] is not fut:
-                queue[0].result()
-            queue.pop(0)
-            if not queue:        # the last pending receive of this key: forget the key
-                del self._header_recvs[key]
-            dtype, ndim = _DTYPES[int(h[0])], int(h[1])
-            shape = tuple(int(d) for d in h[2:2 + ndim])
-            out_arr = self.xp.empty(shape, dtype=dtype)
-            buf = self.backend.mpi_buffer(out_arr, slot="recv") if self.backend.is_gpu else out_arr
-            comm.Recv(buf, source=src_id, tag=self._tag(tag, _TAG_DATA))
-            self.backend.mpi_finish(buf, out_arr)
-            return out_arr
-        fut._finish = finish_header
-        return fut
-
-    # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, arr, op: str = "sum", group=None, out=None):
-        """Element-wise reduction over the group, result on every rank (MPI Allreduce).
-
-        op: 'sum', 'avg' (sum / group size), 'max', 'min'. Adjoint of a sum over replicas:
-        all_reduce(sum) backward; adjoint of 'avg' is 'avg'.
-        out: a reused result buffer (no allocation per call); `out=arr` reduces in place
-        (MPI_IN_PLACE, no second buffer).
-        """
-        t0 = time.perf_counter()
-        a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
-        sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
-        comm.Allreduce(sbuf, rbuf, op=_OPS[op])
-        self.backend.mpi_finish(rbuf, out)
-        if op == "avg" and n > 1:
-            out /= n
-        self._count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
-        return out
-
-    def _all_reduce_args(self, arr, op, group, out, pooled=False):
-        """(input, result buffer, communicator, group size); the result `is` the input when
-        reducing in place (`out=arr`, which must then be C-contiguous)."""
-        comm = self.mesh.comm(group)
-        if self.debug:
-            self._check(comm, "all_reduce", self.xp.asarray(arr), op)
-        if op not in _OPS:
-            raise ValueError(f"all_reduce op must be one of {list(_OPS)}, got {op!r}")
-        a = arr if out is not None and out is arr else self._prepare(arr)
-        if op == "avg" and a.dtype.kind not in "fc":
-            raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
-        if out is None:
-            out = self._result_buffer(a.shape, a.dtype) if pooled else self.xp.empty_like(a)
-        elif out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"all_reduce: out= must be C-contiguous with shape {a.shape} and "
-                             f"dtype {a.dtype}, got shape {out.shape} and dtype {out.dtype}")
-        _dtype_code(a.dtype)
-        return a, out, comm, comm.Get_size()
-
-    def all_reduce_async(self, arr, op: str = "sum", group=None, out=None) -> Future:
-        """Non-blocking all_reduce (MPI Iallreduce); `result()` waits and returns the array.
-
-        Same ops and adjoint as all_reduce; `out=arr` reduces in place. Neither `arr` nor `out`
-        may be touched until the Future completes. The gradient sync issues one per bucket
-        while the backward of earlier layers runs. Bytes are counted when the call is issued
-        (the all_reduce formula, under 'all_reduce'); comm_time counts the issue only.
-        """
-        t0 = time.perf_counter()
-        reused = out is not None               # a caller's buffer: its staging copy is kept
-        a, out, comm, n = self._all_reduce_args(arr, op, group, out)
-        # GPU staging without CUDA-aware MPI: one kept host buffer per caller-owned result;
-        # a fresh one otherwise, so the staging dict does not grow with every call
-        slot = f"iallreduce-{id(out)}" if reused else None
-        sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a, slot=None)
-        rbuf = self.backend.mpi_buffer(out, slot=slot)
-        req = comm.Iallreduce(sbuf, rbuf, op=_OPS[op])
-
-        def finish():
-            self.backend.mpi_finish(rbuf, out)
-            if op == "avg" and n > 1:
-                self.xp.divide(out, n, out=out)
-            return out
-        self._count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
-        return Future([req], finish, keep=(a, sbuf, rbuf))
-
-    def _gather_args(self, arr, axis, group, uneven=False):
-        """(arr with `axis` moved first, contiguous; the axis normalised; communicator; group
-        size) for all_gather(_async); a 0-d array gathers as shape (1,). `uneven`: lengths
-        along `axis` may differ, so debug mode leaves them out of the comparison."""
-        a = self.xp.asarray(arr)
-        if a.ndim == 0:
-            a = a.reshape(1)
-        comm = self.mesh.comm(group)
-        self._check(comm, "all_gather", a, axis=axis, skip_axis=uneven)
-        axis = self._norm_axis(a, axis)
-        return self._prepare(self.xp.moveaxis(a, axis, 0)), axis, comm, comm.Get_size()
-
-    def all_gather(self, arr, axis: int = 0, group=None):
-        """Concatenate the group's arrays along `axis` (MPI Allgather / Allgatherv).
-
-        Lengths along `axis` may differ between ranks (they are exchanged first); the other
-        dimensions must agree. Adjoint: reduce_scatter(sum) along the same axis.
-        """
-        t0 = time.perf_counter()
-        xp = self.xp
-        moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...rest)
-        rest = moved.shape[1:]
-        row = int(np.prod(rest, dtype=np.int64))
-        lens = np.empty(n, dtype=np.int64)
-        comm.Allgather(np.array([moved.shape[0]], dtype=np.int64), lens)
-        out = xp.empty((int(lens.sum()),) + rest, dtype=moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
-        if (lens == lens[0]).all():
-            comm.Allgather(sbuf, rbuf)
-        else:
-            counts = lens * row
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            comm.Allgatherv(sbuf, [rbuf, counts, displs, MPI._typedict[moved.dtype.char]])
-        self.backend.mpi_finish(rbuf, out)
-        self._count("all_gather", (n - 1) / n * out.nbytes, t0)
-        return xp.moveaxis(out, 0, axis) if axis != 0 else out
-
-    def all_gather_async(self, arr, axis: int = 0, group=None) -> Future:
-        """Non-blocking all_gather (MPI Iallgather); `result()` waits and returns the array.
-
-        Every rank must pass the same shape (equal lengths along `axis`: no lengths are
-        exchanged; debug mode checks it); `arr` must not be modified until the Future
-        completes, which keeps the send and receive buffers alive. FSDP's prefetch gathers the
-        next layer's weight with it while the current layer computes. Adjoint:
-        reduce_scatter(sum) along the same axis. Bytes are counted when the call is issued
-        (the all_gather formula, under 'all_gather'); comm_time counts the issue only.
-        """
-        t0 = time.perf_counter()
-        xp = self.xp
-        moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
-        out = xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved, slot=None)    # fresh staging: several in flight
-        rbuf = self.backend.mpi_buffer(out, slot=None)
-        req = comm.Iallgather(sbuf, rbuf)
-
-        def finish():
-            self.backend.mpi_finish(rbuf, out)
-            return xp.moveaxis(out, 0, axis) if axis != 0 else out
-        self._count("all_gather", (n - 1) / n * out.nbytes, t0)
-        return Future([req], finish, keep=(moved, sbuf, out, rbuf))
-
-    def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
-        """Reduce over the group, then rank i keeps block i along `axis` (Reduce_scatter).
-
-        Blocks follow numpy.array_split, so a length not divisible by the group size is
-        allowed (the first blocks are one longer). Adjoint: all_gather along the same axis.
-        """
-        t0 = time.perf_counter()
-        xp = self.xp
-        a = xp.asarray(arr)
-        comm = self.mesh.comm(group)
-        self._check(comm, "reduce_scatter", a, op, axis=axis)
-        if op not in ("sum", "avg"):
-            raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
-        axis = self._norm_axis(a, axis)
-        n, r = comm.Get_size(), comm.Get_rank()
-        moved = self._prepare(xp.moveaxis(a, axis, 0))
-        length, rest = moved.shape[0], moved.shape[1:]
-        row = int(np.prod(rest, dtype=np.int64))
-        lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
-        out = self._result_buffer((lens[r],) + rest, moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
-        if length % n == 0:
-            comm.Reduce_scatter_block(sbuf, rbuf, op=MPI.SUM)
-        else:
-            comm.Reduce_scatter(sbuf, rbuf, [c * row for c in lens], op=MPI.SUM)
-        self.backend.mpi_finish(rbuf, out)
-        if op == "avg" and n > 1:
-            if out.dtype.kind not in "fc":
-                raise TypeError(f"reduce_scatter(op='avg') needs a floating dtype, got {out.dtype}")
-            out /= n
-        self._count("reduce_scatter", (n - 1) / n * moved.nbytes, t0)
-        return xp.moveaxis(out, 0, axis) if axis != 0 else out
-
-    def all_to_all(self, arr, axis: int = 0, group=None):
-        """Split `arr` into group-size blocks along `axis`; block j goes to rank j, and the
-        received blocks are concatenated along `axis` in rank order (MPI Alltoall).
-        Adjoint: all_to_all along the same axis (the exchange undoes itself).
-        """
-        t0 = time.perf_counter()
-        xp = self.xp
-        a = xp.asarray(arr)
-        comm = self.mesh.comm(group)
-        self._check(comm, "all_to_all", a, axis=axis)
-        axis = self._norm_axis(a, axis)
-        n = comm.Get_size()
-        if a.shape[axis] % n:
-            raise ValueError(f"all_to_all: length {a.shape[axis]} along axis {axis} is not "
-                             f"divisible by the group size {n}")
-        moved = self._prepare(xp.moveaxis(a, axis, 0))
-        out = self._result_buffer(moved.shape, moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
-        comm.Alltoall(sbuf, rbuf)
-        self.backend.mpi_finish(rbuf, out)
-        self._count("all_to_all", (n - 1) / n * moved.nbytes, t0)
-        return xp.moveaxis(out, 0, axis) if axis != 0 else out
-
-    def all_to_all_v(self, arr, send_counts, group=None, recv_counts=None):
-        """Variable-count exchange along axis 0 (MPI Alltoallv).
-
-        `send_counts[j]` rows of `arr` (consecutive, in rank order) go to rank j. The counts are
-        exchanged first, unless the caller already knows `recv_counts` (e.g. the reverse of an
-        earlier exchange); returns (received rows concatenated in source-rank order,
-        recv_counts). Adjoint: all_to_all_v of the gradient with send and receive counts
-        swapped.
-        """
-        t0 = time.perf_counter()
-        xp = self.xp
-        comm = self.mesh.comm(group)
-        n = comm.Get_size()
-        if self.debug:
-            self._check(comm, "all_to_all_v", xp.asarray(arr), axis=0, skip_axis=True)
-        a = self._prepare(arr)
-        sc = np.ascontiguousarray(np.asarray(send_counts, dtype=np.int64))
-        bad = None
-        if sc.shape != (n,) or sc.sum() != a.shape[0] or (sc < 0).any():
-            bad = (f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
-                   f"counts summing to the {a.shape[0]} rows given")
-        if self.debug:          # counts are this rank's own: agree, so no rank waits alone
-            self.agree(bad is None, f"group rank {comm.Get_rank()}: {bad}", group=group)
-        elif bad is not None:
-            raise ValueError(bad)
-        if recv_counts is None:
-            rc = np.empty(n, dtype=np.int64)
-            comm.Alltoall(sc, rc)
-        else:
-            rc = np.ascontiguousarray(np.asarray(recv_counts, dtype=np.int64))
-        rest = a.shape[1:]
-        row = int(np.prod(rest, dtype=np.int64))
-        out = xp.empty((int(rc.sum()),) + rest, dtype=a.dtype)
-        sdis = np.concatenate([[0], np.cumsum(sc)[:-1]]) * row
-        rdis = np.concatenate([[0], np.cumsum(rc)[:-1]]) * row
-        mtype = MPI._typedict[a.dtype.char]
-        sbuf = self.backend.mpi_buffer(a)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
-        comm.Alltoallv([sbuf, sc * row, sdis, mtype], [rbuf, rc * row, rdis, mtype])
-        self.backend.mpi_finish(rbuf, out)
-        me = comm.Get_rank()
-        self._count("all_to_all", (sc.sum() - sc[me]) * row * a.itemsize, t0)
-        return out, rc
-
-    def broadcast(self, arr, root: int = 0, group=None):
-        """Every rank gets root's array (MPI Bcast). Non-root ranks may pass None: shape and
-        dtype come from root. Adjoint: reduce(sum) to root.
-        """
-        t0 = time.perf_counter()
-        comm = self.mesh.comm(group)
-        self._check(comm, "broadcast", None, axis=root)
-        error = None
-        if comm.Get_rank() == root:
-            try:
-                a = self._prepare(arr)
-                h = self._header(a)
-            except (TypeError, ValueError) as exc:   # root's mistake: raised on every rank
-                error = exc
-                h = np.full(_HEADER, -1 if isinstance(exc, TypeError) else -2, dtype=np.int64)
-        else:
-            h = np.empty(_HEADER, dtype=np.int64)
-        comm.Bcast(h, root=root)
-        if h[0] < 0:
-            msg = comm.bcast(str(error) if error is not None else None, root=root)
-            raise (TypeError if h[0] == -1 else ValueError)(f"broadcast from group rank "
-                                                              f"{root}: {msg}")
-        if comm.Get_rank() != root:
-            shape = tuple(int(d) for d in h[2:2 + int(h[1])])
-            a = self.xp.empty(shape, dtype=_DTYPES[int(h[0])])
-        buf = self.backend.mpi_buffer(a, slot="bcast")
-        comm.Bcast(buf, root=root)
-        self.backend.mpi_finish(buf, a)
-        n = comm.Get_size()
-        self._count("broadcast", (n - 1) / n * a.nbytes if comm.Get_rank() == root else 0, t0)
-        return a
-
-    def agree(self, ok: bool, message: str = "", group=None) -> None:
-        """Collective error check: if `ok` is False on any rank, every rank raises ValueError
-        with the first failing rank's message (no rank is left waiting in a collective)."""
-        comm = self.mesh.comm(group)
-        flag = np.array([0 if ok else 1], dtype=np.int64)
-        total = np.empty(1, dtype=np.int64)
-        comm.Allreduce(flag, total, op=MPI.SUM)
-        if total[0]:
-            msgs = comm.allgather(None if ok else message)   # small control data only
-            first = next(m for m in msgs if m is not None)
-            raise ValueError(first)
+    # -- the collectives and point-to-point calls: the engine's Comm ---------------------------
+    barrier = _on_comm("barrier")
+    send = _on_comm("send")
+    receive = _on_comm("receive")
+    send_async = _on_comm("send_async")
+    receive_async = _on_comm("receive_async")
+    all_reduce = _on_comm("all_reduce")
+    all_reduce_async = _on_comm("all_reduce_async")
+    all_gather = _on_comm("all_gather")
+    all_gather_async = _on_comm("all_gather_async")
+    reduce_scatter = _on_comm("reduce_scatter")
+    all_to_all = _on_comm("all_to_all")
+    all_to_all_v = _on_comm("all_to_all_v")
+    broadcast = _on_comm("broadcast")
+    agree = _on_comm("agree")
 
     # -- model lifecycle -----------------------------------------------------------------------
     @abstractmethod
@@ -612,3 +150,295 @@ class ShardedEngine(ABC):
         on every rank when the input is exhausted (pipelines override this)."""
         for x in iter(input_stream):
             output_stream.write(self.predict(x) if hasattr(self, "predict") else self.forward(x))
+
+
+class MeshEngine(ShardedEngine):
+    """Any layout: data, fsdp, tensor, pipeline (and expert) parallel pieces composed.
+
+    Parameters
+    ----------
+    model : ms.MLP (or ms.MoE)
+    layout : str  e.g. "dp=2,tp=2", "fsdp=4,zero=2", "pp=4,microbatches=8,schedule=1f1b"
+    comm : mpi4py communicator (default COMM_WORLD)
+    dtype : np.float64 or np.float32 (parameters, activations and gradients)
+    device : "cpu", "gpu" or "auto" (cupy when a GPU is visible)
+    """
+
+    def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
+                 debug=None):
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        super().__init__(layout, comm, dtype, device, debug)
+        if not hasattr(model, "param_shapes"):
+            raise TypeError(f"model must be an ms.MLP or ms.MoE spec, got {type(model).__name__}")
+        self.model = model
+        parts = compose(model, self.layout, self.comm, self.dtype)  # ValueError if no fit
+        self.plan, self.store, self.stats = parts.plan, parts.store, parts.stats
+        self.grad_sync, self.access = parts.grad_sync, parts.access
+        self.chunks, self.runner = parts.chunks, parts.runner
+        self.stage = self.mesh.coords["pp"]
+        self.loaded = False
+
+    # -- the parameter store's views -----------------------------------------------------------
+    params = property(lambda self: self.store.params, doc="local parameter blocks by name")
+    grads = property(lambda self: self.store.grads, doc="local gradient blocks by name")
+    placements = property(lambda self: self.store.placements)
+    grad_placements = property(lambda self: self.store.grad_placements)
+    full_shapes = property(lambda self: self.store.full_shapes)
+    local_names = property(lambda self: self.store.local_names)
+
+    @property
+    def layers(self) -> list:
+        return [layer for chunk in self.chunks for layer in chunk]
+
+    # -- checkpoint in -------------------------------------------------------------------------
+    def load_checkpoint(self, params: dict) -> None:
+        """Every rank passes the full dict (arrays or lazily loaded arrays); each keeps only
+        its shards. Raises the same ValueError on every rank for a missing/misshaped key."""
+        self.model.check_params(params)
+        self.store.load(params)
+        for layer in self.layers:
+            layer.clear()
+        self.access.on_load()                  # FSDP ZeRO-1/2: padded parameter buffers
+        self.grad_sync.on_load()               # buckets over the new gradient arrays
+        self.loaded = True
+
+    def _require_loaded(self):
+        if not self.loaded:
+            raise RuntimeError("call engine.load_checkpoint(params) before running the model")
+
+    # -- data ----------------------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.size(DATA_AXES)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.mesh.coord(DATA_AXES)
+
+    def shard_batch(self, arr):
+        """The rows of a global batch this rank is fed: block data_parallel_rank of
+        data_parallel_size along axis 0 (tp and pp peers get the same rows)."""
+        n, i = self.data_parallel_size, self.data_parallel_rank
+        rows = np.shape(arr)[0]
+        if rows % n:
+            raise ValueError(f"batch of {rows} rows does not divide by the {n} data-parallel "
+                             f"ranks of layout {self.layout.text!r}")
+        return self._to_device(arr[i * (rows // n):(i + 1) * (rows // n)])
+
+    def _to_device(self, a):
+        a = self.backend.asarray(a)
+        if a.dtype.kind == "f" and a.dtype != self.dtype:
+            a = a.astype(self.dtype)
+        return a
+
+    def gather_batch(self, y_local):
+        """Concatenate per-rank outputs (rows) over the data axes: the global batch's output.
+        Under pp the output lives on the last stage and is broadcast to the others."""
+        if self.layout.size("pp") > 1:
+            y_local = self.broadcast(y_local, root=self.layout.size("pp") - 1, group="pp")
+        if self.data_parallel_size == 1:
+            return y_local
+        return self.all_gather(y_local, axis=0, group=DATA_AXES)
+
+    def _input(self, x):
+        """x on the device in the engine's dtype (an integer or bool input would otherwise
+        compute, and pipeline-send, in float64); ValueError on a wrongly shaped input."""
+        x = self.backend.asarray(x)
+        d_in = self.model.d_in
+        if x.ndim != 2 or x.shape[1] != d_in:
+            raise ValueError(f"input has shape {tuple(x.shape)}, expected (batch, {d_in}) for "
+                             f"{self.model!r}")
+        return x if x.dtype == self.dtype else x.astype(self.dtype)
+
+    # -- compute -------------------------------------------------------------------------------
+    def forward(self, x, mb: int = 0):
+        """Forward this rank's rows, recording activations for `backward`."""
+        self._require_loaded()
+        if x is not None:
+            x = self._input(x)
+        self._drop_tape(mb)          # a forward that never got its backward is forgotten
+        return self.runner.forward(x, mb=mb, record=True)
+
+    def _drop_tape(self, mb=None) -> None:
+        """Forget saved activations (of microbatch `mb`, or all): a new forward replaces
+        a recorded one whose backward never came, as re-running a model does in PyTorch."""
+        for layer in self.layers:
+            if mb is None:
+                layer.clear()
+            else:
+                layer.tape.pop(mb, None)
+
+    def predict(self, x):
+        """Forward without an activation tape (inference)."""
+        self._require_loaded()
+        if x is not None:
+            x = self._input(x)
+        return self.runner.forward(x, mb=-1, record=False)
+
+    def zero_grad(self) -> None:
+        self.store.zero_grads()
+        self.access.zero_grad()                # FSDP ZeRO-1: its full gradient buffers
+
+    def backward(self, dy, mb: int = 0, accumulate: bool = False, sync: bool = True) -> dict:
+        """dy: dL/dy of this rank's local-mean loss. Returns this rank's gradient shards
+        (averaged over the data axes when sync=True), keyed by full parameter names.
+        accumulate=True adds to the gradients already held (gradient accumulation)."""
+        self._require_loaded()
+        if not accumulate:
+            self.zero_grad()
+        self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
+        self.runner.backward(None if dy is None else self._to_device(dy), mb=mb)
+        if sync:
+            self.sync_grads()
+        return self.grads
+
+    def sync_grads(self) -> None:
+        """Average gradients over the data axes on which they are replicated (collective)."""
+        self.access.finish_grads()             # FSDP: reduce-scatter what is still full
+        self.grad_sync.sync(self.grads)
+
+    def train_step(self, x, t, loss, *, accumulate: bool = False, sync: bool = True,
+                   grad_scale: float = 1.0):
+        """One forward + loss + backward. Returns (loss, grads).
+
+        loss: the global mean loss, the same float on every rank (with sync=False, the
+        local mean, without communication). grads: this rank's gradient shards.
+        For gradient accumulation over k micro-steps call with grad_scale=1/k,
+        accumulate=(i > 0), sync=(i == k - 1).
+        """
+        self._require_loaded()
+        loss = get_loss(loss)
+        if x is not None:
+            x = self._input(x)
+        if t is not None:
+            t = self._to_device(t)             # float targets in the engine dtype, labels as is
+            # check the targets on every rank before any communication (under pp the loss
+            # itself runs on the last stage only): a shape-only stand-in for the output
+            stand_in = self.xp.broadcast_to(self.xp.zeros((), self.dtype),
+                                            (t.shape[0], self.model.d_out))
+            loss.check(stand_in, t)
+        if not accumulate:
+            self.zero_grad()
+        self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
+        self._drop_tape()
+        value, _ = self.runner.train_step(x, t, loss, grad_scale)
+        if sync:
+            self.sync_grads()
+            value = self.global_mean(value)
+        return value, self.grads
+
+    def global_mean(self, value: float) -> float:
+        """Mean of a per-rank scalar over the data axes (and from the last pp stage)."""
+        v = np.array([value], dtype=np.float64)
+        if self.layout.size("pp") > 1:
+            v = self.broadcast(v, root=self.layout.size("pp") - 1, group="pp")
+        if self.data_parallel_size > 1:
+            v = self.all_reduce(v, op="avg", group=DATA_AXES)
+        return float(self.backend.to_host(v)[0])
+
+    # -- what the optimizer and checkpoints see ------------------------------------------------
+    def replication(self, name) -> int:
+        """Ranks holding an identical copy of this rank's gradient/optimizer block of `name`
+        (see ParamStore.replication)."""
+        return self.store.replication(name)
+
+    def optimizer_shards(self):
+        """(name, param block, grad block, replication) for every block this rank updates.
+
+        The optimizer updates exactly these arrays in place and keeps its state shaped like
+        them, so optimizer state has the sharding of its parameter (ZeRO-1/2: the owned fsdp
+        slice of a replicated parameter)."""
+        owned = self.access.owned
+        return [(n, owned(n), self.grads[n], self.replication(n)) for n in self.params]
+
+    def after_optimizer_step(self) -> None:
+        """Run by the optimizer after it updated its shards (ZeRO-1/2 all-gather here)."""
+        self.access.after_optimizer_step()
+
+    def block_region(self, name, which: str = "param"):
+        """Where this rank's block of `name` sits in the full array (ParamStore.block_region)."""
+        return self.store.block_region(name, which)
+
+    # -- full views ----------------------------------------------------------------------------
+    def _gather_full(self, local: dict, placements: dict) -> dict:
+        out = {}
+        pp = self.layout.size("pp")
+        for name, info in self.plan.items():
+            full = None
+            if info.placement.stage == self.stage:
+                if info.placement.held_at(self.mesh.coords):
+                    full = pl.gather_array(self.comm, local[name], placements[name],
+                                           info.full_shape)
+                for axis, coord in info.placement.owner.items():   # e.g. an expert's ep rank
+                    full = self.broadcast(full, root=coord, group=axis)
+            if pp > 1:
+                full = self.broadcast(full, root=info.placement.stage, group="pp")
+            if full is local.get(name):        # unsharded: hand out a copy, never the live array
+                full = full.copy()
+            out[name] = full
+        return out
+
+    def gather_params(self) -> dict:
+        """Collective: the full-shape parameter dict on every rank."""
+        self._require_loaded()
+        return self._gather_full(self.params, self.placements)
+
+    def gather_grads(self, grads: dict | None = None) -> dict:
+        """Collective: full-shape gradients on every rank."""
+        self._require_loaded()
+        return self._gather_full(self.grads if grads is None else grads, self.grad_placements)
+
+    def memory_report(self, optimizer=None) -> dict:
+        """Bytes this rank holds, measured from its arrays (no communication):
+
+        params         parameter storage (padding included; views counted once, by buffer)
+        grads          gradient storage, with the full gradient buffers ZeRO-1 keeps
+        optimizer      the arrays in `optimizer.state` (0 without an optimizer)
+        gathered_peak  the most bytes of all-gathered (FSDP ZeRO-3) weights alive at once
+        total          their sum
+        """
+        extra_grads = getattr(self.access, "grad_buffers", {})
+        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+        report = {
+            "params": _held(self.params.values()),
+            "grads": _held(list(self.grads.values()) + list(extra_grads.values())),
+            "optimizer": _held(v for entry in state.values() for v in entry.values()
+                               if hasattr(v, "nbytes") and getattr(v, "ndim", 0) > 0),
+            "gathered_peak": int(getattr(self.access, "peak_gathered_bytes", 0)),
+        }
+        report["total"] = sum(report.values())
+        return report
+
+    def inference_loop(self, input_stream, output_stream) -> None:
+        if self.layout.size("pp") > 1:
+            return self.runner.inference_loop(input_stream, output_stream, prepare=self._input)
+        return super().inference_loop(input_stream, output_stream)
+
+    def __repr__(self):
+        return f"MeshEngine({self.model!r}, layout={self.layout.text!r}, rank={self.device_id})"
+
+
+def _held(arrays) -> int:
+    """Bytes of the buffers behind `arrays` (a view counts as the buffer it lives in, once)."""
+    buffers = {}
+    for a in arrays:
+        while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+            a = a.base
+        buffers[id(a)] = int(a.nbytes)
+    return sum(buffers.values())
+
+
+class SingleDevice(MeshEngine):
+    """The one-device reference every other layout is tested against: one device holds
+    everything (runs on COMM_SELF unless a comm of size 1 is given)."""
+
+    def __init__(self, model, dtype=np.float64, comm=None, device="cpu", debug=None):
+        super().__init__(model, "single", comm=MPI.COMM_SELF if comm is None else comm,
+                         dtype=dtype, device=device, debug=debug)
+
+
+def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu", debug=None):
+    """Build the engine for `layout` on every rank (SPMD). See MeshEngine."""
+    return MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, debug=debug)

@@ -436,7 +436,7 @@ def test_header_receives_complete_in_posting_order():
         np.testing.assert_array_equal(first.result(), np.full(2, 1.0 + prv))
         for s in sends:
             s.result()
-    assert e._header_recvs == {}                         # nothing pending is kept
+    assert e.comm.pending_receives == {}                 # nothing pending is kept
     with pytest.raises(ValueError, match="tag must be an integer >= 0, got -1"):
         e.receive_async(prv, out=np.empty(2), tag=-1)    # -1 would be MPI_ANY_TAG
 

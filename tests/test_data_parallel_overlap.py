@@ -36,7 +36,7 @@ def test_negative_bucket_size_is_refused():
     engine = ms.SingleDevice(ms.MLP([4, 4]))
     engine.load_checkpoint(ms.MLP([4, 4]).init(0))
     with pytest.raises(ValueError, match="bucket_mb must be >= 0.*got -1"):
-        GradientSync(engine, bucket_mb=-1)
+        GradientSync(engine.store, engine.comm, bucket_mb=-1)
 
 
 # -- MPI: the same numbers with every switch ---------------------------------------------------

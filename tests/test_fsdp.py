@@ -310,7 +310,9 @@ def test_memory_report():
         e = engine(model, params, layout, n)
         opt = ms.optim.AdamW(e, lr=0.01)
         seen = []   # gradient bytes the engine holds each time a layer's gradient is done
-        e.on_grad_ready = lambda name, e=e, seen=seen: seen.append(e.memory_report()["grads"])
+        sync = e.access.grad_ready          # the access policy reports each final gradient
+        e.access.grad_ready = lambda name, e=e, seen=seen, sync=sync: (
+            seen.append(e.memory_report()["grads"]), sync(name))
         e.train_step(e.shard_batch(x), e.shard_batch(t), "mse")
         opt.step(e.grads)
         reports[layout], during[layout] = e.memory_report(opt), max(seen)

@@ -213,7 +213,7 @@ def test_input_gradient_goes_back_through_the_exchanges(layout, n):
     """A MoE layer that needs dx (inside a bigger model): dx matches single."""
     eng, ref, _ = engines(layout, n, top_k=2)
     x, dy = data(seed=7)
-    got_layer, ref_layer = MoELayer(eng, eng.model), MoELayer(ref, ref.model)
+    got_layer, ref_layer = (MoELayer(e.model, e.access, e.comm, e.stats) for e in (eng, ref))
     got_layer.forward(eng.shard_batch(x), mb=3)
     ref_layer.forward(x, mb=3)
     dx = eng.gather_batch(got_layer.backward(eng.shard_batch(dy), mb=3))

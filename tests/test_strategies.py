@@ -81,7 +81,7 @@ def build(model, layout, params, dtype=np.float64):
 
 
 def same_on_every_rank(engine, value):
-    values = engine.comm.allgather(value)
+    values = engine.mpi_comm.allgather(value)
     assert all(v == values[0] for v in values), f"ranks disagree: {values}"
 
 

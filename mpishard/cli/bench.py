@@ -32,7 +32,7 @@ import numpy as np
 
 from ..nn.losses import MSE
 from ..nn.models import MLP
-from ..parallel import make_engine
+from ..engine import make_engine
 from ..train.optim import SGD, AdamW
 from .plan import COMM_KINDS, check_fit, step_comm_total
 from .usage import (agreed, check_flags, checked_layout, default_layout, parse_dims,

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..checkpoint import CheckpointError
 from ..checkpoint import load as load_checkpoint
-from ..parallel import make_engine
+from ..engine import make_engine
 from .usage import (UsageError, agreed, check_flags, checked_layout, default_layout,
                     world_comm)
 

@@ -19,7 +19,7 @@ import numpy as np
 from ..checkpoint import INDEX, Checkpointer, resume
 from ..nn.functional import ACTIVATIONS
 from ..nn.models import MLP
-from ..parallel import make_engine
+from ..engine import make_engine
 from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
 from ..train.lr import make_lr_schedule
 from ..train.optim import SGD, AdamW

@@ -1,11 +1,40 @@
-"""Collectives on one mpi4py communicator, and `agree`: the same error on every rank.
+"""Comm: the collectives (and, through PointToPoint, send/receive) of one device mesh.
 
-(The Comm class is being moved here from engine.py.)
+Every collective maps onto one mpi4py buffer (uppercase) call, so arrays never go through
+pickle. `group=` names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the
+Comm's own group (the whole world for the engine's Comm; `comm.group("tp")` is a Comm whose
+calls default to the tp group). Each call documents its adjoint, because the strategies use
+them in pairs:
+
+    all_reduce(sum)        forward  <->  all_reduce(sum)        backward (of a sum over copies)
+    all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
+    reduce_scatter(axis)   forward  <->  all_gather(axis)       backward
+    all_to_all(axis)       forward  <->  all_to_all(axis)       backward (the inverse exchange)
+    send(dest)             forward  <->  receive(dest)          backward
+
+`stats` counts the bytes each rank sends per collective kind, using what a bandwidth-optimal
+(ring) algorithm sends: all_reduce 2(n-1)/n * size, all_gather and reduce_scatter (n-1)/n *
+full size, all_to_all (n-1)/n * size, send the message size.
+
+Debug mode (`debug=True`): before each collective the group compares op, dtype and shape
+(debug.py) and raises `CollectiveMismatchError` on every rank naming the difference, instead of
+corrupting data or hanging.
 """
 from __future__ import annotations
 
+import copy
+import time
+from collections import Counter
+
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
+
+from .debug import OPS, CollectiveMismatchError, check_signature
+from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
+from .pool import ResultPool
+
+__all__ = ["Comm", "CommStats", "CollectiveMismatchError", "Future", "agree"]
 
 
 def agree(comm, error, exc=ValueError) -> None:
@@ -22,3 +51,367 @@ def agree(comm, error, exc=ValueError) -> None:
     if total[0]:
         msgs = comm.allgather(None if error is None else str(error))
         raise exc(next(m for m in msgs if m is not None))
+
+
+class CommStats:
+    """Bytes sent, calls and seconds per communication kind (one rank's view)."""
+
+    def __init__(self):
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+        self.time: Counter = Counter()
+
+    def count(self, kind, nbytes, t0) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += int(nbytes)
+        self.time[kind] += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.time.clear()
+
+
+class Comm(PointToPoint):
+    """The collectives of `mesh` (a DeviceMesh) on arrays of `backend` (numpy or cupy).
+
+    Group views made by `group(axis)` share the statistics, the result-buffer pool and the
+    pending receives with the Comm they came from.
+    """
+
+    def __init__(self, mesh, backend, debug: bool = False):
+        self.mesh = mesh
+        self.backend = backend
+        self.xp = backend.xp
+        self.debug = bool(debug)
+        self.stats = CommStats()
+        self.pool = ResultPool(backend.xp)
+        self.default_group = None
+        self._groups: dict = {}
+        self.pending_receives: dict = {}   # (comm, src, tag) -> pending receives, in order
+
+    # -- groups ------------------------------------------------------------------------------
+    def group(self, axes) -> "Comm":
+        """This Comm bound to the group over `axes`: its calls default to that group."""
+        key = axes if axes is None or isinstance(axes, str) else tuple(axes)
+        view = self._groups.get(key)
+        if view is None:
+            view = copy.copy(self)          # shallow: stats, pool and queues are shared
+            view.default_group = key
+            self._groups[key] = view
+        return view
+
+    def _mpi(self, group=None):
+        """The mpi4py communicator of `group` (None: this Comm's own group)."""
+        return self.mesh.comm(self.default_group if group is None else group)
+
+    @property
+    def mpi(self):
+        """The mpi4py communicator of this Comm's own group."""
+        return self._mpi()
+
+    def size(self, group=None) -> int:
+        return self._mpi(group).Get_size()
+
+    def rank(self, group=None) -> int:
+        return self._mpi(group).Get_rank()
+
+    def barrier(self, group=None) -> None:
+        """Blocks until every device of the group reaches this line."""
+        self._mpi(group).Barrier()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def prepare(self, arr):
+        """`arr` as a C-contiguous array of the backend with a transferable dtype."""
+        xp = self.xp
+        a = xp.asarray(arr)
+        a = xp.ascontiguousarray(a).reshape(a.shape)   # ascontiguousarray makes 0-d 1-d
+        dtype_code(a.dtype)
+        return a
+
+    def _check(self, comm, kind, a, op="", axis=0, skip_axis=False):
+        if self.debug:
+            check_signature(comm, kind, a, op, axis, skip_axis)
+
+    @staticmethod
+    def _norm_axis(a, axis):
+        if not -a.ndim <= axis < max(a.ndim, 1):
+            raise ValueError(f"axis {axis} out of range for an array of shape {a.shape}")
+        return axis % max(a.ndim, 1)
+
+    def _moved(self, a, axis):
+        """`a` with `axis` first, contiguous (the layout MPI concatenates along)."""
+        return self.prepare(self.xp.moveaxis(a, axis, 0))
+
+    def _back(self, out, axis):
+        return self.xp.moveaxis(out, 0, axis) if axis != 0 else out
+
+    # -- all_reduce --------------------------------------------------------------------------
+    def all_reduce(self, arr, op: str = "sum", group=None, out=None):
+        """Element-wise reduction over the group, result on every rank (MPI Allreduce).
+
+        op: 'sum', 'avg' (sum / group size), 'max', 'min'. Adjoint of a sum over replicas:
+        all_reduce(sum) backward; adjoint of 'avg' is 'avg'.
+        out: a reused result buffer (no allocation per call); `out=arr` reduces in place
+        (MPI_IN_PLACE, no second buffer).
+        """
+        t0 = time.perf_counter()
+        a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
+        sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        comm.Allreduce(sbuf, rbuf, op=OPS[op])
+        self.backend.mpi_finish(rbuf, out)
+        if op == "avg" and n > 1:
+            out /= n
+        self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
+        return out
+
+    def _all_reduce_args(self, arr, op, group, out, pooled=False):
+        """(input, result buffer, communicator, group size); the result `is` the input when
+        reducing in place (`out=arr`, which must then be C-contiguous)."""
+        comm = self._mpi(group)
+        if self.debug:
+            self._check(comm, "all_reduce", self.xp.asarray(arr), op)
+        if op not in OPS:
+            raise ValueError(f"all_reduce op must be one of {list(OPS)}, got {op!r}")
+        a = arr if out is not None and out is arr else self.prepare(arr)
+        if op == "avg" and a.dtype.kind not in "fc":
+            raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
+        if out is None:
+            out = self.pool.get(a.shape, a.dtype) if pooled else self.xp.empty_like(a)
+        elif out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"all_reduce: out= must be C-contiguous with shape {a.shape} and "
+                             f"dtype {a.dtype}, got shape {out.shape} and dtype {out.dtype}")
+        dtype_code(a.dtype)
+        return a, out, comm, comm.Get_size()
+
+    def all_reduce_async(self, arr, op: str = "sum", group=None, out=None) -> Future:
+        """Non-blocking all_reduce (MPI Iallreduce); `result()` waits and returns the array.
+
+        Same ops and adjoint as all_reduce; `out=arr` reduces in place. Neither `arr` nor `out`
+        may be touched until the Future completes. The gradient sync issues one per bucket
+        while the backward of earlier layers runs. Bytes are counted when the call is issued
+        (the all_reduce formula, under 'all_reduce'); the time counts the issue only.
+        """
+        t0 = time.perf_counter()
+        reused = out is not None               # a caller's buffer: its staging copy is kept
+        a, out, comm, n = self._all_reduce_args(arr, op, group, out)
+        # GPU staging without CUDA-aware MPI: one kept host buffer per caller-owned result;
+        # a fresh one otherwise, so the staging dict does not grow with every call
+        slot = f"iallreduce-{id(out)}" if reused else None
+        sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a, slot=None)
+        rbuf = self.backend.mpi_buffer(out, slot=slot)
+        req = comm.Iallreduce(sbuf, rbuf, op=OPS[op])
+
+        def finish():
+            self.backend.mpi_finish(rbuf, out)
+            if op == "avg" and n > 1:
+                self.xp.divide(out, n, out=out)
+            return out
+        self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
+        return Future([req], finish, keep=(a, sbuf, rbuf))
+
+    # -- all_gather --------------------------------------------------------------------------
+    def _gather_args(self, arr, axis, group, uneven=False):
+        """(arr with `axis` moved first, contiguous; the axis normalised; communicator; group
+        size) for all_gather(_async); a 0-d array gathers as shape (1,). `uneven`: lengths
+        along `axis` may differ, so debug mode leaves them out of the comparison."""
+        a = self.xp.asarray(arr)
+        if a.ndim == 0:
+            a = a.reshape(1)
+        comm = self._mpi(group)
+        self._check(comm, "all_gather", a, axis=axis, skip_axis=uneven)
+        axis = self._norm_axis(a, axis)
+        return self._moved(a, axis), axis, comm, comm.Get_size()
+
+    def all_gather(self, arr, axis: int = 0, group=None):
+        """Concatenate the group's arrays along `axis` (MPI Allgather / Allgatherv).
+
+        Lengths along `axis` may differ between ranks (they are exchanged first); the other
+        dimensions must agree. Adjoint: reduce_scatter(sum) along the same axis.
+        """
+        t0 = time.perf_counter()
+        moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
+        rest = moved.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        lens = np.empty(n, dtype=np.int64)
+        comm.Allgather(np.array([moved.shape[0]], dtype=np.int64), lens)
+        # not pooled: gathered weights (FSDP) must really be freed
+        out = self.xp.empty((int(lens.sum()),) + rest, dtype=moved.dtype)
+        sbuf = self.backend.mpi_buffer(moved)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        if (lens == lens[0]).all():
+            comm.Allgather(sbuf, rbuf)
+        else:
+            counts = lens * row
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            comm.Allgatherv(sbuf, [rbuf, counts, displs, from_numpy_dtype(moved.dtype)])
+        self.backend.mpi_finish(rbuf, out)
+        self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
+        return self._back(out, axis)
+
+    def all_gather_async(self, arr, axis: int = 0, group=None) -> Future:
+        """Non-blocking all_gather (MPI Iallgather); `result()` waits and returns the array.
+
+        Every rank must pass the same shape (equal lengths along `axis`: no lengths are
+        exchanged; debug mode checks it); `arr` must not be modified until the Future
+        completes, which keeps the send and receive buffers alive. FSDP's prefetch gathers the
+        next layer's weight with it while the current layer computes. Adjoint:
+        reduce_scatter(sum) along the same axis. Bytes are counted when the call is issued.
+        """
+        t0 = time.perf_counter()
+        moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
+        out = self.xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
+        sbuf = self.backend.mpi_buffer(moved, slot=None)    # fresh staging: several in flight
+        rbuf = self.backend.mpi_buffer(out, slot=None)
+        req = comm.Iallgather(sbuf, rbuf)
+
+        def finish():
+            self.backend.mpi_finish(rbuf, out)
+            return self._back(out, axis)
+        self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
+        return Future([req], finish, keep=(moved, sbuf, out, rbuf))
+
+    # -- reduce_scatter, all_to_all ----------------------------------------------------------
+    def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
+        """Reduce over the group, then rank i keeps block i along `axis` (Reduce_scatter).
+
+        Blocks follow numpy.array_split, so a length not divisible by the group size is
+        allowed (the first blocks are one longer). Adjoint: all_gather along the same axis.
+        """
+        t0 = time.perf_counter()
+        a = self.xp.asarray(arr)
+        comm = self._mpi(group)
+        self._check(comm, "reduce_scatter", a, op, axis=axis)
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
+        if op == "avg" and a.dtype.kind not in "fc":
+            raise TypeError(f"reduce_scatter(op='avg') needs a floating dtype, got {a.dtype}")
+        axis = self._norm_axis(a, axis)
+        n, r = comm.Get_size(), comm.Get_rank()
+        moved = self._moved(a, axis)
+        length, rest = moved.shape[0], moved.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
+        out = self.pool.get((lens[r],) + rest, moved.dtype)
+        sbuf = self.backend.mpi_buffer(moved)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        if length % n == 0:
+            comm.Reduce_scatter_block(sbuf, rbuf, op=MPI.SUM)
+        else:
+            comm.Reduce_scatter(sbuf, rbuf, [c * row for c in lens], op=MPI.SUM)
+        self.backend.mpi_finish(rbuf, out)
+        if op == "avg" and n > 1:
+            out /= n
+        self.stats.count("reduce_scatter", (n - 1) / n * moved.nbytes, t0)
+        return self._back(out, axis)
+
+    def all_to_all(self, arr, axis: int = 0, group=None):
+        """Split `arr` into group-size blocks along `axis`; block j goes to rank j, and the
+        received blocks are concatenated along `axis` in rank order (MPI Alltoall).
+        Adjoint: all_to_all along the same axis (the exchange undoes itself).
+        """
+        t0 = time.perf_counter()
+        a = self.xp.asarray(arr)
+        comm = self._mpi(group)
+        self._check(comm, "all_to_all", a, axis=axis)
+        axis = self._norm_axis(a, axis)
+        n = comm.Get_size()
+        if a.shape[axis] % n:
+            raise ValueError(f"all_to_all: length {a.shape[axis]} along axis {axis} is not "
+                             f"divisible by the group size {n}")
+        moved = self._moved(a, axis)
+        out = self.pool.get(moved.shape, moved.dtype)
+        sbuf = self.backend.mpi_buffer(moved)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        comm.Alltoall(sbuf, rbuf)
+        self.backend.mpi_finish(rbuf, out)
+        self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
+        return self._back(out, axis)
+
+    def all_to_all_v(self, arr, send_counts, group=None, recv_counts=None):
+        """Variable-count exchange along axis 0 (MPI Alltoallv).
+
+        `send_counts[j]` rows of `arr` (consecutive, in rank order) go to rank j. The counts are
+        exchanged first, unless the caller already knows `recv_counts` (e.g. the reverse of an
+        earlier exchange); returns (received rows concatenated in source-rank order,
+        recv_counts). Adjoint: all_to_all_v of the gradient with send and receive counts
+        swapped.
+        """
+        t0 = time.perf_counter()
+        comm = self._mpi(group)
+        n = comm.Get_size()
+        if self.debug:
+            self._check(comm, "all_to_all_v", self.xp.asarray(arr), axis=0, skip_axis=True)
+        a = self.prepare(arr)
+        sc = np.ascontiguousarray(np.asarray(send_counts, dtype=np.int64))
+        bad = None
+        if sc.shape != (n,) or sc.sum() != a.shape[0] or (sc < 0).any():
+            bad = (f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
+                   f"counts summing to the {a.shape[0]} rows given")
+        if self.debug:          # counts are this rank's own: agree, so no rank waits alone
+            agree(comm, None if bad is None else f"group rank {comm.Get_rank()}: {bad}")
+        elif bad is not None:
+            raise ValueError(bad)
+        if recv_counts is None:
+            rc = np.empty(n, dtype=np.int64)
+            comm.Alltoall(sc, rc)
+        else:
+            rc = np.ascontiguousarray(np.asarray(recv_counts, dtype=np.int64))
+        row = int(np.prod(a.shape[1:], dtype=np.int64))
+        out = self.xp.empty((int(rc.sum()),) + a.shape[1:], dtype=a.dtype)
+        sdis = np.concatenate([[0], np.cumsum(sc)[:-1]]) * row
+        rdis = np.concatenate([[0], np.cumsum(rc)[:-1]]) * row
+        mtype = from_numpy_dtype(a.dtype)
+        sbuf = self.backend.mpi_buffer(a)
+        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        comm.Alltoallv([sbuf, sc * row, sdis, mtype], [rbuf, rc * row, rdis, mtype])
+        self.backend.mpi_finish(rbuf, out)
+        me = comm.Get_rank()
+        self.stats.count("all_to_all", (sc.sum() - sc[me]) * row * a.itemsize, t0)
+        return out, rc
+
+    # -- broadcast, agree --------------------------------------------------------------------
+    def broadcast(self, arr, root: int = 0, group=None):
+        """Every rank gets root's array (MPI Bcast). Non-root ranks may pass None: shape and
+        dtype come from root. Adjoint: reduce(sum) to root.
+        """
+        t0 = time.perf_counter()
+        comm = self._mpi(group)
+        self._check(comm, "broadcast", None, axis=root)
+        a, h = self._broadcast_header(comm, arr, root)
+        if comm.Get_rank() != root:
+            shape, dtype = header_shape(h)
+            a = self.xp.empty(shape, dtype=dtype)
+        buf = self.backend.mpi_buffer(a, slot="bcast")
+        comm.Bcast(buf, root=root)
+        self.backend.mpi_finish(buf, a)
+        n = comm.Get_size()
+        self.stats.count("broadcast", (n - 1) / n * a.nbytes if comm.Get_rank() == root else 0,
+                         t0)
+        return a
+
+    def _broadcast_header(self, comm, arr, root):
+        """Root's (array, header) sent to every rank; root's bad array raises on every rank."""
+        error, a = None, None
+        if comm.Get_rank() == root:
+            try:
+                a = self.prepare(arr)
+                h = header(a)
+            except (TypeError, ValueError) as exc:   # root's mistake: raised on every rank
+                error = exc
+                h = np.full(HEADER_WORDS, -1 if isinstance(exc, TypeError) else -2,
+                            dtype=np.int64)
+        else:
+            h = np.empty(HEADER_WORDS, dtype=np.int64)
+        comm.Bcast(h, root=root)
+        if h[0] < 0:
+            msg = comm.bcast(str(error) if error is not None else None, root=root)
+            raise (TypeError if h[0] == -1 else ValueError)(f"broadcast from group rank "
+                                                              f"{root}: {msg}")
+        return a, h
+
+    def agree(self, ok: bool, message: str = "", group=None) -> None:
+        """Collective error check: if `ok` is False on any rank, every rank raises ValueError
+        with the first failing rank's message (no rank is left waiting in a collective)."""
+        agree(self._mpi(group), None if ok else message)

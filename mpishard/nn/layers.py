@@ -5,16 +5,18 @@ for the backward live on a tape keyed by microbatch id `mb`, so a pipeline can h
 microbatches in flight without them aliasing each other. `predict`-style calls pass
 `record=False` and keep nothing.
 
-Parameters are not owned by layers: they live in the engine's `params` dict (local shards keyed
-by full names), and a layer reaches them through a `ParamAccess` policy:
+Parameters are not owned by layers: they live in a parameter store (`params` and `grads`
+dicts of local blocks keyed by full names), and a layer reaches them through an access policy:
 
-- `LocalAccess` (single, dp, tp, pp): the local array is the one to compute with; gradients are
-  added into the engine's `grads` dict.
-- `fsdp.FSDPAccess`: all-gathers the weight before use and reduce-scatters its gradient.
+- `LocalAccess` (single, dp, tp, pp): the stored block is the one to compute with; gradients
+  are added into the store's `grads`.
+- `parallel.fsdp.FSDPAccess`: all-gathers the weight before use and reduce-scatters its
+  gradient.
 
-A data-parallel strategy hooks `on_grad_ready` to start communicating a gradient bucket while
-the backward of earlier layers still runs. Strategies thus compose by swapping the access policy
-and inserting communication layers, not by rewriting the math.
+Both report a final gradient to `grad_ready(name)` (the data-parallel gradient sync starts a
+bucket's all-reduce there while the backward of earlier layers still runs). Strategies thus
+compose by swapping the access policy and inserting communication units (layers whose forward
+and backward are a collective and its adjoint), not by rewriting the math.
 """
 from __future__ import annotations
 
@@ -22,36 +24,42 @@ from . import functional as nn
 
 
 class LocalAccess:
-    """Parameters used as stored; gradients accumulated in place."""
+    """Parameters used as stored; gradients accumulated in place.
 
-    def __init__(self, engine):
-        self.engine = engine
+    store: anything with `params` and `grads` dicts; grad_ready(name): called once a gradient
+    is final for this backward (or None).
+    """
+
+    def __init__(self, store, grad_ready=None):
+        self.store = store
+        self.grad_ready = grad_ready
 
     def get(self, name, mb=0):
-        """The array to compute with (here: the local shard itself)."""
-        return self.engine.params[name]
+        """The array to compute with (here: the local block itself)."""
+        return self.store.params[name]
 
     def release(self, name, mb=0) -> None:
         """Called once the forward (or backward) no longer needs the gathered weight."""
 
     def add_grad(self, name, g) -> None:
-        """Accumulate dL/d(param) (shaped like get(name)) into the engine's gradient."""
-        self.engine.grads[name] += g
-        self.engine.on_grad_ready(name)
+        """Accumulate dL/d(param) (shaped like get(name)) into the store's gradient."""
+        self.store.grads[name] += g
+        if self.grad_ready is not None:
+            self.grad_ready(name)
 
     # Engine hooks; FSDPAccess gives them work, here there is none.
     def on_load(self) -> None:
-        """After load_checkpoint allocated params and grads."""
+        """After the store allocated params and grads."""
 
     def zero_grad(self) -> None:
-        """Clear any gradient storage besides engine.grads."""
+        """Clear any gradient storage besides the store's grads."""
 
     def finish_grads(self) -> None:
         """Before the data-parallel gradient sync."""
 
     def owned(self, name):
         """The parameter block the optimizer updates: the whole local block."""
-        return self.engine.params[name]
+        return self.store.params[name]
 
     def after_optimizer_step(self) -> None:
         """After the optimizer updated the owned blocks."""
@@ -93,13 +101,18 @@ class Linear(Layer):
 
     forward   'bd,df->bf'   x: (B, D_local), W: (D_local, F_local)
     backward  dW = 'bd,bf->df', db = sum_b dy, dx = 'bf,df->bd'
+
+    `reduce`: a communication unit applied to the partial products x W before the bias is
+    added (a row-parallel layer sums its partial products over tp there); its backward runs
+    on dy before the local backward.
     """
 
-    def __init__(self, access, w_name, b_name=None, need_dx=True):
+    def __init__(self, access, w_name, b_name=None, need_dx=True, reduce=None):
         super().__init__()
         self.access = access
         self.w_name, self.b_name = w_name, b_name
         self.need_dx = need_dx
+        self.reduce = reduce
         self.param_names = (w_name,) + ((b_name,) if b_name else ())
 
     def __repr__(self):
@@ -107,9 +120,16 @@ class Linear(Layer):
 
     def forward(self, x, mb=0, record=True):
         w = self.access.get(self.w_name, mb)
-        b = self.access.get(self.b_name, mb) if self.b_name else None
-        y = nn.linear_forward(x, w, b)                          # 'bd,df->bf' + b
+        if self.reduce is None:
+            b = self.access.get(self.b_name, mb) if self.b_name else None
+            y = nn.linear_forward(x, w, b)                      # 'bd,df->bf' + b
+        else:
+            y = nn.linear_forward(x, w)                         # 'bf,fd->bd' partial sums
         self.access.release(self.w_name, mb)
+        if self.reduce is not None:
+            y = self.reduce.forward(y, mb, record)              # e.g. all-reduce over tp
+            if self.b_name:
+                y += self.access.get(self.b_name, mb)           # bias once, after the sum
         if self.b_name:
             self.access.release(self.b_name, mb)                # FSDP drops the gathered bias
         self.save(mb, record, x)
@@ -117,6 +137,8 @@ class Linear(Layer):
 
     def backward(self, dy, mb=0):
         x = self.pop(mb)
+        if self.reduce is not None:
+            dy = self.reduce.backward(dy, mb)                   # undoes the reduce
         w = self.access.get(self.w_name, mb)
         dx, dw, db = nn.linear_backward(dy, x, w, self.need_dx)  # undoes 'bd,df->bf'
         self.access.release(self.w_name, mb)
@@ -124,6 +146,33 @@ class Linear(Layer):
         if self.b_name:
             self.access.add_grad(self.b_name, db)                # undoes the broadcast of b
         return dx
+
+
+class Sequential:
+    """Runs layers in order, the backward in reverse order: the runner of a one-stage
+    pipeline (pp=1)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def forward(self, x, mb=0, record=True):
+        for layer in self.layers:
+            x = layer.forward(x, mb, record)
+        return x
+
+    def backward(self, dy, mb=0):
+        for layer in reversed(self.layers):
+            dy = layer.backward(dy, mb)                          # undoes forward, last first
+        return dy
+
+    def train_step(self, x, t, loss, grad_scale):
+        """Forward, loss, backward of one batch: (this rank's local-mean loss, rows)."""
+        y = self.forward(x)
+        value, dy = loss(y, t)
+        if grad_scale != 1.0:
+            dy = dy * grad_scale
+        self.backward(dy)
+        return value, t.shape[0]
 
 
 class Activation(Layer):

@@ -1,5 +1,4 @@
-"""Strategy pieces (one file each) and their composition over a device mesh."""
-from .compose import MeshEngine, make_engine, plan_params
-from .single import SingleDevice
+"""Strategy pieces (one file each) and `compose`, which stacks them for a layout."""
+from .compose import EngineParts, compose, plan_params
 
-__all__ = ["MeshEngine", "SingleDevice", "make_engine", "plan_params"]
+__all__ = ["EngineParts", "compose", "plan_params"]

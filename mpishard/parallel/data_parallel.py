@@ -20,14 +20,15 @@ Three optimisations, each switchable, each giving the same numbers as without it
    arrays are views into it (what DDP calls `gradient_as_bucket_view`), so a bucket is reduced
    in place (MPI_IN_PLACE) with no pack/unpack copies and no allocation per step. If something
    replaced a gradient array since, the bucket falls back to pack -> all-reduce -> unpack.
-3. Overlap (layout option `overlap=1`). The layers call `engine.on_grad_ready(name)` once a
+3. Overlap (layout option `overlap=1`). The access policy calls `on_grad_ready(name)` once a
    gradient is final; when the last gradient of a bucket is ready its non-blocking all-reduce
-   (`engine.all_reduce_async`, MPI Iallreduce) starts while the backward of earlier layers
-   still runs, and `sync()` waits for them. Only a backward that syncs communicates: the
-   engine calls `begin(overlap=sync)` first, so gradient accumulation with `sync=False` starts
+   (`all_reduce_async`, MPI Iallreduce) starts while the backward of earlier layers still
+   runs, and `sync()` waits for them. Only a backward that syncs communicates: the engine
+   calls `begin(overlap=sync)` first, so gradient accumulation with `sync=False` starts
    nothing. Overlap needs each gradient to be final after one `add_grad`, which holds for the
-   sequential runner with local parameters (pp=1, no fsdp, MLP); elsewhere buckets are reduced
-   in `sync()` as with overlap=0 (`overlap_active` says which).
+   sequential runner with local parameters (pp=1, no fsdp, MLP); compose passes that as
+   `overlap_possible`, and elsewhere buckets are reduced in `sync()` as with overlap=0
+   (`overlap_active` says which).
 
 Bucket order, and so the order of the collectives, is the same on every rank of a group.
 """
@@ -38,13 +39,13 @@ from ..comm.mesh import DATA_AXES
 DEFAULT_BUCKET_MB = 25.0
 
 
-def replicated_data_axes(engine, name) -> tuple:
-    """The data axes over which gradient `name` must be averaged."""
-    # the gradient's own layout (ZeRO-1/2 shard gradients of replicated parameters on fsdp)
-    placement = engine.grad_placements[name]
+def replicated_data_axes(grad_placement, sizes: dict, exempt=()) -> tuple:
+    """The data axes over which a gradient laid out as `grad_placement` is averaged: those it
+    is replicated on (under ZeRO-1/2 a gradient is sharded on fsdp even though its parameter
+    is not), except the `exempt` ones another strategy averages itself."""
     return tuple(a for a in DATA_AXES
-                 if engine.mesh.size(a) > 1 and placement.is_replicated_on(a)
-                 and a not in engine.grad_sync_exempt.get(name, ()))
+                 if sizes.get(a, 1) > 1 and grad_placement.is_replicated_on(a)
+                 and a not in exempt)
 
 
 def plan_buckets(names, nbytes: dict, axes_of: dict, bucket_bytes: int) -> list:
@@ -71,16 +72,15 @@ def plan_buckets(names, nbytes: dict, axes_of: dict, bucket_bytes: int) -> list:
 class Bucket:
     """Gradients reduced together: one flat buffer, the gradients views into it."""
 
-    def __init__(self, engine, axes, names, views: bool):
-        self.engine, self.axes, self.names = engine, axes, list(names)
-        xp = engine.xp
-        grads = engine.grads
+    def __init__(self, comm, grads: dict, axes, names, views: bool):
+        self.comm, self.axes, self.names = comm, axes, list(names)
+        xp = comm.xp
         self.flat = None
         if len(self.names) > 1 and views:
             total = sum(grads[n].size for n in self.names)
             self.flat = xp.empty(total, dtype=grads[self.names[0]].dtype)
             offset = 0
-            for n in self.names:                     # the engine's gradients become views
+            for n in self.names:                     # the store's gradients become views
                 g = grads[n]
                 view = self.flat[offset:offset + g.size].reshape(g.shape)
                 view[...] = g
@@ -100,7 +100,7 @@ class Bucket:
                 return g
         if self.flat is not None and all(grads[n] is self.views[n] for n in self.names):
             return self.flat
-        xp = self.engine.xp
+        xp = self.comm.xp
         self.packed = xp.concatenate([grads[n].ravel() for n in self.names])    # pack
         return self.packed
 
@@ -117,11 +117,11 @@ class Bucket:
     def start(self, grads) -> None:
         """Launch the non-blocking all-reduce(sum) in place (the average is taken on wait)."""
         buf = self.buffer(grads)
-        self.future = self.engine.all_reduce_async(buf, op="sum", group=self.axes, out=buf)
+        self.future = self.comm.all_reduce_async(buf, op="sum", group=self.axes, out=buf)
 
     def finish(self, grads) -> None:
         """Wait for a started bucket, or all-reduce it now; leave the average in `grads`."""
-        n = self.engine.group_size(self.axes)
+        n = self.comm.size(self.axes)
         if self.future is not None:
             buf = self.future.result()
             self.future = None
@@ -129,46 +129,54 @@ class Bucket:
                 buf /= n                                           # sum -> avg
         else:
             buf = self.buffer(grads)
-            self.engine.all_reduce(buf, op="avg", group=self.axes, out=buf)
+            self.comm.all_reduce(buf, op="avg", group=self.axes, out=buf)
         self.unpack(grads, buf)
 
 
 class GradientSync:
     """Bucketed all_reduce(avg) of gradients over the data axes on which they are replicated.
 
-    engine.grads must exist (load_checkpoint builds this after allocating them). With
-    `views=True` multi-tensor buckets re-home the engine's gradient arrays into flat buffers.
-    `overlap=None` reads the layout option `overlap` (default 0).
+    store: the parameter store (`params`, `grads`, `grad_placements`); comm: the engine's
+    Comm (buckets reduce over tuples of data axes); exempt: name -> data axes another strategy
+    averages itself (fsdp's reduce-scatter); overlap_possible: compose's verdict on whether a
+    gradient is final after one add_grad (see the module docstring). Buckets are built by
+    `on_load()`, once the store allocated its gradients; with `views=True` multi-tensor
+    buckets re-home the store's gradient arrays into flat buffers. `overlap=None` reads the
+    layout option `overlap` (default 0).
     """
 
-    def __init__(self, engine, bucket_mb: float = DEFAULT_BUCKET_MB, overlap=None,
-                 views: bool = True):
+    def __init__(self, store, comm, exempt=None, overlap_possible=False,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, overlap=None, views: bool = True):
         if bucket_mb is None:
             bucket_mb = DEFAULT_BUCKET_MB
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb must be >= 0 (0: one all-reduce per tensor), "
                              f"got {bucket_mb}")
-        self.engine = engine
+        self.store, self.comm = store, comm
+        self.exempt = exempt or {}
         self.bucket_bytes = int(bucket_mb * 2 ** 20)
         if overlap is None:
-            overlap = engine.layout.option("overlap", 0)
+            overlap = store.layout.option("overlap", 0)
         self.overlap = bool(overlap)
-        names = list(reversed(list(engine.params)))   # last layers' gradients are ready first
-        plan = plan_buckets(names, {n: engine.grads[n].nbytes for n in names},
-                            {n: replicated_data_axes(engine, n) for n in names},
-                            self.bucket_bytes)
-        self.buckets = [Bucket(engine, axes, bnames, views) for axes, bnames in plan]
-        self.bucket_of = {n: b for b in self.buckets for n in b.names}
-        self.overlap_active = self.overlap and self._overlap_supported()
+        self.overlap_active = self.overlap and bool(overlap_possible)
+        self.views = views
+        self.buckets, self.bucket_of = [], {}
         self._armed = False
+        if store.grads:
+            self.on_load()
 
-    def _overlap_supported(self) -> bool:
-        from ..nn.layers import LocalAccess
-        from .compose import SequentialRunner, uses_moe
-
-        e = self.engine
-        return (type(e.access) is LocalAccess and type(e.runner) is SequentialRunner
-                and not uses_moe(e.model, e.layout))
+    def on_load(self) -> None:
+        """Plan the buckets over the store's gradients (after they are allocated)."""
+        grads, sizes = self.store.grads, self.store.layout.sizes
+        names = list(reversed(list(self.store.params)))  # last layers' gradients ready first
+        axes_of = {n: replicated_data_axes(self.store.grad_placements[n], sizes,
+                                           self.exempt.get(n, ())) for n in names}
+        plan = plan_buckets(names, {n: grads[n].nbytes for n in names}, axes_of,
+                            self.bucket_bytes)
+        self.buckets = [Bucket(self.comm, grads, axes, bnames, self.views)
+                        for axes, bnames in plan]
+        self.bucket_of = {n: b for b in self.buckets for n in b.names}
+        self._armed = False
 
     # -- the backward's hooks ------------------------------------------------------------------
     def begin(self, overlap: bool = True) -> None:
@@ -193,7 +201,7 @@ class GradientSync:
                                "overlap needs one add_grad per gradient")
         b.ready.add(name)
         if len(b.ready) == len(b.names):
-            b.start(self.engine.grads)
+            b.start(self.store.grads)
         for other in self.buckets:      # let MPI progress the ones in flight
             if other.future is not None:
                 other.future.done()
@@ -210,6 +218,25 @@ class GradientSync:
         lines = [f"{len(self.buckets)} bucket(s), cap {self.bucket_bytes / 2 ** 20:g} MiB, "
                  f"overlap {'on' if self.overlap_active else 'off'}"]
         for b in self.buckets:
-            nbytes = sum(self.engine.grads[n].nbytes for n in b.names)
+            nbytes = sum(self.store.grads[n].nbytes for n in b.names)
             lines.append(f"  {'+'.join(b.axes)}: {nbytes / 2 ** 20:.2f} MiB {b.names}")
         return "\n".join(lines)
+
+
+# -- cost model (no MPI): bytes this rank sends per train_step, and memory ---------------------
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base: every replica holds whole blocks."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """GradientSync's all_reduce(avg) over dp of this rank's gradient blocks (ZeRO-1/2: the
+    owned slices; buckets change the calls, not the bytes), then global_mean's all_reduce(avg)
+    of the loss over every data axis."""
+    sent = 0.0
+    if view.size("dp") > 1:
+        grads = sum(view.nbytes(shape) for shape in view.grad_blocks.values())
+        sent += view.all_reduce_bytes("dp", grads)
+    if view.size(DATA_AXES) > 1:
+        sent += view.all_reduce_bytes(DATA_AXES, view.LOSS_BYTES)
+    return {"train_step": {"all_reduce": sent}}

@@ -72,9 +72,9 @@ def plan_moe_params(model, layout) -> dict:
     return plan
 
 
-def build_moe_chunks(engine) -> list:
+def build_moe_chunks(model, access, comm, stats: dict) -> list:
     """The engine's layers: one chunk holding the MoE layer (the model input needs no dx)."""
-    return [[MoELayer(engine, engine.model, need_dx=False)]]
+    return [[MoELayer(model, access, comm, stats, need_dx=False)]]
 
 
 # -- routing (local, no communication) ---------------------------------------------------------
@@ -97,20 +97,25 @@ def route(probs_host, top_k: int, n_groups: int, capacity: int):
 
 # -- the layer ---------------------------------------------------------------------------------
 class MoELayer(Layer):
-    """Router + top-k gating + experts, the experts spread over the engine's ep axis."""
+    """Router + top-k gating + experts, the experts spread over the ep axis.
 
-    def __init__(self, engine, model, need_dx=True):
+    access: the parameter-access policy; comm: the engine's Comm (all_to_all_v over ep, the
+    routing statistics summed over the data axes); stats: the dict the statistics land in.
+    """
+
+    def __init__(self, model, access, comm, stats: dict, need_dx=True):
         super().__init__()
-        self.engine, self.model, self.need_dx = engine, model, need_dx
-        self.access = engine.access
-        self.ep = engine.mesh.size("ep")
+        self.model, self.access, self.need_dx = model, access, need_dx
+        self.comm, self.xp, self.stats = comm, comm.xp, stats
+        mesh = comm.mesh
+        self.ep = mesh.size("ep")
         self.n_local = model.n_experts // self.ep
-        first = engine.mesh.coord("ep") * self.n_local
+        first = mesh.coord("ep") * self.n_local
         self.experts = list(range(first, first + self.n_local))      # global ids held here
         self.param_names = ("router/weights",) + tuple(
             n for e in self.experts for n in model.expert_param_shapes(e))
-        self.data_axes = tuple(a for a in DATA_AXES if engine.mesh.size(a) > 1)
-        self.data_size = engine.mesh.size(DATA_AXES)
+        self.data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
+        self.data_size = mesh.size(DATA_AXES)
 
     def __repr__(self):
         return f"MoELayer(experts {self.experts[0]}..{self.experts[-1]} of {self.model.n_experts})"
@@ -145,11 +150,11 @@ class MoELayer(Layer):
         no count exchange. Adjoint: the same call on the gradient with the counts swapped."""
         if self.ep == 1:
             return rows, send_counts
-        return self.engine.all_to_all_v(rows, send_counts, group="ep", recv_counts=recv_counts)
+        return self.comm.all_to_all_v(rows, send_counts, group="ep", recv_counts=recv_counts)
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x, mb=0, record=True):
-        eng, model, xp = self.engine, self.model, self.engine.xp
+        model, xp = self.model, self.xp
         b, n_exp, k = x.shape[0], model.n_experts, model.top_k
         n_groups = model.groups // self.data_size if model.groups else 1
         if b % n_groups:
@@ -162,7 +167,7 @@ class MoELayer(Layer):
         logits = nn.einsum("bd,de->be", x, wr)
         z = xp.exp(logits - logits.max(axis=1, keepdims=True))
         probs = z / z.sum(axis=1, keepdims=True)
-        experts, keep = route(eng.backend.to_host(probs), k, n_groups, capacity)
+        experts, keep = route(self.comm.backend.to_host(probs), k, n_groups, capacity)
         gates = xp.take_along_axis(probs, xp.asarray(experts), axis=1)        # (b, k)
         self._record_stats(experts, keep, capacity, n_groups)
 
@@ -175,7 +180,7 @@ class MoELayer(Layer):
         send = x[xp.asarray(order // k)]                                      # (n_send, d)
         if self.ep > 1:
             # counts per (source rank, local expert): all_to_all / adjoint: not needed (ints)
-            from_src = eng.backend.to_host(eng.all_to_all(per_expert, group="ep"))
+            from_src = self.comm.backend.to_host(self.comm.all_to_all(per_expert, group="ep"))
             from_src = from_src.reshape(self.ep, self.n_local)
         else:
             from_src = per_expert.reshape(1, n_exp)
@@ -214,17 +219,17 @@ class MoELayer(Layer):
         counts = np.concatenate([np.bincount(experts.ravel(), minlength=n_exp),
                                  np.bincount(experts[keep], minlength=n_exp)]).astype(np.int64)
         if self.data_axes:
-            counts = self.engine.backend.to_host(
-                self.engine.all_reduce(counts, op="sum", group=self.data_axes))
+            counts = self.comm.backend.to_host(
+                self.comm.all_reduce(counts, op="sum", group=self.data_axes))
         routed, kept = counts[:n_exp], counts[n_exp:]
-        self.engine.stats.update(moe_routed=routed.tolist(), moe_kept=kept.tolist(),
+        self.stats.update(moe_routed=routed.tolist(), moe_kept=kept.tolist(),
                                  moe_dropped=int(routed.sum() - kept.sum()),
                                  moe_capacity=capacity, moe_groups=n_groups * self.data_size)
 
     # -- backward ------------------------------------------------------------------------------
     def backward(self, dy, mb=0):
         s = self.pop(mb)
-        xp, k = self.engine.xp, self.model.top_k
+        xp, k = self.xp, self.model.top_k
         x, probs, gates, slots, order = s["x"], s["probs"], s["gates"], s["slots"], s["order"]
         b, d = x.shape
         # mix: y = sum_j gate_j * slot_j
@@ -256,3 +261,18 @@ class MoELayer(Layer):
         if self.need_dx:
             dx = dx + nn.einsum("be,de->bd", dlogits, self.access.get("router/weights"))
         return dx
+
+
+# -- cost model (no MPI): bytes this rank sends per train_step, and memory ---------------------
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base: the placement's owner keeps each expert on one ep rank."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """No closed form: the all_to_all bytes follow the routing (how many rows each expert is
+    sent), so a MoE model raises ValueError; `engine.comm_bytes` measures them."""
+    if getattr(view.model, "kind", "mlp") == "moe" or view.size("ep") > 1:
+        raise ValueError("the communication model covers MLPs on dp, fsdp, tp and pp; got "
+                         f"{view.model!r} on {view.layout.text!r}")
+    return {}

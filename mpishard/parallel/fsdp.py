@@ -67,7 +67,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import placement as pl
-from .data_parallel import DEFAULT_BUCKET_MB
+from .data_parallel import DEFAULT_BUCKET_MB, plan_buckets
 from .fsdp_prefetch import Prefetcher
 
 FSDP_SHARD = pl.Shard("fsdp", 0, pad=True)
@@ -84,15 +84,27 @@ def pad_rows(xp, a, n: int):
 
 
 def buckets(names, nbytes, limit: int) -> list:
-    """Consecutive groups of `names` whose nbytes add up to at most `limit` (at least one each)."""
-    out, size = [[]], 0
-    for name in names:
-        if out[-1] and size + nbytes(name) > limit:
-            out.append([])
-            size = 0
-        out[-1].append(name)
-        size += nbytes(name)
-    return [b for b in out if b]
+    """Consecutive groups of `names` whose nbytes(name) add up to at most `limit` (at least
+    one name each): the data-parallel bucket planner with the single group fsdp."""
+    plan = plan_buckets(names, {n: nbytes(n) for n in names}, {n: ("fsdp",) for n in names},
+                        limit)
+    return [group for _, group in plan]
+
+
+def gradient_layout(placements: dict):
+    """(gradient placements, sync exemptions) under the fsdp axis, decided with no MPI.
+
+    A parameter replicated on fsdp (ZeRO-1/2, or one another strategy left replicated) keeps
+    its gradient (and optimizer state) sharded on fsdp all the same: its gradient placement
+    gets the fsdp split, and the fsdp average is done here, so the data-parallel sync is told
+    to skip fsdp for it (exempt[name] = ('fsdp',))."""
+    grad_placements, exempt = dict(placements), {}
+    for name, placement in placements.items():
+        if placement.is_replicated_on("fsdp"):
+            grad_placements[name] = replace(placement,
+                                            shards=placement.shards + (FSDP_SHARD,))
+            exempt[name] = ("fsdp",)
+    return grad_placements, exempt
 
 
 class FSDPAccess:
@@ -104,34 +116,30 @@ class FSDPAccess:
     `Prefetcher` gathers the next layer's ZeRO-3 weights early (module docstring, 'Prefetch').
     """
 
-    def __init__(self, engine):
-        layout = engine.layout
+    def __init__(self, store, fsdp, grad_ready=None):
+        layout = store.layout
         self.zero = layout.option("zero", 3)
         if layout.option("prefetch", 0) and self.zero != 3:
             raise ValueError(f"layout {layout.text!r}: prefetch=1 needs zero=3, got zero="
                              f"{self.zero}: ZeRO-1/2 keep parameters replicated on fsdp, so no "
                              "layer all-gathers a weight that could be prefetched")
-        self.engine = engine
-        self.n = engine.mesh.size("fsdp")
-        self.rank = engine.mesh.coord("fsdp")
+        self.store, self.comm, self.grad_ready = store, fsdp, grad_ready
+        self.xp = fsdp.xp
+        self.n = fsdp.size()
+        self.rank = fsdp.rank()
         self.bucket_bytes = max(1, int(layout.option("bucket_mb", DEFAULT_BUCKET_MB) * 2 ** 20))
         sizes = layout.sizes
         self.stage: dict = {}   # name -> 1, 2 or 3
         self.rows: dict = {}    # name -> L, rows of the block before the fsdp split
-        for name, placement in engine.placements.items():
-            if placement.is_replicated_on("fsdp"):
+        for name, placement in store.placements.items():
+            if placement.is_replicated_on("fsdp"):    # gradients sharded, parameters not
                 self.stage[name] = min(self.zero, 2)
-                self.rows[name] = pl.local_shape(engine.full_shapes[name], placement, sizes)[0]
-                # gradients (and so optimizer state) are sharded even though parameters are not
-                engine.grad_placements[name] = replace(placement,
-                                                       shards=placement.shards + (FSDP_SHARD,))
-                exempt = tuple(engine.grad_sync_exempt.get(name, ()))
-                engine.grad_sync_exempt[name] = exempt + ("fsdp",)
+                self.rows[name] = pl.local_shape(store.full_shapes[name], placement, sizes)[0]
             else:
                 assert placement.shards[-1] == FSDP_SHARD, f"{name}: {placement}"
                 self.stage[name] = 3
                 before = replace(placement, shards=placement.shards[:-1])
-                self.rows[name] = pl.local_shape(engine.full_shapes[name], before, sizes)[0]
+                self.rows[name] = pl.local_shape(store.full_shapes[name], before, sizes)[0]
         self.padded: dict = {}      # ZeRO-1/2: name -> (N s, ...) replicated parameter buffer
         self.grad_buffers: dict = {}  # ZeRO-1: name -> (N s, ...) full local gradient
         self._live: dict = {}       # (name, mb) -> bytes of a gathered copy not yet released
@@ -139,24 +147,23 @@ class FSDPAccess:
         self.peak_gathered_bytes = 0
         self.prefetcher = Prefetcher(self) if layout.option("prefetch", 0) else None
 
-    # -- set-up, called by MeshEngine.load_checkpoint --------------------------------------------
+    # -- set-up, called by the engine's load_checkpoint ------------------------------------------
     def on_load(self) -> None:
         """ZeRO-1/2: move each replicated parameter into a zero-padded buffer of N s rows (the
         parameter becomes a view of its first L rows) and allocate ZeRO-1's gradient buffers."""
-        e, xp = self.engine, self.engine.xp
+        store, xp = self.store, self.xp
         self.padded.clear()
         self.grad_buffers.clear()
-        for name in e.local_names:
+        for name in store.local_names:
             if self.stage[name] == 3:
                 continue
-            buf = pad_rows(xp, e.params[name], self.n)
+            buf = pad_rows(xp, store.params[name], self.n)
             self.padded[name] = buf
-            e.params[name] = buf[:self.rows[name]]
+            store.params[name] = buf[:self.rows[name]]
             if self.stage[name] == 1:
                 self.grad_buffers[name] = xp.zeros_like(buf)
-        if self.prefetcher is not None:   # prefetch=1: pass boundaries around every chunk
+        if self.prefetcher is not None:
             self.prefetcher.abandon()
-            self.prefetcher.install(e.chunks)
         self._live.clear()
         self.live_bytes = 0
 
@@ -170,7 +177,7 @@ class FSDPAccess:
         if self.stage[name] == 3:
             if self.prefetcher is not None and self.prefetcher.pending:
                 self.prefetcher.abandon()   # (a pass left by an exception) before the update
-            return self.engine.params[name]
+            return self.store.params[name]
         buf = self.padded[name]
         s = buf.shape[0] // self.n
         return buf[self.rank * s:(self.rank + 1) * s]
@@ -178,12 +185,12 @@ class FSDPAccess:
     # -- the access policy -----------------------------------------------------------------------
     def get(self, name, mb=0):
         """The (L, ...) block to compute with: all-gathered over fsdp under ZeRO-3."""
-        e = self.engine
+        params = self.store.params
         if self.stage[name] != 3:
-            return e.params[name]
+            return params[name]
         full = self.prefetcher.take(name) if self.prefetcher is not None else None
         if full is None:                                              # not prefetched
-            full = e.all_gather(e.params[name], axis=0, group="fsdp")  # (N s, ...); adjoint: RS
+            full = self.comm.all_gather(params[name], axis=0)        # (N s, ...); adjoint: RS
         self.count_live(full.nbytes - self._live.get((name, mb), 0))   # (an unreleased copy
         self._live[(name, mb)] = full.nbytes                           #  counts as dropped)
         if self.prefetcher is not None:
@@ -196,13 +203,13 @@ class FSDPAccess:
 
     def add_grad(self, name, g) -> None:
         """g = dL/d(block) of this rank's rows, shaped (L, ...) like get(name)."""
-        e = self.engine
         if self.stage[name] == 1:
             self.grad_buffers[name][:self.rows[name]] += g            # held until finish_grads
         else:   # ZeRO-2/3: average over fsdp now and keep only the own slice
-            shard = e.reduce_scatter(pad_rows(e.xp, g, self.n), op="avg", axis=0, group="fsdp")
-            e.grads[name] += shard                                    # adjoint of all_gather
-        e.on_grad_ready(name)
+            shard = self.comm.reduce_scatter(pad_rows(self.xp, g, self.n), op="avg", axis=0)
+            self.store.grads[name] += shard                           # adjoint of all_gather
+        if self.grad_ready is not None:
+            self.grad_ready(name)
 
     # -- engine hooks ------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -214,31 +221,81 @@ class FSDPAccess:
 
         A bucket packs several gradients as an (N, k) array whose row r holds every gradient's
         slice r, so one reduce_scatter along axis 0 serves them all."""
-        e, xp = self.engine, self.engine.xp
+        grads, xp = self.store.grads, self.xp
         names = list(reversed(list(self.grad_buffers)))           # backward order
         for bucket in buckets(names, lambda n: self.grad_buffers[n].nbytes, self.bucket_bytes):
             rows = [self.grad_buffers[n].reshape(self.n, -1) for n in bucket]
             flat = rows[0] if len(rows) == 1 else xp.concatenate(rows, axis=1)   # pack
-            mine = e.reduce_scatter(flat, op="avg", axis=0, group="fsdp")        # (1, k)
+            mine = self.comm.reduce_scatter(flat, op="avg", axis=0)              # (1, k)
             offset = 0
             for name, r in zip(bucket, rows):                                     # unpack
-                g = e.grads[name]
+                g = grads[name]
                 g += mine[0, offset:offset + r.shape[1]].reshape(g.shape)
                 offset += r.shape[1]
                 self.grad_buffers[name][...] = 0                   # consumed (accumulation)
 
     def after_optimizer_step(self) -> None:
         """ZeRO-1/2: all-gather every rank's updated slice back into the replicated buffers."""
-        e, xp = self.engine, self.engine.xp
+        xp = self.xp
         names = list(self.padded)
         for bucket in buckets(names, lambda n: self.padded[n].nbytes, self.bucket_bytes):
             mine = [self.owned(n).reshape(1, -1) for n in bucket]
             flat = mine[0] if len(mine) == 1 else xp.concatenate(mine, axis=1)  # (1, k)
-            full = e.all_gather(flat, axis=0, group="fsdp")                      # (N, k)
+            full = self.comm.all_gather(flat, axis=0)                            # (N, k)
             offset = 0
             for name, m in zip(bucket, mine):
                 self.padded[name].reshape(self.n, -1)[...] = full[:, offset:offset + m.shape[1]]
                 offset += m.shape[1]
 
 
-# -- prefetch=1 ------------------------------------------------------------------------------------
+# -- cost model (no MPI): bytes this rank sends per train_step, and memory ---------------------
+def _zero_stage(view, info) -> int:
+    """FSDPAccess's stage of one parameter: 3 when its placement is sharded on fsdp, else the
+    layout's zero option capped at 2."""
+    if not info.placement.is_replicated_on("fsdp"):
+        return 3
+    return min(view.layout.option("zero", 3), 2)
+
+
+def memory(view, n_state) -> dict:
+    """ZeRO-1/2 keep the parameter in a buffer padded to N owned slices (the base counts the
+    L-row block), and ZeRO-1 also holds that full padded gradient during the backward."""
+    n = view.size("fsdp")
+    if n == 1:
+        return {}
+    extra = {"parameters": 0, "gradients": 0}
+    for name, info in view.params.items():
+        stage = _zero_stage(view, info)
+        if stage == 3:
+            continue                                   # the placement made every block a shard
+        padded = n * view.nbytes(view.grad_blocks[name])
+        extra["parameters"] += padded - view.nbytes(view.blocks[name])
+        if stage == 1:
+            extra["gradients"] += padded
+    return extra
+
+
+def step_comm(view) -> dict:
+    """Per parameter, with N = fsdp ranks and m microbatches (the module docstring's table):
+    ZeRO-3 all-gathers the shard before the forward (W and b) and again before the backward
+    (W), and reduce-scatters its gradient, each m times: (N-1) x shard bytes per call (the
+    padding travels too). ZeRO-1/2 reduce-scatter the gradient into the owned slice (ZeRO-2
+    per microbatch, ZeRO-1 once at sync) and all-gather the updated slices after the
+    optimizer step: (N-1) x slice bytes each."""
+    n, m = view.size("fsdp"), view.microbatches
+    if n == 1:
+        return {}
+    step = {"all_gather": 0, "reduce_scatter": 0}
+    opt = {"all_gather": 0}
+    for name, info in view.params.items():
+        stage = _zero_stage(view, info)
+        if stage == 3:
+            shard = view.nbytes(view.blocks[name])
+            gathers = 2 if name.endswith("/weights") else 1
+            step["all_gather"] += m * gathers * (n - 1) * shard
+            step["reduce_scatter"] += m * (n - 1) * shard
+        else:
+            owned = view.nbytes(view.grad_blocks[name])
+            step["reduce_scatter"] += (m if stage == 2 else 1) * (n - 1) * owned
+            opt["all_gather"] += (n - 1) * owned
+    return {"train_step": step, "optimizer": opt}

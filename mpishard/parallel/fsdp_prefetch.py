@@ -83,7 +83,7 @@ class Prefetcher:
     """
 
     def __init__(self, access):
-        self.access, self.engine = access, access.engine
+        self.access = access
         self.layer_of: dict = {}   # parameter name -> (chunk, layer index): groups a plan
         self.plans: dict = {}      # (chunk, direction) -> (names in gather order, {i: next})
         self.pending: dict = {}    # name -> (Future of its all_gather_async, bytes)
@@ -158,9 +158,9 @@ class Prefetcher:
     def issue(self, name) -> None:
         if name in self.pending:
             return
-        e = self.engine
-        future = e.all_gather_async(e.params[name], axis=0, group="fsdp")   # adjoint: RS
-        nbytes = self.access.n * e.params[name].nbytes                      # (N s, ...) result
+        block = self.access.store.params[name]
+        future = self.access.comm.all_gather_async(block, axis=0)           # adjoint: RS
+        nbytes = self.access.n * block.nbytes                               # (N s, ...) result
         self.pending[name] = (future, nbytes)
         self.access.count_live(nbytes)          # alive from the issue: its receive buffer
         self.counts["issued"] += 1

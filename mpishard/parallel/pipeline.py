@@ -41,10 +41,11 @@ import time
 
 import numpy as np
 
-from ..comm.mesh import DATA_AXES, parse_layout
+from ..comm.mesh import parse_layout
 from .schedules import make_schedule
+from .tensor_parallel import output_width
 
-FWD, BWD = 0, 1            # message direction: activation forward, gradient backward
+ACT, GRAD = 0, 1           # message kind: an activation (forward), a gradient (backward)
 _EOS_NDIM = 1              # inference end-of-stream: a 1-D int64 array [group size]; data is 2-D
 
 
@@ -142,23 +143,24 @@ def assign_stages(model, layout) -> list:
 
 # -- the executor ------------------------------------------------------------------------------
 class PipelineRunner:
-    """Runs this rank's chunks of layers: single passes, a training schedule, a stream."""
+    """Runs this rank's chunks of layers: single passes, a training schedule, a stream.
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.pp, self.schedule_name, self.v, self.m = pipeline_options(engine.layout)
-        self.stage = engine.stage
+    chunks: this rank's layers, one list per virtual stage it holds; layout: the pipeline
+    options; pp: the Comm of this rank's pp group (its rank is the stage); stats: the dict the
+    step's measurements land in.
+    """
+
+    def __init__(self, chunks, layout, pp, stats: dict):
+        self.pp, self.schedule_name, self.v, self.m = pipeline_options(layout)
+        self.layout_text = layout.text
+        self.comm = pp
+        self.stage = pp.rank()
+        self.stats = stats
         self.n_virtual = self.pp * self.v
-        self.chunks = engine.chunks
+        self.chunks = chunks
         assert len(self.chunks) == self.v and all(self.chunks), "every chunk holds layers"
         # raises ValueError (e.g. interleaved with microbatches % pp != 0) before any comm
         self.schedule = make_schedule(self.schedule_name, self.pp, self.m, self.v)[self.stage]
-        # Communicators are created by a world-wide Split on first use. Inside the pipeline
-        # ranks reach their first tp/pp call at different times, so create them all here,
-        # where every rank is at the same line.
-        for axis in engine.layout.active_axes:
-            engine.mesh.comm(axis)
-        engine.mesh.comm(DATA_AXES)
         self._sends = []
         self._idle = 0.0
         self._peak = 0
@@ -173,13 +175,12 @@ class PipelineRunner:
 
     def _send(self, arr, k_to, mb, direction):
         """Non-blocking send to the rank of virtual stage k_to; adjoint: its _receive."""
-        fut = self.engine.send_async(arr, dest=k_to % self.pp, group="pp",
-                                     tag=self._tag(mb, k_to // self.pp, direction))
+        fut = self.comm.send_async(arr, dest=k_to % self.pp,
+                                   tag=self._tag(mb, k_to // self.pp, direction))
         self._sends.append(fut)
 
     def _post_receive(self, k_from, mb, chunk, direction):
-        return self.engine.receive_async(k_from % self.pp, group="pp",
-                                         tag=self._tag(mb, chunk, direction))
+        return self.comm.receive_async(k_from % self.pp, tag=self._tag(mb, chunk, direction))
 
     def _wait(self, future):
         """Block until a neighbour's message is here; the wait is idle time."""
@@ -220,12 +221,12 @@ class PipelineRunner:
         out = None
         for c in range(self.v):
             k = self._k(c)
-            h = x if k == 0 else self._wait(self._post_receive(k - 1, mb, c, FWD))
+            h = x if k == 0 else self._wait(self._post_receive(k - 1, mb, c, ACT))
             h = self._chunk_forward(c, h, mb, record)
             if k == self.n_virtual - 1:
                 out = h
             else:
-                self._send(h, k + 1, mb, FWD)                # adjoint: the B receive below
+                self._send(h, k + 1, mb, ACT)                # adjoint: the B receive below
         self._drain_sends()
         return out
 
@@ -235,10 +236,10 @@ class PipelineRunner:
             raise ValueError("the last pipeline stage needs dy (got None)")
         for c in reversed(range(self.v)):
             k = self._k(c)
-            g = dy if k == self.n_virtual - 1 else self._wait(self._post_receive(k + 1, mb, c, BWD))
+            g = dy if k == self.n_virtual - 1 else self._wait(self._post_receive(k + 1, mb, c, GRAD))
             g = self._chunk_backward(c, g, mb)
             if k > 0:
-                self._send(g, k - 1, mb, BWD)                # adjoint of the F receive
+                self._send(g, k - 1, mb, GRAD)                # adjoint of the F receive
         self._drain_sends()
         return None                                          # layer 0 computes no dx
 
@@ -250,7 +251,7 @@ class PipelineRunner:
         rows = int(ref.shape[0])
         if rows % self.m:
             raise ValueError(f"microbatches={self.m} does not divide the local batch of "
-                             f"{rows} rows (layout {self.engine.layout.text!r})")
+                             f"{rows} rows (layout {self.layout_text!r})")
         if self.stage == 0 and x is None:
             raise ValueError("pipeline stage 0 needs the inputs x (got None)")
         if self.stage == self.pp - 1 and t is None:
@@ -273,9 +274,9 @@ class PipelineRunner:
         for a in self.schedule:
             k = self._k(a.chunk)
             if a.kind == "F" and k > 0:
-                pending[a] = self._post_receive(k - 1, a.microbatch, a.chunk, FWD)
+                pending[a] = self._post_receive(k - 1, a.microbatch, a.chunk, ACT)
             elif a.kind == "B" and k < last_k:
-                pending[a] = self._post_receive(k + 1, a.microbatch, a.chunk, BWD)
+                pending[a] = self._post_receive(k + 1, a.microbatch, a.chunk, GRAD)
         dys, values, timeline = {}, [], []
         for a in self.schedule:
             mb, c, k = a.microbatch, a.chunk, self._k(a.chunk)
@@ -295,13 +296,13 @@ class PipelineRunner:
             busy += t1 - t0
             timeline.append((a, t0 - t_start, t1 - t_start))
             if a.kind == "F" and k < last_k:
-                self._send(y, k + 1, mb, FWD)                    # adjoint: B receive
+                self._send(y, k + 1, mb, ACT)                    # adjoint: B receive
             elif a.kind == "B" and k > 0:
-                self._send(g, k - 1, mb, BWD)                    # adjoint: F receive
+                self._send(g, k - 1, mb, GRAD)                    # adjoint: F receive
         assert not pending and not dys, "schedule left messages or gradients behind"
         self._drain_sends()
         step = time.perf_counter() - t_start
-        self.engine.stats.update(
+        self.stats.update(
             schedule=self.schedule_name, pp=self.pp, stage=self.stage, microbatches=m,
             virtual_stages=self.v, peak_stashed=self._peak, idle_s=self._idle, busy_s=busy,
             step_s=step, bubble_fraction=1.0 - busy / step if step > 0 else 0.0,
@@ -310,7 +311,7 @@ class PipelineRunner:
         return value, rows
 
     # -- streaming inference -------------------------------------------------------------------
-    def inference_loop(self, input_stream, output_stream):
+    def inference_loop(self, input_stream, output_stream, prepare=None):
         """Stage 0 reads `input_stream`, the last stage writes `output_stream`, every stage
         forwards what it receives; returns on every rank once the input is exhausted.
 
@@ -320,9 +321,9 @@ class PipelineRunner:
         rank waits forever, and stage 0 reads request i+1 while stage 1 works on request i.
         End of stream: stage 0 sends a 1-D array [q] (q < G requests in the last group) in
         place of request q+1 down the chunk-0 stages; each stage finishes that group and
-        returns.
+        returns. `prepare(x)` (stage 0) checks and converts each input.
         """
-        e, pp, s = self.engine, self.pp, self.stage
+        pp, s = self.pp, self.stage
         group = pp if self.v > 1 else 1
         window = 4 * group * self.v + 4            # bounds the sends in flight per rank
         stream = iter(input_stream) if s == 0 else None
@@ -339,7 +340,7 @@ class PipelineRunner:
                 output_stream.write(y)
                 requests += 1
             else:
-                self._send(y, k + 1, -1, FWD)
+                self._send(y, k + 1, -1, ACT)
                 self._drain_sends(keep=window)
 
         while True:
@@ -349,23 +350,23 @@ class PipelineRunner:
                     x = next(stream, None)
                     if x is None:
                         break
-                    x = e._input(x)
+                    x = prepare(x) if prepare is not None else x
                 else:
-                    x = self._wait(self._post_receive(s - 1, -1, 0, FWD))
+                    x = self._wait(self._post_receive(s - 1, -1, 0, ACT))
                     if x.ndim == _EOS_NDIM:
                         break
                 work(0, x)
                 q += 1
             for c in range(1, self.v):             # later chunks of the same group
                 for _ in range(q):
-                    work(c, self._wait(self._post_receive(self._k(c) - 1, -1, c, FWD)))
+                    work(c, self._wait(self._post_receive(self._k(c) - 1, -1, c, ACT)))
             if q < group:                          # end of stream: tell the next stage, stop
                 if s < pp - 1:
-                    self._send(np.array([q], dtype=np.int64), s + 1, -1, FWD)
+                    self._send(np.array([q], dtype=np.int64), s + 1, -1, ACT)
                 break
         self._drain_sends()
         step = time.perf_counter() - t_start
-        self.engine.stats.update(inference_requests=requests, inference_idle_s=self._idle,
+        self.stats.update(inference_requests=requests, inference_idle_s=self._idle,
                                  inference_busy_s=busy, inference_s=step)
 
 
@@ -376,3 +377,49 @@ def pipeline_bubble(engine) -> float:
     mine = np.array([[engine.stats["busy_s"], engine.stats["step_s"]]], dtype=np.float64)
     every = engine.backend.to_host(engine.all_gather(mine, axis=0, group="pp"))
     return float(1.0 - every[:, 0].sum() / (pp * every[:, 1].max()))
+
+
+# -- cost model (no MPI): bytes this rank sends per train_step, and memory ---------------------
+def step_microbatches(layout) -> int:
+    """Microbatches per train_step (1 without pp); ValueError for a schedule the engine
+    refuses (make_schedule: interleaved needs microbatches a multiple of pp)."""
+    layout = parse_layout(layout)
+    if layout.size("pp") == 1:
+        return 1
+    pp, name, v, m = pipeline_options(layout)
+    make_schedule(name, pp, m, v)
+    return m
+
+
+def boundary_widths(model, layout) -> dict:
+    """Virtual stage k -> width of the activation it sends on: its last layer's output on one
+    tp rank (tensor_parallel.output_width)."""
+    layout = parse_layout(layout)
+    vstages, layers = assign_stages(model, layout), model.layers()
+    return {vstages[spec.index]: output_width(spec, len(layers), layout.size("tp"))
+            for spec in layers}                        # a stage's later layers overwrite
+
+
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base: the placement's stage keeps each layer on one pp rank."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """Per virtual stage k of this rank, the activation (rows x width of k) sent on to k+1
+    and the gradient (rows x width of k-1) sent back to k-1, over all microbatches; the last
+    stage broadcasts the float64 loss over pp: (pp-1)/pp x 8."""
+    pp = view.size("pp")
+    if pp == 1:
+        return {}
+    widths = boundary_widths(view.model, view.layout)
+    last, stage = max(widths), view.coords["pp"]
+    sent = {"send": 0, "broadcast": 0.0}
+    for k in range(stage, last + 1, pp):
+        if k < last:                                   # F: activation to virtual stage k+1
+            sent["send"] += view.rows * widths[k] * view.itemsize
+        if k > 0:                                      # B: gradient back to virtual stage k-1
+            sent["send"] += view.rows * widths[k - 1] * view.itemsize
+    if stage == pp - 1:                                # global_mean: the loss, from the last
+        sent["broadcast"] += (pp - 1) / pp * view.LOSS_BYTES
+    return {"train_step": sent}

@@ -99,18 +99,19 @@ def shard_array(full, placement: Placement, sizes: dict, coords: dict, xp=np, dt
     return out
 
 
-def gather_array(engine, local, placement: Placement, full_shape):
-    """Collective over the placement's axes: the full array on every rank of them."""
+def gather_array(comm, local, placement: Placement, full_shape):
+    """Collective over the placement's axes (`comm`: a Comm of the mesh): the full array on
+    every rank of them."""
     # lengths along each sharded dim before each step, to trim padding on the way back
     lengths = []
     shape = list(full_shape)
     for s in placement.shards:
         lengths.append(shape[s.dim])
-        shape[s.dim] = _step(shape[s.dim], engine.mesh.size(s.axis), s.pad)
+        shape[s.dim] = _step(shape[s.dim], comm.mesh.size(s.axis), s.pad)
     a = local
     for s, length in zip(reversed(placement.shards), reversed(lengths)):
-        if engine.mesh.size(s.axis) > 1:
-            a = engine.all_gather(a, axis=s.dim, group=s.axis)
+        if comm.mesh.size(s.axis) > 1:
+            a = comm.all_gather(a, axis=s.dim, group=s.axis)
         if a.shape[s.dim] != length:
             a = a[(slice(None),) * s.dim + (slice(0, length),)]
     return a

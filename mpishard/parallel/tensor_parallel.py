@@ -7,7 +7,8 @@ With t = tp ranks, hidden size F and f = F / t, a pair of layers act(x W0 + b0) 
       -> column layer  'bd,df->bf'  W0: (D, f)  b0: (f,)         y0 sharded on features
       -> act (element-wise, stays sharded)
       -> row layer     'bf,fd->bd'  W1: (f, D)                   partial sums
-      -> g: all-reduce(sum) forward / identity backward, then + b1 (replicated)
+      -> g: all-reduce(sum) forward / identity backward          (ReduceFromTP)
+      -> + b1 (replicated)
 
 so each pair costs one all-reduce in the forward (g) and one in the backward (f), the latter
 only because dL/dx is needed by whatever comes before (it is skipped for the model's first
@@ -22,7 +23,6 @@ row b and the replicated last layer: replicated on tp.
 """
 from __future__ import annotations
 
-from ..nn import functional as nn
 from ..nn.layers import Layer, Linear
 from .placement import Shard
 
@@ -55,20 +55,45 @@ def check_tp(model_layers, tp: int) -> None:
 
 
 class CopyToTP(Layer):
-    """Megatron's f: identity forward / all-reduce(sum) over tp backward.
+    """Megatron's f, before a column-parallel layer: identity forward / all-reduce(sum) over
+    tp backward. Each tp rank's column block contributes a partial dL/dx; their sum is the
+    full gradient.
 
-    Each tp rank's column block contributes a partial dL/dx; their sum is the full gradient.
+    tp: the Comm of this rank's tp group.
     """
 
-    def __init__(self, engine):
+    def __init__(self, tp):
         super().__init__()
-        self.engine = engine
+        self.tp = tp
+
+    def __repr__(self):
+        return "CopyToTP"
 
     def forward(self, x, mb=0, record=True):
         return x                                                   # identity forward
 
     def backward(self, dy, mb=0):
-        return self.engine.all_reduce(dy, op="sum", group="tp")    # adjoint: all-reduce
+        return self.tp.all_reduce(dy, op="sum")                    # adjoint: all-reduce
+
+
+class ReduceFromTP(Layer):
+    """Megatron's g, after a row-parallel layer: all-reduce(sum) over tp forward / identity
+    backward. The partial products x_local W[block, :] of the tp ranks add up to x W; dL/dy
+    is already the full, replicated gradient, so the backward passes it through.
+    """
+
+    def __init__(self, tp):
+        super().__init__()
+        self.tp = tp
+
+    def __repr__(self):
+        return "ReduceFromTP"
+
+    def forward(self, partial, mb=0, record=True):
+        return self.tp.all_reduce(partial, op="sum")               # g: all-reduce forward
+
+    def backward(self, dy, mb=0):
+        return dy                                                  # adjoint: identity
 
 
 class ColumnParallelLinear(Linear):
@@ -80,24 +105,43 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """y = all_reduce_tp(x_local W[block, :]) + b     'bf,fd->bd' with f = F / tp.
+    """y = ReduceFromTP(x_local W[block, :]) + b     'bf,fd->bd' with f = F / tp.
 
-    g: all-reduce(sum) forward / identity backward: dy is already the full, replicated
-    gradient, so each rank's block gradient needs no communication: the backward is
-    Linear's (dW = 'bf,bd->fd', db = sum_b dy, dx = 'bd,fd->bf', dx stays sharded).
+    A Linear whose partial products go through ReduceFromTP before the (replicated) bias is
+    added. Its backward is Linear's on the full dy: dW = 'bf,bd->fd', db = sum_b dy,
+    dx = 'bd,fd->bf' (dx stays sharded, as the column layer before it needs).
     """
 
-    def __init__(self, engine, access, w_name, b_name=None, need_dx=True):
-        super().__init__(access, w_name, b_name, need_dx)
-        self.engine = engine
+    def __init__(self, tp, access, w_name, b_name=None, need_dx=True):
+        super().__init__(access, w_name, b_name, need_dx, reduce=ReduceFromTP(tp))
 
-    def forward(self, x, mb=0, record=True):
-        w = self.access.get(self.w_name, mb)
-        partial = nn.einsum("bf,fd->bd", x, w)                      # local partial sum
-        self.access.release(self.w_name, mb)
-        y = self.engine.all_reduce(partial, op="sum", group="tp")  # g: all-reduce forward
-        if self.b_name:
-            y += self.access.get(self.b_name, mb)                   # bias once, after the sum
-            self.access.release(self.b_name, mb)                    # FSDP drops the gathered b
-        self.save(mb, record, x)
-        return y
+
+# -- cost model (no MPI): bytes this rank sends per train_step, and memory ---------------------
+def output_width(spec, n_layers: int, tp: int) -> int:
+    """Width of a layer's output on one tp rank: d_out / tp after a column-parallel layer (the
+    activation stays sharded on features until the row layer), d_out otherwise."""
+    column = tp > 1 and tp_role(spec.index, n_layers) == "column"
+    return spec.d_out // tp if column else spec.d_out
+
+
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base: the placement already splits the column and row blocks."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """Per column layer but the model's first, CopyToTP's all_reduce of dL/dx (rows x d_in) in
+    the backward; per row layer, ReduceFromTP's all_reduce of its partial output
+    (rows x d_out) in the forward; the replicated odd last layer sends nothing."""
+    tp = view.size("tp")
+    if tp == 1:
+        return {}
+    n_layers = view.model.n_layers
+    sent = 0.0
+    for spec in view.layers:
+        role = tp_role(spec.index, n_layers)
+        if role == "column" and spec.index > 0:
+            sent += view.all_reduce_bytes("tp", view.rows * spec.d_in * view.itemsize)
+        elif role == "row":
+            sent += view.all_reduce_bytes("tp", view.rows * spec.d_out * view.itemsize)
+    return {"train_step": {"all_reduce": sent}}

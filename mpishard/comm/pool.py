@@ -1,0 +1,48 @@
+"""Reused result buffers for collectives (all_reduce, reduce_scatter, all_to_all).
+
+Up to two results per shape and dtype (for the last few shapes) are kept, so the loop
+`y = comm.all_reduce(x)` alternates between two buffers; one is handed out again only when no
+other reference to it, or to a view of it, remains (CPython reference counts of the array and
+of the memory's owner), so a result the caller still holds is never overwritten. This saves
+the page faults of a fresh large allocation per call (15-40% of a 16 MiB all_reduce here).
+all_gather results are not pooled: gathered weights (FSDP) must really be freed.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+
+class ResultPool:
+    """`get(shape, dtype)`: a reused array nobody holds any more, or a new one."""
+
+    SHAPES, PER_SHAPE = 8, 2
+
+    def __init__(self, xp):
+        self.xp = xp
+        self.enabled = True          # False: a fresh result every call
+        self._bufs: dict = {}
+
+    def get(self, shape, dtype):
+        if not self.enabled:
+            return self.xp.empty(shape, dtype=dtype)
+        key = (tuple(shape), np.dtype(dtype).str)
+        bufs = self._bufs.pop(key, [])
+        self._bufs[key] = bufs                          # most recently used shape last
+        if len(self._bufs) > self.SHAPES:
+            self._bufs.pop(next(iter(self._bufs)))
+        for i in range(len(bufs)):          # indexed: a loop variable would add a reference
+            # 2 = the list's reference + getrefcount's argument; every view of a pooled
+            # array (the moveaxis of a result, a slice of it) holds one more, as its .base
+            if sys.getrefcount(bufs[i]) == 2:
+                return bufs[i]
+        buf = self.xp.empty(shape, dtype=dtype)
+        bufs.append(buf)
+        if len(bufs) > self.PER_SHAPE:
+            bufs.pop(0)                                 # the oldest stays with its holder
+        return buf
+
+    def clear(self) -> None:
+        """Forget every kept buffer (benchmarks measure the allocation this way)."""
+        self._bufs.clear()

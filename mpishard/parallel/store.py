@@ -1,0 +1,68 @@
+"""ParamStore: this rank's blocks of the parameters and gradients, and where they sit.
+
+Built by compose from the plan (name -> ParamInfo: full shape and Placement) and the gradient
+placements (the same, except under ZeRO-1/2 where gradients and optimizer state carry an
+extra fsdp split). Every collaborator that needs parameters (layers through their access
+policy, gradient sync, optimizers, checkpoints) is handed this store, not the engine.
+
+    params[name]   the block this rank holds, shape local_shape(full, placement)
+    grads[name]    its gradient block, shape local_shape(full, grad_placement)
+"""
+from __future__ import annotations
+
+from . import placement as pl
+
+
+class ParamStore:
+    """Local parameter and gradient blocks of one rank, keyed by full parameter names."""
+
+    def __init__(self, plan: dict, grad_placements: dict, layout, coords: dict, xp, dtype):
+        self.plan = plan
+        self.layout = layout
+        self.coords = coords
+        self.xp, self.dtype = xp, dtype
+        self.placements = {n: info.placement for n, info in plan.items()}
+        self.full_shapes = {n: info.full_shape for n, info in plan.items()}
+        self.grad_placements = grad_placements
+        stage = coords.get("pp", 0)
+        self.local_names = [n for n, info in plan.items() if info.placement.stage == stage
+                            and info.placement.held_at(coords)]
+        self.params: dict = {}
+        self.grads: dict = {}
+
+    def load(self, params: dict) -> None:
+        """Keep this rank's block of every local parameter of the full dict `params`
+        (arrays or lazily loaded arrays) and allocate zeroed gradient blocks."""
+        sizes = self.layout.sizes
+        for name in self.local_names:
+            self.params[name] = pl.shard_array(params[name], self.placements[name], sizes,
+                                               self.coords, self.xp, self.dtype)
+            self.grads[name] = self.xp.zeros(
+                pl.local_shape(self.full_shapes[name], self.grad_placements[name], sizes),
+                dtype=self.dtype)
+
+    def zero_grads(self) -> None:
+        for g in self.grads.values():
+            g[...] = 0
+
+    def replication(self, name) -> int:
+        """Number of ranks holding an identical copy of this rank's gradient (and optimizer)
+        block of `name`: the product of the mesh axes it is replicated on, pp excluded (a
+        parameter lives on one stage). Norms divide each rank's local sum of squares by it, so
+        a replicated block is counted once and a sharded one summed over its shards."""
+        placement = self.grad_placements[name]
+        r = 1
+        for axis, size in self.layout.sizes.items():
+            if axis != "pp" and placement.is_replicated_on(axis):
+                r *= size
+        return r
+
+    def block_region(self, name, which: str = "param"):
+        """Where this rank's block of `name` sits in the full array: a list of (start, stop)
+        per dim (padding excluded). which='param': the stored parameter block;
+        which='optimizer': the block the optimizer updates (ZeRO-1/2: the owned fsdp slice)."""
+        placement = self.grad_placements[name] if which == "optimizer" else \
+            self.placements[name]
+        ranges, _ = pl.local_slices(self.full_shapes[name], placement, self.layout.sizes,
+                                    self.coords)
+        return ranges
