@@ -133,7 +133,7 @@ PLAN_LAYOUTS = [(8, "dp=2,tp=2,pp=2"), (8, "fsdp=2,tp=2,pp=2"), (8, "fsdp=4,tp=2
 @pytest.mark.parametrize("n,layout", PLAN_LAYOUTS, ids=[lt for _, lt in PLAN_LAYOUTS])
 def test_inspect_plan_matches_running_engine(n, layout):
     """What `inspect --layout` predicts per rank is what the running engine holds."""
-    from mpishard.cli.plan import rank_memory
+    from mpishard.parallel.costs import rank_memory
 
     comm = group_comm(n)
     model = ms.MLP([7, 16, 16, 8, 5], activation="relu")
@@ -175,7 +175,7 @@ def test_inspect_cli_prints_mesh_shards_and_memory():
 def test_inspect_refuses_a_schedule_the_engine_refuses():
     """inspect --layout prints only layouts the engine builds: interleaved 1F1B needs
     microbatches to be a multiple of pp (make_schedule), which plan_params alone misses."""
-    from mpishard.cli.plan import layout_report
+    from mpishard.cli.inspect import layout_report
 
     model = ms.MLP([8, 8, 8, 8, 4])
     with pytest.raises(ValueError, match=r"microbatches \(3\) to be a multiple of pp \(2\)"):

@@ -5,10 +5,11 @@
 
 The MPI test runs one `train_step` and one optimizer step per layout and requires the bytes the
 engine counted (`engine.comm_bytes`, per kind, per phase, on every rank) to equal
-`planning.step_comm` exactly: all group sizes here are powers of two, for which the engine's
-per-call ring formulas give integers. The model widths are chosen so that fsdp pads (12 and 6
-rows do not divide by 4 or 8), tp leaves an odd last layer replicated, and a pipeline boundary
-falls after a column-parallel layer (a tp-sharded activation is sent).
+`parallel.costs.step_comm` (the sum of every strategy file's `step_comm`) exactly: all group
+sizes here are powers of two, for which the engine's per-call ring formulas give integers.
+The model widths are chosen so that fsdp pads (12 and 6 rows do not divide by 4 or 8), tp
+leaves an odd last layer replicated, and a pipeline boundary falls after a column-parallel
+layer (a tp-sharded activation is sent).
 """
 import itertools
 import re
@@ -19,7 +20,9 @@ import pytest
 
 import mpishard as ms
 from mpishard import cli
-from mpishard.cli import plan as planning
+from mpishard.cli import plan
+from mpishard.comm.mesh import rank_of
+from mpishard.parallel import costs
 from mpishard.cli.bench import model_flops
 
 from conftest import RTOL32, assert_close, group_comm, run_mpi
@@ -63,7 +66,7 @@ def test_comm_bytes_match_the_plan(n, layout, dims, dtype):
     eng.load_checkpoint(params)
     opt = ms.optim.AdamW(eng, lr=1e-3)
     xl, tl = eng.shard_batch(x), eng.shard_batch(t)
-    want = planning.step_comm(model, layout, comm.Get_rank(), BATCH, np.dtype(dtype).itemsize)
+    want = costs.step_comm(model, layout, comm.Get_rank(), BATCH, np.dtype(dtype).itemsize)
 
     eng.reset_comm_stats()
     loss, grads = eng.train_step(xl, tl, ms.losses.MSE())
@@ -87,7 +90,7 @@ def test_comm_bytes_match_the_plan(n, layout, dims, dtype):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_dp_is_a_gradient_all_reduce_plus_the_loss(n):
     model = ms.MLP([12, 16, 8, 6])
-    got = planning.step_comm(model, f"dp={n}", n - 1, batch=8 * n, itemsize=4)
+    got = costs.step_comm(model, f"dp={n}", n - 1, batch=8 * n, itemsize=4)
     p = model.num_params() * 4
     assert got == {"train_step": {"all_reduce": 2 * (n - 1) / n * (p + 8)}, "optimizer": {}}
 
@@ -100,7 +103,7 @@ def test_fsdp_stages_cost_what_fsdp_py_says(n):
     loss = 2 * (n - 1) / n * 8
 
     def total(layout):
-        c = planning.step_comm_total(model, layout, 0, batch=4 * n, itemsize=8)
+        c = costs.step_comm_total(model, layout, 0, batch=4 * n, itemsize=8)
         return sum(c.values()) - loss
 
     dp = total(f"dp={n}")
@@ -113,17 +116,29 @@ def test_fsdp_stages_cost_what_fsdp_py_says(n):
 def test_tp_and_pp_terms():
     model = ms.MLP([12, 16, 8, 6])      # layer 0 column, 1 row, 2 replicated
     rows, s = 16, 8
-    tp = planning.step_comm_total(model, "tp=2", 0, batch=rows, itemsize=s)
+    tp = costs.step_comm_total(model, "tp=2", 0, batch=rows, itemsize=s)
     # only the row layer's forward all-reduce (the first layer needs no dL/dx), rows x 8
     assert tp == {"all_reduce": 2 * (2 - 1) / 2 * rows * 8 * s}
     # pp=2 puts layer 0 on stage 0 (most parameters); its 16-wide output goes forward and
     # its gradient comes back; under tp=2 the column layer's output is the 8-wide block
     for layout, width in (("pp=2", 16), ("pp=2,tp=2", 8)):
-        first = planning.step_comm(model, layout, 0, rows, s)["train_step"]
-        last = planning.step_comm(model, layout, planning.meshmod.rank_of(
-            ms.parse_layout(layout), {"pp": 1}), rows, s)["train_step"]
+        first = costs.step_comm(model, layout, 0, rows, s)["train_step"]
+        last_rank = rank_of(ms.parse_layout(layout), {"pp": 1})
+        last = costs.step_comm(model, layout, last_rank, rows, s)["train_step"]
         assert first["send"] == last["send"] == rows * width * s
         assert last["broadcast"] == 4 and "broadcast" not in first   # the loss, from the last
+
+
+def test_every_strategy_owns_its_cost_model():
+    """plan and inspect only add up STRATEGY_COSTS: each strategy file exposes memory and
+    step_comm, and a strategy whose axis is absent costs nothing."""
+    model = ms.MLP([12, 16, 8, 6])
+    view = costs.rank_view(model, "single", 0, itemsize=8, batch=16)
+    for strategy in costs.STRATEGY_COSTS:
+        assert strategy.memory(view, 2) == {}, strategy.__name__
+        assert not any(v for kinds in strategy.step_comm(view).values()
+                       for v in kinds.values()), strategy.__name__
+    assert costs.step_comm(model, "single", 0, 16) == {"train_step": {}, "optimizer": {}}
 
 
 def test_model_flops_counts_each_gemm():
@@ -137,7 +152,7 @@ def test_model_flops_counts_each_gemm():
 # -- plan: enumeration and the command (serial) ---------------------------------------------------
 @pytest.mark.parametrize("world", [1, 6, 8])
 def test_candidates_are_every_factorisation(world):
-    got = planning.candidate_layouts(world)
+    got = plan.candidate_layouts(world)
     assert len(got) == len(set(got))
     want = set()
     for dp, nf, pp, tp in itertools.product(range(1, world + 1), repeat=4):
@@ -163,13 +178,13 @@ def test_plan_table(capsys):
     body = lines[head + 1:head + 7]
     assert lines[head + 7] == ""
     model = ms.MLP([784, 512, 256, 10])
-    rows, rejected = planning.plan_layouts(model, 8, 64)
-    rows.sort(key=planning.SORT_KEYS["memory"])
+    rows, rejected = plan.plan_layouts(model, 8, 64)
+    rows.sort(key=plan.SORT_KEYS["memory"])
     assert [ln.split()[0] for ln in body] == [r["layout"] for r in rows[:6]]
     mems = [r["memory"] for r in rows]
     assert mems == sorted(mems)
     # pp=4 and pp=8 need 4 and 8 layers; tp=8 divides 512 and fits
-    assert {t for t, _ in rejected} == {x for x in planning.candidate_layouts(8)
+    assert {t for t, _ in rejected} == {x for x in plan.candidate_layouts(8)
                                        if ms.parse_layout(x).size("pp") > 3}
     assert "pp=8: pp=8 needs at least 8 layers, model has 3" in out
     assert any(r["layout"] == "tp=8" for r in rows)
@@ -177,7 +192,7 @@ def test_plan_table(capsys):
 
 def test_plan_filters_on_batch_and_microbatches():
     model = ms.MLP([12, 16, 8, 6])
-    rows, rejected = planning.plan_layouts(model, 4, batch=6, microbatches=2)
+    rows, rejected = plan.plan_layouts(model, 4, batch=6, microbatches=2)
     fits = {r["layout"] for r in rows}
     reasons = dict(rejected)
     assert "dp=4" in reasons and "does not divide by the 4 data-parallel" in reasons["dp=4"]
@@ -226,9 +241,9 @@ def test_bench_two_ranks():
                  "comm bytes/step reduce_scatter", "comm bytes/step total"):
         assert name in rows, f"{name!r} missing from:\n{r.stdout}"
     assert rows["step time (median)"][0].endswith("ms") and "layout 'fsdp=2,zero=2'" in r.stdout
-    for name, (measured, plan) in rows.items():
+    for name, (measured, planned) in rows.items():
         if name.startswith("comm bytes/step"):
-            assert measured == plan, f"{name}: measured {measured} != plan {plan}"
+            assert measured == planned, f"{name}: measured {measured} != plan {planned}"
 
 
 def test_bench_bad_input_exits_2_on_every_rank():

@@ -20,79 +20,13 @@ from mpi4py import MPI
 
 from .bench import add_bench_arguments, run_bench
 from .infer import add_infer_arguments, run_infer
-from .plan import add_plan_arguments, plan_report
+from .inspect import add_inspect_arguments, run_inspect
+from .plan import add_plan_arguments, run_plan
 from .schedule import add_schedule_arguments, run_schedule_command
 from .train import add_train_arguments, parse_train_args, run_train
-from .usage import (PROG, Parser, UsageError, check_flags, parse_dims, print_report,
-                    world_rank)
+from .usage import PROG, Parser, UsageError, world_rank
 
 __all__ = ["COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError"]
-
-
-# -- inspect (a checkpoint, or a layout plan; serial) -------------------------------------------
-def _add_inspect(p):
-    p.add_argument("checkpoint", nargs="?", metavar="CKPT",
-                   help="a checkpoint directory: prints names, shapes, dtypes, layout, step")
-    p.add_argument("--layout", help="plan a layout instead (no MPI launch needed): the mesh "
-                   "groups, each rank's shard shapes and memory, e.g. dp=2,tp=2,pp=2")
-    p.add_argument("--model", help="with --layout: comma-separated MLP dims, e.g. 64,256,256,10")
-    p.add_argument("--activation", default="relu", help="with --layout (default relu)")
-    p.add_argument("--no-bias", action="store_true", help="with --layout: layers without bias")
-    p.add_argument("--dtype", default="float64", choices=["float32", "float64"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
-                   help="with --layout: optimizer whose state is counted (default adamw)")
-    p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
-    return p
-
-
-def _run_inspect(args) -> int:
-    if args.layout is not None or args.model is not None:
-        return _run_inspect_layout(args)
-    from ..checkpoint import CheckpointError, describe
-
-    if args.checkpoint is None:
-        raise UsageError("inspect: give a checkpoint directory (inspect CKPT) or "
-                         "--layout L --model DIMS")
-    try:
-        text = describe(args.checkpoint)              # every rank reads, rank 0 prints
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
-    return print_report(text)
-
-
-def _run_inspect_layout(args) -> int:
-    from ..comm.mesh import parse_layout
-    from .plan import layout_report
-
-    if args.checkpoint is not None:
-        raise UsageError("inspect: give either a checkpoint or --layout/--model, not both")
-    if args.layout is None or args.model is None:
-        raise UsageError("inspect: --layout and --model go together, e.g. "
-                         "inspect --layout dp=2,tp=2 --model 64,256,256,10")
-    return _report_mlp("inspect", args, lambda model: layout_report(
-        model, parse_layout(args.layout), dtype=args.dtype, optimizer=args.optimizer,
-        momentum=args.momentum))
-
-
-# -- plan (every layout of a world size ranked by memory and communication; serial) -------------
-def _run_plan(args) -> int:
-    check_flags(args, ("world_size", "batch", "microbatches", "top"), low=0, low_open=True)
-    return _report_mlp("plan", args, lambda model: plan_report(
-        model, args.world_size, args.batch, dtype=args.dtype, optimizer=args.optimizer,
-        momentum=args.momentum, microbatches=args.microbatches, top=args.top, sort=args.sort))
-
-
-def _report_mlp(command, args, report) -> int:
-    """inspect --layout and plan: `report(MLP from --model/--activation/--no-bias)`, printed by
-    rank 0; the model's or the layout's ValueError/TypeError is a UsageError."""
-    from ..nn.models import MLP
-
-    try:
-        model = MLP(parse_dims(args.model), activation=args.activation, bias=not args.no_bias)
-        text = report(model)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"{command}: {exc}") from None
-    return print_report(text)
 
 
 # -- the command table ---------------------------------------------------------------------------
@@ -104,12 +38,12 @@ COMMANDS = {
                  add_schedule_arguments, run_schedule_command),
     "inspect": ("show a checkpoint (inspect CKPT) or plan a layout without MPI "
                 "(inspect --layout L --model DIMS): groups, shard shapes, memory per rank",
-                _add_inspect, _run_inspect),
+                add_inspect_arguments, run_inspect),
     "infer": ("run a checkpoint over the rows of an .npy file on a layout (python -m mpi4py "
               "-m mpishard infer --checkpoint DIR --input X.npy --output Y.npy ...)",
               add_infer_arguments, run_infer),
     "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
-             "(plan --model DIMS --world-size N --batch B)", add_plan_arguments, _run_plan),
+             "(plan --model DIMS --world-size N --batch B)", add_plan_arguments, run_plan),
     "bench": ("time training steps of a layout on synthetic data: step time, samples/s, "
               "GFLOP/s, communication (python -m mpi4py -m mpishard bench --layout L ...)",
               add_bench_arguments, run_bench),
