@@ -27,7 +27,6 @@ from .comm.backend import Backend
 from .comm.collectives import Comm
 from .comm.mesh import DATA_AXES, DeviceMesh, parse_layout
 from .nn.losses import get_loss
-from .parallel import placement as pl
 from .parallel.compose import compose
 
 
@@ -91,18 +90,10 @@ class ShardedEngine(ABC):
         return self.mesh.coord(group) if group is not None else self.device_id
 
     # -- communication statistics (per rank) ---------------------------------------------------
-    @property
-    def comm_bytes(self):
-        """Bytes this rank sent per kind (ring-algorithm counts; see comm/collectives.py)."""
-        return self.comm.stats.bytes
-
-    @property
-    def comm_calls(self):
-        return self.comm.stats.calls
-
-    @property
-    def comm_time(self):
-        return self.comm.stats.time
+    comm_bytes = property(lambda self: self.comm.stats.bytes,
+                          doc="bytes this rank sent per kind (ring-algorithm counts)")
+    comm_calls = property(lambda self: self.comm.stats.calls, doc="calls per kind")
+    comm_time = property(lambda self: self.comm.stats.time, doc="seconds per kind")
 
     def reset_comm_stats(self) -> None:
         self.comm.stats.reset()
@@ -362,33 +353,16 @@ class MeshEngine(ShardedEngine):
         return self.store.block_region(name, which)
 
     # -- full views ----------------------------------------------------------------------------
-    def _gather_full(self, local: dict, placements: dict) -> dict:
-        out = {}
-        pp = self.layout.size("pp")
-        for name, info in self.plan.items():
-            full = None
-            if info.placement.stage == self.stage:
-                if info.placement.held_at(self.mesh.coords):
-                    full = pl.gather_array(self.comm, local[name], placements[name],
-                                           info.full_shape)
-                for axis, coord in info.placement.owner.items():   # e.g. an expert's ep rank
-                    full = self.broadcast(full, root=coord, group=axis)
-            if pp > 1:
-                full = self.broadcast(full, root=info.placement.stage, group="pp")
-            if full is local.get(name):        # unsharded: hand out a copy, never the live array
-                full = full.copy()
-            out[name] = full
-        return out
-
     def gather_params(self) -> dict:
         """Collective: the full-shape parameter dict on every rank."""
         self._require_loaded()
-        return self._gather_full(self.params, self.placements)
+        return self.store.gather_full(self.comm, self.params, self.placements)
 
     def gather_grads(self, grads: dict | None = None) -> dict:
         """Collective: full-shape gradients on every rank."""
         self._require_loaded()
-        return self._gather_full(self.grads if grads is None else grads, self.grad_placements)
+        return self.store.gather_full(self.comm, self.grads if grads is None else grads,
+                                      self.grad_placements)
 
     def memory_report(self, optimizer=None) -> dict:
         """Bytes this rank holds, measured from its arrays (no communication):
@@ -399,17 +373,7 @@ class MeshEngine(ShardedEngine):
         gathered_peak  the most bytes of all-gathered (FSDP ZeRO-3) weights alive at once
         total          their sum
         """
-        extra_grads = getattr(self.access, "grad_buffers", {})
-        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
-        report = {
-            "params": _held(self.params.values()),
-            "grads": _held(list(self.grads.values()) + list(extra_grads.values())),
-            "optimizer": _held(v for entry in state.values() for v in entry.values()
-                               if hasattr(v, "nbytes") and getattr(v, "ndim", 0) > 0),
-            "gathered_peak": int(getattr(self.access, "peak_gathered_bytes", 0)),
-        }
-        report["total"] = sum(report.values())
-        return report
+        return self.store.memory_report(self.access, optimizer)
 
     def inference_loop(self, input_stream, output_stream) -> None:
         if self.layout.size("pp") > 1:
@@ -418,16 +382,6 @@ class MeshEngine(ShardedEngine):
 
     def __repr__(self):
         return f"MeshEngine({self.model!r}, layout={self.layout.text!r}, rank={self.device_id})"
-
-
-def _held(arrays) -> int:
-    """Bytes of the buffers behind `arrays` (a view counts as the buffer it lives in, once)."""
-    buffers = {}
-    for a in arrays:
-        while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
-            a = a.base
-        buffers[id(a)] = int(a.nbytes)
-    return sum(buffers.values())
 
 
 class SingleDevice(MeshEngine):

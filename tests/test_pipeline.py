@@ -12,7 +12,8 @@ import pytest
 import mpishard as ms
 from conftest import assert_close, assert_dicts_close, group_comm, run_mpi, single_reference
 from mpishard.parallel.schedules import Action, ideal_bubble, simulate
-from mpishard.parallel.pipeline import assign_stages, pipeline_bubble
+from mpishard.parallel.pipeline import pipeline_bubble
+from mpishard.parallel.stages import assign_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTHS = [10, 6, 12, 8]                     # hidden sizes cycle through these (all even: tp=2)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import Counter
 
 import numpy as np
 from mpi4py import MPI
@@ -33,6 +32,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from .debug import OPS, CollectiveMismatchError, check_signature
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .pool import ResultPool
+from .stats import CommStats
 
 __all__ = ["Comm", "CommStats", "CollectiveMismatchError", "Future", "agree"]
 
@@ -51,25 +51,6 @@ def agree(comm, error, exc=ValueError) -> None:
     if total[0]:
         msgs = comm.allgather(None if error is None else str(error))
         raise exc(next(m for m in msgs if m is not None))
-
-
-class CommStats:
-    """Bytes sent, calls and seconds per communication kind (one rank's view)."""
-
-    def __init__(self):
-        self.bytes: Counter = Counter()
-        self.calls: Counter = Counter()
-        self.time: Counter = Counter()
-
-    def count(self, kind, nbytes, t0) -> None:
-        self.calls[kind] += 1
-        self.bytes[kind] += int(nbytes)
-        self.time[kind] += time.perf_counter() - t0
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-        self.time.clear()
 
 
 class Comm(PointToPoint):

@@ -4,7 +4,7 @@ An engine is a pipeline of stages of layers (`pp=1` is a pipeline of one stage).
 builds this rank's part of it in the order the strategies stack:
 
 1. plan (no MPI): each parameter's Placement: its tp split (tensor_parallel.tp_shards), its pp
-   stage (pipeline.assign_stages) and its fsdp split (padded, dim 0); expert ownership for
+   stage (stages.assign_stages) and its fsdp split (padded, dim 0); expert ownership for
    an ms.MoE (expert_parallel.plan_moe_params). `inspect` and checkpoints use the same plan.
 2. store: this rank's parameter and gradient blocks (ZeRO-1/2 shard gradients on fsdp even
    where parameters are replicated: fsdp.gradient_layout).
@@ -28,7 +28,8 @@ from . import placement as pl
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
-from .pipeline import PipelineRunner, assign_stages
+from .pipeline import PipelineRunner
+from .stages import assign_stages
 from .store import ParamStore
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
                               tp_role, tp_shards)

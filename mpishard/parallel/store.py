@@ -66,3 +66,50 @@ class ParamStore:
         ranges, _ = pl.local_slices(self.full_shapes[name], placement, self.layout.sizes,
                                     self.coords)
         return ranges
+
+    # -- full views and memory -----------------------------------------------------------------
+    def gather_full(self, comm, local: dict, placements: dict) -> dict:
+        """Collective over the whole mesh (comm: the engine's Comm): the full-shape array of
+        every parameter on every rank, from the local blocks `local` laid out as `placements`
+        (the parameters, or the gradients with the gradient placements)."""
+        out = {}
+        stage, pp = self.coords.get("pp", 0), self.layout.size("pp")
+        for name, info in self.plan.items():
+            full = None
+            if info.placement.stage == stage:
+                if info.placement.held_at(self.coords):
+                    full = pl.gather_array(comm, local[name], placements[name],
+                                           info.full_shape)
+                for axis, coord in info.placement.owner.items():   # e.g. an expert's ep rank
+                    full = comm.broadcast(full, root=coord, group=axis)
+            if pp > 1:
+                full = comm.broadcast(full, root=info.placement.stage, group="pp")
+            if full is local.get(name):        # unsharded: hand out a copy, never the live array
+                full = full.copy()
+            out[name] = full
+        return out
+
+    def memory_report(self, access, optimizer=None) -> dict:
+        """Bytes held: params, grads (with the access policy's extra gradient buffers),
+        optimizer state, the access policy's gathered peak, and their total."""
+        extra_grads = getattr(access, "grad_buffers", {})
+        state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+        report = {
+            "params": held_bytes(self.params.values()),
+            "grads": held_bytes(list(self.grads.values()) + list(extra_grads.values())),
+            "optimizer": held_bytes(v for entry in state.values() for v in entry.values()
+                                    if hasattr(v, "nbytes") and getattr(v, "ndim", 0) > 0),
+            "gathered_peak": int(getattr(access, "peak_gathered_bytes", 0)),
+        }
+        report["total"] = sum(report.values())
+        return report
+
+
+def held_bytes(arrays) -> int:
+    """Bytes of the buffers behind `arrays` (a view counts as the buffer it lives in, once)."""
+    buffers = {}
+    for a in arrays:
+        while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+            a = a.base
+        buffers[id(a)] = int(a.nbytes)
+    return sum(buffers.values())

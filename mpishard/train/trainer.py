@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..nn.losses import get_loss
-from ..parallel.pipeline import pipeline_options
+from ..parallel.stages import pipeline_options
 from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
 from .optim import clip_grad_norm

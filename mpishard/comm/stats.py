@@ -1,0 +1,24 @@
+"""Per-rank communication counters: bytes sent, calls and seconds per kind."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+
+class CommStats:
+    """Bytes sent, calls and seconds per communication kind (one rank's view)."""
+
+    def __init__(self):
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+        self.time: Counter = Counter()
+
+    def count(self, kind, nbytes, t0) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += int(nbytes)
+        self.time[kind] += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.time.clear()
