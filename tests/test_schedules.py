@@ -148,10 +148,10 @@ def test_plain_tuples_are_accepted():
 
 @pytest.mark.parametrize('args,match', [
     (('pipedream', 2, 4), 'gpipe, 1f1b, interleaved'),
-    (('1f1b', 0, 4), 'pp must be >= 1, got 0'),
-    (('gpipe', 2, 0), 'microbatches must be >= 1, got 0'),
+    (('1f1b', 0, 4), 'pp must be a positive integer, got 0'),
+    (('gpipe', 2, 0), 'microbatches must be a positive integer, got 0'),
     (('gpipe', 2, 4, 2), 'virtual_stages == 1, got 2'),
-    (('1f1b', 2, 4, 0), 'virtual_stages must be >= 1, got 0'),
+    (('1f1b', 2, 4, 0), 'virtual_stages must be a positive integer, got 0'),
     (('interleaved', 2, 4, 1), 'virtual_stages >= 2, got 1'),
     (('interleaved', 4, 6, 2), r'microbatches \(6\).*pp \(4\)'),
 ])

@@ -1,7 +1,7 @@
 """Point-to-point transfers (Send/Recv, Isend/Irecv) of arrays of any shape and dtype.
 
 A message is a header (dtype code, ndim, shape: 12 int64 words) followed by the data, both
-with mpi4py's buffer methods, so arrays never go through pickle. The seed form of
+with mpi4py's buffer methods, so arrays never go through pickle. The three-argument form
 `send_async(src, dst, target)` sends no header: the receiver names the buffer it fills.
 
     send(dest)   forward  <->  receive(dest)   backward (the gradient travels the other way)
@@ -107,7 +107,7 @@ class PointToPoint:
         """Non-blocking send (Isend); returns a Future.
 
         Two forms: `send_async(arr, dest)` (the receiver calls `receive_async(src)` and learns
-        shape and dtype from a header), and the seed form `send_async(src, dst,
+        shape and dtype from a header), and the three-argument form `send_async(src, dst,
         target_device_id)` where `dst` is the buffer the target receives into
         (`receive_async(src, out=dst)`), so no header is sent and the message lands without an
         extra copy.
@@ -116,7 +116,7 @@ class PointToPoint:
         a = self.prepare(arr)
         comm = self._mpi(group)
         buf = self.backend.mpi_buffer(a, slot=None)      # fresh staging: many in flight
-        if target_device_id is not None:                 # seed form: (src, dst_buffer, target)
+        if target_device_id is not None:                 # (src, dst_buffer, target) form
             req = comm.Isend(buf, dest=target_device_id, tag=wire_tag(tag, _TAG_RAW))
             self.stats.count("send", a.nbytes, t0)
             return Future([req], keep=(a, buf))
@@ -132,7 +132,7 @@ class PointToPoint:
     def receive_async(self, src_id: int, out=None, tag: int = 0, group=None) -> Future:
         """Non-blocking receive (Irecv); `result()` returns the array.
 
-        With `out=` the message (sent by the seed form of send_async) lands in that buffer.
+        With `out=` the message (sent by the three-argument send_async) lands in that buffer.
         """
         comm = self._mpi(group)
         if out is not None:
@@ -164,7 +164,7 @@ class PointToPoint:
         return fut
 
     def _receive_into(self, comm, src_id, out, tag) -> Future:
-        """The seed form's receive: no header, the data lands in `out`."""
+        """The three-argument form's receive: no header, the data lands in `out`."""
         if not out.flags.c_contiguous:
             raise ValueError("receive_async(out=...) needs a C-contiguous buffer")
         buf = self.backend.mpi_buffer(out, slot="irecv") if self.backend.is_gpu else out

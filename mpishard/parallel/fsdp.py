@@ -19,7 +19,7 @@ array) is split along dim 0 into N slices of s = ceil(L / N) rows, the last ones
 reach a gradient, a checkpoint or `gather_params`: gathered weights are trimmed to L rows, and
 gradients are padded with zero rows before they are reduce-scattered.
 
-ZeRO-3 (zero=3, the default; the chapter's FSDP). The parameter placement itself is sharded, so
+ZeRO-3 (zero=3, the default: FSDP proper). The parameter placement itself is sharded, so
 `engine.params[name]` is the (s, ...) slice and the optimizer updates only it:
 
     get(W)       W = all_gather(W_r, axis 0, 'fsdp')[:L]      before the forward, and again in
@@ -132,14 +132,11 @@ class FSDPAccess:
         self.stage: dict = {}   # name -> 1, 2 or 3
         self.rows: dict = {}    # name -> L, rows of the block before the fsdp split
         for name, placement in store.placements.items():
-            if placement.is_replicated_on("fsdp"):    # gradients sharded, parameters not
-                self.stage[name] = min(self.zero, 2)
-                self.rows[name] = pl.local_shape(store.full_shapes[name], placement, sizes)[0]
-            else:
+            self.stage[name] = zero_stage(placement, layout)
+            if self.stage[name] == 3:
                 assert placement.shards[-1] == FSDP_SHARD, f"{name}: {placement}"
-                self.stage[name] = 3
-                before = replace(placement, shards=placement.shards[:-1])
-                self.rows[name] = pl.local_shape(store.full_shapes[name], before, sizes)[0]
+                placement = replace(placement, shards=placement.shards[:-1])   # before fsdp
+            self.rows[name] = pl.local_shape(store.full_shapes[name], placement, sizes)[0]
         self.padded: dict = {}      # ZeRO-1/2: name -> (N s, ...) replicated parameter buffer
         self.grad_buffers: dict = {}  # ZeRO-1: name -> (N s, ...) full local gradient
         self._live: dict = {}       # (name, mb) -> bytes of a gathered copy not yet released
@@ -249,12 +246,13 @@ class FSDPAccess:
 
 
 # -- cost model (no MPI): bytes this rank sends per train_step, and memory ---------------------
-def _zero_stage(view, info) -> int:
-    """FSDPAccess's stage of one parameter: 3 when its placement is sharded on fsdp, else the
-    layout's zero option capped at 2."""
-    if not info.placement.is_replicated_on("fsdp"):
+def zero_stage(placement, layout) -> int:
+    """The ZeRO stage of one parameter: 3 when its placement is sharded on fsdp, else the
+    layout's zero option capped at 2 (zero=3 on a parameter another strategy left replicated
+    on fsdp falls back to ZeRO-2)."""
+    if not placement.is_replicated_on("fsdp"):
         return 3
-    return min(view.layout.option("zero", 3), 2)
+    return min(layout.option("zero", 3), 2)
 
 
 def memory(view, n_state) -> dict:
@@ -265,7 +263,7 @@ def memory(view, n_state) -> dict:
         return {}
     extra = {"parameters": 0, "gradients": 0}
     for name, info in view.params.items():
-        stage = _zero_stage(view, info)
+        stage = zero_stage(info.placement, view.layout)
         if stage == 3:
             continue                                   # the placement made every block a shard
         padded = n * view.nbytes(view.grad_blocks[name])
@@ -288,7 +286,7 @@ def step_comm(view) -> dict:
     step = {"all_gather": 0, "reduce_scatter": 0}
     opt = {"all_gather": 0}
     for name, info in view.params.items():
-        stage = _zero_stage(view, info)
+        stage = zero_stage(info.placement, view.layout)
         if stage == 3:
             shard = view.nbytes(view.blocks[name])
             gathers = 2 if name.endswith("/weights") else 1

@@ -1,12 +1,12 @@
 """Pipeline parallelism: stages of layers, an executor for `schedules.py`, streaming inference.
 
-The chapter's pipeline puts layer 0 on device 0 and layer 1 on device 1 and passes the
+The simplest pipeline puts layer 0 on device 0 and layer 1 on device 1 and passes the
 activation forward with `send`, the gradient back with `send` the other way:
 
     stage 0:  h = relu(x W0 + b0)         send(h, 1)            ...   dh = receive(1)
     stage 1:  h = receive(0)              y = sigmoid(h W1 + b1)      send(dh, 0)
 
-Here the model's layers are cut into `pp * v` contiguous *virtual stages* (`assign_stages`);
+Here the model's layers are cut into `pp * v` contiguous *virtual stages* (`stages.assign_stages`);
 virtual stage k = chunk * pp + stage lives on pp rank k % pp as its chunk k // pp (v = 1
 except for the interleaved schedule). A batch is split into `microbatches`, and every rank runs
 its row of a schedule from `schedules.py`, a plain list of actions:

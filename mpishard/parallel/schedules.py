@@ -21,6 +21,8 @@ dependency cycles deadlock. Charts below use ``t_forward == t_backward == 1`` (o
 from collections import namedtuple
 from dataclasses import dataclass
 
+from ..validate import check_number
+
 Action = namedtuple('Action', 'kind microbatch chunk')
 Action.__doc__ = ("One pass: kind 'F' or 'B', microbatch 0..m-1, "
                   "chunk 0..v-1 (virtual chunk on this stage).")
@@ -34,11 +36,10 @@ class ScheduleError(ValueError):
 
 # ---------------------------------------------------------------------------------- builders
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+def _check_sizes(pp, microbatches, virtual_stages) -> None:
+    for name, value in (("pp", pp), ("microbatches", microbatches),
+                        ("virtual_stages", virtual_stages)):
+        check_number(name, value, low=1, integer=True)
 
 
 def _gpipe(pp, m):
@@ -109,9 +110,7 @@ def make_schedule(name, pp, microbatches, virtual_stages=1):
     """Return ``schedule[stage] -> list[Action]`` for 'gpipe', '1f1b' or 'interleaved'."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
-    _check_int('pp', pp, 1)
-    _check_int('microbatches', microbatches, 1)
-    _check_int('virtual_stages', virtual_stages, 1)
+    _check_sizes(pp, microbatches, virtual_stages)
     if name == 'interleaved':
         if virtual_stages < 2:
             raise ValueError(f"interleaved schedule needs virtual_stages >= 2, "
@@ -181,9 +180,7 @@ def simulate(schedule, pp, microbatches, virtual_stages=1, t_forward=1.0, t_back
     A chunk's forward takes t_forward / v and its backward t_backward / v. Raises ScheduleError
     for a malformed schedule or a deadlock (naming the stuck stages and their next actions).
     """
-    _check_int('pp', pp, 1)
-    _check_int('microbatches', microbatches, 1)
-    _check_int('virtual_stages', virtual_stages, 1)
+    _check_sizes(pp, microbatches, virtual_stages)
     if not (t_forward > 0 and t_backward > 0 and t_comm >= 0):
         raise ValueError(f"need t_forward > 0, t_backward > 0, t_comm >= 0; got "
                          f"{t_forward}, {t_backward}, {t_comm}")

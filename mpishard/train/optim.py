@@ -1,13 +1,14 @@
 """Optimizers on local shards, and global-norm clipping aware of sharding.
 
-Each optimizer walks `engine.optimizer_shards()`, a list of
+Each optimizer keeps two things of the engine: `optimizer_shards`, which lists
 
     (name, param block, grad block, replication)
 
-and updates the parameter block in place. Its state (momentum buffer, Adam moments) is created
-with the block's shape, so the state has exactly the sharding of its parameter: tp-split under
-tp, split again under fsdp/ZeRO, replicated where the parameter is. After the update it calls
-`engine.after_optimizer_step()` (ZeRO-1/2 all-gather the updated slices there).
+and `after_optimizer_step`. It updates each parameter block in place; its state (momentum
+buffer, Adam moments) is created with the block's shape, so the state has exactly the sharding
+of its parameter: tp-split under tp, split again under fsdp/ZeRO, replicated where the
+parameter is. After the update it calls `after_optimizer_step()` (ZeRO-1/2 all-gather the
+updated slices there).
 
 The update rules are PyTorch's, so a user moving from PyTorch gets the same numbers:
 
@@ -39,7 +40,10 @@ class Optimizer:
     def __init__(self, engine, lr, weight_decay=0.0):
         if not hasattr(engine, "optimizer_shards"):
             raise TypeError(f"optimizer needs an mpishard engine, got {type(engine).__name__}")
-        self.engine = engine
+        # what the optimizer uses of the engine, and nothing else
+        self.shards = engine.optimizer_shards          # -> [(name, param, grad, replication)]
+        self.after_step = engine.after_optimizer_step  # ZeRO-1/2 re-gather the slices there
+        self.xp, self.dtype, self.to_host = engine.xp, engine.dtype, engine.backend.to_host
         self.lr = lr                    # checked by the setter below
         self.weight_decay = check_number("weight_decay", weight_decay, low=0)
         self.state: dict = {}           # name -> {'step': int, arrays shaped like the block}
@@ -62,9 +66,9 @@ class Optimizer:
         if grads is not None and not isinstance(grads, dict):
             raise TypeError(f"step(grads): grads must be the dict from train_step, got "
                             f"{type(grads).__name__}")
-        for name, param, grad, _ in self.engine.optimizer_shards():
+        for name, param, grad, _ in self.shards():
             self.update(name, param, grad)
-        self.engine.after_optimizer_step()
+        self.after_step()
 
     def update(self, name, param, grad) -> None:
         raise NotImplementedError
@@ -78,7 +82,7 @@ class Optimizer:
 
         The arrays are host (numpy) copies of this rank's local blocks, shaped like the
         parameter block, keyed by the full parameter name."""
-        to_host = self.engine.backend.to_host
+        to_host = self.to_host
         state = {name: {k: (int(v) if k == "step" else np.array(to_host(v), copy=True))
                         for k, v in entry.items()} for name, entry in self.state.items()}
         return {"type": type(self).__name__, "hyperparameters": self.hyperparameters(),
@@ -89,8 +93,8 @@ class Optimizer:
         optimizer type or a block whose shape does not match this rank's parameter block."""
         if sd.get("type") != type(self).__name__:
             raise ValueError(f"state dict is for {sd.get('type')!r}, not {type(self).__name__}")
-        blocks = {name: p.shape for name, p, _, _ in self.engine.optimizer_shards()}
-        xp, dtype = self.engine.xp, self.engine.dtype
+        blocks = {name: p.shape for name, p, _, _ in self.shards()}
+        xp, dtype = self.xp, self.dtype
         state = {}
         for name, entry in sd["state"].items():
             if blocks and name not in blocks:
@@ -153,7 +157,7 @@ class AdamW(Optimizer):
         return dict(super().hyperparameters(), betas=list(self.betas), eps=self.eps)
 
     def update(self, name, p, g) -> None:
-        xp = self.engine.xp
+        xp = self.xp
         b1, b2 = self.betas
         entry = self.state.get(name)
         if entry is None:
