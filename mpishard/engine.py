@@ -228,10 +228,10 @@ class MeshEngine(ShardedEngine):
         """Concatenate per-rank outputs (rows) over the data axes: the global batch's output.
         Under pp the output lives on the last stage and is broadcast to the others."""
         if self.layout.size("pp") > 1:
-            y_local = self.broadcast(y_local, root=self.layout.size("pp") - 1, group="pp")
+            y_local = self.comm.broadcast(y_local, root=self.layout.size("pp") - 1, group="pp")
         if self.data_parallel_size == 1:
             return y_local
-        return self.all_gather(y_local, axis=0, group=DATA_AXES)
+        return self.comm.all_gather(y_local, axis=0, group=DATA_AXES)
 
     def _input(self, x):
         """x on the device in the engine's dtype (an integer or bool input would otherwise
@@ -324,9 +324,9 @@ class MeshEngine(ShardedEngine):
         """Mean of a per-rank scalar over the data axes (and from the last pp stage)."""
         v = np.array([value], dtype=np.float64)
         if self.layout.size("pp") > 1:
-            v = self.broadcast(v, root=self.layout.size("pp") - 1, group="pp")
+            v = self.comm.broadcast(v, root=self.layout.size("pp") - 1, group="pp")
         if self.data_parallel_size > 1:
-            v = self.all_reduce(v, op="avg", group=DATA_AXES)
+            v = self.comm.all_reduce(v, op="avg", group=DATA_AXES)
         return float(self.backend.to_host(v)[0])
 
     # -- what the optimizer and checkpoints see ------------------------------------------------
