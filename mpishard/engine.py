@@ -48,11 +48,12 @@ class ShardedEngine(ABC):
     dtype and shape across its group and raises `CollectiveMismatchError` on every rank.
     """
 
-    def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None):
+    def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
+                 cuda_aware=None):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
-        self.backend = Backend(device, world)
+        self.backend = device if isinstance(device, Backend) else Backend(device, world, cuda_aware)
         self.xp = self.backend.xp
         self.dtype = np.dtype(dtype)
         if debug is None:
@@ -152,15 +153,16 @@ class MeshEngine(ShardedEngine):
     layout : str  e.g. "dp=2,tp=2", "fsdp=4,zero=2", "pp=4,microbatches=8,schedule=1f1b"
     comm : mpi4py communicator (default COMM_WORLD)
     dtype : np.float64 or np.float32 (parameters, activations and gradients)
-    device : "cpu", "gpu" or "auto" (cupy when a GPU is visible)
+    device : "cpu", "gpu" or "auto" (cupy when a GPU is visible), or a comm.backend.Backend
+    cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
-                 debug=None):
+                 debug=None, cuda_aware=None):
         dtype = np.dtype(dtype)
         if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise TypeError(f"dtype must be float32 or float64, got {dtype}")
-        super().__init__(layout, comm, dtype, device, debug)
+        super().__init__(layout, comm, dtype, device, debug, cuda_aware)
         if not hasattr(model, "param_shapes"):
             raise TypeError(f"model must be an ms.MLP or ms.MoE spec, got {type(model).__name__}")
         self.model = model
@@ -385,14 +387,13 @@ class MeshEngine(ShardedEngine):
 
 
 class SingleDevice(MeshEngine):
-    """The one-device reference every other layout is tested against: one device holds
-    everything (runs on COMM_SELF unless a comm of size 1 is given)."""
+    """The one-device reference for every layout (COMM_SELF unless a size-1 comm is given)."""
 
-    def __init__(self, model, dtype=np.float64, comm=None, device="cpu", debug=None):
+    def __init__(self, model, dtype=np.float64, comm=None, device="cpu", **options):
         super().__init__(model, "single", comm=MPI.COMM_SELF if comm is None else comm,
-                         dtype=dtype, device=device, debug=debug)
+                         dtype=dtype, device=device, **options)
 
 
-def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu", debug=None):
-    """Build the engine for `layout` on every rank (SPMD). See MeshEngine."""
-    return MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, debug=debug)
+def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu", **options):
+    """Build the engine for `layout` on every rank (SPMD); options: debug=, cuda_aware=."""
+    return MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, **options)

@@ -35,8 +35,8 @@ from ..nn.models import MLP
 from ..engine import make_engine
 from ..train.optim import SGD, AdamW
 from .plan import COMM_KINDS, check_fit, step_comm_total
-from .usage import (agreed, check_flags, checked_layout, default_layout, parse_dims,
-                    print_report, world_comm)
+from .usage import (CUDA_AWARE, add_device_arguments, agreed, check_flags, checked_layout,
+                    default_layout, parse_dims, print_report, world_comm)
 
 
 def add_bench_arguments(p):
@@ -47,8 +47,7 @@ def add_bench_arguments(p):
     p.add_argument("--activation", default="relu", help="hidden activation (relu)")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
-                   help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    add_device_arguments(p.add_argument)
     p.add_argument("--steps", type=int, default=10, help="timed steps (10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
@@ -73,7 +72,7 @@ def build_bench(args, comm):
     model = MLP(parse_dims(args.model), activation=args.activation)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
-                            device=args.device)
+                            device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware])
     engine.load_checkpoint(model.init(seed=args.seed))
     opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
            else SGD(engine, lr=args.lr))

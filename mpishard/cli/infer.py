@@ -37,8 +37,8 @@ import numpy as np
 from ..checkpoint import CheckpointError
 from ..checkpoint import load as load_checkpoint
 from ..engine import make_engine
-from .usage import (UsageError, agreed, check_flags, checked_layout, default_layout,
-                    world_comm)
+from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_flags,
+                    checked_layout, default_layout, world_comm)
 
 DEFAULT_BATCH = 256
 
@@ -57,8 +57,7 @@ def add_infer_arguments(p):
                    "data-parallel size")
     p.add_argument("--dtype", choices=("float32", "float64"),
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    add_device_arguments(p.add_argument)
     return p
 
 
@@ -160,7 +159,8 @@ def build_inference(args, comm):
     x = _open_input(args.input, model.d_in)
     _check_output(args.output, args.input)
     dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)
-    engine = make_engine(model, layout, dtype=dtype, comm=comm, device=args.device)
+    engine = make_engine(model, layout, dtype=dtype, comm=comm, device=args.device,
+                         cuda_aware=CUDA_AWARE[args.cuda_aware])
     engine.load_checkpoint(ckpt)         # local reads (a corrupt block raises here)
     return engine, x
 

@@ -2,6 +2,10 @@
 
     python -m mpishard inspect CKPT
     python -m mpishard inspect --layout dp=2,tp=2,pp=2 --model 64,256,256,10
+    mpiexec -n 4 python -m mpi4py -m mpishard inspect --env
+
+`--env` prints the MPI library and version, whether it is CUDA-aware and why, the cupy version,
+the visible GPUs and which GPU each rank uses (comm/gpu.py).
 
 A checkpoint prints its names, shapes, dtypes, layout and step (checkpoint.describe). A layout
 prints the mesh (each rank's coordinates, the groups of every axis), each parameter's block on
@@ -13,10 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..checkpoint import CheckpointError, describe
+from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..nn.models import MLP
 from ..parallel.costs import check_fit, rank_memory
-from .usage import UsageError, parse_dims, print_report
+from .usage import UsageError, parse_dims, print_report, world_comm
 
 
 def format_bytes(n: float) -> str:
@@ -89,10 +94,16 @@ def add_inspect_arguments(p):
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="with --layout: optimizer whose state is counted (default adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
+    p.add_argument("--env", action="store_true", help="the MPI library, CUDA-aware yes/no and "
+                   "why, cupy, the visible GPUs and each rank's GPU (collective under mpiexec)")
     return p
 
 
 def run_inspect(args) -> int:
+    if args.env:
+        if args.checkpoint is not None or args.layout is not None or args.model is not None:
+            raise UsageError("inspect: --env takes no checkpoint, --layout or --model")
+        return print_report(environment_report(world_comm()))
     if args.layout is not None or args.model is not None:
         return _run_inspect_layout(args)
     if args.checkpoint is None:

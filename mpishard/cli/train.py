@@ -24,8 +24,9 @@ from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
 from ..train.lr import make_lr_schedule
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
-from .usage import (PROG, Parser, UsageError, agreed, check_flags, checked_layout,
-                    default_layout, parse_dims, print_report, world_comm)
+from .usage import (CUDA_AWARE, PROG, Parser, UsageError, add_device_arguments, agreed,
+                    check_flags, checked_layout, default_layout, parse_dims, print_report,
+                    world_comm)
 
 try:
     import tomllib
@@ -49,7 +50,7 @@ TRAIN_DEFAULTS = {
     "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
     "schedule": "constant", "warmup": 0, "min_lr": 0.0, "batch": 64, "epochs": None,
     "steps": None, "accumulate": 1, "clip": None, "seed": 0, "dtype": "float32",
-    "device": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
+    "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
 }
@@ -66,8 +67,7 @@ def add_train_arguments(p):
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
     m("--dtype", choices=("float32", "float64"), help="default float32")
-    m("--device", choices=("auto", "cpu", "gpu"),
-      help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    add_device_arguments(m, default=None)
     d = _recording(p.add_argument_group("data"), options)
     d("--dataset", choices=DATASETS, help="default digits")
     d("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for regression, "
@@ -287,7 +287,7 @@ def build_training(args, comm=None):
     model = MLP(dims, activation=args.activation,
                 final_activation="sigmoid" if loss == "bce" else None)
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
-                         device=args.device)
+                         device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware])
     engine.load_checkpoint(model.init(seed=args.seed))
     if args.optimizer == "adamw":
         opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,

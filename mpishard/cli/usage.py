@@ -104,6 +104,21 @@ def checked_layout(text, world_size: int):
     return layout
 
 
+CUDA_AWARE = {"yes": True, "no": False, "auto": None}
+"""--cuda-aware: hand device arrays to MPI directly (yes), stage through the host (no), or ask
+the MPI library (auto, the default; see `inspect --env`)."""
+
+
+def add_device_arguments(add, default="auto"):
+    """--device and --cuda-aware through `add` (a parser's or a group's add_argument);
+    `default=None` leaves the defaults to the caller (train's --config merge)."""
+    add("--device", choices=("auto", "cpu", "gpu"), default=default,
+        help="arrays on cupy when a GPU is visible (auto, default), or forced")
+    add("--cuda-aware", choices=tuple(CUDA_AWARE), default=default,
+        help="device arrays straight to MPI (yes), staged through the host (no), or ask the "
+        "MPI library (auto, default)")
+
+
 def print_report(text) -> int:
     """Rank 0 prints `text` (every rank computed it); exit code 0."""
     if world_rank() == 0:

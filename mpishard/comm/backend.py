@@ -4,78 +4,86 @@
 array to mpi4py:
 
 - numpy arrays go to MPI as they are (contiguous buffers, uppercase mpi4py methods).
-- cupy arrays go to a CUDA-aware MPI directly, after the current stream is synchronised so the
-  MPI library sees finished data.
-- cupy arrays with an MPI that is not CUDA-aware are staged through a host array that is kept
-  and reused for the next message of the same size and dtype.
+- device arrays go to a CUDA-aware MPI directly, after the current stream is synchronised so
+  the MPI library sees finished data.
+- device arrays with an MPI that is not CUDA-aware are staged through host arrays: one copy to
+  the host before MPI reads a buffer, one copy back after MPI wrote one (none for a buffer MPI
+  only writes, or only reads). Blocking calls reuse one host array per (slot, shape, dtype);
+  every in-flight non-blocking request borrows its own from a pool (`lend`) and returns it on
+  completion (`release`, which the request's Future calls), so two receives of the same shape
+  in flight never share a buffer.
 
-The device is chosen per node-local rank (rank i on a node uses GPU i % n_gpus). Nothing here is
-a global: the engine owns one Backend, built from its communicator.
+Whether the MPI is CUDA-aware is asked of the library (gpu.query_cuda_support) unless the
+caller says (`cuda_aware=True|False`). The device is chosen per node-local rank (gpu.py).
+`array_module=` replaces cupy with another device array module (the test suite's strict CPU
+stand-in, tests/device_double.py). Nothing here is a global: the engine owns one Backend.
 """
 from __future__ import annotations
 
-import os
+import logging
 
 import numpy as np
 
+from .gpu import gpu_for_rank, node_local_rank, query_cuda_support, try_import_cupy
 
-def _try_import_cupy():
+log = logging.getLogger("mpishard")
+
+
+def _device_count(cupy) -> int:
     try:
-        import cupy  # noqa: F401
-
-        return cupy
-    except Exception:  # ImportError, or a broken CUDA install
-        return None
-
-
-def mpi_is_cuda_aware() -> bool:
-    """Ask the MPI library whether it takes device pointers (MPIX_Query_cuda_support)."""
-    from mpi4py import MPI
-
-    query = getattr(MPI, "Query_cuda_support", None)
-    if query is not None:
-        try:
-            return bool(query())
-        except Exception:
-            return False
-    return False
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
 
 
 class Backend:
-    """The array module and the MPI hand-off rules for one engine."""
+    """The array module and the MPI hand-off rules for one engine.
 
-    def __init__(self, device: str = "cpu", comm=None, cuda_aware: bool | None = None):
+    staged: bytes copied through host staging, {"to_host": n, "to_device": n} (host<->device
+    copies made for MPI; 0 with a CUDA-aware MPI or on CPU).
+    """
+
+    KEEP_PER_SHAPE = 4           # free host buffers the pool keeps per (shape, dtype)
+
+    def __init__(self, device: str = "cpu", comm=None, cuda_aware: bool | None = None,
+                 array_module=None):
         if device not in ("auto", "cpu", "gpu"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
-        cupy = _try_import_cupy() if device in ("auto", "gpu") else None
-        if device == "gpu" and cupy is None:
-            raise ValueError("device='gpu' needs cupy (pip install -e '.[cuda12]')")
-        if cupy is not None:
-            try:
-                n_gpus = cupy.cuda.runtime.getDeviceCount()
-            except Exception:
-                n_gpus = 0
-            if n_gpus == 0:
+        if cuda_aware not in (None, True, False):
+            raise TypeError(f"cuda_aware must be True, False or None, got {cuda_aware!r}")
+        module = None
+        if device != "cpu":
+            module = array_module if array_module is not None else try_import_cupy()
+            if device == "gpu" and module is None:
+                raise ValueError("device='gpu' needs cupy (pip install -e '.[cuda12]')")
+            if module is not None and _device_count(module) == 0:
                 if device == "gpu":
                     raise ValueError("device='gpu' but cupy sees no CUDA device")
-                cupy = None
-        self.is_gpu = cupy is not None
-        self.xp = cupy if self.is_gpu else np
-        self.name = "cupy" if self.is_gpu else "numpy"
-        self.local_rank = 0
+                module = None
+        self.is_gpu = module is not None
+        self.xp = module if self.is_gpu else np
+        self.name = getattr(self.xp, "__name__", "device") if self.is_gpu else "numpy"
+        self.local_rank = node_local_rank(comm) if self.is_gpu and comm is not None else 0
+        self.device_index = None
         if self.is_gpu:
-            if comm is not None:
-                from mpi4py import MPI
-
-                node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-                self.local_rank = node.Get_rank()
-                node.Free()
-            cupy.cuda.Device(self.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
-        if cuda_aware is None:
-            env = os.environ.get("MPISHARD_CUDA_AWARE")
-            cuda_aware = (env == "1") if env is not None else (self.is_gpu and mpi_is_cuda_aware())
-        self.cuda_aware = bool(cuda_aware) and self.is_gpu
+            self.device_index = gpu_for_rank(self.local_rank, _device_count(module))
+            module.cuda.Device(self.device_index).use()
+        self.cuda_aware, self.cuda_aware_reason = self._cuda_aware(cuda_aware)
+        self.staged = {"to_host": 0, "to_device": 0}
         self._staging: dict[tuple, np.ndarray] = {}
+        self._free: dict[tuple, list] = {}
+
+    def _cuda_aware(self, override):
+        """(hand device arrays to MPI directly?, why)."""
+        if not self.is_gpu:
+            return False, "arrays are on the host (numpy)"
+        if override is not None:
+            return override, f"set by the caller (cuda_aware={override})"
+        aware, why = query_cuda_support()
+        if not aware:
+            log.info("MPI is not CUDA-aware (%s): staging device arrays through host memory",
+                     why)
+        return aware, why
 
     # -- conversions -------------------------------------------------------------------------
     def asarray(self, a, dtype=None):
@@ -84,34 +92,57 @@ class Backend:
 
     def to_host(self, a) -> np.ndarray:
         """A numpy copy/view of `a` for printing, saving and comparing."""
-        if self.is_gpu and not isinstance(a, np.ndarray):
+        if self.is_gpu and not isinstance(a, (np.ndarray, np.generic)):
             return self.xp.asnumpy(a)
         return np.asarray(a)
 
-    # -- MPI hand-off ------------------------------------------------------------------------
-    def mpi_buffer(self, a, slot: str = "send"):
-        """Return the object to give to an mpi4py uppercase call for the contiguous array `a`.
+    def synchronize(self) -> None:
+        """Wait for the device's current stream (no-op on CPU)."""
+        if self.is_gpu:
+            self.xp.cuda.get_current_stream().synchronize()
 
-        On GPU without CUDA-aware MPI the data is copied into a reused host array; call
-        `mpi_finish(buffer, a)` after a receive to copy it back to the device. `slot=None`
-        gives a fresh host array (non-blocking sends: several may be in flight at once).
+    # -- MPI hand-off ------------------------------------------------------------------------
+    def mpi_buffer(self, a, slot: str | None = "send", read: bool = True):
+        """The object to give an mpi4py uppercase call for the contiguous array `a`.
+
+        read: MPI reads `a` (a send buffer, or an in-place one); False for a buffer MPI only
+        writes, which then needs no copy to the host. After MPI wrote the buffer, call
+        `mpi_finish(buffer, a)`. slot: blocking calls reuse one host array per slot, shape and
+        dtype; `slot=None` borrows a host array for a non-blocking request, to be handed back
+        with `release(buffer)` once the request completed.
         """
         if not self.is_gpu:
             return a
-        self.xp.cuda.get_current_stream().synchronize()
+        self.synchronize()             # MPI (or the copy below) sees finished device data
         if self.cuda_aware:
             return a
+        key = (a.shape, np.dtype(a.dtype).str)
         if slot is None:
-            return a.get()
-        key = (slot, a.shape, a.dtype.str)
-        host = self._staging.get(key)
-        if host is None:
-            host = np.empty(a.shape, dtype=a.dtype)
-            self._staging[key] = host
-        a.get(out=host)
+            free = self._free.get(key)
+            host = free.pop() if free else np.empty(a.shape, dtype=a.dtype)
+        else:
+            host = self._staging.get((slot,) + key)
+            if host is None:
+                host = self._staging[(slot,) + key] = np.empty(a.shape, dtype=a.dtype)
+        if read:
+            a.get(out=host)
+            self.staged["to_host"] += a.nbytes
         return host
 
     def mpi_finish(self, buffer, a) -> None:
-        """After MPI wrote into `buffer` (from mpi_buffer(a)), make `a` hold the result."""
+        """After MPI wrote into `buffer` (from mpi_buffer(a)), make `a` hold the result; the
+        stream is synchronised, so the data is in place before it is used or the host
+        buffer is reused."""
         if self.is_gpu and buffer is not a:
             a.set(buffer)
+            self.staged["to_device"] += a.nbytes
+            self.synchronize()
+
+    def release(self, *buffers) -> None:
+        """Hand host buffers borrowed with `mpi_buffer(a, slot=None)` back to the pool (a
+        device array, or anything else not borrowed, is ignored)."""
+        for buf in buffers:
+            if isinstance(buf, np.ndarray) and self.is_gpu and not self.cuda_aware:
+                free = self._free.setdefault((buf.shape, buf.dtype.str), [])
+                if len(free) < self.KEEP_PER_SHAPE and all(b is not buf for b in free):
+                    free.append(buf)

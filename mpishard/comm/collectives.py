@@ -139,7 +139,7 @@ class Comm(PointToPoint):
         t0 = time.perf_counter()
         a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
         sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        rbuf = self.backend.mpi_buffer(out, slot="recv", read=out is a)
         comm.Allreduce(sbuf, rbuf, op=OPS[op])
         self.backend.mpi_finish(rbuf, out)
         if op == "avg" and n > 1:
@@ -175,13 +175,10 @@ class Comm(PointToPoint):
         (the all_reduce formula, under 'all_reduce'); the time counts the issue only.
         """
         t0 = time.perf_counter()
-        reused = out is not None               # a caller's buffer: its staging copy is kept
         a, out, comm, n = self._all_reduce_args(arr, op, group, out)
-        # GPU staging without CUDA-aware MPI: one kept host buffer per caller-owned result;
-        # a fresh one otherwise, so the staging dict does not grow with every call
-        slot = f"iallreduce-{id(out)}" if reused else None
+        # device staging without CUDA-aware MPI: host buffers of this request's own
         sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a, slot=None)
-        rbuf = self.backend.mpi_buffer(out, slot=slot)
+        rbuf = self.backend.mpi_buffer(out, slot=None, read=out is a)
         req = comm.Iallreduce(sbuf, rbuf, op=OPS[op])
 
         def finish():
@@ -190,7 +187,8 @@ class Comm(PointToPoint):
                 self.xp.divide(out, n, out=out)
             return out
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
-        return Future([req], finish, keep=(a, sbuf, rbuf))
+        return Future([req], finish, keep=(a, sbuf, rbuf),
+                      release=lambda: self.backend.release(sbuf, rbuf))
 
     # -- all_gather --------------------------------------------------------------------------
     def _gather_args(self, arr, axis, group, uneven=False):
@@ -220,7 +218,7 @@ class Comm(PointToPoint):
         # not pooled: gathered weights (FSDP) must really be freed
         out = self.xp.empty((int(lens.sum()),) + rest, dtype=moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         if (lens == lens[0]).all():
             comm.Allgather(sbuf, rbuf)
         else:
@@ -243,15 +241,16 @@ class Comm(PointToPoint):
         t0 = time.perf_counter()
         moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
         out = self.xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved, slot=None)    # fresh staging: several in flight
-        rbuf = self.backend.mpi_buffer(out, slot=None)
+        sbuf = self.backend.mpi_buffer(moved, slot=None)    # this request's own staging
+        rbuf = self.backend.mpi_buffer(out, slot=None, read=False)
         req = comm.Iallgather(sbuf, rbuf)
 
         def finish():
             self.backend.mpi_finish(rbuf, out)
             return self._back(out, axis)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
-        return Future([req], finish, keep=(moved, sbuf, out, rbuf))
+        return Future([req], finish, keep=(moved, sbuf, out, rbuf),
+                      release=lambda: self.backend.release(sbuf, rbuf))
 
     # -- reduce_scatter, all_to_all ----------------------------------------------------------
     def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
@@ -276,7 +275,7 @@ class Comm(PointToPoint):
         lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
         out = self.pool.get((lens[r],) + rest, moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         if length % n == 0:
             comm.Reduce_scatter_block(sbuf, rbuf, op=MPI.SUM)
         else:
@@ -304,7 +303,7 @@ class Comm(PointToPoint):
         moved = self._moved(a, axis)
         out = self.pool.get(moved.shape, moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         comm.Alltoall(sbuf, rbuf)
         self.backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
@@ -345,7 +344,7 @@ class Comm(PointToPoint):
         rdis = np.concatenate([[0], np.cumsum(rc)[:-1]]) * row
         mtype = from_numpy_dtype(a.dtype)
         sbuf = self.backend.mpi_buffer(a)
-        rbuf = self.backend.mpi_buffer(out, slot="recv")
+        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         comm.Alltoallv([sbuf, sc * row, sdis, mtype], [rbuf, rc * row, rdis, mtype])
         self.backend.mpi_finish(rbuf, out)
         me = comm.Get_rank()
@@ -364,7 +363,7 @@ class Comm(PointToPoint):
         if comm.Get_rank() != root:
             shape, dtype = header_shape(h)
             a = self.xp.empty(shape, dtype=dtype)
-        buf = self.backend.mpi_buffer(a, slot="bcast")
+        buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
         comm.Bcast(buf, root=root)
         self.backend.mpi_finish(buf, a)
         n = comm.Get_size()

@@ -11,6 +11,7 @@ with mpi4py's buffer methods, so arrays never go through pickle. The three-argum
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -56,11 +57,16 @@ def wire_tag(tag, kind) -> int:
 
 
 class Future:
-    """A pending non-blocking transfer (Isend/Irecv). `result()` waits, `done()` polls."""
+    """A pending non-blocking transfer (Isend/Irecv). `result()` waits, `done()` polls.
 
-    def __init__(self, requests, finish=None, keep=()):
+    finish: run once on completion, its value is the result. release: run after it, e.g. to
+    hand this request's host staging buffers back to the Backend's pool.
+    """
+
+    def __init__(self, requests, finish=None, keep=(), release=None):
         self._requests = list(requests)
         self._finish = finish
+        self._release = release
         self._keep = keep  # buffers that must stay alive until completion
         self._value = None
         self._done = False
@@ -83,6 +89,8 @@ class Future:
     def _complete(self):
         self._done = True
         self._value = self._finish() if self._finish is not None else None
+        if self._release is not None:
+            self._release()
         self._keep = ()
 
 
@@ -115,11 +123,12 @@ class PointToPoint:
         t0 = time.perf_counter()
         a = self.prepare(arr)
         comm = self._mpi(group)
-        buf = self.backend.mpi_buffer(a, slot=None)      # fresh staging: many in flight
+        buf = self.backend.mpi_buffer(a, slot=None)      # this request's own staging
+        release = functools.partial(self.backend.release, buf)
         if target_device_id is not None:                 # (src, dst_buffer, target) form
             req = comm.Isend(buf, dest=target_device_id, tag=wire_tag(tag, _TAG_RAW))
             self.stats.count("send", a.nbytes, t0)
-            return Future([req], keep=(a, buf))
+            return Future([req], keep=(a, buf), release=release)
         dest = dst if dest is None else dest
         if dest is None or not isinstance(dest, (int, np.integer)):
             raise TypeError("send_async(arr, dest) needs an integer destination rank")
@@ -127,7 +136,7 @@ class PointToPoint:
         reqs = [comm.Isend(h, dest=int(dest), tag=wire_tag(tag, _TAG_HEADER)),
                 comm.Isend(buf, dest=int(dest), tag=wire_tag(tag, _TAG_DATA))]
         self.stats.count("send", a.nbytes, t0)
-        return Future(reqs, keep=(a, buf, h))
+        return Future(reqs, keep=(a, buf, h), release=release)
 
     def receive_async(self, src_id: int, out=None, tag: int = 0, group=None) -> Future:
         """Non-blocking receive (Irecv); `result()` returns the array.
@@ -155,8 +164,7 @@ class PointToPoint:
                 del self.pending_receives[key]
             shape, dtype = header_shape(h)
             out_arr = self.xp.empty(shape, dtype=dtype)
-            buf = self.backend.mpi_buffer(out_arr, slot="recv") if self.backend.is_gpu \
-                else out_arr
+            buf = self.backend.mpi_buffer(out_arr, slot="recv", read=False)
             comm.Recv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))
             self.backend.mpi_finish(buf, out_arr)
             return out_arr
@@ -167,10 +175,12 @@ class PointToPoint:
         """The three-argument form's receive: no header, the data lands in `out`."""
         if not out.flags.c_contiguous:
             raise ValueError("receive_async(out=...) needs a C-contiguous buffer")
-        buf = self.backend.mpi_buffer(out, slot="irecv") if self.backend.is_gpu else out
+        # a host buffer of this request's own: two receives in flight never share one
+        buf = self.backend.mpi_buffer(out, slot=None, read=False)
         req = comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_RAW))
 
         def finish():
             self.backend.mpi_finish(buf, out)
             return out
-        return Future([req], finish, keep=(buf,))
+        return Future([req], finish, keep=(buf,),
+                      release=functools.partial(self.backend.release, buf))

@@ -1,0 +1,261 @@
+"""A strict CPU stand-in for cupy: device arrays that are not numpy arrays.
+
+`DeviceModule(cuda_aware=...)` is an array module for `Backend(array_module=...)`. Its arrays
+(`DeviceArray`) hold a numpy array in "device memory" and behave like cupy's, only stricter:
+
+- implicit conversion refuses: `np.asarray(d)` / `__array__` raise TypeError (as cupy does);
+  so does every numpy function called on them (`__array_function__`, `__array_ufunc__`), where
+  cupy would dispatch: the library must call `xp.` functions, never `np.` ones;
+- mixing with host arrays refuses: `d + np_array`, `xp.add(d, np_array)`, `d[np_index]`;
+- no buffer protocol, so an unstaged device array handed to mpi4py raises; in CUDA-aware mode
+  `__cuda_array_interface__` exposes the memory (host memory, which MPI reads and writes on
+  this machine exactly as a CUDA-aware MPI would device memory);
+- every host<->device copy is counted (`module.copies`): `xp.asarray(host)` (to_device),
+  `d.get()` / `xp.asnumpy(d)` / `float(d)` (to_host), `d.set(host)` (to_device).
+"""
+from __future__ import annotations
+
+import operator
+import types
+
+import numpy as np
+
+
+class CopyCounter:
+    """Host<->device copies, per direction ("to_host", "to_device"):
+
+    bytes, calls   every copy
+    staging        bytes of copies into/out of a caller's host buffer (`d.get(out=host)`,
+                   `d.set(host)`: what MPI staging does)
+    other_arrays   bytes of the other copies of more than one element (asarray of a host
+                   array, asnumpy, get()); scalars (float(loss)) are only in bytes and calls
+    syncs          stream synchronisations
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.bytes, self.calls, self.staging, self.other_arrays = (
+            {"to_host": 0, "to_device": 0} for _ in range(4))
+        self.syncs = 0
+
+    def add(self, direction, a, staging=False):
+        self.calls[direction] += 1
+        self.bytes[direction] += a.nbytes
+        if staging:
+            self.staging[direction] += a.nbytes
+        elif a.size > 1:
+            self.other_arrays[direction] += a.nbytes
+
+
+class DeviceArray:
+    """An array in (pretend) device memory. `_base` keeps the array a view came from, as
+    cupy's `.base` does, so reference counts see views (the result pool relies on that)."""
+
+    __array_ufunc__ = None            # numpy ufuncs on a device array raise TypeError
+
+    def __init__(self, data, module, base=None):
+        assert isinstance(data, np.ndarray), type(data)
+        self._data, self._module, self._base = data, module, base
+
+    # -- what cupy refuses -------------------------------------------------------------------
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
+                        "`.get()` to construct a NumPy array explicitly.")
+
+    def __array_function__(self, func, types_, args, kwargs):
+        raise TypeError(f"numpy.{func.__name__} called on a device array: use xp.{func.__name__}")
+
+    @property
+    def __cuda_array_interface__(self):
+        if not self._module.cuda_aware:
+            raise AttributeError("__cuda_array_interface__ (the MPI is not CUDA-aware here)")
+        a = self._data
+        assert a.flags.c_contiguous, "MPI got a non-contiguous device buffer"
+        return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
+                "version": 3, "strides": None, "stream": None}
+
+    # -- explicit transfers (counted) --------------------------------------------------------
+    def get(self, out=None):
+        self._module.copies.add("to_host", self._data, staging=out is not None)
+        if out is None:
+            return self._data.copy()
+        np.copyto(out, self._data)
+        return out
+
+    def set(self, host):
+        if not isinstance(host, np.ndarray):
+            raise TypeError(f"set() needs a numpy array, got {type(host).__name__}")
+        self._module.copies.add("to_device", host, staging=True)
+        np.copyto(self._data, host)
+
+    def item(self):
+        self._module.copies.add("to_host", self._data)
+        return self._data.item()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __bool__(self):
+        return bool(self.item())
+
+    def __index__(self):
+        return operator.index(self.item())
+
+    # -- everything else: numpy's own methods on the device data -----------------------------
+    shape = property(lambda self: self._data.shape)
+    dtype = property(lambda self: self._data.dtype)
+    ndim = property(lambda self: self._data.ndim)
+    size = property(lambda self: self._data.size)
+    nbytes = property(lambda self: self._data.nbytes)
+    itemsize = property(lambda self: self._data.itemsize)
+    strides = property(lambda self: self._data.strides)
+    flags = property(lambda self: self._data.flags)
+    base = property(lambda self: self._base)
+    T = property(lambda self: self._module.wrap(self._data.T, (self,)))
+
+    def __len__(self):
+        return len(self._data)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self):
+        return f"DeviceArray({self._data!r})"
+
+    def __array_namespace__(self, api_version=None):
+        return self._module
+
+    def __getattr__(self, name):
+        if name.startswith("__"):       # numpy's __array_interface__ etc. stay hidden
+            raise AttributeError(name)
+        attr = getattr(self._data, name)
+        if not callable(attr):
+            return self._module.wrap(attr, (self,))
+
+        def method(*args, **kwargs):
+            return self._module.call(attr, args, kwargs, (self,))
+        return method
+
+    def __getitem__(self, index):
+        return self._module.wrap(self._data[self._module.unwrap(index)], (self,))
+
+    def __setitem__(self, index, value):
+        self._data[self._module.unwrap(index)] = self._module.unwrap(value)
+
+
+def _binary(name):
+    def op(self, *args):
+        return self._module.call(getattr(self._data, name), args, {}, (self,))
+    return op
+
+
+def _inplace(name):
+    def op(self, other):
+        getattr(self._data, name)(self._module.unwrap(other))
+        return self
+    return op
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+              "xor", "lshift", "rshift"):
+    for _form in ("__{}__", "__r{}__"):
+        setattr(DeviceArray, _form.format(_name), _binary(_form.format(_name)))
+    setattr(DeviceArray, f"__i{_name}__", _inplace(f"__i{_name}__"))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne", "neg", "pos", "abs", "invert"):
+    setattr(DeviceArray, f"__{_name}__", _binary(f"__{_name}__"))
+DeviceArray.__hash__ = None
+
+
+class DeviceModule(types.ModuleType):
+    """The array module: numpy's functions on device arrays, strict about host arrays."""
+
+    def __init__(self, cuda_aware=False, n_devices=1):
+        super().__init__("device_double")
+        self.cuda_aware = bool(cuda_aware)
+        self.copies = CopyCounter()
+        self.ndarray = DeviceArray
+        self.cuda = types.SimpleNamespace(
+            get_current_stream=lambda: types.SimpleNamespace(synchronize=self._synchronize),
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: n_devices),
+            Device=lambda i: types.SimpleNamespace(use=lambda: None))
+
+    def _synchronize(self):
+        self.copies.syncs += 1
+
+    # -- wrapping ----------------------------------------------------------------------------
+    def unwrap(self, x):
+        """Device data for a call: DeviceArray -> its numpy data; a host array raises."""
+        if isinstance(x, DeviceArray):
+            return x._data
+        if isinstance(x, np.ndarray):
+            raise TypeError(f"host array {x.shape} {x.dtype} mixed with device arrays "
+                            "(use xp.asarray to copy it to the device)")
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.unwrap(v) for v in x)
+        if isinstance(x, dict):
+            return {k: self.unwrap(v) for k, v in x.items()}
+        return x
+
+    def wrap(self, r, sources=()):
+        """numpy results -> device arrays (0-d for scalars, as cupy's reductions give);
+        a view of a source array keeps that source as its base."""
+        if isinstance(r, np.ndarray):
+            base = next((s for s in sources if isinstance(s, DeviceArray)
+                         and np.may_share_memory(r, s._data)), None)
+            if base is not None and r is base._data:
+                return base
+            return DeviceArray(r, self, base)
+        if isinstance(r, np.generic) and not isinstance(r, np.dtype):
+            return DeviceArray(np.asarray(r), self)
+        if isinstance(r, tuple):
+            return tuple(self.wrap(v, sources) for v in r)
+        if isinstance(r, list):
+            return [self.wrap(v, sources) for v in r]
+        return r
+
+    def call(self, func, args, kwargs, sources=()):
+        sources = tuple(sources) + tuple(_device_args(args, kwargs))
+        return self.wrap(func(*self.unwrap(args), **self.unwrap(kwargs)), sources)
+
+    # -- transfers ---------------------------------------------------------------------------
+    def asarray(self, a, dtype=None, order=None):
+        if isinstance(a, DeviceArray):
+            if dtype is None or np.dtype(dtype) == a.dtype:
+                return a
+            return DeviceArray(a._data.astype(dtype), self)
+        host = np.array(a, dtype=dtype, order=order or "K")
+        self.copies.add("to_device", host)
+        return DeviceArray(host, self)
+
+    def array(self, a, dtype=None, copy=True):
+        if isinstance(a, DeviceArray):
+            return DeviceArray(a._data.astype(dtype or a.dtype, copy=True), self)
+        return self.asarray(a, dtype=dtype)
+
+    def asnumpy(self, a):
+        if not isinstance(a, DeviceArray):
+            return np.asarray(a)
+        return a.get()
+
+    def __getattr__(self, name):
+        attr = getattr(np, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr                      # dtypes, constants (float32, pi, newaxis)
+
+        def function(*args, **kwargs):
+            return self.call(attr, args, kwargs)
+        function.__name__ = name
+        return function
+
+
+def _device_args(args, kwargs):
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, DeviceArray):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            yield from (v for v in x if isinstance(v, DeviceArray))
