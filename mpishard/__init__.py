@@ -11,12 +11,12 @@ from .comm.collectives import CollectiveMismatchError, Future
 from .comm.mesh import DeviceMesh, Layout, parse_layout
 from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
 from .nn import losses
-from .nn.models import MLP, MoE
+from .nn.models import GPT, MLP, MoE
 from .train import data, optim, trainer
 
 __version__ = "0.1.0"
 
-__all__ = ["MLP", "MoE", "ShardedEngine", "MeshEngine", "SingleDevice", "DeviceMesh", "Layout",
-           "CollectiveMismatchError", "Future", "make_engine", "parse_layout", "losses", "nn",
-           "checkpoint", "data", "optim", "trainer",
+__all__ = ["GPT", "MLP", "MoE", "ShardedEngine", "MeshEngine", "SingleDevice", "DeviceMesh",
+           "Layout", "CollectiveMismatchError", "Future", "make_engine", "parse_layout",
+           "losses", "nn", "checkpoint", "data", "optim", "trainer",
            "__version__"]

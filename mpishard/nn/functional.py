@@ -1,4 +1,5 @@
-"""Forward/backward pairs: linear layers and activations, on any array module `xp`.
+"""Forward/backward pairs: linear, LayerNorm, embedding and activations, on any array module
+`xp` (attention: attention.py).
 
 The einsum strings are the shape documentation. `einsum` below routes every two-operand,
 one-contraction spec ('bd,df->bf', 'bf,df->bd', 'bd,bf->df', ...) to a single BLAS matmul with
@@ -25,13 +26,17 @@ def array_module(a):
 
 @lru_cache(maxsize=None)
 def _matmul_plan(spec: str):
-    """For 'ij,jk->ik'-like specs: (transpose a?, transpose b?, transpose out?) or None."""
+    """For 'ij,jk->ik'-like specs, optionally behind the same batch letters in all three
+    ('bhtd,bhsd->bhts'): (transpose a?, transpose b?, transpose out?) or None."""
     try:
         ins, out = spec.replace(" ", "").split("->")
         a, b = ins.split(",")
     except ValueError:
         return None
-    if len(a) != 2 or len(b) != 2 or len(out) != 2:
+    if not len(a) == len(b) == len(out) >= 2 or not a[:-2] == b[:-2] == out[:-2]:
+        return None
+    batch, (a, b, out) = a[:-2], (a[-2:], b[-2:], out[-2:])
+    if set(batch) & set(a + b + out) or len(set(batch)) != len(batch):
         return None
     shared = set(a) & set(b)
     if len(shared) != 1 or len(set(a + b)) != 3:
@@ -42,6 +47,11 @@ def _matmul_plan(spec: str):
     if c in out or set(out) != {i, k}:
         return None
     return (a[0] == c, b[1] == c, out != i + k)
+
+
+def _t(a):
+    """Swap the last two axes (the transpose of each matrix of a batch)."""
+    return a.swapaxes(-1, -2)
 
 
 CACHE_PATHS = True
@@ -67,14 +77,15 @@ def einsum(spec: str, a, b):
         return xp.einsum(spec, a, b, optimize=True)
     ta, tb, tout = plan
     if tout:  # (A B)^T = B^T A^T: swap operands instead of transposing the result
-        return xp.matmul(b if tb else b.T, a if ta else a.T)
-    return xp.matmul(a.T if ta else a, b.T if tb else b)
+        return xp.matmul(b if tb else _t(b), a if ta else _t(a))
+    return xp.matmul(_t(a) if ta else a, _t(b) if tb else b)
 
 
 # -- linear ------------------------------------------------------------------------------------
+# Leading dims are rows: x (B, T, D) runs as (B*T, D), so 'bd,df->bf' reads b = B*T.
 def linear_forward(x, w, b=None):
-    """y = x W + b.   'bd,df->bf'  (x: (B, D), w: (D, F), b: (F,))."""
-    y = einsum("bd,df->bf", x, w)
+    """y = x W + b.   'bd,df->bf'  (x: (..., D) as rows b, w: (D, F), b: (F,))."""
+    y = einsum("bd,df->bf", x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + w.shape[1:])
     if b is not None:
         y += b
     return y
@@ -87,10 +98,56 @@ def linear_backward(dy, x, w, need_dx=True):
     db = sum_b dy              (undoes the broadcast of b over rows)
     dx = dy W^T   'bf,df->bd'   (None when the input needs no gradient)
     """
-    dw = einsum("bd,bf->df", x, dy)
-    db = dy.sum(axis=0)
-    dx = einsum("bf,df->bd", dy, w) if need_dx else None
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dw = einsum("bd,bf->df", x2, dy2)
+    db = dy2.sum(axis=0)
+    dx = einsum("bf,df->bd", dy2, w).reshape(x.shape) if need_dx else None
     return dx, dw, db
+
+
+# -- layer norm and embedding ------------------------------------------------------------------
+LN_EPS = 1e-5
+
+
+def layernorm_forward(x, scale, shift, eps=LN_EPS):
+    """PyTorch's LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * scale + shift,
+    var the biased variance. Returns (y, saved)."""
+    xp = array_module(x)
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc * rstd
+    return xhat * scale + shift, (xhat, rstd)
+
+
+def layernorm_backward(dy, saved, scale):
+    """Undo layernorm_forward: (dx, dscale, dshift).
+
+    dshift = sum over rows of dy               (undoes + shift)
+    dscale = sum over rows of dy * xhat        (undoes * scale)
+    dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy * scale   (undoes the normalisation)
+    """
+    xhat, rstd = saved
+    d = dy.shape[-1]
+    dshift = dy.reshape(-1, d).sum(axis=0)
+    dscale = (dy * xhat).reshape(-1, d).sum(axis=0)
+    g = dy * scale
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True)
+                 - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    return dx, dscale, dshift
+
+
+def embedding_forward(table, ids):
+    """Rows of `table` (V, D) picked by integer `ids` (...): (..., D)."""
+    return table[ids]
+
+
+def embedding_backward(dy, ids, rows: int):
+    """Undo the gather: scatter-add dy (..., D) into a (rows, D) gradient (repeated ids add)."""
+    xp = array_module(dy)
+    g = xp.zeros((rows, dy.shape[-1]), dtype=dy.dtype)
+    xp.add.at(g, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+    return g
 
 
 # -- activations -------------------------------------------------------------------------------

@@ -89,6 +89,10 @@ class Layer:
     def clear(self):
         self.tape.clear()
 
+    def forget(self, mb) -> None:
+        """Drop what microbatch `mb` saved, if anything (a forward never backed)."""
+        self.tape.pop(mb, None)
+
     def forward(self, x, mb=0, record=True):
         raise NotImplementedError
 
@@ -192,3 +196,55 @@ class Activation(Layer):
 
     def backward(self, dy, mb=0):
         return nn.activation_backward(self.name, dy, self.pop(mb))
+
+
+class Composite(Layer):
+    """A layer made of sub-layers run in order (a transformer block, a residual branch).
+
+    The sub-layers keep their own tapes; the composite's tape only marks which microbatches
+    are in flight (what a pipeline counts), and `clear`/`forget` reach every sub-layer. Its
+    `param_names` are the sub-layers' (FSDP prefetch groups them as one layer)."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units = list(units)
+        self.param_names = tuple(n for u in self.units for n in u.param_names)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(map(repr, self.units))})"
+
+    def clear(self):
+        super().clear()
+        for u in self.units:
+            u.clear()
+
+    def forget(self, mb) -> None:
+        super().forget(mb)
+        for u in self.units:
+            u.forget(mb)
+
+    def forward(self, x, mb=0, record=True):
+        self.save(mb, record, True)
+        for u in self.units:
+            x = u.forward(x, mb, record)
+        return x
+
+    def backward(self, dy, mb=0):
+        self.pop(mb)
+        for u in reversed(self.units):
+            dy = u.backward(dy, mb)                              # undoes forward, last first
+        return dy
+
+
+class Residual(Composite):
+    """x + branch(x): the sub-layers are the branch.
+
+    forward   y = x + f(x)
+    backward  dx = dy + f'(x)^T dy        (the identity path plus the branch's backward)
+    """
+
+    def forward(self, x, mb=0, record=True):
+        return x + super().forward(x, mb, record)
+
+    def backward(self, dy, mb=0):
+        return dy + super().backward(dy, mb)

@@ -8,8 +8,8 @@ the single-device numbers of the mean over the global batch.
 - `MSE`: mean over all elements of (y - t)^2            (torch.nn.MSELoss())
 - `BCE`: mean over all elements of -(t log y + (1-t) log(1-y)) on probabilities, each log
   clamped at -100                                       (torch.nn.BCELoss())
-- `CrossEntropy`: logits (B, C), integer labels (B,), mean over rows of -log softmax(y)[t]
-                                                        (torch.nn.CrossEntropyLoss())
+- `CrossEntropy`: logits (B, C), integer labels (B,), mean over rows of -log softmax(y)[t];
+  logits (B, T, C) with labels (B, T): mean over all B*T tokens  (torch.nn.CrossEntropyLoss())
 """
 from __future__ import annotations
 
@@ -78,38 +78,41 @@ class BCE(Loss):
 
 
 class CrossEntropy(Loss):
-    """Softmax cross entropy on logits (B, C) with integer labels (B,), mean over rows."""
+    """Softmax cross entropy on logits with integer labels, mean over every labelled position:
+    logits (B, C) with labels (B,), or a sequence model's (B, T, C) with (B, T) (the mean over
+    all B*T tokens, like torch.nn.CrossEntropyLoss on the flattened (B*T, C))."""
 
     name = "cross_entropy"
 
     def check(self, y, t):
         super().check(y, t)
-        if y.ndim != 2 or t.ndim != 1:
-            raise ValueError(f"cross_entropy: expects logits (B, C) and labels (B,), got "
-                             f"{y.shape} and {t.shape}")
+        if y.ndim not in (2, 3) or t.ndim != y.ndim - 1 or tuple(y.shape[:-1]) != tuple(t.shape):
+            raise ValueError(f"cross_entropy: expects logits (B, C) with labels (B,) or logits "
+                             f"(B, T, C) with labels (B, T), got {tuple(y.shape)} and "
+                             f"{tuple(t.shape)}")
         if t.dtype.kind not in "iu":
             raise TypeError(f"cross_entropy: labels must be integers, got {t.dtype}")
-        if t.size and (int(t.min()) < 0 or int(t.max()) >= y.shape[1]):
-            raise ValueError(f"cross_entropy: labels must lie in [0, {y.shape[1]}), got "
+        if t.size and (int(t.min()) < 0 or int(t.max()) >= y.shape[-1]):
+            raise ValueError(f"cross_entropy: labels must lie in [0, {y.shape[-1]}), got "
                              f"[{int(t.min())}, {int(t.max())}]")
 
     @staticmethod
     def _log_softmax(y):
         xp = array_module(y)
-        z = y - y.max(axis=1, keepdims=True)
-        return z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
+        z = y - y.max(axis=-1, keepdims=True)
+        return z - xp.log(xp.exp(z).sum(axis=-1, keepdims=True))
 
     def value(self, y, t):
         self.check(y, t)
         xp = array_module(y)
-        lp = self._log_softmax(y)
-        return float(-lp[xp.arange(y.shape[0]), t].mean())
+        lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
+        return float(-lp[xp.arange(lp.shape[0]), t.reshape(-1)].mean())
 
     def grad(self, y, t):
         xp = array_module(y)
-        p = xp.exp(self._log_softmax(y))        # softmax
-        p[xp.arange(y.shape[0]), t] -= 1.0       # softmax - onehot
-        return p / y.shape[0]
+        p = xp.exp(self._log_softmax(y.reshape(-1, y.shape[-1])))   # softmax, (N, C)
+        p[xp.arange(p.shape[0]), t.reshape(-1)] -= 1.0               # softmax - onehot
+        return (p / p.shape[0]).reshape(y.shape)
 
 
 LOSSES = {"mse": MSE, "bce": BCE, "cross_entropy": CrossEntropy, "ce": CrossEntropy}

@@ -7,6 +7,11 @@ layer i computes act(x @ W_i + b_i) with W_i of shape (dims[i], dims[i+1]), name
 
 `init(seed)` returns the full checkpoint (float64 numpy arrays), identical on every rank, drawn
 like torch.nn.Linear's default: W and b uniform in +-1/sqrt(fan_in).
+
+`MoE` is a mixture-of-experts layer and `GPT` a decoder-only transformer (gpt.py, re-exported
+here). Every spec tells the engine what it takes and gives: `check_input(x, dtype)` (the array
+to feed, or ValueError) and `output_shape(lead_shape)` (the output for a batch whose inputs or
+targets start with `lead_shape`), so the engine has no per-model branch.
 """
 from __future__ import annotations
 
@@ -15,6 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .functional import check_activation
+from .gpt import GPT
+from .params import ParamSpec
+
+__all__ = ["GPT", "LinearSpec", "MLP", "MoE"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class LinearSpec:
         return shapes
 
 
-class MLP:
+class MLP(ParamSpec):
     """A multi-layer perceptron spec."""
 
     kind = "mlp"
@@ -80,12 +89,6 @@ class MLP:
             shapes.update(spec.param_shapes)
         return shapes
 
-    def param_names(self) -> list:
-        return list(self.param_shapes())
-
-    def num_params(self) -> int:
-        return int(sum(np.prod(s) for s in self.param_shapes().values()))
-
     def init(self, seed: int = 0) -> dict:
         """Full checkpoint, float64, the same on every rank for the same seed."""
         rng = np.random.default_rng(seed)
@@ -97,26 +100,26 @@ class MLP:
                 params[f"{spec.prefix}/bias"] = rng.uniform(-bound, bound, (spec.d_out,))
         return params
 
-    def check_params(self, params: dict) -> None:
-        """Raise ValueError naming a missing or wrongly shaped key."""
-        shapes = self.param_shapes()
-        missing = [k for k in shapes if k not in params]
-        if missing:
-            raise ValueError(f"checkpoint is missing {missing}; expected keys {list(shapes)}")
-        for k, shape in shapes.items():
-            got = tuple(np.shape(params[k]))
-            if got != tuple(shape):
-                raise ValueError(f"checkpoint entry {k!r} has shape {got}, expected {shape}")
-        extra = [k for k in params if k not in shapes]
-        if extra:
-            raise ValueError(f"checkpoint has unexpected keys {extra} for this model")
+    def check_input(self, x, dtype):
+        """The array to feed for input `x` (on the device): (batch, d_in) in the engine's
+        float `dtype` (an integer or bool input would otherwise compute, and pipeline-send,
+        as such); ValueError on a wrongly shaped input."""
+        if x.ndim != 2 or x.shape[1] != self.d_in:
+            raise ValueError(f"input has shape {tuple(x.shape)}, expected (batch, {self.d_in}) "
+                             f"for {self!r}")
+        return x if x.dtype == dtype else x.astype(dtype)
+
+    def output_shape(self, lead_shape) -> tuple:
+        """Shape of the output for a batch whose inputs (or targets) have leading dims
+        `lead_shape`: (rows, d_out)."""
+        return (lead_shape[0], self.d_out)
 
     def __repr__(self) -> str:
         return (f"MLP(dims={self.dims}, activation={self.activation!r}, bias={self.bias}, "
                 f"final_activation={self.final_activation!r})")
 
 
-class MoE:
+class MoE(ParamSpec):
     """A mixture-of-experts layer spec: d_model -> d_model, `n_experts` expert MLPs.
 
     A router `router/weights` (d_model, n_experts) scores each token; softmax gives the
@@ -193,10 +196,8 @@ class MoE:
             shapes.update(self.expert_param_shapes(e))
         return shapes
 
-    # same bookkeeping as MLP: it only reads self.param_shapes()
-    param_names = MLP.param_names
-    num_params = MLP.num_params
-    check_params = MLP.check_params
+    check_input = MLP.check_input         # (batch, d_model) rows, like an MLP
+    output_shape = MLP.output_shape
 
     def init(self, seed: int = 0) -> dict:
         """Full checkpoint, float64, the same on every rank for the same seed: every weight

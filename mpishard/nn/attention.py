@@ -1,0 +1,132 @@
+"""Causal softmax attention: forward/backward pairs built from one block primitive.
+
+Shapes: q (B, H, Tq, Dh) queries, k and v (B, H, Tk, Dh) keys and values, one head per h.
+
+    scores  s = 'bhtd,bhsd->bhts' (q, k) / sqrt(Dh)        masked: query i sees key j <= i
+    probs   p = softmax over s (row max subtracted, so exp never overflows)
+    out     o = 'bhts,bhsd->bhtd' (p, v)
+
+`attention_block` is one block of that (a query chunk against a key chunk, the mask given by
+the chunks' offset) and returns its output normalised within the block plus the block's
+log-sum-exp `lse` of the scaled scores. Blocks over disjoint key chunks combine with
+`merge_blocks` (the online softmax: rescale each by exp(lse_block - lse_total)), so a ring
+attention walks key chunks block by block and never holds scores for the whole sequence.
+`attention_block_backward` takes the *final* output and lse (after every merge) and returns
+one block's share of dq, dk, dv; the shares of all blocks add up to the full gradients.
+`causal_attention_forward/backward` are the one-block case, offset 0.
+
+Heads: `split_heads` cuts the (B, T, 3 D) output of the qkv projection into q | k | v (columns
+[0:D], [D:2D], [2D:3D]) and each of those into heads (head h: columns h*Dh:(h+1)*Dh);
+`merge_heads` concatenates head outputs back in order. Both work on local head counts.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .functional import array_module, einsum
+
+
+def causal_mask(xp, tq: int, tk: int, offset: int):
+    """(tq, tk) bool: query i sees key j iff j <= i + offset, offset = (position of query 0)
+    - (position of key 0)."""
+    return xp.arange(tk)[None, :] <= xp.arange(tq)[:, None] + offset
+
+
+def _finite_or_zero(xp, a):
+    """-inf (a row that sees no key) replaced by 0, so exp(s - a) is exactly 0 there."""
+    return xp.where(xp.isfinite(a), a, 0.0)
+
+
+def attention_block(q, k, v, offset=None):
+    """One block: (out (B, H, Tq, Dh) normalised within the block, lse (B, H, Tq)).
+
+    offset None: every query sees every key; an int: the causal mask of causal_mask. A row
+    that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0).
+    """
+    xp = array_module(q)
+    s = einsum("bhtd,bhsd->bhts", q, k) * (1.0 / math.sqrt(q.shape[-1]))
+    if offset is not None:
+        s = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset), s, -xp.inf)
+    m = _finite_or_zero(xp, s.max(axis=-1, keepdims=True))   # row max: exp(s - m) <= 1
+    p = xp.exp(s - m)                                         # unnormalised probabilities
+    denom = p.sum(axis=-1, keepdims=True)
+    out = einsum("bhts,bhsd->bhtd", p, v) / xp.where(denom > 0, denom, 1.0)
+    with np.errstate(divide="ignore"):                        # log 0 = -inf: no key seen
+        lse = (m + xp.log(denom))[..., 0]
+    return out, lse
+
+
+def merge_blocks(out_a, lse_a, out_b, lse_b):
+    """Online softmax: two blocks over disjoint keys as one, (out, lse).
+
+    lse = log(exp(lse_a) + exp(lse_b));  out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+    """
+    xp = array_module(out_a)
+    lse = xp.logaddexp(lse_a, lse_b)
+    ref = _finite_or_zero(xp, lse)
+    wa, wb = xp.exp(lse_a - ref)[..., None], xp.exp(lse_b - ref)[..., None]
+    return wa * out_a + wb * out_b, lse
+
+
+def attention_block_backward(dout, q, k, v, out, lse, offset=None):
+    """One block's share of (dq, dk, dv), given dL/dout and the final out and lse.
+
+    p  = exp(s - lse)                    the final softmax on this block's keys (recomputed)
+    dv = 'bhts,bhtd->bhsd' (p, dout)     undoes o = p v (in v)
+    dp = 'bhtd,bhsd->bhts' (dout, v)     undoes o = p v (in p)
+    ds = p (dp - sum_d dout * out)       undoes the softmax (the row sum uses the final out)
+    dq = 'bhts,bhsd->bhtd' (ds, k) / sqrt(Dh)    undoes s = q k^T / sqrt(Dh) (in q)
+    dk = 'bhts,bhtd->bhsd' (ds, q) / sqrt(Dh)    ... (in k)
+    """
+    xp = array_module(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = einsum("bhtd,bhsd->bhts", q, k) * scale
+    if offset is not None:
+        s = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset), s, -xp.inf)
+    p = xp.exp(s - _finite_or_zero(xp, lse)[..., None])
+    dv = einsum("bhts,bhtd->bhsd", p, dout)
+    dp = einsum("bhtd,bhsd->bhts", dout, v)
+    ds = p * (dp - (dout * out).sum(axis=-1, keepdims=True))
+    dq = einsum("bhts,bhsd->bhtd", ds, k) * scale
+    dk = einsum("bhts,bhtd->bhsd", ds, q) * scale
+    return dq, dk, dv
+
+
+def causal_attention_forward(q, k, v):
+    """Causal self-attention of a whole sequence: (out, lse), one block at offset 0."""
+    return attention_block(q, k, v, offset=0)
+
+
+def causal_attention_backward(dout, q, k, v, out, lse):
+    """Undo causal_attention_forward: (dq, dk, dv)."""
+    return attention_block_backward(dout, q, k, v, out, lse, offset=0)
+
+
+# -- heads ---------------------------------------------------------------------------------------
+def split_heads(a, n_heads: int):
+    """(B, T, 3 D) q | k | v columns -> q, k, v each (B, H, T, Dh), head h = columns
+    h*Dh:(h+1)*Dh of its third."""
+    b, t, three_d = a.shape
+    qkv = a.reshape(b, t, 3, n_heads, three_d // (3 * n_heads)).transpose(2, 0, 3, 1, 4)
+    return qkv[0], qkv[1], qkv[2]
+
+
+def split_heads_backward(dq, dk, dv):
+    """Undo split_heads: (B, H, T, Dh) x 3 -> (B, T, 3 D)."""
+    xp = array_module(dq)
+    b, h, t, dh = dq.shape
+    return xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * dh)
+
+
+def merge_heads(o):
+    """(B, H, T, Dh) -> (B, T, H Dh): heads concatenated in order."""
+    b, h, t, dh = o.shape
+    return o.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
+
+
+def merge_heads_backward(dy, n_heads: int):
+    """Undo merge_heads: (B, T, H Dh) -> (B, H, T, Dh)."""
+    b, t, d = dy.shape
+    return dy.reshape(b, t, n_heads, d // n_heads).transpose(0, 2, 1, 3)

@@ -1,0 +1,156 @@
+"""The GPT spec: a decoder-only transformer's sizes and parameter names. No weights live here.
+
+`GPT(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff=None, tied=False)`, with D = d_model,
+F = d_ff (default 4 D), V = vocab_size, S = seq_len, has the parameters (names and shapes are
+a contract, in this order)
+
+    embed/tokens (V, D), embed/positions (S, D)
+    block_{i}/ln_1/scale (D,), block_{i}/ln_1/shift (D,)
+    block_{i}/attn/qkv/weights (D, 3D), block_{i}/attn/qkv/bias (3D,)
+    block_{i}/attn/proj/weights (D, D), block_{i}/attn/proj/bias (D,)
+    block_{i}/ln_2/scale (D,), block_{i}/ln_2/shift (D,)
+    block_{i}/mlp/fc/weights (D, F), block_{i}/mlp/fc/bias (F,)
+    block_{i}/mlp/proj/weights (F, D), block_{i}/mlp/proj/bias (D,)
+    ln_f/scale (D,), ln_f/shift (D,), head/weights (D, V)   (no head/weights when tied)
+
+Forward on integer tokens (B, T), T <= S: h = tokens' rows of embed/tokens + embed/positions[:T];
+each block is pre-LayerNorm GPT-2, h += proj(attn(ln_1(h))), h += mlp(ln_2(h)) with
+mlp(x) = gelu_tanh(x fc + b) proj + b; attention splits x qkv + b into q | k | v columns and
+each into n_heads heads of Dh = D / n_heads columns, causal softmax(q k^T / sqrt(Dh)) v, heads
+concatenated in order. Logits = ln_f(h) head/weights (or ln_f(h) embed/tokens^T when tied),
+shape (B, T, V). LayerNorm is PyTorch's (biased variance, eps 1e-5); no dropout.
+
+`init(seed)` is GPT-2's: N(0, 0.02) for the embeddings, qkv, fc and head weights, N(0, 0.02 /
+sqrt(2 n_layers)) for the two residual projections of each block (attn/proj, mlp/proj),
+LayerNorm scale 1 and shift 0, biases 0; float64 numpy, the same on every rank for a seed.
+The layers that compute all this are in transformer.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .params import ParamSpec
+
+INIT_STD = 0.02
+RESIDUAL_PROJECTIONS = ("attn/proj/weights", "mlp/proj/weights")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Transformer block `index`: what a pipeline balances and places (`param_shapes`)."""
+
+    index: int
+    param_shapes: dict
+
+    @property
+    def prefix(self) -> str:
+        return f"block_{self.index}"
+
+
+def _positive_int(what, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"GPT {what} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+class GPT(ParamSpec):
+    """A decoder-only transformer spec (GPT-2 style); see the module docstring."""
+
+    kind = "gpt"
+
+    def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff=None,
+                 tied=False):
+        self.vocab_size = _positive_int("vocab_size", vocab_size)
+        self.seq_len = _positive_int("seq_len", seq_len)
+        self.d_model = _positive_int("d_model", d_model)
+        self.n_heads = _positive_int("n_heads", n_heads)
+        self.n_layers = _positive_int("n_layers", n_layers)
+        self.d_ff = 4 * self.d_model if d_ff is None else _positive_int("d_ff", d_ff)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPT d_model={self.d_model} does not divide into "
+                             f"n_heads={self.n_heads} heads")
+        if not isinstance(tied, (bool, np.bool_)):
+            raise ValueError(f"GPT tied must be True or False, got {tied!r}")
+        self.tied = bool(tied)
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    # -- parameters ----------------------------------------------------------------------------
+    def block_param_shapes(self, i: int) -> dict:
+        d, f, p = self.d_model, self.d_ff, f"block_{i}"
+        return {f"{p}/ln_1/scale": (d,), f"{p}/ln_1/shift": (d,),
+                f"{p}/attn/qkv/weights": (d, 3 * d), f"{p}/attn/qkv/bias": (3 * d,),
+                f"{p}/attn/proj/weights": (d, d), f"{p}/attn/proj/bias": (d,),
+                f"{p}/ln_2/scale": (d,), f"{p}/ln_2/shift": (d,),
+                f"{p}/mlp/fc/weights": (d, f), f"{p}/mlp/fc/bias": (f,),
+                f"{p}/mlp/proj/weights": (f, d), f"{p}/mlp/proj/bias": (d,)}
+
+    def embed_param_shapes(self) -> dict:
+        return {"embed/tokens": (self.vocab_size, self.d_model),
+                "embed/positions": (self.seq_len, self.d_model)}
+
+    def head_param_shapes(self) -> dict:
+        """ln_f and the head (the tied head reuses embed/tokens and adds nothing)."""
+        shapes = {"ln_f/scale": (self.d_model,), "ln_f/shift": (self.d_model,)}
+        if not self.tied:
+            shapes["head/weights"] = (self.d_model, self.vocab_size)
+        return shapes
+
+    def layers(self) -> list:
+        """The blocks, as a pipeline balances and places them (stages.assign_stages)."""
+        return [BlockSpec(i, self.block_param_shapes(i)) for i in range(self.n_layers)]
+
+    def param_shapes(self) -> dict:
+        shapes = self.embed_param_shapes()
+        for i in range(self.n_layers):
+            shapes.update(self.block_param_shapes(i))
+        shapes.update(self.head_param_shapes())
+        return shapes
+
+    def init(self, seed: int = 0) -> dict:
+        """Full checkpoint, float64, the same on every rank for the same seed (GPT-2 init)."""
+        rng = np.random.default_rng(seed)
+        residual_std = INIT_STD / np.sqrt(2 * self.n_layers)
+        params = {}
+        for name, shape in self.param_shapes().items():
+            if name.endswith("/scale"):
+                params[name] = np.ones(shape)
+            elif name.endswith(("/shift", "/bias")):
+                params[name] = np.zeros(shape)
+            else:
+                std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else INIT_STD
+                params[name] = rng.normal(0.0, std, shape)
+        return params
+
+    # -- what the engine feeds and gets back ---------------------------------------------------
+    def check_input(self, x, dtype=None):
+        """The array to feed for token ids `x` (B, T) on the device: `x` itself, integers kept
+        as integers (`dtype`, the engine's float type, applies to activations only).
+        TypeError for non-integer ids, ValueError for a wrong shape or an id out of range."""
+        if x.dtype.kind not in "iu":
+            raise TypeError(f"GPT input must be integer token ids, got dtype {x.dtype}")
+        if x.ndim != 2 or not 1 <= x.shape[1] <= self.seq_len:
+            raise ValueError(f"input has shape {tuple(x.shape)}, expected token ids (batch, T) "
+                             f"with 1 <= T <= seq_len={self.seq_len} for {self!r}")
+        if x.size and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got "
+                             f"[{int(x.min())}, {int(x.max())}]")
+        return x
+
+    def output_shape(self, lead_shape) -> tuple:
+        """Shape of the logits for a batch whose inputs (or targets) have leading dims
+        `lead_shape` = (B, T, ...): (B, T, vocab_size)."""
+        if len(lead_shape) < 2 or not 1 <= lead_shape[1] <= self.seq_len:
+            raise ValueError(f"GPT outputs (batch, T, {self.vocab_size}) logits with T <= "
+                             f"seq_len={self.seq_len}: inputs and targets need (batch, T) "
+                             f"leading dims, got shape {tuple(lead_shape)}")
+        return (lead_shape[0], lead_shape[1], self.vocab_size)
+
+    def __repr__(self) -> str:
+        return (f"GPT(vocab_size={self.vocab_size}, seq_len={self.seq_len}, "
+                f"d_model={self.d_model}, n_heads={self.n_heads}, n_layers={self.n_layers}, "
+                f"d_ff={self.d_ff}, tied={self.tied})")

@@ -1,0 +1,194 @@
+"""GPT layers: the units an engine stacks into pipeline stages (spec: gpt.py).
+
+    Embedding       tokens (B, T) ints -> h (B, T, D)           embed/tokens, embed/positions
+    Block i         h -> h                                      block_{i}/...
+                      Residual[LayerNorm ln_1, qkv, CausalSelfAttention, attn proj]
+                      Residual[LayerNorm ln_2, fc, GELU (tanh), mlp proj]
+    FinalNormHead   h -> logits (B, T, V)                       ln_f, head/weights or the
+                                                                tied embed/tokens^T
+
+Activations are (B, T, features); a Linear treats the leading dims as rows ('bd,df->bf' with
+b = B*T). Like nn.layers.Linear, every unit reaches its parameters through the access policy
+(`get` before use, `release` after, `add_grad` for the gradient), so FSDP's gather-before-use
+and the data-parallel gradient sync compose with these units unchanged. Each unit saves what
+its backward needs on its tape per microbatch `mb`.
+
+Tensor parallelism plugs in without new math: `Block(..., linear=...)` builds each projection
+from a factory given the role ('column' for qkv and fc, 'row' for the two output projections),
+so a tp engine passes [CopyToTP, ColumnParallelLinear] and [RowParallelLinear] and the local
+head count; `FinalNormHead(..., head=...)` takes a vocab-parallel head the same way.
+"""
+from __future__ import annotations
+
+from . import attention as att
+from . import functional as nn
+from .layers import Activation, Composite, Layer, Linear, Residual
+
+
+class LayerNorm(Layer):
+    """PyTorch's LayerNorm over the last dim (biased variance, eps 1e-5): x -> y."""
+
+    def __init__(self, access, prefix):
+        super().__init__()
+        self.access = access
+        self.scale, self.shift = f"{prefix}/scale", f"{prefix}/shift"
+        self.param_names = (self.scale, self.shift)
+
+    def __repr__(self):
+        return f"LayerNorm({self.scale.rsplit('/', 1)[0]})"
+
+    def forward(self, x, mb=0, record=True):
+        scale, shift = self.access.get(self.scale, mb), self.access.get(self.shift, mb)
+        y, saved = nn.layernorm_forward(x, scale, shift)         # (x - mu) rstd scale + shift
+        self.access.release(self.scale, mb)
+        self.access.release(self.shift, mb)
+        self.save(mb, record, saved)
+        return y
+
+    def backward(self, dy, mb=0):
+        saved = self.pop(mb)
+        scale = self.access.get(self.scale, mb)
+        dx, dscale, dshift = nn.layernorm_backward(dy, saved, scale)   # undoes the forward
+        self.access.release(self.scale, mb)
+        self.access.add_grad(self.scale, dscale)
+        self.access.add_grad(self.shift, dshift)
+        return dx
+
+
+class CausalSelfAttention(Layer):
+    """(B, T, 3 D_local) q | k | v -> (B, T, D_local): causal softmax attention of `n_heads`
+    heads (the local count under tp). No parameters."""
+
+    def __init__(self, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def __repr__(self):
+        return f"CausalSelfAttention(heads={self.n_heads})"
+
+    def forward(self, a, mb=0, record=True):
+        q, k, v = att.split_heads(a, self.n_heads)               # (B, H, T, Dh) each
+        out, lse = att.causal_attention_forward(q, k, v)          # softmax(q k^T / sqrt Dh) v
+        self.save(mb, record, (q, k, v, out, lse))
+        return att.merge_heads(out)                               # heads concatenated
+
+    def backward(self, dy, mb=0):
+        q, k, v, out, lse = self.pop(mb)
+        dout = att.merge_heads_backward(dy, self.n_heads)         # undoes merge_heads
+        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, lse)   # undoes attn
+        return att.split_heads_backward(dq, dk, dv)               # undoes split_heads
+
+
+class Embedding(Layer):
+    """tokens (B, T) ints -> h = embed/tokens[tokens] + embed/positions[:T]  (B, T, D).
+
+    The tokens need no gradient: backward returns None."""
+
+    def __init__(self, access, tokens="embed/tokens", positions="embed/positions"):
+        super().__init__()
+        self.access = access
+        self.tokens, self.positions = tokens, positions
+        self.param_names = (tokens, positions)
+
+    def __repr__(self):
+        return "Embedding"
+
+    def forward(self, ids, mb=0, record=True):
+        table, pos = self.access.get(self.tokens, mb), self.access.get(self.positions, mb)
+        h = nn.embedding_forward(table, ids) + pos[:ids.shape[1]]   # gather rows, + positions
+        self.save(mb, record, (ids, table.shape[0], pos.shape[0]))
+        self.access.release(self.tokens, mb)
+        self.access.release(self.positions, mb)
+        return h
+
+    def backward(self, dy, mb=0):
+        ids, n_tokens, n_positions = self.pop(mb)
+        xp = nn.array_module(dy)
+        dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
+        dpos[:ids.shape[1]] = dy.sum(axis=0)                     # undoes + positions[:T]
+        self.access.add_grad(self.tokens, nn.embedding_backward(dy, ids, n_tokens))  # scatter
+        self.access.add_grad(self.positions, dpos)
+        return None
+
+
+class TiedHead(Layer):
+    """logits = x embed/tokens^T   'bd,vd->bv'  (b = B*T): the head that reuses the token
+    embedding. Its gradient adds to the embedding's own (two add_grad calls per backward)."""
+
+    def __init__(self, access, w_name="embed/tokens"):
+        super().__init__()
+        self.access, self.w_name = access, w_name
+        self.param_names = (w_name,)
+
+    def __repr__(self):
+        return f"TiedHead({self.w_name})"
+
+    def forward(self, x, mb=0, record=True):
+        w = self.access.get(self.w_name, mb)
+        y = nn.einsum("bd,vd->bv", x.reshape(-1, x.shape[-1]), w)
+        self.access.release(self.w_name, mb)
+        self.save(mb, record, x)
+        return y.reshape(x.shape[:-1] + (w.shape[0],))
+
+    def backward(self, dy, mb=0):
+        x = self.pop(mb)
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        w = self.access.get(self.w_name, mb)
+        dx = nn.einsum("bv,vd->bd", dy2, w)                       # undoes 'bd,vd->bv' in x
+        self.access.release(self.w_name, mb)
+        self.access.add_grad(self.w_name, nn.einsum("bv,bd->vd", dy2, x2))   # ... in w
+        return dx.reshape(x.shape)
+
+
+def plain_linear(access, w_name, b_name, role) -> list:
+    """The projection units without tensor parallelism: one Linear (role unused)."""
+    return [Linear(access, w_name, b_name)]
+
+
+class Block(Composite):
+    """Pre-LayerNorm GPT-2 block i: h + attn(ln_1(h)), then h + mlp(ln_2(h)).
+
+    linear(access, w_name, b_name, role) -> units of one projection, role 'column' (qkv, fc)
+    or 'row' (attn proj, mlp proj); n_heads: the heads this rank computes.
+    """
+
+    def __init__(self, access, index, n_heads, linear=plain_linear):
+        p = f"block_{index}"
+        attn = Residual([LayerNorm(access, f"{p}/ln_1"),
+                         *linear(access, f"{p}/attn/qkv/weights", f"{p}/attn/qkv/bias",
+                                 "column"),
+                         CausalSelfAttention(n_heads),
+                         *linear(access, f"{p}/attn/proj/weights", f"{p}/attn/proj/bias",
+                                 "row")])
+        mlp = Residual([LayerNorm(access, f"{p}/ln_2"),
+                        *linear(access, f"{p}/mlp/fc/weights", f"{p}/mlp/fc/bias", "column"),
+                        Activation("gelu"),                      # tanh form
+                        *linear(access, f"{p}/mlp/proj/weights", f"{p}/mlp/proj/bias", "row")])
+        super().__init__([attn, mlp])
+        self.index = index
+
+    def __repr__(self):
+        return f"Block({self.index})"
+
+
+class FinalNormHead(Composite):
+    """ln_f, then the head: logits (B, T, V) = ln_f(h) head/weights, or ln_f(h) embed/tokens^T
+    when `tied`. head: replacement head units (e.g. a vocab-parallel head)."""
+
+    def __init__(self, access, tied=False, head=None):
+        if head is None:
+            head = [TiedHead(access)] if tied else [Linear(access, "head/weights")]
+        super().__init__([LayerNorm(access, "ln_f"), *head])
+
+    def __repr__(self):
+        return "FinalNormHead"
+
+
+def gpt_units(model, access, blocks, first: bool, last: bool) -> list:
+    """The units of a pipeline chunk holding `blocks` (block indices), with the embedding in
+    front when it is the first chunk and ln_f + head behind when it is the last."""
+    units = [Embedding(access)] if first else []
+    units += [Block(access, i, model.n_heads) for i in blocks]
+    if last:
+        units.append(FinalNormHead(access, model.tied))
+    return units
