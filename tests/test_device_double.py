@@ -171,3 +171,19 @@ def test_train_step_on_device_arrays(kind, layout, n, mode):
     assert_close(loss, want_loss, rtol=RTOL64, what=f"{layout} {mode} loss")
     for name in want:
         assert_close(full[name], want[name], rtol=RTOL64, what=f"{layout} {mode} {name}")
+
+
+# -- the command line (serial) -----------------------------------------------------------------
+def test_inspect_env_and_cuda_aware_flag(capsys):
+    from mpishard.cli import main
+
+    assert main(["inspect", "--env"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    aware, why = query_cuda_support()
+    assert f"CUDA-aware       {'yes' if aware else 'no'}: {why}" in out
+    assert "MPI library" in out and "cupy" in out and "visible GPUs" in out
+    assert main(["inspect", "--env", "--layout", "dp=2"]) == 2
+    assert main(["bench", "--model", "8,16,4", "--steps", "1", "--warmup", "0",
+                 "--device", "cpu", "--cuda-aware", "no"]) == 0
+    assert main(["bench", "--model", "8,16,4", "--cuda-aware", "maybe"]) == 2
