@@ -149,7 +149,7 @@ class MeshEngine(ShardedEngine):
 
     Parameters
     ----------
-    model : ms.MLP (or ms.MoE)
+    model : ms.MLP, ms.MoE or ms.GPT
     layout : str  e.g. "dp=2,tp=2", "fsdp=4,zero=2", "pp=4,microbatches=8,schedule=1f1b"
     comm : mpi4py communicator (default COMM_WORLD)
     dtype : np.float64 or np.float32 (parameters, activations and gradients)
@@ -164,7 +164,8 @@ class MeshEngine(ShardedEngine):
             raise TypeError(f"dtype must be float32 or float64, got {dtype}")
         super().__init__(layout, comm, dtype, device, debug, cuda_aware)
         if not hasattr(model, "param_shapes"):
-            raise TypeError(f"model must be an ms.MLP or ms.MoE spec, got {type(model).__name__}")
+            raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
+                            f"{type(model).__name__}")
         self.model = model
         parts = compose(model, self.layout, self.comm, self.dtype)  # ValueError if no fit
         self.plan, self.store, self.stats = parts.plan, parts.store, parts.stats
@@ -236,14 +237,9 @@ class MeshEngine(ShardedEngine):
         return self.comm.all_gather(y_local, axis=0, group=DATA_AXES)
 
     def _input(self, x):
-        """x on the device in the engine's dtype (an integer or bool input would otherwise
-        compute, and pipeline-send, in float64); ValueError on a wrongly shaped input."""
-        x = self.backend.asarray(x)
-        d_in = self.model.d_in
-        if x.ndim != 2 or x.shape[1] != d_in:
-            raise ValueError(f"input has shape {tuple(x.shape)}, expected (batch, {d_in}) for "
-                             f"{self.model!r}")
-        return x if x.dtype == self.dtype else x.astype(self.dtype)
+        """x on the device, as the model takes it (model.check_input: an MLP's rows in the
+        engine's dtype, a GPT's integer tokens as integers); ValueError on a wrong input."""
+        return self.model.check_input(self.backend.asarray(x), self.dtype)
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, x, mb: int = 0):
@@ -261,7 +257,7 @@ class MeshEngine(ShardedEngine):
             if mb is None:
                 layer.clear()
             else:
-                layer.tape.pop(mb, None)
+                layer.forget(mb)
 
     def predict(self, x):
         """Forward without an activation tape (inference)."""
@@ -310,7 +306,7 @@ class MeshEngine(ShardedEngine):
             # check the targets on every rank before any communication (under pp the loss
             # itself runs on the last stage only): a shape-only stand-in for the output
             stand_in = self.xp.broadcast_to(self.xp.zeros((), self.dtype),
-                                            (t.shape[0], self.model.d_out))
+                                            self.model.output_shape(t.shape))
             loss.check(stand_in, t)
         if not accumulate:
             self.zero_grad()

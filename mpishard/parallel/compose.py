@@ -12,7 +12,8 @@ builds this rank's part of it in the order the strategies stack:
    (data_parallel.GradientSync); fsdp averages its own axis inside its access policy.
 4. access policy: local blocks, or FSDP's gather-before-use / reduce-scatter-after.
 5. layers of this rank's stage(s): tp pairs as CopyToTP + column Linear, row Linear +
-   ReduceFromTP; plain Linear otherwise; the MoE layer under ep.
+   ReduceFromTP; plain Linear otherwise; the MoE layer under ep; a GPT's Embedding, Blocks
+   and FinalNormHead (gpt.py: plan and units).
 6. runner: Sequential for pp=1, the pipeline executor over the pp group otherwise.
 
 Collaborators get the smallest object they need: a group's Comm, the store, a callback or a
@@ -28,6 +29,7 @@ from . import placement as pl
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
+from .gpt import gpt_chunks, plan_gpt_params
 from .pipeline import PipelineRunner
 from .stages import assign_stages
 from .store import ParamStore
@@ -50,6 +52,10 @@ def uses_moe(model, layout) -> bool:
     return getattr(model, "kind", "mlp") == "moe" or layout.size("ep") > 1
 
 
+def is_gpt(model) -> bool:
+    return getattr(model, "kind", "mlp") == "gpt"
+
+
 def plan_params(model, layout) -> dict:
     """name -> ParamInfo(full_shape, Placement) for every parameter of `model` under `layout`.
 
@@ -57,6 +63,8 @@ def plan_params(model, layout) -> dict:
     does not fit the model.
     """
     layout = parse_layout(layout)
+    if is_gpt(model):
+        return plan_gpt_params(model, layout, layer_stages(model, layout))
     if uses_moe(model, layout):
         return plan_moe_params(model, layout)
     tp, pp, fsdp = layout.size("tp"), layout.size("pp"), layout.size("fsdp")
@@ -108,14 +116,18 @@ def compose(model, layout, comm, dtype) -> EngineParts:
         grad_placements, exempt = gradient_layout(placements)
     store = ParamStore(plan, grad_placements, layout, mesh.coords, comm.xp, dtype)  # 2.
     moe, pp = uses_moe(model, layout), layout.size("pp")
-    grad_sync = GradientSync(store, comm, exempt,                   # 3. data axes
-                             overlap_possible=not (fsdp or moe or pp > 1),
+    # overlap needs each gradient final after one add_grad: not so under fsdp, ep or pp, nor
+    # for a tied GPT (embed/tokens gets the embedding's and the head's gradient)
+    overlap_possible = not (fsdp or moe or pp > 1 or getattr(model, "tied", False))
+    grad_sync = GradientSync(store, comm, exempt, overlap_possible,  # 3. data axes
                              bucket_mb=layout.option("bucket_mb", DEFAULT_BUCKET_MB))
     access = (FSDPAccess(store, comm.group("fsdp"), grad_sync.on_grad_ready) if fsdp
               else LocalAccess(store, grad_sync.on_grad_ready))     # 4. fsdp or local
     stats: dict = {}
     if moe:                                                         # 5. layers (ep, tp)
         chunks = build_moe_chunks(model, access, comm, stats)
+    elif is_gpt(model):
+        chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access)
     else:
         chunks = stage_layers(model, layout, mesh.coords["pp"], access, comm.group("tp"))
     if getattr(access, "prefetcher", None) is not None:             # fsdp prefetch=1

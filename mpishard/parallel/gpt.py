@@ -1,0 +1,60 @@
+"""A GPT on the mesh: where its parameters live and which units this rank runs (no MPI).
+
+Pipeline: the blocks are the pipeline's layers (stages.assign_stages balances them by
+parameter count, or `stages=` gives the counts); the embedding lives with block 0 on virtual
+stage 0 and ln_f + head with the last block on the last virtual stage. FSDP (zero=3) splits
+every parameter along dim 0 like an MLP's; zero=1/2 and dp keep them replicated.
+
+Not yet: tp (Megatron attention and MLP, vocab-parallel embedding and head), cp and ep raise a
+ValueError; so does `tied=True` with pp > 1 (the embedding on the first stage and the head on
+the last would share one array across stages).
+"""
+from __future__ import annotations
+
+from ..nn.transformer import gpt_units
+from . import placement as pl
+
+UNSUPPORTED_AXES = ("tp", "cp", "ep")
+
+
+def check_gpt_layout(model, layout) -> None:
+    """Raise the same ValueError on every rank for a layout this GPT cannot run yet."""
+    for axis in UNSUPPORTED_AXES:
+        if layout.sizes.get(axis, 1) > 1:
+            raise ValueError(f"layout {layout.text!r}: {axis}={layout.sizes[axis]} is not yet "
+                             f"supported for GPT models (dp, fsdp and pp are)")
+    if model.tied and layout.size("pp") > 1:
+        raise ValueError(f"layout {layout.text!r}: a tied GPT (tied=True) with pp="
+                         f"{layout.size('pp')} is not supported: the token embedding (first "
+                         f"stage) and the head (last stage) would share one array")
+
+
+def gpt_param_stages(model, vstages: list) -> dict:
+    """name -> virtual stage: embed/* with block 0, block i at vstages[i], ln_f and head with
+    the last block."""
+    where = {name: vstages[0] for name in model.embed_param_shapes()}
+    for spec in model.layers():
+        where.update({name: vstages[spec.index] for name in spec.param_shapes})
+    where.update({name: vstages[-1] for name in model.head_param_shapes()})
+    return where
+
+
+def plan_gpt_params(model, layout, vstages: list) -> dict:
+    """name -> ParamInfo(full_shape, Placement) for every GPT parameter (see plan_params)."""
+    check_gpt_layout(model, layout)
+    pp = layout.size("pp")
+    zero3 = layout.size("fsdp") > 1 and layout.option("zero", 3) == 3
+    shards = (pl.Shard("fsdp", 0, pad=True),) if zero3 else ()
+    stages = gpt_param_stages(model, vstages)
+    return {name: pl.ParamInfo(name, tuple(shape), pl.Placement(shards, stage=stages[name] % pp))
+            for name, shape in model.param_shapes().items()}
+
+
+def gpt_chunks(model, vstages: list, pp: int, stage: int, access) -> list:
+    """The units of pipeline stage `stage`, one list per virtual stage it holds."""
+    last = vstages[-1]
+    chunks = []
+    for k in range(stage, last + 1, pp):
+        blocks = [i for i, s in enumerate(vstages) if s == k]
+        chunks.append(gpt_units(model, access, blocks, first=k == 0, last=k == last))
+    return chunks
