@@ -29,6 +29,7 @@ setup(
     install_requires=[
         "mpi4py>=4",
         "numpy>=1.24",
+        "ml_dtypes>=0.3",   # bfloat16 on CPU (mixed precision)
         "tqdm>=4.60",
     ],
     extras_require={

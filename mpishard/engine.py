@@ -28,6 +28,7 @@ from .comm.collectives import Comm
 from .comm.mesh import DATA_AXES, DeviceMesh, parse_layout
 from .nn.losses import get_loss
 from .parallel.compose import compose
+from .parallel.precision import Precision
 
 
 def _on_comm(name):
@@ -155,19 +156,19 @@ class MeshEngine(ShardedEngine):
     dtype : np.float64 or np.float32 (parameters, activations and gradients)
     device : "cpu", "gpu" or "auto" (cupy when a GPU is visible), or a comm.backend.Backend
     cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
+    param_dtype, comm_dtype : "bfloat16"/"float16" with dtype=float32 (parallel/precision.py)
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
-                 debug=None, cuda_aware=None):
+                 debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None):
         dtype = np.dtype(dtype)
-        if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        self.precision = Precision(dtype, param_dtype, comm_dtype)     # TypeError, no MPI yet
         super().__init__(layout, comm, dtype, device, debug, cuda_aware)
         if not hasattr(model, "param_shapes"):
             raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
                             f"{type(model).__name__}")
         self.model = model
-        parts = compose(model, self.layout, self.comm, self.dtype)  # ValueError if no fit
+        parts = compose(model, self.layout, self.comm, self.dtype, self.precision)
         self.plan, self.store, self.stats = parts.plan, parts.store, parts.stats
         self.grad_sync, self.access = parts.grad_sync, parts.access
         self.chunks, self.runner = parts.chunks, parts.runner
@@ -391,5 +392,5 @@ class SingleDevice(MeshEngine):
 
 
 def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu", **options):
-    """Build the engine for `layout` on every rank (SPMD); options: debug=, cuda_aware=."""
+    """Build the engine for `layout` on every rank (SPMD); options: see MeshEngine."""
     return MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, **options)

@@ -71,7 +71,10 @@ def _blocks(engine, optimizer):
     out = []
     for name in engine.local_names:
         region = _region(engine, name, "param")
-        out.append(("param", name, "", region, engine.params[name][real_slices(region)], {}))
+        block = engine.params[name][real_slices(region)]
+        if block.dtype != engine.dtype:       # 16-bit (mixed precision): saved exactly in fp32
+            block = block.astype(engine.dtype)
+        out.append(("param", name, "", region, block, {}))
     if optimizer is not None:
         for name, *_ in engine.optimizer_shards():
             state = optimizer.state.get(name)

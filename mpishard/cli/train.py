@@ -41,6 +41,7 @@ except ImportError:                                        # Python < 3.11
 DATASET_MODELS = {"digits": "64,128,128,10", "synthetic-regression": "16,32,32,1",
                   "synthetic-classification": "16,32,32,4"}
 LOSS_CHOICES = ("mse", "bce", "cross_entropy")
+PRECISION_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 # Defaults applied after merging the command line and the --config file (argparse itself
 # defaults everything to None, so "given on the command line" is visible and wins).
@@ -50,6 +51,7 @@ TRAIN_DEFAULTS = {
     "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
     "schedule": "constant", "warmup": 0, "min_lr": 0.0, "batch": 64, "epochs": None,
     "steps": None, "accumulate": 1, "clip": None, "seed": 0, "dtype": "float32",
+    "param_dtype": None, "comm_dtype": None,
     "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
@@ -67,6 +69,10 @@ def add_train_arguments(p):
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
     m("--dtype", choices=("float32", "float64"), help="default float32")
+    for flag, what in (("--param-dtype", "parameter storage (fsdp: all-gather)"),
+                       ("--comm-dtype", "gradient communication (sums stay fp32)")):
+        m(flag, choices=PRECISION_DTYPES, help=f"{what} dtype; bfloat16/float16 need --dtype "
+          "float32 (float16: dynamic loss scaling); default: --dtype")
     add_device_arguments(m, default=None)
     d = _recording(p.add_argument_group("data"), options)
     d("--dataset", choices=DATASETS, help="default digits")
@@ -208,6 +214,11 @@ def validate_train_args(args, world_size: int):
         args.weight_decay = 0.01 if args.optimizer == "adamw" else 0.0
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr:g} must not exceed --lr {args.lr:g}")
+    for flag, value in (("--param-dtype", args.param_dtype), ("--comm-dtype", args.comm_dtype)):
+        if value not in (None, args.dtype) and (value in ("float32", "float64")
+                                                or args.dtype != "float32"):
+            raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
+                             f"or the --dtype itself), got --dtype {args.dtype}")
     loss = _fitting_loss(args, dims)
     dp = layout.data_parallel_size
     if args.batch % (args.accumulate * dp):
@@ -287,7 +298,8 @@ def build_training(args, comm=None):
     model = MLP(dims, activation=args.activation,
                 final_activation="sigmoid" if loss == "bce" else None)
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
-                         device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware])
+                         device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
+                         param_dtype=args.param_dtype, comm_dtype=args.comm_dtype)
     engine.load_checkpoint(model.init(seed=args.seed))
     if args.optimizer == "adamw":
         opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,

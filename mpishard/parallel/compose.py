@@ -31,6 +31,7 @@ from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
 from .pipeline import PipelineRunner
+from .precision import Precision
 from .stages import assign_stages
 from .store import ParamStore
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
@@ -101,8 +102,9 @@ class EngineParts:
     stats: dict = field(default_factory=dict)   # measurements of the last step
 
 
-def compose(model, layout, comm, dtype) -> EngineParts:
-    """This rank's parts of the engine for `model` under `layout` (comm: the engine's Comm).
+def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
+    """This rank's parts of the engine for `model` under `layout` (comm: the engine's Comm;
+    precision: a precision.Precision, default all `dtype`).
 
     Raises ValueError on every rank, before any communication, when the layout does not fit.
     """
@@ -114,15 +116,19 @@ def compose(model, layout, comm, dtype) -> EngineParts:
     fsdp = layout.size("fsdp") > 1
     if fsdp:
         grad_placements, exempt = gradient_layout(placements)
-    store = ParamStore(plan, grad_placements, layout, mesh.coords, comm.xp, dtype)  # 2.
+    precision = precision or Precision(dtype)
+    store = ParamStore(plan, grad_placements, layout, mesh.coords, comm.xp,   # 2.
+                       precision.param, grad_dtype=dtype)
+    sync_comm = precision.wrap_comm(comm)         # 16-bit gradient/fsdp traffic, fp32 sums
     moe, pp = uses_moe(model, layout), layout.size("pp")
     # overlap needs each gradient final after one add_grad: not so under fsdp, ep or pp, nor
     # for a tied GPT (embed/tokens gets the embedding's and the head's gradient)
     overlap_possible = not (fsdp or moe or pp > 1 or getattr(model, "tied", False))
-    grad_sync = GradientSync(store, comm, exempt, overlap_possible,  # 3. data axes
+    grad_sync = GradientSync(store, sync_comm, exempt, overlap_possible,  # 3. data axes
                              bucket_mb=layout.option("bucket_mb", DEFAULT_BUCKET_MB))
-    access = (FSDPAccess(store, comm.group("fsdp"), grad_sync.on_grad_ready) if fsdp
+    access = (FSDPAccess(store, sync_comm.group("fsdp"), grad_sync.on_grad_ready) if fsdp
               else LocalAccess(store, grad_sync.on_grad_ready))     # 4. fsdp or local
+    access = precision.wrap_access(access)      # 16-bit parameters: fp32 math (precision.py)
     stats: dict = {}
     if moe:                                                         # 5. layers (ep, tp)
         chunks = build_moe_chunks(model, access, comm, stats)

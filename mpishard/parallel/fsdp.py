@@ -158,7 +158,7 @@ class FSDPAccess:
             self.padded[name] = buf
             store.params[name] = buf[:self.rows[name]]
             if self.stage[name] == 1:
-                self.grad_buffers[name] = xp.zeros_like(buf)
+                self.grad_buffers[name] = xp.zeros(buf.shape, store.grads[name].dtype)
         if self.prefetcher is not None:
             self.prefetcher.abandon()
         self._live.clear()

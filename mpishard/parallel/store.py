@@ -16,11 +16,15 @@ from . import placement as pl
 class ParamStore:
     """Local parameter and gradient blocks of one rank, keyed by full parameter names."""
 
-    def __init__(self, plan: dict, grad_placements: dict, layout, coords: dict, xp, dtype):
+    def __init__(self, plan: dict, grad_placements: dict, layout, coords: dict, xp, dtype,
+                 grad_dtype=None):
         self.plan = plan
         self.layout = layout
         self.coords = coords
+        # dtype: the parameters' (mixed precision: param_dtype); grad_dtype: the gradients'
+        # (the compute dtype; default dtype)
         self.xp, self.dtype = xp, dtype
+        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
         self.placements = {n: info.placement for n, info in plan.items()}
         self.full_shapes = {n: info.full_shape for n, info in plan.items()}
         self.grad_placements = grad_placements
@@ -39,7 +43,7 @@ class ParamStore:
                                                self.coords, self.xp, self.dtype)
             self.grads[name] = self.xp.zeros(
                 pl.local_shape(self.full_shapes[name], self.grad_placements[name], sizes),
-                dtype=self.dtype)
+                dtype=self.grad_dtype)
 
     def zero_grads(self) -> None:
         for g in self.grads.values():
@@ -74,6 +78,10 @@ class ParamStore:
         (the parameters, or the gradients with the gradient placements)."""
         out = {}
         stage, pp = self.coords.get("pp", 0), self.layout.size("pp")
+        # 16-bit parameters (mixed precision) are gathered cast to the gradients' dtype: exact,
+        # and a dtype every MPI call moves
+        if self.dtype != self.grad_dtype:
+            local = {n: a.astype(self.grad_dtype, copy=False) for n, a in local.items()}
         for name, info in self.plan.items():
             full = None
             if info.placement.stage == stage:

@@ -24,6 +24,10 @@ multiplied by min(1, max_norm / (total + 1e-6)). The total is global: each rank 
 of its grad blocks divided by their replication (the number of ranks holding an identical copy),
 and one all_reduce(sum) over the whole world adds the rest. A replicated block is therefore
 counted once and a sharded one summed over its shards, on every layout.
+
+Mixed precision (parameters stored in bfloat16/float16, parallel/precision.py): the update runs
+on an fp32 master copy of each block (state key 'master'), which is then rounded into the
+stored parameter; gradients are fp32 already.
 """
 from __future__ import annotations
 
@@ -67,8 +71,21 @@ class Optimizer:
             raise TypeError(f"step(grads): grads must be the dict from train_step, got "
                             f"{type(grads).__name__}")
         for name, param, grad, _ in self.shards():
-            self.update(name, param, grad)
+            if param.dtype == self.dtype:
+                self.update(name, param, grad)
+            else:                    # 16-bit parameters (mixed precision): an fp32 master copy
+                master = self.master(name, param)
+                self.update(name, master, grad)
+                param[...] = master                   # rounded to the stored dtype
         self.after_step()
+
+    def master(self, name, param):
+        """The fp32 master weights of a 16-bit parameter block: optimizer state 'master' (so
+        memory_report counts it and checkpoints save it), made from the block on first use."""
+        entry = self.state.setdefault(name, {"step": 0})
+        if "master" not in entry:
+            entry["master"] = param.astype(self.dtype)
+        return entry["master"]
 
     def update(self, name, param, grad) -> None:
         raise NotImplementedError
@@ -159,10 +176,9 @@ class AdamW(Optimizer):
     def update(self, name, p, g) -> None:
         xp = self.xp
         b1, b2 = self.betas
-        entry = self.state.get(name)
-        if entry is None:
-            entry = self.state[name] = {"step": 0, "exp_avg": xp.zeros_like(p),
-                                        "exp_avg_sq": xp.zeros_like(p)}
+        entry = self.state.setdefault(name, {"step": 0})     # (may hold a 'master' already)
+        if "exp_avg" not in entry:
+            entry.update(exp_avg=xp.zeros_like(p), exp_avg_sq=xp.zeros_like(p))
         entry["step"] += 1
         t = entry["step"]
         m, v = entry["exp_avg"], entry["exp_avg_sq"]

@@ -35,6 +35,7 @@ from ..parallel.stages import pipeline_options
 from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
 from .optim import clip_grad_norm
+from .scaler import GradScaler
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
 
@@ -127,12 +128,14 @@ class Trainer:
     log_every : log the loss on rank 0 every this many steps (0: never)
     progress : a tqdm bar on rank 0 (loss, samples/s)
     callbacks : Callback objects (checkpointing, custom metrics)
+    scaler : a scaler.GradScaler (dynamic loss scaling), or None: one is made when the engine
+             stores or communicates float16 (engine.precision), none otherwise
     """
 
     def __init__(self, engine, optimizer, data: Dataset, loss=None, *, batch=64, steps=None,
                  epochs=None, accumulate=1, clip=None, schedule=None, eval_every=0,
                  log_every=50, seed=0, progress=True, callbacks=(), logger=None,
-                 shuffle=True):
+                 shuffle=True, scaler=None):
         if (steps is None) == (epochs is None):
             raise ValueError(f"give exactly one of steps and epochs (got steps={steps}, "
                              f"epochs={epochs})")
@@ -165,6 +168,9 @@ class Trainer:
         self.log = logger or logging.getLogger("mpishard")
         self.state = TrainState()
         self.train_time = 0.0
+        if scaler is None and engine.precision.needs_loss_scaling:
+            scaler = GradScaler(engine)
+        self.scaler = scaler
 
     # -- one optimizer step ----------------------------------------------------------------------
     def train_step(self) -> float:
@@ -175,18 +181,27 @@ class Trainer:
         local_sum, value, grads = 0.0, 0.0, None
         for i, (x, t) in enumerate(self.batcher.micro_batches(st.step)):
             value, grads = e.train_step(x, t, self.loss, accumulate=i > 0, sync=i == k - 1,
-                                        grad_scale=1.0 / k)
+                                        grad_scale=self.loss_scale / k)
             if i < k - 1:
                 local_sum += value                       # local losses: no communication yet
         loss = (e.global_mean(local_sum) + value) / k if k > 1 else value
-        if self.clip is not None:
-            st.grad_norm_history.append(clip_grad_norm(e, grads, self.clip))
-        self.optimizer.step(grads)
+        if self.scaler is not None:            # unscale, clip and step, or skip on inf/nan
+            _, norm = self.scaler.step(self.optimizer, self.clip)
+            if norm is not None:
+                st.grad_norm_history.append(norm)
+        else:
+            if self.clip is not None:
+                st.grad_norm_history.append(clip_grad_norm(e, grads, self.clip))
+            self.optimizer.step(grads)
         st.lr_history.append(self.optimizer.lr)
         st.loss_history.append(loss)
         st.step += 1
         st.samples += self.batch
         return loss
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.scale
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -287,6 +302,10 @@ class Trainer:
             "loss": self.loss.name,
             "optimizer": type(self.optimizer).__name__,
             "dtype": str(np.dtype(e.dtype)),
+            "param_dtype": e.precision.param.name,
+            "comm_dtype": e.precision.comm.name,
+            "skipped_steps": 0 if self.scaler is None else self.scaler.skipped_steps,
+            "loss_scale": self.loss_scale,
             "batch": self.batch,
             "accumulate": self.accumulate,
             "steps": st.step,

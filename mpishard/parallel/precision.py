@@ -1,0 +1,226 @@
+"""Mixed precision: parameters stored, and gradients communicated, in 16 bits; math in fp32.
+
+`make_engine(model, layout, dtype=np.float32, param_dtype="bfloat16", comm_dtype="bfloat16")`
+(engine keywords, not layout options: they are engine settings, like `dtype`). Each defaults to
+the compute dtype `dtype`; the 16-bit ones are "bfloat16" (ml_dtypes on CPU) and "float16".
+
+    what                          dtype
+    parameters (store, fsdp)      param_dtype    all-gathered under fsdp in param_dtype too
+    layer math, activations       dtype (fp32)   CastingAccess.get casts each weight up
+    gradients (store)             dtype (fp32)   CastingAccess.add_grad accumulates in fp32
+    gradient communication        comm_dtype     LowPrecisionComm: the sum itself is fp32
+    master weights                fp32           the optimizer's state 'master' (optim.py)
+
+Gradient reductions in comm_dtype with an fp32 sum (MPI has no bfloat16 sum, and a 16-bit
+running sum over many ranks loses digits). With n ranks and x_r this rank's (flat) array, cut
+into n chunks x_r[j]:
+
+    reduce_scatter(sum)  = all_to_all of c(x_r[j])                   (comm_dtype on the wire)
+                           -> sum_r f32(c(x_r[j]))                   (local fp32 sum, rank order)
+    all_reduce(sum)      = that reduce_scatter
+                           -> all_gather of c(sum)                   (comm_dtype on the wire)
+
+with c = round to comm_dtype. Bytes sent per rank: (n-1)/n of the array twice, at 2 bytes an
+element: half of a float32 all_reduce's 2 (n-1)/n * 4. The all_reduce result is the same on
+every rank: c(sum_r c(x_r)) in fp32. Adjoints as for the float32 calls: all_reduce(sum) is its
+own adjoint; reduce_scatter's is all_gather (the parameters' all_gather under fsdp, which moves
+param_dtype bits unchanged).
+
+Non-reducing calls (all_gather, all_to_all) move 16-bit arrays as their raw 2-byte words
+(viewed as float16, which MPI moves without arithmetic), so bfloat16 needs no MPI type.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+LOW = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+WIRE = np.dtype(np.float16)          # how 2-byte floats travel through non-reducing MPI calls
+
+
+def low_dtype(value, what: str, compute) -> np.dtype:
+    """`value` (None, a name or a dtype) as a dtype: the compute dtype or a 16-bit float."""
+    compute = np.dtype(compute)
+    if value is None:
+        return compute
+    try:
+        dtype = LOW[value] if isinstance(value, str) and value in LOW else np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype not in (compute, *LOW.values()):
+        raise TypeError(f"{what} must be one of {[compute.name, *LOW]} (or None: the compute "
+                        f"dtype), got {value!r}")
+    if dtype != compute and compute != np.dtype(np.float32):
+        raise TypeError(f"{what}={dtype.name} needs dtype=float32 (mixed precision computes "
+                        f"in fp32), got dtype={compute.name}")
+    return dtype
+
+
+class Precision:
+    """The dtypes of one engine: compute, parameter storage, gradient communication."""
+
+    def __init__(self, dtype, param_dtype=None, comm_dtype=None):
+        self.compute = np.dtype(dtype)
+        if self.compute not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"dtype must be float32 or float64, got {self.compute}")
+        self.param = low_dtype(param_dtype, "param_dtype", self.compute)
+        self.comm = low_dtype(comm_dtype, "comm_dtype", self.compute)
+
+    @property
+    def mixed(self) -> bool:
+        return self.param != self.compute or self.comm != self.compute
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """float16 has 5 exponent bits: small gradients flush to zero without a loss scale."""
+        return np.dtype(np.float16) in (self.param, self.comm)
+
+    def wrap_comm(self, comm):
+        """The Comm the gradient sync and fsdp use: `comm` itself unless something is 16-bit."""
+        return LowPrecisionComm(comm, self.compute, self.comm) if self.mixed else comm
+
+    def wrap_access(self, access):
+        """The access policy the layers use: casting when parameters are stored in 16 bits."""
+        return CastingAccess(access, self.compute) if self.param != self.compute else access
+
+    def __repr__(self):
+        return (f"Precision(compute={self.compute.name}, param={self.param.name}, "
+                f"comm={self.comm.name})")
+
+
+def to_wire(a):
+    """A 2-byte float array as raw float16 words (a view); other arrays as they are."""
+    return a.view(WIRE) if a.dtype in LOW.values() else a
+
+
+class CastingAccess:
+    """An access policy wrapping the real one (LocalAccess or FSDPAccess, layers.py): `get`
+    hands out the stored (16-bit) weight cast to the compute dtype, `add_grad` passes the
+    compute-dtype gradient on (the store's gradients are in the compute dtype). Everything
+    else (release, owned, on_load, finish_grads, ...) is the wrapped policy's."""
+
+    def __init__(self, inner, compute):
+        self.inner, self.compute = inner, np.dtype(compute)
+
+    def get(self, name, mb=0):
+        w = self.inner.get(name, mb)
+        return w if w.dtype == self.compute else w.astype(self.compute)    # forward: cast up
+
+    def add_grad(self, name, g) -> None:
+        self.inner.add_grad(name, g)           # adjoint of the cast: the fp32 gradient as is
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+class DoneFuture:
+    """A Future whose work is done (the low-precision all_reduce is blocking)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+    def done(self) -> bool:
+        return True
+
+
+class WireFuture:
+    """A Future of a 2-byte-word transfer; `result()` views the words as `dtype` again."""
+
+    def __init__(self, future, dtype):
+        self.future, self.dtype = future, dtype
+
+    def result(self):
+        return self.future.result().view(self.dtype)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class LowPrecisionComm:
+    """A Comm (or group view) whose sum/avg reductions of compute-dtype arrays travel in
+    `comm_dtype` with an fp32 local sum (module docstring), and whose non-reducing calls
+    move 16-bit arrays as raw 2-byte words. Anything else is the wrapped Comm's."""
+
+    def __init__(self, comm, compute, comm_dtype):
+        self.inner, self.compute, self.comm_dtype = comm, np.dtype(compute), np.dtype(comm_dtype)
+
+    def group(self, axes) -> "LowPrecisionComm":
+        return LowPrecisionComm(self.inner.group(axes), self.compute, self.comm_dtype)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def _low(self, a, op) -> bool:
+        return (op in ("sum", "avg") and a.dtype == self.compute
+                and self.comm_dtype != self.compute)
+
+    # -- reductions: comm_dtype on the wire, fp32 sums -----------------------------------------
+    def sum_chunks(self, chunks, group=None):
+        """chunks (n, k) in the compute dtype, row j for rank j -> (k,) fp32: sum over ranks r
+        of c(rank r's row for this rank), in rank order (all_to_all in comm_dtype)."""
+        low = chunks.astype(self.comm_dtype)
+        got = self.inner.all_to_all(to_wire(low), axis=0, group=group)      # (n, k) words
+        return got.view(self.comm_dtype).astype(self.compute).sum(axis=0)
+
+    def reduce_scatter(self, arr, op="sum", axis=0, group=None):
+        """reduce_scatter(sum|avg) along `axis` with the sum in fp32 (the wire in comm_dtype).
+        Adjoint: all_gather along `axis`."""
+        xp = self.inner.xp
+        a = xp.asarray(arr)
+        n = self.inner.size(group)
+        if not self._low(a, op) or n == 1:
+            return self.inner.reduce_scatter(a, op=op, axis=axis, group=group)
+        moved = xp.moveaxis(a, axis, 0)
+        if moved.shape[0] % n:
+            raise ValueError(f"reduce_scatter: length {moved.shape[0]} along axis {axis} is "
+                             f"not divisible by the group size {n}")
+        mine = self.sum_chunks(xp.ascontiguousarray(moved).reshape(n, -1), group)
+        if op == "avg":
+            mine /= n
+        out = mine.reshape((moved.shape[0] // n,) + tuple(moved.shape[1:]))
+        return xp.moveaxis(out, 0, axis)
+
+    def all_reduce(self, arr, op="sum", group=None, out=None):
+        """all_reduce(sum|avg) as reduce_scatter (fp32 sum) + all_gather, both in comm_dtype:
+        every rank gets c(sum_r c(x_r)) (avg: divided by n before the rounding). Adjoint:
+        all_reduce(sum), as in float32."""
+        xp = self.inner.xp
+        a = xp.asarray(arr)
+        n = self.inner.size(group)
+        if not self._low(a, op) or n == 1:
+            return self.inner.all_reduce(arr, op=op, group=group, out=out)
+        flat = a.reshape(-1)
+        k = -(-flat.size // n)
+        chunks = xp.zeros(n * k, dtype=self.compute)       # zero-padded to n equal chunks
+        chunks[:flat.size] = flat
+        mine = self.sum_chunks(chunks.reshape(n, k), group)
+        if op == "avg":
+            mine /= n
+        words = self.inner.all_gather(to_wire(mine.astype(self.comm_dtype)), axis=0,
+                                      group=group)
+        full = words.view(self.comm_dtype)[:flat.size].astype(self.compute)
+        if out is None:
+            out = xp.empty_like(a)
+        out.reshape(-1)[...] = full
+        return out
+
+    def all_reduce_async(self, arr, op="sum", group=None, out=None):
+        """Blocking here (two collectives with a local sum between); a done Future."""
+        return DoneFuture(self.all_reduce(arr, op=op, group=group, out=out))
+
+    # -- non-reducing calls: 16-bit arrays as raw 2-byte words ---------------------------------
+    def all_gather(self, arr, axis=0, group=None):
+        a = self.inner.xp.asarray(arr)
+        return self.inner.all_gather(to_wire(a), axis=axis, group=group).view(a.dtype)
+
+    def all_gather_async(self, arr, axis=0, group=None):
+        a = self.inner.xp.asarray(arr)
+        return WireFuture(self.inner.all_gather_async(to_wire(a), axis=axis, group=group),
+                          a.dtype)
+
+    def all_to_all(self, arr, axis=0, group=None):
+        a = self.inner.xp.asarray(arr)
+        return self.inner.all_to_all(to_wire(a), axis=axis, group=group).view(a.dtype)
