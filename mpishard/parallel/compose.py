@@ -24,18 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..comm.mesh import DATA_AXES, parse_layout
+from ..nn.activations import TapeMeter, meter_tapes
 from ..nn.layers import Activation, Layer, Linear, LocalAccess, Sequential
+from ..nn.recompute import recompute_chunks
 from . import placement as pl
+from .context_parallel import context_units
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
+from .gpt_tensor_parallel import gpt_units_and_output
 from .pipeline import PipelineRunner
 from .precision import Precision
 from .stages import assign_stages
 from .store import ParamStore
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
                               tp_role, tp_shards)
+from .vocab_parallel import ReplicatedOutput
 
 
 # -- planning (no MPI) -------------------------------------------------------------------------
@@ -66,6 +71,9 @@ def plan_params(model, layout) -> dict:
     layout = parse_layout(layout)
     if is_gpt(model):
         return plan_gpt_params(model, layout, layer_stages(model, layout))
+    if layout.size("cp") > 1:
+        raise ValueError(f"layout {layout.text!r}: cp={layout.size('cp')} splits a sequence; "
+                         f"only ms.GPT models have one")
     if uses_moe(model, layout):
         return plan_moe_params(model, layout)
     tp, pp, fsdp = layout.size("tp"), layout.size("pp"), layout.size("fsdp")
@@ -100,6 +108,8 @@ class EngineParts:
     chunks: list                     # this rank's layers, one list per virtual stage
     runner: object                   # Sequential or PipelineRunner
     stats: dict = field(default_factory=dict)   # measurements of the last step
+    meter: object = None             # nn.activations.TapeMeter: bytes on the activation tapes
+    output: object = field(default_factory=ReplicatedOutput)   # the loss and gather_batch
 
 
 def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
@@ -130,14 +140,20 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
               else LocalAccess(store, grad_sync.on_grad_ready))     # 4. fsdp or local
     access = precision.wrap_access(access)      # 16-bit parameters: fp32 math (precision.py)
     stats: dict = {}
+    output = ReplicatedOutput()
     if moe:                                                         # 5. layers (ep, tp)
         chunks = build_moe_chunks(model, access, comm, stats)
-    elif is_gpt(model):
-        chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access)
+    elif is_gpt(model):               # tp: vocab-parallel logits, loss and gather_batch
+        units, output = gpt_units_and_output(model, layout, comm)
+        chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access,
+                            units, context_units(model, layout, comm.group("cp")))
     else:
         chunks = stage_layers(model, layout, mesh.coords["pp"], access, comm.group("tp"))
+    chunks = recompute_chunks(model, chunks, layout.option("recompute"), layout.text)
     if getattr(access, "prefetcher", None) is not None:             # fsdp prefetch=1
         access.prefetcher.install(chunks)
+    meter = TapeMeter()                 # activation bytes on the layers' tapes (memory_report)
+    meter_tapes(chunks, meter)
     if pp > 1:                                                      # 6. pp
         # Group communicators are made by a world-wide Split on first use; inside a pipeline
         # ranks reach their first tp/pp call at different times, so make them all here,
@@ -148,7 +164,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         runner = PipelineRunner(chunks, layout, comm.group("pp"), stats)
     else:
         runner = Sequential(chunks[0])
-    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats)
+    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter, output)
 
 
 def stage_layers(model, layout, stage: int, access, tp) -> list:

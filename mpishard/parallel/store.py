@@ -71,6 +71,17 @@ class ParamStore:
                                     self.coords)
         return ranges
 
+    def block_pieces(self, name, which: str = "param") -> list:
+        """Like block_region, for any placement: [(region, local index)], each rectangle
+        (start, stop) per dim of the full array this rank holds and the slices of the local
+        block holding it. One piece, at the block's start, unless a blocked split (a GPT's
+        qkv under tp: three); none when the block is all padding."""
+        placement = self.grad_placements[name] if which == "optimizer" else \
+            self.placements[name]
+        return [(ranges, tuple(slice(o, o + b - a) for o, (a, b) in zip(starts, ranges)))
+                for ranges, starts in pl.local_pieces(self.full_shapes[name], placement,
+                                                      self.layout.sizes, self.coords)]
+
     # -- full views and memory -----------------------------------------------------------------
     def gather_full(self, comm, local: dict, placements: dict) -> dict:
         """Collective over the whole mesh (comm: the engine's Comm): the full-shape array of
@@ -97,9 +108,10 @@ class ParamStore:
             out[name] = full
         return out
 
-    def memory_report(self, access, optimizer=None) -> dict:
+    def memory_report(self, access, optimizer=None, activations=None) -> dict:
         """Bytes held: params, grads (with the access policy's extra gradient buffers),
-        optimizer state, the access policy's gathered peak, and their total."""
+        optimizer state, the access policy's gathered peak, the activation tapes' peak
+        (`activations`: an nn.activations.TapeMeter), and their total."""
         extra_grads = getattr(access, "grad_buffers", {})
         state = getattr(optimizer, "state", {}) if optimizer is not None else {}
         report = {
@@ -108,6 +120,7 @@ class ParamStore:
             "optimizer": held_bytes(v for entry in state.values() for v in entry.values()
                                     if hasattr(v, "nbytes") and getattr(v, "ndim", 0) > 0),
             "gathered_peak": int(getattr(access, "peak_gathered_bytes", 0)),
+            "activations_peak": int(getattr(activations, "peak", 0)),
         }
         report["total"] = sum(report.values())
         return report
