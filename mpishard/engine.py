@@ -25,10 +25,9 @@ from mpi4py import MPI
 
 from .comm.backend import Backend
 from .comm.collectives import Comm
-from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
+from .comm.mesh import DATA_AXES, DeviceMesh, parse_layout
 from .nn.losses import get_loss
 from .parallel.compose import compose
-from .parallel.context_parallel import gather_sequence, shard_sequence
 from .parallel.precision import Precision
 
 
@@ -173,7 +172,6 @@ class MeshEngine(ShardedEngine):
         self.plan, self.store, self.stats = parts.plan, parts.store, parts.stats
         self.grad_sync, self.access = parts.grad_sync, parts.access
         self.chunks, self.runner = parts.chunks, parts.runner
-        self.output = parts.output             # the loss and gather_batch (vocab-parallel GPT)
         self.meter = parts.meter               # activation bytes on the tapes (memory_report)
         self.stage = self.mesh.coords["pp"]
         self.loaded = False
@@ -217,17 +215,13 @@ class MeshEngine(ShardedEngine):
 
     def shard_batch(self, arr):
         """The rows of a global batch this rank is fed: block data_parallel_rank of
-        data_parallel_size along axis 0 (tp and pp peers get the same rows); under cp, of
-        those rows the sequence chunks r and 2cp-1-r (context_parallel.shard_sequence)."""
+        data_parallel_size along axis 0 (tp and pp peers get the same rows)."""
         n, i = self.data_parallel_size, self.data_parallel_rank
         rows = np.shape(arr)[0]
         if rows % n:
             raise ValueError(f"batch of {rows} rows does not divide by the {n} data-parallel "
                              f"ranks of layout {self.layout.text!r}")
-        arr = arr[i * (rows // n):(i + 1) * (rows // n)]
-        if self.layout.size("cp") > 1:
-            arr = shard_sequence(arr, self.layout.size("cp"), self.mesh.coords["cp"])
-        return self._to_device(arr)
+        return self._to_device(arr[i * (rows // n):(i + 1) * (rows // n)])
 
     def _to_device(self, a):
         a = self.backend.asarray(a)
@@ -240,9 +234,6 @@ class MeshEngine(ShardedEngine):
         Under pp the output lives on the last stage and is broadcast to the others."""
         if self.layout.size("pp") > 1:
             y_local = self.comm.broadcast(y_local, root=self.layout.size("pp") - 1, group="pp")
-        y_local = self.output.gather(y_local)  # vocab shards (GPT under tp) -> full width
-        if self.layout.size("cp") > 1:         # sequence chunks -> (rows, T, ...) in order
-            y_local = gather_sequence(self.comm.group("cp"), y_local)
         if self.data_parallel_size == 1:
             return y_local
         return self.comm.all_gather(y_local, axis=0, group=DATA_AXES)
@@ -309,7 +300,7 @@ class MeshEngine(ShardedEngine):
         accumulate=(i > 0), sync=(i == k - 1).
         """
         self._require_loaded()
-        loss = self.output.loss(get_loss(loss))   # GPT under tp: vocab-parallel cross-entropy
+        loss = get_loss(loss)
         if x is not None:
             x = self._input(x)
         if t is not None:
@@ -331,12 +322,12 @@ class MeshEngine(ShardedEngine):
         return value, self.grads
 
     def global_mean(self, value: float) -> float:
-        """Mean of a per-rank scalar over the data axes and cp (and from the last pp stage)."""
+        """Mean of a per-rank scalar over the data axes (and from the last pp stage)."""
         v = np.array([value], dtype=np.float64)
         if self.layout.size("pp") > 1:
             v = self.comm.broadcast(v, root=self.layout.size("pp") - 1, group="pp")
-        if self.mesh.size(AVERAGE_AXES) > 1:
-            v = self.comm.all_reduce(v, op="avg", group=AVERAGE_AXES)
+        if self.data_parallel_size > 1:
+            v = self.comm.all_reduce(v, op="avg", group=DATA_AXES)
         return float(self.backend.to_host(v)[0])
 
     # -- what the optimizer and checkpoints see ------------------------------------------------
@@ -361,11 +352,6 @@ class MeshEngine(ShardedEngine):
     def block_region(self, name, which: str = "param"):
         """Where this rank's block of `name` sits in the full array (ParamStore.block_region)."""
         return self.store.block_region(name, which)
-
-    def block_pieces(self, name, which: str = "param") -> list:
-        """[(region, local index)]: every rectangle of the full array this rank's block of
-        `name` holds (several under a blocked split; ParamStore.block_pieces)."""
-        return self.store.block_pieces(name, which)
 
     # -- full views ----------------------------------------------------------------------------
     def gather_params(self) -> dict:

@@ -28,19 +28,16 @@ from ..nn.activations import TapeMeter, meter_tapes
 from ..nn.layers import Activation, Layer, Linear, LocalAccess, Sequential
 from ..nn.recompute import recompute_chunks
 from . import placement as pl
-from .context_parallel import context_units
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
-from .gpt_tensor_parallel import gpt_units_and_output
 from .pipeline import PipelineRunner
 from .precision import Precision
 from .stages import assign_stages
 from .store import ParamStore
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
                               tp_role, tp_shards)
-from .vocab_parallel import ReplicatedOutput
 
 
 # -- planning (no MPI) -------------------------------------------------------------------------
@@ -71,9 +68,6 @@ def plan_params(model, layout) -> dict:
     layout = parse_layout(layout)
     if is_gpt(model):
         return plan_gpt_params(model, layout, layer_stages(model, layout))
-    if layout.size("cp") > 1:
-        raise ValueError(f"layout {layout.text!r}: cp={layout.size('cp')} splits a sequence; "
-                         f"only ms.GPT models have one")
     if uses_moe(model, layout):
         return plan_moe_params(model, layout)
     tp, pp, fsdp = layout.size("tp"), layout.size("pp"), layout.size("fsdp")
@@ -109,7 +103,6 @@ class EngineParts:
     runner: object                   # Sequential or PipelineRunner
     stats: dict = field(default_factory=dict)   # measurements of the last step
     meter: object = None             # nn.activations.TapeMeter: bytes on the activation tapes
-    output: object = field(default_factory=ReplicatedOutput)   # the loss and gather_batch
 
 
 def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
@@ -140,13 +133,10 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
               else LocalAccess(store, grad_sync.on_grad_ready))     # 4. fsdp or local
     access = precision.wrap_access(access)      # 16-bit parameters: fp32 math (precision.py)
     stats: dict = {}
-    output = ReplicatedOutput()
     if moe:                                                         # 5. layers (ep, tp)
         chunks = build_moe_chunks(model, access, comm, stats)
-    elif is_gpt(model):               # tp: vocab-parallel logits, loss and gather_batch
-        units, output = gpt_units_and_output(model, layout, comm)
-        chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access,
-                            units, context_units(model, layout, comm.group("cp")))
+    elif is_gpt(model):
+        chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access)
     else:
         chunks = stage_layers(model, layout, mesh.coords["pp"], access, comm.group("tp"))
     chunks = recompute_chunks(model, chunks, layout.option("recompute"), layout.text)
@@ -164,7 +154,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         runner = PipelineRunner(chunks, layout, comm.group("pp"), stats)
     else:
         runner = Sequential(chunks[0])
-    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter, output)
+    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter)
 
 
 def stage_layers(model, layout, stage: int, access, tp) -> list:
