@@ -171,7 +171,7 @@ class MeshEngine(ShardedEngine):
         parts = compose(model, self.layout, self.comm, self.dtype, self.precision)
         self.plan, self.store, self.stats = parts.plan, parts.store, parts.stats
         self.grad_sync, self.access = parts.grad_sync, parts.access
-        self.chunks, self.runner = parts.chunks, parts.runner
+        self.chunks, self.runner, self.output = parts.chunks, parts.runner, parts.output
         self.meter = parts.meter               # activation bytes on the tapes (memory_report)
         self.stage = self.mesh.coords["pp"]
         self.loaded = False
@@ -234,6 +234,7 @@ class MeshEngine(ShardedEngine):
         Under pp the output lives on the last stage and is broadcast to the others."""
         if self.layout.size("pp") > 1:
             y_local = self.comm.broadcast(y_local, root=self.layout.size("pp") - 1, group="pp")
+        y_local = self.output.gather(y_local)  # vocab shards (GPT under tp) -> full width
         if self.data_parallel_size == 1:
             return y_local
         return self.comm.all_gather(y_local, axis=0, group=DATA_AXES)
@@ -300,7 +301,7 @@ class MeshEngine(ShardedEngine):
         accumulate=(i > 0), sync=(i == k - 1).
         """
         self._require_loaded()
-        loss = get_loss(loss)
+        loss = self.output.loss(get_loss(loss))   # GPT under tp: vocab-parallel cross-entropy
         if x is not None:
             x = self._input(x)
         if t is not None:
@@ -348,10 +349,6 @@ class MeshEngine(ShardedEngine):
     def after_optimizer_step(self) -> None:
         """Run by the optimizer after it updated its shards (ZeRO-1/2 all-gather here)."""
         self.access.after_optimizer_step()
-
-    def block_region(self, name, which: str = "param"):
-        """Where this rank's block of `name` sits in the full array (ParamStore.block_region)."""
-        return self.store.block_region(name, which)
 
     # -- full views ----------------------------------------------------------------------------
     def gather_params(self) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm.collectives import agree
-from .format import CheckpointError, real_slices, run_captured
+from .format import CheckpointError, run_captured
 from .reader import Checkpoint, LazyArray, load
 
 
@@ -52,7 +52,8 @@ def _verify_needed(ckpt, engine, optimizer, shards) -> None:
     optimizer blocks when `optimizer` is given (whose type must be the saved one)."""
     files = []
     for name in engine.local_names:
-        files += ckpt[name].files_for(engine.block_region(name, "param"))
+        for region, _ in engine.store.block_pieces(name, "param"):
+            files += ckpt[name].files_for(region)
     if optimizer is not None:
         if ckpt.optimizer_type != type(optimizer).__name__:
             raise CheckpointError(f"checkpoint {ckpt.path} holds {ckpt.optimizer_type} "
@@ -60,7 +61,8 @@ def _verify_needed(ckpt, engine, optimizer, shards) -> None:
         for name, *_ in shards:
             for v in ckpt.optimizer_state(name).values():
                 if isinstance(v, LazyArray):
-                    files += v.files_for(engine.block_region(name, "optimizer"))
+                    for region, _ in engine.store.block_pieces(name, "optimizer"):
+                        files += v.files_for(region)
     for f in sorted(set(files)):
         ckpt.verify_file(f)
 
@@ -72,12 +74,13 @@ def _read_optimizer_state(ckpt, engine, shards) -> dict:
         saved = ckpt.optimizer_state(name)
         if not saved:
             continue
-        region = engine.block_region(name, "optimizer")
+        pieces = engine.store.block_pieces(name, "optimizer")
         state[name] = {}
         for key, v in saved.items():
             if isinstance(v, LazyArray):
                 a = np.zeros(block.shape, dtype=v.dtype)    # padding stays zero
-                a[real_slices(region)] = v[tuple(slice(lo, hi) for lo, hi in region)]
+                for region, local in pieces:                # several under a blocked split
+                    a[local] = v[tuple(slice(lo, hi) for lo, hi in region)]
                 v = a
             state[name][key] = v
     return {"type": ckpt.optimizer_type, "state": state,

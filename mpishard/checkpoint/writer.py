@@ -28,7 +28,7 @@ import numpy as np
 
 from ..comm.collectives import agree
 from .format import (FORMAT, INDEX, VERSION, CheckpointError, json_default, model_spec,
-                     real_slices, run_captured, sha256_file)
+                     run_captured, sha256_file)
 
 
 def _fsync_dir(path) -> None:
@@ -59,9 +59,11 @@ def _file_name(kind, name, key, region) -> str:
     return f"{stem}__{where}.npy"
 
 
-def _region(engine, name, which):
-    """This rank's block of `name` in the full array, as a hashable ((start, stop), ...)."""
-    return tuple(tuple(r) for r in engine.block_region(name, which))
+def _pieces(engine, name, which):
+    """This rank's block of `name` as [(region, local index)], each region a hashable
+    ((start, stop), ...) of the full array (several under a blocked split: qkv under tp)."""
+    return [(tuple(tuple(r) for r in region), local)
+            for region, local in engine.store.block_pieces(name, which)]
 
 
 # -- save -------------------------------------------------------------------------------------
@@ -70,22 +72,22 @@ def _blocks(engine, optimizer):
     (unpadded) part of the block; kind 'param' or 'optim' (key: the state's array name)."""
     out = []
     for name in engine.local_names:
-        region = _region(engine, name, "param")
-        block = engine.params[name][real_slices(region)]
-        if block.dtype != engine.dtype:       # 16-bit (mixed precision): saved exactly in fp32
-            block = block.astype(engine.dtype)
-        out.append(("param", name, "", region, block, {}))
+        for region, local in _pieces(engine, name, "param"):
+            block = engine.params[name][local]
+            if block.dtype != engine.dtype:   # 16-bit (mixed precision): saved exactly in fp32
+                block = block.astype(engine.dtype)
+            out.append(("param", name, "", region, block, {}))
     if optimizer is not None:
         for name, *_ in engine.optimizer_shards():
             state = optimizer.state.get(name)
             if not state:
                 continue
-            region = _region(engine, name, "optimizer")
             scalars = {k: (v.item() if hasattr(v, "item") else v) for k, v in state.items()
                        if np.ndim(v) == 0}
-            for key, arr in sorted(state.items()):
-                if np.ndim(arr) > 0:
-                    out.append(("optim", name, key, region, arr[real_slices(region)], scalars))
+            for region, local in _pieces(engine, name, "optimizer"):
+                for key, arr in sorted(state.items()):
+                    if np.ndim(arr) > 0:
+                        out.append(("optim", name, key, region, arr[local], scalars))
     return [b for b in out if _volume(b[3]) > 0]
 
 

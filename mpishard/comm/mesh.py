@@ -42,6 +42,7 @@ OPTIONS = {
     "bucket_mb": (float, None, DATA_AXES),  # gradient bucket size for dp/fsdp all-reduce
     "overlap": (int, (0, 1), DATA_AXES),    # overlap gradient communication with backward
     "prefetch": (int, (0, 1), ("fsdp",)),   # fsdp: issue the next layer's all_gather early
+    "sequence_parallel": (int, (0, 1), ("tp",)),   # tp: LayerNorm/residual split along T
     "recompute": (str, ("0", "1", "attn"), ()),   # GPT: recompute blocks (nn/recompute.py)
 }
 

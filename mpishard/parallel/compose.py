@@ -32,12 +32,14 @@ from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
+from .gpt_tensor_parallel import gpt_units_and_output
 from .pipeline import PipelineRunner
 from .precision import Precision
 from .stages import assign_stages
 from .store import ParamStore
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
                               tp_role, tp_shards)
+from .vocab_parallel import ReplicatedOutput
 
 
 # -- planning (no MPI) -------------------------------------------------------------------------
@@ -103,6 +105,7 @@ class EngineParts:
     runner: object                   # Sequential or PipelineRunner
     stats: dict = field(default_factory=dict)   # measurements of the last step
     meter: object = None             # nn.activations.TapeMeter: bytes on the activation tapes
+    output: object = field(default_factory=ReplicatedOutput)   # the loss and gather_batch
 
 
 def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
@@ -133,10 +136,13 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
               else LocalAccess(store, grad_sync.on_grad_ready))     # 4. fsdp or local
     access = precision.wrap_access(access)      # 16-bit parameters: fp32 math (precision.py)
     stats: dict = {}
+    output = ReplicatedOutput()
     if moe:                                                         # 5. layers (ep, tp)
         chunks = build_moe_chunks(model, access, comm, stats)
-    elif is_gpt(model):
-        chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access)
+    elif is_gpt(model):               # tp: vocab-parallel logits, loss and gather_batch
+        units, output = gpt_units_and_output(model, layout, comm)
+        chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access,
+                            units)
     else:
         chunks = stage_layers(model, layout, mesh.coords["pp"], access, comm.group("tp"))
     chunks = recompute_chunks(model, chunks, layout.option("recompute"), layout.text)
@@ -154,7 +160,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         runner = PipelineRunner(chunks, layout, comm.group("pp"), stats)
     else:
         runner = Sequential(chunks[0])
-    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter)
+    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter, output)
 
 
 def stage_layers(model, layout, stage: int, access, tp) -> list:

@@ -5,16 +5,19 @@ parameter count, or `stages=` gives the counts); the embedding lives with block 
 stage 0 and ln_f + head with the last block on the last virtual stage. FSDP (zero=3) splits
 every parameter along dim 0 like an MLP's; zero=1/2 and dp keep them replicated.
 
-Not yet: tp (Megatron attention and MLP, vocab-parallel embedding and head), cp and ep raise a
-ValueError; so does `tied=True` with pp > 1 (the embedding on the first stage and the head on
-the last would share one array across stages).
+Tensor parallelism (tp, sequence_parallel) is gpt_tensor_parallel.py: each parameter's tp
+split comes first in its placement, then fsdp's; `units` builds the tp units.
+
+Not yet: cp and ep raise a ValueError; so does `tied=True` with pp > 1 (the embedding on the
+first stage and the head on the last would share one array across stages).
 """
 from __future__ import annotations
 
 from ..nn.transformer import gpt_units
 from . import placement as pl
+from .gpt_tensor_parallel import check_gpt_tp, gpt_tp_shards
 
-UNSUPPORTED_AXES = ("tp", "cp", "ep")
+UNSUPPORTED_AXES = ("cp", "ep")
 
 
 def check_gpt_layout(model, layout) -> None:
@@ -22,11 +25,12 @@ def check_gpt_layout(model, layout) -> None:
     for axis in UNSUPPORTED_AXES:
         if layout.sizes.get(axis, 1) > 1:
             raise ValueError(f"layout {layout.text!r}: {axis}={layout.sizes[axis]} is not yet "
-                             f"supported for GPT models (dp, fsdp and pp are)")
+                             f"supported for GPT models (dp, fsdp, tp and pp are)")
     if model.tied and layout.size("pp") > 1:
         raise ValueError(f"layout {layout.text!r}: a tied GPT (tied=True) with pp="
                          f"{layout.size('pp')} is not supported: the token embedding (first "
                          f"stage) and the head (last stage) would share one array")
+    check_gpt_tp(model, layout)
 
 
 def gpt_param_stages(model, vstages: list) -> dict:
@@ -44,17 +48,20 @@ def plan_gpt_params(model, layout, vstages: list) -> dict:
     check_gpt_layout(model, layout)
     pp = layout.size("pp")
     zero3 = layout.size("fsdp") > 1 and layout.option("zero", 3) == 3
-    shards = (pl.Shard("fsdp", 0, pad=True),) if zero3 else ()
+    fsdp = (pl.Shard("fsdp", 0, pad=True),) if zero3 else ()
+    tp = layout.size("tp") > 1
     stages = gpt_param_stages(model, vstages)
-    return {name: pl.ParamInfo(name, tuple(shape), pl.Placement(shards, stage=stages[name] % pp))
+    return {name: pl.ParamInfo(name, tuple(shape), pl.Placement(
+                (gpt_tp_shards(name) if tp else ()) + fsdp, stage=stages[name] % pp))
             for name, shape in model.param_shapes().items()}
 
 
-def gpt_chunks(model, vstages: list, pp: int, stage: int, access) -> list:
-    """The units of pipeline stage `stage`, one list per virtual stage it holds."""
+def gpt_chunks(model, vstages: list, pp: int, stage: int, access, units=gpt_units) -> list:
+    """The units of pipeline stage `stage`, one list per virtual stage it holds (units: the
+    builder, gpt_units or a tp one from gpt_tensor_parallel)."""
     last = vstages[-1]
     chunks = []
     for k in range(stage, last + 1, pp):
         blocks = [i for i, s in enumerate(vstages) if s == k]
-        chunks.append(gpt_units(model, access, blocks, first=k == 0, last=k == last))
+        chunks.append(units(model, access, blocks, first=k == 0, last=k == last))
     return chunks

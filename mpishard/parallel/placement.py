@@ -13,6 +13,11 @@ coordinate) that owns the parameter.
 A padded step rounds the length up to a multiple of the axis size with zeros, so no size is
 refused; padding never leaves this module (`gather_array` trims it).
 
+A blocked step `Shard(axis, dim, blocks=k)` views the dimension as k equal blocks, splits each
+over the axis and keeps the concatenation of this rank's slice of every block: a GPT's qkv
+(D, 3D) under tp=t is Shard('tp', 1, blocks=3), so rank r holds the q, k and v columns of its
+heads, [q_r | k_r | v_r], three column ranges of the full array (`local_pieces`).
+
 One mechanism serves `load_checkpoint` (shard_array), `gather_params` / `gather_grads`
 (gather_array), checkpoint save and reshard-on-load (`local_slices`), gradient averaging (which
 data axes are replicated), norm clipping (which axes are sharded) and memory reports
@@ -30,6 +35,12 @@ class Shard:
     axis: str
     dim: int
     pad: bool = False
+    blocks: int = 1                  # >1: split each of `blocks` equal blocks of the dim
+
+    def __post_init__(self):
+        if self.blocks < 1 or (self.blocks > 1 and self.pad):
+            raise ValueError(f"Shard({self.axis}, {self.dim}): blocks={self.blocks} must be "
+                             f">= 1 and a blocked split cannot be padded")
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,8 @@ class Placement:
         return all(coords.get(a, 0) == c for a, c in self.owner.items())
 
     def __str__(self) -> str:
-        parts = [f"Shard({s.axis}, dim={s.dim}{', pad' if s.pad else ''})" for s in self.shards]
+        parts = [f"Shard({s.axis}, dim={s.dim}{', pad' if s.pad else ''}"
+                 f"{f', blocks={s.blocks}' if s.blocks > 1 else ''})" for s in self.shards]
         parts += [f"Owner({a}={c})" for a, c in self.owner.items()]
         return "[" + ", ".join(parts or ["Replicate"]) + f"] stage {self.stage}"
 
@@ -66,16 +78,55 @@ def _step(length: int, n: int, pad: bool, what: str = "") -> int:
     return length // n
 
 
+def _length(length: int, s: Shard, n: int) -> int:
+    """Local length along s.dim after step `s` over n ranks."""
+    return _step(length, n * s.blocks, s.pad) * s.blocks
+
+
 def local_shape(full_shape, placement: Placement, sizes: dict) -> tuple:
     shape = list(full_shape)
     for s in placement.shards:
-        shape[s.dim] = _step(shape[s.dim], sizes.get(s.axis, 1), s.pad)
+        shape[s.dim] = _length(shape[s.dim], s, sizes.get(s.axis, 1))
     return tuple(shape)
+
+
+def _dim_segments(full_len: int, steps, sizes: dict, coords: dict):
+    """Where a rank's local block of one dim comes from: ([(global start, global stop, local
+    start), ...], local length incl. padding) after the `steps` that split this dim."""
+    segments, length = [(0, full_len, 0)], full_len
+    for s in steps:
+        n, c = sizes.get(s.axis, 1), coords.get(s.axis, 0)
+        piece = _step(length, n * s.blocks, s.pad)            # one block's slice
+        block = length // s.blocks                            # blocks > 1: no padding
+        kept = [(j * block + c * piece, j * block + (c + 1) * piece, j * piece)
+                for j in range(s.blocks)]                     # old local range -> new offset
+        segments = [(gs + max(ls, lo) - ls, gs + min(ls + ge - gs, hi) - ls,
+                     off + max(ls, lo) - lo)
+                    for lo, hi, off in kept for gs, ge, ls in segments
+                    if max(ls, lo) < min(ls + ge - gs, hi)]
+        length = piece * s.blocks
+    return segments, length
+
+
+def local_pieces(full_shape, placement: Placement, sizes: dict, coords: dict) -> list:
+    """The rectangles of the full array this rank holds: [(global ranges, local starts)], a
+    list of (start, stop) per dim and where that rectangle starts in the local block. One
+    rectangle unless a blocked step splits a dim (qkv under tp: three)."""
+    per_dim = [_dim_segments(n, [s for s in placement.shards if s.dim == d], sizes, coords)[0]
+               for d, n in enumerate(full_shape)]
+    pieces = [([], [])]
+    for segs in per_dim:
+        pieces = [(r + [(gs, ge)], o + [ls]) for r, o in pieces for gs, ge, ls in segs]
+    return pieces
 
 
 def local_slices(full_shape, placement: Placement, sizes: dict, coords: dict):
     """The region of the full array this rank holds: list of (start, stop) per dim, and the
-    number of padding rows (per dim) at the end of the local block."""
+    number of padding rows (per dim) at the end of the local block. ValueError for a blocked
+    placement, whose block is several rectangles (see local_pieces)."""
+    if any(s.blocks > 1 and sizes.get(s.axis, 1) > 1 for s in placement.shards):
+        raise ValueError(f"placement {placement} holds several rectangles of the full "
+                         f"array, not one region (use local_pieces)")
     start = [0] * len(full_shape)
     stop = list(full_shape)
     block = list(full_shape)
@@ -92,10 +143,13 @@ def local_slices(full_shape, placement: Placement, sizes: dict, coords: dict):
 def shard_array(full, placement: Placement, sizes: dict, coords: dict, xp=np, dtype=None):
     """This rank's block of `full` (a numpy array or a lazily loaded array), as an xp array,
     zero-padded where a padded step runs past the end."""
-    ranges, block = local_slices(np.shape(full), placement, sizes, coords)
-    piece = np.asarray(full[tuple(slice(a, b) for a, b in ranges)])
-    out = xp.zeros(tuple(block), dtype=dtype or piece.dtype)
-    out[tuple(slice(0, b - a) for a, b in ranges)] = xp.asarray(piece, dtype=out.dtype)
+    shape = local_shape(np.shape(full), placement, sizes)
+    kind = getattr(full, "dtype", None)
+    out = xp.zeros(shape, dtype=dtype or (kind if kind is not None else np.asarray(full).dtype))
+    for ranges, starts in local_pieces(np.shape(full), placement, sizes, coords):
+        piece = np.asarray(full[tuple(slice(a, b) for a, b in ranges)])
+        out[tuple(slice(o, o + b - a) for o, (a, b) in zip(starts, ranges))] = \
+            xp.asarray(piece, dtype=out.dtype)
     return out
 
 
@@ -107,14 +161,25 @@ def gather_array(comm, local, placement: Placement, full_shape):
     shape = list(full_shape)
     for s in placement.shards:
         lengths.append(shape[s.dim])
-        shape[s.dim] = _step(shape[s.dim], comm.mesh.size(s.axis), s.pad)
+        shape[s.dim] = _length(shape[s.dim], s, comm.mesh.size(s.axis))
     a = local
     for s, length in zip(reversed(placement.shards), reversed(lengths)):
-        if comm.mesh.size(s.axis) > 1:
+        n = comm.mesh.size(s.axis)
+        if n > 1:
             a = comm.all_gather(a, axis=s.dim, group=s.axis)
+        if n > 1 and s.blocks > 1:           # [r0: b0 b1 b2 | r1: b0 b1 b2] -> block-major
+            a = unblock(a, s.dim, n, s.blocks)
         if a.shape[s.dim] != length:
             a = a[(slice(None),) * s.dim + (slice(0, length),)]
     return a
+
+
+def unblock(a, dim: int, n: int, blocks: int):
+    """Reorder dim `dim` of `a` from rank-major (n ranks x `blocks` slices) to block-major."""
+    moved = a.swapaxes(0, dim)
+    m = moved.shape[0] // (n * blocks)
+    out = moved.reshape((n, blocks, m) + moved.shape[1:]).swapaxes(0, 1)
+    return out.reshape(moved.shape).swapaxes(0, dim)
 
 
 @dataclass

@@ -71,6 +71,17 @@ class ParamStore:
                                     self.coords)
         return ranges
 
+    def block_pieces(self, name, which: str = "param") -> list:
+        """Like block_region, for any placement: [(region, local index)], each rectangle
+        (start, stop) per dim of the full array this rank holds and the slices of the local
+        block holding it. One piece, at the block's start, unless a blocked split (a GPT's
+        qkv under tp: three); none when the block is all padding."""
+        placement = self.grad_placements[name] if which == "optimizer" else \
+            self.placements[name]
+        return [(ranges, tuple(slice(o, o + b - a) for o, (a, b) in zip(starts, ranges)))
+                for ranges, starts in pl.local_pieces(self.full_shapes[name], placement,
+                                                      self.layout.sizes, self.coords)]
+
     # -- full views and memory -----------------------------------------------------------------
     def gather_full(self, comm, local: dict, placements: dict) -> dict:
         """Collective over the whole mesh (comm: the engine's Comm): the full-shape array of

@@ -1,0 +1,110 @@
+"""A GPT under `tp` (Megatron) and `tp=N,sequence_parallel=1`: placements and units.
+
+With t = tp ranks, tp rank r computes heads r*H/t:(r+1)*H/t and holds (the contract's q|k|v
+layout makes the qkv split blocked, placement.Shard(..., blocks=3)):
+
+    embed/tokens      (V, D)   rows r*V/t...           Shard('tp', 0)   vocab-parallel
+    embed/positions   (S, D)   replicated
+    attn/qkv/weights  (D, 3D)  [q_r | k_r | v_r]       Shard('tp', 1, blocks=3)  column
+    attn/qkv/bias     (3D,)    [q_r | k_r | v_r]       Shard('tp', 0, blocks=3)
+    attn/proj/weights (D, D)   rows of its heads       Shard('tp', 0)   row
+    mlp/fc/weights    (D, F)   columns r*F/t...        Shard('tp', 1)   column (bias dim 0)
+    mlp/proj/weights  (F, D)   rows r*F/t...           Shard('tp', 0)   row
+    head/weights      (D, V)   columns r*V/t...        Shard('tp', 1)   vocab-parallel head
+    LayerNorms, row biases     replicated
+
+Units per block: Residual[LayerNorm, f, qkv column, CausalSelfAttention(H/t), proj row + g],
+Residual[LayerNorm, f, fc column, GELU, proj row + g]; f/g are CopyToTP / ReduceFromTP, or
+with sequence_parallel GatherFromSP / ScatterToSP (sequence_parallel.py). The embedding and
+the head are vocab-parallel (vocab_parallel.py); the logits stay (B, T, V/t) and the engine's
+loss becomes VocabParallelCrossEntropy through VocabParallelOutput.
+"""
+from __future__ import annotations
+
+from ..nn.transformer import Block, FinalNormHead, TiedHead, gpt_units
+from .placement import Shard
+from .sequence_parallel import GatherFromSP, SequenceParallelGrads, SequenceParallelRowLinear
+from .tensor_parallel import ColumnParallelLinear, CopyToTP, RowParallelLinear
+from .vocab_parallel import ReplicatedOutput, VocabParallelEmbedding, VocabParallelOutput
+
+# parameter name suffix -> its split on the tp axis (anything else is replicated on tp)
+TP_SHARDS = {
+    "embed/tokens": (Shard("tp", 0),),
+    "attn/qkv/weights": (Shard("tp", 1, blocks=3),),
+    "attn/qkv/bias": (Shard("tp", 0, blocks=3),),
+    "attn/proj/weights": (Shard("tp", 0),),
+    "mlp/fc/weights": (Shard("tp", 1),),
+    "mlp/fc/bias": (Shard("tp", 0),),
+    "mlp/proj/weights": (Shard("tp", 0),),
+    "head/weights": (Shard("tp", 1),),
+}
+
+
+def gpt_tp_shards(name: str) -> tuple:
+    """The tp steps of parameter `name`'s placement (() = replicated on tp)."""
+    for suffix, shards in TP_SHARDS.items():
+        if name.endswith(suffix):
+            return shards
+    return ()
+
+
+def check_gpt_tp(model, layout) -> None:
+    """tp must divide the heads, d_ff and the vocabulary (the same ValueError on every rank,
+    before any communication)."""
+    tp = layout.size("tp")
+    if tp == 1:
+        return
+    for what, n in (("n_heads", model.n_heads), ("d_ff", model.d_ff),
+                    ("vocab_size", model.vocab_size)):
+        if n % tp:
+            raise ValueError(f"layout {layout.text!r}: tp={tp} does not divide the GPT's "
+                             f"{what}={n} (Megatron splits it over the tp ranks)")
+
+
+def sequence_split_params(model) -> list:
+    """Parameters whose gradient is a partial sum per tp rank under sequence_parallel: the
+    LayerNorms' and the positions (the row biases' gradients come from the gathered dy)."""
+    return [n for n in model.param_shapes()
+            if n.endswith(("/scale", "/shift")) or n == "embed/positions"]
+
+
+def tp_linear(tp, sequence_parallel: bool):
+    """The `linear` factory of Block: column layers behind f, row layers with g inside."""
+    def linear(access, w_name, b_name, role) -> list:
+        if role == "column":
+            f = GatherFromSP(tp) if sequence_parallel else CopyToTP(tp)
+            return [f, ColumnParallelLinear(access, w_name, b_name)]
+        if sequence_parallel:
+            return [SequenceParallelRowLinear(tp, access, w_name, b_name)]
+        return [RowParallelLinear(tp, access, w_name, b_name)]
+    return linear
+
+
+class GPTTensorParallel:
+    """Builds a stage's GPT units under tp (the `units` builder of gpt.gpt_chunks)."""
+
+    def __init__(self, tp, sequence_parallel: bool):
+        self.tp, self.sp = tp, bool(sequence_parallel)
+        self.n = tp.size()
+
+    def __call__(self, model, access, blocks, first: bool, last: bool) -> list:
+        if self.sp:                  # used on this rank's sequence part only: partial grads
+            access = SequenceParallelGrads(access, self.tp, sequence_split_params(model))
+        linear = tp_linear(self.tp, self.sp)
+        units = [VocabParallelEmbedding(access, self.tp, self.sp)] if first else []
+        units += [Block(access, i, model.n_heads // self.n, linear=linear) for i in blocks]
+        if last:
+            f = GatherFromSP(self.tp) if self.sp else CopyToTP(self.tp)
+            head = TiedHead(access) if model.tied else \
+                ColumnParallelLinear(access, "head/weights")
+            units.append(FinalNormHead(access, model.tied, head=[f, head]))
+        return units
+
+
+def gpt_units_and_output(model, layout, comm):
+    """(units builder for gpt_chunks, the engine's output seam) for this layout; comm: the
+    engine's Comm."""
+    if layout.size("tp") == 1:
+        return gpt_units, ReplicatedOutput()
+    tp, sp = comm.group("tp"), bool(layout.option("sequence_parallel", 0))
+    return GPTTensorParallel(tp, sp), VocabParallelOutput(tp, model.vocab_size, sp)

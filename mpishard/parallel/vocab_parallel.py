@@ -1,0 +1,158 @@
+"""Vocab-parallel embedding, head and cross-entropy (Megatron), for a GPT under tp.
+
+With t = tp ranks and v = V / t, tp rank r holds rows r*v:(r+1)*v of `embed/tokens` (V, D)
+and columns r*v:(r+1)*v of `head/weights` (D, V) (a tied head: the same embed/tokens rows,
+transposed). No rank ever holds the full (B, T, V) logits in training:
+
+    embedding   partial = rows of the ids in [r v, (r+1) v), zeros for the others   (B, T, D)
+                h = all-reduce(sum) over tp (partial) + positions[:T]
+                  (sequence_parallel: reduce-scatter(sum) along T instead, + this rank's
+                   positions; each rank keeps (B, T/t, D))
+    head        logits_local = x W[:, r v:(r+1) v]   'bd,dv->bv'     (B, T, v)
+    loss        m   = all-reduce(max) of the local row max            (B, T)
+                se  = all-reduce(sum) of sum_v exp(logits_local - m)  (B, T)
+                tgt = all-reduce(sum) of the target logit - m (0 where the target is
+                      another rank's)                                 (B, T)
+                loss = mean(log se - tgt);  dL/dlogits_local = (softmax_local - onehot_local)
+                / (B T), computed from the reduced m and se with no further communication.
+
+`VocabParallelOutput` is the seam to the engine: `loss(loss)` swaps the user's CrossEntropy
+for the vocab-parallel one over this rank's tp Comm (other losses are refused), and
+`gather(y)` all-gathers the vocab shards so `gather_batch(predict(x))` is (B, T, V) on every
+rank. `ReplicatedOutput` is the same seam when the output is whole on every rank.
+"""
+from __future__ import annotations
+
+from ..nn import functional as nn
+from ..nn.layers import Layer
+from ..nn.losses import CrossEntropy, Loss
+
+
+class VocabParallelEmbedding(Layer):
+    """ids (B, T) -> h (B, T, D), or (B, T/t, D) with `sequence_parallel`: vocab-parallel
+    token rows + replicated positions. tp: the Comm of this rank's tp group.
+
+    The ids need no gradient: backward returns None."""
+
+    def __init__(self, access, tp, sequence_parallel=False, tokens="embed/tokens",
+                 positions="embed/positions"):
+        super().__init__()
+        self.access, self.tp, self.sp = access, tp, bool(sequence_parallel)
+        self.tokens, self.positions = tokens, positions
+        self.param_names = (tokens, positions)
+
+    def __repr__(self):
+        return f"VocabParallelEmbedding(sp={int(self.sp)})"
+
+    def _local_ids(self, ids, rows: int):
+        """(ids - r v clipped into this rank's rows, mask (B, T, 1) of the ids it holds)."""
+        xp = nn.array_module(ids)
+        local = ids - self.tp.rank() * rows
+        inside = (local >= 0) & (local < rows)
+        return xp.where(inside, local, 0), inside[..., None]
+
+    def forward(self, ids, mb=0, record=True):
+        t, n = ids.shape[1], self.tp.size()
+        if self.sp and t % n:
+            raise ValueError(f"sequence_parallel: T={t} tokens do not divide by tp={n}")
+        table, pos = self.access.get(self.tokens, mb), self.access.get(self.positions, mb)
+        local, inside = self._local_ids(ids, table.shape[0])
+        partial = nn.embedding_forward(table, local) * inside      # (B, T, D), 0 elsewhere
+        if self.sp:                      # reduce-scatter forward / all-gather backward
+            h = self.tp.reduce_scatter(partial, op="sum", axis=1)   # (B, T/t, D)
+            lo = self.tp.rank() * h.shape[1]
+        else:                            # all-reduce(sum) forward / identity backward
+            h, lo = self.tp.all_reduce(partial, op="sum"), 0
+        h = h + pos[lo:lo + h.shape[1]]                            # + this rank's positions
+        self.access.release(self.tokens, mb)
+        self.access.release(self.positions, mb)
+        self.save(mb, record, (local, inside, table.shape[0], pos.shape[0], lo))
+        return h
+
+    def backward(self, dy, mb=0):
+        local, inside, rows, n_positions, lo = self.pop(mb)
+        xp = nn.array_module(dy)
+        dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
+        dpos[lo:lo + dy.shape[1]] = dy.sum(axis=0)                 # undoes + positions
+        if self.sp:
+            dy = self.tp.all_gather(dy, axis=1)                    # undoes the reduce-scatter
+        # the all-reduce's adjoint is the identity: dy is dL/dpartial on every rank
+        self.access.add_grad(self.tokens, nn.embedding_backward(dy * inside, local, rows))
+        self.access.add_grad(self.positions, dpos)
+        return None
+
+
+class VocabParallelCrossEntropy(Loss):
+    """CrossEntropy on vocab-sharded logits (B, T, v) with global integer targets (B, T):
+    the token-mean loss and its gradient, reducing max, sum-exp and target logit over tp.
+
+    vocab: the full V; sequence_parallel: T must divide by tp (checked with the targets)."""
+
+    name = "cross_entropy"
+
+    def __init__(self, tp, vocab: int, sequence_parallel=False):
+        self.tp, self.vocab, self.sp = tp, vocab, bool(sequence_parallel)
+        self.full = CrossEntropy()
+        self.seen_shapes: list = []      # logits shapes this loss was called on (tests)
+
+    def check(self, y, t):
+        """Targets against the full (B, T, V) output shape (a stand-in is enough)."""
+        self.full.check(y, t)
+        n = self.tp.size()
+        if self.sp and t.ndim == 2 and t.shape[1] % n:
+            raise ValueError(f"sequence_parallel: T={t.shape[1]} tokens do not divide by "
+                             f"tp={n}")
+
+    def __call__(self, y, t):
+        """(global token-mean loss, dL/dy_local); y: this rank's (B, T, v) vocab shard."""
+        n, v = self.tp.size(), y.shape[-1]
+        if v * n != self.vocab or y.ndim != 3:
+            raise ValueError(f"vocab-parallel cross_entropy expects (B, T, {self.vocab // n}) "
+                             f"logits on each of tp={n} ranks, got {tuple(y.shape)}")
+        self.seen_shapes.append(tuple(y.shape))
+        xp = nn.array_module(y)
+        m = self.tp.all_reduce(y.max(axis=-1), op="max")            # global row max (B, T)
+        z = y - m[..., None]
+        e = xp.exp(z)
+        se = self.tp.all_reduce(e.sum(axis=-1), op="sum")           # global sum-exp (B, T)
+        local = t - self.tp.rank() * v
+        inside = (local >= 0) & (local < v)
+        idx = xp.where(inside, local, 0)[..., None]
+        tgt_local = xp.where(inside, xp.take_along_axis(z, idx, axis=-1)[..., 0], 0.0)
+        tgt = self.tp.all_reduce(tgt_local, op="sum")               # target logit - m
+        value = float((xp.log(se) - tgt).mean())                    # -log softmax[t], mean
+        p = e / se[..., None]                                       # softmax, local columns
+        onehot = (xp.arange(v) == idx) & inside[..., None]
+        return value, (p - onehot) / t.size                         # d mean / d logits
+
+
+class VocabParallelOutput:
+    """The engine's loss and gather_batch for vocab-sharded outputs (module docstring)."""
+
+    def __init__(self, tp, vocab: int, sequence_parallel=False):
+        self.tp, self.vocab, self.sp = tp, vocab, bool(sequence_parallel)
+
+    def loss(self, loss):
+        """The vocab-parallel form of `loss` (ValueError for anything but cross-entropy:
+        the same on every rank, before any communication)."""
+        if isinstance(loss, VocabParallelCrossEntropy):
+            return loss
+        if not isinstance(loss, CrossEntropy):
+            raise ValueError(f"a GPT under tp={self.tp.size()} trains with cross_entropy only "
+                             f"(its logits are split over the vocabulary), got {loss.name}")
+        return VocabParallelCrossEntropy(self.tp, self.vocab, self.sp)
+
+    def gather(self, y):
+        """(B, T, v) vocab shards -> (B, T, V): all-gather along the last axis (adjoint: a
+        reduce-scatter; used only for outputs, which need no gradient)."""
+        return None if y is None else self.tp.all_gather(y, axis=-1)
+
+
+class ReplicatedOutput:
+    """Outputs whole on every rank: the loss and gather_batch unchanged."""
+
+    def loss(self, loss):
+        return loss
+
+    def gather(self, y):
+        return y
