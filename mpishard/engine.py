@@ -25,9 +25,10 @@ from mpi4py import MPI
 
 from .comm.backend import Backend
 from .comm.collectives import Comm
-from .comm.mesh import DATA_AXES, DeviceMesh, parse_layout
+from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
 from .nn.losses import get_loss
 from .parallel.compose import compose
+from .parallel.context_parallel import shard_sequence
 from .parallel.precision import Precision
 
 
@@ -215,13 +216,13 @@ class MeshEngine(ShardedEngine):
 
     def shard_batch(self, arr):
         """The rows of a global batch this rank is fed: block data_parallel_rank of
-        data_parallel_size along axis 0 (tp and pp peers get the same rows)."""
+        data_parallel_size along axis 0 (tp, pp peers: the same rows; cp: shard_sequence)."""
         n, i = self.data_parallel_size, self.data_parallel_rank
         rows = np.shape(arr)[0]
         if rows % n:
             raise ValueError(f"batch of {rows} rows does not divide by the {n} data-parallel "
                              f"ranks of layout {self.layout.text!r}")
-        return self._to_device(arr[i * (rows // n):(i + 1) * (rows // n)])
+        return self._to_device(shard_sequence(arr[rows // n * i:rows // n * (i + 1)], self.mesh))
 
     def _to_device(self, a):
         a = self.backend.asarray(a)
@@ -323,12 +324,12 @@ class MeshEngine(ShardedEngine):
         return value, self.grads
 
     def global_mean(self, value: float) -> float:
-        """Mean of a per-rank scalar over the data axes (and from the last pp stage)."""
+        """Mean of a per-rank scalar over the data axes and cp (and from the last pp stage)."""
         v = np.array([value], dtype=np.float64)
         if self.layout.size("pp") > 1:
             v = self.comm.broadcast(v, root=self.layout.size("pp") - 1, group="pp")
-        if self.data_parallel_size > 1:
-            v = self.comm.all_reduce(v, op="avg", group=DATA_AXES)
+        if self.mesh.size(AVERAGE_AXES) > 1:
+            v = self.comm.all_reduce(v, op="avg", group=AVERAGE_AXES)
         return float(self.backend.to_host(v)[0])
 
     # -- what the optimizer and checkpoints see ------------------------------------------------

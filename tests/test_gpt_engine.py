@@ -31,18 +31,24 @@ def check_against_single(comm, layout, n_layers=2, tied=False, T=8, rows=8):
     """train_step (loss, gathered gradients) and gathered predict of `layout` equal single's."""
     model = make_gpt(n_layers, tied)
     params, x, t = make_case(model, rows, T)
+    compare_with_single(comm, layout, model, params, x, t, f"GPT {layout} tied={tied} T={T}")
+
+
+def compare_with_single(comm, layout, model, params, x, t, what):
+    """The engine of `layout` after the check: its train_step loss and gathered gradients, and
+    its gathered predict, equal single's on (x, t)."""
     ref, ref_loss, ref_grads = single_reference(model, params, x, t, CE)
     engine = ms.make_engine(model, layout, comm=comm)
     engine.load_checkpoint(params)
     x_local = engine.shard_batch(x)
     assert x_local.dtype.kind == "i", "token ids stay integers"
-    what = f"GPT {layout} tied={tied} T={T}"
     value, grads = engine.train_step(x_local, engine.shard_batch(t), CE)
     assert_close(value, ref_loss, what=f"{what} loss")
     assert_dicts_close(engine.gather_grads(grads), ref_grads, what=what)
     y = engine.gather_batch(engine.predict(x_local))
     assert_close(y, ref.predict(x), what=f"{what} logits")
     assert sum(len(layer.tape) for layer in engine.layers) == 0, "activations left stashed"
+    return engine
 
 
 # -- serial ----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """mesh.py: layout parsing and rank order (serial), and the per-axis communicators (MPI, any
 world size).
 
-Rank order is the documented contract: row-major over (dp, fsdp, ep, pp, tp), tp innermost.
+Rank order is the documented contract: row-major over (dp, fsdp, ep, pp, cp, tp), tp innermost.
 """
 import itertools
 
@@ -25,7 +25,7 @@ def test_single_and_empty():
 
 def test_sizes_and_options():
     layout = ms.parse_layout(" dp=2, tp=4 ,pp=3,microbatches=6,schedule=1f1b ")
-    assert layout.sizes == {"dp": 2, "fsdp": 1, "ep": 1, "pp": 3, "tp": 4}
+    assert layout.sizes == {"dp": 2, "fsdp": 1, "ep": 1, "pp": 3, "cp": 1, "tp": 4}
     assert layout.world_size == 24
     assert layout.active_axes == ("dp", "pp", "tp")       # outermost first, not input order
     assert layout.option("microbatches") == 6 and layout.option("schedule") == "1f1b"

@@ -8,11 +8,13 @@ A layout string names mesh axes and their sizes, plus strategy options, joined b
     "pp=4,microbatches=8,schedule=1f1b"
     "fsdp=4,zero=2"
 
-Axes: dp, fsdp, ep, pp, tp. The product of the axis sizes must equal the world size.
+Axes: dp, fsdp, ep, pp, cp, tp. The product of the axis sizes must equal the world size.
 
 Rank order (documented contract): ranks are numbered row-major over the axes in the order
-(dp, fsdp, ep, pp, tp), so tp is innermost (tensor-parallel peers are neighbours, i.e. on the
-same node), then pp, then the data axes outermost, as Megatron does. For "dp=2,tp=2":
+(dp, fsdp, ep, pp, cp, tp), so tp is innermost (tensor-parallel peers are neighbours, i.e. on
+the same node), then cp (context parallelism's ring exchanges keys and values in every
+attention layer, the next most traffic, so its peers come next), then pp, then the data axes
+outermost, as Megatron does. For "dp=2,tp=2":
 
     rank 0 = (dp 0, tp 0)   rank 1 = (dp 0, tp 1)   rank 2 = (dp 1, tp 0)   rank 3 = (dp 1, tp 1)
 
@@ -25,11 +27,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import isfinite, prod
 
-AXES = ("dp", "fsdp", "ep", "pp", "tp")
+AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")
 """Mesh axes, outermost first (the rank order)."""
 
 DATA_AXES = ("dp", "fsdp", "ep")
 """Axes over which the batch is split (ep splits tokens like dp does)."""
+
+AVERAGE_AXES = DATA_AXES + ("cp",)
+"""Axes over which the loss and the gradients of the parameters replicated on them are
+averaged: the data axes (each rank holds other rows) and cp (each rank holds other tokens of
+the same rows, as many as its peers, so the mean of the ranks' token means is the global
+token mean). cp does not split rows: it is not a data axis."""
 
 # option name -> (type, allowed values or None, the axes it configures: one of them must be
 # in the layout; () for an option of any layout)
@@ -43,6 +51,7 @@ OPTIONS = {
     "overlap": (int, (0, 1), DATA_AXES),    # overlap gradient communication with backward
     "prefetch": (int, (0, 1), ("fsdp",)),   # fsdp: issue the next layer's all_gather early
     "sequence_parallel": (int, (0, 1), ("tp",)),   # tp: LayerNorm/residual split along T
+    "cp_kind": (str, ("ring", "ulysses"), ("cp",)),   # context parallel: ring or all_to_all
     "recompute": (str, ("0", "1", "attn"), ()),   # GPT: recompute blocks (nn/recompute.py)
 }
 

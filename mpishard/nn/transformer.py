@@ -79,15 +79,24 @@ class CausalSelfAttention(Layer):
         return att.split_heads_backward(dq, dk, dv)               # undoes split_heads
 
 
+def leading_positions(t: int):
+    """The positions of a whole sequence's first t tokens: 0 .. t-1."""
+    return slice(0, t)
+
+
 class Embedding(Layer):
     """tokens (B, T) ints -> h = embed/tokens[tokens] + embed/positions[:T]  (B, T, D).
 
-    The tokens need no gradient: backward returns None."""
+    token_positions(t): the global positions of the t tokens this rank holds (default 0..t-1;
+    context parallelism gives its two chunks'). The tokens need no gradient: backward
+    returns None."""
 
-    def __init__(self, access, tokens="embed/tokens", positions="embed/positions"):
+    def __init__(self, access, tokens="embed/tokens", positions="embed/positions",
+                 token_positions=leading_positions):
         super().__init__()
         self.access = access
         self.tokens, self.positions = tokens, positions
+        self.token_positions = token_positions
         self.param_names = (tokens, positions)
 
     def __repr__(self):
@@ -95,7 +104,8 @@ class Embedding(Layer):
 
     def forward(self, ids, mb=0, record=True):
         table, pos = self.access.get(self.tokens, mb), self.access.get(self.positions, mb)
-        h = nn.embedding_forward(table, ids) + pos[:ids.shape[1]]   # gather rows, + positions
+        where = self.token_positions(ids.shape[1])
+        h = nn.embedding_forward(table, ids) + pos[where]         # gather rows, + positions
         self.save(mb, record, (ids, table.shape[0], pos.shape[0]))
         self.access.release(self.tokens, mb)
         self.access.release(self.positions, mb)
@@ -105,7 +115,7 @@ class Embedding(Layer):
         ids, n_tokens, n_positions = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
-        dpos[:ids.shape[1]] = dy.sum(axis=0)                     # undoes + positions[:T]
+        dpos[self.token_positions(ids.shape[1])] = dy.sum(axis=0)   # undoes + positions
         self.access.add_grad(self.tokens, nn.embedding_backward(dy, ids, n_tokens))  # scatter
         self.access.add_grad(self.positions, dpos)
         return None
@@ -149,15 +159,17 @@ class Block(Composite):
     """Pre-LayerNorm GPT-2 block i: h + attn(ln_1(h)), then h + mlp(ln_2(h)).
 
     linear(access, w_name, b_name, role) -> units of one projection, role 'column' (qkv, fc)
-    or 'row' (attn proj, mlp proj); n_heads: the heads this rank computes.
+    or 'row' (attn proj, mlp proj); n_heads: the heads this rank computes; attention(n_heads):
+    the attention unit (context parallelism passes its ring or Ulysses unit).
     """
 
-    def __init__(self, access, index, n_heads, linear=plain_linear):
+    def __init__(self, access, index, n_heads, linear=plain_linear,
+                 attention=CausalSelfAttention):
         p = f"block_{index}"
         attn = Residual([LayerNorm(access, f"{p}/ln_1"),
                          *linear(access, f"{p}/attn/qkv/weights", f"{p}/attn/qkv/bias",
                                  "column"),
-                         CausalSelfAttention(n_heads),
+                         attention(n_heads),
                          *linear(access, f"{p}/attn/proj/weights", f"{p}/attn/proj/bias",
                                  "row")])
         mlp = Residual([LayerNorm(access, f"{p}/ln_2"),
@@ -184,11 +196,13 @@ class FinalNormHead(Composite):
         return "FinalNormHead"
 
 
-def gpt_units(model, access, blocks, first: bool, last: bool) -> list:
+def gpt_units(model, access, blocks, first: bool, last: bool, attention=CausalSelfAttention,
+              token_positions=leading_positions) -> list:
     """The units of a pipeline chunk holding `blocks` (block indices), with the embedding in
-    front when it is the first chunk and ln_f + head behind when it is the last."""
-    units = [Embedding(access)] if first else []
-    units += [Block(access, i, model.n_heads) for i in blocks]
+    front when it is the first chunk and ln_f + head behind when it is the last. attention,
+    token_positions: see Block and Embedding (context parallelism sets both)."""
+    units = [Embedding(access, token_positions=token_positions)] if first else []
+    units += [Block(access, i, model.n_heads, attention=attention) for i in blocks]
     if last:
         units.append(FinalNormHead(access, model.tied))
     return units

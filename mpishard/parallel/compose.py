@@ -28,6 +28,7 @@ from ..nn.activations import TapeMeter, meter_tapes
 from ..nn.layers import Activation, Layer, Linear, LocalAccess, Sequential
 from ..nn.recompute import recompute_chunks
 from . import placement as pl
+from .context_parallel import context_units, sequence_output
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
 from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
@@ -70,6 +71,9 @@ def plan_params(model, layout) -> dict:
     layout = parse_layout(layout)
     if is_gpt(model):
         return plan_gpt_params(model, layout, layer_stages(model, layout))
+    if layout.size("cp") > 1:
+        raise ValueError(f"layout {layout.text!r}: cp={layout.size('cp')} splits a sequence; "
+                         f"only ms.GPT models have one")
     if uses_moe(model, layout):
         return plan_moe_params(model, layout)
     tp, pp, fsdp = layout.size("tp"), layout.size("pp"), layout.size("fsdp")
@@ -141,8 +145,9 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         chunks = build_moe_chunks(model, access, comm, stats)
     elif is_gpt(model):               # tp: vocab-parallel logits, loss and gather_batch
         units, output = gpt_units_and_output(model, layout, comm)
+        output = sequence_output(output, layout, comm.group("cp"))   # cp: chunks in order
         chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access,
-                            units)
+                            units, context_units(model, layout, comm.group("cp")))
     else:
         chunks = stage_layers(model, layout, mesh.coords["pp"], access, comm.group("tp"))
     chunks = recompute_chunks(model, chunks, layout.option("recompute"), layout.text)

@@ -8,7 +8,8 @@ batch when local batches are equal:
 
 Adjoint: the forward broadcast of W to every replica (done once, by load_checkpoint).
 
-A parameter is averaged over every data axis (dp, fsdp, ep) on which it is replicated; axes on
+A parameter is averaged over every data axis (dp, fsdp, ep) on which it is replicated, and over
+cp (comm.mesh.AVERAGE_AXES: context-parallel ranks hold other tokens of the same rows); axes on
 which it is sharded (fsdp) are handled by that strategy's reduce-scatter.
 
 Three optimisations, each switchable, each giving the same numbers as without it:
@@ -34,16 +35,17 @@ Bucket order, and so the order of the collectives, is the same on every rank of 
 """
 from __future__ import annotations
 
-from ..comm.mesh import DATA_AXES
+from ..comm.mesh import AVERAGE_AXES
 
 DEFAULT_BUCKET_MB = 25.0
 
 
 def replicated_data_axes(grad_placement, sizes: dict, exempt=()) -> tuple:
-    """The data axes over which a gradient laid out as `grad_placement` is averaged: those it
-    is replicated on (under ZeRO-1/2 a gradient is sharded on fsdp even though its parameter
-    is not), except the `exempt` ones another strategy averages itself."""
-    return tuple(a for a in DATA_AXES
+    """The averaging axes (data axes and cp) over which a gradient laid out as
+    `grad_placement` is averaged: those it is replicated on (under ZeRO-1/2 a gradient is
+    sharded on fsdp even though its parameter is not), except the `exempt` ones another
+    strategy averages itself."""
+    return tuple(a for a in AVERAGE_AXES
                  if sizes.get(a, 1) > 1 and grad_placement.is_replicated_on(a)
                  and a not in exempt)
 
@@ -230,13 +232,14 @@ def memory(view, n_state) -> dict:
 
 
 def step_comm(view) -> dict:
-    """GradientSync's all_reduce(avg) over dp of this rank's gradient blocks (ZeRO-1/2: the
-    owned slices; buckets change the calls, not the bytes), then global_mean's all_reduce(avg)
-    of the loss over every data axis."""
+    """GradientSync's all_reduce(avg) over dp and cp of this rank's gradient blocks (ZeRO-1/2:
+    the owned slices; buckets change the calls, not the bytes), then global_mean's
+    all_reduce(avg) of the loss over every averaging axis."""
     sent = 0.0
-    if view.size("dp") > 1:
+    axes = tuple(a for a in ("dp", "cp") if view.size(a) > 1)
+    if axes:
         grads = sum(view.nbytes(shape) for shape in view.grad_blocks.values())
-        sent += view.all_reduce_bytes("dp", grads)
-    if view.size(DATA_AXES) > 1:
-        sent += view.all_reduce_bytes(DATA_AXES, view.LOSS_BYTES)
+        sent += view.all_reduce_bytes(axes, grads)
+    if view.size(AVERAGE_AXES) > 1:
+        sent += view.all_reduce_bytes(AVERAGE_AXES, view.LOSS_BYTES)
     return {"train_step": {"all_reduce": sent}}

@@ -8,16 +8,20 @@ every parameter along dim 0 like an MLP's; zero=1/2 and dp keep them replicated.
 Tensor parallelism (tp, sequence_parallel) is gpt_tensor_parallel.py: each parameter's tp
 split comes first in its placement, then fsdp's; `units` builds the tp units.
 
-Not yet: cp and ep raise a ValueError; so does `tied=True` with pp > 1 (the embedding on the
+Context parallelism (cp, ring or Ulysses) is context_parallel.py: the attention unit and the
+embedding's token positions (`context`), parameters replicated on cp.
+
+Not yet: ep raises a ValueError; so does `tied=True` with pp > 1 (the embedding on the
 first stage and the head on the last would share one array across stages).
 """
 from __future__ import annotations
 
 from ..nn.transformer import gpt_units
 from . import placement as pl
+from .context_parallel import check_cp
 from .gpt_tensor_parallel import check_gpt_tp, gpt_tp_shards
 
-UNSUPPORTED_AXES = ("cp", "ep")
+UNSUPPORTED_AXES = ("ep",)
 
 
 def check_gpt_layout(model, layout) -> None:
@@ -31,6 +35,7 @@ def check_gpt_layout(model, layout) -> None:
                          f"{layout.size('pp')} is not supported: the token embedding (first "
                          f"stage) and the head (last stage) would share one array")
     check_gpt_tp(model, layout)
+    check_cp(model, layout)
 
 
 def gpt_param_stages(model, vstages: list) -> dict:
@@ -56,12 +61,15 @@ def plan_gpt_params(model, layout, vstages: list) -> dict:
             for name, shape in model.param_shapes().items()}
 
 
-def gpt_chunks(model, vstages: list, pp: int, stage: int, access, units=gpt_units) -> list:
+def gpt_chunks(model, vstages: list, pp: int, stage: int, access, units=gpt_units,
+               context=None) -> list:
     """The units of pipeline stage `stage`, one list per virtual stage it holds (units: the
-    builder, gpt_units or a tp one from gpt_tensor_parallel)."""
+    builder, gpt_units or a tp one from gpt_tensor_parallel; context: its attention and
+    token_positions keywords under cp, context_parallel.context_units)."""
     last = vstages[-1]
     chunks = []
     for k in range(stage, last + 1, pp):
         blocks = [i for i, s in enumerate(vstages) if s == k]
-        chunks.append(units(model, access, blocks, first=k == 0, last=k == last))
+        chunks.append(units(model, access, blocks, first=k == 0, last=k == last,
+                            **(context or {})))
     return chunks

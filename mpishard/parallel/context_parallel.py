@@ -1,0 +1,343 @@
+"""Context parallelism: the sequence split over the cp group, attention across the split.
+
+With c = cp ranks and T tokens, the sequence is cut into 2c chunks of n = T / (2c) tokens and
+cp rank r holds chunks r and 2c-1-r, concatenated (its local T/c tokens). Under the causal mask
+a chunk late in the sequence attends to more keys than an early one; pairing an early chunk
+with a late one gives every rank the same work. Everything outside attention is per token, so
+LayerNorm, the projections, the MLP and the head run on the local tokens unchanged; only the
+embedding needs the global positions of its tokens (`token_positions`). Parameters are
+replicated on cp: their gradients are averaged over cp like over a data axis
+(comm.mesh.AVERAGE_AXES), each rank's loss being the mean over its (equally many) tokens.
+
+Ring attention (`cp=N`, `RingAttention`). The local queries stay; the keys and values travel:
+
+    step j = 0 .. c-1: this rank holds the (k, v) block of rank s = r - j (mod c)
+      send_async(block) to r+1 / receive_async from r-1   (the next block, while computing)
+      for each (query chunk, key chunk) pair not wholly in the future (by global positions):
+        out_j, lse_j = attention_block(q_chunk, k_chunk, v_chunk, offset)   scores (B,H,n,n)
+        out, lse     = merge_blocks(out, lse, out_j, lse_j)                 online softmax
+
+so no rank holds scores for more than one (n, n) chunk pair: 1/(4 c^2) of single's (T, T).
+Backward goes around the ring once more with the final out and lse: dq accumulates locally;
+each (k, v) block travels with its (dk, dv) accumulator, every rank adds its share
+(attention_block_backward) and passes it on; after the last step the accumulator reaches the
+block's home rank. Adjoints: the forward's (k, v) send to r+1 is undone by the (dk, dv) that
+travels the same way and arrives home from r-1 (a send's adjoint is the matching receive of
+the gradient, summed where the block was used several times).
+
+Ulysses (`cp=N,cp_kind=ulysses`, `UlyssesAttention`): all_to_all from sequence-sharded
+(B, H, T/c, Dh) to head-sharded (B, H/c, T, Dh), the chunks put back in global order, full
+causal attention on the local heads, then the inverse. The adjoint of each all_to_all is the
+inverse all_to_all (here the same exchange with the roles of the two split axes swapped).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..nn import attention as att
+from ..nn.functional import array_module
+from ..nn.layers import Layer
+
+FUTURE = "future"
+"""pair_offset's answer for a key chunk wholly after the query chunk (skipped)."""
+
+
+# -- the balanced sequence split (no MPI) ----------------------------------------------------------
+def check_cp_length(t: int, c: int) -> None:
+    """ValueError unless the sequence length divides into the 2c balanced chunks."""
+    if t % (2 * c):
+        raise ValueError(f"cp={c} cuts the sequence into 2*cp = {2 * c} chunks, but its length "
+                         f"T={t} does not divide by {2 * c}")
+
+
+def chunk_ids(r: int, c: int) -> tuple:
+    """The two global chunks cp rank r holds, in local order: (r, 2c-1-r)."""
+    return r, 2 * c - 1 - r
+
+
+def global_order(c: int) -> list:
+    """For global chunk g = 0..2c-1, its slot in rank order (slot 2s + h: rank s's h-th chunk)."""
+    return [2 * g if g < c else 2 * (2 * c - 1 - g) + 1 for g in range(2 * c)]
+
+
+def reorder_chunks(x, axis: int, order: list):
+    """x cut into len(order) equal chunks along `axis`, chunk order[i] put i-th."""
+    xp = array_module(x)
+    n = x.shape[axis] // len(order)
+    index = [slice(None)] * x.ndim
+
+    def chunk(i):
+        index[axis] = slice(i * n, (i + 1) * n)
+        return x[tuple(index)]
+    return xp.concatenate([chunk(i) for i in order], axis=axis)
+
+
+def to_global_order(x, axis: int, c: int):
+    """Rank-ordered chunks (all_gather or all_to_all over cp) -> the global sequence order."""
+    return reorder_chunks(x, axis, global_order(c))
+
+
+def to_rank_order(x, axis: int, c: int):
+    """Inverse of to_global_order."""
+    return reorder_chunks(x, axis, list(np.argsort(global_order(c))))
+
+
+def shard_sequence(arr, mesh):
+    """This rank's part of the rows `arr` (B, T, ...) under the DeviceMesh `mesh`: its
+    sequence_part over cp; `arr` itself without cp."""
+    c = mesh.layout.size("cp")
+    return arr if c == 1 else sequence_part(arr, c, mesh.coords["cp"])
+
+
+def sequence_part(arr, c: int, r: int):
+    """(B, T, ...) -> (B, T/c, ...): chunks r and 2c-1-r of 2c along axis 1 (ValueError when
+    T does not divide by 2c or `arr` has no sequence axis)."""
+    if np.ndim(arr) < 2:
+        raise ValueError(f"cp={c} splits the sequence (axis 1): the batch needs (batch, T, ...) "
+                         f"dims, got shape {tuple(np.shape(arr))}")
+    check_cp_length(np.shape(arr)[1], c)
+    n = np.shape(arr)[1] // (2 * c)
+    arr = arr if hasattr(arr, "shape") else np.asarray(arr)
+    parts = [arr[:, g * n:(g + 1) * n] for g in chunk_ids(r, c)]
+    return array_module(arr).concatenate(parts, axis=1)
+
+
+def gather_sequence(cp, y):
+    """Collective over cp (its Comm): the local (B, T/c, ...) outputs -> (B, T, ...) in global
+    order. Adjoint: sequence_part (each rank keeps its own two chunks)."""
+    return to_global_order(cp.all_gather(y, axis=1), 1, cp.size())
+
+
+class SequenceOutput:
+    """The engine's output seam under cp around another one (`inner`, e.g. vocab-parallel):
+    the loss unchanged (each rank's is the mean over its tokens), gather_batch also puts the
+    sequence chunks back in order over cp (cp: the Comm of the cp group)."""
+
+    def __init__(self, inner, cp):
+        self.inner, self.cp = inner, cp
+
+    def loss(self, loss):
+        return self.inner.loss(loss)
+
+    def gather(self, y):
+        return gather_sequence(self.cp, self.inner.gather(y))
+
+
+def sequence_output(output, layout, cp):
+    """`output` wrapped in a SequenceOutput under cp > 1, else `output` itself."""
+    return SequenceOutput(output, cp) if layout.size("cp") > 1 else output
+
+
+class TokenPositions:
+    """The global positions of the tokens cp rank r holds: t local tokens -> index array
+    (chunks r and 2c-1-r of n = t/2 each). Given to the Embedding unit."""
+
+    def __init__(self, c: int, r: int, seq_len: int):
+        self.c, self.r, self.seq_len = c, r, seq_len
+
+    def __call__(self, t: int):
+        if t % 2 or t * self.c > self.seq_len:
+            raise ValueError(f"cp={self.c}: a rank holds two equal chunks, {t} local tokens "
+                             f"are {t * self.c} in all, seq_len={self.seq_len}")
+        n = t // 2
+        return np.concatenate([np.arange(g * n, (g + 1) * n) for g in chunk_ids(self.r, self.c)])
+
+
+def pair_offset(q0: int, k0: int, n: int):
+    """Mask of query chunk [q0, q0+n) against key chunk [k0, k0+n): None (every key in the
+    past: no mask), FUTURE (every key after every query: skip), else the causal offset."""
+    if k0 + n - 1 <= q0:
+        return None
+    if k0 > q0 + n - 1:
+        return FUTURE
+    return q0 - k0
+
+
+def visible_pairs(r: int, s: int, c: int, n: int) -> list:
+    """(query chunk index, key chunk index, offset) of rank r's queries against rank s's keys
+    for every pair not wholly in the future (local chunk indices 0, 1)."""
+    pairs = []
+    for qi, qg in enumerate(chunk_ids(r, c)):
+        for ki, kg in enumerate(chunk_ids(s, c)):
+            offset = pair_offset(qg * n, kg * n, n)
+            if offset != FUTURE:
+                pairs.append((qi, ki, offset))
+    return pairs
+
+
+# -- ring attention --------------------------------------------------------------------------------
+class RingAttention(Layer):
+    """(B, T/c, 3 D_local) q | k | v of this rank's two chunks -> (B, T/c, D_local): causal
+    attention of the local queries against the whole sequence's keys, which come around the
+    cp ring block by block (see the module docstring). No parameters.
+
+    cp: the Comm of this rank's cp group. `peak_scores`: the largest score block (B, H, n, n)
+    this unit has built, in elements (a measurement for tests and reports).
+    """
+
+    KV, KV_BACK, DKV = 0, 1, 2            # message tags: forward (k, v), backward (k, v), (dk, dv)
+
+    def __init__(self, n_heads, cp):
+        super().__init__()
+        self.n_heads, self.cp = n_heads, cp
+        self.c, self.r = cp.mesh.layout.size("cp"), cp.mesh.coords["cp"]   # no MPI here
+        self.next, self.prev = (self.r + 1) % self.c, (self.r - 1) % self.c
+        self.peak_scores = 0
+
+    def __repr__(self):
+        return f"RingAttention(heads={self.n_heads}, cp={self.c})"
+
+    def _pairs(self, step, t_local):
+        """Block of step `step` comes from rank s = r - step; its visible chunk pairs."""
+        n = t_local // 2
+        s = (self.r - step) % self.c
+        return [(slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), offset)
+                for qi, ki, offset in visible_pairs(self.r, s, self.c, n)]
+
+    def _attend(self, q, kv, step, state):
+        """Merge this block's visible pairs into the running (out, lse) of each query chunk."""
+        for qs, ks, offset in self._pairs(step, q.shape[2]):
+            o, lse = att.attention_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], offset)
+            b, h, tq, tk = q.shape[0], q.shape[1], qs.stop - qs.start, ks.stop - ks.start
+            self.peak_scores = max(self.peak_scores, b * h * tq * tk)   # 'bhtd,bhsd->bhts'
+            key = qs.start
+            state[key] = (o, lse) if key not in state else att.merge_blocks(*state[key], o, lse)
+
+    def forward(self, a, mb=0, record=True):
+        xp = array_module(a)
+        q, k, v = att.split_heads(a, self.n_heads)       # (B, H, 2n, Dh): chunks r, 2c-1-r
+        if q.shape[2] % 2:
+            raise ValueError(f"RingAttention: a cp rank holds two equal chunks, got "
+                             f"{q.shape[2]} tokens")
+        kv, state, sends = xp.stack([k, v]), {}, []      # (2, B, H, 2n, Dh): what travels
+        for step in range(self.c):
+            if step < self.c - 1:                        # the next block, while computing
+                sends.append(self.cp.send_async(kv, self.next, tag=self.KV))
+                coming = self.cp.receive_async(self.prev, tag=self.KV)
+            self._attend(q, kv, step, state)             # online softmax over the blocks
+            if step < self.c - 1:
+                kv = coming.result()
+        for f in sends:
+            f.result()
+        out = xp.concatenate([state[key][0] for key in sorted(state)], axis=2)
+        lse = xp.concatenate([state[key][1] for key in sorted(state)], axis=2)
+        self.save(mb, record, (q, k, v, out, lse))
+        return att.merge_heads(out)                      # heads concatenated
+
+    def _attend_backward(self, dout, q, kv, out, lse, step, dq):
+        """This rank's share of (dk, dv) for the visiting block; dq accumulated in place."""
+        dkv = array_module(q).zeros_like(kv)
+        for qs, ks, offset in self._pairs(step, q.shape[2]):
+            dq_part, dk_part, dv_part = att.attention_block_backward(
+                dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                out[:, :, qs], lse[:, :, qs], offset)    # undoes attention_block + merge
+            dq[:, :, qs] += dq_part
+            dkv[0][:, :, ks] += dk_part
+            dkv[1][:, :, ks] += dv_part
+        return dkv
+
+    def backward(self, dy, mb=0):
+        q, k, v, out, lse = self.pop(mb)
+        xp = array_module(q)
+        dout = att.merge_heads_backward(dy, self.n_heads)   # undoes merge_heads
+        dq, kv, sends, arriving = xp.zeros_like(q), xp.stack([k, v]), [], None
+        for step in range(self.c):
+            if step < self.c - 1:                        # (k, v) again, ahead of the compute
+                sends.append(self.cp.send_async(kv, self.next, tag=self.KV_BACK))
+                coming = self.cp.receive_async(self.prev, tag=self.KV_BACK)
+            dkv = self._attend_backward(dout, q, kv, out, lse, step, dq)
+            if arriving is not None:                     # the shares of the ranks before
+                dkv += arriving.result()
+            # adjoint of the forward's (k, v) send: the block's (dk, dv) follows it; after
+            # the last step (block r+1) it goes home to r+1
+            sends.append(self.cp.send_async(dkv, self.next, tag=self.DKV))
+            arriving = self.cp.receive_async(self.prev, tag=self.DKV)
+            if step < self.c - 1:
+                kv = coming.result()
+        dk, dv = arriving.result()                       # this rank's own block, home
+        for f in sends:
+            f.result()
+        return att.split_heads_backward(dq, dk, dv)      # undoes split_heads
+
+
+# -- Ulysses ---------------------------------------------------------------------------------------
+class UlyssesAttention(Layer):
+    """(B, T/c, 3 D_local) -> (B, T/c, D_local) by head-sharded attention: all_to_all to
+    (B, H/c, T, Dh) on this rank's heads (sequence in global order), causal attention, and the
+    inverse all_to_all back. No parameters; cp: the Comm of the cp group."""
+
+    def __init__(self, n_heads, cp):
+        super().__init__()
+        self.n_heads, self.cp = n_heads, cp
+        self.c = cp.mesh.layout.size("cp")
+        assert n_heads % self.c == 0, "check_cp refuses heads that do not divide by cp"
+
+    def __repr__(self):
+        return f"UlyssesAttention(heads={self.n_heads}, cp={self.c})"
+
+    def to_heads(self, x):
+        """(m, B, H, T/c, Dh) sequence-sharded -> (m, B, H/c, T, Dh) head-sharded, global
+        order. all_to_all over cp; adjoint: to_sequence."""
+        m, b, h, t, d = x.shape
+        x = x.reshape(m, b, self.c, h // self.c, t, d).transpose(2, 0, 1, 3, 4, 5)
+        x = self.cp.all_to_all(x, axis=0)                # head group j to rank j; (src, m, ...)
+        x = x.transpose(1, 2, 3, 0, 4, 5).reshape(m, b, h // self.c, self.c * t, d)
+        return to_global_order(x, 3, self.c)             # rank order -> sequence order
+
+    def to_sequence(self, x):
+        """Inverse of to_heads: (m, B, H/c, T, Dh) -> (m, B, H, T/c, Dh)."""
+        m, b, h, t, d = x.shape
+        x = to_rank_order(x, 3, self.c)                  # undoes to_global_order
+        x = x.reshape(m, b, h, self.c, t // self.c, d).transpose(3, 0, 1, 2, 4, 5)
+        x = self.cp.all_to_all(x, axis=0)                # undoes the all_to_all of to_heads
+        return x.transpose(1, 2, 0, 3, 4, 5).reshape(m, b, h * self.c, t // self.c, d)
+
+    def forward(self, a, mb=0, record=True):
+        xp = array_module(a)
+        q, k, v = self.to_heads(xp.stack(att.split_heads(a, self.n_heads)))   # (B, h, T, Dh)
+        out, lse = att.causal_attention_forward(q, k, v)
+        self.save(mb, record, (q, k, v, out, lse))
+        return att.merge_heads(self.to_sequence(out[None])[0])
+
+    def backward(self, dy, mb=0):
+        q, k, v, out, lse = self.pop(mb)
+        xp = array_module(q)
+        dout = self.to_heads(att.merge_heads_backward(dy, self.n_heads)[None])[0]  # undoes
+        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, lse)  # the last two
+        return att.split_heads_backward(*self.to_sequence(xp.stack([dq, dk, dv])))  # 1st two
+
+
+# -- composition -----------------------------------------------------------------------------------
+def check_cp(model, layout) -> None:
+    """The same ValueError on every rank, before any communication, for a cp layout this GPT
+    cannot run: Ulysses splits the (tp-local) heads over cp."""
+    c = layout.size("cp")
+    if c > 1 and layout.size("tp") > 1:
+        raise ValueError(f"layout {layout.text!r}: cp={c} with tp={layout.size('tp')} is not "
+                         f"yet supported for GPT models (cp composes with dp, fsdp and pp)")
+    if c > 1 and layout.option("cp_kind", "ring") == "ulysses":
+        local = model.n_heads // layout.size("tp")
+        if local % c:
+            raise ValueError(f"layout {layout.text!r}: cp_kind=ulysses splits the "
+                             f"{local} heads per tp rank over cp={c}; they do not divide")
+
+
+def context_units(model, layout, cp) -> dict:
+    """Keyword arguments for nn.transformer.gpt_units: the attention unit factory and the
+    embedding's token positions (cp: the Comm of the cp group; nothing for cp=1)."""
+    c = layout.size("cp")
+    if c == 1:
+        return {}
+    cp.mesh.comm("cp")           # the cp communicator (a world Split), made where every rank is
+    kind = RingAttention if layout.option("cp_kind", "ring") == "ring" else UlyssesAttention
+    return {"attention": lambda n_heads: kind(n_heads, cp),
+            "token_positions": TokenPositions(c, cp.mesh.coords["cp"], model.seq_len)}
+
+
+# -- cost model (no MPI) ---------------------------------------------------------------------------
+def ring_bytes(rows: int, t: int, d_local: int, c: int, itemsize: int) -> dict:
+    """Bytes one rank sends per attention layer in a ring train_step on `rows` rows of `t`
+    tokens (d_local = D / tp): the (k, v) block is (2, rows, t/c, d_local); forward c-1 sends,
+    backward c-1 (k, v) sends and c (dk, dv) sends."""
+    block = 2 * rows * (t // c) * d_local * itemsize
+    return {"forward": (c - 1) * block, "backward": (2 * c - 1) * block}
