@@ -54,6 +54,28 @@ CASES = [  # (ranks, layout, dims, dtype)
 ]
 
 
+def check_step_bytes(comm, model, layout, params, x, t, loss, dtype=np.float64) -> float:
+    """One train_step and one AdamW step of `layout`: the bytes the engine counted, per kind
+    and phase, equal the plan's on this rank. Returns the step's loss."""
+    eng = ms.make_engine(model, layout, dtype=dtype, comm=comm)
+    eng.load_checkpoint(params)
+    opt = ms.optim.AdamW(eng, lr=1e-3)
+    xl, tl = eng.shard_batch(x), eng.shard_batch(t)
+    want = costs.step_comm(model, layout, comm.Get_rank(), BATCH, np.dtype(dtype).itemsize)
+
+    eng.reset_comm_stats()
+    value, grads = eng.train_step(xl, tl, loss)
+    got_step = {k: v for k, v in eng.comm_bytes.items() if v}
+    eng.reset_comm_stats()
+    opt.step(grads)
+    got_opt = {k: v for k, v in eng.comm_bytes.items() if v}
+    print(f"{model!r} {layout} rank {comm.Get_rank()}: train_step {got_step} (plan "
+          f"{want['train_step']}), optimizer {got_opt} (plan {want['optimizer']})")
+    assert got_step == want["train_step"], f"{layout} rank {comm.Get_rank()}"
+    assert got_opt == want["optimizer"], f"{layout} rank {comm.Get_rank()}"
+    return value
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("n,layout,dims,dtype", CASES, ids=[c[1] for c in CASES])
 def test_comm_bytes_match_the_plan(n, layout, dims, dtype):
@@ -62,28 +84,55 @@ def test_comm_bytes_match_the_plan(n, layout, dims, dtype):
     params = model.init(seed=1)
     rng = np.random.default_rng(5)
     x, t = rng.standard_normal((BATCH, dims[0])), rng.standard_normal((BATCH, dims[-1]))
-    eng = ms.make_engine(model, layout, dtype=dtype, comm=comm)
-    eng.load_checkpoint(params)
-    opt = ms.optim.AdamW(eng, lr=1e-3)
-    xl, tl = eng.shard_batch(x), eng.shard_batch(t)
-    want = costs.step_comm(model, layout, comm.Get_rank(), BATCH, np.dtype(dtype).itemsize)
-
-    eng.reset_comm_stats()
-    loss, grads = eng.train_step(xl, tl, ms.losses.MSE())
-    got_step = {k: v for k, v in eng.comm_bytes.items() if v}
-    eng.reset_comm_stats()
-    opt.step(grads)
-    got_opt = {k: v for k, v in eng.comm_bytes.items() if v}
-    print(f"{layout} rank {comm.Get_rank()}: train_step {got_step} (plan {want['train_step']}), "
-          f"optimizer {got_opt} (plan {want['optimizer']})")
-    assert got_step == want["train_step"], f"{layout} rank {comm.Get_rank()}"
-    assert got_opt == want["optimizer"], f"{layout} rank {comm.Get_rank()}"
+    loss = check_step_bytes(comm, model, layout, params, x, t, ms.losses.MSE(), dtype)
 
     ref = ms.SingleDevice(model)          # and it was the real step
     ref.load_checkpoint(params)
     ref_loss, _ = ref.train_step(x, t, ms.losses.MSE())
     rtol = RTOL32 if np.dtype(dtype) == np.float32 else 1e-9
     assert_close(loss, ref_loss, rtol=rtol, what=f"{layout} loss")
+
+
+GPT_CASES = [  # (ranks, layout, tied): a batch row is one sequence of seq_len tokens
+    (2, "dp=2", False),
+    (2, "dp=2,overlap=1", True),
+    (2, "fsdp=2,zero=1", False),
+    (2, "fsdp=2,zero=2", True),
+    (2, "fsdp=2,zero=3", False),
+    (2, "fsdp=2,zero=3", True),
+    (2, "fsdp=2,zero=3,prefetch=1,recompute=1", False),
+    (2, "pp=2", False),
+    (2, "pp=2,schedule=gpipe,microbatches=4,recompute=1", False),
+    (2, "pp=2,schedule=interleaved", False),
+    (4, "dp=2,pp=2", False),
+    (4, "fsdp=2,pp=2,zero=3,microbatches=4", False),
+    (4, "fsdp=4,zero=2", False),
+    (8, "dp=2,fsdp=2,pp=2,zero=3", False),
+]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n,layout,tied", GPT_CASES,
+                         ids=[f"{c[1]}-tied" if c[2] else c[1] for c in GPT_CASES])
+def test_gpt_comm_bytes_match_the_plan(n, layout, tied):
+    """The same for ms.GPT (4 blocks, vocab 13 and d_model 6 make fsdp pad)."""
+    model = ms.GPT(vocab_size=13, seq_len=8, d_model=6, n_heads=2, n_layers=4, tied=tied)
+    rng = np.random.default_rng(5)
+    x, t = (rng.integers(0, 13, (BATCH, 8)) for _ in range(2))
+    check_step_bytes(group_comm(n), model, layout, model.init(seed=1), x, t, "cross_entropy")
+
+
+def test_plan_and_inspect_know_gpt(capsys):
+    spec = "gpt:d_model=16,n_heads=2,n_layers=2,seq_len=8,vocab=13"
+    assert cli.main(["plan", "--model", spec, "--world-size", "4", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "GPT(vocab_size=13, seq_len=8, d_model=16" in out and "fsdp=4,zero=3" in out
+    assert cli.main(["inspect", "--layout", "fsdp=2,pp=2,recompute=1", "--model", spec]) == 0
+    out = capsys.readouterr().out
+    assert "embed/tokens" in out and "head/weights" in out
+    assert cli.main(["plan", "--model", "gpt:d_model=16,depth=2", "--world-size", "2"]) == 2
+    assert "expected distinct KEY=VALUE pairs" in capsys.readouterr().err
 
 
 # -- the formulas against the closed forms in the strategy docstrings (serial) ------------------

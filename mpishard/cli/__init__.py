@@ -5,8 +5,9 @@
     python -m mpishard schedule --pp 4 --microbatches 8 --schedule 1f1b
 
 Commands live in `COMMANDS`: name -> (help, add_arguments(parser), run(args) -> exit code),
-one file per command in this package: train.py, infer.py, bench.py, schedule.py, plan.py,
-inspect.py. A new command is one file and one entry there.
+one file per command in this package: train.py, infer.py, generate.py, bench.py, schedule.py,
+plan.py, inspect.py (gpt_options.py: train's --gpt and text corpus flags). A new command is
+one file and one entry there.
 
 Bad input is a user mistake, not a crash (usage.py): every rank validates the same argv
 before any collective, a command builds inside `agreed(comm, build)`, and `main` turns a
@@ -19,6 +20,7 @@ import sys
 from mpi4py import MPI
 
 from .bench import add_bench_arguments, run_bench
+from .generate import add_generate_arguments, run_generate
 from .infer import add_infer_arguments, run_infer
 from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
@@ -32,7 +34,7 @@ __all__ = ["COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError"]
 # -- the command table ---------------------------------------------------------------------------
 # name -> (help, add_arguments(parser) -> parser, run(args) -> exit code).
 COMMANDS = {
-    "train": ("train an MLP on a layout (python -m mpi4py -m mpishard train ...)",
+    "train": ("train an MLP or a GPT on a layout (python -m mpi4py -m mpishard train ...)",
               add_train_arguments, run_train),
     "schedule": ("print a pipeline schedule's timeline, bubble and memory (no MPI needed)",
                  add_schedule_arguments, run_schedule_command),
@@ -42,6 +44,9 @@ COMMANDS = {
     "infer": ("run a checkpoint over the rows of an .npy file on a layout (python -m mpi4py "
               "-m mpishard infer --checkpoint DIR --input X.npy --output Y.npy ...)",
               add_infer_arguments, run_infer),
+    "generate": ("sample text from a GPT checkpoint on a layout (python -m mpishard generate "
+                 "--checkpoint DIR --prompt TEXT --max-new-tokens N --temperature T --top-k K)",
+                 add_generate_arguments, run_generate),
     "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
              "(plan --model DIMS --world-size N --batch B)", add_plan_arguments, run_plan),
     "bench": ("time training steps of a layout on synthetic data: step time, samples/s, "

@@ -19,9 +19,9 @@ import numpy as np
 from ..checkpoint import CheckpointError, describe
 from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
-from ..nn.models import MLP
 from ..parallel.costs import check_fit, rank_memory
-from .usage import UsageError, parse_dims, print_report, world_comm
+from .model_flag import model_from_flag
+from .usage import UsageError, print_report, world_comm
 
 
 def format_bytes(n: float) -> str:
@@ -87,7 +87,8 @@ def add_inspect_arguments(p):
                    help="a checkpoint directory: prints names, shapes, dtypes, layout, step")
     p.add_argument("--layout", help="plan a layout instead (no MPI launch needed): the mesh "
                    "groups, each rank's shard shapes and memory, e.g. dp=2,tp=2,pp=2")
-    p.add_argument("--model", help="with --layout: comma-separated MLP dims, e.g. 64,256,256,10")
+    p.add_argument("--model", help="with --layout: comma-separated MLP dims, e.g. 64,256,256,10, "
+                   "or gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32,vocab=256")
     p.add_argument("--activation", default="relu", help="with --layout (default relu)")
     p.add_argument("--no-bias", action="store_true", help="with --layout: layers without bias")
     p.add_argument("--dtype", default="float64", choices=["float32", "float64"])
@@ -128,10 +129,10 @@ def _run_inspect_layout(args) -> int:
 
 
 def report_mlp(command, args, report) -> int:
-    """inspect --layout and plan: `report(MLP from --model/--activation/--no-bias)`, printed by
+    """inspect --layout and plan: `report(the MLP or GPT of --model, model_flag.py)`, printed by
     rank 0; the model's or the layout's ValueError/TypeError is a UsageError."""
     try:
-        model = MLP(parse_dims(args.model), activation=args.activation, bias=not args.no_bias)
+        model = model_from_flag(args.model, args.activation, bias=not args.no_bias)
         text = report(model)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{command}: {exc}") from None

@@ -52,15 +52,16 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
     itemsize = np.dtype(dtype).itemsize
     rows, rejected = [], []
     for text in candidate_layouts(world_size, microbatches):
-        try:
+        try:                            # (or one a strategy has no cost model for yet)
             layout = parse_layout(text)
             check_fit(model, layout, batch)
+            memory = max(rank_memory(model, layout, r, itemsize, optimizer, momentum)["total"]
+                         for r in range(world_size))
+            comms = [step_comm_total(model, layout, r, batch, itemsize)
+                     for r in range(world_size)]
         except ValueError as exc:
             rejected.append((text, str(exc)))
             continue
-        memory = max(rank_memory(model, layout, r, itemsize, optimizer, momentum)["total"]
-                     for r in range(world_size))
-        comms = [step_comm_total(model, layout, r, batch, itemsize) for r in range(world_size)]
         busiest = max(comms, key=lambda c: sum(c.values()))
         rows.append({"layout": text, "memory": memory, "comm": sum(busiest.values()),
                      "kinds": busiest})
@@ -111,7 +112,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
 
 def add_plan_arguments(p):
     p.add_argument("--model", required=True, help="comma-separated MLP dims, e.g. "
-                   "784,512,256,10")
+                   "784,512,256,10, or gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32,vocab=256 "
+                   "(a batch row is then one sequence of seq_len tokens)")
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])

@@ -18,12 +18,14 @@ import numpy as np
 
 from ..checkpoint import INDEX, Checkpointer, resume
 from ..nn.functional import ACTIVATIONS
-from ..nn.models import MLP
+from ..nn.models import GPT, MLP
 from ..engine import make_engine
 from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
 from ..train.lr import make_lr_schedule
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
+from .gpt_options import (TEXT_DATASET, add_gpt_arguments, gpt_model_and_data, gpt_spec_text,
+                          log_corpus, validate_gpt_args)
 from .usage import (CUDA_AWARE, PROG, Parser, UsageError, add_device_arguments, agreed,
                     check_flags, checked_layout, default_layout, parse_dims, print_report,
                     world_comm)
@@ -39,7 +41,7 @@ except ImportError:                                        # Python < 3.11
 
 # -- arguments ----------------------------------------------------------------------------------
 DATASET_MODELS = {"digits": "64,128,128,10", "synthetic-regression": "16,32,32,1",
-                  "synthetic-classification": "16,32,32,4"}
+                  "synthetic-classification": "16,32,32,4", TEXT_DATASET: "gpt"}
 LOSS_CHOICES = ("mse", "bce", "cross_entropy")
 PRECISION_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
@@ -55,6 +57,7 @@ TRAIN_DEFAULTS = {
     "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
+    "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
 }
 DEFAULT_EPOCHS = 10
 
@@ -65,7 +68,8 @@ def add_train_arguments(p):
     options = {}
     m = _recording(p.add_argument_group("model and layout"), options)
     m("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, single on one)")
-    m("--model", help="comma-separated layer dims, e.g. 64,128,128,10 (default: by dataset, "
+    m("--model", help="comma-separated layer dims, e.g. 64,128,128,10, or gpt (see --gpt; "
+      "default: by dataset, "
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
     m("--dtype", choices=("float32", "float64"), help="default float32")
@@ -75,12 +79,14 @@ def add_train_arguments(p):
           "float32 (float16: dynamic loss scaling); default: --dtype")
     add_device_arguments(m, default=None)
     d = _recording(p.add_argument_group("data"), options)
-    d("--dataset", choices=DATASETS, help="default digits")
+    d("--dataset", choices=DATASETS + (TEXT_DATASET,), help="default digits (text with "
+      "--model gpt: byte windows of --corpus)")
     d("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for regression, "
       "cross_entropy for classes, bce for one output (sigmoid added)")
     d("--n-train", type=int, help="synthetic sets: training rows (default 1024)")
     d("--n-test", type=int, help="synthetic sets: test rows (default 256)")
     d("--seed", type=int, help="data split, shuffling and initialisation (0)")
+    add_gpt_arguments(m, d)
     o = _recording(p.add_argument_group("optimisation"), options)
     o("--optimizer", choices=("adamw", "sgd"), help="default adamw")
     o("--lr", type=float, help="peak learning rate (default 1e-3)")
@@ -161,6 +167,8 @@ def config_tokens(parser, config: dict, path="config") -> list:
             continue
         if isinstance(value, list) and key == "model":
             value = ",".join(str(v) for v in value)
+        if isinstance(value, dict) and key == "gpt":          # a [gpt] table
+            value = gpt_spec_text(value)
         if isinstance(value, (bool, dict, list)):
             raise UsageError(f"config {path}: {key} = {value!r} is not a valid value")
         tokens += [flag, str(value)]
@@ -186,6 +194,8 @@ def parse_train_args(argv, parser=None):
             merged["epochs"] = None
         if cli.epochs is not None and cli.steps is None:
             merged["steps"] = None
+    if merged.get("dataset") is None and merged.get("model") == "gpt":
+        merged["dataset"] = TEXT_DATASET
     for k, v in TRAIN_DEFAULTS.items():
         if merged.get(k) is None:
             merged[k] = v
@@ -195,13 +205,15 @@ def parse_train_args(argv, parser=None):
 # -- validation (no MPI; identical on every rank) ----------------------------------------------
 def validate_train_args(args, world_size: int):
     """Check everything that can be checked without communication; returns (layout, dims,
-    loss name). Raises UsageError (the same on every rank)."""
+    loss name), dims being the GPT spec for --model gpt. Raises UsageError (the same on every
+    rank)."""
     if args.layout is None:
         args.layout = default_layout(world_size)
     layout = checked_layout(args.layout, world_size)
     if args.model is None:
         args.model = DATASET_MODELS[args.dataset]
-    dims = parse_dims(args.model)
+    gpt = validate_gpt_args(args, layout)              # None: an MLP on a table data set
+    dims = gpt or parse_dims(args.model)
     _check_numbers(args)
     if args.steps is not None and args.epochs is not None:
         raise UsageError(f"give --steps or --epochs, not both (got --steps {args.steps} and "
@@ -219,13 +231,13 @@ def validate_train_args(args, world_size: int):
                                                 or args.dtype != "float32"):
             raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
                              f"or the --dtype itself), got --dtype {args.dtype}")
-    loss = _fitting_loss(args, dims)
+    loss = "cross_entropy" if gpt else _fitting_loss(args, dims)
     dp = layout.data_parallel_size
     if args.batch % (args.accumulate * dp):
         raise UsageError(f"--batch {args.batch} must divide by --accumulate {args.accumulate} "
                          f"x {dp} data-parallel ranks of layout {layout.text!r} = "
                          f"{args.accumulate * dp}")
-    if args.dataset != "digits" and args.batch > args.n_train:
+    if args.dataset not in ("digits", TEXT_DATASET) and args.batch > args.n_train:
         raise UsageError(f"--batch {args.batch} is larger than --n-train {args.n_train}")
     _validate_checkpoint_args(args)
     if args.metrics_json:
@@ -290,13 +302,16 @@ def build_training(args, comm=None):
     ValueError or TypeError before any collective on a bad input."""
     comm = comm or world_comm()
     layout, dims, loss = validate_train_args(args, comm.Get_size())
-    data = load_dataset(args.dataset, d_in=dims[0], d_out=dims[-1], n_train=args.n_train,
-                        n_test=args.n_test, seed=args.seed)
+    if isinstance(dims, GPT):
+        model, data = gpt_model_and_data(args, dims)
+    else:
+        data = load_dataset(args.dataset, d_in=dims[0], d_out=dims[-1], n_train=args.n_train,
+                            n_test=args.n_test, seed=args.seed)
+        model = MLP(dims, activation=args.activation,
+                    final_activation="sigmoid" if loss == "bce" else None)
     if args.batch > len(data.x_train):
         raise UsageError(f"--batch {args.batch} is larger than the {len(data.x_train)} "
                          f"training rows of {args.dataset}")
-    model = MLP(dims, activation=args.activation,
-                final_activation="sigmoid" if loss == "bce" else None)
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          param_dtype=args.param_dtype, comm_dtype=args.comm_dtype)
@@ -307,6 +322,8 @@ def build_training(args, comm=None):
     else:
         opt = SGD(engine, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     log = configure_logging(engine.device_id, getattr(logging, args.log_level))
+    if isinstance(model, GPT):
+        log_corpus(log, data)
     trainer = Trainer(engine, opt, data, loss, batch=args.batch, steps=args.steps,
                       epochs=args.epochs, accumulate=args.accumulate, clip=args.clip,
                       eval_every=args.eval_every, log_every=args.log_every, seed=args.seed,

@@ -69,6 +69,7 @@ from dataclasses import replace
 from . import placement as pl
 from .data_parallel import DEFAULT_BUCKET_MB, plan_buckets
 from .fsdp_prefetch import Prefetcher
+from .model_costs import param_uses
 
 FSDP_SHARD = pl.Shard("fsdp", 0, pad=True)
 
@@ -279,7 +280,8 @@ def step_comm(view) -> dict:
     (W), and reduce-scatters its gradient, each m times: (N-1) x shard bytes per call (the
     padding travels too). ZeRO-1/2 reduce-scatter the gradient into the owned slice (ZeRO-2
     per microbatch, ZeRO-1 once at sync) and all-gather the updated slices after the
-    optimizer step: (N-1) x slice bytes each."""
+    optimizer step: (N-1) x slice bytes each. How often a unit gets a parameter and adds its
+    gradient (a tied GPT head, recompute) is model_costs.param_uses."""
     n, m = view.size("fsdp"), view.microbatches
     if n == 1:
         return {}
@@ -289,11 +291,12 @@ def step_comm(view) -> dict:
         stage = zero_stage(info.placement, view.layout)
         if stage == 3:
             shard = view.nbytes(view.blocks[name])
-            gathers = 2 if name.endswith("/weights") else 1
+            gathers, adds = param_uses(view.model, view.layout, name)
             step["all_gather"] += m * gathers * (n - 1) * shard
-            step["reduce_scatter"] += m * (n - 1) * shard
+            step["reduce_scatter"] += m * adds * (n - 1) * shard
         else:
             owned = view.nbytes(view.grad_blocks[name])
-            step["reduce_scatter"] += (m if stage == 2 else 1) * (n - 1) * owned
+            adds = m * param_uses(view.model, view.layout, name)[1] if stage == 2 else 1
+            step["reduce_scatter"] += adds * (n - 1) * owned
             opt["all_gather"] += (n - 1) * owned
     return {"train_step": step, "optimizer": opt}

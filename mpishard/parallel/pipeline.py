@@ -44,7 +44,7 @@ import numpy as np
 from ..comm.mesh import parse_layout
 from .schedules import make_schedule
 from .stages import assign_stages, pipeline_options
-from .tensor_parallel import output_width
+from .model_costs import boundary_width
 
 ACT, GRAD = 0, 1           # message kind: an activation (forward), a gradient (backward)
 _EOS_NDIM = 1              # inference end-of-stream: a 1-D int64 array [group size]; data is 2-D
@@ -301,12 +301,12 @@ def step_microbatches(layout) -> int:
 
 
 def boundary_widths(model, layout) -> dict:
-    """Virtual stage k -> width of the activation it sends on: its last layer's output on one
-    tp rank (tensor_parallel.output_width)."""
+    """Virtual stage k -> width of the activation it sends on, per batch row: its last layer's
+    output on one tp rank, or a GPT's residual stream (model_costs.boundary_width)."""
     layout = parse_layout(layout)
-    vstages, layers = assign_stages(model, layout), model.layers()
-    return {vstages[spec.index]: output_width(spec, len(layers), layout.size("tp"))
-            for spec in layers}                        # a stage's later layers overwrite
+    vstages = assign_stages(model, layout)
+    return {vstages[spec.index]: boundary_width(model, layout, spec)
+            for spec in model.layers()}                # a stage's later layers overwrite
 
 
 def memory(view, n_state) -> dict:

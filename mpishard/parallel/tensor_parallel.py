@@ -136,6 +136,8 @@ def step_comm(view) -> dict:
     tp = view.size("tp")
     if tp == 1:
         return {}
+    if getattr(view.model, "kind", "mlp") == "gpt":
+        raise ValueError(f"no cost model yet for a GPT under tp ({view.layout.text!r})")
     n_layers = view.model.n_layers
     sent = 0.0
     for spec in view.layers:

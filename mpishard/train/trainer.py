@@ -36,6 +36,7 @@ from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
 from .optim import clip_grad_norm
 from .scaler import GradScaler
+from .text import language_metrics, window_loss
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
 
@@ -213,6 +214,10 @@ class Trainer:
         n = len(d.x_test)
         micro = self.batcher.micro_batch
         chunk = micro * max(1, min(-(-n // micro), 256 // micro))
+        if d.task == "language":              # windows of a text corpus: token-mean loss
+            value = window_loss(e, d.x_test, d.t_test, chunk, self.loss)
+            return {"step": self.state.step, "test_loss": value,
+                    "val_bits_per_byte": value / math.log(2.0)}
         outs = []
         for idx, real in eval_chunks(n, chunk, e.data_parallel_size, e.data_parallel_rank):
             y = e.backend.to_host(e.gather_batch(e.predict(d.x_test[idx])))
@@ -276,9 +281,10 @@ class Trainer:
     def _evaluate_and_log(self) -> dict:
         result = self.evaluate()
         self.state.eval_history.append(result)
-        acc = result.get("test_accuracy")
-        self.log.info("eval step %d: test loss %.6g%s", result["step"], result["test_loss"],
-                      "" if acc is None else f", test accuracy {acc:.4f}")
+        acc, bpb = result.get("test_accuracy"), result.get("val_bits_per_byte")
+        self.log.info("eval step %d: test loss %.6g%s%s", result["step"], result["test_loss"],
+                      "" if acc is None else f", test accuracy {acc:.4f}",
+                      "" if bpb is None else f" nats/byte, {bpb:.4f} bits/byte")
         for cb in self.callbacks:
             cb.on_evaluate(self, result)
         return result
@@ -294,7 +300,7 @@ class Trainer:
 
     def metrics(self, final: dict, wall_time: float) -> dict:
         e, st = self.engine, self.state
-        return {
+        metrics = {
             "layout": e.layout.text,
             "world_size": e.num_devices,
             "model": _model_text(e),
@@ -321,6 +327,11 @@ class Trainer:
             "lr_history": list(st.lr_history),
             "eval_history": list(st.eval_history),
         }
+        if self.data.task == "language":      # nats and bits per byte, tokens/s, the corpus
+            tokens = st.samples * self.data.x_train.shape[1]
+            metrics.update(language_metrics(final["test_loss"], tokens, self.train_time),
+                           corpus=self.data.corpus)
+        return metrics
 
 
 def _pipeline_microbatches(engine) -> int:
@@ -348,6 +359,9 @@ def summary_table(metrics: dict) -> str:
             ("test accuracy", "-" if acc is None else f"{100 * acc:.2f}%"),
             ("samples/s", f"{metrics['samples_per_s']:.0f}"),
             ("wall time", f"{metrics['wall_time_s']:.2f} s")]
+    if "val_bits_per_byte" in metrics:                    # a language model (train/text.py)
+        rows[7:8] = [("val bits/byte", f"{metrics['val_bits_per_byte']:.4f}"),
+                     ("tokens/s", f"{metrics['tokens_per_s']:.0f}")]
     w0 = max(len(k) for k, _ in rows)
     w1 = max(len(v) for _, v in rows)
     line = f"+-{'-' * w0}-+-{'-' * w1}-+"

@@ -1,0 +1,127 @@
+"""The train command's GPT options: `--model gpt --gpt KEY=VALUE,...` on a `--dataset text`.
+
+    python -m mpishard train --model gpt --gpt d_model=128,n_heads=4,n_layers=4,seq_len=64 \\
+        --corpus 'src/**/*.py' --optimizer adamw --lr 0.003 --batch 32 --steps 300
+
+`--gpt` keys: d_model, n_heads, n_layers, seq_len, d_ff (default 4 d_model) and tied (0/1);
+a key left out takes its value from DEFAULT_GPT. The vocabulary is the data set's (256 bytes,
+train/text.py). In a --config file, `gpt = "d_model=128,..."` or a `[gpt]` table of the same
+keys. Everything here is checked without MPI and the same on every rank; only the corpus read
+(in `gpt_model_and_data`, inside train's `agreed`) touches files.
+"""
+from __future__ import annotations
+
+import logging
+
+from ..nn.gpt import GPT
+from ..parallel.gpt import check_gpt_layout
+from ..parallel.stages import assign_stages
+from ..train.text import (BYTE_VOCAB, DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION,
+                          text_dataset)
+from .usage import UsageError, check_flags
+
+TEXT_DATASET = "text"
+DEFAULT_GPT = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
+               "tied": 0}
+TEXT_FLAGS = ("corpus", "corpus_bytes", "val_fraction")
+
+
+def add_gpt_arguments(model_group, data_group):
+    """--gpt on the model group, --corpus/--corpus-bytes/--val-fraction on the data group
+    (each the group's recording add_argument)."""
+    model_group("--gpt", metavar="KEY=VALUE,...", help="with --model gpt: d_model, n_heads, "
+                "n_layers, seq_len, d_ff, tied (default " + gpt_spec_text(DEFAULT_GPT) + ")")
+    data_group("--corpus", metavar="PATH|GLOB", help="--dataset text: a file, a directory or a "
+               "glob, read sorted as bytes (default: the Python standard library's *.py)")
+    data_group("--corpus-bytes", type=int, help="--dataset text: read at most this many bytes "
+               f"of the corpus (default {DEFAULT_CORPUS_BYTES})")
+    data_group("--val-fraction", type=float, help="--dataset text: the last fraction of the "
+               f"bytes that is the validation split (default {DEFAULT_VAL_FRACTION})")
+
+
+def gpt_spec_text(table: dict) -> str:
+    """A {key: value} table (a TOML [gpt] table) as --gpt text; booleans become 0/1."""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in table.items()
+                    if v is not None)
+
+
+def parse_gpt_spec(text) -> dict:
+    """--gpt text -> {key: int} over DEFAULT_GPT (UsageError: unknown or repeated key,
+    missing '=', a value that is not a positive integer, tied not 0/1)."""
+    spec, given = dict(DEFAULT_GPT), set()
+    for item in ([] if text is None else str(text).split(",")):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise UsageError(f"--gpt {text!r}: expected KEY=VALUE pairs joined by commas, "
+                             f"e.g. d_model=128,n_heads=4, got {item!r}")
+        if key not in DEFAULT_GPT:
+            raise UsageError(f"--gpt: unknown key {key!r}; known keys: {', '.join(DEFAULT_GPT)}")
+        if key in given:
+            raise UsageError(f"--gpt: {key} is given twice")
+        given.add(key)
+        try:
+            number = int(value)
+        except ValueError:
+            raise UsageError(f"--gpt: {key}={value!r} is not an integer") from None
+        if key == "tied" and number not in (0, 1):
+            raise UsageError(f"--gpt: tied must be 0 or 1, got {value}")
+        if key != "tied" and number < 1:
+            raise UsageError(f"--gpt: {key} must be a positive integer, got {value}")
+        spec[key] = number
+    return spec
+
+
+def validate_gpt_args(args, layout):
+    """For --model gpt or --dataset text: the GPT spec (vocabulary BYTE_VOCAB) after checking
+    the flags and that the layout fits it; None for a table data set and an MLP (after
+    checking that no text-only flag was given). Raises UsageError; no MPI."""
+    if args.model != "gpt" and args.dataset != TEXT_DATASET:
+        for name in TEXT_FLAGS + ("gpt",):
+            if getattr(args, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} applies to --model gpt on --dataset text only")
+        return None
+    if args.model != "gpt" or args.dataset != TEXT_DATASET:
+        raise UsageError(f"--dataset text trains --model gpt (got --dataset {args.dataset} "
+                         f"and --model {args.model})")
+    if args.loss not in (None, "cross_entropy"):
+        raise UsageError(f"--loss {args.loss} does not fit --model gpt; its loss is "
+                         f"cross_entropy (the mean over every token)")
+    check_flags(args, ("corpus_bytes",), low=0, low_open=True)
+    check_flags(args, ("val_fraction",), low=0, high=1, low_open=True)
+    spec = parse_gpt_spec(args.gpt)
+    try:
+        model = GPT(vocab_size=BYTE_VOCAB, seq_len=spec["seq_len"], d_model=spec["d_model"],
+                    n_heads=spec["n_heads"], n_layers=spec["n_layers"], d_ff=spec["d_ff"],
+                    tied=bool(spec["tied"]))
+        check_gpt_layout(model, layout)
+        assign_stages(model, layout)
+    except ValueError as exc:
+        raise UsageError(f"--gpt {gpt_spec_text(spec)}: {exc}") from None
+    return model
+
+
+def gpt_model_and_data(args, spec: GPT):
+    """(GPT, TextDataset): the corpus read and cut into windows of spec.seq_len, and the
+    model with the data set's vocabulary. UsageError when the corpus is missing or too small
+    for seq_len."""
+    try:
+        data = text_dataset(spec.seq_len, args.corpus, args.corpus_bytes or DEFAULT_CORPUS_BYTES,
+                            args.val_fraction or DEFAULT_VAL_FRACTION)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--corpus: {exc}") from None
+    model = GPT(vocab_size=data.n_classes, seq_len=spec.seq_len, d_model=spec.d_model,
+                n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, tied=spec.tied)
+    return model, data
+
+
+def log_corpus(log: logging.Logger, data) -> None:
+    c = data.corpus
+    log.info("corpus %s: %d file(s), %d bytes, sha256 %s; %d train windows (%d bytes), "
+             "%d validation windows (%d bytes) of %d+1 bytes", c["source"], c["files"],
+             c["bytes"], c["sha256"][:16], c["train_windows"], c["train_bytes"],
+             c["val_windows"], c["val_bytes"], data.seq_len)
+
+
+__all__ = ["DEFAULT_GPT", "TEXT_DATASET", "add_gpt_arguments", "gpt_model_and_data",
+           "gpt_spec_text", "log_corpus", "parse_gpt_spec", "validate_gpt_args"]

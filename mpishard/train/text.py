@@ -1,0 +1,198 @@
+"""Text corpora for a GPT: byte-level tokens (vocab 256), a train/validation split by position,
+and windows that are cut only when a rank asks for them.
+
+    data = text_dataset(seq_len=64)                  # the standard library's source, ~2 MB
+    data = text_dataset(seq_len=64, corpus="notes/*.md", max_bytes=10**6)
+
+The corpus never comes from the network. The default is the running interpreter's own standard
+library: its top-level `*.py` files (`sysconfig.get_paths()["stdlib"]`), sorted by name, read as
+bytes and concatenated until `max_bytes` (the last file cut there). A user corpus is a file, a
+directory (every regular file below it) or a glob, also sorted and capped. The corpus' sha256,
+file count and size are reported with the data set, so a run says what it trained on.
+
+Tokens are the bytes themselves. The last `val_fraction` of the bytes is the validation split,
+the rest the training split, so no byte of one split is in the other. Each split is cut into
+windows of seq_len + 1 bytes that start every seq_len bytes (consecutive windows share one
+byte: window i predicts bytes i*seq_len+1 ... (i+1)*seq_len):
+
+    x[i] = tokens[s + i*S : s + i*S + S]            (inputs,  S = seq_len)
+    t[i] = tokens[s + i*S + 1 : s + i*S + S + 1]    (targets, the next byte of each input)
+
+`Windows` stands in for the (N, S) arrays a `Dataset` holds: `len`, `shape` and indexing with
+row indices, so `DistributedBatcher` takes this rank's rows of each batch (as
+`engine.shard_batch` would cut them) and only those windows are materialised, as int64 ids.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import math
+import os
+import sysconfig
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .data import Dataset, eval_chunks
+
+BYTE_VOCAB = 256
+DEFAULT_CORPUS_BYTES = 2_000_000
+DEFAULT_VAL_FRACTION = 0.05
+
+
+# -- the corpus ----------------------------------------------------------------------------------
+def stdlib_files() -> list:
+    """The default corpus' files: the standard library's top-level *.py files, sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    return sorted(glob.glob(os.path.join(glob.escape(root), "*.py")))
+
+
+def corpus_files(corpus=None) -> list:
+    """The files of `corpus` in a fixed order: None -> stdlib_files(); a file; a directory
+    (every regular file below it); or a glob pattern. ValueError when nothing matches."""
+    if corpus is None:
+        files = stdlib_files()
+    elif os.path.isfile(corpus):
+        files = [corpus]
+    elif os.path.isdir(corpus):
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(corpus) for f in names)
+    else:
+        files = sorted(glob.glob(corpus, recursive=True))
+    files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        where = "the standard library" if corpus is None else repr(corpus)
+        raise ValueError(f"corpus {where}: no files found")
+    return files
+
+
+def read_corpus(corpus=None, max_bytes=DEFAULT_CORPUS_BYTES) -> tuple:
+    """(tokens, info): the bytes of corpus_files(corpus) concatenated and cut at max_bytes, as
+    a uint8 array, and {source, files, bytes, sha256} describing them."""
+    if isinstance(max_bytes, bool) or int(max_bytes) != max_bytes or max_bytes < 1:
+        raise ValueError(f"corpus max_bytes must be a positive integer, got {max_bytes!r}")
+    chunks, total, used = [], 0, 0
+    for path in corpus_files(corpus):
+        if total >= max_bytes:
+            break
+        with open(path, "rb") as f:
+            chunk = f.read(max_bytes - total)
+        chunks.append(chunk)
+        total += len(chunk)
+        used += 1
+    data = b"".join(chunks)
+    info = {"source": "python-stdlib" if corpus is None else str(corpus), "files": used,
+            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return np.frombuffer(data, dtype=np.uint8), info
+
+
+# -- windows -------------------------------------------------------------------------------------
+class Windows:
+    """Rows of an (N, seq_len) int64 array cut from `tokens` on demand: row i is
+    tokens[start + i*seq_len + shift : ... + seq_len] (shift 0: inputs, 1: targets)."""
+
+    def __init__(self, tokens, start: int, count: int, seq_len: int, shift: int = 0):
+        self.tokens, self.start, self.count = tokens, int(start), int(count)
+        self.seq_len, self.shift = int(seq_len), int(shift)
+        self.dtype = np.dtype(np.int64)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.count, self.seq_len)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, rows):
+        if isinstance(rows, slice):
+            rows = np.arange(*rows.indices(self.count))
+        rows = np.asarray(rows)
+        if rows.size and (rows.min() < -self.count or rows.max() >= self.count):
+            raise IndexError(f"window index out of range for {self!r}")
+        rows = rows % max(self.count, 1)                   # negative indices count from the end
+        first = self.start + self.shift + self.seq_len * rows
+        return self.tokens[first[..., None] + np.arange(self.seq_len)].astype(np.int64)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        return (f"Windows({self.count} x {self.seq_len} from byte {self.start}"
+                f"{', targets' if self.shift else ''})")
+
+
+def split_windows(n_tokens: int, seq_len: int, val_fraction=DEFAULT_VAL_FRACTION) -> dict:
+    """{'train': (start, count), 'val': (start, count)}: window starts and counts of each split
+    of a corpus of n_tokens bytes (validation: the last val_fraction of the bytes). ValueError
+    when a split cannot hold one window of seq_len + 1 bytes."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"validation fraction must lie in (0, 1), got {val_fraction}")
+    cut = n_tokens - int(math.ceil(n_tokens * val_fraction))
+    spans = {"train": (0, cut), "val": (cut, n_tokens - cut)}
+    out = {}
+    for name, (start, length) in spans.items():
+        count = (length - 1) // seq_len
+        if count < 1:
+            raise ValueError(f"seq_len={seq_len} does not fit the {name} split of the corpus: "
+                             f"{length} of its {n_tokens} bytes, a window needs seq_len + 1 = "
+                             f"{seq_len + 1}")
+        out[name] = (start, count)
+    return out
+
+
+@dataclass(repr=False)
+class TextDataset(Dataset):
+    """A Dataset of byte windows (task 'language'); `corpus` describes where they came from."""
+
+    corpus: dict = field(default_factory=dict)
+
+    @property
+    def default_loss(self) -> str:
+        return "cross_entropy"
+
+    @property
+    def seq_len(self) -> int:
+        return self.x_train.seq_len
+
+
+def text_dataset(seq_len: int, corpus=None, max_bytes=DEFAULT_CORPUS_BYTES,
+                 val_fraction=DEFAULT_VAL_FRACTION) -> TextDataset:
+    """The byte-level data set of `corpus` (see read_corpus) cut into windows of seq_len."""
+    tokens, info = read_corpus(corpus, max_bytes)
+    splits = split_windows(len(tokens), seq_len, val_fraction)
+    (s0, n0), (s1, n1) = splits["train"], splits["val"]
+    info.update(train_windows=n0, val_windows=n1, train_bytes=s1, val_bytes=len(tokens) - s1)
+    x_train, t_train = (Windows(tokens, s0, n0, seq_len, shift) for shift in (0, 1))
+    x_val, t_val = (Windows(tokens, s1, n1, seq_len, shift) for shift in (0, 1))
+    return TextDataset("text", x_train, t_train, x_val, t_val, "language", BYTE_VOCAB,
+                       corpus=info)
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+def window_loss(engine, x, t, chunk: int, loss) -> float:
+    """Collective: the token-mean `loss` of the model over every window of (x, t) (the same
+    float on every rank). Windows go through `predict` in chunks of `chunk` global rows (the
+    last padded; see data.eval_chunks) and `gather_batch` brings each chunk's logits to every
+    rank, where only that chunk's real rows are scored, so no rank holds all the logits."""
+    n, total = len(x), 0.0
+    dp, rank = engine.data_parallel_size, engine.data_parallel_rank
+    for k, (idx, real) in enumerate(eval_chunks(n, chunk, dp, rank)):
+        y = engine.backend.to_host(engine.gather_batch(engine.predict(x[idx])))[:real]
+        targets = t[np.arange(k * chunk, k * chunk + real)]
+        total += loss.value(y.astype(np.float64), targets) * real   # every row: seq_len tokens
+    return total / n
+
+
+def language_metrics(loss_nats: float, tokens: int, seconds: float) -> dict:
+    """val_loss (nats per byte), val_bits_per_byte and tokens_per_s."""
+    return {"val_loss": loss_nats, "val_bits_per_byte": loss_nats / math.log(2.0),
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+
+
+__all__ = ["BYTE_VOCAB", "DEFAULT_CORPUS_BYTES", "DEFAULT_VAL_FRACTION", "TextDataset",
+           "Windows", "corpus_files", "language_metrics", "read_corpus", "split_windows",
+           "stdlib_files", "text_dataset", "window_loss"]
