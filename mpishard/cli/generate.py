@@ -24,21 +24,17 @@ import sys
 
 import numpy as np
 
-from ..checkpoint import CheckpointError
-from ..checkpoint import load as load_checkpoint
-from ..engine import make_engine
 from ..validate import check_number
-from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_flags,
-                    checked_layout, default_layout, world_comm)
+from .infer import (add_checkpoint_arguments, add_compute_arguments, checkpoint_engine,
+                    open_checkpoint)
+from .usage import (UsageError, agreed, check_flags, checked_layout, default_layout,
+                    world_comm)
 
 DEFAULT_NEW_TOKENS = 200
 
 
 def add_generate_arguments(p):
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a GPT checkpoint (train --model gpt --checkpoint-dir DIR)")
-    p.add_argument("--layout", help="mesh layout, e.g. dp=2 or pp=2 (default: dp over all "
-                   "ranks, single on one)")
+    add_checkpoint_arguments(p, "a GPT checkpoint directory, e.g. from train --model gpt")
     p.add_argument("--prompt", default="\n", help="the text to continue (UTF-8; default a "
                    "newline)")
     p.add_argument("--max-new-tokens", "--tokens", dest="max_new_tokens", type=int,
@@ -49,9 +45,7 @@ def add_generate_arguments(p):
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="sample among the K most likely bytes (default 0: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (0)")
-    p.add_argument("--dtype", choices=("float32", "float64"),
-                   help="compute dtype (default: the checkpoint's)")
-    add_device_arguments(p.add_argument)
+    add_compute_arguments(p)
     return p
 
 
@@ -97,21 +91,13 @@ def build_generator(args, comm):
     prompt = list(args.prompt.encode("utf-8"))
     if not prompt:
         raise UsageError("--prompt is empty; give at least one character")
-    try:
-        ckpt = load_checkpoint(args.checkpoint)
-    except CheckpointError as exc:
-        raise UsageError(f"--checkpoint: {exc}") from None
-    model = ckpt.model()
+    ckpt, model = open_checkpoint(args.checkpoint)
     if getattr(model, "kind", None) != "gpt":
         raise UsageError(f"--checkpoint {args.checkpoint} holds {ckpt.model_spec.get('class')}, "
                          f"not a GPT; generate samples from GPT checkpoints")
     if args.top_k > model.vocab_size:
         raise UsageError(f"--top-k {args.top_k} exceeds the vocabulary of {model.vocab_size}")
-    dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)
-    engine = make_engine(model, layout, dtype=dtype, comm=comm, device=args.device,
-                         cuda_aware=CUDA_AWARE[args.cuda_aware])
-    engine.load_checkpoint(ckpt)
-    return engine, prompt
+    return checkpoint_engine(ckpt, model, layout, args, comm), prompt
 
 
 def run_generate(args) -> int:

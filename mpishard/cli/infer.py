@@ -43,11 +43,23 @@ from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_
 DEFAULT_BATCH = 256
 
 
-def add_infer_arguments(p):
+def add_checkpoint_arguments(p, what="checkpoint directory"):
+    """--checkpoint DIR and --layout on parser `p` (infer and generate)."""
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="checkpoint directory (saved under any layout and world size)")
+                   help=f"{what} (saved under any layout and world size)")
     p.add_argument("--layout", help="mesh layout, e.g. dp=2 or pp=2 (default: dp over all "
                    "ranks, single on one)")
+
+
+def add_compute_arguments(p):
+    """--dtype (default: the checkpoint's), --device and --cuda-aware on parser `p`."""
+    p.add_argument("--dtype", choices=("float32", "float64"),
+                   help="compute dtype (default: the checkpoint's)")
+    add_device_arguments(p.add_argument)
+
+
+def add_infer_arguments(p):
+    add_checkpoint_arguments(p)
     p.add_argument("--input", required=True, metavar="X.npy",
                    help="2-D array (rows, model input width), read memory-mapped")
     p.add_argument("--output", required=True, metavar="Y.npy",
@@ -55,9 +67,7 @@ def add_infer_arguments(p):
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                    help=f"rows per batch (default {DEFAULT_BATCH}); must divide by the "
                    "data-parallel size")
-    p.add_argument("--dtype", choices=("float32", "float64"),
-                   help="compute dtype (default: the checkpoint's)")
-    add_device_arguments(p.add_argument)
+    add_compute_arguments(p)
     return p
 
 
@@ -148,21 +158,34 @@ def build_inference(args, comm):
     if args.batch % dp:
         raise UsageError(f"--batch {args.batch} must divide by the {dp} data-parallel ranks "
                          f"of layout {layout.text!r}")
+    ckpt, model = open_checkpoint(args.checkpoint)
+    x = _open_input(args.input, model.d_in)
+    _check_output(args.output, args.input)
+    return checkpoint_engine(ckpt, model, layout, args, comm), x
+
+
+def open_checkpoint(path):
+    """(Checkpoint, model spec) of --checkpoint PATH; UsageError when it is missing, corrupt
+    or its model cannot be rebuilt."""
     try:
-        ckpt = load_checkpoint(args.checkpoint)
+        ckpt = load_checkpoint(path)
     except CheckpointError as exc:
         raise UsageError(f"--checkpoint: {exc}") from None
     model = ckpt.model()
     if model is None:
-        raise UsageError(f"--checkpoint {args.checkpoint}: cannot rebuild the model from its "
-                         f"index ({ckpt.model_spec})")
-    x = _open_input(args.input, model.d_in)
-    _check_output(args.output, args.input)
+        raise UsageError(f"--checkpoint {path}: cannot rebuild the model from its index "
+                         f"({ckpt.model_spec})")
+    return ckpt, model
+
+
+def checkpoint_engine(ckpt, model, layout, args, comm):
+    """The engine of `model` on `layout` (args.dtype, default the checkpoint's; args.device,
+    args.cuda_aware), loaded with this rank's shard of `ckpt` (local reads)."""
     dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)
     engine = make_engine(model, layout, dtype=dtype, comm=comm, device=args.device,
                          cuda_aware=CUDA_AWARE[args.cuda_aware])
     engine.load_checkpoint(ckpt)         # local reads (a corrupt block raises here)
-    return engine, x
+    return engine
 
 
 def run_infer(args) -> int:
