@@ -172,3 +172,18 @@ def test_bad_gpt_input_gives_one_line_on_two_ranks(argv, message):
     assert r.returncode == 2
     assert len(lines) == 1 and lines[0].startswith("mpishard: error: ") and message in lines[0]
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_resume_under_another_layout_continues_the_same_run(tmp_path):
+    """12 steps straight (single) == 6 steps (single), then --resume to 12 under dp=2."""
+    args = ["train", *TINY, "--dtype", "float64"]
+    whole, part = tmp_path / "whole.json", tmp_path / "part.json"
+    ckpt = tmp_path / "ckpt"
+    assert launch(1, *args, "--steps", "12", "--metrics-json", str(whole)).returncode == 0
+    assert launch(1, *args, "--steps", "6", "--checkpoint-dir", str(ckpt)).returncode == 0
+    r = launch(2, *args, "--steps", "12", "--layout", "dp=2", "--checkpoint-dir", str(ckpt),
+               "--resume", "--metrics-json", str(part))
+    assert r.returncode == 0 and "resumed from" in r.stderr
+    a, b = json.loads(whole.read_text()), json.loads(part.read_text())
+    assert_close(b["loss_history"], a["loss_history"], what="resumed loss history")
+    assert_close(b["val_loss"], a["val_loss"], what="resumed val loss")
