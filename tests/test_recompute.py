@@ -13,7 +13,7 @@ import mpishard as ms
 from conftest import assert_close, assert_dicts_close, group_comm
 from mpishard.comm.mesh import parse_layout
 from mpishard.nn.activations import MeteredTape, TapeMeter
-from test_gpt_engine import CE, check_against_single, make_case, make_gpt
+from test_gpt_engine import CE, check_against_single, compare_with_single, make_case, make_gpt
 
 
 def step(model, layout, params, x, t, comm=None):
@@ -94,13 +94,29 @@ def test_layout_option_and_refusals():
 # -- under MPI -------------------------------------------------------------------------------------
 TWO = ["dp=2,recompute=1", "dp=2,recompute=attn", "pp=2,schedule=1f1b,microbatches=4,recompute=1",
        "pp=2,schedule=interleaved,recompute=1", "fsdp=2,zero=3,recompute=1",
-       "fsdp=2,zero=3,prefetch=1,recompute=1", "fsdp=2,zero=2,recompute=attn"]
+       "fsdp=2,zero=3,prefetch=1,recompute=1", "fsdp=2,zero=2,recompute=attn",
+       # communication inside the recomputed units is re-issued: the cp ring, Ulysses'
+       # all_to_all (tp below: its vocabulary must divide by tp)
+       "cp=2,recompute=1", "cp=2,recompute=attn", "cp=2,cp_kind=ulysses,recompute=attn"]
+TP = ["tp=2,recompute=1", "tp=2,sequence_parallel=1,recompute=1",
+      "tp=2,sequence_parallel=1,recompute=attn", "tp=2,pp=2,recompute=1"]
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("layout", TWO)
 def test_recompute_layouts_equal_single(layout):
     check_against_single(group_comm(2), layout, n_layers=4)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", TP)
+def test_recompute_under_tensor_parallelism_equals_single(layout):
+    """tp/sp all-reduces, all-gathers and reduce-scatters inside a block run again in its
+    backward, the same on every tp rank."""
+    n = 4 if "pp=2" in layout else 2
+    model = ms.GPT(vocab_size=16, seq_len=8, d_model=16, n_heads=4, n_layers=4)
+    params, x, t = make_case(model)
+    compare_with_single(group_comm(n), layout, model, params, x, t, f"GPT {layout}")
 
 
 @pytest.mark.mpi(min_size=4)
