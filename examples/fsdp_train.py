@@ -90,11 +90,11 @@ def main(argv=None) -> int:
             + f"   max rel diff vs single {diff:.1e}")
         rows.append((layout, engine.memory_report(opt), sent))
 
-    header = ["layout", "params", "grads", "optimizer", "gathered peak", "total",
-              "total vs dp", "sent per step"]
+    header = ["layout", "params", "grads", "optimizer", "gathered peak", "activations peak",
+              "total", "total vs dp", "sent per step"]
     dp_total = rows[0][1]["total"]
     table = [[layout, *(human(r[k]) for k in ("params", "grads", "optimizer", "gathered_peak",
-                                              "total")),
+                                              "activations_peak", "total")),
               f"{r['total'] / dp_total:.2f}", human(sent)] for layout, r, sent in rows]
     say(f"\nmemory per rank (rank 0), after {args.steps} steps:")
     if args.markdown:
