@@ -24,7 +24,7 @@ CE = ms.losses.CrossEntropy()
 
 
 def make_gpt(n_heads=2, n_layers=2, tied=False, seq_len=16):
-    return ms.GPT(vocab_size=13, seq_len=seq_len, d_model=16, n_heads=n_heads,
+    return ms.GPT(vocab_size=12, seq_len=seq_len, d_model=16, n_heads=n_heads,
                   n_layers=n_layers, tied=tied)
 
 
@@ -95,6 +95,7 @@ def test_cp_axis_sits_between_pp_and_tp():
     ("cp=2,cp_kind=ulysses", make_gpt(n_heads=1), "1 heads per tp rank over cp=2"),
     ("cp=4,cp_kind=ulysses", make_gpt(n_heads=2), "2 heads per tp rank over cp=4"),
     ("cp=2", ms.MLP([4, 8, 2]), "only ms.GPT models"),
+    ("tp=2,cp=2,cp_kind=ulysses", make_gpt(n_heads=2), "1 heads per tp rank over cp=2"),
 ])
 def test_layouts_that_do_not_fit_are_refused(layout, model, match):
     with pytest.raises(ValueError, match=match):
@@ -129,7 +130,10 @@ FOUR = [("cp=4", {}), ("cp=4", {"tied": True, "T": 8}),
         ("cp=2,pp=2", {}), ("cp=2,pp=2,schedule=1f1b,microbatches=2", {}),
         ("cp=2,pp=2,schedule=interleaved,cp_kind=ulysses", {"n_layers": 4}),
         ("fsdp=2,cp=2", {}), ("fsdp=2,cp=2", {"tied": True}),
-        ("fsdp=2,cp=2,zero=1", {}), ("fsdp=2,cp=2,zero=3,prefetch=1,cp_kind=ulysses", {})]
+        ("fsdp=2,cp=2,zero=1", {}), ("fsdp=2,cp=2,zero=3,prefetch=1,cp_kind=ulysses", {}),
+        ("tp=2,cp=2", {}), ("tp=2,cp=2", {"tied": True}),
+        ("tp=2,cp=2,cp_kind=ulysses", {"n_heads": 4}),
+        ("tp=2,cp=2,sequence_parallel=1", {}), ("tp=2,cp=2,pp=1", {"T": 8})]
 
 
 @pytest.mark.mpi(min_size=4)
@@ -139,7 +143,10 @@ def test_four_rank_cp_layouts_equal_single(layout, kw):
 
 
 EIGHT = [("cp=8", {}), ("dp=2,cp=4", {"tied": True}), ("dp=2,fsdp=2,cp=2", {}),
-         ("dp=2,cp=2,pp=2,schedule=1f1b", {}), ("fsdp=2,cp=4,cp_kind=ulysses", {"n_heads": 4})]
+         ("dp=2,cp=2,pp=2,schedule=1f1b", {}), ("fsdp=2,cp=4,cp_kind=ulysses", {"n_heads": 4}),
+         ("dp=2,tp=2,cp=2", {}), ("dp=2,tp=2,cp=2", {"tied": True}),
+         ("fsdp=2,cp=2,tp=2", {}), ("fsdp=2,cp=2,tp=2,cp_kind=ulysses", {"n_heads": 4}),
+         ("tp=2,cp=2,pp=2,sequence_parallel=1", {})]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -173,7 +180,7 @@ def test_ring_memory_and_bytes_at_cp4():
           f"(ratio {peak / single_scores:.4f})")
     assert peak * 4 <= single_scores and peak == rows * heads * (T // 8) ** 2
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 13, (rows, T))
+    x = rng.integers(0, 12, (rows, T))
     engine.reset_comm_stats()
     engine.train_step(engine.shard_batch(x), engine.shard_batch(np.roll(x, -1, 1)), CE)
     sent = engine.comm_bytes.get("send", 0)

@@ -312,9 +312,6 @@ def check_cp(model, layout) -> None:
     """The same ValueError on every rank, before any communication, for a cp layout this GPT
     cannot run: Ulysses splits the (tp-local) heads over cp."""
     c = layout.size("cp")
-    if c > 1 and layout.size("tp") > 1:
-        raise ValueError(f"layout {layout.text!r}: cp={c} with tp={layout.size('tp')} is not "
-                         f"yet supported for GPT models (cp composes with dp, fsdp and pp)")
     if c > 1 and layout.option("cp_kind", "ring") == "ulysses":
         local = model.n_heads // layout.size("tp")
         if local % c:

@@ -21,7 +21,8 @@ loss becomes VocabParallelCrossEntropy through VocabParallelOutput.
 """
 from __future__ import annotations
 
-from ..nn.transformer import Block, FinalNormHead, TiedHead, gpt_units
+from ..nn.transformer import (Block, CausalSelfAttention, FinalNormHead, TiedHead, gpt_units,
+                              leading_positions)
 from .placement import Shard
 from .sequence_parallel import GatherFromSP, SequenceParallelGrads, SequenceParallelRowLinear
 from .tensor_parallel import ColumnParallelLinear, CopyToTP, RowParallelLinear
@@ -87,12 +88,16 @@ class GPTTensorParallel:
         self.tp, self.sp = tp, bool(sequence_parallel)
         self.n = tp.size()
 
-    def __call__(self, model, access, blocks, first: bool, last: bool) -> list:
+    def __call__(self, model, access, blocks, first: bool, last: bool,
+                 attention=CausalSelfAttention, token_positions=leading_positions) -> list:
+        """attention, token_positions: as gpt_units' (context parallelism sets both)."""
         if self.sp:                  # used on this rank's sequence part only: partial grads
             access = SequenceParallelGrads(access, self.tp, sequence_split_params(model))
         linear = tp_linear(self.tp, self.sp)
-        units = [VocabParallelEmbedding(access, self.tp, self.sp)] if first else []
-        units += [Block(access, i, model.n_heads // self.n, linear=linear) for i in blocks]
+        units = [VocabParallelEmbedding(access, self.tp, self.sp,
+                                        token_positions=token_positions)] if first else []
+        units += [Block(access, i, model.n_heads // self.n, linear=linear, attention=attention)
+                  for i in blocks]
         if last:
             f = GatherFromSP(self.tp) if self.sp else CopyToTP(self.tp)
             head = TiedHead(access) if model.tied else \

@@ -26,18 +26,21 @@ from __future__ import annotations
 from ..nn import functional as nn
 from ..nn.layers import Layer
 from ..nn.losses import CrossEntropy, Loss
+from ..nn.transformer import leading_positions
 
 
 class VocabParallelEmbedding(Layer):
     """ids (B, T) -> h (B, T, D), or (B, T/t, D) with `sequence_parallel`: vocab-parallel
-    token rows + replicated positions. tp: the Comm of this rank's tp group.
+    token rows + replicated positions. tp: the Comm of this rank's tp group; token_positions:
+    as nn.transformer.Embedding's (context parallelism: the global positions of its tokens).
 
     The ids need no gradient: backward returns None."""
 
     def __init__(self, access, tp, sequence_parallel=False, tokens="embed/tokens",
-                 positions="embed/positions"):
+                 positions="embed/positions", token_positions=leading_positions):
         super().__init__()
         self.access, self.tp, self.sp = access, tp, bool(sequence_parallel)
+        self.token_positions = token_positions
         self.tokens, self.positions = tokens, positions
         self.param_names = (tokens, positions)
 
@@ -63,17 +66,18 @@ class VocabParallelEmbedding(Layer):
             lo = self.tp.rank() * h.shape[1]
         else:                            # all-reduce(sum) forward / identity backward
             h, lo = self.tp.all_reduce(partial, op="sum"), 0
-        h = h + pos[lo:lo + h.shape[1]]                            # + this rank's positions
+        h = h + pos[self.token_positions(t)][lo:lo + h.shape[1]]   # + this rank's positions
         self.access.release(self.tokens, mb)
         self.access.release(self.positions, mb)
-        self.save(mb, record, (local, inside, table.shape[0], pos.shape[0], lo))
+        self.save(mb, record, (local, inside, table.shape[0], pos.shape[0], lo, t))
         return h
 
     def backward(self, dy, mb=0):
-        local, inside, rows, n_positions, lo = self.pop(mb)
+        local, inside, rows, n_positions, lo, t = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
-        dpos[lo:lo + dy.shape[1]] = dy.sum(axis=0)                 # undoes + positions
+        where = xp.arange(n_positions)[self.token_positions(t)][lo:lo + dy.shape[1]]
+        dpos[where] = dy.sum(axis=0)                               # undoes + positions
         if self.sp:
             dy = self.tp.all_gather(dy, axis=1)                    # undoes the reduce-scatter
         # the all-reduce's adjoint is the identity: dy is dL/dpartial on every rank
