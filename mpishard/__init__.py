@@ -7,7 +7,7 @@
     loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), ms.losses.MSE())
 """
 from . import checkpoint, nn
-from .comm.collectives import CollectiveMismatchError, Future
+from .comm.collectives import CollectiveMismatchError, CollectiveTimeout, Future
 from .comm.mesh import DeviceMesh, Layout, parse_layout
 from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
 from .nn import losses
@@ -17,6 +17,7 @@ from .train import data, optim, trainer
 __version__ = "0.1.0"
 
 __all__ = ["GPT", "MLP", "MoE", "ShardedEngine", "MeshEngine", "SingleDevice", "DeviceMesh",
-           "Layout", "CollectiveMismatchError", "Future", "make_engine", "parse_layout",
+           "Layout", "CollectiveMismatchError", "CollectiveTimeout", "Future", "make_engine",
+           "parse_layout",
            "losses", "nn", "checkpoint", "data", "optim", "trainer",
            "__version__"]

@@ -26,6 +26,7 @@ from mpi4py import MPI
 from .comm.backend import Backend
 from .comm.collectives import Comm
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
+from .comm.watchdog import DEFAULT_TIMEOUT
 from .nn.losses import get_loss
 from .parallel.compose import compose
 from .parallel.context_parallel import shard_sequence
@@ -51,7 +52,7 @@ class ShardedEngine(ABC):
     """
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
-                 cuda_aware=None):
+                 cuda_aware=None, timeout=DEFAULT_TIMEOUT):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
@@ -60,7 +61,7 @@ class ShardedEngine(ABC):
         self.dtype = np.dtype(dtype)
         if debug is None:
             debug = os.environ.get("MPISHARD_DEBUG", "0") not in ("", "0")
-        self.comm = Comm(self.mesh, self.backend, debug)
+        self.comm = Comm(self.mesh, self.backend, debug, timeout)  # timeout: comm/watchdog.py
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -158,13 +159,15 @@ class MeshEngine(ShardedEngine):
     device : "cpu", "gpu" or "auto" (cupy when a GPU is visible), or a comm.backend.Backend
     cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
     param_dtype, comm_dtype : "bfloat16"/"float16" with dtype=float32 (parallel/precision.py)
+    timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
-                 debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None):
+                 debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None,
+                 timeout=DEFAULT_TIMEOUT):
         dtype = np.dtype(dtype)
         self.precision = Precision(dtype, param_dtype, comm_dtype)     # TypeError, no MPI yet
-        super().__init__(layout, comm, dtype, device, debug, cuda_aware)
+        super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout)
         if not hasattr(model, "param_shapes"):
             raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
                             f"{type(model).__name__}")

@@ -26,7 +26,8 @@ from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
 from .schedule import add_schedule_arguments, run_schedule_command
 from .train import add_train_arguments, parse_train_args, run_train
-from .usage import PROG, Parser, UsageError, world_rank
+from ..comm.watchdog import CollectiveTimeout
+from .usage import PROG, Parser, UsageError, abort_job, world_rank
 
 __all__ = ["COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError"]
 
@@ -89,6 +90,8 @@ def main(argv=None) -> int:
         if world_rank() == 0:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, UsageError) else 1
+    except CollectiveTimeout as exc:   # peers may be stuck in MPI: no clean exit possible
+        abort_job(exc)
 
 
 def exit_cleanly(code: int) -> None:

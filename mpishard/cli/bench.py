@@ -72,7 +72,8 @@ def build_bench(args, comm):
     model = MLP(parse_dims(args.model), activation=args.activation)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
-                            device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware])
+                            device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
+                            timeout=args.timeout)
     engine.load_checkpoint(model.init(seed=args.seed))
     opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
            else SGD(engine, lr=args.lr))

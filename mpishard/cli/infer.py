@@ -183,7 +183,7 @@ def checkpoint_engine(ckpt, model, layout, args, comm):
     args.cuda_aware), loaded with this rank's shard of `ckpt` (local reads)."""
     dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)
     engine = make_engine(model, layout, dtype=dtype, comm=comm, device=args.device,
-                         cuda_aware=CUDA_AWARE[args.cuda_aware])
+                         cuda_aware=CUDA_AWARE[args.cuda_aware], timeout=args.timeout)
     engine.load_checkpoint(ckpt)         # local reads (a corrupt block raises here)
     return engine
 

@@ -19,6 +19,7 @@ import numpy as np
 from ..checkpoint import INDEX, Checkpointer, resume
 from ..nn.functional import ACTIVATIONS
 from ..nn.models import GPT, MLP
+from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..engine import make_engine
 from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
 from ..train.lr import make_lr_schedule
@@ -53,7 +54,7 @@ TRAIN_DEFAULTS = {
     "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
     "schedule": "constant", "warmup": 0, "min_lr": 0.0, "batch": 64, "epochs": None,
     "steps": None, "accumulate": 1, "clip": None, "seed": 0, "dtype": "float32",
-    "param_dtype": None, "comm_dtype": None,
+    "param_dtype": None, "comm_dtype": None, "timeout": DEFAULT_TIMEOUT,
     "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
@@ -314,7 +315,8 @@ def build_training(args, comm=None):
                          f"training rows of {args.dataset}")
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
-                         param_dtype=args.param_dtype, comm_dtype=args.comm_dtype)
+                         param_dtype=args.param_dtype, comm_dtype=args.comm_dtype,
+                         timeout=args.timeout)
     engine.load_checkpoint(model.init(seed=args.seed))
     if args.optimizer == "adamw":
         opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,

@@ -13,11 +13,13 @@ ranks only, and finishing those ranks would leave the others waiting, so it prop
 from __future__ import annotations
 
 import argparse
+import sys
 
 from mpi4py import MPI
 
 from ..comm.collectives import agree
 from ..comm.mesh import check_world_size, parse_layout
+from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..validate import check_number
 
 PROG = "mpishard"
@@ -117,6 +119,16 @@ def add_device_arguments(add, default="auto"):
     add("--cuda-aware", choices=tuple(CUDA_AWARE), default=default,
         help="device arrays straight to MPI (yes), staged through the host (no), or ask the "
         "MPI library (auto, default)")
+    add("--timeout", type=float, metavar="SECONDS", default=None if default is None else
+        DEFAULT_TIMEOUT, help="the longest any collective or receive may wait before every "
+        f"waiting rank stops the job naming the late ranks ({DEFAULT_TIMEOUT:g}; 0: off)")
+
+
+def abort_job(exc) -> None:
+    """After a CollectiveTimeout: one line from this rank, then MPI_Abort (exit code 1). Not a
+    clean exit: a stalled peer would keep MPI_Finalize (and collective frees) waiting."""
+    print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+    world_comm().Abort(1)
 
 
 def print_report(text) -> int:

@@ -1,10 +1,11 @@
 """Comm: the collectives (and, through PointToPoint, send/receive) of one device mesh.
 
 Every collective maps onto one mpi4py buffer (uppercase) call, so arrays never go through
-pickle. `group=` names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the
-Comm's own group (the whole world for the engine's Comm; `comm.group("tp")` is a Comm whose
-calls default to the tp group). Each call documents its adjoint, because the strategies use
-them in pairs:
+pickle, issued non-blocking and waited by the stall watchdog (watchdog.py: at most `timeout`
+seconds, then CollectiveTimeout naming the late ranks). `group=` names a mesh axis ("tp"), a
+tuple of axes (("dp", "fsdp")), or None for the Comm's own group (the whole world for the
+engine's Comm; `comm.group("tp")` is a Comm whose calls default to the tp group). Each call
+documents its adjoint, because the strategies use them in pairs:
 
     all_reduce(sum)        forward  <->  all_reduce(sum)        backward (of a sum over copies)
     all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
@@ -29,28 +30,13 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from .debug import OPS, CollectiveMismatchError, check_signature
+from .debug import OPS, CollectiveMismatchError, agree, check_signature
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .pool import ResultPool
 from .stats import CommStats
+from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, Watchdog
 
-__all__ = ["Comm", "CommStats", "CollectiveMismatchError", "Future", "agree"]
-
-
-def agree(comm, error, exc=ValueError) -> None:
-    """Collective over the mpi4py communicator `comm`: `error` is None on a rank that is fine,
-    else a message; if any rank has one, every rank raises `exc` with the first failing rank's
-    message, so no rank is left waiting alone in a later collective.
-
-    One Allreduce of a flag when every rank is fine; the messages travel (pickled, small
-    control data) only when one is not.
-    """
-    flag = np.array([0 if error is None else 1], dtype=np.int64)
-    total = np.empty(1, dtype=np.int64)
-    comm.Allreduce(flag, total, op=MPI.SUM)
-    if total[0]:
-        msgs = comm.allgather(None if error is None else str(error))
-        raise exc(next(m for m in msgs if m is not None))
+__all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "Future", "agree"]
 
 
 class Comm(PointToPoint):
@@ -60,12 +46,13 @@ class Comm(PointToPoint):
     pending receives with the Comm they came from.
     """
 
-    def __init__(self, mesh, backend, debug: bool = False):
+    def __init__(self, mesh, backend, debug: bool = False, timeout=DEFAULT_TIMEOUT):
         self.mesh = mesh
         self.backend = backend
         self.xp = backend.xp
         self.debug = bool(debug)
         self.stats = CommStats()
+        self.watchdog = Watchdog(mesh, timeout)   # bounded waits (watchdog.py)
         self.pool = ResultPool(backend.xp)
         self.default_group = None
         self._groups: dict = {}
@@ -99,7 +86,16 @@ class Comm(PointToPoint):
 
     def barrier(self, group=None) -> None:
         """Blocks until every device of the group reaches this line."""
-        self._mpi(group).Barrier()
+        comm = self._mpi(group)
+        self._wait(comm.Ibarrier(), "barrier", comm)
+
+    def _wait(self, req, what, comm):
+        """Wait for a collective's request, at most the timeout (CollectiveTimeout)."""
+        self.watchdog.collective([req], what, comm)
+
+    def context(self, **where) -> None:
+        """Where the job is (step=, microbatch=; None forgets one), for timeout messages."""
+        self.watchdog.where.update(where)
 
     # -- helpers -----------------------------------------------------------------------------
     def prepare(self, arr):
@@ -112,7 +108,8 @@ class Comm(PointToPoint):
 
     def _check(self, comm, kind, a, op="", axis=0, skip_axis=False):
         if self.debug:
-            check_signature(comm, kind, a, op, axis, skip_axis)
+            check_signature(comm, kind, a, op, axis, skip_axis,
+                            wait=lambda req: self._wait(req, f"{kind} (debug check)", comm))
 
     @staticmethod
     def _norm_axis(a, axis):
@@ -140,7 +137,7 @@ class Comm(PointToPoint):
         a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
         sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=out is a)
-        comm.Allreduce(sbuf, rbuf, op=OPS[op])
+        self._wait(comm.Iallreduce(sbuf, rbuf, op=OPS[op]), "all_reduce", comm)
         self.backend.mpi_finish(rbuf, out)
         if op == "avg" and n > 1:
             out /= n
@@ -179,7 +176,7 @@ class Comm(PointToPoint):
         # device staging without CUDA-aware MPI: host buffers of this request's own
         sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a, slot=None)
         rbuf = self.backend.mpi_buffer(out, slot=None, read=out is a)
-        req = comm.Iallreduce(sbuf, rbuf, op=OPS[op])
+        req, ticket = comm.Iallreduce(sbuf, rbuf, op=OPS[op]), self.watchdog.arrive(comm)
 
         def finish():
             self.backend.mpi_finish(rbuf, out)
@@ -187,8 +184,8 @@ class Comm(PointToPoint):
                 self.xp.divide(out, n, out=out)
             return out
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
-        return Future([req], finish, keep=(a, sbuf, rbuf),
-                      release=lambda: self.backend.release(sbuf, rbuf))
+        return Future([req], finish, keep=(a, sbuf, rbuf), wait=self.watchdog.waiter(
+            "all_reduce_async", comm, ticket), release=lambda: self.backend.release(sbuf, rbuf))
 
     # -- all_gather --------------------------------------------------------------------------
     def _gather_args(self, arr, axis, group, uneven=False):
@@ -214,17 +211,19 @@ class Comm(PointToPoint):
         rest = moved.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
         lens = np.empty(n, dtype=np.int64)
-        comm.Allgather(np.array([moved.shape[0]], dtype=np.int64), lens)
+        self._wait(comm.Iallgather(np.array([moved.shape[0]], np.int64), lens), "all_gather",
+                   comm)
         # not pooled: gathered weights (FSDP) must really be freed
         out = self.xp.empty((int(lens.sum()),) + rest, dtype=moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         if (lens == lens[0]).all():
-            comm.Allgather(sbuf, rbuf)
+            self._wait(comm.Iallgather(sbuf, rbuf), "all_gather", comm)
         else:
             counts = lens * row
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            comm.Allgatherv(sbuf, [rbuf, counts, displs, from_numpy_dtype(moved.dtype)])
+            self._wait(comm.Iallgatherv(sbuf, [rbuf, counts, displs, from_numpy_dtype(
+                moved.dtype)]), "all_gather", comm)
         self.backend.mpi_finish(rbuf, out)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
         return self._back(out, axis)
@@ -243,14 +242,14 @@ class Comm(PointToPoint):
         out = self.xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
         sbuf = self.backend.mpi_buffer(moved, slot=None)    # this request's own staging
         rbuf = self.backend.mpi_buffer(out, slot=None, read=False)
-        req = comm.Iallgather(sbuf, rbuf)
+        req, ticket = comm.Iallgather(sbuf, rbuf), self.watchdog.arrive(comm)
 
         def finish():
             self.backend.mpi_finish(rbuf, out)
             return self._back(out, axis)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
-        return Future([req], finish, keep=(moved, sbuf, out, rbuf),
-                      release=lambda: self.backend.release(sbuf, rbuf))
+        return Future([req], finish, keep=(moved, sbuf, out, rbuf), wait=self.watchdog.waiter(
+            "all_gather_async", comm, ticket), release=lambda: self.backend.release(sbuf, rbuf))
 
     # -- reduce_scatter, all_to_all ----------------------------------------------------------
     def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
@@ -277,9 +276,10 @@ class Comm(PointToPoint):
         sbuf = self.backend.mpi_buffer(moved)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         if length % n == 0:
-            comm.Reduce_scatter_block(sbuf, rbuf, op=MPI.SUM)
+            req = comm.Ireduce_scatter_block(sbuf, rbuf, op=MPI.SUM)
         else:
-            comm.Reduce_scatter(sbuf, rbuf, [c * row for c in lens], op=MPI.SUM)
+            req = comm.Ireduce_scatter(sbuf, rbuf, [c * row for c in lens], op=MPI.SUM)
+        self._wait(req, "reduce_scatter", comm)
         self.backend.mpi_finish(rbuf, out)
         if op == "avg" and n > 1:
             out /= n
@@ -304,7 +304,7 @@ class Comm(PointToPoint):
         out = self.pool.get(moved.shape, moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
-        comm.Alltoall(sbuf, rbuf)
+        self._wait(comm.Ialltoall(sbuf, rbuf), "all_to_all", comm)
         self.backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
         return self._back(out, axis)
@@ -330,12 +330,13 @@ class Comm(PointToPoint):
             bad = (f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
                    f"counts summing to the {a.shape[0]} rows given")
         if self.debug:          # counts are this rank's own: agree, so no rank waits alone
-            agree(comm, None if bad is None else f"group rank {comm.Get_rank()}: {bad}")
+            agree(comm, None if bad is None else f"group rank {comm.Get_rank()}: {bad}",
+                  wait=lambda req: self._wait(req, "all_to_all_v (debug check)", comm))
         elif bad is not None:
             raise ValueError(bad)
         if recv_counts is None:
             rc = np.empty(n, dtype=np.int64)
-            comm.Alltoall(sc, rc)
+            self._wait(comm.Ialltoall(sc, rc), "all_to_all_v", comm)
         else:
             rc = np.ascontiguousarray(np.asarray(recv_counts, dtype=np.int64))
         row = int(np.prod(a.shape[1:], dtype=np.int64))
@@ -345,7 +346,8 @@ class Comm(PointToPoint):
         mtype = from_numpy_dtype(a.dtype)
         sbuf = self.backend.mpi_buffer(a)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
-        comm.Alltoallv([sbuf, sc * row, sdis, mtype], [rbuf, rc * row, rdis, mtype])
+        self._wait(comm.Ialltoallv([sbuf, sc * row, sdis, mtype], [rbuf, rc * row, rdis, mtype]),
+                   "all_to_all_v", comm)
         self.backend.mpi_finish(rbuf, out)
         me = comm.Get_rank()
         self.stats.count("all_to_all", (sc.sum() - sc[me]) * row * a.itemsize, t0)
@@ -364,7 +366,7 @@ class Comm(PointToPoint):
             shape, dtype = header_shape(h)
             a = self.xp.empty(shape, dtype=dtype)
         buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
-        comm.Bcast(buf, root=root)
+        self._wait(comm.Ibcast(buf, root=root), "broadcast", comm)
         self.backend.mpi_finish(buf, a)
         n = comm.Get_size()
         self.stats.count("broadcast", (n - 1) / n * a.nbytes if comm.Get_rank() == root else 0,
@@ -384,7 +386,7 @@ class Comm(PointToPoint):
                             dtype=np.int64)
         else:
             h = np.empty(HEADER_WORDS, dtype=np.int64)
-        comm.Bcast(h, root=root)
+        self._wait(comm.Ibcast(h, root=root), "broadcast", comm)
         if h[0] < 0:
             msg = comm.bcast(str(error) if error is not None else None, root=root)
             raise (TypeError if h[0] == -1 else ValueError)(f"broadcast from group rank "
@@ -394,4 +396,5 @@ class Comm(PointToPoint):
     def agree(self, ok: bool, message: str = "", group=None) -> None:
         """Collective error check: if `ok` is False on any rank, every rank raises ValueError
         with the first failing rank's message (no rank is left waiting in a collective)."""
-        agree(self._mpi(group), None if ok else message)
+        comm = self._mpi(group)
+        agree(comm, None if ok else message, wait=lambda req: self._wait(req, "agree", comm))

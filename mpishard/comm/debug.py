@@ -1,4 +1,5 @@
-"""Debug mode's signature check: the group compares what each rank is about to call.
+"""Debug mode's signature check: the group compares what each rank is about to call; `agree`,
+the one "same error on every rank" helper.
 
 Called before any check that depends on this rank's array (dtype, axis range, divisibility),
 so such a mistake on one rank is reported on every rank, not raised on that rank alone while
@@ -49,12 +50,29 @@ def describe(sig) -> str:
             f"shape={tuple(dims)}, {'root' if kind == 'broadcast' else 'axis'}={sig[3]})")
 
 
-def check_signature(comm, kind, a, op="", axis=0, skip_axis=False) -> None:
+def check_signature(comm, kind, a, op="", axis=0, skip_axis=False, wait=None) -> None:
     """Collective over the mpi4py `comm`: every rank compares (kind, op, dtype, shape, axis)
-    and raises CollectiveMismatchError on every rank if they differ."""
+    and raises CollectiveMismatchError on every rank if they differ. `wait`: how to wait for
+    the Iallgather (the watchdog's bounded wait; default MPI Wait)."""
     sig = signature(kind, a, op, axis, skip_axis)
     allsig = np.empty((comm.Get_size(), sig.size), dtype=np.int64)
-    comm.Allgather(sig, allsig)
+    (wait or MPI.Request.Wait)(comm.Iallgather(sig, allsig))
     if (allsig != allsig[0]).any():
         ranks = "; ".join(f"group rank {r}: {describe(s)}" for r, s in enumerate(allsig))
         raise CollectiveMismatchError(f"collective mismatch in {kind}: {ranks}")
+
+
+def agree(comm, error, exc=ValueError, wait=None) -> None:
+    """Collective over the mpi4py communicator `comm`: `error` is None on a rank that is fine,
+    else a message; if any rank has one, every rank raises `exc` with the first failing rank's
+    message, so no rank is left waiting alone in a later collective.
+
+    One Allreduce of a flag when every rank is fine; the messages travel (pickled, small
+    control data) only when one is not. `wait`: how to wait for the Iallreduce (a watchdog).
+    """
+    flag = np.array([0 if error is None else 1], dtype=np.int64)
+    total = np.empty(1, dtype=np.int64)
+    (wait or MPI.Request.Wait)(comm.Iallreduce(flag, total, op=MPI.SUM))
+    if total[0]:
+        msgs = comm.allgather(None if error is None else str(error))
+        raise exc(next(m for m in msgs if m is not None))

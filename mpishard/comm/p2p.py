@@ -7,7 +7,8 @@ with mpi4py's buffer methods, so arrays never go through pickle. The three-argum
     send(dest)   forward  <->  receive(dest)   backward (the gradient travels the other way)
 
 `PointToPoint` is a mixin of `collectives.Comm`: it uses the host's `_mpi(group)`,
-`prepare(arr)`, `backend` (device staging), `xp` and `stats`.
+`prepare(arr)`, `backend` (device staging), `xp`, `stats` and `watchdog` (bounded waits:
+every wait, blocking send and receive included, gives up after the timeout).
 """
 from __future__ import annotations
 
@@ -60,11 +61,13 @@ class Future:
     """A pending non-blocking transfer (Isend/Irecv). `result()` waits, `done()` polls.
 
     finish: run once on completion, its value is the result. release: run after it, e.g. to
-    hand this request's host staging buffers back to the Backend's pool.
+    hand this request's host staging buffers back to the Backend's pool. wait: how `result()`
+    waits for the requests (the Comm's watchdog: bounded; default MPI Waitall).
     """
 
-    def __init__(self, requests, finish=None, keep=(), release=None):
+    def __init__(self, requests, finish=None, keep=(), release=None, wait=None):
         self._requests = list(requests)
+        self._wait = wait or MPI.Request.Waitall
         self._finish = finish
         self._release = release
         self._keep = keep  # buffers that must stay alive until completion
@@ -80,7 +83,7 @@ class Future:
 
     def result(self):
         if not self._done:
-            MPI.Request.Waitall(self._requests)
+            self._wait(self._requests)
             self._complete()
         return self._value
 
@@ -102,8 +105,10 @@ class PointToPoint:
         t0 = time.perf_counter()
         a = self.prepare(arr)
         comm = self._mpi(group)
-        comm.Send(header(a), dest=dest_id, tag=wire_tag(tag, _TAG_HEADER))
-        comm.Send(self.backend.mpi_buffer(a), dest=dest_id, tag=wire_tag(tag, _TAG_DATA))
+        h, buf = header(a), self.backend.mpi_buffer(a)
+        self.watchdog.peer([comm.Isend(h, dest=dest_id, tag=wire_tag(tag, _TAG_HEADER)),
+                            comm.Isend(buf, dest=dest_id, tag=wire_tag(tag, _TAG_DATA))],
+                           "send", comm, dest_id)
         self.stats.count("send", a.nbytes, t0)
 
     def receive(self, src_id: int, tag: int = 0, group=None):
@@ -128,7 +133,8 @@ class PointToPoint:
         if target_device_id is not None:                 # (src, dst_buffer, target) form
             req = comm.Isend(buf, dest=target_device_id, tag=wire_tag(tag, _TAG_RAW))
             self.stats.count("send", a.nbytes, t0)
-            return Future([req], keep=(a, buf), release=release)
+            return Future([req], keep=(a, buf), release=release,
+                          wait=self.watchdog.waiter("send", comm, rank=target_device_id))
         dest = dst if dest is None else dest
         if dest is None or not isinstance(dest, (int, np.integer)):
             raise TypeError("send_async(arr, dest) needs an integer destination rank")
@@ -136,7 +142,8 @@ class PointToPoint:
         reqs = [comm.Isend(h, dest=int(dest), tag=wire_tag(tag, _TAG_HEADER)),
                 comm.Isend(buf, dest=int(dest), tag=wire_tag(tag, _TAG_DATA))]
         self.stats.count("send", a.nbytes, t0)
-        return Future(reqs, keep=(a, buf, h), release=release)
+        return Future(reqs, keep=(a, buf, h), release=release,
+                      wait=self.watchdog.waiter("send", comm, rank=int(dest)))
 
     def receive_async(self, src_id: int, out=None, tag: int = 0, group=None) -> Future:
         """Non-blocking receive (Irecv); `result()` returns the array.
@@ -153,7 +160,7 @@ class PointToPoint:
         # earlier ones first, whatever order result()/done() are called in.
         key = (comm.py2f(), src_id, int(tag))
         queue = self.pending_receives.setdefault(key, [])
-        fut = Future([req], keep=(h,))
+        fut = Future([req], keep=(h,), wait=self.watchdog.waiter("receive", comm, rank=src_id))
         queue.append(fut)
 
         def finish_header():
@@ -165,7 +172,8 @@ class PointToPoint:
             shape, dtype = header_shape(h)
             out_arr = self.xp.empty(shape, dtype=dtype)
             buf = self.backend.mpi_buffer(out_arr, slot="recv", read=False)
-            comm.Recv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))
+            self.watchdog.peer([comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))],
+                               "receive", comm, src_id)
             self.backend.mpi_finish(buf, out_arr)
             return out_arr
         fut._finish = finish_header
@@ -182,5 +190,5 @@ class PointToPoint:
         def finish():
             self.backend.mpi_finish(buf, out)
             return out
-        return Future([req], finish, keep=(buf,),
-                      release=functools.partial(self.backend.release, buf))
+        return Future([req], finish, keep=(buf,), wait=self.watchdog.waiter(
+            "receive", comm, rank=src_id), release=functools.partial(self.backend.release, buf))

@@ -189,6 +189,7 @@ class PipelineRunner:
         dys, values, timeline = {}, [], []
         for a in self.schedule:
             mb, c, k = a.microbatch, a.chunk, self._k(a.chunk)
+            self.comm.context(microbatch=mb)                     # for a CollectiveTimeout
             if a.kind == "F":
                 h = xs[mb] if k == 0 else self._wait(pending.pop(a))
                 t0 = time.perf_counter()
@@ -209,6 +210,7 @@ class PipelineRunner:
             elif a.kind == "B" and k > 0:
                 self._send(g, k - 1, mb, GRAD)                    # adjoint: F receive
         assert not pending and not dys, "schedule left messages or gradients behind"
+        self.comm.context(microbatch=None)
         self._drain_sends()
         step = time.perf_counter() - t_start
         self.stats.update(

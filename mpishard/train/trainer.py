@@ -177,6 +177,7 @@ class Trainer:
     def train_step(self) -> float:
         """Run the k micro-steps, clip, update; returns the step's global mean loss."""
         e, k, st = self.engine, self.accumulate, self.state
+        e.comm.context(step=st.step + 1)       # named by a CollectiveTimeout (comm/watchdog.py)
         if self.schedule is not None:
             self.optimizer.lr = self.schedule(st.step)
         local_sum, value, grads = 0.0, 0.0, None

@@ -1,0 +1,204 @@
+"""The stall watchdog: every blocking collective and receive waits at most `timeout` seconds.
+
+A blocking call is issued in its non-blocking form (Iallreduce, Ibarrier, Irecv, ...) and
+`Watchdog.collective` / `peer` poll it with `Testall`: 1 ms of busy polling (the common case:
+the peers are there), then polls that yield the core (`sched_yield`) up to 0.1 s, then sleeps
+that grow with the time already waited (5% of it, at most 10 ms), so a rank that waits long on
+a stalled peer uses ~1-5% of a core instead of spinning in MPI (measured:
+benchmarks/watchdog_overhead.py). When the timeout passes, it raises `CollectiveTimeout`
+naming the operation, the group (its axes and the ranks in it), the step and microbatch the
+trainer and the pipeline set with `Comm.context`, and the late ranks. Every rank that waits
+raises on its own clock; under `python -m mpi4py` the first uncaught one aborts the job (the
+CLI prints it as one line and calls MPI_Abort: cli/usage.py abort_job).
+
+How late ranks are found without the stalled rank's help: arrival counters in an MPI-3 RMA
+window (`Arrivals`, one per communicator engines are built on, cached on it as an MPI attribute). Entering a
+collective, a rank bumps its own counter for the group's set of active mesh axes: a plain store
+into its own window memory, no MPI call. On a timeout it reads its peers' counters with
+passive-target `Rget` under a `Lock_all` epoch held for the window's life; a peer whose count is
+below the waiting rank's has not entered this collective. With MPICH (ch4, ucx or ofi) on one
+node the window is shared memory, so the read needs no progress on the stalled rank; a read
+that does not complete within a second reports that rank as not answering. Point-to-point
+waits name the peer directly. `timeout=0` turns all of this off (plain `Waitall`).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..validate import check_number
+from .mesh import AXES, coordinates
+
+DEFAULT_TIMEOUT = 600.0
+SPIN = 1e-3           # seconds of busy polling, then polling that yields the core between polls
+YIELD = 0.1           # seconds waited before the polls sleep
+MAX_SLEEP = 1e-2      # the longest sleep between two polls
+SLOTS = 1 << len(AXES)     # one counter per set of mesh axes (bit i: AXES[i])
+BLOCKS = 256               # engines sharing one window (a block of SLOTS counters each)
+READ_TIMEOUT = 1.0
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective or a receive waited longer than the engine's timeout."""
+
+
+class Arrivals:
+    """Arrival counters of the ranks of one communicator in an RMA window (module docstring).
+
+    Created collectively by the first Comm with a timeout on that communicator; each later
+    Comm takes the next block of SLOTS counters (engines are built collectively, in the same
+    order on every rank). Freed collectively at exit, before MPI_Finalize, unless the process
+    ends on an uncaught exception or after a timeout (a peer may never come to free it; the
+    job is being aborted anyway).
+    """
+
+    KEYVAL = MPI.Comm.Create_keyval()
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.win = MPI.Win.Allocate(BLOCKS * SLOTS * 8, 8, comm=comm)
+        self.counts = np.frombuffer(self.win.tomemory(), dtype=np.int64)
+        self.counts[:] = 0
+        self.win.Lock_all()
+        self.blocks = 0
+        self.broken = False                   # a timeout happened: never free collectively
+        atexit.register(self.free)
+
+    @classmethod
+    def of(cls, comm) -> "Arrivals":
+        arrivals = comm.Get_attr(cls.KEYVAL)
+        if arrivals is None:
+            arrivals = cls(comm)
+            comm.Set_attr(cls.KEYVAL, arrivals)
+        return arrivals
+
+    def take_block(self) -> int:
+        """The offset of a fresh block of SLOTS counters, zeroed."""
+        base = (self.blocks % BLOCKS) * SLOTS
+        self.blocks += 1
+        self.counts[base:base + SLOTS] = 0
+        return base
+
+    def read(self, rank: int, index: int):
+        """Counter `index` of `rank`, or None if the read does not complete in time."""
+        out = np.zeros(1, dtype=np.int64)
+        req = self.win.Rget(out, rank, target=(index, 1, MPI.INT64_T))
+        t0 = time.monotonic()
+        while not req.Test():
+            if time.monotonic() - t0 > READ_TIMEOUT:
+                return None
+            time.sleep(1e-3)
+        return int(out[0])
+
+    def free(self) -> None:
+        failed = self.broken or getattr(sys, "last_value", None) is not None
+        if self.win is not None and not failed and not MPI.Is_finalized():
+            self.win.Unlock_all()
+            self.win.Free()
+        self.win = None
+
+
+class Watchdog:
+    """Bounded waits for one engine's Comm (shared by its group views)."""
+
+    def __init__(self, mesh, timeout=DEFAULT_TIMEOUT):
+        self.timeout = check_number("timeout", timeout, low=0)
+        self.mesh = mesh
+        self.where: dict = {}                 # step, microbatch: set by Comm.context
+        self.groups: dict = {}                # communicator handle -> Watchdog.group
+        self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
+        self.base = self.arrivals.take_block() if self.timeout else 0
+
+    def group(self, comm) -> tuple:
+        """(counter index, world ranks, name) of the group of `comm`, a communicator of the
+        mesh: one counter per set of axes the members differ on, the same on every member."""
+        key = comm.py2f()
+        if key not in self.groups:
+            mine, world = comm.Get_group(), self.mesh.world.Get_group()
+            ranks = MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world)
+            mine.Free()
+            world.Free()
+            coords = [coordinates(self.mesh.layout, r) for r in ranks]
+            axes = [a for a in AXES if len({c[a] for c in coords}) > 1]
+            name = "world" if len(ranks) == self.mesh.world.Get_size() else "+".join(axes)
+            index = self.base + sum(1 << AXES.index(a) for a in axes)
+            self.groups[key] = (index, list(ranks), name or "self")
+        return self.groups[key]
+
+    def arrive(self, comm):
+        """Count this rank into its next collective on `comm`: (counter, count) or None."""
+        if not self.timeout:
+            return None
+        index = self.group(comm)[0]
+        self.arrivals.counts[index] += 1
+        return index, int(self.arrivals.counts[index])
+
+    def collective(self, requests, what: str, comm, ticket=None) -> None:
+        """Wait for a collective's requests; `ticket` from `arrive` when it was counted at
+        issue (the non-blocking calls), else it is counted now."""
+        if not self.timeout:
+            MPI.Request.Waitall(requests)
+            return
+        ticket = ticket or self.arrive(comm)
+        if not self.poll(requests):
+            self.expired(what, comm, self.late(comm, ticket))
+
+    def peer(self, requests, what: str, comm, rank: int) -> None:
+        """Wait for a send or receive with rank `rank` of `comm`."""
+        if not self.timeout:
+            MPI.Request.Waitall(requests)
+        elif not self.poll(requests):
+            ranks = self.group(comm)[1]
+            self.expired(what, comm, f"[{ranks[rank] if 0 <= rank < len(ranks) else rank}] "
+                         "(the peer)")
+
+    def waiter(self, what: str, comm, ticket=None, rank=None):
+        """A Future's wait: the collective (counted at issue) or the peer's."""
+        if rank is not None:
+            return lambda requests: self.peer(requests, what, comm, rank)
+        return lambda requests: self.collective(requests, what, comm, ticket)
+
+    def poll(self, requests) -> bool:
+        """Test until done (True) or the timeout passes (False); spin, then growing sleeps."""
+        if MPI.Request.Testall(requests):
+            return True
+        t0 = time.monotonic()
+        while True:
+            waited = time.monotonic() - t0
+            if waited > self.timeout:
+                return False
+            if waited > YIELD:
+                time.sleep(min(MAX_SLEEP, 0.05 * waited))
+            elif waited > SPIN:
+                os.sched_yield()
+            if MPI.Request.Testall(requests):
+                return True
+
+    def late(self, comm, ticket) -> str:
+        """The members whose counter is below this rank's `ticket`, as text."""
+        index, mine = ticket
+        late, silent = [], []
+        self.arrivals.win.Sync()
+        for rank in self.group(comm)[1]:
+            if rank != self.mesh.rank:
+                count = self.arrivals.read(rank, index)
+                if count is None:
+                    silent.append(rank)
+                elif count < mine:
+                    late.append(rank)
+        text = f"{late} (not yet in this collective)"
+        return text + (f"; ranks {silent} did not answer" if silent else "")
+
+    def expired(self, what, comm, late) -> None:
+        self.arrivals.broken = True
+        _, ranks, name = self.group(comm)
+        where = "".join(f", {k} {v}" for k, v in self.where.items() if v is not None)
+        raise CollectiveTimeout(
+            f"{what} on group {name} (ranks {ranks}) timed out after "
+            f"{self.timeout:g} s on rank {self.mesh.rank}{where}: late ranks: {late}; "
+            f"set make_engine(timeout=) or --timeout (0: off)")
