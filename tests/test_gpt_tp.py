@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from conftest import assert_close, assert_dicts_close, group_comm, single_reference
+from conftest import RTOL32, assert_close, assert_dicts_close, group_comm, single_reference
 from mpishard.comm.mesh import parse_layout
 from mpishard.nn.transformer import LayerNorm
 from mpishard.parallel import placement as pl
@@ -225,16 +225,21 @@ def test_checkpoint_saved_under_tp_loads_under_single(tmp_path_factory):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_adamw_training_under_dp_tp_follows_single():
-    """50 AdamW steps: dp=2,tp=2's losses and final parameters equal single's."""
+@pytest.mark.parametrize("layout,dtype", [("dp=2,tp=2", np.float64), ("dp=2,tp=2", np.float32),
+                                          ("tp=2,cp=2", np.float64), ("tp=2,cp=2", np.float32)])
+def test_adamw_training_follows_single(layout, dtype):
+    """50 AdamW steps (clipped at norm 1): the losses under dp=2,tp=2 and tp=2,cp=2 (ring
+    attention, vocab-parallel loss) equal single's at rtol 1e-9 in float64 and 1e-4 in
+    float32; the final parameters too in float64."""
     comm = group_comm(4)
     model = make_gpt()
     params = model.init(seed=5)
-    rng = np.random.default_rng(5)
-    data = rng.integers(0, 16, (50, 4, 9))
+    rng = np.random.default_rng(5)           # rows (a + k s) mod 16: something to learn
+    data = (rng.integers(0, 16, (50, 4, 1)) + rng.integers(1, 4, (50, 4, 1)) * np.arange(9)) % 16
     curves, finals = [], []
-    for layout, c in (("single", None), ("dp=2,tp=2", comm)):
-        engine = ms.SingleDevice(model) if c is None else ms.make_engine(model, layout, comm=c)
+    for c in (None, comm):
+        engine = ms.SingleDevice(model, dtype=dtype) if c is None else \
+            ms.make_engine(model, layout, dtype=dtype, comm=c)
         engine.load_checkpoint(params)
         opt = ms.optim.AdamW(engine, lr=3e-3, weight_decay=0.01)
         losses = []
@@ -247,6 +252,10 @@ def test_adamw_training_under_dp_tp_follows_single():
         curves.append(np.array(losses))
         finals.append(engine.gather_params())
     print("single losses", curves[0][::10])
-    assert curves[0][-1] < curves[0][0], "the loss goes down"
-    assert_close(curves[1], curves[0], what="dp=2,tp=2 AdamW losses")
-    assert_dicts_close(finals[1], finals[0], what="dp=2,tp=2 AdamW params")
+    assert curves[0][-1] < curves[0][0] - 0.5, "the loss goes down"
+    what = f"{layout} {np.dtype(dtype).name} AdamW"
+    if dtype == np.float32:
+        assert_close(curves[1], curves[0], rtol=RTOL32, what=f"{what} losses")
+    else:
+        assert_close(curves[1], curves[0], rtol=1e-9, what=f"{what} losses")
+        assert_dicts_close(finals[1], finals[0], rtol=1e-9, what=f"{what} params")

@@ -122,12 +122,54 @@ def test_gpt_comm_bytes_match_the_plan(n, layout, tied):
     check_step_bytes(group_comm(n), model, layout, model.init(seed=1), x, t, "cross_entropy")
 
 
+def both_heads(cases):
+    """Each (ranks, layout) untied and tied (a tied GPT refuses pp)."""
+    return [(n, lay, tied) for n, lay in cases for tied in (False, True)
+            if not (tied and "pp=" in lay)]
+
+
+GPT_TP_CP_CASES = both_heads([  # (ranks, layout): vocab 12, 4 heads, so tp and Ulysses divide
+    (2, "tp=2"), (2, "tp=2,sequence_parallel=1"), (2, "cp=2"), (2, "cp=2,cp_kind=ulysses"),
+    (2, "cp=2,recompute=1"), (2, "tp=2,sequence_parallel=1,recompute=1"),
+    (4, "dp=2,tp=2"), (4, "tp=2,pp=2"), (4, "tp=2,cp=2"),
+    (4, "tp=2,pp=2,sequence_parallel=1,schedule=gpipe,microbatches=4"),
+    (4, "tp=2,cp=2,cp_kind=ulysses,sequence_parallel=1"), (4, "fsdp=2,tp=2,zero=3"),
+    (4, "fsdp=2,tp=2,zero=1,sequence_parallel=1"), (4, "cp=2,pp=2,recompute=1"),
+    (8, "dp=2,tp=2,cp=2"), (8, "dp=2,tp=2,cp=2,cp_kind=ulysses,sequence_parallel=1"),
+    (8, "fsdp=2,cp=2,tp=2,zero=3"), (8, "tp=2,cp=2,pp=2,sequence_parallel=1")])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n,layout,tied", GPT_TP_CP_CASES,
+                         ids=[f"{c[1]}-tied" if c[2] else c[1] for c in GPT_TP_CP_CASES])
+def test_gpt_tp_sp_cp_comm_bytes_match_the_plan(n, layout, tied):
+    """GPT under tp (Megatron f/g, vocab-parallel embedding and loss), sequence_parallel
+    (gathers, scatters, split gradients), cp (ring sends, Ulysses all_to_alls) and their
+    compositions: the engine's bytes equal the plan's, and the step equals single's."""
+    model = ms.GPT(vocab_size=12, seq_len=8, d_model=8, n_heads=4, n_layers=2, tied=tied)
+    rng = np.random.default_rng(7)
+    x, t = (rng.integers(0, 12, (BATCH, 8)) for _ in range(2))
+    params = model.init(seed=2)
+    loss = check_step_bytes(group_comm(n), model, layout, params, x, t, "cross_entropy")
+    ref = ms.SingleDevice(model)
+    ref.load_checkpoint(params)
+    assert_close(loss, ref.train_step(x, t, "cross_entropy")[0], rtol=1e-9,
+                 what=f"{layout} loss")
+
+
 def test_plan_and_inspect_know_gpt(capsys):
     spec = "gpt:d_model=16,n_heads=2,n_layers=2,seq_len=8,vocab=13"
     assert cli.main(["plan", "--model", spec, "--world-size", "4", "--batch", "8"]) == 0
     out = capsys.readouterr().out
     print(out)
     assert "GPT(vocab_size=13, seq_len=8, d_model=16" in out and "fsdp=4,zero=3" in out
+    assert "dp=2,tp=2: layout 'dp=2,tp=2': tp=2 does not divide the GPT's vocab_size=13" in out
+    assert cli.main(["plan", "--model", "gpt:d_model=16,n_heads=4,n_layers=2,seq_len=8,vocab=16",
+                     "--world-size", "4", "--batch", "8", "--sort", "layout", "--top", "99"]) == 0
+    out = capsys.readouterr().out
+    for layout in ("cp=2,tp=2 ", "cp=4,cp_kind=ulysses ", "tp=4,sequence_parallel=1 "):
+        assert any(ln.startswith(layout) for ln in out.splitlines()), layout
+    assert "all_to_all" in out
     assert cli.main(["inspect", "--layout", "fsdp=2,pp=2,recompute=1", "--model", spec]) == 0
     out = capsys.readouterr().out
     assert "embed/tokens" in out and "head/weights" in out
@@ -188,6 +230,39 @@ def test_every_strategy_owns_its_cost_model():
         assert not any(v for kinds in strategy.step_comm(view).values()
                        for v in kinds.values()), strategy.__name__
     assert costs.step_comm(model, "single", 0, 16) == {"train_step": {}, "optimizer": {}}
+
+
+def test_gpt_tp_sp_cp_terms():
+    """The GPT cost models' closed forms (3 blocks; t = 2, so an all_reduce costs one
+    activation and an all-gather or reduce-scatter half of one)."""
+    model = ms.GPT(vocab_size=16, seq_len=16, d_model=8, n_heads=4, n_layers=3)
+    rows, s, t_len, d = 4, 8, 16, 8
+    act, loss = rows * t_len * d * s, 3 * rows * t_len * s     # (B, T, D); 3 x (B, T)
+
+    def train(layout):
+        return costs.step_comm(model, layout, 0, rows, s)["train_step"]
+    # per block f, g before/after qkv | proj and fc | proj, the head's f, the embedding
+    assert train("tp=2") == {"all_reduce": (3 * 4 + 1 + 1) * act + loss}
+    # the same activations as half an all_reduce each way, plus the split gradients
+    split = (3 * 4 + 2) * d * s + t_len * d * s                 # LayerNorms, positions
+    assert train("tp=2,sequence_parallel=1") == {"all_gather": 7 * act, "reduce_scatter":
+                                                 7 * act, "all_reduce": split + loss}
+    assert train("tp=2,recompute=1") == {"all_reduce": (3 * 6 + 1 + 1) * act + loss}
+    p, kv = model.num_params() * s, 2 * rows * (t_len // 2) * d * s    # a (k, v) block
+    grads = {"all_reduce": p + 8}                                # avg over cp, and the loss
+    assert train("cp=2") == {"send": 3 * (1 + 3) * kv, **grads}  # forward c-1, backward 2c-1
+    assert train("cp=2,cp_kind=ulysses") == {"all_to_all": 3 * 8 * act / 2 / 2, **grads}
+    with pytest.raises(ValueError, match="do not divide"):
+        train("cp=8,tp=4,sequence_parallel=1")       # 2 tokens per cp rank, tp=4
+
+
+def test_gpt_candidates_add_cp_and_sequence_parallel():
+    got = plan.candidate_layouts(8, seq_len=16)
+    assert {"cp=8", "cp=8,cp_kind=ulysses", "dp=2,cp=2,tp=2,sequence_parallel=1",
+            "cp=4,tp=2,cp_kind=ulysses,sequence_parallel=1"} <= set(got)
+    assert set(plan.candidate_layouts(8)) < set(got)
+    cps = {ms.parse_layout(x).size("cp") for x in plan.candidate_layouts(8, seq_len=4)}
+    assert cps == {1, 2}                            # 2 cp divides seq_len / 2 = 2
 
 
 def test_model_flops_counts_each_gemm():

@@ -2,11 +2,14 @@
 
     python -m mpishard plan --model 784,512,256,10 --world-size 8 --batch 64
 
-Each candidate layout (every factorisation over dp, fsdp with zero=1, 2, 3, pp and tp) is
-checked as the engine would check it, then costed with parallel/costs.py: the busiest rank's
-memory (parameters + gradients + optimizer state) and bytes sent per training step, which the
-strategy files compute for their own part (tests/test_plan_bench.py holds them to the
-engine's counters). Layouts that do not fit are listed with the engine's reason.
+Each candidate layout (every factorisation over dp, fsdp with zero=1, 2, 3, pp and tp; for a
+GPT also cp, ring and Ulysses, and tp with sequence_parallel=1) is checked as the engine would
+check it, then costed with parallel/costs.py: the busiest rank's memory (parameters +
+gradients + optimizer state) and bytes sent per training step, which the strategy files
+compute for their own part (tests/test_plan_bench.py holds them to the engine's counters).
+Layouts that do not fit are listed with the engine's reason. Activations are not in the
+memory column: what sequence_parallel, cp and recompute save shows in the running engine's
+memory_report().
 """
 from __future__ import annotations
 
@@ -26,22 +29,33 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(world_size: int, microbatches=None) -> list:
+def candidate_layouts(world_size: int, microbatches=None, seq_len=None) -> list:
     """Every layout over dp, fsdp (zero=1, 2, 3), pp and tp whose sizes multiply to
-    `world_size` (ep is for MoE models and left out)."""
+    `world_size` (ep is for MoE models and left out). With a GPT's `seq_len`, also cp where
+    it divides seq_len / 2 (ring and Ulysses) and tp with sequence_parallel=1."""
     check_number("world size", world_size, low=1, integer=True)
     out = []
     for dp in _divisors(world_size):
         for nf in _divisors(world_size // dp):
             for pp in _divisors(world_size // (dp * nf)):
-                tp = world_size // (dp * nf * pp)
-                axes = [f"{a}={n}" for a, n in (("dp", dp), ("fsdp", nf), ("pp", pp),
-                                                 ("tp", tp)) if n > 1]
-                pipe = [f"microbatches={microbatches}"] if pp > 1 and microbatches else []
-                for zero in ((1, 2, 3) if nf > 1 else (None,)):
-                    opts = ([f"zero={zero}"] if zero else []) + pipe
-                    out.append(",".join(axes + opts) or "single")
+                rest = world_size // (dp * nf * pp)
+                cps = [c for c in _divisors(rest) if seq_len and seq_len % (2 * c) == 0] or [1]
+                for cp in cps:
+                    tp = rest // cp
+                    axes = [f"{a}={n}" for a, n in (("dp", dp), ("fsdp", nf), ("pp", pp),
+                                                     ("cp", cp), ("tp", tp)) if n > 1]
+                    out += [",".join(axes + opts) or "single" for opts in
+                            _option_sets(nf, pp, cp, tp, microbatches, seq_len is not None)]
     return out
+
+
+def _option_sets(nf, pp, cp, tp, microbatches, gpt: bool) -> list:
+    """The option lists of one axis combination: zero stages, cp kinds, sequence_parallel."""
+    pipe = [f"microbatches={microbatches}"] if pp > 1 and microbatches else []
+    kinds = [[], ["cp_kind=ulysses"]] if cp > 1 else [[]]
+    sp = [[], ["sequence_parallel=1"]] if gpt and tp > 1 else [[]]
+    return [([f"zero={zero}"] if zero else []) + kind + seq + pipe
+            for zero in ((1, 2, 3) if nf > 1 else (None,)) for kind in kinds for seq in sp]
 
 
 def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
@@ -51,7 +65,7 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
     kinds (per kind, of that busiest rank)}; rejected = [(layout, reason)]."""
     itemsize = np.dtype(dtype).itemsize
     rows, rejected = [], []
-    for text in candidate_layouts(world_size, microbatches):
+    for text in candidate_layouts(world_size, microbatches, getattr(model, "seq_len", None)):
         try:                            # (or one a strategy has no cost model for yet)
             layout = parse_layout(text)
             check_fit(model, layout, batch)

@@ -37,6 +37,7 @@ import numpy as np
 from ..nn import attention as att
 from ..nn.functional import array_module
 from ..nn.layers import Layer
+from .model_costs import gpt_stage
 
 FUTURE = "future"
 """pair_offset's answer for a key chunk wholly after the query chunk (skipped)."""
@@ -338,3 +339,30 @@ def ring_bytes(rows: int, t: int, d_local: int, c: int, itemsize: int) -> dict:
     backward c-1 (k, v) sends and c (dk, dv) sends."""
     block = 2 * rows * (t // c) * d_local * itemsize
     return {"forward": (c - 1) * block, "backward": (2 * c - 1) * block}
+
+
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base: parameters are replicated on cp, whole on every rank."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """Per block of this rank's stage, per train_step (all microbatches; T = seq_len, the plan
+    assumes full-length sequences; d_local = D / tp): the ring's sends (`ring_bytes`), or
+    Ulysses' all_to_alls, (c-1)/c of the moved array each: forward q|k|v (3 x tokens x d_local)
+    to heads and the output (1 x) back, backward the output's gradient (1 x) to heads and
+    dq|dk|dv (3 x) back. recompute=1 runs the forward ones again in the backward. The gradient
+    average over cp is data_parallel's (cp is an averaging axis)."""
+    c = view.size("cp")
+    if c == 1:
+        return {}
+    check_cp_length(view.model.seq_len, c)
+    stage = gpt_stage(view)
+    d_local = view.model.d_model // view.size("tp")
+    if view.layout.option("cp_kind", "ring") == "ring":
+        ring = ring_bytes(view.rows, view.model.seq_len, d_local, c, view.itemsize)
+        per_block = stage.forwards * ring["forward"] + ring["backward"]
+        return {"train_step": {"send": stage.blocks * per_block}}
+    moved = (c - 1) / c * stage.tokens * d_local * view.itemsize
+    per_block = 4 * stage.forwards * moved + 4 * moved
+    return {"train_step": {"all_to_all": stage.blocks * per_block}}

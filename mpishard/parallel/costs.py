@@ -19,12 +19,12 @@ owned 1/N slice (fsdp.gradient_layout). Transient buffers (all-gathered weights,
 activations) are not included: the running engine's `memory_report()` measures them.
 
 Communication is counted as `engine.comm_bytes` counts it (ring formulas: all_reduce
-2(n-1)/n x array, all_gather (n-1)/n x the gathered array, reduce_scatter (n-1)/n x the input,
-broadcast (n-1)/n x array on the root only, send the message). The counters, and so these
-numbers, leave out the 96-byte header of every point-to-point message and of a broadcast, the
-8-byte length exchange before each all_gather, and an optional gradient clipping (one world
-all_reduce of 8 bytes). Group sizes that are powers of two give integers; otherwise the engine
-truncates each call's count, up to one byte per call below this.
+2(n-1)/n x array, all_gather (n-1)/n x the gathered array, reduce_scatter and all_to_all
+(n-1)/n x the input, broadcast (n-1)/n x array on the root only, send the message). The
+counters, and so these numbers, leave out the 96-byte header of every point-to-point message
+and of a broadcast, the 8-byte length exchange before each all_gather, and an optional
+gradient clipping (one world all_reduce of 8 bytes). Group sizes that are powers of two give
+integers; otherwise the engine truncates each call's count, up to one byte per call below this.
 """
 from __future__ import annotations
 
@@ -35,14 +35,17 @@ from typing import ClassVar
 
 from ..comm.mesh import Layout, coordinates, parse_layout
 from ..validate import check_number
-from . import data_parallel, expert_parallel, fsdp, pipeline, tensor_parallel
+from . import (context_parallel, data_parallel, expert_parallel, fsdp, gpt_tensor_parallel,
+               pipeline, tensor_parallel)
 from .compose import plan_params
 from .placement import local_shape
 
-# Each exposes memory(view, n_state) and step_comm(view); the order is compose's: tp, then
-# the pp stages, then fsdp and dp (and ep for MoE models).
-STRATEGY_COSTS = (tensor_parallel, pipeline, fsdp, data_parallel, expert_parallel)
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+# Each exposes memory(view, n_state) and step_comm(view); the order is compose's: tp (an
+# MLP's, a GPT's with sequence_parallel and the vocab-parallel ends), cp, then the pp stages,
+# then fsdp and dp (and ep for MoE models).
+STRATEGY_COSTS = (tensor_parallel, gpt_tensor_parallel, context_parallel, pipeline, fsdp,
+                  data_parallel, expert_parallel)
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 PHASES = ("train_step", "optimizer")
 
 

@@ -21,12 +21,17 @@ loss becomes VocabParallelCrossEntropy through VocabParallelOutput.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from ..nn.transformer import (Block, CausalSelfAttention, FinalNormHead, TiedHead, gpt_units,
                               leading_positions)
+from .model_costs import gpt_stage, is_gpt, local_tokens
 from .placement import Shard
-from .sequence_parallel import GatherFromSP, SequenceParallelGrads, SequenceParallelRowLinear
+from .sequence_parallel import (GatherFromSP, SequenceParallelGrads, SequenceParallelRowLinear,
+                                operator_comm, split_grads_comm)
 from .tensor_parallel import ColumnParallelLinear, CopyToTP, RowParallelLinear
-from .vocab_parallel import ReplicatedOutput, VocabParallelEmbedding, VocabParallelOutput
+from .vocab_parallel import (ReplicatedOutput, VocabParallelEmbedding, VocabParallelOutput,
+                             embedding_comm, loss_comm)
 
 # parameter name suffix -> its split on the tp axis (anything else is replicated on tp)
 TP_SHARDS = {
@@ -113,3 +118,54 @@ def gpt_units_and_output(model, layout, comm):
         return gpt_units, ReplicatedOutput()
     tp, sp = comm.group("tp"), bool(layout.option("sequence_parallel", 0))
     return GPTTensorParallel(tp, sp), VocabParallelOutput(tp, model.vocab_size, sp)
+
+
+# -- cost model (no MPI): bytes this rank sends per train_step, and memory ---------------------
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base: the placements already split the Megatron and vocab blocks."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """A GPT rank's tp traffic per train_step, over its stage's units, with act = its tokens
+    (all microbatches, T = seq_len / cp each) x D x itemsize, one (B, T, D) activation:
+
+    - f before each column layer (qkv, fc; and the head): CopyToTP's backward all_reduce of
+      dL/dx; g after each row layer (attn proj, mlp proj): ReduceFromTP's forward all_reduce,
+      once more per block under recompute=1 (the forward runs again in the backward);
+    - sequence_parallel: f = GatherFromSP, g = ScatterToSP, an all-gather and a
+      reduce-scatter each (both forward ones again under recompute=1), plus the all_reduce of
+      the LayerNorm and position gradients (sequence_parallel.split_grads_comm);
+    - the vocab-parallel embedding (first stage) and loss (last stage): vocab_parallel.py.
+
+    (The MLP's tp is tensor_parallel.step_comm.)"""
+    t = view.size("tp")
+    if t == 1 or not is_gpt(view.model):
+        return {}
+    stage = gpt_stage(view)
+    act = stage.tokens * view.model.d_model * view.itemsize
+    sent = Counter()
+    if view.layout.option("sequence_parallel", 0):
+        check_sequence_split(view.model, view.layout)
+        # per block 2 f + 2 g, each an all-gather and a reduce-scatter (f's forward and g's
+        # forward again under recompute=1); the head's f once
+        calls = 2 * stage.blocks * (stage.forwards + 1) + stage.last
+        sent.update(operator_comm(view, act, gathers=calls, scatters=calls))
+        sent.update(split_grads_comm(view, sequence_split_params(view.model)))
+    else:
+        calls = 2 * stage.blocks + stage.last + 2 * stage.blocks * stage.forwards
+        sent.update(all_reduce=calls * view.all_reduce_bytes("tp", act))
+    if stage.first:
+        sent.update(embedding_comm(view, stage.tokens))
+    if stage.last:
+        sent.update(loss_comm(view, stage.tokens))
+    return {"train_step": dict(sent)}
+
+
+def check_sequence_split(model, layout) -> None:
+    """ValueError unless sequence_parallel can split a rank's seq_len / cp tokens over tp."""
+    t, tokens = layout.size("tp"), local_tokens(model, layout)
+    if tokens % t:
+        raise ValueError(f"layout {layout.text!r}: sequence_parallel splits the {tokens} tokens "
+                         f"of a rank (seq_len {model.seq_len} / cp) over tp={t}; they do not "
+                         f"divide")

@@ -19,11 +19,15 @@ so a weight is fetched twice and a bias once, and a tied GPT's embed/tokens thre
 two gradients. `recompute=1` runs every block's forward a second time in its backward: one
 more fetch of each block parameter (`recompute=attn` recomputes only parameter-free units).
 
-A GPT's pipeline boundary is the residual stream (B, T, D) with T = seq_len: the plan assumes
-full-length sequences. Not yet: GPT under tp, sequence_parallel or cp (their boundary is
-split along D-parallel heads or T, and their own traffic needs their cost models).
+A GPT's pipeline boundary is the residual stream of this rank's tokens: (B, T_l, D) with
+T_l = seq_len / cp (the plan assumes full-length sequences), and T_l / tp of them under
+sequence_parallel. The GPT strategies' own traffic (tp, sequence_parallel, the vocab-parallel
+embedding and loss, cp) is priced per activation of that stream: `gpt_stage` says which
+blocks, embedding and head a rank's stage holds and how many tokens it runs per step.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .tensor_parallel import output_width
 
@@ -45,8 +49,34 @@ def param_uses(model, layout, name: str) -> tuple:
     return gets, grads
 
 
+def local_tokens(model, layout) -> int:
+    """Tokens per batch row a rank's attention and projections run on: seq_len / cp."""
+    return model.seq_len // layout.size("cp")
+
+
 def boundary_width(model, layout, spec) -> int:
     """Elements per batch row sent on by a pipeline stage whose last layer is `spec`."""
-    if is_gpt(model):
-        return model.seq_len * model.d_model           # the residual stream (T, D)
+    if is_gpt(model):                                  # the residual stream (T_l, D)
+        sp = layout.size("tp") if layout.option("sequence_parallel", 0) else 1
+        return local_tokens(model, layout) // sp * model.d_model
     return output_width(spec, model.n_layers, layout.size("tp"))
+
+
+@dataclass(frozen=True)
+class GPTStage:
+    """What a GPT rank's pp stage runs per train_step, for the cost models."""
+
+    blocks: int          # transformer blocks held
+    first: bool          # the embedding lives here
+    last: bool           # ln_f, the head and the loss live here
+    tokens: int          # rows x seq_len / cp: tokens per step, all microbatches together
+    forwards: int        # forward passes of each block per microbatch (2 with recompute=1)
+
+
+def gpt_stage(view) -> GPTStage:
+    """The GPTStage of a RankView's rank."""
+    held = {name.split("/", 1)[0] for name in view.params if name.startswith("block_")}
+    return GPTStage(blocks=len(held), first="embed/positions" in view.params,
+                    last="ln_f/scale" in view.params,
+                    tokens=view.rows * local_tokens(view.model, view.layout),
+                    forwards=2 if view.layout.option("recompute") == "1" else 1)

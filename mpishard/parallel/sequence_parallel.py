@@ -100,3 +100,22 @@ class SequenceParallelGrads:
 
     def __getattr__(self, attr):            # on_load, owned, prefetcher, ...: the inner one's
         return getattr(self.inner, attr)
+
+
+# -- cost model (no MPI): bytes per train_step, read by gpt_tensor_parallel.step_comm -----------
+def operator_comm(view, act: float, gathers: int, scatters: int) -> dict:
+    """`gathers` all-gathers along T into (B, T, D) activations of `act` bytes and `scatters`
+    reduce-scatters of (B, T, D) partial sums over tp = t ranks: (t-1)/t x act each. A
+    GatherFromSP costs one of each (all-gather forward, reduce-scatter backward), and so does
+    a ScatterToSP (reduce-scatter forward, all-gather backward)."""
+    t = view.size("tp")
+    return {"all_gather": gathers * (t - 1) / t * act,
+            "reduce_scatter": scatters * (t - 1) / t * act}
+
+
+def split_grads_comm(view, names) -> dict:
+    """SequenceParallelGrads: one all_reduce(sum) over tp of the full gradient of each of
+    `names` this rank holds, per microbatch (every backward adds it once)."""
+    held = [view.params[n].full_shape for n in names if n in view.params]
+    return {"all_reduce": view.microbatches * sum(view.all_reduce_bytes("tp", view.nbytes(s))
+                                                  for s in held)}

@@ -160,3 +160,22 @@ class ReplicatedOutput:
 
     def gather(self, y):
         return y
+
+
+# -- cost model (no MPI): bytes per train_step, read by gpt_tensor_parallel.step_comm -----------
+def embedding_comm(view, tokens: int) -> dict:
+    """The vocab-parallel embedding of `tokens` tokens (all microbatches) over tp = t ranks:
+    the forward all_reduce(sum) of the partial (B, T, D), 2(t-1)/t of it; with
+    sequence_parallel the forward reduce-scatter along T and the backward all-gather of dy,
+    (t-1)/t of it each."""
+    t, act = view.size("tp"), tokens * view.model.d_model * view.itemsize
+    if view.layout.option("sequence_parallel", 0):
+        return {"reduce_scatter": (t - 1) / t * act, "all_gather": (t - 1) / t * act}
+    return {"all_reduce": view.all_reduce_bytes("tp", act)}
+
+
+def loss_comm(view, tokens: int) -> dict:
+    """VocabParallelCrossEntropy on `tokens` tokens: three all_reduces of (B, T) over tp (the
+    row max, the sum of exponentials, the target logit). The predict-time gather of the
+    vocab shards is not part of a train_step."""
+    return {"all_reduce": 3 * view.all_reduce_bytes("tp", tokens * view.itemsize)}
