@@ -113,6 +113,10 @@ class Watchdog:
         self.groups: dict = {}                # communicator handle -> Watchdog.group
         self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
         self.base = self.arrivals.take_block() if self.timeout else 0
+        active = mesh.layout.active_axes
+        for subset in range(1 << len(active)) if self.timeout else ():
+            # every group's communicator now: MPI_Comm_split later, mid-step, is unbounded
+            mesh.comm(tuple(a for i, a in enumerate(active) if subset >> i & 1))
 
     def group(self, comm) -> tuple:
         """(counter index, world ranks, name) of the group of `comm`, a communicator of the

@@ -1,0 +1,171 @@
+"""Faults injected into real jobs: each one ends the job non-zero within `timeout + 10 s`, with a
+message naming the cause (issue 14; the stall watchdog is comm/watchdog.py).
+
+Serial tests: each launches `mpiexec -n 2` (layout dp=2) or `-n 4` (dp=2,tp=2) running SCRIPT
+under `python -m mpi4py`, with a 2 s engine timeout. The last rank is the faulty one; at step 3
+of 5 it raises, is SIGKILLed, feeds a batch of the wrong width, sleeps past the timeout inside
+the loss, or skips a collective (the last one, so its peers wait in it; or, in debug mode, one
+in the middle of the loop, so the signature check sees the next collective instead).
+"""
+import re
+import time
+
+import pytest
+
+from conftest import run_mpi
+
+TIMEOUT = 2.0
+
+SCRIPT = '''
+import os, signal, sys, time
+import numpy as np
+from mpi4py import MPI
+import mpishard as ms
+
+mode, timeout = sys.argv[1], float(sys.argv[2])
+comm = MPI.COMM_WORLD
+rank, n = comm.Get_rank(), comm.Get_size()
+faulty = rank == n - 1
+model = ms.MLP([8, 16, 4])
+engine = ms.make_engine(model, "dp=2" if n == 2 else "dp=2,tp=2", comm=comm, timeout=timeout)
+engine.load_checkpoint(model.init(seed=0))
+rng = np.random.default_rng(0)
+x, t = rng.standard_normal((8, 8)), rng.standard_normal((8, 4))
+
+
+class Loss(ms.losses.MSE):
+    """The MSE, with the fault injected on the faulty rank at step 3."""
+    step = 0
+
+    def __call__(self, y, target):
+        if faulty and self.step == 3:
+            if mode == "raise":
+                raise RuntimeError(f"rank {rank} fails mid-step")
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "sleep":
+                time.sleep(timeout + 30)
+        return super().__call__(y, target)
+
+
+loss = Loss()
+for step in range(1, 6):
+    loss.step = step
+    engine.comm.context(step=step)
+    xs = engine.shard_batch(x)
+    if mode == "shape" and faulty and step == 3:
+        xs = xs[:, :7]                                  # one feature short
+    value, grads = engine.train_step(xs, engine.shard_batch(t), loss)
+    metric = np.full(3, value)
+    if not (mode == "skip-mid" and faulty and step == 3):
+        engine.all_reduce(metric, group="dp")
+if not (mode == "skip-last" and faulty):
+    engine.all_reduce(np.ones(3))
+print(f"rank {rank} finished", flush=True)
+'''
+
+
+def run_fault(tmp_path, n, mode, debug=False):
+    script = tmp_path / "fault.py"
+    script.write_text(SCRIPT)
+    t0 = time.perf_counter()
+    proc = run_mpi(n, script, mode, TIMEOUT, timeout=TIMEOUT + 60,
+                   env={"MPISHARD_DEBUG": "1" if debug else "0"})
+    elapsed = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    print(f"{mode} at {n} ranks (debug {debug}): rc={proc.returncode} after {elapsed:.1f} s\n"
+          f"{out[-3000:]}")
+    assert proc.returncode != 0
+    assert elapsed < TIMEOUT + 10, f"the job took {elapsed:.1f} s to end"
+    assert "rank 0 finished" not in out
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_raises_mid_step(tmp_path, n):
+    out = run_fault(tmp_path, n, "raise")
+    assert f"rank {n - 1} fails mid-step" in out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_is_killed(tmp_path, n):
+    out = run_fault(tmp_path, n, "kill")
+    assert re.search(r"KILLED|signal 9|BAD TERMINATION", out), "mpiexec names no killed rank"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_feeds_a_wrong_shape(tmp_path, n):
+    out = run_fault(tmp_path, n, "shape")
+    assert re.search(r"ValueError: .*\b7\b", out), "no ValueError naming the width 7"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_sleeps_past_the_timeout(tmp_path, n):
+    """The waiting ranks raise CollectiveTimeout naming the operation and the sleeping rank.
+    At 4 ranks its dp peer, rank 1, waits in step 3's gradient all_reduce; its tp peer, rank 2,
+    needs no tp exchange in the rest of step 3 (the first layer's input gradient is not
+    computed) and waits in step 4's first tp all_reduce; rank 0 waits there for rank 1."""
+    out = run_fault(tmp_path, n, "sleep")
+    assert "CollectiveTimeout" in out
+    assert re.search(rf"all_reduce\S* on group \S+ \(ranks \[[\d, ]+\]\) timed out after 2 s "
+                     rf"on rank \d, step [34]: late ranks: \[{n - 1}\]", out), out[-2000:]
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_skips_the_last_collective(tmp_path, n, debug):
+    out = run_fault(tmp_path, n, "skip-last", debug=debug)
+    what = "all_reduce (debug check)" if debug else "all_reduce"
+    assert re.search(rf"{re.escape(what)} on group world \(ranks \[[\d, ]+\]\) timed out after "
+                     rf"2 s on rank \d, step 5: late ranks: \[{n - 1}\]", out), out[-2000:]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_skips_a_collective_in_debug_mode(tmp_path, n):
+    """The skipping rank's next dp collective (the gradient all_reduce of step 4) meets its
+    peer's metric all_reduce in the signature check: CollectiveMismatchError names both."""
+    out = run_fault(tmp_path, n, "skip-mid", debug=True)
+    assert "CollectiveMismatchError: collective mismatch in all_reduce" in out
+    assert "shape=(3,)" in out
+
+
+CLI_SCRIPT = '''
+import sys, time
+from mpi4py import MPI
+import mpishard as ms
+from mpishard.cli import exit_cleanly, main
+
+
+def stalls_on_rank_1(self, y, t, call=ms.losses.MSE.__call__):
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        time.sleep(60)
+    return call(self, y, t)
+
+
+ms.losses.MSE.__call__ = stalls_on_rank_1
+exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", "3",
+                   "--no-progress", "--timeout", sys.argv[1]]))
+'''
+
+
+def test_the_cli_prints_a_timeout_as_one_line(tmp_path):
+    """`train --timeout 2` with rank 1 stuck in the loss: rank 0 prints one error line naming
+    the late rank (no traceback) and MPI_Abort ends the job, non-zero."""
+    script = tmp_path / "cli_stall.py"
+    script.write_text(CLI_SCRIPT)
+    t0 = time.perf_counter()
+    proc = run_mpi(2, script, TIMEOUT, timeout=TIMEOUT + 60)
+    elapsed = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    print(f"rc={proc.returncode} after {elapsed:.1f} s\n{out[-3000:]}")
+    assert proc.returncode != 0 and elapsed < TIMEOUT + 10
+    assert re.search(r"^mpishard: error: all_reduce\S* on group \S+ .* timed out after 2 s on "
+                     r"rank 0, step 1: late ranks: \[1\]", out, re.M), out[-2000:]
+    assert "Traceback" not in out
+
+
+def test_a_negative_timeout_is_a_usage_error(capsys):
+    from mpishard.cli import main
+
+    assert main(["train", "--steps", "1", "--timeout", "-1", "--no-progress"]) == 2
+    assert "timeout must be >= 0, got -1" in capsys.readouterr().err
