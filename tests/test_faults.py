@@ -167,5 +167,6 @@ def test_the_cli_prints_a_timeout_as_one_line(tmp_path):
 def test_a_negative_timeout_is_a_usage_error(capsys):
     from mpishard.cli import main
 
-    assert main(["train", "--steps", "1", "--timeout", "-1", "--no-progress"]) == 2
+    assert main(["train", "--dataset", "synthetic-regression", "--steps", "1", "--timeout", "-1",
+                 "--no-progress"]) == 2
     assert "timeout must be >= 0, got -1" in capsys.readouterr().err

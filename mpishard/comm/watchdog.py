@@ -12,9 +12,9 @@ raises on its own clock; under `python -m mpi4py` the first uncaught one aborts 
 CLI prints it as one line and calls MPI_Abort: cli/usage.py abort_job).
 
 How late ranks are found without the stalled rank's help: arrival counters in an MPI-3 RMA
-window (`Arrivals`, one per communicator engines are built on, cached on it as an MPI attribute). Entering a
-collective, a rank bumps its own counter for the group's set of active mesh axes: a plain store
-into its own window memory, no MPI call. On a timeout it reads its peers' counters with
+window (`Arrivals`, one per set of ranks engines are built on). Entering a collective, a rank
+bumps its own counter for the group's set of active mesh axes: a plain store into its own
+window memory, no MPI call. On a timeout it reads its peers' counters with
 passive-target `Rget` under a `Lock_all` epoch held for the window's life; a peer whose count is
 below the waiting rank's has not entered this collective. With MPICH (ch4, ucx or ofi) on one
 node the window is shared memory, so the read needs no progress on the stalled rank; a read
@@ -50,14 +50,14 @@ class CollectiveTimeout(RuntimeError):
 class Arrivals:
     """Arrival counters of the ranks of one communicator in an RMA window (module docstring).
 
-    Created collectively by the first Comm with a timeout on that communicator; each later
-    Comm takes the next block of SLOTS counters (engines are built collectively, in the same
-    order on every rank). Freed collectively at exit, before MPI_Finalize, unless the process
+    Created collectively by the first Comm with a timeout on a communicator of these ranks;
+    each later Comm takes the next block of SLOTS counters (engines are built collectively, in
+    the same order on every rank). Freed collectively at exit, before MPI_Finalize, unless the process
     ends on an uncaught exception or after a timeout (a peer may never come to free it; the
     job is being aborted anyway).
     """
 
-    KEYVAL = MPI.Comm.Create_keyval()
+    SHARED: dict = {}     # members (COMM_WORLD ranks, in rank order) -> their Arrivals
 
     def __init__(self, comm):
         self.comm = comm
@@ -71,11 +71,15 @@ class Arrivals:
 
     @classmethod
     def of(cls, comm) -> "Arrivals":
-        arrivals = comm.Get_attr(cls.KEYVAL)
-        if arrivals is None:
-            arrivals = cls(comm)
-            comm.Set_attr(cls.KEYVAL, arrivals)
-        return arrivals
+        """The window of `comm`'s members: one per set of members, however many communicators
+        (a test's split per case) engines are built on, so windows do not pile up."""
+        mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        key = tuple(MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world))
+        mine.Free()
+        world.Free()
+        if key not in cls.SHARED:
+            cls.SHARED[key] = cls(comm)
+        return cls.SHARED[key]
 
     def take_block(self) -> int:
         """The offset of a fresh block of SLOTS counters, zeroed."""
