@@ -1,6 +1,7 @@
 # mpishard: build, demo and test entry points.
 #
-#   make demo          train on scikit-learn digits on 4 MPI ranks (dp=2,tp=2)
+#   make demo          train a small byte-level GPT on 4 MPI ranks (dp=2,tp=2), then sample from it
+#   make demo-digits   train an MLP on scikit-learn digits on 4 MPI ranks (dp=2,tp=2)
 #   make test          serial tests, then the MPI tests at 1, 2, 4 and 8 ranks
 #
 # Every variable below can be overridden on the command line, for example
@@ -13,7 +14,8 @@ VENV          ?= .venv
 PY             = $(VENV)/bin/python
 MPIEXEC       ?= $(VENV)/bin/mpiexec
 MPIEXEC_FLAGS ?=
-# Ranks for `make demo`; the product of the --layout sizes in DEMO_ARGS must equal NP.
+# Ranks for `make demo` and `make demo-digits`; the product of the --layout sizes in DEMO_ARGS
+# (and DIGITS_ARGS) must equal NP.
 NP            ?= 4
 # Seconds allowed for each mpiexec / pytest run; killed 10 s after that if still alive.
 TIMEOUT       ?= 900
@@ -25,9 +27,19 @@ BLAS_THREADS  ?= 1
 BENCH_EXTRAS  ?= dev,bench
 BENCH_TIMEOUT ?= 3600
 
-DEMO_ARGS ?= train --dataset digits --layout dp=2,tp=2 --model 64,128,128,10 \
-             --optimizer adamw --lr 0.003 --batch 64 --epochs 12 --clip 1.0 \
-             --metrics-json demo-metrics.json
+# `make demo`: a GPT on the Python standard library's source (read from this interpreter,
+# never downloaded), sized for about 2.5 minutes on 2 shared cores; then SAMPLE_ARGS on one rank.
+DEMO_CKPT ?= demo-ckpt
+DEMO_ARGS ?= train --model gpt --gpt d_model=96,n_heads=4,n_layers=3,seq_len=64 \
+             --layout dp=2,tp=2 --optimizer adamw --lr 0.003 --schedule cosine --warmup 20 \
+             --batch 32 --steps 400 --log-every 25 --no-progress \
+             --checkpoint-dir $(DEMO_CKPT) --metrics-json demo-metrics.json
+SAMPLE_ARGS ?= generate --checkpoint $(DEMO_CKPT) --prompt 'def ' --max-new-tokens 200 \
+               --temperature 0.8 --top-k 40 --seed 0
+# `make demo-digits`: the MLP on scikit-learn digits (a few seconds).
+DIGITS_ARGS ?= train --dataset digits --layout dp=2,tp=2 --model 64,128,128,10 \
+               --optimizer adamw --lr 0.003 --batch 64 --epochs 12 --clip 1.0 \
+               --metrics-json demo-metrics.json
 
 export OMP_NUM_THREADS      = $(BLAS_THREADS)
 export OPENBLAS_NUM_THREADS = $(BLAS_THREADS)
@@ -37,18 +49,19 @@ STAMP     = $(VENV)/.installed
 MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
-.PHONY: help venv install demo test test-serial $(MPI_TESTS) bench lint clean
+.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) bench lint clean
 
 help:
 	@echo "make venv | install   create $(VENV) and pip install -e '.[dev]' (MPICH wheel included)"
-	@echo "make demo             $(NP)-rank training demo (DEMO_ARGS), metrics in demo-metrics.json"
+	@echo "make demo             $(NP)-rank GPT training (DEMO_ARGS), then a sample (SAMPLE_ARGS); metrics in demo-metrics.json"
+	@echo "make demo-digits      $(NP)-rank MLP training on digits (DIGITS_ARGS), metrics in demo-metrics.json"
 	@echo "make test             test-serial, then $(MPI_TESTS)"
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
 	@echo "make bench            benchmarks/run_all.py"
 	@echo "make lint             ruff check"
 	@echo "make clean            remove $(VENV), build artefacts, caches and demo outputs"
-	@echo "variables: PYTHON VENV MPIEXEC MPIEXEC_FLAGS NP TIMEOUT TEST_SIZES BLAS_THREADS DEMO_ARGS"
+	@echo "variables: PYTHON VENV MPIEXEC MPIEXEC_FLAGS NP TIMEOUT TEST_SIZES BLAS_THREADS DEMO_ARGS SAMPLE_ARGS DEMO_CKPT DIGITS_ARGS"
 
 # --- environment -----------------------------------------------------------------------
 $(STAMP): setup.py pyproject.toml
@@ -65,6 +78,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	@echo "==> demo: $(NP) ranks: mpishard $(DEMO_ARGS)"
 	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(NP) $(PY) -m mpi4py -m mpishard $(DEMO_ARGS)
+	@echo "==> demo: a sample from the trained model: mpishard $(SAMPLE_ARGS)"
+	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 1 $(PY) -m mpi4py -m mpishard $(SAMPLE_ARGS)
+
+demo-digits: $(STAMP)
+	@echo "==> demo-digits: $(NP) ranks: mpishard $(DIGITS_ARGS)"
+	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(NP) $(PY) -m mpi4py -m mpishard $(DIGITS_ARGS)
 
 # --- tests -----------------------------------------------------------------------------
 # Runs every stage even after a failure, then fails if any stage failed.
@@ -102,5 +121,6 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) build dist .eggs *.egg-info .pytest_cache .ruff_cache
 	rm -f demo-metrics.json
+	rm -rf $(DEMO_CKPT) $(DEMO_CKPT).old
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 	find . -path ./.git -prune -o -type d -name '*.egg-info' -prune -exec rm -rf {} +

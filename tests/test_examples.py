@@ -1,7 +1,8 @@
 """The chapter examples run under mpiexec, agree with their references and print on rank 0 only.
 
 Serial tests: each launches `mpiexec -n N python -m mpi4py examples/<script>` (single on 1 rank,
-dp and tp on 2) with a timeout, and checks the return code, the launch line in the docstring,
+dp and tp on 2; the GPT examples, tp + sequence parallel, cp ring and Ulysses, pp 1F1B and
+GPipe, on 2) with a timeout, and checks the return code, the launch line in the docstring,
 and that every line is printed once (a line printed by every rank would appear N times).
 """
 import ast
@@ -18,6 +19,9 @@ EXAMPLES = ROOT / "examples"
 CHAPTER = [("chapter_single.py", 1, "single device"),
            ("chapter_data_parallel.py", 2, "data parallel dp=2"),
            ("chapter_tensor_parallel.py", 2, "tensor parallel tp=2")]
+GPT = [("gpt_tensor_sequence_parallel.py", 2, "GPT tensor parallel tp=2"),
+       ("gpt_context_parallel.py", 2, "GPT context parallel cp=2"),
+       ("gpt_pipeline.py", 2, "GPT pipeline pp=2")]
 
 
 def run(script, n, timeout=120):
@@ -42,7 +46,23 @@ def test_chapter_example(script, n, banner):
     assert "OK, tolerance 1e-09" in lines[-1]
 
 
-@pytest.mark.parametrize("script,n,banner", CHAPTER, ids=[c[0] for c in CHAPTER])
+@pytest.mark.parametrize("script,n,banner", GPT, ids=[c[0] for c in GPT])
+def test_gpt_example_agrees_with_single(script, n, banner):
+    """Each GPT example trains its layouts beside single (float64) and says OK; the loss it
+    prints per step equals single's to the printed digits."""
+    proc = run(script, n)
+    assert proc.returncode == 0
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines and lines[0].startswith(banner)
+    repeated = {line: c for line, c in Counter(lines).items() if c > 1}
+    assert not repeated, f"lines printed more than once (by several ranks?): {repeated}"
+    steps = [line.split() for line in lines if " step " in line and " single " in line]
+    assert len(steps) == 6, steps                    # 3 steps for each of two layouts
+    assert all(row[4] == row[6] for row in steps), steps
+    assert "OK, tolerance 1e-09" in lines[-1]
+
+
+@pytest.mark.parametrize("script,n,banner", CHAPTER + GPT, ids=[c[0] for c in CHAPTER + GPT])
 def test_docstring_has_launch_line(script, n, banner):
     doc = ast.get_docstring(ast.parse((EXAMPLES / script).read_text()))
     assert f"mpiexec -n {n} python -m mpi4py examples/{script}" in doc
