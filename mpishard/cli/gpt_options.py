@@ -23,7 +23,7 @@ from .usage import UsageError, check_flags
 TEXT_DATASET = "text"
 DEFAULT_GPT = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
                "tied": 0}
-TEXT_FLAGS = ("corpus", "corpus_bytes", "val_fraction")
+TEXT_FLAGS = ("corpus", "corpus_bytes", "val_fraction", "train_stride")
 
 
 def add_gpt_arguments(model_group, data_group):
@@ -31,8 +31,12 @@ def add_gpt_arguments(model_group, data_group):
     (each the group's recording add_argument)."""
     model_group("--gpt", metavar="KEY=VALUE,...", help="with --model gpt: d_model, n_heads, "
                 "n_layers, seq_len, d_ff, tied (default " + gpt_spec_text(DEFAULT_GPT) + ")")
-    data_group("--corpus", metavar="PATH|GLOB", help="--dataset text: a file, a directory or a "
-               "glob, read sorted as bytes (default: the Python standard library's *.py)")
+    data_group("--text", "--corpus", dest="corpus", metavar="FILE|DIR|GLOB|synthetic:SEED",
+               help="--dataset text: a file, a directory or a glob, read sorted as bytes "
+               "(default: the Python standard library's *.py); synthetic:SEED: a seeded Markov "
+               "grammar whose best achievable loss is reported (train/grammar.py)")
+    data_group("--train-stride", type=int, help="--dataset text: training windows start every "
+               "N bytes (default seq_len; 1: every offset, i.e. random offsets per batch)")
     data_group("--corpus-bytes", type=int, help="--dataset text: read at most this many bytes "
                f"of the corpus (default {DEFAULT_CORPUS_BYTES})")
     data_group("--val-fraction", type=float, help="--dataset text: the last fraction of the "
@@ -87,7 +91,7 @@ def validate_gpt_args(args, layout):
     if args.loss not in (None, "cross_entropy"):
         raise UsageError(f"--loss {args.loss} does not fit --model gpt; its loss is "
                          f"cross_entropy (the mean over every token)")
-    check_flags(args, ("corpus_bytes",), low=0, low_open=True)
+    check_flags(args, ("corpus_bytes", "train_stride"), low=0, low_open=True)
     check_flags(args, ("val_fraction",), low=0, high=1, low_open=True)
     spec = parse_gpt_spec(args.gpt)
     try:
@@ -107,9 +111,9 @@ def gpt_model_and_data(args, spec: GPT):
     for seq_len."""
     try:
         data = text_dataset(spec.seq_len, args.corpus, args.corpus_bytes or DEFAULT_CORPUS_BYTES,
-                            args.val_fraction or DEFAULT_VAL_FRACTION)
+                            args.val_fraction or DEFAULT_VAL_FRACTION, args.train_stride)
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--corpus: {exc}") from None
+        raise UsageError(f"--text: {exc}") from None
     model = GPT(vocab_size=data.n_classes, seq_len=spec.seq_len, d_model=spec.d_model,
                 n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, tied=spec.tied)
     return model, data
@@ -121,6 +125,9 @@ def log_corpus(log: logging.Logger, data) -> None:
              "%d validation windows (%d bytes) of %d+1 bytes", c["source"], c["files"],
              c["bytes"], c["sha256"][:16], c["train_windows"], c["train_bytes"],
              c["val_windows"], c["val_bytes"], data.seq_len)
+    if "best_loss" in c:
+        log.info("synthetic grammar: entropy rate %.4f nats/byte = the best achievable "
+                 "loss", c["best_loss"])
 
 
 __all__ = ["DEFAULT_GPT", "TEXT_DATASET", "add_gpt_arguments", "gpt_model_and_data",

@@ -59,6 +59,7 @@ TRAIN_DEFAULTS = {
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
+    "train_stride": None,
 }
 DEFAULT_EPOCHS = 10
 

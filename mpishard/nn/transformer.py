@@ -57,17 +57,22 @@ class LayerNorm(Layer):
 
 class CausalSelfAttention(Layer):
     """(B, T, 3 D_local) q | k | v -> (B, T, D_local): causal softmax attention of `n_heads`
-    heads (the local count under tp). No parameters."""
+    heads (the local count under tp). No parameters. `cache`: a kv_cache.KVCache while
+    decoding (set by kv_cache.caching): the T new positions attend to the cached ones too."""
 
     def __init__(self, n_heads):
         super().__init__()
         self.n_heads = n_heads
+        self.cache = None
 
     def __repr__(self):
         return f"CausalSelfAttention(heads={self.n_heads})"
 
     def forward(self, a, mb=0, record=True):
         q, k, v = att.split_heads(a, self.n_heads)               # (B, H, T, Dh) each
+        if self.cache is not None:                                # decoding: no tape
+            assert not record, "a KV-cached forward is inference only"
+            return att.merge_heads(self.cache.attend(self, q, k, v))
         out, lse = att.causal_attention_forward(q, k, v)          # softmax(q k^T / sqrt Dh) v
         self.save(mb, record, (q, k, v, out, lse))
         return att.merge_heads(out)                               # heads concatenated

@@ -38,6 +38,18 @@ def check_gpt_layout(model, layout) -> None:
     check_cp(model, layout)
 
 
+def check_decode(layout) -> None:
+    """ValueError unless this layout's GPT units decode with a KV cache (nn/kv_cache.py): not
+    under cp (ring/Ulysses attention cut the sequence) nor sequence_parallel (one new token
+    cannot be split along T over tp)."""
+    if layout.size("cp") > 1:
+        raise ValueError(f"layout {layout.text!r}: no KV cache under cp={layout.size('cp')} "
+                         f"(its attention is split along the sequence)")
+    if layout.size("tp") > 1 and layout.option("sequence_parallel", 0):
+        raise ValueError(f"layout {layout.text!r}: no KV cache with sequence_parallel (one new "
+                         f"token cannot be split along the sequence over tp)")
+
+
 def gpt_param_stages(model, vstages: list) -> dict:
     """name -> virtual stage: embed/* with block 0, block i at vstages[i], ln_f and head with
     the last block."""

@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..parallel.context_parallel import shard_sequence
 from .data import Dataset, eval_chunks
+from .grammar import synthetic_corpus, synthetic_seed
 
 BYTE_VOCAB = 256
 DEFAULT_CORPUS_BYTES = 2_000_000
@@ -85,14 +87,28 @@ def read_corpus(corpus=None, max_bytes=DEFAULT_CORPUS_BYTES) -> tuple:
     return np.frombuffer(data, dtype=np.uint8), info
 
 
+def read_text(corpus=None, max_bytes=DEFAULT_CORPUS_BYTES) -> tuple:
+    """(tokens, info) of read_corpus, or of grammar.synthetic_corpus (max_bytes bytes) for
+    'synthetic:SEED' (its info adds best_loss, the grammar's entropy rate)."""
+    seed = synthetic_seed(corpus)
+    if seed is None:
+        return read_corpus(corpus, max_bytes)
+    if isinstance(max_bytes, bool) or int(max_bytes) != max_bytes or max_bytes < 1:
+        raise ValueError(f"corpus max_bytes must be a positive integer, got {max_bytes!r}")
+    return synthetic_corpus(seed, max_bytes)
+
+
 # -- windows -------------------------------------------------------------------------------------
 class Windows:
     """Rows of an (N, seq_len) int64 array cut from `tokens` on demand: row i is
-    tokens[start + i*seq_len + shift : ... + seq_len] (shift 0: inputs, 1: targets)."""
+    tokens[start + i*stride + shift : ... + seq_len] (shift 0: inputs, 1: targets; stride
+    default seq_len: disjoint windows; 1: a window at every byte offset)."""
 
-    def __init__(self, tokens, start: int, count: int, seq_len: int, shift: int = 0):
+    def __init__(self, tokens, start: int, count: int, seq_len: int, shift: int = 0,
+                 stride=None):
         self.tokens, self.start, self.count = tokens, int(start), int(count)
         self.seq_len, self.shift = int(seq_len), int(shift)
+        self.stride = self.seq_len if stride is None else int(stride)
         self.dtype = np.dtype(np.int64)
 
     @property
@@ -113,7 +129,7 @@ class Windows:
         if rows.size and (rows.min() < -self.count or rows.max() >= self.count):
             raise IndexError(f"window index out of range for {self!r}")
         rows = rows % max(self.count, 1)                   # negative indices count from the end
-        first = self.start + self.shift + self.seq_len * rows
+        first = self.start + self.shift + self.stride * rows
         return self.tokens[first[..., None] + np.arange(self.seq_len)].astype(np.int64)
 
     def __array__(self, dtype=None, copy=None):
@@ -122,20 +138,24 @@ class Windows:
 
     def __repr__(self) -> str:
         return (f"Windows({self.count} x {self.seq_len} from byte {self.start}"
+                f"{f', stride {self.stride}' if self.stride != self.seq_len else ''}"
                 f"{', targets' if self.shift else ''})")
 
 
-def split_windows(n_tokens: int, seq_len: int, val_fraction=DEFAULT_VAL_FRACTION) -> dict:
+def split_windows(n_tokens: int, seq_len: int, val_fraction=DEFAULT_VAL_FRACTION,
+                  train_stride=None) -> dict:
     """{'train': (start, count), 'val': (start, count)}: window starts and counts of each split
-    of a corpus of n_tokens bytes (validation: the last val_fraction of the bytes). ValueError
-    when a split cannot hold one window of seq_len + 1 bytes."""
+    of a corpus of n_tokens bytes (validation: the last val_fraction of the bytes; its windows
+    start every seq_len bytes, the training ones every train_stride, default seq_len).
+    ValueError when a split cannot hold one window of seq_len + 1 bytes."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"validation fraction must lie in (0, 1), got {val_fraction}")
     cut = n_tokens - int(math.ceil(n_tokens * val_fraction))
     spans = {"train": (0, cut), "val": (cut, n_tokens - cut)}
     out = {}
+    strides = {"train": train_stride or seq_len, "val": seq_len}
     for name, (start, length) in spans.items():
-        count = (length - 1) // seq_len
+        count = (length - 1 - seq_len) // strides[name] + 1 if length > seq_len else 0
         if count < 1:
             raise ValueError(f"seq_len={seq_len} does not fit the {name} split of the corpus: "
                              f"{length} of its {n_tokens} bytes, a window needs seq_len + 1 = "
@@ -160,19 +180,30 @@ class TextDataset(Dataset):
 
 
 def text_dataset(seq_len: int, corpus=None, max_bytes=DEFAULT_CORPUS_BYTES,
-                 val_fraction=DEFAULT_VAL_FRACTION) -> TextDataset:
-    """The byte-level data set of `corpus` (see read_corpus) cut into windows of seq_len."""
-    tokens, info = read_corpus(corpus, max_bytes)
-    splits = split_windows(len(tokens), seq_len, val_fraction)
+                 val_fraction=DEFAULT_VAL_FRACTION, train_stride=None) -> TextDataset:
+    """The byte-level data set of `corpus` (see read_corpus, or synthetic_corpus for
+    'synthetic:SEED') cut into windows of seq_len. train_stride: the training windows start
+    every train_stride bytes (default seq_len; 1: at every offset, so the shuffled batches
+    see random offsets, as sampling `randint(len - seq_len)` per row does)."""
+    tokens, info = read_text(corpus, max_bytes)
+    splits = split_windows(len(tokens), seq_len, val_fraction, train_stride)
     (s0, n0), (s1, n1) = splits["train"], splits["val"]
-    info.update(train_windows=n0, val_windows=n1, train_bytes=s1, val_bytes=len(tokens) - s1)
-    x_train, t_train = (Windows(tokens, s0, n0, seq_len, shift) for shift in (0, 1))
+    info.update(train_windows=n0, val_windows=n1, train_bytes=s1, val_bytes=len(tokens) - s1,
+                train_stride=train_stride or seq_len)
+    x_train, t_train = (Windows(tokens, s0, n0, seq_len, shift, train_stride)
+                        for shift in (0, 1))
     x_val, t_val = (Windows(tokens, s1, n1, seq_len, shift) for shift in (0, 1))
     return TextDataset("text", x_train, t_train, x_val, t_val, "language", BYTE_VOCAB,
                        corpus=info)
 
 
 # -- evaluation ----------------------------------------------------------------------------------
+def sequence_cut(engine, arr):
+    """This rank's part of rows already cut over the data axes (what the batcher gives it):
+    its two sequence chunks under cp, as engine.shard_batch cuts them; `arr` itself else."""
+    return shard_sequence(arr, engine.mesh)
+
+
 def window_loss(engine, x, t, chunk: int, loss) -> float:
     """Collective: the token-mean `loss` of the model over every window of (x, t) (the same
     float on every rank). Windows go through `predict` in chunks of `chunk` global rows (the
@@ -181,7 +212,8 @@ def window_loss(engine, x, t, chunk: int, loss) -> float:
     n, total = len(x), 0.0
     dp, rank = engine.data_parallel_size, engine.data_parallel_rank
     for k, (idx, real) in enumerate(eval_chunks(n, chunk, dp, rank)):
-        y = engine.backend.to_host(engine.gather_batch(engine.predict(x[idx])))[:real]
+        y = engine.gather_batch(engine.predict(sequence_cut(engine, x[idx])))
+        y = engine.backend.to_host(y)[:real]
         targets = t[np.arange(k * chunk, k * chunk + real)]
         total += loss.value(y.astype(np.float64), targets) * real   # every row: seq_len tokens
     return total / n
@@ -194,5 +226,5 @@ def language_metrics(loss_nats: float, tokens: int, seconds: float) -> dict:
 
 
 __all__ = ["BYTE_VOCAB", "DEFAULT_CORPUS_BYTES", "DEFAULT_VAL_FRACTION", "TextDataset",
-           "Windows", "corpus_files", "language_metrics", "read_corpus", "split_windows",
-           "stdlib_files", "text_dataset", "window_loss"]
+           "Windows", "corpus_files", "language_metrics", "read_corpus", "read_text", "sequence_cut",
+           "split_windows", "stdlib_files", "text_dataset", "window_loss"]

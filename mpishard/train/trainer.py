@@ -36,7 +36,7 @@ from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
 from .optim import clip_grad_norm
 from .scaler import GradScaler
-from .text import language_metrics, window_loss
+from .text import language_metrics, sequence_cut, window_loss
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
 
@@ -182,6 +182,7 @@ class Trainer:
             self.optimizer.lr = self.schedule(st.step)
         local_sum, value, grads = 0.0, 0.0, None
         for i, (x, t) in enumerate(self.batcher.micro_batches(st.step)):
+            x, t = sequence_cut(e, x), sequence_cut(e, t)     # cp: this rank's chunks
             value, grads = e.train_step(x, t, self.loss, accumulate=i > 0, sync=i == k - 1,
                                         grad_scale=self.loss_scale / k)
             if i < k - 1:
