@@ -10,6 +10,12 @@ import numpy as np
 def median_times(fns, samples, warmup=2, sync=None):
     """Median seconds of each callable, alternating them sample by sample. `sync()` is called
     around each sample and returns the slowest rank's time for it (distributed runs)."""
+    return [float(np.median(t)) for t in sample_times(fns, samples, warmup, sync)]
+
+
+def sample_times(fns, samples, warmup=2, sync=None):
+    """median_times' samples: for each callable, its list of `samples` seconds (sample i of
+    every callable was taken in the same round, so ratios can be paired)."""
     times = [[] for _ in fns]
     for i in range(warmup + samples):
         order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
@@ -23,7 +29,7 @@ def median_times(fns, samples, warmup=2, sync=None):
                 dt = sync(dt)
             if i >= warmup:
                 times[j].append(dt)
-    return [float(np.median(t)) for t in times]
+    return times
 
 
 def mpi_sync(comm):

@@ -12,6 +12,8 @@ is recorded without losing the others):
                  single rank, three model sizes (the largest is the headline)
     collectives  benchmarks/collectives.py at 2 and 4 ranks: engine vs raw mpi4py calls
     peers        benchmarks/peers_torch.py: single step vs torch; dp=2 vs torch DDP (gloo)
+    gpt          benchmarks/gpt.py: the issue's GPT, single rank: MFU against plain matmul on
+                 the same GEMMs, and the step time over PyTorch CPU eager's (same weights)
     scaling-dp   benchmarks/scaling.py dp / tp (2 ranks) and pp (4 ranks)
     scaling-tp
     scaling-pp
@@ -41,8 +43,10 @@ TARGETS = {  # headline key: (comparison, target)
     "allreduce_overhead_ratio_default": ("<=", 1.10),
     "vs_torch_single_step_ratio": ("<=", 1.0),
     "vs_torch_ddp2_step_ratio": ("<=", 1.0),
+    "gpt_mfu_fraction": (">=", 0.5),
+    "gpt_vs_torch_step_ratio": ("<=", 1.3),
 }
-PARTS = ["mfu", "collectives", "peers", "scaling-dp", "scaling-tp", "scaling-pp"]
+PARTS = ["mfu", "collectives", "peers", "gpt", "scaling-dp", "scaling-tp", "scaling-pp"]
 MFU_SIZES = {  # (dims, batch): small, medium, and the foundation's MLP([1024, 4096, 1024])
     "full": [([256, 1024, 256], 128), ([512, 2048, 512], 256), ([1024, 4096, 1024], 512)],
     "quick": [([128, 512, 128], 64), ([256, 1024, 256], 128), ([512, 2048, 512], 256)],
@@ -164,6 +168,15 @@ def part_peers(r: Runner) -> dict:
     return out
 
 
+def part_gpt(r: Runner) -> dict:
+    res = r.serial("gpt.py", timeout=r.args.part_timeout)
+    if "mfu_fraction" in res:
+        res["gpt_mfu_fraction"] = res["mfu_fraction"]
+    if "vs_torch_ratio" in res:
+        res["gpt_vs_torch_step_ratio"] = res["vs_torch_ratio"]
+    return res
+
+
 def part_scaling(r: Runner, mode: str) -> dict:
     n = 4 if mode == "pp" else 2
     return r.mpi(n, "scaling.py", mode, timeout=r.args.part_timeout)
@@ -183,6 +196,9 @@ def headline(results: dict) -> dict:
     for k in ("vs_torch_single_step_ratio", "vs_torch_ddp2_step_ratio"):
         if k in peers:
             h[k] = peers[k]
+    for k in ("gpt_mfu_fraction", "gpt_vs_torch_step_ratio"):
+        if k in results.get("gpt", {}):
+            h[k] = results["gpt"][k]
     sc = results.get("scaling", {})
     if "dp_efficiency" in sc.get("dp", {}):
         h["dp_1_to_2_efficiency"] = sc["dp"]["dp_efficiency"]
@@ -199,7 +215,8 @@ def _why(results, key):
     """Why a headline figure is missing: the part's skip or error message."""
     part = {"mfu_fraction": "mfu", "allreduce_overhead_ratio": "collective_overhead",
             "allreduce_overhead_ratio_default": "collective_overhead",
-            "vs_torch_single_step_ratio": "peers", "vs_torch_ddp2_step_ratio": "peers"}[key]
+            "vs_torch_single_step_ratio": "peers", "vs_torch_ddp2_step_ratio": "peers",
+            "gpt_mfu_fraction": "gpt", "gpt_vs_torch_step_ratio": "gpt"}[key]
     res = results.get(part, {})
     for sub in [res] + [v for v in res.values() if isinstance(v, dict)]:
         for k in ("skipped", "error"):
@@ -238,6 +255,26 @@ def markdown(results: dict) -> str:
             v = _fmt(s["mfu_fraction"]) if "mfu_fraction" in s else \
                 s.get("error", s.get("skipped"))
             lines.append(f"| {s['dims']} | {s['batch']} | {v} |")
+    g = results.get("gpt", {})
+    if "mfu_fraction" in g:
+        m = g["model"]
+        lines += ["", f"GPT (vocab {m['vocab_size']}, d_model {m['d_model']}, "
+                  f"{m['n_heads']} heads, {m['n_layers']} layers, seq {m['seq_len']}, "
+                  f"batch {m['batch']}, float32, one rank): {g['gflop_per_step']:.2f} GFLOP "
+                  f"per step "
+                  f"(`{g['flops_formula']}`); ours {g['ours_gflops']:.1f} GFLOP/s vs plain "
+                  f"matmul {g['matmul_gflops']:.1f} GFLOP/s on the same GEMMs: "
+                  f"`gpt_mfu_fraction` {g['mfu_fraction']:.3f} (paired "
+                  f"{g['mfu_fraction_paired']:.3f})."]
+        if "vs_torch_ratio" in g:
+            cc = g["cross_check"]
+            lines += ["", f"Ours over torch {g['torch_version']} eager (SDPA attention): step "
+                      f"{g['vs_torch_ratio']:.3f} (paired {g['vs_torch_ratio_paired']:.3f}), "
+                      f"with AdamW {g['vs_torch_ratio_adamw']:.3f}, vs torch with written-out "
+                      f"attention {g['vs_torch_ratio_manual_attention']:.3f}. Same weights: "
+                      f"loss rel. diff {cc['loss_rel_diff']:.1e}, gradients "
+                      f"{cc['max_grad_rel_diff']:.1e}, 3 AdamW steps "
+                      f"{cc['adamw_loss_rel_diff']:.1e}."]
     coll = results.get("collective_overhead", {})
     kinds = ("all_reduce", "all_reduce_out", "all_gather", "reduce_scatter", "all_to_all")
     rows = [(n, v) for n, v in coll.items() if isinstance(v, dict) and "rows" in v]
@@ -304,6 +341,8 @@ def main(argv=None):
         results["collective_overhead"] = part_collectives(r)
     if "peers" in parts:
         results["peers"] = part_peers(r)
+    if "gpt" in parts:
+        results["gpt"] = part_gpt(r)
     for mode in ("dp", "tp", "pp"):
         if f"scaling-{mode}" in parts:
             results.setdefault("scaling", {})[mode] = part_scaling(r, mode)

@@ -27,7 +27,7 @@ def _mpiexec():
 
 def test_run_all_tiny_end_to_end(tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "results.md"
-    parts = "mfu,collectives,peers,scaling-dp,scaling-pp"
+    parts = "mfu,collectives,peers,gpt,scaling-dp,scaling-pp"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "run_all.py"), "--mpiexec", _mpiexec(), "--tiny",
          "--parts", parts, "--out", str(out), "--md", str(md), "--part-timeout", "120"],
@@ -48,6 +48,13 @@ def test_run_all_tiny_end_to_end(tmp_path):
     if "skipped" not in single:          # torch installed: same work on both sides
         assert single["max_loss_rel_diff"] < 1e-4
         assert res["headline"]["vs_torch_single_step_ratio"] == single["ratio"]
+    gpt = res["gpt"]
+    assert "error" not in json.dumps(gpt), gpt
+    assert gpt["mfu_fraction"] > 0 and gpt["gflop_per_step"] > 0
+    if "vs_torch_ratio" in gpt:          # torch installed: the two GPTs agree on the weights
+        assert gpt["cross_check"]["loss_rel_diff"] < 1e-5
+        assert gpt["cross_check"]["max_grad_rel_diff"] < 1e-4
+        assert res["headline"]["gpt_vs_torch_step_ratio"] == gpt["vs_torch_ratio"]
     dp = res["scaling"]["dp"]
     assert dp["ranks"] == 2 and dp["dp_efficiency"] > 0
     pp = res["scaling"]["pp"]

@@ -39,6 +39,16 @@ def _finite_or_zero(xp, a):
     return xp.where(xp.isfinite(a), a, 0.0)
 
 
+def _masked_scores(q, k, offset):
+    """s = q k^T / sqrt(Dh), -inf where the causal mask hides the key (in place on s)."""
+    xp = array_module(q)
+    s = einsum("bhtd,bhsd->bhts", q, k)
+    s *= 1.0 / math.sqrt(q.shape[-1])
+    if offset is not None:
+        xp.copyto(s, -xp.inf, where=~causal_mask(xp, q.shape[-2], k.shape[-2], offset))
+    return s
+
+
 def attention_block(q, k, v, offset=None):
     """One block: (out (B, H, Tq, Dh) normalised within the block, lse (B, H, Tq)).
 
@@ -46,13 +56,13 @@ def attention_block(q, k, v, offset=None):
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0).
     """
     xp = array_module(q)
-    s = einsum("bhtd,bhsd->bhts", q, k) * (1.0 / math.sqrt(q.shape[-1]))
-    if offset is not None:
-        s = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset), s, -xp.inf)
-    m = _finite_or_zero(xp, s.max(axis=-1, keepdims=True))   # row max: exp(s - m) <= 1
-    p = xp.exp(s - m)                                         # unnormalised probabilities
+    p = _masked_scores(q, k, offset)                          # s, then p in place
+    m = _finite_or_zero(xp, p.max(axis=-1, keepdims=True))   # row max: exp(s - m) <= 1
+    p -= m
+    xp.exp(p, out=p)                                          # unnormalised probabilities
     denom = p.sum(axis=-1, keepdims=True)
-    out = einsum("bhts,bhsd->bhtd", p, v) / xp.where(denom > 0, denom, 1.0)
+    out = einsum("bhts,bhsd->bhtd", p, v)
+    out /= xp.where(denom > 0, denom, 1.0)
     with np.errstate(divide="ignore"):                        # log 0 = -inf: no key seen
         lse = (m + xp.log(denom))[..., 0]
     return out, lse
@@ -82,15 +92,17 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None):
     """
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s = einsum("bhtd,bhsd->bhts", q, k) * scale
-    if offset is not None:
-        s = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset), s, -xp.inf)
-    p = xp.exp(s - _finite_or_zero(xp, lse)[..., None])
+    p = _masked_scores(q, k, offset)                          # s, then p in place
+    p -= _finite_or_zero(xp, lse)[..., None]
+    xp.exp(p, out=p)
     dv = einsum("bhts,bhtd->bhsd", p, dout)
-    dp = einsum("bhtd,bhsd->bhts", dout, v)
-    ds = p * (dp - (dout * out).sum(axis=-1, keepdims=True))
-    dq = einsum("bhts,bhsd->bhtd", ds, k) * scale
-    dk = einsum("bhts,bhtd->bhsd", ds, q) * scale
+    ds = einsum("bhtd,bhsd->bhts", dout, v)                   # dp, then ds in place
+    ds -= (dout * out).sum(axis=-1, keepdims=True)
+    ds *= p
+    dq = einsum("bhts,bhsd->bhtd", ds, k)
+    dq *= scale
+    dk = einsum("bhts,bhtd->bhsd", ds, q)
+    dk *= scale
     return dq, dk, dv
 
 
@@ -117,7 +129,10 @@ def split_heads_backward(dq, dk, dv):
     """Undo split_heads: (B, H, T, Dh) x 3 -> (B, T, 3 D)."""
     xp = array_module(dq)
     b, h, t, dh = dq.shape
-    return xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * dh)
+    da = xp.empty((b, t, 3, h, dh), dtype=dq.dtype)          # one copy, no stack
+    for i, d in enumerate((dq, dk, dv)):
+        da[:, :, i] = d.transpose(0, 2, 1, 3)
+    return da.reshape(b, t, 3 * h * dh)
 
 
 def merge_heads(o):

@@ -113,11 +113,14 @@ def layernorm_forward(x, scale, shift, eps=LN_EPS):
     """PyTorch's LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * scale + shift,
     var the biased variance. Returns (y, saved)."""
     xp = array_module(x)
-    mu = x.mean(axis=-1, keepdims=True)
-    xc = x - mu
-    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
-    xhat = xc * rstd
-    return xhat * scale + shift, (xhat, rstd)
+    xc = x - x.mean(axis=-1, keepdims=True)
+    var = xp.square(xc).mean(axis=-1, keepdims=True)       # biased variance
+    rstd = 1.0 / xp.sqrt(var + eps)
+    xhat = xc
+    xhat *= rstd                                            # in place: xc is ours
+    y = xhat * scale
+    y += shift
+    return y, (xhat, rstd)
 
 
 def layernorm_backward(dy, saved, scale):
@@ -130,10 +133,15 @@ def layernorm_backward(dy, saved, scale):
     xhat, rstd = saved
     d = dy.shape[-1]
     dshift = dy.reshape(-1, d).sum(axis=0)
-    dscale = (dy * xhat).reshape(-1, d).sum(axis=0)
+    gx = dy * xhat
+    dscale = gx.reshape(-1, d).sum(axis=0)
+    gx *= scale                                             # g xhat
     g = dy * scale
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True)
-                 - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    dx = xhat * gx.mean(axis=-1, keepdims=True)
+    dx += g.mean(axis=-1, keepdims=True)
+    xp = array_module(dy)
+    xp.subtract(g, dx, out=dx)                              # g - mean(g) - xhat mean(g xhat)
+    dx *= rstd
     return dx, dscale, dshift
 
 
@@ -143,10 +151,21 @@ def embedding_forward(table, ids):
 
 
 def embedding_backward(dy, ids, rows: int):
-    """Undo the gather: scatter-add dy (..., D) into a (rows, D) gradient (repeated ids add)."""
+    """Undo the gather: scatter-add dy (..., D) into a (rows, D) gradient (repeated ids add).
+
+    On numpy: sort the ids, sum each run of equal ids with one add.reduceat and write the
+    sums to their rows (10-20x faster than the unbuffered `np.add.at`); other array modules
+    (cupy: an atomic scatter-add kernel) use `xp.add.at`."""
     xp = array_module(dy)
     g = xp.zeros((rows, dy.shape[-1]), dtype=dy.dtype)
-    xp.add.at(g, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+    flat, dy2 = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])
+    if xp is not np or flat.size == 0:
+        xp.add.at(g, flat, dy2)
+        return g
+    order = np.argsort(flat, kind="stable")                 # equal ids keep their order
+    sorted_ids = flat[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])   # each run
+    g[sorted_ids[starts]] = np.add.reduceat(dy2[order], starts, axis=0)
     return g
 
 
@@ -164,16 +183,38 @@ def relu_backward(dy, z):
 
 
 def gelu_forward(z):
-    """GELU, tanh form (PyTorch approximate='tanh'): 0.5 z (1 + tanh(c (z + 0.044715 z^3)))."""
+    """GELU, tanh form (PyTorch approximate='tanh'): 0.5 z (1 + tanh(c (z + 0.044715 z^3))).
+    In place on one temporary (t) and the output: no other full-size arrays."""
     xp = array_module(z)
-    t = xp.tanh(_GELU_C * (z + 0.044715 * (z * z * z)))       # z*z*z: as PyTorch, 20x pow
-    return 0.5 * z * (1.0 + t), (z, t)
+    t = z * z
+    t *= z                                   # z*z*z as PyTorch (pow is 20x slower)
+    t *= 0.044715
+    t += z
+    t *= _GELU_C                             # c (z + 0.044715 z^3), PyTorch's order
+    xp.tanh(t, out=t)                        # t = tanh(c (z + 0.044715 z^3))
+    y = t + 1.0
+    y *= z
+    y *= 0.5                                 # 0.5 z (1 + t)
+    return y, (z, t)
 
 
 def gelu_backward(dy, saved):
+    """dy (0.5 (1 + t) + 0.5 z (1 - t^2) c (1 + 3 0.044715 z^2)): d/dz of 0.5 z (1 + t),
+    tanh' = 1 - t^2; in place on two temporaries."""
+    xp = array_module(dy)
     z, t = saved
-    dt = _GELU_C * (1.0 + 3 * 0.044715 * (z * z))
-    return dy * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dt)
+    g = z * z
+    g *= 3 * 0.044715 * _GELU_C
+    g += _GELU_C                             # c (1 + 3 0.044715 z^2) = du/dz
+    g *= z
+    s = t * t
+    xp.subtract(1.0, s, out=s)
+    g *= s                                   # z (1 - t^2) du/dz
+    g += t
+    g += 1.0
+    g *= 0.5                                 # 0.5 (1 + t) + 0.5 z (1 - t^2) du/dz
+    g *= dy
+    return g
 
 
 def sigmoid_forward(z):

@@ -102,17 +102,32 @@ class CrossEntropy(Loss):
         z = y - y.max(axis=-1, keepdims=True)
         return z - xp.log(xp.exp(z).sum(axis=-1, keepdims=True))
 
+    def __call__(self, y, t):
+        """(value, dy) from one log-softmax."""
+        self.check(y, t)
+        lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
+        return self._value(lp, t), self._grad(lp, t).reshape(y.shape)
+
     def value(self, y, t):
         self.check(y, t)
-        xp = array_module(y)
-        lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
-        return float(-lp[xp.arange(lp.shape[0]), t.reshape(-1)].mean())
+        return self._value(self._log_softmax(y.reshape(-1, y.shape[-1])), t)
 
     def grad(self, y, t):
-        xp = array_module(y)
-        p = xp.exp(self._log_softmax(y.reshape(-1, y.shape[-1])))   # softmax, (N, C)
+        return self._grad(self._log_softmax(y.reshape(-1, y.shape[-1])), t).reshape(y.shape)
+
+    @staticmethod
+    def _value(lp, t) -> float:
+        xp = array_module(lp)
+        return float(-lp[xp.arange(lp.shape[0]), t.reshape(-1)].mean())
+
+    @staticmethod
+    def _grad(lp, t):
+        """(softmax - onehot) / N, in place on lp (the caller's temporary)."""
+        xp = array_module(lp)
+        p = xp.exp(lp, out=lp)                                       # softmax, (N, C)
         p[xp.arange(p.shape[0]), t.reshape(-1)] -= 1.0               # softmax - onehot
-        return (p / p.shape[0]).reshape(y.shape)
+        p /= p.shape[0]
+        return p
 
 
 LOSSES = {"mse": MSE, "bce": BCE, "cross_entropy": CrossEntropy, "ce": CrossEntropy}
