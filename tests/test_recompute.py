@@ -13,6 +13,7 @@ import mpishard as ms
 from conftest import assert_close, assert_dicts_close, group_comm
 from mpishard.comm.mesh import parse_layout
 from mpishard.nn.activations import MeteredTape, TapeMeter
+from mpishard.nn.recompute import Recompute
 from test_gpt_engine import CE, check_against_single, compare_with_single, make_case, make_gpt
 
 
@@ -146,3 +147,31 @@ def test_pipeline_schedules_differ_in_activation_bytes():
     else:                                                # 4 vs 1
         assert gpipe > 3 * f1b
     assert f1b > f1b_rc
+
+
+def wrapped_attention(chunks) -> list:
+    """Names of the units recompute=attn wrapped, found through the Composite tree."""
+    found = []
+
+    def walk(unit):
+        for sub in getattr(unit, "units", ()):
+            if isinstance(sub, Recompute):
+                found.append(type(sub.inner).__name__)
+            walk(sub)
+    for chunk in chunks:
+        for unit in chunk:
+            walk(unit)
+    return found
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout, want", [("cp=2,recompute=attn", "RingAttention"),
+                                          ("cp=2,cp_kind=ulysses,recompute=attn",
+                                           "UlyssesAttention"),
+                                          ("tp=2,recompute=attn", "CausalSelfAttention")])
+def test_recompute_attn_wraps_the_attention_core_of_every_layout(layout, want):
+    """recompute=attn wraps whatever unit is the attention core, cp's ring and Ulysses units
+    too (not only CausalSelfAttention): one Recompute per block."""
+    model = ms.GPT(vocab_size=16, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+    engine = ms.make_engine(model, layout, comm=group_comm(2))
+    assert wrapped_attention(engine.chunks) == [want, want]

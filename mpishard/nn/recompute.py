@@ -13,7 +13,7 @@ forward of the wrapped units. The wrapper knows nothing of what it wraps.
 
 Layout option `recompute=`:
     1      every transformer Block (its two residual branches: attention and MLP)
-    attn   only the attention core (CausalSelfAttention: scores, softmax, @ v), "selective"
+    attn   only the attention core (CausalSelfAttention, or cp's ring or Ulysses unit), "selective"
            recompute: its q | k | v input is kept, the per-head copies, output and
            log-sum-exp are not
     0      nothing (the default)
@@ -21,7 +21,7 @@ Layout option `recompute=`:
 from __future__ import annotations
 
 from .layers import Composite, Layer
-from .transformer import Block, CausalSelfAttention
+from .transformer import Block
 
 MODES = ("0", "1", "attn")
 
@@ -78,11 +78,12 @@ def recompute_chunks(model, chunks: list, mode, layout_text: str = "") -> list:
 
 
 def wrap_attention(unit) -> None:
-    """Wrap every CausalSelfAttention inside `unit` (a Composite tree) in Recompute."""
+    """Wrap every attention core inside `unit` (a Composite tree) in Recompute: the units that
+    say `attention_core = True` (CausalSelfAttention, and cp's ring and Ulysses units)."""
     if not isinstance(unit, Composite):
         return
     for i, sub in enumerate(unit.units):
-        if isinstance(sub, CausalSelfAttention):
+        if getattr(sub, "attention_core", False):
             unit.units[i] = Recompute(sub)
         else:
             wrap_attention(sub)

@@ -60,6 +60,8 @@ class CausalSelfAttention(Layer):
     heads (the local count under tp). No parameters. `cache`: a kv_cache.KVCache while
     decoding (set by kv_cache.caching): the T new positions attend to the cached ones too."""
 
+    attention_core = True      # what recompute=attn wraps (so do cp's ring and Ulysses units)
+
     def __init__(self, n_heads):
         super().__init__()
         self.n_heads = n_heads

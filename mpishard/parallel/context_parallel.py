@@ -176,6 +176,8 @@ class RingAttention(Layer):
     this unit has built, in elements (a measurement for tests and reports).
     """
 
+    attention_core = True      # recompute=attn wraps it like CausalSelfAttention
+
     KV, KV_BACK, DKV = 0, 1, 2            # message tags: forward (k, v), backward (k, v), (dk, dv)
 
     def __init__(self, n_heads, cp):
@@ -266,6 +268,8 @@ class UlyssesAttention(Layer):
     """(B, T/c, 3 D_local) -> (B, T/c, D_local) by head-sharded attention: all_to_all to
     (B, H/c, T, Dh) on this rank's heads (sequence in global order), causal attention, and the
     inverse all_to_all back. No parameters; cp: the Comm of the cp group."""
+
+    attention_core = True      # recompute=attn wraps it like CausalSelfAttention
 
     def __init__(self, n_heads, cp):
         super().__init__()
