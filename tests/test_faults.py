@@ -5,13 +5,17 @@ Serial tests: each launches `mpiexec -n 2` (layout dp=2) or `-n 4` (dp=2,tp=2) r
 under `python -m mpi4py`, with a 2 s engine timeout. The last rank is the faulty one; at step 3
 of 5 it raises, is SIGKILLed, feeds a batch of the wrong width, sleeps past the timeout inside
 the loss, or skips a collective (the last one, so its peers wait in it; or, in debug mode, one
-in the middle of the loop, so the signature check sees the next collective instead).
+in the middle of the loop, so the signature check sees the next collective instead). Last, the
+last rank's checkpoint write fails (through the `writer.write_block` hook) under each
+--checkpoint-failures policy.
 """
+import json
 import re
 import time
 
 import pytest
 
+import mpishard as ms
 from conftest import run_mpi
 
 TIMEOUT = 2.0
@@ -170,3 +174,77 @@ def test_a_negative_timeout_is_a_usage_error(capsys):
     assert main(["train", "--dataset", "synthetic-regression", "--steps", "1", "--timeout", "-1",
                  "--no-progress"]) == 2
     assert "timeout must be >= 0, got -1" in capsys.readouterr().err
+
+
+CKPT_SCRIPT = '''
+import sys
+from mpi4py import MPI
+from mpishard.checkpoint import writer
+from mpishard.cli import exit_cleanly, main
+
+ckpt, policy, metrics = sys.argv[1:4]
+comm = MPI.COMM_WORLD
+rank, n = comm.Get_rank(), comm.Get_size()
+write_block = writer.write_block
+
+
+def full_disk_on_the_last_rank(path, arr):
+    """writer.write_block, the documented test hook: the last rank's writes of the save at
+    step 4 (its temporary directory is CKPT.tmp-4) fail as on a full disk."""
+    if rank == n - 1 and ".tmp-4" in path:
+        raise OSError(28, "No space left on device")
+    write_block(path, arr)
+
+
+writer.write_block = full_disk_on_the_last_rank
+exit_cleanly(main(["train", "--dataset", "synthetic-classification", "--model", "16,16,4",
+                   "--layout", "fsdp=2" if n == 2 else "fsdp=2,tp=2", "--steps", "6",
+                   "--batch", "16", "--dtype", "float64", "--no-progress", "--log-every", "0",
+                   "--timeout", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2",
+                   "--checkpoint-failures", policy, "--metrics-json", metrics]))
+'''
+
+
+def run_checkpoint_fault(tmp_path, n, policy):
+    script, ckpt, metrics = tmp_path / "ckpt_fault.py", tmp_path / "ck", tmp_path / "m.json"
+    script.write_text(CKPT_SCRIPT)
+    t0 = time.perf_counter()
+    proc = run_mpi(n, script, ckpt, policy, metrics, timeout=TIMEOUT + 60)
+    elapsed = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    print(f"checkpoint write fault at {n} ranks ({policy}): rc={proc.returncode} after "
+          f"{elapsed:.1f} s\n{out[-3000:]}")
+    assert elapsed < TIMEOUT + 10, f"the job took {elapsed:.1f} s to end"
+    assert "Traceback" not in out
+    assert not list(tmp_path.glob("ck.tmp-*")), "a partial temporary directory is left"
+    return proc, out, ms.checkpoint.load(ckpt)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_s_checkpoint_write_fails_and_the_run_stops(tmp_path, n):
+    """Default policy: every rank learns of the failed save at step 4 through the writer's
+    collective verdict; rank 0 prints one line naming the rank and the cause, every rank exits
+    2, and the step-2 checkpoint is still complete and verifies (sha256 of every file)."""
+    proc, out, ckpt = run_checkpoint_fault(tmp_path, n, "stop")
+    assert proc.returncode == 2
+    errors = re.findall(r"^mpishard: error: .*$", out, re.M)
+    assert len(errors) == 1, errors
+    assert re.match(rf"mpishard: error: checkpoint save at step 4 failed: rank {n - 1}: "
+                    r"OSError: \[Errno 28\] No space left on device; the last complete "
+                    r"checkpoint \(step 2\) is intact", errors[0]), errors[0]
+    assert ckpt.step == 2
+    ckpt.verify()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_s_checkpoint_write_fails_and_training_continues(tmp_path, n):
+    """--checkpoint-failures continue: one warning line (rank 0), training goes on, the save
+    at step 6 succeeds, the metrics count one failure."""
+    proc, out, ckpt = run_checkpoint_fault(tmp_path, n, "continue")
+    assert proc.returncode == 0, out[-2000:]
+    warned = re.findall(r"WARNING .*checkpoint save at step 4 failed: rank \d: OSError", out)
+    assert len(warned) == 1, out[-2000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["checkpoint_failures"] == 1 and metrics["checkpoint_last_step"] == 6
+    assert ckpt.step == 6
+    ckpt.verify()

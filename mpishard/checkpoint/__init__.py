@@ -35,17 +35,20 @@ the one place to reach any of them:
   writer.py       `save`: blocks deduplicated over ranks, crash-consistent directory swap
   reader.py       `load`: the index, lazy memory-mapped arrays, verification, `describe`
   restorer.py     `restore`: exact resume of an engine and its optimizer
-  callback.py     the Trainer's `Checkpointer` callback and `resume`
+  callback.py     the Trainer's `Checkpointer` callback (failure policy) and `resume`
+  storage.py      retention in step folders (`latest`), the up-front directory checks
   safetensors.py  `export_safetensors` / `import_safetensors`, PyTorch's name map
 """
-from .callback import Checkpointer, resume
+from .callback import FAILURE_POLICIES, Checkpointer, resume
 from .format import FORMAT, INDEX, VERSION, CheckpointError, model_from_spec, model_spec
 from .reader import Checkpoint, LazyArray, describe, load, read_index
 from .restorer import restore
+from .storage import checkpoint_bytes, is_checkpoint, latest, preflight
 from .safetensors import export_safetensors, import_safetensors, torch_name_map
 from .writer import save
 
 __all__ = ["save", "load", "restore", "describe", "Checkpoint", "LazyArray", "CheckpointError",
            "Checkpointer", "resume", "export_safetensors", "import_safetensors",
            "torch_name_map", "model_spec", "model_from_spec", "read_index", "INDEX", "FORMAT",
-           "VERSION"]
+           "VERSION", "FAILURE_POLICIES", "checkpoint_bytes", "is_checkpoint", "latest",
+           "preflight"]

@@ -26,17 +26,22 @@ import numpy as np
 from ..comm.collectives import agree
 from .format import (FORMAT, INDEX, VERSION, CheckpointError, model_from_spec, model_spec,
                      run_captured, sha256_file, spec_text)
+from .storage import latest
 
 _OPEN_ATTEMPTS = 5          # opening retries while a concurrent save swaps the directory
 
 
 # -- load -------------------------------------------------------------------------------------
 def _resolve(path) -> str:
-    """The directory holding the complete checkpoint `path` (`path.old` mid-swap)."""
+    """The directory holding the complete checkpoint `path` (`path.old` mid-swap), or the
+    newest complete step folder of a retention directory (storage.py)."""
     path = os.path.abspath(os.fspath(path))
     for p in (path, path + ".old"):
         if os.path.isfile(os.path.join(p, INDEX)):
             return p
+    newest = latest(path)
+    if newest is not None:
+        return newest
     raise CheckpointError(f"{path} is not a checkpoint: no {INDEX} (missing, or an "
                           "incomplete save that never finished)")
 

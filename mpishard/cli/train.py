@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from ..checkpoint import INDEX, Checkpointer, resume
+from ..checkpoint import FAILURE_POLICIES, CheckpointError, Checkpointer, is_checkpoint, resume
 from ..nn.functional import ACTIVATIONS
 from ..nn.models import GPT, MLP
 from ..comm.watchdog import DEFAULT_TIMEOUT
@@ -57,7 +57,8 @@ TRAIN_DEFAULTS = {
     "param_dtype": None, "comm_dtype": None, "timeout": DEFAULT_TIMEOUT,
     "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
-    "checkpoint_dir": None, "checkpoint_every": 0, "resume": False,
+    "checkpoint_dir": None, "checkpoint_every": 0, "resume": False, "keep_last": 1,
+    "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None,
 }
@@ -118,9 +119,14 @@ def add_train_arguments(p):
       "`python -m mpishard inspect DIR` shows it")
     c("--checkpoint-every", type=int, metavar="N", help="save every N optimizer steps (0, "
       "default: only at the end)")
-    c("--resume", action="store_true", default=None, help="continue from the checkpoint in "
-      "--checkpoint-dir: parameters, optimizer state, step and data position (any layout or "
-      "world size)")
+    c("--keep-last", type=int, metavar="N", help="keep the N newest complete checkpoints as "
+      "DIR/step-NNNNNNNN/ folders, deleting older ones only after a new one is complete (1, "
+      "default: DIR is the one checkpoint)")
+    c("--checkpoint-failures", choices=FAILURE_POLICIES, help="a save that fails mid-run: "
+      "stop the run (exit 2, default) or continue training and retry at the next interval")
+    c("--resume", action="store_true", default=None, help="continue from the (newest) "
+      "checkpoint in --checkpoint-dir: parameters, optimizer state, step, data position and "
+      "shuffle (any layout or world size)")
     p.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file whose "
                    "keys mirror the flags (model = \"64,128,10\", no-progress = true, ...); "
                    "flags given on the command line win")
@@ -254,6 +260,7 @@ def _check_numbers(args):
     """Every numeric flag within its range (a flag left at None is not checked)."""
     check_flags(args, ("lr", "weight_decay", "momentum", "min_lr", "warmup", "eval_every",
                        "log_every", "seed", "checkpoint_every"), low=0)
+    check_flags(args, ("keep_last",), low=1)
     check_flags(args, ("eps", "batch", "accumulate", "n_train", "n_test", "steps", "epochs"),
                 low=0, low_open=True)
     check_flags(args, ("beta1", "beta2"), low=0, high=1)
@@ -290,9 +297,9 @@ def _validate_checkpoint_args(args):
     if not os.path.isdir(os.path.dirname(path)):
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: directory "
                          f"{os.path.dirname(path)} does not exist")
-    complete = any(os.path.isfile(os.path.join(p, INDEX)) for p in (path, path + ".old"))
+    complete = is_checkpoint(path)
     if args.resume and not complete:
-        raise UsageError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no {INDEX})")
+        raise UsageError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no index.json)")
     if not complete and os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a "
                          f"checkpoint; refusing to replace it")
@@ -335,7 +342,8 @@ def build_training(args, comm=None):
         trainer.schedule = make_lr_schedule(args.schedule, args.lr, trainer.total_steps,
                                             args.warmup, args.min_lr)
     if args.checkpoint_dir:
-        trainer.callbacks.append(Checkpointer(args.checkpoint_dir, args.checkpoint_every))
+        trainer.callbacks.append(Checkpointer(args.checkpoint_dir, args.checkpoint_every,
+                                              args.keep_last, args.checkpoint_failures))
         if args.resume:
             resume(trainer, args.checkpoint_dir)      # collective; the same error everywhere
     return trainer
@@ -344,5 +352,8 @@ def build_training(args, comm=None):
 def run_train(args) -> int:
     comm = world_comm()
     trainer = agreed(comm, lambda: build_training(args, comm))
-    metrics = trainer.fit(metrics_path=args.metrics_json)
+    try:
+        metrics = trainer.fit(metrics_path=args.metrics_json)
+    except CheckpointError as exc:      # raised on every rank alike (agreed): a clean exit 2
+        raise UsageError(str(exc)) from None
     return print_report(summary_table(metrics))
