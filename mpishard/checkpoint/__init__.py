@@ -17,6 +17,9 @@ block, plus `index.json`:
      "files":     {file: {"sha256", "bytes"}}}
 
 A chunk is the real (unpadded) region `offset[d] : offset[d] + shape[d]` of the full array.
+Under retention (`Checkpointer(keep_last=N > 1)`) DIR holds one such directory per save,
+`DIR/step-00000500/`, and `load(DIR)` opens the newest complete one (storage.py). A Trainer's
+checkpoint carries in `extra` its TrainState, data position and shuffle (callback.py).
 Every block is written once, by the lowest rank holding it; the save is crash-consistent: the
 index is written last and the new directory swapped in atomically, so at no moment is there
 no complete checkpoint (writer.py describes the steps). `load` never opens a directory
