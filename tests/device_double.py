@@ -28,7 +28,9 @@ class CopyCounter:
     staging        bytes of copies into/out of a caller's host buffer (`d.get(out=host)`,
                    `d.set(host)`: what MPI staging does)
     other_arrays   bytes of the other copies of more than one element (asarray of a host
-                   array, asnumpy, get()); scalars (float(loss)) are only in bytes and calls
+                   array, asnumpy, get())
+    scalars        bytes of the other one-element copies (float(loss), int(ids.max()),
+                   xp.asarray(a float)): bytes == staging + other_arrays + scalars
     syncs          stream synchronisations
     """
 
@@ -36,8 +38,8 @@ class CopyCounter:
         self.reset()
 
     def reset(self):
-        self.bytes, self.calls, self.staging, self.other_arrays = (
-            {"to_host": 0, "to_device": 0} for _ in range(4))
+        self.bytes, self.calls, self.staging, self.other_arrays, self.scalars = (
+            {"to_host": 0, "to_device": 0} for _ in range(5))
         self.syncs = 0
 
     def add(self, direction, a, staging=False):
@@ -47,6 +49,8 @@ class CopyCounter:
             self.staging[direction] += a.nbytes
         elif a.size > 1:
             self.other_arrays[direction] += a.nbytes
+        else:
+            self.scalars[direction] += a.nbytes
 
 
 class DeviceArray:
@@ -246,11 +250,34 @@ class DeviceModule(types.ModuleType):
         attr = getattr(np, name)
         if not callable(attr) or isinstance(attr, type):
             return attr                      # dtypes, constants (float32, pi, newaxis)
+        if isinstance(attr, np.ufunc):
+            return DeviceUfunc(attr, self)   # xp.add(...), xp.add.at(...) as cupy has them
 
         def function(*args, **kwargs):
             return self.call(attr, args, kwargs)
         function.__name__ = name
         return function
+
+
+class DeviceUfunc:
+    """A numpy ufunc on device arrays: the call and its methods (at, reduce, reduceat,
+    accumulate, outer), as cupy's ufuncs offer them; host arrays refuse as everywhere."""
+
+    def __init__(self, ufunc, module):
+        self._ufunc, self._module = ufunc, module
+        self.__name__ = ufunc.__name__
+
+    def __call__(self, *args, **kwargs):
+        return self._module.call(self._ufunc, args, kwargs)
+
+    def __getattr__(self, name):
+        attr = getattr(self._ufunc, name)
+        if not callable(attr):
+            return attr                      # nin, nout, identity
+
+        def method(*args, **kwargs):
+            return self._module.call(attr, args, kwargs)
+        return method
 
 
 def _device_args(args, kwargs):

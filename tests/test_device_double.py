@@ -122,6 +122,19 @@ def test_all_reduce_copies_exactly_one_each_way(mode):
 
 
 # -- the strategies on device arrays (MPI) ------------------------------------------------------
+def check_staged(layout, mode, size, staged, grads):
+    """The bytes the Backend staged in one step: none CUDA-aware or on one rank; under dp=2
+    the gradients, then the 8-byte loss, each way; some under every other layout."""
+    none = {"to_host": 0, "to_device": 0}
+    if mode == "cuda_aware" or size == 1:
+        assert staged == none
+    elif layout == "dp=2":
+        both = sum(g.nbytes for g in grads.values()) + 8
+        assert staged == {"to_host": both, "to_device": both}
+    else:
+        assert min(staged.values()) > 0
+
+
 def _model(kind):
     if kind == "moe":
         return ms.MoE(8, 16, 4, top_k=2, capacity_factor=2.0)
@@ -160,13 +173,7 @@ def test_train_step_on_device_arrays(kind, layout, n, mode):
     if kind != "moe":         # MoE routes on the host: probs down, counts/indices back up
         assert c.other_arrays == none         # no array crosses but for MPI staging
     assert c.staging == staged                # every staged byte is one copy, and no more
-    if mode == "cuda_aware" or comm.Get_size() == 1:
-        assert staged == none
-    elif layout == "dp=2":                    # the gradients, then the 8-byte loss
-        both = sum(g.nbytes for g in grads.values()) + 8
-        assert staged == {"to_host": both, "to_device": both}
-    else:
-        assert min(staged.values()) > 0
+    check_staged(layout, mode, comm.Get_size(), staged, grads)
     full = {k: backend.to_host(v) for k, v in engine.gather_grads(grads).items()}
     assert_close(loss, want_loss, rtol=RTOL64, what=f"{layout} {mode} loss")
     for name in want:

@@ -91,6 +91,23 @@ def leading_positions(t: int):
     return slice(0, t)
 
 
+def position_rows(pos, where):
+    """Rows `where` of a positions table: a slice, or a tuple of slices (cp: a rank's two
+    chunks) taken in order. Slices, not index arrays: no host index meets a device table."""
+    if isinstance(where, slice):
+        return pos[where]
+    return nn.array_module(pos).concatenate([pos[s] for s in where])
+
+
+def add_position_grads(dpos, where, g):
+    """Undo position_rows: add g (t, D), row by row, into the rows `where` of dpos."""
+    start = 0
+    for s in ([where] if isinstance(where, slice) else where):
+        stop = start + (s.stop - (s.start or 0))             # contiguous, step 1
+        dpos[s] += g[start:stop]
+        start = stop
+
+
 class Embedding(Layer):
     """tokens (B, T) ints -> h = embed/tokens[tokens] + embed/positions[:T]  (B, T, D).
 
@@ -112,7 +129,7 @@ class Embedding(Layer):
     def forward(self, ids, mb=0, record=True):
         table, pos = self.access.get(self.tokens, mb), self.access.get(self.positions, mb)
         where = self.token_positions(ids.shape[1])
-        h = nn.embedding_forward(table, ids) + pos[where]         # gather rows, + positions
+        h = nn.embedding_forward(table, ids) + position_rows(pos, where)   # rows, + positions
         self.save(mb, record, (ids, table.shape[0], pos.shape[0]))
         self.access.release(self.tokens, mb)
         self.access.release(self.positions, mb)
@@ -122,7 +139,7 @@ class Embedding(Layer):
         ids, n_tokens, n_positions = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
-        dpos[self.token_positions(ids.shape[1])] = dy.sum(axis=0)   # undoes + positions
+        add_position_grads(dpos, self.token_positions(ids.shape[1]), dy.sum(axis=0))  # undoes +
         self.access.add_grad(self.tokens, nn.embedding_backward(dy, ids, n_tokens))  # scatter
         self.access.add_grad(self.positions, dpos)
         return None

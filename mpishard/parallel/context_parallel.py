@@ -93,12 +93,12 @@ def shard_sequence(arr, mesh):
 def sequence_part(arr, c: int, r: int):
     """(B, T, ...) -> (B, T/c, ...): chunks r and 2c-1-r of 2c along axis 1 (ValueError when
     T does not divide by 2c or `arr` has no sequence axis)."""
-    if np.ndim(arr) < 2:
+    arr = arr if hasattr(arr, "shape") else np.asarray(arr)     # a device array stays there
+    if arr.ndim < 2:
         raise ValueError(f"cp={c} splits the sequence (axis 1): the batch needs (batch, T, ...) "
-                         f"dims, got shape {tuple(np.shape(arr))}")
-    check_cp_length(np.shape(arr)[1], c)
-    n = np.shape(arr)[1] // (2 * c)
-    arr = arr if hasattr(arr, "shape") else np.asarray(arr)
+                         f"dims, got shape {tuple(arr.shape)}")
+    check_cp_length(arr.shape[1], c)
+    n = arr.shape[1] // (2 * c)
     parts = [arr[:, g * n:(g + 1) * n] for g in chunk_ids(r, c)]
     return array_module(arr).concatenate(parts, axis=1)
 
@@ -130,8 +130,9 @@ def sequence_output(output, layout, cp):
 
 
 class TokenPositions:
-    """The global positions of the tokens cp rank r holds: t local tokens -> index array
-    (chunks r and 2c-1-r of n = t/2 each). Given to the Embedding unit."""
+    """The global positions of the tokens cp rank r holds: t local tokens -> two slices
+    (chunks r and 2c-1-r of n = t/2 each; nn.transformer.position_rows takes them, with no
+    index array to copy to a device). Given to the Embedding unit."""
 
     def __init__(self, c: int, r: int, seq_len: int):
         self.c, self.r, self.seq_len = c, r, seq_len
@@ -141,7 +142,7 @@ class TokenPositions:
             raise ValueError(f"cp={self.c}: a rank holds two equal chunks, {t} local tokens "
                              f"are {t * self.c} in all, seq_len={self.seq_len}")
         n = t // 2
-        return np.concatenate([np.arange(g * n, (g + 1) * n) for g in chunk_ids(self.r, self.c)])
+        return tuple(slice(g * n, (g + 1) * n) for g in chunk_ids(self.r, self.c))
 
 
 def pair_offset(q0: int, k0: int, n: int):

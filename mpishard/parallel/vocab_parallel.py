@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..nn import functional as nn
 from ..nn.layers import Layer
 from ..nn.losses import CrossEntropy, Loss
-from ..nn.transformer import leading_positions
+from ..nn.transformer import leading_positions, position_rows
 
 
 class VocabParallelEmbedding(Layer):
@@ -66,7 +66,7 @@ class VocabParallelEmbedding(Layer):
             lo = self.tp.rank() * h.shape[1]
         else:                            # all-reduce(sum) forward / identity backward
             h, lo = self.tp.all_reduce(partial, op="sum"), 0
-        h = h + pos[self.token_positions(t)][lo:lo + h.shape[1]]   # + this rank's positions
+        h = h + position_rows(pos, self.token_positions(t))[lo:lo + h.shape[1]]  # + positions
         self.access.release(self.tokens, mb)
         self.access.release(self.positions, mb)
         self.save(mb, record, (local, inside, table.shape[0], pos.shape[0], lo, t))
@@ -76,7 +76,8 @@ class VocabParallelEmbedding(Layer):
         local, inside, rows, n_positions, lo, t = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
-        where = xp.arange(n_positions)[self.token_positions(t)][lo:lo + dy.shape[1]]
+        mine = position_rows(xp.arange(n_positions), self.token_positions(t))  # on the device
+        where = mine[lo:lo + dy.shape[1]]
         dpos[where] = dy.sum(axis=0)                               # undoes + positions
         if self.sp:
             dy = self.tp.all_gather(dy, axis=1)                    # undoes the reduce-scatter
