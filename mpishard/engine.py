@@ -31,6 +31,7 @@ from .nn.losses import get_loss
 from .parallel.compose import compose
 from .parallel.context_parallel import shard_sequence
 from .parallel.precision import Precision
+from .parallel.tracing import trace_engine
 
 
 def _on_comm(name):
@@ -94,10 +95,10 @@ class ShardedEngine(ABC):
         return self.mesh.coord(group) if group is not None else self.device_id
 
     # -- communication statistics (per rank) ---------------------------------------------------
-    comm_bytes = property(lambda self: self.comm.stats.bytes,
-                          doc="bytes this rank sent per kind (ring-algorithm counts)")
+    comm_bytes = property(lambda self: self.comm.stats.bytes, doc="bytes sent per kind (ring)")
     comm_calls = property(lambda self: self.comm.stats.calls, doc="calls per kind")
     comm_time = property(lambda self: self.comm.stats.time, doc="seconds per kind")
+    trace = trace_engine          # engine.trace(DIR): spans of every rank -> DIR/trace.json
 
     def reset_comm_stats(self) -> None:
         self.comm.stats.reset()
@@ -141,8 +142,7 @@ class ShardedEngine(ABC):
         ...
 
     def inference_loop(self, input_stream, output_stream) -> None:
-        """Forward every array of `input_stream`, writing results to `output_stream`; returns
-        on every rank when the input is exhausted (pipelines override this)."""
+        """Forward each array of `input_stream` into `output_stream`, until it is exhausted."""
         for x in iter(input_stream):
             output_stream.write(self.predict(x) if hasattr(self, "predict") else self.forward(x))
 

@@ -25,6 +25,7 @@ from .infer import add_infer_arguments, run_infer
 from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
 from .schedule import add_schedule_arguments, run_schedule_command
+from .trace_summary import add_trace_summary_arguments, run_trace_summary
 from .train import add_train_arguments, parse_train_args, run_train
 from ..comm.watchdog import CollectiveTimeout
 from .usage import PROG, Parser, UsageError, abort_job, world_rank
@@ -39,6 +40,9 @@ COMMANDS = {
               add_train_arguments, run_train),
     "schedule": ("print a pipeline schedule's timeline, bubble and memory (no MPI needed)",
                  add_schedule_arguments, run_schedule_command),
+    "trace-summary": ("compute / comm / idle per rank of a --trace DIR, and a measured vs "
+                      "simulated pipeline Gantt PNG (no MPI needed)",
+                      add_trace_summary_arguments, run_trace_summary),
     "inspect": ("show a checkpoint (inspect CKPT) or plan a layout without MPI "
                 "(inspect --layout L --model DIMS): groups, shard shapes, memory per rank",
                 add_inspect_arguments, run_inspect),

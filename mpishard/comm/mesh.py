@@ -43,7 +43,7 @@ token mean). cp does not split rows: it is not a data axis."""
 # in the layout; () for an option of any layout)
 OPTIONS = {
     "microbatches": (int, None, ("pp",)),
-    "schedule": (str, ("gpipe", "1f1b", "interleaved"), ("pp",)),
+    "schedule": (str, ("gpipe", "1f1b", "interleaved", "zb1p"), ("pp",)),
     "virtual_stages": (int, None, ("pp",)),
     "stages": (str, None, ("pp",)),         # explicit layer split, e.g. "2+1+1"
     "zero": (int, (1, 2, 3), ("fsdp",)),

@@ -1,4 +1,5 @@
-"""Per-rank communication counters: bytes sent, calls and seconds per kind."""
+"""Per-rank communication counters: bytes sent, calls and seconds per kind; and the hook of
+a trace (comm/trace.py): with `tracer` set, every counted call is also a trace span."""
 from __future__ import annotations
 
 import time
@@ -12,11 +13,14 @@ class CommStats:
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
         self.time: Counter = Counter()
+        self.tracer = None                     # a comm.trace.Tracer while tracing
 
     def count(self, kind, nbytes, t0) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += int(nbytes)
         self.time[kind] += time.perf_counter() - t0
+        if self.tracer is not None:
+            self.tracer.comm(kind, nbytes, t0)
 
     def reset(self) -> None:
         self.bytes.clear()

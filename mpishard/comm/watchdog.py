@@ -115,6 +115,7 @@ class Watchdog:
         self.mesh = mesh
         self.where: dict = {}                 # step, microbatch: set by Comm.context
         self.groups: dict = {}                # communicator handle -> Watchdog.group
+        self.tracer = None                    # a comm.trace.Tracer while tracing: wait times
         self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
         self.base = self.arrivals.take_block() if self.timeout else 0
         active = mesh.layout.active_axes
@@ -149,6 +150,18 @@ class Watchdog:
     def collective(self, requests, what: str, comm, ticket=None) -> None:
         """Wait for a collective's requests; `ticket` from `arrive` when it was counted at
         issue (the non-blocking calls), else it is counted now."""
+        if self.tracer is not None:
+            self.traced(self.wait_collective, comm, requests, what, comm, ticket)
+        else:
+            self.wait_collective(requests, what, comm, ticket)
+
+    def traced(self, wait, comm, *args) -> None:
+        """Run `wait(*args)` and tell the tracer how long it blocked, on which group."""
+        t0 = time.perf_counter()
+        wait(*args)
+        self.tracer.blocked(self.group(comm)[2], time.perf_counter() - t0)
+
+    def wait_collective(self, requests, what: str, comm, ticket=None) -> None:
         if not self.timeout:
             MPI.Request.Waitall(requests)
             return
@@ -158,6 +171,12 @@ class Watchdog:
 
     def peer(self, requests, what: str, comm, rank: int) -> None:
         """Wait for a send or receive with rank `rank` of `comm`."""
+        if self.tracer is not None:
+            self.traced(self.wait_peer, comm, requests, what, comm, rank)
+        else:
+            self.wait_peer(requests, what, comm, rank)
+
+    def wait_peer(self, requests, what: str, comm, rank: int) -> None:
         if not self.timeout:
             MPI.Request.Waitall(requests)
         elif not self.poll(requests):

@@ -98,11 +98,19 @@ def linear_backward(dy, x, w, need_dx=True):
     db = sum_b dy              (undoes the broadcast of b over rows)
     dx = dy W^T   'bf,df->bd'   (None when the input needs no gradient)
     """
+    dw, db = linear_backward_weights(dy, x)
+    return (linear_backward_input(dy, w, x.shape) if need_dx else None), dw, db
+
+
+def linear_backward_input(dy, w, x_shape):
+    """dx = dy W^T   'bf,df->bd', reshaped to the input's shape (a zero-bubble B pass)."""
+    return einsum("bf,df->bd", dy.reshape(-1, dy.shape[-1]), w).reshape(x_shape)
+
+
+def linear_backward_weights(dy, x):
+    """(dw, db): dw = x^T dy 'bd,bf->df', db = sum_b dy (a zero-bubble W pass)."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dw = einsum("bd,bf->df", x2, dy2)
-    db = dy2.sum(axis=0)
-    dx = einsum("bf,df->bd", dy2, w).reshape(x.shape) if need_dx else None
-    return dx, dw, db
+    return einsum("bd,bf->df", x2, dy2), dy2.sum(axis=0)
 
 
 # -- layer norm and embedding ------------------------------------------------------------------

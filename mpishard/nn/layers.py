@@ -20,6 +20,8 @@ and backward are a collective and its adjoint), not by rewriting the math.
 """
 from __future__ import annotations
 
+import time
+
 from . import functional as nn
 
 
@@ -93,11 +95,24 @@ class Layer:
         """Drop what microbatch `mb` saved, if anything (a forward never backed)."""
         self.tape.pop(mb, None)
 
+    def in_flight(self):
+        """Microbatches with something saved for a backward (or a deferred W)."""
+        return self.tape.keys()
+
     def forward(self, x, mb=0, record=True):
         raise NotImplementedError
 
     def backward(self, dy, mb=0):
         raise NotImplementedError
+
+    # Zero-bubble pipelines split the backward: B = backward_input now, W = backward_weights
+    # later. By default B does the whole backward (cheap or parameter-free layers) and W nothing.
+    def backward_input(self, dy, mb=0):
+        """dL/dx alone; what the weight gradients need stays for backward_weights."""
+        return self.backward(dy, mb)
+
+    def backward_weights(self, mb=0) -> None:
+        """The weight gradients backward_input deferred for microbatch `mb`."""
 
 
 class Linear(Layer):
@@ -105,6 +120,8 @@ class Linear(Layer):
 
     forward   'bd,df->bf'   x: (B, D_local), W: (D_local, F_local)
     backward  dW = 'bd,bf->df', db = sum_b dy, dx = 'bf,df->bd'
+              split (zero bubble): backward_input gives dx and keeps (x, dy) in `deferred`,
+              backward_weights turns them into dW, db later
 
     `reduce`: a communication unit applied to the partial products x W before the bias is
     added (a row-parallel layer sums its partial products over tp there); its backward runs
@@ -118,9 +135,21 @@ class Linear(Layer):
         self.need_dx = need_dx
         self.reduce = reduce
         self.param_names = (w_name,) + ((b_name,) if b_name else ())
+        self.deferred = {}                                      # mb -> (x, dy) for the W pass
 
     def __repr__(self):
         return f"{type(self).__name__}({self.w_name})"
+
+    def in_flight(self):
+        return self.tape.keys() | self.deferred.keys()
+
+    def clear(self):
+        super().clear()
+        self.deferred.clear()
+
+    def forget(self, mb) -> None:
+        super().forget(mb)
+        self.deferred.pop(mb, None)
 
     def forward(self, x, mb=0, record=True):
         w = self.access.get(self.w_name, mb)
@@ -140,31 +169,47 @@ class Linear(Layer):
         return y
 
     def backward(self, dy, mb=0):
+        dx = self.backward_input(dy, mb)
+        self.backward_weights(mb)
+        return dx
+
+    def backward_input(self, dy, mb=0):
         x = self.pop(mb)
         if self.reduce is not None:
             dy = self.reduce.backward(dy, mb)                   # undoes the reduce
         w = self.access.get(self.w_name, mb)
-        dx, dw, db = nn.linear_backward(dy, x, w, self.need_dx)  # undoes 'bd,df->bf'
+        dx = nn.linear_backward_input(dy, w, x.shape) if self.need_dx else None  # 'bf,df->bd'
         self.access.release(self.w_name, mb)
+        self.deferred[mb] = (x, dy)
+        return dx
+
+    def backward_weights(self, mb=0) -> None:
+        x, dy = self.deferred.pop(mb)
+        dw, db = nn.linear_backward_weights(dy, x)               # undoes 'bd,df->bf' in W
         self.access.add_grad(self.w_name, dw)
         if self.b_name:
             self.access.add_grad(self.b_name, db)                # undoes the broadcast of b
-        return dx
 
 
 class Sequential:
     """Runs layers in order, the backward in reverse order: the runner of a one-stage
-    pipeline (pp=1)."""
+    pipeline (pp=1). `tracer` (comm.trace.Tracer, set while tracing): a span per layer."""
+
+    tracer = None
 
     def __init__(self, layers):
         self.layers = layers
 
     def forward(self, x, mb=0, record=True):
+        if self.tracer is not None:
+            return self.tracer.layers_forward(self.layers, x, mb, record)
         for layer in self.layers:
             x = layer.forward(x, mb, record)
         return x
 
     def backward(self, dy, mb=0):
+        if self.tracer is not None:
+            return self.tracer.layers_backward(self.layers, dy, mb)
         for layer in reversed(self.layers):
             dy = layer.backward(dy, mb)                          # undoes forward, last first
         return dy
@@ -172,7 +217,10 @@ class Sequential:
     def train_step(self, x, t, loss, grad_scale):
         """Forward, loss, backward of one batch: (this rank's local-mean loss, rows)."""
         y = self.forward(x)
+        t0 = time.perf_counter() if self.tracer is not None else 0.0
         value, dy = loss(y, t)
+        if self.tracer is not None:
+            self.tracer.span("loss", "compute", t0)
         if grad_scale != 1.0:
             dy = dy * grad_scale
         self.backward(dy)
@@ -223,6 +271,9 @@ class Composite(Layer):
         for u in self.units:
             u.forget(mb)
 
+    def in_flight(self):
+        return self.tape.keys() | set().union(*(u.in_flight() for u in self.units))
+
     def forward(self, x, mb=0, record=True):
         self.save(mb, record, True)
         for u in self.units:
@@ -234,6 +285,16 @@ class Composite(Layer):
         for u in reversed(self.units):
             dy = u.backward(dy, mb)                              # undoes forward, last first
         return dy
+
+    def backward_input(self, dy, mb=0):
+        self.pop(mb)
+        for u in reversed(self.units):
+            dy = u.backward_input(dy, mb)                        # B of each, last first
+        return dy
+
+    def backward_weights(self, mb=0) -> None:
+        for u in reversed(self.units):
+            u.backward_weights(mb)                               # W of each, same order
 
 
 class Residual(Composite):
@@ -248,3 +309,6 @@ class Residual(Composite):
 
     def backward(self, dy, mb=0):
         return dy + super().backward(dy, mb)
+
+    def backward_input(self, dy, mb=0):
+        return dy + super().backward_input(dy, mb)

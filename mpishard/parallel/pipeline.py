@@ -13,6 +13,11 @@ its row of a schedule from `schedules.py`, a plain list of actions:
 
     F(mb, c):  h = x[mb] (k = 0) or receive(stage of k-1)    forward chunk c    send(stage of k+1)
     B(mb, c):  dy = dLoss (k = last) or receive(stage of k+1) backward chunk c  send(stage of k-1)
+    W(mb, c):  weight gradients of chunk c for mb              (zero-bubble schedules only)
+
+In a zero-bubble schedule (schedule=zb1p) B runs each layer's `backward_input`: only dL/dx,
+what the previous stage waits for; a Linear keeps (x, dy) until W runs its
+`backward_weights` (dW, db) later, in what would otherwise be bubbles.
 
 send / receive are adjoint: the activation sent forward is what the gradient comes back for.
 Sends are non-blocking (Isend, kept as Futures until the step ends), so a rank never waits for
@@ -42,7 +47,7 @@ import time
 import numpy as np
 
 from ..comm.mesh import parse_layout
-from .schedules import make_schedule
+from .schedules import make_schedule, splits_backward
 from .stages import assign_stages, pipeline_options
 from .model_costs import boundary_width
 
@@ -70,6 +75,8 @@ class PipelineRunner:
         assert len(self.chunks) == self.v and all(self.chunks), "every chunk holds layers"
         # raises ValueError (e.g. interleaved with microbatches % pp != 0) before any comm
         self.schedule = make_schedule(self.schedule_name, self.pp, self.m, self.v)[self.stage]
+        self.split = splits_backward(self.schedule)       # zero bubble: B and W separately
+        self.tracer = None                                 # a comm.trace.Tracer while tracing
         self._sends = []
         self._idle = 0.0
         self._peak = 0
@@ -96,6 +103,8 @@ class PipelineRunner:
         t0 = time.perf_counter()
         arr = future.result()
         self._idle += time.perf_counter() - t0
+        if self.tracer is not None:
+            self.tracer.span("wait", "wait", t0)
         return arr
 
     def _drain_sends(self, keep=0):
@@ -106,21 +115,35 @@ class PipelineRunner:
 
     def _stashed(self):
         """Microbatch-chunks with a saved activation, read off the layers' tapes."""
-        return sum(len(set().union(*(layer.tape.keys() for layer in chunk)))
+        return sum(len(set().union(*(layer.in_flight() for layer in chunk)))
                    for chunk in self.chunks)
 
     # -- one chunk: forward and backward side by side ------------------------------------------
     def _chunk_forward(self, c, h, mb, record):
-        for layer in self.chunks[c]:
-            h = layer.forward(h, mb, record)
+        if self.tracer is not None:
+            h = self.tracer.layers_forward(self.chunks[c], h, mb, record)
+        else:
+            for layer in self.chunks[c]:
+                h = layer.forward(h, mb, record)
         if record:
             self._peak = max(self._peak, self._stashed())
         return h
 
-    def _chunk_backward(self, c, dy, mb):
+    def _chunk_backward(self, c, dy, mb, method="backward"):
+        """`method`: 'backward', or 'backward_input' (a zero-bubble B: weights deferred)."""
+        if self.tracer is not None:
+            return self.tracer.layers_backward(self.chunks[c], dy, mb, method)
         for layer in reversed(self.chunks[c]):         # undoes _chunk_forward, last layer first
-            dy = layer.backward(dy, mb)
+            dy = getattr(layer, method)(dy, mb)
         return dy
+
+    def _chunk_weights(self, c, mb):
+        """A zero-bubble W: the weight gradients the B of (mb, c) deferred."""
+        if self.tracer is not None:
+            return self.tracer.layers_weights(self.chunks[c], mb)
+        for layer in reversed(self.chunks[c]):
+            layer.backward_weights(mb)
+        return None
 
     # -- single passes (engine.forward / predict / backward) -----------------------------------
     def forward(self, x, mb=0, record=True):
@@ -167,6 +190,31 @@ class PipelineRunner:
             raise ValueError("the last pipeline stage needs the targets t (got None)")
         return rows
 
+    def _post_step_receives(self):
+        """Post every receive of the step now (distinct tags): messages land as they come."""
+        pending, last_k = {}, self.n_virtual - 1
+        for a in self.schedule:
+            k = self._k(a.chunk)
+            if a.kind == "F" and k > 0:
+                pending[a] = self._post_receive(k - 1, a.microbatch, a.chunk, ACT)
+            elif a.kind == "B" and k < last_k:
+                pending[a] = self._post_receive(k + 1, a.microbatch, a.chunk, GRAD)
+        return pending
+
+    def _loss(self, loss, y, t, mb, scale):
+        """(local-mean loss of microbatch mb, its dy scaled: the mean over microbatches)."""
+        t0 = time.perf_counter()
+        value, dy = loss(y, t)
+        if self.tracer is not None:
+            self.tracer.span("loss", "compute", t0, mb=mb)
+        return value, dy * scale
+
+    def _trace_actions(self, timeline, t_start):
+        for a, t0, t1 in timeline:
+            self.tracer.span(f"{a.kind}{a.microbatch}" + (f"/{a.chunk}" if self.v > 1 else ""),
+                             "action", t_start + t0, t_start + t1, kind=a.kind,
+                             microbatch=a.microbatch, chunk=a.chunk, stage=self.stage)
+
     def train_step(self, x, t, loss, grad_scale):
         """Forward + loss + backward of every microbatch in schedule order.
 
@@ -178,30 +226,26 @@ class PipelineRunner:
         ts = [t[i * b:(i + 1) * b] for i in range(m)] if self.stage == self.pp - 1 else None
         t_start = time.perf_counter()
         self._idle, self._peak, busy = 0.0, self._stashed(), 0.0
-        # post every receive of the step now (distinct tags): messages land as they come
-        pending = {}
-        for a in self.schedule:
-            k = self._k(a.chunk)
-            if a.kind == "F" and k > 0:
-                pending[a] = self._post_receive(k - 1, a.microbatch, a.chunk, ACT)
-            elif a.kind == "B" and k < last_k:
-                pending[a] = self._post_receive(k + 1, a.microbatch, a.chunk, GRAD)
+        pending = self._post_step_receives()
         dys, values, timeline = {}, [], []
+        backward = "backward_input" if self.split else "backward"
         for a in self.schedule:
             mb, c, k = a.microbatch, a.chunk, self._k(a.chunk)
             self.comm.context(microbatch=mb)                     # for a CollectiveTimeout
-            if a.kind == "F":
+            if a.kind == "W":                                    # weight gradients of B(mb)
+                t0 = time.perf_counter()
+                self._chunk_weights(c, mb)
+            elif a.kind == "F":
                 h = xs[mb] if k == 0 else self._wait(pending.pop(a))
                 t0 = time.perf_counter()
                 y = self._chunk_forward(c, h, mb, record=True)
                 if k == last_k:                                  # the loss lives here
-                    value, dy = loss(y, ts[mb])
+                    value, dys[mb] = self._loss(loss, y, ts[mb], mb, grad_scale / m)
                     values.append(value)
-                    dys[mb] = dy * (grad_scale / m)              # mean over microbatches
             else:
                 g = dys.pop(mb) if k == last_k else self._wait(pending.pop(a))
                 t0 = time.perf_counter()
-                g = self._chunk_backward(c, g, mb)
+                g = self._chunk_backward(c, g, mb, backward)
             t1 = time.perf_counter()
             busy += t1 - t0
             timeline.append((a, t0 - t_start, t1 - t_start))
@@ -213,6 +257,8 @@ class PipelineRunner:
         self.comm.context(microbatch=None)
         self._drain_sends()
         step = time.perf_counter() - t_start
+        if self.tracer is not None:                              # the actions, on the clock
+            self._trace_actions(timeline, t_start)
         self.stats.update(
             schedule=self.schedule_name, pp=self.pp, stage=self.stage, microbatches=m,
             virtual_stages=self.v, peak_stashed=self._peak, idle_s=self._idle, busy_s=busy,

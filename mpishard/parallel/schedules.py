@@ -12,6 +12,9 @@ Megatron order: stage 0 holds virtual stages 0, pp, 2pp, ...). Dependencies:
 - F(mb) at virtual stage k needs F(mb) at k-1 (stage (k-1) % pp, chunk (k-1) // pp);
 - B(mb) at virtual stage k needs B(mb) at k+1; the last virtual stage's B needs its own F,
   because the loss lives there.
+- Zero-bubble schedules split each backward in two: B computes only the input gradient (what
+  the previous stage waits for) and W(mb) the weight gradients, later, on the same stage; W
+  needs its own B and nothing waits for W, so W passes fill what would be bubbles.
 
 ``simulate`` runs a discrete-event model of that: each stage executes its list strictly in
 order; an action starts when its stage is free and its dependency has finished (+ ``t_comm``
@@ -24,10 +27,10 @@ from dataclasses import dataclass
 from ..validate import check_number
 
 Action = namedtuple('Action', 'kind microbatch chunk')
-Action.__doc__ = ("One pass: kind 'F' or 'B', microbatch 0..m-1, "
+Action.__doc__ = ("One pass: kind 'F', 'B' or 'W', microbatch 0..m-1, "
                   "chunk 0..v-1 (virtual chunk on this stage).")
 
-SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb1p')
 
 
 class ScheduleError(ValueError):
@@ -106,8 +109,40 @@ def _interleaved(pp, m, v):
     return schedule
 
 
+def _zb_h1(pp, m):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B with each backward
+    split into B (input gradient) and W (weight gradients). Stage s runs 1F1B's F/B order and
+    puts W(j - s) after B(j): stage s keeps s weight-gradient passes in hand for the cool-down,
+    where 1F1B idles, so at most pp microbatches are in flight on any stage (F done, W not),
+    1F1B's peak (stage 0's). pp=4, m=6, F = B = W = one cell:
+
+        stage 0 | F0 F1 F2 F3 .. .. .. B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5
+        stage 1 | .. F0 F1 F2 .. .. B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5
+        stage 2 | .. .. F0 F1 .. B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5
+        stage 3 | .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
+
+    Bubble (p-1)/(3m+p-1) with F = B = W: a third of 1F1B's (p-1) (t_F + t_B) idle time.
+    """
+    schedule = []
+    for s in range(pp):
+        warmup = min(pp - s - 1, m)
+        actions = [Action('F', i, 0) for i in range(warmup)]
+        done_w = 0
+        for j in range(m):
+            if warmup + j < m:
+                actions.append(Action('F', warmup + j, 0))
+            actions.append(Action('B', j, 0))
+            if j >= s:                               # W(j - s): s passes held back
+                actions.append(Action('W', done_w, 0))
+                done_w += 1
+        actions += [Action('W', i, 0) for i in range(done_w, m)]   # the held ones, last
+        schedule.append(actions)
+    return schedule
+
+
 def make_schedule(name, pp, microbatches, virtual_stages=1):
-    """Return ``schedule[stage] -> list[Action]`` for 'gpipe', '1f1b' or 'interleaved'."""
+    """Return ``schedule[stage] -> list[Action]`` for 'gpipe', '1f1b', 'interleaved' or
+    'zb1p' (whose backwards are split into B and W actions)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid schedules: {', '.join(SCHEDULES)}")
     _check_sizes(pp, microbatches, virtual_stages)
@@ -122,7 +157,8 @@ def make_schedule(name, pp, microbatches, virtual_stages=1):
     if virtual_stages != 1:
         raise ValueError(f"{name} schedule needs virtual_stages == 1, got {virtual_stages} "
                          f"(use 'interleaved')")
-    return _gpipe(pp, microbatches) if name == 'gpipe' else _one_f_one_b(pp, microbatches)
+    builder = {'gpipe': _gpipe, '1f1b': _one_f_one_b, 'zb1p': _zb_h1}[name]
+    return builder(pp, microbatches)
 
 
 # ---------------------------------------------------------------------------------- simulation
@@ -140,12 +176,21 @@ class ScheduleStats:
     t_forward: float = 1.0
     t_backward: float = 2.0
     t_comm: float = 0.0
+    t_weight: float = 0.0           # split backwards: W's share of t_backward (0: not split)
+
+
+def splits_backward(schedule) -> bool:
+    """Whether ``schedule`` (one stage's actions, or all stages') has W actions."""
+    rows = schedule if schedule and isinstance(schedule[0], list) else [schedule]
+    return any(a[0] == 'W' for row in rows for a in row)
 
 
 def dependency(stage, action, pp, virtual_stages=1):
     """(stage, Action) that must finish before ``action`` can run on ``stage``; None if none."""
     kind, mb, chunk = action
     k = chunk * pp + stage                      # virtual stage index
+    if kind == 'W':                             # weight gradients: after this stage's B
+        return stage, Action('B', mb, chunk)
     if kind == 'F':
         return None if k == 0 else ((k - 1) % pp, Action('F', mb, (k - 1) // pp))
     if k == pp * virtual_stages - 1:            # the loss is here: B follows its own F
@@ -156,28 +201,32 @@ def dependency(stage, action, pp, virtual_stages=1):
 def _check_structure(schedule, pp, m, v):
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} stages, expected pp={pp}")
+    kinds = 'FBW' if splits_backward(schedule) else 'FB'     # split: every stage, every pass
     for s, actions in enumerate(schedule):
         seen = set()
         for i, a in enumerate(actions):
-            if a.kind not in ('F', 'B') or not 0 <= a.microbatch < m or not 0 <= a.chunk < v:
+            if a.kind not in kinds or not 0 <= a.microbatch < m or not 0 <= a.chunk < v:
                 raise ScheduleError(f"stage {s} action {i} {a} is out of range "
-                                    f"(kind F/B, microbatches={m}, virtual_stages={v})")
+                                    f"(kind F/B/W, microbatches={m}, virtual_stages={v})")
             if a in seen:
                 raise ScheduleError(f"stage {s} runs {a} twice (action {i})")
-            if a.kind == 'B' and Action('F', a.microbatch, a.chunk) not in seen:
-                raise ScheduleError(f"stage {s} runs {a} (action {i}) before its forward")
+            before = {'B': 'F', 'W': 'B'}.get(a.kind)
+            if before and Action(before, a.microbatch, a.chunk) not in seen:
+                raise ScheduleError(f"stage {s} runs {a} (action {i}) before its "
+                                    f"{'forward' if before == 'F' else 'input gradient B'}")
             seen.add(a)
-        missing = [Action(k, i, c) for i in range(m) for c in range(v) for k in 'FB'
+        missing = [Action(k, i, c) for i in range(m) for c in range(v) for k in kinds
                    if Action(k, i, c) not in seen]
         if missing:
             raise ScheduleError(f"stage {s} is missing {len(missing)} action(s): {missing[:4]}")
 
 
 def simulate(schedule, pp, microbatches, virtual_stages=1, t_forward=1.0, t_backward=2.0,
-             t_comm=0.0):
+             t_comm=0.0, t_weight=None):
     """Check ``schedule`` and run it as a discrete-event simulation; return ScheduleStats.
 
-    A chunk's forward takes t_forward / v and its backward t_backward / v. Raises ScheduleError
+    A chunk's forward takes t_forward / v and its backward t_backward / v; a split backward's
+    W takes t_weight / v (default half the backward) and its B the rest. Raises ScheduleError
     for a malformed schedule or a deadlock (naming the stuck stages and their next actions).
     """
     _check_sizes(pp, microbatches, virtual_stages)
@@ -187,7 +236,11 @@ def simulate(schedule, pp, microbatches, virtual_stages=1, t_forward=1.0, t_back
     v = virtual_stages
     schedule = [[Action(*a) for a in actions] for actions in schedule]
     _check_structure(schedule, pp, microbatches, v)
-    duration = {'F': t_forward / v, 'B': t_backward / v}
+    split = splits_backward(schedule)
+    t_weight = (t_backward / 2 if t_weight is None else t_weight) if split else 0.0
+    if not 0 <= t_weight < t_backward:
+        raise ValueError(f"need 0 <= t_weight < t_backward, got {t_weight}, {t_backward}")
+    duration = {'F': t_forward / v, 'B': (t_backward - t_weight) / v, 'W': t_weight / v}
     finished = {}                               # (stage, Action) -> end time
     pos, free = [0] * pp, [0.0] * pp
     timeline = [[] for _ in range(pp)]
@@ -216,12 +269,12 @@ def simulate(schedule, pp, microbatches, virtual_stages=1, t_forward=1.0, t_back
     peaks = []
     for actions in schedule:
         live = peak = 0
-        for a in actions:
-            live += 1 if a.kind == 'F' else -1
+        for a in actions:                       # split: what B keeps lives until W
+            live += 1 if a.kind == 'F' else -1 if a.kind == ('W' if split else 'B') else 0
             peak = max(peak, live)
         peaks.append(peak)
     return ScheduleStats(makespan, 1.0 - busy / (pp * makespan), peaks, timeline, pp,
-                         microbatches, v, t_forward, t_backward, t_comm)
+                         microbatches, v, t_forward, t_backward, t_comm, t_weight)
 
 
 def validate(schedule, pp, microbatches, virtual_stages=1):
@@ -257,9 +310,10 @@ def render_timeline(timeline, pp=None, microbatches=None, virtual_stages=None, w
         stats = simulate(timeline, len(timeline) if pp is None else pp,
                          microbatches or 1 + max((a.microbatch for a in acts), default=0),
                          virtual_stages or 1 + max((a.chunk for a in acts), default=0),
-                         t_forward=1.0, t_backward=1.0)
+                         t_forward=1.0, t_backward=2.0 if splits_backward(timeline) else 1.0)
     v = stats.virtual_stages
-    cell = min(stats.t_forward, stats.t_backward) / v
+    cell = min(stats.t_forward, *(t for t in (stats.t_backward - stats.t_weight,
+                                             stats.t_weight) if t > 0)) / v
     ncells = int(round(stats.makespan / cell))
     cw = max(2, max(len(action_label(a, v)) for row in stats.start_times for a, _, _ in row))
     lines = []

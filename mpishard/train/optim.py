@@ -32,6 +32,7 @@ stored parameter; gradients are fp32 already.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class Optimizer:
         self.shards = engine.optimizer_shards          # -> [(name, param, grad, replication)]
         self.after_step = engine.after_optimizer_step  # ZeRO-1/2 re-gather the slices there
         self.xp, self.dtype, self.to_host = engine.xp, engine.dtype, engine.backend.to_host
+        self.comm_stats = engine.comm.stats   # .tracer: a span per step while tracing
         self.lr = lr                    # checked by the setter below
         self.weight_decay = check_number("weight_decay", weight_decay, low=0)
         self.state: dict = {}           # name -> {'step': int, arrays shaped like the block}
@@ -70,6 +72,7 @@ class Optimizer:
         if grads is not None and not isinstance(grads, dict):
             raise TypeError(f"step(grads): grads must be the dict from train_step, got "
                             f"{type(grads).__name__}")
+        t0 = time.perf_counter()
         for name, param, grad, _ in self.shards():
             if param.dtype == self.dtype:
                 self.update(name, param, grad)
@@ -78,6 +81,8 @@ class Optimizer:
                 self.update(name, master, grad)
                 param[...] = master                   # rounded to the stored dtype
         self.after_step()
+        if self.comm_stats.tracer is not None:
+            self.comm_stats.tracer.span("optimizer step", "compute", t0)
 
     def master(self, name, param):
         """The fp32 master weights of a 16-bit parameter block: optimizer state 'master' (so
