@@ -3,6 +3,7 @@
 #   make demo          train a small byte-level GPT on 4 MPI ranks (dp=2,tp=2), then sample from it
 #   make demo-digits   train an MLP on scikit-learn digits on 4 MPI ranks (dp=2,tp=2)
 #   make test          serial tests, then the MPI tests at 1, 2, 4 and 8 ranks
+#   make soak          a long dp=2 run with checkpoints: memory flat, no request or fd leaked
 #
 # Every variable below can be overridden on the command line, for example
 #   make test MPIEXEC=mpiexec MPIEXEC_FLAGS="-f hostfiles/localhost-mpich"
@@ -26,6 +27,9 @@ TEST_SIZES    ?= 1 2 4 8
 BLAS_THREADS  ?= 1
 BENCH_EXTRAS  ?= dev,bench
 BENCH_TIMEOUT ?= 3600
+# `make soak`: benchmarks/soak.py on SOAK_NP ranks (dp), not part of `make test`.
+SOAK_NP       ?= 2
+SOAK_ARGS     ?= --steps 10000 --checkpoint-every 500
 
 # `make demo`: a GPT on the Python standard library's source (read from this interpreter,
 # never downloaded), sized for about 2.5 minutes on 2 shared cores; then SAMPLE_ARGS on one rank.
@@ -49,7 +53,7 @@ STAMP     = $(VENV)/.installed
 MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
-.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) bench lint clean
+.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) soak bench lint clean
 
 help:
 	@echo "make venv | install   create $(VENV) and pip install -e '.[dev]' (MPICH wheel included)"
@@ -58,10 +62,11 @@ help:
 	@echo "make test             test-serial, then $(MPI_TESTS)"
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
+	@echo "make soak             benchmarks/soak.py on $(SOAK_NP) ranks (SOAK_ARGS): RSS growth, pending requests, fds"
 	@echo "make bench            benchmarks/run_all.py"
 	@echo "make lint             ruff check"
 	@echo "make clean            remove $(VENV), build artefacts, caches and demo outputs"
-	@echo "variables: PYTHON VENV MPIEXEC MPIEXEC_FLAGS NP TIMEOUT TEST_SIZES BLAS_THREADS DEMO_ARGS SAMPLE_ARGS DEMO_CKPT DIGITS_ARGS"
+	@echo "variables: PYTHON VENV MPIEXEC MPIEXEC_FLAGS NP TIMEOUT TEST_SIZES BLAS_THREADS DEMO_ARGS SAMPLE_ARGS DEMO_CKPT DIGITS_ARGS SOAK_NP SOAK_ARGS"
 
 # --- environment -----------------------------------------------------------------------
 $(STAMP): setup.py pyproject.toml
@@ -103,6 +108,11 @@ test-serial: $(STAMP)
 $(MPI_TESTS): test-%: $(STAMP)
 	@echo "==> test-$*: MPI tests on $* rank(s), timeout $(TIMEOUT) s"
 	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests
+
+# --- soak (not in `make test`) ---------------------------------------------------------
+soak: $(STAMP)
+	@echo "==> soak: $(SOAK_NP) ranks: benchmarks/soak.py $(SOAK_ARGS)"
+	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(SOAK_NP) $(PY) -m mpi4py benchmarks/soak.py $(SOAK_ARGS)
 
 # --- benchmarks and lint ---------------------------------------------------------------
 bench: $(STAMP)

@@ -39,6 +39,7 @@ setup(
             "mpich",
             "pytest>=7",
             "pytest-mpi>=0.6",
+            "hypothesis>=6",       # property-based tests (tests/test_properties*.py)
             "scikit-learn>=1.2",
             "matplotlib>=3.5",
             "safetensors>=0.4",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import tokenize
 from collections.abc import Mapping
 
 import numpy as np
@@ -59,9 +60,9 @@ def read_index(path) -> dict:
     """The parsed index.json of checkpoint `path` (checked for format and version)."""
     d = _resolve(path)
     try:
-        with open(os.path.join(d, INDEX)) as f:
+        with open(os.path.join(d, INDEX), encoding="utf-8") as f:
             index = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:        # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{d}/{INDEX} cannot be read: {e}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{d}/{INDEX} is not an mpishard checkpoint index")
@@ -203,6 +204,14 @@ class Checkpoint(Mapping):
 
     def _check_files_unsafe(self) -> None:
         int(self.index.get("step", 0))
+        if not isinstance(self.index.get("model", {}), dict):
+            raise TypeError("model is not a table")
+        for name, st in (self._optimizer.get("state") or {}).items():   # tables, where read
+            scalars = st.get("scalars", {}) if isinstance(st, dict) else None
+            if not (isinstance(scalars, dict) and isinstance(st["tensors"], dict) and all(
+                    isinstance(v, (int, float, str, type(None))) for v in scalars.values())):
+                raise TypeError(f"optimizer state of {name!r} is not a table of scalars and "
+                                f"tensors")
         files = self.index.get("files", {})
         for fname, info in files.items():
             full = os.path.join(self.path, fname)
@@ -244,7 +253,8 @@ class Checkpoint(Mapping):
                     read = (fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0)
                             else fmt.read_array_header_2_0)
                     shape, _, dtype = read(f)
-                except ValueError as e:
+                except (ValueError, SyntaxError, tokenize.TokenError, TypeError,
+                        MemoryError) as e:  # a damaged header (numpy parses it as a literal)
                     raise CheckpointError(f"checkpoint {self.path}: {fname} is not a valid "
                                           f".npy file: {e}") from None
             self._shapes[fname], self._dtypes[fname] = tuple(shape), np.dtype(dtype)
@@ -352,7 +362,8 @@ def describe(path) -> str:
     opt_state = ckpt._optimizer.get("state") or {}
     if opt_state:
         keys = sorted({k for st in opt_state.values() for k in st["tensors"]})
-        steps = sorted({st["scalars"].get("step") for st in opt_state.values()} - {None})
+        steps = sorted({st.get("scalars", {}).get("step") for st in opt_state.values()}
+                       - {None}, key=str)
         lines.append(f"  opt state  {', '.join(keys)} for {len(opt_state)} tensors, "
                      f"step {', '.join(map(str, steps)) or '-'}")
     if ckpt.extra:

@@ -23,6 +23,8 @@ from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..engine import make_engine
 from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
 from ..train.lr import make_lr_schedule
+from ..train.nonfinite import DEFAULT_MAX_NONFINITE, NONFINITE_POLICIES
+from ..train.npy_data import is_npy_name, load_npy_dataset, npy_task
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
 from .gpt_options import (TEXT_DATASET, add_gpt_arguments, gpt_model_and_data, gpt_spec_text,
@@ -60,7 +62,7 @@ TRAIN_DEFAULTS = {
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": False, "keep_last": 1,
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
-    "train_stride": None,
+    "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
 }
 DEFAULT_EPOCHS = 10
 
@@ -82,8 +84,9 @@ def add_train_arguments(p):
           "float32 (float16: dynamic loss scaling); default: --dtype")
     add_device_arguments(m, default=None)
     d = _recording(p.add_argument_group("data"), options)
-    d("--dataset", choices=DATASETS + (TEXT_DATASET,), help="default digits (text with "
-      "--model gpt: byte windows of --corpus)")
+    d("--dataset", type=_dataset_name, help=f"{', '.join(DATASETS + (TEXT_DATASET,))} or "
+      "npy:DIR (memory-mapped DIR/x.npy, y.npy, optional x_test.npy, y_test.npy; needs "
+      "--model); default digits (text with --model gpt: byte windows of --corpus)")
     d("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for regression, "
       "cross_entropy for classes, bce for one output (sigmoid added)")
     d("--n-train", type=int, help="synthetic sets: training rows (default 1024)")
@@ -107,6 +110,10 @@ def add_train_arguments(p):
     o("--steps", type=int, help="optimizer steps (instead of --epochs)")
     o("--accumulate", type=int, help="micro-steps per optimizer step (1)")
     o("--clip", type=float, help="max global gradient norm (off)")
+    o("--on-nonfinite", choices=NONFINITE_POLICIES, help="a step with inf/nan loss: stop "
+      "training with one error line (stop, default), or drop its update and go on (skip)")
+    o("--max-nonfinite", type=int, metavar="K", help="skip: stop after K non-finite steps in "
+      f"a row (default {DEFAULT_MAX_NONFINITE})")
     r = _recording(p.add_argument_group("reporting"), options)
     r("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
     r("--log-every", type=int, help="log the loss every N steps (50; 0: never)")
@@ -132,6 +139,14 @@ def add_train_arguments(p):
                    "flags given on the command line win")
     p.config_options = options
     return p
+
+
+def _dataset_name(text):
+    """--dataset: a built-in name or npy:DIR."""
+    if text in DATASETS + (TEXT_DATASET,) or (is_npy_name(text) and len(text) > 4):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
+                                     f"{', '.join(DATASETS + (TEXT_DATASET,))} or npy:DIR)")
 
 
 def _recording(group, options: dict):
@@ -218,6 +233,8 @@ def validate_train_args(args, world_size: int):
     if args.layout is None:
         args.layout = default_layout(world_size)
     layout = checked_layout(args.layout, world_size)
+    if args.model is None and is_npy_name(args.dataset):
+        raise UsageError(f"--dataset {args.dataset} needs --model D_IN,...,D_OUT")
     if args.model is None:
         args.model = DATASET_MODELS[args.dataset]
     gpt = validate_gpt_args(args, layout)              # None: an MLP on a table data set
@@ -245,7 +262,7 @@ def validate_train_args(args, world_size: int):
         raise UsageError(f"--batch {args.batch} must divide by --accumulate {args.accumulate} "
                          f"x {dp} data-parallel ranks of layout {layout.text!r} = "
                          f"{args.accumulate * dp}")
-    if args.dataset not in ("digits", TEXT_DATASET) and args.batch > args.n_train:
+    if args.dataset.startswith("synthetic") and args.batch > args.n_train:
         raise UsageError(f"--batch {args.batch} is larger than --n-train {args.n_train}")
     _validate_checkpoint_args(args)
     if args.metrics_json:
@@ -261,8 +278,8 @@ def _check_numbers(args):
     check_flags(args, ("lr", "weight_decay", "momentum", "min_lr", "warmup", "eval_every",
                        "log_every", "seed", "checkpoint_every"), low=0)
     check_flags(args, ("keep_last",), low=1)
-    check_flags(args, ("eps", "batch", "accumulate", "n_train", "n_test", "steps", "epochs"),
-                low=0, low_open=True)
+    check_flags(args, ("eps", "batch", "accumulate", "n_train", "n_test", "steps", "epochs",
+                       "max_nonfinite"), low=0, low_open=True)
     check_flags(args, ("beta1", "beta2"), low=0, high=1)
     if args.clip is not None and math.isfinite(args.clip):
         # a non-finite clip is left to the Trainer, whose message states the whole rule:
@@ -277,8 +294,15 @@ def _fitting_loss(args, dims) -> str:
                          f"features and {DIGITS_CLASSES} classes, so the model must be "
                          f"{DIGITS_FEATURES},...,{DIGITS_CLASSES}")
     # the one loss that fits the dataset (one class output: bce, sigmoid added)
-    fits = {"synthetic-regression": "mse", "digits": "cross_entropy",
-            "synthetic-classification": "bce" if dims[-1] == 1 else "cross_entropy"}
+    if is_npy_name(args.dataset):
+        try:
+            fits = {args.dataset: "cross_entropy" if npy_task(args.dataset) == "classification"
+                    else "mse"}
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    else:
+        fits = {"synthetic-regression": "mse", "digits": "cross_entropy",
+                "synthetic-classification": "bce" if dims[-1] == 1 else "cross_entropy"}
     loss = args.loss or fits[args.dataset]
     if loss != fits[args.dataset]:
         raise UsageError(f"--loss {loss} does not fit dataset {args.dataset} with {dims[-1]} "
@@ -313,6 +337,9 @@ def build_training(args, comm=None):
     layout, dims, loss = validate_train_args(args, comm.Get_size())
     if isinstance(dims, GPT):
         model, data = gpt_model_and_data(args, dims)
+    elif is_npy_name(args.dataset):
+        data = load_npy_dataset(args.dataset, dims[0], dims[-1])
+        model = MLP(dims, activation=args.activation)
     else:
         data = load_dataset(args.dataset, d_in=dims[0], d_out=dims[-1], n_train=args.n_train,
                             n_test=args.n_test, seed=args.seed)
@@ -337,7 +364,8 @@ def build_training(args, comm=None):
     trainer = Trainer(engine, opt, data, loss, batch=args.batch, steps=args.steps,
                       epochs=args.epochs, accumulate=args.accumulate, clip=args.clip,
                       eval_every=args.eval_every, log_every=args.log_every, seed=args.seed,
-                      progress=not args.no_progress, logger=log)
+                      progress=not args.no_progress, logger=log,
+                      on_nonfinite=args.on_nonfinite, max_nonfinite=args.max_nonfinite)
     if args.schedule != "constant" or args.warmup:
         trainer.schedule = make_lr_schedule(args.schedule, args.lr, trainer.total_steps,
                                             args.warmup, args.min_lr)

@@ -63,9 +63,14 @@ class Future:
     finish: run once on completion, its value is the result. release: run after it, e.g. to
     hand this request's host staging buffers back to the Backend's pool. wait: how `result()`
     waits for the requests (the Comm's watchdog: bounded; default MPI Waitall).
+    `Future.in_flight` counts the Futures of this process not yet completed (the soak test,
+    benchmarks/soak.py, checks it returns to 0: no request left pending).
     """
 
+    in_flight = 0
+
     def __init__(self, requests, finish=None, keep=(), release=None, wait=None):
+        Future.in_flight += 1
         self._requests = list(requests)
         self._wait = wait or MPI.Request.Waitall
         self._finish = finish
@@ -91,6 +96,7 @@ class Future:
 
     def _complete(self):
         self._done = True
+        Future.in_flight -= 1
         self._value = self._finish() if self._finish is not None else None
         if self._release is not None:
             self._release()

@@ -21,6 +21,20 @@ from ..validate import check_number
 from .optim import clip_grad_norm
 
 
+def nonfinite_gradients(engine, multiply=None) -> bool:
+    """True when a gradient block on ANY rank holds inf/nan: one all_reduce(max) of a flag
+    over the whole world, so every rank gets the same answer. `multiply` first scales this
+    rank's blocks in place (the scaler's unscale)."""
+    bad = 0.0
+    for _, _, g, _ in engine.optimizer_shards():
+        if multiply is not None:
+            g *= multiply
+        if g.size and not bool(engine.xp.isfinite(g).all()):
+            bad = 1.0
+    flag = engine.all_reduce(np.array([bad], dtype=np.float64), op="max", group=None)
+    return bool(engine.backend.to_host(flag)[0] > 0)
+
+
 class GradScaler:
     """Loss scale of one engine; keeps `optimizer_shards`, `all_reduce` and `backend` of it."""
 
@@ -38,15 +52,7 @@ class GradScaler:
     def unscale(self) -> bool:
         """Divide this rank's gradient blocks by the scale in place; True when a gradient on
         any rank is inf/nan (collective over the whole world: one all_reduce(max))."""
-        e = self.engine
-        inv = 1.0 / self.scale
-        bad = 0.0
-        for _, _, g, _ in e.optimizer_shards():
-            g *= inv
-            if g.size and not bool(e.xp.isfinite(g).all()):
-                bad = 1.0
-        flag = e.all_reduce(np.array([bad], dtype=np.float64), op="max", group=None)
-        return bool(e.backend.to_host(flag)[0] > 0)
+        return nonfinite_gradients(self.engine, 1.0 / self.scale)
 
     def update(self, found_inf: bool) -> None:
         """Back off after an overflow; grow after growth_interval finite steps in a row."""
@@ -82,4 +88,4 @@ class GradScaler:
         self.skipped_steps = int(sd["skipped_steps"])
 
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "nonfinite_gradients"]

@@ -34,6 +34,7 @@ from ..nn.losses import get_loss
 from ..parallel.stages import pipeline_options
 from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
+from .nonfinite import DEFAULT_MAX_NONFINITE, NonFiniteGuard, quiet
 from .optim import clip_grad_norm
 from .scaler import GradScaler
 from .text import language_metrics, sequence_cut, window_loss
@@ -131,12 +132,16 @@ class Trainer:
     callbacks : Callback objects (checkpointing, custom metrics)
     scaler : a scaler.GradScaler (dynamic loss scaling), or None: one is made when the engine
              stores or communicates float16 (engine.precision), none otherwise
+    on_nonfinite, max_nonfinite : 'stop' (a non-finite loss ends training) or 'skip' (drop the
+             update of a step with non-finite loss or gradients; max_nonfinite in a row end
+             training); see nonfinite.py
     """
 
     def __init__(self, engine, optimizer, data: Dataset, loss=None, *, batch=64, steps=None,
                  epochs=None, accumulate=1, clip=None, schedule=None, eval_every=0,
                  log_every=50, seed=0, progress=True, callbacks=(), logger=None,
-                 shuffle=True, scaler=None):
+                 shuffle=True, scaler=None, on_nonfinite="stop",
+                 max_nonfinite=DEFAULT_MAX_NONFINITE):
         if (steps is None) == (epochs is None):
             raise ValueError(f"give exactly one of steps and epochs (got steps={steps}, "
                              f"epochs={epochs})")
@@ -172,10 +177,16 @@ class Trainer:
         if scaler is None and engine.precision.needs_loss_scaling:
             scaler = GradScaler(engine)
         self.scaler = scaler
+        self.nonfinite = NonFiniteGuard(engine, on_nonfinite, max_nonfinite,
+                                        check_gradients=scaler is None)
 
     # -- one optimizer step ----------------------------------------------------------------------
     def train_step(self) -> float:
         """Run the k micro-steps, clip, update; returns the step's global mean loss."""
+        with quiet():                 # a diverging step: the guard reports, numpy stays quiet
+            return self._train_step()
+
+    def _train_step(self) -> float:
         e, k, st = self.engine, self.accumulate, self.state
         e.comm.context(step=st.step + 1)       # named by a CollectiveTimeout (comm/watchdog.py)
         if self.schedule is not None:
@@ -188,7 +199,10 @@ class Trainer:
             if i < k - 1:
                 local_sum += value                       # local losses: no communication yet
         loss = (e.global_mean(local_sum) + value) / k if k > 1 else value
-        if self.scaler is not None:            # unscale, clip and step, or skip on inf/nan
+        if not self.nonfinite.allows_update(loss):     # on_nonfinite='skip': drop the update
+            if self.clip is not None:
+                st.grad_norm_history.append(float("nan"))
+        elif self.scaler is not None:          # unscale, clip and step, or skip on inf/nan
             _, norm = self.scaler.step(self.optimizer, self.clip)
             if norm is not None:
                 st.grad_norm_history.append(norm)
@@ -260,9 +274,7 @@ class Trainer:
                 self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %.0f",
                               st.step, self.total_steps, epoch, loss, self.optimizer.lr, norm,
                               rate)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {st.step}; lower --lr or "
-                                         f"enable --clip")
+            self.nonfinite.end_of_step(loss, st.step, self.log)
             if self.eval_every and st.step % self.eval_every == 0 and \
                     st.step < self.total_steps:
                 self._evaluate_and_log()
@@ -281,7 +293,8 @@ class Trainer:
         return metrics
 
     def _evaluate_and_log(self) -> dict:
-        result = self.evaluate()
+        with quiet():
+            result = self.evaluate()
         self.state.eval_history.append(result)
         acc, bpb = result.get("test_accuracy"), result.get("val_bits_per_byte")
         self.log.info("eval step %d: test loss %.6g%s%s", result["step"], result["test_loss"],
@@ -312,7 +325,9 @@ class Trainer:
             "dtype": str(np.dtype(e.dtype)),
             "param_dtype": e.precision.param.name,
             "comm_dtype": e.precision.comm.name,
-            "skipped_steps": 0 if self.scaler is None else self.scaler.skipped_steps,
+            "skipped_steps": self.nonfinite.skipped + (0 if self.scaler is None
+                                                       else self.scaler.skipped_steps),
+            "nonfinite_skipped_steps": self.nonfinite.skipped,
             "loss_scale": self.loss_scale,
             "batch": self.batch,
             "accumulate": self.accumulate,
