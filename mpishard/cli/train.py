@@ -27,8 +27,8 @@ from ..train.nonfinite import DEFAULT_MAX_NONFINITE, NONFINITE_POLICIES
 from ..train.npy_data import is_npy_name, load_npy_dataset, npy_task
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
-from .gpt_options import (TEXT_DATASET, add_gpt_arguments, gpt_model_and_data, gpt_spec_text,
-                          log_corpus, validate_gpt_args)
+from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
+                          gpt_model_and_data, gpt_spec_text, log_corpus, validate_gpt_args)
 from .usage import (CUDA_AWARE, PROG, Parser, UsageError, add_device_arguments, agreed,
                     check_flags, checked_layout, default_layout, parse_dims, print_report,
                     world_comm)
@@ -101,7 +101,8 @@ def add_train_arguments(p):
     o("--beta1", type=float, help="adamw beta1 (0.9)")
     o("--beta2", type=float, help="adamw beta2 (0.999)")
     o("--eps", type=float, help="adamw eps (1e-8)")
-    o("--schedule", choices=("constant", "cosine"), help="lr schedule (constant)")
+    o("--schedule", choices=("constant", "cosine"), help="lr schedule (constant; for --model "
+      "gpt: cosine with --warmup 20)")
     o("--warmup", type=int, help="linear warm-up steps (0)")
     o("--min-lr", type=float, help="cosine floor (0)")
     o("--batch", type=int, help="global batch, rows per optimizer step (64)")
@@ -219,6 +220,9 @@ def parse_train_args(argv, parser=None):
             merged["steps"] = None
     if merged.get("dataset") is None and merged.get("model") == "gpt":
         merged["dataset"] = TEXT_DATASET
+    if merged.get("model") == "gpt" and merged.get("schedule") is None:
+        merged.update(GPT_SCHEDULE_DEFAULTS if merged.get("warmup") is None
+                      else {"schedule": GPT_SCHEDULE_DEFAULTS["schedule"]})
     for k, v in TRAIN_DEFAULTS.items():
         if merged.get(k) is None:
             merged[k] = v
