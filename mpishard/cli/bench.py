@@ -53,6 +53,9 @@ def add_bench_arguments(p):
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
     p.add_argument("--seed", type=int, default=0, help="weights and data (0)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="record the run (warm-up and timed steps) into DIR/trace.json: open it "
+                        "at ui.perfetto.dev, summarise it with `trace-summary DIR`")
     return p
 
 
@@ -153,5 +156,10 @@ def format_table(engine, args, result) -> str:
 def run_bench(args) -> int:
     comm = world_comm()
     engine, opt, x, t = agreed(comm, lambda: build_bench(args, comm))
-    result = measure(engine, opt, x, t, args.steps, args.warmup)
-    return print_report(format_table(engine, args, result))
+    if args.trace is None:
+        result = measure(engine, opt, x, t, args.steps, args.warmup)
+    else:
+        with engine.trace(args.trace) as trace:
+            result = measure(engine, opt, x, t, args.steps, args.warmup)
+    text = format_table(engine, args, result)
+    return print_report(text + (f"\ntrace: {trace.path}" if args.trace else ""))
