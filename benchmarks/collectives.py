@@ -9,6 +9,8 @@ For every size (bytes of each rank's input, 1 KiB .. 64 MiB; 16 MiB with --quick
     all_gather      engine.all_gather(a)            vs  comm.Allgather(a, out)
     reduce_scatter  engine.reduce_scatter(a)        vs  comm.Reduce_scatter_block(a, out)
     all_to_all      engine.all_to_all(a)            vs  comm.Alltoall(a, out)
+    all_to_all_v    engine.all_to_all_v(a, counts)  vs  comm.Alltoallv(a, out) (equal counts;
+                    the engine also exchanges the counts, as a user's call does)
 
 on the same float32 buffers and the same communicator (the engine's 'dp' group, which spans
 the world). The raw calls get their output preallocated once; the engine is called as a user
@@ -83,6 +85,8 @@ def cases(engine, comm, nbytes):
     out = np.empty_like(a)
     gathered = np.empty(count * n, dtype=np.float32)
     scattered = np.empty(count // n, dtype=np.float32)
+    counts = np.full(n, count // n, dtype=np.int64)        # all_to_all_v: equal blocks, the
+    displs = np.arange(n, dtype=np.int64) * (count // n)   # engine exchanging its counts first
     return {
         "all_reduce": (lambda: engine.all_reduce(a, group="dp"),
                        lambda: comm.Allreduce(a, out)),
@@ -94,6 +98,9 @@ def cases(engine, comm, nbytes):
                            lambda: comm.Reduce_scatter_block(a, scattered)),
         "all_to_all": (lambda: engine.all_to_all(a, group="dp"),
                        lambda: comm.Alltoall(a, out)),
+        "all_to_all_v": (lambda: engine.all_to_all_v(a, counts, group="dp"),
+                         lambda: comm.Alltoallv([a, counts, displs, MPI.FLOAT],
+                                                [out, counts, displs, MPI.FLOAT])),
     }
 
 
@@ -128,8 +135,11 @@ def run(quick=False, max_bytes=None, comm=None, tiny=False):
             "worst_ratio_1mib_up": {k: max((r["ratio"] for r in rows
                                             if r["kind"] == k and r["bytes"] >= MIB),
                                            default=None)
-                                    for k in ("all_reduce", "all_reduce_out", "all_gather",
-                                              "reduce_scatter", "all_to_all")}}
+                                    for k in KINDS}}
+
+
+KINDS = ("all_reduce", "all_reduce_out", "all_gather", "reduce_scatter", "all_to_all",
+         "all_to_all_v")
 
 
 def main(argv=None):
@@ -147,6 +157,8 @@ def main(argv=None):
                   f"ratio {r['ratio']:.3f}")
         print(f"allreduce_overhead_ratio_default={res['allreduce_overhead_ratio_default']}")
         print(f"allreduce_overhead_ratio={res['allreduce_overhead_ratio']}")
+        print("worst ratio at >= 1 MiB: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in res["worst_ratio_1mib_up"].items() if v is not None))
         write_json(args.json, res)
     sys.stdout.flush()
 

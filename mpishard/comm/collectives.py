@@ -200,21 +200,20 @@ class Comm(PointToPoint):
         axis = self._norm_axis(a, axis)
         return self._moved(a, axis), axis, comm, comm.Get_size()
 
-    def all_gather(self, arr, axis: int = 0, group=None):
+    def all_gather(self, arr, axis: int = 0, group=None, pooled: bool = True):
         """Concatenate the group's arrays along `axis` (MPI Allgather / Allgatherv).
 
         Lengths along `axis` may differ between ranks (they are exchanged first); the other
-        dimensions must agree. Adjoint: reduce_scatter(sum) along the same axis.
+        dimensions must agree. Adjoint: reduce_scatter(sum) along the same axis. The result
+        comes from the pool (pool.py) unless `pooled=False` (FSDP's weights, really freed).
         """
         t0 = time.perf_counter()
         moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
-        rest = moved.shape[1:]
+        rest, lens = moved.shape[1:], np.empty(n, dtype=np.int64)
         row = int(np.prod(rest, dtype=np.int64))
-        lens = np.empty(n, dtype=np.int64)
-        self._wait(comm.Iallgather(np.array([moved.shape[0]], np.int64), lens), "all_gather",
-                   comm)
-        # not pooled: gathered weights (FSDP) must really be freed
-        out = self.xp.empty((int(lens.sum()),) + rest, dtype=moved.dtype)
+        self._wait(comm.Iallgather(np.array([moved.shape[0]], np.int64), lens), "all_gather", comm)
+        shape = (int(lens.sum()),) + rest
+        out = self.pool.get(shape, moved.dtype) if pooled else self.xp.empty(shape, moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         if (lens == lens[0]).all():
@@ -340,7 +339,7 @@ class Comm(PointToPoint):
         else:
             rc = np.ascontiguousarray(np.asarray(recv_counts, dtype=np.int64))
         row = int(np.prod(a.shape[1:], dtype=np.int64))
-        out = self.xp.empty((int(rc.sum()),) + a.shape[1:], dtype=a.dtype)
+        out = self.pool.get((int(rc.sum()),) + a.shape[1:], a.dtype)
         sdis = np.concatenate([[0], np.cumsum(sc)[:-1]]) * row
         rdis = np.concatenate([[0], np.cumsum(rc)[:-1]]) * row
         mtype = from_numpy_dtype(a.dtype)
