@@ -14,12 +14,15 @@ memory_report().
 from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
 from ..parallel.costs import COMM_KINDS, check_fit, rank_memory, step_comm_total
+from ..parallel.step_time import predict_step
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
-from .usage import check_flags
+from .plan_time import DEFAULT_PATH, calibrate, load_calibration, validate, validation_report
+from .usage import UsageError, check_flags
 
 __all__ = ["COMM_KINDS", "check_fit", "step_comm_total", "candidate_layouts", "plan_layouts",
            "plan_report", "add_plan_arguments", "run_plan"]
@@ -59,7 +62,8 @@ def _option_sets(nf, pp, cp, tp, microbatches, gpt: bool) -> list:
 
 
 def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
-                 optimizer: str = "adamw", momentum: float = 0.0, microbatches=None):
+                 optimizer: str = "adamw", momentum: float = 0.0, microbatches=None,
+                 calibration=None):
     """(rows, rejected): a row per layout that fits, {layout, memory (max over ranks of
     parameters + gradients + optimizer state), comm (max over ranks of bytes sent per step),
     kinds (per kind, of that busiest rank)}; rejected = [(layout, reason)]."""
@@ -77,26 +81,30 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
             rejected.append((text, str(exc)))
             continue
         busiest = max(comms, key=lambda c: sum(c.values()))
+        step = (predict_step(model, layout, batch, calibration, itemsize)["step_s"]
+                if calibration else None)
         rows.append({"layout": text, "memory": memory, "comm": sum(busiest.values()),
-                     "kinds": busiest})
+                     "kinds": busiest, "step_s": step})
     return rows, rejected
 
 
 SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
+             "time": lambda r: (r["step_s"] or 0.0, r["memory"], r["layout"]),
              "comm": lambda r: (r["comm"], r["memory"], r["layout"]),
              "layout": lambda r: r["layout"]}
 
 
 def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
-                momentum=0.0, microbatches=None, top=None, sort="memory") -> str:
+                momentum=0.0, microbatches=None, top=None, sort="memory",
+                calibration=None) -> str:
     """The `plan` command's table."""
     if sort not in SORT_KEYS:
         raise ValueError(f"sort must be one of {sorted(SORT_KEYS)}, got {sort!r}")
     if top is not None:
         check_number("--top", top, low=1, integer=True)
     rows, rejected = plan_layouts(model, world_size, batch, dtype, optimizer, momentum,
-                                  microbatches)
-    rows.sort(key=SORT_KEYS[sort])
+                                  microbatches, calibration)
+    rows.sort(key=SORT_KEYS["time" if calibration and sort == "memory" else sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
@@ -106,14 +114,21 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              "memory: max over ranks of parameters + gradients + optimizer state (activations "
              "and gathered weights not included)",
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
-             "step), and its split by kind", ""]
-    widths = [max([len("layout")] + [len(r["layout"]) for r in shown]), 11, 11] + \
-        [max(11, len(k)) for k in kinds]
-    header = ["layout", "memory", "comm/step"] + kinds
+             "step), and its split by kind"] + (
+                 ["step:   predicted seconds per train_step + optimizer step "
+                  "(parallel/step_time.py and the calibration); * the predicted best"]
+                 if calibration else []) + [""]
+    timed = [] if not calibration else ["step"]
+    widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \
+        [11] * len(timed) + [max(11, len(k)) for k in kinds]
+    header = ["layout", "memory", "comm/step"] + timed + kinds
+    fastest = min((r["step_s"] for r in rows), default=None) if calibration else None
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                            for i, (h, w) in enumerate(zip(header, widths))))
     for r in shown:
-        cells = [r["layout"], format_bytes(r["memory"]), format_bytes(r["comm"])] + \
+        cells = [r["layout"] + (" *" if fastest is not None and r["step_s"] == fastest else ""),
+                 format_bytes(r["memory"]), format_bytes(r["comm"])] + \
+            [f"{r['step_s'] * 1e3:.2f} ms" for _ in timed] + \
             [format_bytes(r["kinds"].get(k, 0)) for k in kinds]
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(cells, widths))))
@@ -140,12 +155,41 @@ def add_plan_arguments(p):
                    "(default: the engine's, pp)")
     p.add_argument("--top", type=int, default=10, help="show the best K layouts (10)")
     p.add_argument("--sort", default="memory", choices=sorted(SORT_KEYS),
-                   help="memory (then comm, default), comm (then memory) or layout")
+                   help="memory (then comm, default; time with a calibration), comm (then "
+                   "memory), time (predicted step time) or layout")
+    p.add_argument("--calibrate", metavar="FILE", nargs="?", const=DEFAULT_PATH,
+                   help="measure this machine first (under mpiexec: every rank of the job) "
+                        f"and write the calibration to FILE ({DEFAULT_PATH})")
+    p.add_argument("--calibration", metavar="FILE", help="predict step times from FILE")
+    p.add_argument("--validate", type=int, metavar="K", help="run the K layouts predicted "
+                   "fastest for a few steps in this MPI job (its size = --world-size) and "
+                   "print predicted vs measured")
     return p
 
 
 def run_plan(args) -> int:
-    check_flags(args, ("world_size", "batch", "microbatches", "top"), low=0, low_open=True)
-    return report_mlp("plan", args, lambda model: plan_report(
-        model, args.world_size, args.batch, dtype=args.dtype, optimizer=args.optimizer,
-        momentum=args.momentum, microbatches=args.microbatches, top=args.top, sort=args.sort))
+    check_flags(args, ("world_size", "batch", "microbatches", "top", "validate"), low=0,
+                low_open=True)
+    calibration = None
+    if args.calibrate:
+        calibration = calibrate(args.calibrate, np.dtype(args.dtype))
+    elif args.calibration:
+        calibration = load_calibration(args.calibration)
+    if args.validate and calibration is None:
+        raise UsageError("plan: --validate needs --calibration FILE or --calibrate")
+
+    def report(model):
+        text = plan_report(model, args.world_size, args.batch, dtype=args.dtype,
+                           optimizer=args.optimizer, momentum=args.momentum,
+                           microbatches=args.microbatches, top=args.top, sort=args.sort,
+                           calibration=calibration)
+        if args.validate:
+            if MPI.COMM_WORLD.Get_size() != args.world_size:
+                raise ValueError(f"--validate runs in this MPI job: launch {args.world_size} "
+                                 f"ranks, not {MPI.COMM_WORLD.Get_size()}")
+            rows, _ = plan_layouts(model, args.world_size, args.batch, args.dtype,
+                                   args.optimizer, args.momentum, args.microbatches)
+            text += "\n\nvalidate:\n" + validation_report(validate(
+                model, rows, args.batch, np.dtype(args.dtype), calibration, args.validate))
+        return text
+    return report_mlp("plan", args, report)

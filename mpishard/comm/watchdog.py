@@ -10,8 +10,9 @@ spinning rank takes the core its peer needs to progress the collective (measured
 cores, 4 MiB all_reduce: 1 ms of spin 1.25-1.33x raw Allreduce, yielding from the first
 failed poll 1.09x, plain Waitall 1.03-1.06x); with a free core per rank a yield returns at
 once. When the timeout passes, it raises `CollectiveTimeout` naming the operation, the group
-(its axes and the ranks in it), the step and microbatch the trainer and the pipeline set with `Comm.context`, and the late ranks. Every rank that waits
-raises on its own clock; under `python -m mpi4py` the first uncaught one aborts the job (the
+(its axes and the ranks in it), the step and microbatch the trainer and the pipeline set
+with `Comm.context`, and the late ranks. Every rank that waits raises on its own clock;
+under `python -m mpi4py` the first uncaught one aborts the job (the
 CLI prints it as one line and calls MPI_Abort: cli/usage.py abort_job).
 
 How late ranks are found without the stalled rank's help: arrival counters in an MPI-3 RMA
