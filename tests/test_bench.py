@@ -5,7 +5,7 @@ checks what it writes; the report formatting and the no-torch path are checked d
 The numbers themselves are not asserted: they are timings on a shared machine.
 """
 import json
-import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +18,13 @@ sys.path.insert(0, str(BENCH))
 
 import peers_torch  # noqa: E402
 import run_all  # noqa: E402
+from conftest import mpiexec_cmd  # noqa: E402
 
 
 def _mpiexec():
-    here = Path(sys.executable).parent / "mpiexec"
-    return os.environ.get("MPIEXEC", str(here) if here.exists() else "mpiexec")
+    """The launch prefix run_all.py prepends (it adds `-n N`): conftest's MPIEXEC and
+    MPIEXEC_FLAGS, as one string."""
+    return shlex.join(mpiexec_cmd(1)[:-2])
 
 
 def test_run_all_tiny_end_to_end(tmp_path):

@@ -22,8 +22,9 @@ def _logical_lines(text):
 
 
 def train_args(text):
-    """The argument strings that follow every `python -m mpi4py -m mpishard train` in text."""
-    pattern = re.compile(re.escape(LAUNCH) + r"[ \t]+(.*)")
+    """The argument strings that follow every `python -m mpi4py -m mpishard train` in text, up to
+    the scripts' `${MPISHARD_ARGS:-}` (the documented extra arguments) or a trailing `&`."""
+    pattern = re.compile(re.escape(LAUNCH) + r"[ \t]+(.*?)[ \t]*(?:\$\{MPISHARD_ARGS:-\}.*|&)?$")
     found = []
     for line in _logical_lines(text):
         if line.lstrip().startswith("#"):
@@ -82,7 +83,8 @@ def test_layout_fits_the_requested_ranks():
         re.search(r"^#SBATCH --ntasks-per-node=(\d+)", slurm_text, re.MULTILINE).group(1))
     chunks, procs = map(int, re.search(
         r"^#PBS -l select=(\d+):\S*mpiprocs=(\d+)", pbs_text, re.MULTILINE).groups())
-    mpiexec_n = int(re.search(r"^mpiexec -n (\d+)", pbs_text, re.MULTILINE).group(1))
+    mpiexec_n = int(re.search(r"^mpiexec -n (\d+) .*" + re.escape(LAUNCH), pbs_text,
+                              re.MULTILINE).group(1))
     layout = _layout_size(train_args(slurm_text)[0])
     print(f"layout {layout}, slurm {nodes}x{per_node}, pbs {chunks}x{procs}, "
           f"mpiexec -n {mpiexec_n}")

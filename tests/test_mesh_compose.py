@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from conftest import assert_close, assert_dicts_close, group_comm, mpiexec, single_reference
+from conftest import assert_close, assert_dicts_close, group_comm, run_mpi, single_reference
 
 MLP_LAYOUTS = [
     # (world size, layout)
@@ -187,19 +187,14 @@ def test_cli_digits_dp_tp_pp_matches_single(tmp_path):
     """The CLI trains digits under dp=2,tp=2,pp=2 to the same loss curve and accuracy as
     single (float64)."""
     import json
-    import subprocess
-    import sys
 
-    launcher = mpiexec()
     args = ["-m", "mpishard", "train", "--dataset", "digits", "--model", "64,32,32,10",
             "--optimizer", "adamw", "--lr", "0.003", "--batch", "32", "--steps", "40",
             "--clip", "1.0", "--dtype", "float64", "--no-progress"]
     runs = {}
     for n, layout in ((1, "single"), (8, "dp=2,tp=2,pp=2")):
         path = tmp_path / f"{n}.json"
-        r = subprocess.run([launcher, "-n", str(n), sys.executable, "-m", "mpi4py"] + args
-                           + ["--layout", layout, "--metrics-json", str(path)],
-                           capture_output=True, text=True, timeout=300)
+        r = run_mpi(n, *args, "--layout", layout, "--metrics-json", path, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         runs[layout] = json.loads(path.read_text())
     a, b = runs["single"], runs["dp=2,tp=2,pp=2"]

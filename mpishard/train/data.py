@@ -109,7 +109,8 @@ def digits(seed=0, test_fraction=0.2):
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError:
-        raise ValueError("the digits dataset needs scikit-learn: pip install -e '.[examples]'"
+        raise ValueError("the digits dataset needs scikit-learn: pip install scikit-learn "
+                         "(or pip install -e '.[data]'; no MPI wheel, safe with a site MPI)"
                          ) from None
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(
