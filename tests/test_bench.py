@@ -43,7 +43,7 @@ def test_run_all_tiny_end_to_end(tmp_path):
     coll = res["collective_overhead"]["2"]
     kinds = {r["kind"] for r in coll["rows"]}
     assert kinds == {"all_reduce", "all_reduce_out", "all_gather", "reduce_scatter",
-                     "all_to_all"}
+                     "all_to_all", "all_to_all_v"}
     assert all(r["ratio"] > 0 and r["ranks"] == 2 for r in coll["rows"])
     assert max(r["bytes"] for r in coll["rows"]) == 64 * 1024
     single = res["peers"]["single"]

@@ -19,7 +19,7 @@ from mpishard.train.data import synthetic_classification
 from mpishard.train.optim import AdamW
 from mpishard.train.trainer import Trainer
 
-from conftest import assert_close, run_mpi
+from conftest import assert_close, engine_lines, run_mpi
 
 DIMS = [6, 8, 3]
 
@@ -62,7 +62,7 @@ def test_a_full_disk_is_refused_before_the_first_step(tmp_path, monkeypatch):
 def test_the_cli_checks_the_directory_on_every_rank_and_prints_one_line():
     r = run_mpi(2, "-m", "mpishard", "train", "--dataset", "synthetic-regression", "--steps", "3",
                 "--no-progress", "--checkpoint-dir", "/proc/mpishard-ckpt", timeout=120)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    lines = engine_lines(r.stderr)             # without the launcher's own lines
     print(r.stderr[-2000:])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(lines) == 1 and lines[0].startswith(
