@@ -34,13 +34,17 @@ def world():
     return MPI.COMM_WORLD
 
 
-def group_comm(n):
-    """Split COMM_WORLD into groups of n consecutive ranks; skip if it does not divide."""
+def group_comm(n, _groups={}):
+    """COMM_WORLD split into groups of n consecutive ranks; skip if it does not divide. One
+    communicator per n for the whole session (split on first use, by every rank at the same
+    test): a split per test would use up MPI's few thousand communicator ids."""
     comm = world()
     size = comm.Get_size()
     if size < n or size % n:
         pytest.skip(f"needs a world size that is a multiple of {n}, got {size}")
-    return comm.Split(comm.Get_rank() // n, comm.Get_rank())
+    if n not in _groups:
+        _groups[n] = comm.Split(comm.Get_rank() // n, comm.Get_rank())
+    return _groups[n]
 
 
 def mpiexec():

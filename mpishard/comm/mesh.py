@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import isfinite, prod
 
+from mpi4py import MPI
+
 AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")
 """Mesh axes, outermost first (the rank order)."""
 
@@ -192,6 +194,18 @@ class DeviceMesh:
         self.rank = comm.Get_rank()
         self.coords = coordinates(self.layout, self.rank)
         self._comms: dict = {}
+
+    def __del__(self):
+        """Free the group communicators this mesh split off (not `world`, the caller's). MPI
+        has a few thousand communicator ids per process; a program (a test suite) that builds
+        engine after engine would run out. MPI_Comm_free is local (a new Split only reuses
+        an id freed on every member), so the ranks may collect their meshes at different
+        times."""
+        comms, self._comms = getattr(self, "_comms", {}), {}
+        if MPI.Is_finalized():
+            return
+        for comm in comms.values():
+            comm.Free()
 
     def size(self, axes) -> int:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
