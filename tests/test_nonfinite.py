@@ -16,7 +16,7 @@ from mpishard.cli.usage import UsageError
 from mpishard.train.data import DistributedBatcher
 from mpishard.train.nonfinite import NonFiniteGuard
 
-from conftest import run_mpi
+from conftest import engine_lines, run_mpi
 
 DIVERGE = ("train", "--dataset", "synthetic-regression", "--lr", "1e6", "--steps", "40",
            "--no-progress", "--log-every", "0")
@@ -29,10 +29,9 @@ def launch(*args):
 
 
 def ours(stderr: str) -> list:
-    """stderr lines that are not log lines (`[rank N]`) or the MPI library's own teardown
-    chatter (UCX)."""
-    return [ln for ln in stderr.splitlines() if ln.strip() and "[rank " not in ln
-            and "UCX" not in ln]
+    """stderr lines that are not log lines (`[rank N]`), the launcher's exit report (Open
+    MPI's box) or the MPI library's own teardown chatter (UCX)."""
+    return [ln for ln in engine_lines(stderr) if "[rank " not in ln and "UCX" not in ln]
 
 
 def assert_quiet(stderr: str):

@@ -25,7 +25,7 @@ from mpishard.comm.mesh import rank_of
 from mpishard.parallel import costs
 from mpishard.cli.bench import model_flops
 
-from conftest import RTOL32, assert_close, group_comm, run_mpi
+from conftest import RTOL32, assert_close, engine_lines, group_comm, run_mpi
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 16
@@ -373,5 +373,5 @@ def test_bench_two_ranks():
 def test_bench_bad_input_exits_2_on_every_rank():
     r = _launch(2, "bench", "--layout", "tp=2", "--model", "12,15,6", "--steps", "1")
     assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.strip() == ("mpishard: error: tp=2 does not divide the hidden size 15 of "
-                                "layer 0 (12 -> 15); Megatron splits it column-wise")
+    assert engine_lines(r.stderr) == ["mpishard: error: tp=2 does not divide the hidden size 15 of "
+                                "layer 0 (12 -> 15); Megatron splits it column-wise"]
