@@ -30,7 +30,7 @@ from .train import add_train_arguments, parse_train_args, run_train
 from ..comm.watchdog import CollectiveTimeout
 from .usage import PROG, Parser, UsageError, abort_job, world_rank
 
-__all__ = ["COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError"]
+__all__ = ["COMMANDS", "MPI_COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError"]
 
 
 # -- the command table ---------------------------------------------------------------------------
@@ -58,6 +58,9 @@ COMMANDS = {
               "GFLOP/s, communication (python -m mpi4py -m mpishard bench --layout L ...)",
               add_bench_arguments, run_bench),
 }
+# The commands whose processes are ranks of an MPI job: `python -m mpishard` gives them
+# comm/signals.py's SIGTERM/SIGINT handlers, which unlink MPI's /dev/shm segments on the way out.
+MPI_COMMANDS = ("train", "infer", "generate", "bench")
 
 
 def build_parser():
