@@ -67,7 +67,7 @@ setup(
         "cuda13": ["cupy-cuda13x"],
     },
     entry_points={
-        "console_scripts": ["mpishard=mpishard.cli:main"],
+        "console_scripts": ["mpishard=mpishard.__main__:run"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,12 +1,19 @@
-"""`python -m mpishard ...` (under mpiexec: `python -m mpi4py -m mpishard ...`); the commands
-are in mpishard/cli/. A process running an MPI command first installs the SIGTERM/SIGINT
-handlers of comm/signals.py (scancel, Ctrl-C: unlink MPI's /dev/shm segments, then exit)."""
+"""`python -m mpishard ...` (under mpiexec: `python -m mpi4py -m mpishard ...`) and the
+`mpishard` console script; the commands are in mpishard/cli/. A process running an MPI command
+first installs the SIGTERM/SIGINT handlers of comm/signals.py (scancel, Ctrl-C: unlink MPI's
+/dev/shm segments, then exit). In-process `mpishard.cli.main([...])` installs nothing."""
 import sys
 
 from .cli import MPI_COMMANDS, exit_cleanly, main
 from .cli.usage import world_rank
 from .comm.signals import install_cleanup_handlers
 
-if sys.argv[1:2] and sys.argv[1] in MPI_COMMANDS:
-    install_cleanup_handlers(rank=world_rank())
-exit_cleanly(main())
+
+def run() -> None:
+    if sys.argv[1:2] and sys.argv[1] in MPI_COMMANDS:
+        install_cleanup_handlers(rank=world_rank())
+    exit_cleanly(main())
+
+
+if __name__ == "__main__":
+    run()
