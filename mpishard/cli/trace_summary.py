@@ -1,7 +1,7 @@
 """`python -m mpishard trace-summary DIR`: where a traced run's time went, per rank (no MPI).
 
     python -m mpishard trace-summary runs/trace            # DIR holds trace.json
-    python -m mpishard trace-summary runs/trace --png gantt.png
+    python -m mpishard trace-summary runs/trace --png gantt.png --timeline step.png
 
 Reads the merged trace that `--trace DIR` (train, bench) or `engine.trace(DIR)` wrote and
 prints, per rank, the traced wall time (first span to last) split into compute (layers, loss,
@@ -10,7 +10,9 @@ optimizer, pipeline actions; communication inside them not counted twice), commu
 waits) and idle (neither: waiting for a pipeline neighbour, Python between calls). When the
 run was a pipeline it also draws the last step's actions as measured (one row per stage, on
 the aligned clocks) above the same actions simulated by parallel/schedules.py with the
-measured mean F, B and W durations, and prints both bubbles.
+measured mean F, B and W durations, and prints both bubbles. For every run it draws the last
+traced step as one row per rank, compute / communication / idle (trace_gantt.py), into
+DIR/timeline.png. Both pictures need matplotlib.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import sys
 from ..comm.trace import TRACE_FILE
 from ..parallel.schedules import Action, ScheduleStats, simulate, splits_backward
 from .schedule import draw_timeline
+from .trace_gantt import plot_ranks, union_length
 
 
 def add_trace_summary_arguments(parser):
@@ -28,17 +31,10 @@ def add_trace_summary_arguments(parser):
     parser.add_argument("--png", default=None,
                         help="pipeline Gantt chart, measured beside simulated (default "
                              "DIR/pipeline.png when the run was a pipeline; 'none': skip)")
+    parser.add_argument("--timeline", default=None,
+                        help="the last traced step, a row per rank: compute / comm / idle "
+                             "(default DIR/timeline.png; 'none': skip)")
     return parser
-
-
-def union_length(intervals) -> float:
-    """Total length covered by (start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def rank_table(events) -> list:
@@ -116,10 +112,17 @@ def run_trace_summary(args) -> int:
     path = os.path.join(args.directory, TRACE_FILE)
     try:
         with open(path) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    except (OSError, ValueError, KeyError) as e:
+            trace = json.load(f)
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        meta = trace.get("otherData", {})
+    except (OSError, ValueError, KeyError, AttributeError) as e:
         print(f"error: cannot read a trace from {path}: {e}", file=sys.stderr)
         return 2
+    if not events:
+        print(f"error: {path} holds no spans", file=sys.stderr)
+        return 2
+    steps = meta.get("steps")
+    title = meta.get("layout", "") + (f" (traced steps {steps[0]}-{steps[1]})" if steps else "")
     lines = [f"{'rank':>4} {'wall ms':>9} {'compute ms':>11} {'comm ms':>9} {'idle ms':>9} "
              f"{'compute':>8} {'comm':>6} {'idle':>6} {'comm MB':>8} {'blocked ms':>10}"]
     for rank, wall, comp, comm, idle, nbytes, blocked in rank_table(events):
@@ -136,6 +139,20 @@ def run_trace_summary(args) -> int:
                      f"mean F/B/W {simulated.bubble_fraction:.3f} ({simulated.makespan:.2f} ms)")
         png = args.png or os.path.join(args.directory, "pipeline.png")
         if png != "none":
-            lines.append(f"wrote {plot_pair(measured, simulated, png)}")
+            lines.append(_drawn(lambda: f"wrote {plot_pair(measured, simulated, png)}"))
+    png = getattr(args, "timeline", None) or os.path.join(args.directory, "timeline.png")
+    if png != "none":
+        def timeline():
+            t0, t1 = plot_ranks(events, png, title)
+            return f"wrote {png} (the last traced step, {(t1 - t0) * 1e3:.2f} ms)"
+        lines.append(_drawn(timeline))
     print("\n".join(lines))
     return 0
+
+
+def _drawn(draw) -> str:
+    """draw()'s line, or why no picture when matplotlib is missing."""
+    try:
+        return draw()
+    except ImportError:
+        return "no picture: matplotlib is not installed (pip install matplotlib)"

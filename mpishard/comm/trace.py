@@ -125,8 +125,9 @@ class Tracer:
                         "dur": round((t1 - t0) * 1e6, 3), "args": args})
         return out
 
-    def write(self, world, directory) -> str:
-        """Collective: every rank saves its events, rank 0 merges DIR/trace.json."""
+    def write(self, world, directory, meta=None) -> str:
+        """Collective: every rank saves its events, rank 0 merges DIR/trace.json; `meta` (a
+        dict: the layout, ...) goes into its otherData."""
         rank = world.Get_rank()
         if rank == 0:
             os.makedirs(directory, exist_ok=True)
@@ -145,6 +146,7 @@ class Tracer:
                 os.remove(name)
             with open(path, "w") as f:
                 json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                           "otherData": {"clock": "rank 0 perf_counter, ping-pong aligned"}}, f)
+                           "otherData": {"clock": "rank 0 perf_counter, ping-pong aligned",
+                                         **(meta or {})}}, f)
         world.Barrier()
         return path

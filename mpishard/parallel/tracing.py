@@ -22,9 +22,10 @@ from ..comm.trace import Tracer
 class Trace:
     """Start/stop (or a `with` block) of one engine's trace into `directory`."""
 
-    def __init__(self, comm, runner, world, directory):
+    def __init__(self, comm, runner, world, directory, meta=None):
         self.comm, self.runner, self.world = comm, runner, world
         self.directory = str(directory)
+        self.meta = dict(meta or {})           # written into the file's otherData
         self.tracer = None
         self.path = None
 
@@ -43,7 +44,7 @@ class Trace:
         if self.tracer is None:
             raise RuntimeError("this trace is not running")
         self.comm.stats.tracer = self.comm.watchdog.tracer = self.runner.tracer = None
-        self.path = self.tracer.write(self.world, self.directory)
+        self.path = self.tracer.write(self.world, self.directory, self.meta)
         self.tracer = None
         return self.path
 
@@ -61,4 +62,5 @@ class Trace:
 
 def trace_engine(engine, directory) -> Trace:
     """`engine.trace(DIR)`: a Trace of the engine's Comm and runner (start it, or use `with`)."""
-    return Trace(engine.comm, engine.runner, engine.mpi_comm, directory)
+    return Trace(engine.comm, engine.runner, engine.mpi_comm, directory,
+                 meta={"layout": engine.layout.text})
