@@ -29,6 +29,8 @@ from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
                           gpt_model_and_data, gpt_spec_text, log_corpus, validate_gpt_args)
+from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
+                            trace_lines, validate_trace_args)
 from .usage import (CUDA_AWARE, PROG, Parser, UsageError, add_device_arguments, agreed,
                     check_flags, checked_layout, default_layout, parse_dims, print_report,
                     world_comm)
@@ -63,6 +65,7 @@ TRAIN_DEFAULTS = {
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
+    **TRACE_DEFAULTS,
 }
 DEFAULT_EPOCHS = 10
 
@@ -121,6 +124,7 @@ def add_train_arguments(p):
     r("--log-level", choices=("DEBUG", "INFO", "WARNING"), help="rank 0 (INFO)")
     r("--metrics-json", metavar="PATH", help="write the metrics here (rank 0)")
     r("--no-progress", action="store_true", default=None, help="no progress bar")
+    add_trace_arguments(r)
     c = _recording(p.add_argument_group("checkpoints"), options)
     c("--checkpoint-dir", metavar="DIR", help="save a sharded checkpoint to DIR (replaced "
       "atomically at each save) at the end and every --checkpoint-every steps; "
@@ -269,6 +273,7 @@ def validate_train_args(args, world_size: int):
     if args.dataset.startswith("synthetic") and args.batch > args.n_train:
         raise UsageError(f"--batch {args.batch} is larger than --n-train {args.n_train}")
     _validate_checkpoint_args(args)
+    validate_trace_args(args)
     if args.metrics_json:
         parent = os.path.dirname(os.path.abspath(args.metrics_json))
         if not os.path.isdir(parent):
@@ -378,6 +383,7 @@ def build_training(args, comm=None):
                                               args.keep_last, args.checkpoint_failures))
         if args.resume:
             resume(trainer, args.checkpoint_dir)      # collective; the same error everywhere
+    add_trace_callback(args, trainer)
     return trainer
 
 
@@ -388,4 +394,4 @@ def run_train(args) -> int:
         metrics = trainer.fit(metrics_path=args.metrics_json)
     except CheckpointError as exc:      # raised on every rank alike (agreed): a clean exit 2
         raise UsageError(str(exc)) from None
-    return print_report(summary_table(metrics))
+    return print_report(summary_table(metrics) + trace_lines(trainer))
