@@ -159,13 +159,14 @@ PREFETCH_CASES = [("fsdp=2", 2, [5, 7, 6, 3]), ("fsdp=4", 4, [5, 7, 6, 3]),
 
 def expected_prefetches(e, forward_passes, backward_passes):
     """Tensors a replayed plan prefetches: in a forward pass every layer's parameters but the
-    first layer's; in a backward pass every layer's weight but the last layer's (a Linear's
-    backward gathers only its weight)."""
+    first layer's; in a backward pass every gathering layer's weight but the last layer's (a
+    Linear's backward gathers only its weight, the model's first layer nothing: no dx)."""
     total = 0
     for chunk in e.chunks:
         layers = [layer for layer in chunk if layer.param_names]
         total += forward_passes * sum(len(layer.param_names) for layer in layers[1:])
-        total += backward_passes * (len(layers) - 1)
+        gathering = [layer for layer in layers if layer.need_dx]
+        total += backward_passes * max(len(gathering) - 1, 0)
     return total
 
 
@@ -354,6 +355,7 @@ def test_comm_bytes_per_step(n, dims, bias):
     shapes = model.param_shapes()
     P = sum(shape_bytes(s) for s in shapes.values())
     Ppad = sum(shape_bytes(s, padded_rows(s[0], n)) for k, s in shapes.items())
+    W0 = shape_bytes(shapes["layer_0/weights"], padded_rows(dims[0], n))
     Wpad = sum(shape_bytes(s, padded_rows(s[0], n)) for k, s in shapes.items() if "weights" in k)
     ring = (n - 1) / n
     loss = 2 * ring * 8
@@ -369,15 +371,15 @@ def test_comm_bytes_per_step(n, dims, bias):
     want = {f"dp={n}": {"all_reduce": 2 * ring * P},
             f"fsdp={n},zero=1": {"reduce_scatter": ring * Ppad, "all_gather": ring * Ppad},
             f"fsdp={n},zero=2": {"reduce_scatter": ring * Ppad, "all_gather": ring * Ppad},
-            f"fsdp={n},zero=3": {"all_gather": ring * (Ppad + Wpad),  # forward + backward
-                                 "reduce_scatter": ring * Ppad}}
+            f"fsdp={n},zero=3": {"all_gather": ring * (Ppad + Wpad - W0),   # forward +
+                                 "reduce_scatter": ring * Ppad}}     # backward but layer 0's
     for layout in want:
         assert sent[layout].keys() == want[layout].keys(), (layout, sent[layout])
         for k, v in want[layout].items():
             assert sent[layout][k] == pytest.approx(v, rel=1e-12), (layout, k)
     if not bias and all(d % n == 0 for d in dims):     # no padding: the chapter's ratios
-        dp = sent[f"dp={n}"]["all_reduce"]
-        for z, ratio in ((1, 1.0), (2, 1.0), (3, 1.5)):
+        dp = sent[f"dp={n}"]["all_reduce"]            # (ZeRO-3: 1.5 less layer 0's weight)
+        for z, ratio in ((1, 1.0), (2, 1.0), (3, 1.5 - W0 / (2 * P))):
             assert sum(sent[f"fsdp={n},zero={z}"].values()) == pytest.approx(ratio * dp)
 
 

@@ -177,9 +177,11 @@ class Linear(Layer):
         x = self.pop(mb)
         if self.reduce is not None:
             dy = self.reduce.backward(dy, mb)                   # undoes the reduce
-        w = self.access.get(self.w_name, mb)
-        dx = nn.linear_backward_input(dy, w, x.shape) if self.need_dx else None  # 'bf,df->bd'
-        self.access.release(self.w_name, mb)
+        dx = None                  # the model input: dW = x^T dy needs no W, so no get
+        if self.need_dx:           # (FSDP ZeRO-3 skips the layer's backward all_gather)
+            w = self.access.get(self.w_name, mb)
+            dx = nn.linear_backward_input(dy, w, x.shape)                   # 'bf,df->bd'
+            self.access.release(self.w_name, mb)
         self.deferred[mb] = (x, dy)
         return dx
 

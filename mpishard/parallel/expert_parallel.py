@@ -138,7 +138,8 @@ class MoELayer(Layer):
         (w0, b0), (w1, b1) = self._names(e, 0), self._names(e, 1)
         da, dw1, db1 = nn.linear_backward(dout, a, self.access.get(w1))      # undoes 'nh,hd->nd'
         dh = nn.activation_backward(self.model.activation, da, saved)        # undoes act
-        dx, dw0, db0 = nn.linear_backward(dh, x, self.access.get(w0), self.need_dx)
+        w = self.access.get(w0) if self.need_dx else None                   # dW0 needs no W0
+        dx, dw0, db0 = nn.linear_backward(dh, x, w, self.need_dx)
         for name, g in ((w1, dw1), (b1, db1), (w0, dw0), (b0, db0)):        # 'nd,dh->nh'
             if name:
                 self.access.add_grad(name, g * scale)

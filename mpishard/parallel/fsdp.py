@@ -8,7 +8,8 @@ a rank keeps. With P the parameter bytes, per rank (AdamW: 2 state arrays per pa
     zero=1    P            P + P/N          2P/N              reduce_scatter + all_gather = dp
     zero=2    P            P/N              2P/N              reduce_scatter + all_gather = dp
     zero=3    P/N          P/N              2P/N              all_gather fwd + bwd, reduce_scatter
-                                                              = 1.5 dp (bias-free model)
+                                                              = 1.5 dp (bias-free model) less
+                                                              the first layer's W (no bwd get)
 
 (plus zero padding, and under zero=3 one layer's gathered weights alive at a time, two with
 prefetch=1).
@@ -23,12 +24,18 @@ ZeRO-3 (zero=3, the default: FSDP proper). The parameter placement itself is sha
 `engine.params[name]` is the (s, ...) slice and the optimizer updates only it:
 
     get(W)       W = all_gather(W_r, axis 0, 'fsdp')[:L]      before the forward, and again in
-                                                               the backward
+                                                               the backward (for dx)
                  adjoint: reduce_scatter(sum) along axis 0 -- the gradient line below
     release(W)   the gathered W is dropped (discard after use)
     add_grad(W)  dW_r += reduce_scatter(pad(dW), 'avg', axis 0, 'fsdp')
                  adjoint of the all_gather; 'avg' rather than 'sum' because fsdp also splits the
                  batch (the data-parallel average and the adjoint in one call)
+
+No backward gather where no input gradient is needed: the model's first layer (an MLP's
+Linear 0 and a MoE layer on pipeline stage 0, need_dx=False) computes only dW = x^T dy and
+db, which need x and dy, not W, so its backward gets nothing (a GPT's first unit, the
+embedding, gets nothing in its backward anyway). The cost model counts the same
+(model_costs.param_uses), and prefetch=1 learns its plans from the gets that happen.
 
 Activation gradients (dL/dx) are per-row quantities, so they are never reduce-scattered.
 
@@ -277,11 +284,12 @@ def memory(view, n_state) -> dict:
 def step_comm(view) -> dict:
     """Per parameter, with N = fsdp ranks and m microbatches (the module docstring's table):
     ZeRO-3 all-gathers the shard before the forward (W and b) and again before the backward
-    (W), and reduce-scatters its gradient, each m times: (N-1) x shard bytes per call (the
-    padding travels too). ZeRO-1/2 reduce-scatter the gradient into the owned slice (ZeRO-2
-    per microbatch, ZeRO-1 once at sync) and all-gather the updated slices after the
-    optimizer step: (N-1) x slice bytes each. How often a unit gets a parameter and adds its
-    gradient (a tied GPT head, recompute) is model_costs.param_uses."""
+    (W, not the first layer's), and reduce-scatters its gradient, each m times: (N-1) x
+    shard bytes per call (the padding travels too). ZeRO-1/2 reduce-scatter the gradient
+    into the owned slice (ZeRO-2 per microbatch, ZeRO-1 once at sync) and all-gather the
+    updated slices after the optimizer step: (N-1) x slice bytes each. How often a unit gets
+    a parameter and adds its gradient (a tied GPT head, recompute, layer 0) is
+    model_costs.param_uses."""
     n, m = view.size("fsdp"), view.microbatches
     if n == 1:
         return {}

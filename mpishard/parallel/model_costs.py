@@ -11,13 +11,15 @@ The counts are read off the units' forward and backward (nn/layers.py, nn/transf
 
     unit                forward gets   backward gets   gradients added
     Linear W, b         W, b           W               W, b
+    MLP's Linear 0      W, b           -               W, b     (dx of the model input unused)
     LayerNorm           scale, shift   scale           scale, shift
     Embedding           tokens, pos.   -               tokens, positions
     TiedHead            embed/tokens   embed/tokens    embed/tokens
 
-so a weight is fetched twice and a bias once, and a tied GPT's embed/tokens three times with
-two gradients. `recompute=1` runs every block's forward a second time in its backward: one
-more fetch of each block parameter (`recompute=attn` recomputes only parameter-free units).
+so a weight is fetched twice (an MLP's first once) and a bias once, and a tied GPT's
+embed/tokens three times with two gradients. `recompute=1` runs every block's forward a
+second time in its backward: one more fetch of each block parameter (`recompute=attn`
+recomputes only parameter-free units).
 
 A GPT's pipeline boundary is the residual stream of this rank's tokens: (B, T_l, D) with
 T_l = seq_len / cp (the plan assumes full-length sequences), and T_l / tp of them under
@@ -41,6 +43,8 @@ def param_uses(model, layout, name: str) -> tuple:
     kind = name.rsplit("/", 1)[1]
     gets = 2 if kind in ("weights", "scale") else 1
     grads = 1
+    if getattr(model, "kind", "mlp") == "mlp" and name == "layer_0/weights":
+        gets = 1                                       # no backward get: no dx needed
     if is_gpt(model):
         if name == "embed/tokens" and model.tied:
             gets, grads = 3, 2                         # embedding, then the tied head
