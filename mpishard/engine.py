@@ -11,7 +11,7 @@ from (model, layout): a parameter store, the gradient sync, an access policy, th
 this rank's pipeline stage(s) and a runner. The engine only orchestrates them:
 
     train_step  ->  runner.train_step (layers: forward, loss, backward; tp/fsdp/pp/ep
-                    communication inside the layers and the runner)
+                    communication inside the layers and the runner; then access.end_backward)
                 ->  sync_grads: access.finish_grads (fsdp), grad_sync.sync (dp all_reduce)
 """
 from __future__ import annotations
@@ -261,10 +261,7 @@ class MeshEngine(ShardedEngine):
         """Forget saved activations (of microbatch `mb`, or all): a new forward replaces
         a recorded one whose backward never came, as re-running a model does in PyTorch."""
         for layer in self.layers:
-            if mb is None:
-                layer.clear()
-            else:
-                layer.forget(mb)
+            layer.clear() if mb is None else layer.forget(mb)
 
     def predict(self, x):
         """Forward without an activation tape (inference)."""
@@ -286,6 +283,7 @@ class MeshEngine(ShardedEngine):
             self.zero_grad()
         self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
         self.runner.backward(None if dy is None else self._to_device(dy), mb=mb)
+        self.access.end_backward()             # FSDP ZeRO-2/3: the last gradient bucket
         if sync:
             self.sync_grads()
         return self.grads
@@ -321,6 +319,7 @@ class MeshEngine(ShardedEngine):
         self._drop_tape()
         self.meter.reset_peak()                # activations_peak: this step's
         value, _ = self.runner.train_step(x, t, loss, grad_scale)
+        self.access.end_backward()             # FSDP ZeRO-2/3: the last gradient bucket
         if sync:
             self.sync_grads()
             value = self.global_mean(value)

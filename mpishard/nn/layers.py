@@ -56,6 +56,9 @@ class LocalAccess:
     def zero_grad(self) -> None:
         """Clear any gradient storage besides the store's grads."""
 
+    def end_backward(self) -> None:
+        """After every backward, sync or not (FSDP sends its last gradient bucket)."""
+
     def finish_grads(self) -> None:
         """Before the data-parallel gradient sync."""
 

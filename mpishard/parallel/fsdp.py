@@ -12,7 +12,8 @@ a rank keeps. With P the parameter bytes, per rank (AdamW: 2 state arrays per pa
                                                               the first layer's W (no bwd get)
 
 (plus zero padding, and under zero=3 one layer's gathered weights alive at a time, two with
-prefetch=1).
+prefetch=1). Gradients are reduce-scattered in buckets of the layout option `bucket_mb` (every
+stage; fsdp_buckets.py): the same bytes in fewer calls; bucket_mb=0 is one call per tensor.
 
 Shard layout, every stage: the block a rank would hold without fsdp (its tp block, or the whole
 array) is split along dim 0 into N slices of s = ceil(L / N) rows, the last ones zero-padded:
@@ -27,9 +28,10 @@ ZeRO-3 (zero=3, the default: FSDP proper). The parameter placement itself is sha
                                                                the backward (for dx)
                  adjoint: reduce_scatter(sum) along axis 0 -- the gradient line below
     release(W)   the gathered W is dropped (discard after use)
-    add_grad(W)  dW_r += reduce_scatter(pad(dW), 'avg', axis 0, 'fsdp')
-                 adjoint of the all_gather; 'avg' rather than 'sum' because fsdp also splits the
-                 batch (the data-parallel average and the adjoint in one call)
+    add_grad(W)  dW_r += reduce_scatter(pad(dW), 'avg', axis 0, 'fsdp')   in its bucket
+                 adjoint of the all_gather (a bucket's: of the same bucket's all_gather); 'avg'
+                 rather than 'sum' because fsdp also splits the batch (the data-parallel
+                 average and the adjoint in one call)
 
 No backward gather where no input gradient is needed: the model's first layer (an MLP's
 Linear 0 and a MoE layer on pipeline stage 0, need_dx=False) computes only dW = x^T dy and
@@ -50,8 +52,11 @@ After the optimizer step every rank's updated slice is all-gathered back into th
 
 - ZeRO-1 holds a full (padded) gradient buffer per parameter during the backward; `finish_grads`
   (called by sync_grads) reduce-scatters it (avg, in buckets of `bucket_mb`) into the owned slice.
-- ZeRO-2 reduce-scatters each weight gradient as soon as its layer's backward produced it
-  (`add_grad`) and keeps only its slice: no rank holds a full gradient after a layer's backward.
+- ZeRO-2 queues each gradient as its layer's backward produces it (`add_grad`) and
+  reduce-scatters the queue as soon as it holds a bucket (`bucket_mb`), and at the end of the
+  backward, keeping only its slices: no rank holds more than one bucket of full gradients (or
+  one tensor larger than it, plus the bucket's packed copy during its call), and none after
+  the backward. ZeRO-3's gradients go through the same buckets.
 
 The fsdp average is done here, so GradientSync is told to skip fsdp (`grad_sync_exempt`); it
 still averages the slices over dp (hybrid sharding, HSDP: dp=2,fsdp=2).
@@ -60,12 +65,14 @@ Gradient accumulation (backward/train_step with sync=False, then accumulate=True
 - ZeRO-1 accumulates into its full buffers and communicates nothing until the synchronising
   step, exactly like dp.
 - ZeRO-2 and ZeRO-3 reduce-scatter every micro-step (a rank cannot keep a gradient it does not
-  own; reduce-scatter is linear, so the sum of the micro-steps' slices is the slice of the sum).
+  own; reduce-scatter is linear, so the sum of the micro-steps' slices is the slice of the sum):
+  the engine's end_backward flushes the last bucket after every backward.
   The sync=False promise of no communication therefore holds for dp only; ZeRO-3 must all-gather
   weights every micro-step anyway. The dp all-reduce of the slices still waits for sync=True.
   With sync=False, `engine.grads` of ZeRO-2/3 are already averaged over fsdp (not over dp).
   The same holds for pipeline microbatches (pp with fsdp): ZeRO-2/3 reduce-scatter each
-  microbatch's gradient, so their reduce_scatter bytes grow with `microbatches=`.
+  microbatch's gradient (the microbatches of a step share the buckets), so their
+  reduce_scatter bytes grow with `microbatches=`.
 Prefetch (layout option prefetch=1, ZeRO-3 only): the next layer's all_gather is issued
 before the current layer computes; see fsdp_prefetch.py.
 """
@@ -74,21 +81,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import placement as pl
-from .data_parallel import DEFAULT_BUCKET_MB, plan_buckets
+from .data_parallel import plan_buckets
+from .fsdp_buckets import GradBuckets, bucket_calls, bucket_limit, pad_rows, reduce_scatter_chunks
 from .fsdp_prefetch import Prefetcher
-from .model_costs import param_uses
+from .model_costs import grad_order, param_uses
 
 FSDP_SHARD = pl.Shard("fsdp", 0, pad=True)
-
-
-def pad_rows(xp, a, n: int):
-    """`a` with zero rows appended along dim 0 up to a multiple of n (no copy if it divides)."""
-    extra = -a.shape[0] % n
-    if not extra:
-        return a
-    out = xp.zeros((a.shape[0] + extra,) + tuple(a.shape[1:]), dtype=a.dtype)
-    out[:a.shape[0]] = a
-    return out
 
 
 def buckets(names, nbytes, limit: int) -> list:
@@ -135,7 +133,8 @@ class FSDPAccess:
         self.xp = fsdp.xp
         self.n = fsdp.size()
         self.rank = fsdp.rank()
-        self.bucket_bytes = max(1, int(layout.option("bucket_mb", DEFAULT_BUCKET_MB) * 2 ** 20))
+        self.bucket_bytes = bucket_limit(layout)
+        self.buckets = GradBuckets(fsdp, self.n, self.bucket_bytes, self.deliver)   # ZeRO-2/3
         sizes = layout.sizes
         self.stage: dict = {}   # name -> 1, 2 or 3
         self.rows: dict = {}    # name -> L, rows of the block before the fsdp split
@@ -159,6 +158,7 @@ class FSDPAccess:
         store, xp = self.store, self.xp
         self.padded.clear()
         self.grad_buffers.clear()
+        self.buckets.drop()
         for name in store.local_names:
             if self.stage[name] == 3:
                 continue
@@ -208,11 +208,16 @@ class FSDPAccess:
 
     def add_grad(self, name, g) -> None:
         """g = dL/d(block) of this rank's rows, shaped (L, ...) like get(name)."""
-        if self.stage[name] == 1:
-            self.grad_buffers[name][:self.rows[name]] += g            # held until finish_grads
-        else:   # ZeRO-2/3: average over fsdp now and keep only the own slice
-            shard = self.comm.reduce_scatter(pad_rows(self.xp, g, self.n), op="avg", axis=0)
-            self.store.grads[name] += shard                           # adjoint of all_gather
+        if self.stage[name] != 1:   # ZeRO-2/3: averaged over fsdp in its bucket, slice kept
+            self.buckets.add(name, g)                                 # -> deliver
+            return
+        self.grad_buffers[name][:self.rows[name]] += g                # held until finish_grads
+        if self.grad_ready is not None:
+            self.grad_ready(name)
+
+    def deliver(self, name, shard) -> None:
+        """The bucket's reduce-scatter(avg) gave this rank's slice of gradient `name`."""
+        self.store.grads[name] += shard                               # adjoint of all_gather
         if self.grad_ready is not None:
             self.grad_ready(name)
 
@@ -220,23 +225,24 @@ class FSDPAccess:
     def zero_grad(self) -> None:
         for g in self.grad_buffers.values():
             g[...] = 0
+        self.buckets.drop()
+
+    def end_backward(self) -> None:
+        """After every backward (sync or not): ZeRO-2/3 reduce-scatter the last bucket."""
+        self.buckets.flush()
 
     def finish_grads(self) -> None:
-        """ZeRO-1, at sync: reduce-scatter(avg) the full gradients into the owned slices.
-
-        A bucket packs several gradients as an (N, k) array whose row r holds every gradient's
-        slice r, so one reduce_scatter along axis 0 serves them all."""
-        grads, xp = self.store.grads, self.xp
+        """At sync: ZeRO-2/3's last bucket (if end_backward did not send it), then ZeRO-1's
+        full gradients reduce-scattered (avg) into the owned slices, in buckets packed like
+        ZeRO-2's (fsdp_buckets: row r of a bucket holds every gradient's slice r)."""
+        self.buckets.flush()
+        grads = self.store.grads
         names = list(reversed(list(self.grad_buffers)))           # backward order
         for bucket in buckets(names, lambda n: self.grad_buffers[n].nbytes, self.bucket_bytes):
-            rows = [self.grad_buffers[n].reshape(self.n, -1) for n in bucket]
-            flat = rows[0] if len(rows) == 1 else xp.concatenate(rows, axis=1)   # pack
-            mine = self.comm.reduce_scatter(flat, op="avg", axis=0)              # (1, k)
-            offset = 0
-            for name, r in zip(bucket, rows):                                     # unpack
+            chunks = [self.grad_buffers[n].reshape(self.n, -1) for n in bucket]
+            for name, mine in zip(bucket, reduce_scatter_chunks(self.comm, chunks)):
                 g = grads[name]
-                g += mine[0, offset:offset + r.shape[1]].reshape(g.shape)
-                offset += r.shape[1]
+                g += mine.reshape(g.shape)
                 self.grad_buffers[name][...] = 0                   # consumed (accumulation)
 
     def after_optimizer_step(self) -> None:
@@ -289,7 +295,7 @@ def step_comm(view) -> dict:
     into the owned slice (ZeRO-2 per microbatch, ZeRO-1 once at sync) and all-gather the
     updated slices after the optimizer step: (N-1) x slice bytes each. How often a unit gets
     a parameter and adds its gradient (a tied GPT head, recompute, layer 0) is
-    model_costs.param_uses."""
+    model_costs.param_uses. Buckets change the calls (step_calls), not the bytes."""
     n, m = view.size("fsdp"), view.microbatches
     if n == 1:
         return {}
@@ -308,3 +314,26 @@ def step_comm(view) -> dict:
             step["reduce_scatter"] += adds * (n - 1) * owned
             opt["all_gather"] += (n - 1) * owned
     return {"train_step": step, "optimizer": opt}
+
+
+def step_calls(view) -> dict:
+    """The calls behind step_comm's bytes, as `engine.comm_calls` counts them: ZeRO-3 one
+    all_gather per get (param_uses) and microbatch; ZeRO-2/3 fsdp_buckets.bucket_calls over
+    the padded gradients in the order the backward adds them (model_costs.grad_order), the m
+    microbatches one after the other (exact when each microbatch's backward adds its stage's
+    gradients together; the interleaved and zb1p schedules order them otherwise, so there it
+    estimates); ZeRO-1's reduce-scatter and ZeRO-1/2's optimizer all_gather: their buckets."""
+    n, m = view.size("fsdp"), view.microbatches
+    if n == 1:
+        return {}
+    limit = bucket_limit(view.layout)
+    stage = {name: zero_stage(info.placement, view.layout) for name, info in view.params.items()}
+    padded = {name: n * view.nbytes(view.grad_blocks[name]) for name in view.params}
+    gets = sum(m * param_uses(view.model, view.layout, name)[0]
+               for name in view.params if stage[name] == 3)
+    streamed = [padded[k] for k in grad_order(view.model, [k for k in stage if stage[k] > 1])]
+    held = [padded[k] for k in reversed(list(stage)) if stage[k] == 1]
+    replicated = [padded[k] for k in stage if stage[k] < 3]
+    return {"train_step": {"all_gather": gets, "reduce_scatter":
+                           bucket_calls(streamed * m, limit) + bucket_calls(held, limit)},
+            "optimizer": {"all_gather": bucket_calls(replicated, limit)}}

@@ -4,6 +4,8 @@
         per microbatch, how many times the units fetch parameter `name` through the access
         policy (FSDP ZeRO-3 all-gathers it each time) and how many gradients they add for it
         (ZeRO-2/3 reduce-scatter each one)
+    grad_order(model, names) -> the order in which one microbatch's backward adds the
+        gradients of `names` (ZeRO-2/3 bucket them in that order)
     boundary_width(model, layout, spec) -> elements per batch row of the activation a pipeline
         stage ending with layer `spec` sends on (and of the gradient that comes back)
 
@@ -51,6 +53,20 @@ def param_uses(model, layout, name: str) -> tuple:
         if layout.option("recompute") == "1" and name.startswith("block_"):
             gets += 1                                  # the block's forward, once more
     return gets, grads
+
+
+def grad_order(model, names) -> list:
+    """The order in which one microbatch's backward adds the gradients of `names` (a stage's
+    parameters, in model order): units last to first, each unit's own parameters in order
+    (Linear W then b, LayerNorm scale then shift, Embedding tokens then positions), and a tied
+    GPT's head adds embed/tokens first."""
+    units: dict = {}
+    for name in names:
+        units.setdefault(name.rsplit("/", 1)[0], []).append(name)
+    order = [name for unit in reversed(list(units)) for name in units[unit]]
+    if is_gpt(model) and model.tied and "embed/tokens" in units.get("embed", ()):
+        order.insert(0, "embed/tokens")
+    return order
 
 
 def local_tokens(model, layout) -> int:
