@@ -3,7 +3,8 @@ assignment of layers to (virtual) stages, balanced by parameter count or given b
 """
 from __future__ import annotations
 
-import numpy as np
+from functools import lru_cache
+from math import prod
 
 from ..comm.mesh import parse_layout
 
@@ -26,7 +27,8 @@ def pipeline_options(layout):
     return pp, name, v, m
 
 
-def _balanced_counts(costs, parts):
+@lru_cache(maxsize=256)                 # the planner asks again for every layout and rank
+def _balanced_counts(costs: tuple, parts: int) -> tuple:
     """Layers per part: contiguous, >= 1 each, the largest part's cost as small as possible,
     then the sum of squared part costs as small as possible (an even split of equal layers)."""
     n = len(costs)
@@ -58,7 +60,7 @@ def _balanced_counts(costs, parts):
     for k in range(parts, 0, -1):
         counts.append(j - cut[k][j])
         j = cut[k][j]
-    return counts[::-1]
+    return tuple(counts[::-1])
 
 
 def assign_stages(model, layout) -> list:
@@ -93,7 +95,7 @@ def assign_stages(model, layout) -> list:
         if v > 1 and n % k_total:
             raise ValueError(f"{what} do not divide the model's {n} layers (interleaving "
                              f"needs equal chunks; give stages= to split unevenly)")
-        costs = [int(sum(int(np.prod(s)) for s in spec.param_shapes.values()))
-                 for spec in model.layers()]
+        costs = tuple(sum(prod(s) for s in spec.param_shapes.values())
+                      for spec in model.layers())
         counts = _balanced_counts(costs, k_total)
     return [k for k, c in enumerate(counts) for _ in range(c)]
