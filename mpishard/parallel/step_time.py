@@ -1,91 +1,193 @@
 """Step time predicted from a layout's cost model and a machine's calibration (no MPI).
 
-    predicted = (compute + elementwise) / (1 - bubble) + sum over kinds (calls x alpha
-                + bytes / beta)
+    predicted = bubble_factor x (gemm + elementwise) + sum over groups and kinds
+                (calls x alpha + bytes / beta)
 
-- compute: the busiest rank's GEMM FLOPs per train_step (forward 2 r d_in d_out per local
-  weight block, backward twice that, minus the dx of the first layer, which nothing needs;
-  a GPT adds its attention scores 'qk' and 'av') over the calibrated GEMM rate of the GEMM's
-  shape class ('small' < 2 MFLOP per GEMM call < 'medium' < 200 MFLOP < 'large'). ZeRO-3 computes
-  with the gathered weight (its block times the fsdp size).
-- elementwise: what is not a GEMM, as memory traffic over the calibrated `memory_gbs`: the
-  activations (about 8 passes over each layer's output per microbatch: bias, activation and
-  their backward, the loss) and the optimizer (AdamW reads and writes parameter, gradient and
-  two moments: about 10 passes over the owned block), plus `call_s` per layer pass (the
-  Python and dispatch cost of one layer's forward or backward).
-- bubble: the pipeline schedule's idle fraction, from the schedule simulator (schedules.py).
-- communication: the cost model's bytes per kind (costs.step_comm, exactly the engine's
-  counters) over the calibrated bandwidth `beta` of that kind at the group size the kind runs
-  on, plus `calls` x latency `alpha`, where `calls` estimates the engine's call count per kind
-  (per layer and microbatch for tp, ZeRO-3 and pp sends; per bucket for dp and ZeRO-1/2).
+of the busiest rank (the slowest of `representative_ranks`), where
 
-A calibration (cli/calibrate.py writes it; examples/calibration.example.json) is a dict:
-{"gemm_gflops": {"small": G, "medium": G, "large": G}, "memory_gbs": GB/s, "call_s": s,
- "collectives": {kind: {group size: [alpha seconds, beta bytes/s]}}} where a group size
-missing falls back to the nearest calibrated one.
+- gemm: each GEMM call's FLOPs over the calibrated rate at that many FLOPs per call (log-log
+  interpolation of the `gemm` curve; the attention's batched GEMMs on `bgemm`). Per weight
+  block: forward 2 r d_in d_out, backward twice that, less an MLP's first dx (nothing needs it),
+  plus a forward more under recompute=1; ZeRO-3 computes with the gathered weight. A GPT adds
+  per block and microbatch its attention: 2 batched GEMMs forward (q k^T, p v), 5 backward
+  (the scores again, dv, dp, dq, dk), on (heads / tp) x T_q x T_k x D_h.
+- elementwise: per array, its elements x the calibrated seconds per element of the op at
+  that array size (`ops`, interpolated like the GEMM rates: small arrays pay the call, large
+  ones the memory): per MLP layer its activation and bias (forward + backward) and the MSE;
+  per GPT block two LayerNorms, GELU on the d_ff activation, the attention's softmax on its
+  scores and the plain passes (biases, residuals, head splits); the embedding, ln_f and the
+  cross-entropy on the first and last stage; AdamW over the rank's gradient blocks. Plus the
+  per-call costs (`fixed`): per layer or block and microbatch, per step, per optimizer tensor.
+- bubble_factor: the pipeline schedule's simulated idle fraction b (schedules.py) costs
+  1 / (1 - b) on a core per rank; with ranks sharing cores an idle stage lends its core to
+  the others, so the factor is max(1, 1 / (concurrency (1 - b))), `concurrency` the measured
+  slowdown of a GEMM when every rank runs one at once (about ranks / free cores).
+- communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
+  calls (comm_calls.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
+  fsdp, the averaging axes for dp's gradients and for the loss): calls x the calibrated
+  seconds of one call of that kind and group size at the mean bytes per call
+  (`call_seconds`). A calibration with `ranks_per_node` (ranks numbered tp innermost,
+  mesh.coordinates) takes a group whose ranks span more than one node from
+  `collectives_inter` (two-level alpha-beta: NVLink inside a node, the network between).
+
+A calibration (cli/calibrate.py writes one; examples/calibration.example.json was measured,
+examples/calibration.h100-cluster.json is assumed from public specs) is a dict:
+{"gemm": [[flops per call, GFLOP/s], ...], "bgemm": [...], "concurrency": k,
+ "ops": {op: [[elements, seconds per element], ...]},
+ "fixed": {"mlp_layer"|"mlp_base"|"gpt_block"|"gpt_base"|"optimizer_tensor": seconds},
+ "collectives": {kind: {group size: [[bytes, seconds], ...] or [alpha s, beta bytes/s]}},
+ optional "ranks_per_node" and "collectives_inter"}; a group size missing falls back to the
+nearest calibrated one.
 """
 from __future__ import annotations
 
-from math import ceil
+from bisect import bisect_left
+from itertools import product
+from math import log, prod
 
-from .costs import COMM_KINDS, rank_view, step_comm
-from .data_parallel import DEFAULT_BUCKET_MB
+from ..comm.mesh import AVERAGE_AXES, AXES, parse_layout, rank_of
+from . import (comm_calls, context_parallel, data_parallel, fsdp, gpt_tensor_parallel,
+               pipeline, tensor_parallel)
+from .costs import rank_view
 from .model_costs import gpt_stage, is_gpt, local_tokens
 from .schedules import make_schedule, simulate
 from .stages import pipeline_options
-
-SHAPE_CLASSES = (("small", 2e6), ("medium", 2e8), ("large", float("inf")))
-
-
-def shape_class(flops: float) -> str:
-    """The GEMM shape class of one GEMM call of `flops`."""
-    return next(name for name, limit in SHAPE_CLASSES if flops < limit)
+from .tensor_parallel import output_width, tp_role
 
 
-def gemms(view) -> list:
-    """(flops per GEMM call, calls per step) of each GEMM this rank runs in one train_step."""
-    layout, m = view.layout, view.microbatches
-    gpt = is_gpt(view.model)
-    rows = view.rows * (local_tokens(view.model, layout) if gpt else 1)
-    fsdp = layout.size("fsdp")
-    first = next(iter(view.params), None)
-    out = []
-    for name, info in view.params.items():
-        shape = view.blocks[name]
-        if len(shape) != 2 or name == "embed/tokens" and not getattr(view.model, "tied", 0) \
-                or name == "embed/positions":
-            continue                                  # biases, LN, embedding look-ups
-        size = shape[0] * shape[1] * (fsdp if not info.placement.is_replicated_on("fsdp")
-                                      else 1)
-        per_call = 2 * rows / m * size
-        passes = 2 if name == first else 3            # forward, dW, dx (not for layer 0)
-        out.append((per_call, passes * m))
-    if gpt:                                           # scores q k^T and weights @ v
-        stage = gpt_stage(view)
-        heads = view.model.n_heads // layout.size("tp")
-        dh = view.model.d_model // view.model.n_heads
-        t_local, t_full = local_tokens(view.model, layout), view.model.seq_len
-        per_call = 2 * (view.rows / m) * heads * t_local * t_full * dh
-        out.append((per_call, 2 * 3 * stage.blocks * m))
+def _sent(*strategies):
+    """{kind: bytes} a rank sends per step through `strategies`' step_comm, both phases."""
+    def sent(view) -> dict:
+        out: dict = {}
+        for strategy in strategies:
+            for kinds in strategy.step_comm(view).values():
+                for kind, nbytes in kinds.items():
+                    out[kind] = out.get(kind, 0) + nbytes
+        return out
+    return sent
+
+
+def _loss_bytes(view) -> float:
+    return view.all_reduce_bytes(AVERAGE_AXES, view.LOSS_BYTES) \
+        if view.size(AVERAGE_AXES) > 1 else 0.0
+
+
+def _gradient_sync_bytes(view) -> dict:
+    """data_parallel's bytes less the loss (a group of its own)."""
+    out = _sent(data_parallel)(view)
+    out["all_reduce"] = out.get("all_reduce", 0) - _loss_bytes(view)
     return out
 
 
-def compute_seconds(view, gemm_gflops: dict) -> float:
+# (calls, bytes, the axes their group spans), each exactly the engine's counters
+GROUPS = ((comm_calls.tp_calls, _sent(tensor_parallel, gpt_tensor_parallel), ("tp",)),
+          (comm_calls.cp_calls, _sent(context_parallel), ("cp",)),
+          (comm_calls.pp_calls, _sent(pipeline), ("pp",)),
+          (comm_calls.fsdp_calls, _sent(fsdp), ("fsdp",)),
+          (comm_calls.dp_calls, _gradient_sync_bytes, ("dp", "cp")),
+          (comm_calls.loss_calls, lambda view: {"all_reduce": _loss_bytes(view)},
+           AVERAGE_AXES))
+
+
+def interpolate(curve, x: float) -> float:
+    """y at `x` on [[x, y], ...] (sorted by x, positive): straight lines between the points
+    on log-log axes, held flat beyond the ends."""
+    xs = [p[0] for p in curve]
+    i = bisect_left(xs, x)
+    if i == 0:
+        return float(curve[0][1])
+    if i == len(curve):
+        return float(curve[-1][1])
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    w = (log(x) - log(x0)) / (log(x1) - log(x0))
+    return float(y0 ** (1 - w) * y1 ** w) if y0 > 0 and y1 > 0 else float(y0 + w * (y1 - y0))
+
+
+def op_seconds(ops: dict, name: str, n: float) -> float:
+    """Seconds of element-wise op `name` on one array of `n` elements (0 for one not
+    calibrated, such as the identity activation)."""
+    return n * interpolate(ops[name], n) if name in ops and n > 0 else 0.0
+
+
+def gemms(view) -> list:
+    """(flops per GEMM call, calls per step, curve) of each GEMM this rank runs in one
+    train_step; curve 'gemm' (the layers) or 'bgemm' (the attention's batched ones)."""
+    layout, m = view.layout, view.microbatches
+    gpt = is_gpt(view.model)
+    forwards = 2 if layout.option("recompute") == "1" else 1
+    rows = view.rows * (local_tokens(view.model, layout) if gpt else 1)
+    out = []
+    for name, info in view.params.items():
+        shape = view.blocks[name]
+        if len(shape) != 2 or name == "embed/positions" or \
+                name == "embed/tokens" and not getattr(view.model, "tied", False):
+            continue                                  # biases, LN, embedding look-ups
+        size = shape[0] * shape[1] * (layout.size("fsdp") if not
+                                      info.placement.is_replicated_on("fsdp") else 1)
+        passes = forwards + (1 if name == "layer_0/weights" and not gpt else 2)
+        out.append((2 * rows / m * size, passes * m, "gemm"))
+    if gpt:
+        stage, model, c = gpt_stage(view), view.model, layout.size("cp")
+        heads, dh = model.n_heads // layout.size("tp"), model.d_model // model.n_heads
+        if layout.option("cp_kind", "ring") == "ring":      # c blocks of T/c keys each
+            tq, tk, blocks = model.seq_len // c, model.seq_len // c, c
+        else:                                               # Ulysses: heads over cp
+            heads, tq, tk, blocks = heads // c, model.seq_len, model.seq_len, 1
+        per_call = 2 * (view.rows / m) * heads * tq * tk * dh
+        out.append((per_call, (2 * forwards + 5) * stage.blocks * blocks * m, "bgemm"))
+    return out
+
+
+def gemm_seconds(view, calibration: dict) -> float:
     """Seconds of GEMM work of `view`'s rank per train_step."""
-    return sum(calls * flops / (gemm_gflops[shape_class(flops)] * 1e9)
-               for flops, calls in gemms(view))
+    return sum(calls * flops / (interpolate(calibration[curve], flops) * 1e9)
+               for flops, calls, curve in gemms(view))
+
+
+def _mlp_elementwise(view, ops, fixed) -> float:
+    model, m = view.model, view.microbatches
+    rows, tp = view.rows / m, view.layout.size("tp")
+    seconds = 0.0
+    for spec in view.layers:
+        size = rows * output_width(spec, model.n_layers, tp)
+        last = spec.index == model.n_layers - 1
+        seconds += op_seconds(ops, model.final_activation if last else model.activation, size)
+        seconds += (2 * (f"layer_{spec.index}/bias" in view.params)   # bias: add, gradient
+                    + 3 * last) * op_seconds(ops, "pass", size)       # MSE
+        if tp > 1 and tp_role(spec.index, model.n_layers) == "column" and spec.index:
+            seconds += op_seconds(ops, "pass", rows * spec.d_in)      # CopyToTP's dx
+    return m * (seconds + len(view.layers) * fixed["mlp_layer"] + fixed["mlp_base"])
+
+
+def _gpt_elementwise(view, ops, fixed) -> float:
+    model, layout, m = view.model, view.layout, view.microbatches
+    stage, t = gpt_stage(view), layout.size("tp")
+    d, f = model.d_model, model.d_ff
+    tokens = view.rows / m * local_tokens(model, layout)
+    seq = tokens / t if layout.option("sequence_parallel", 0) else tokens
+    scores = view.rows / m * model.n_heads / t * local_tokens(model, layout) * model.seq_len
+    block = (2 * op_seconds(ops, "layernorm", seq * d) + op_seconds(ops, "gelu", tokens * f / t)
+             + op_seconds(ops, "softmax", scores)
+             + 2 * sum(op_seconds(ops, "pass", tokens * w / t) for w in (3 * d, f))  # biases
+             + 2 * 2 * op_seconds(ops, "pass", seq * d)      # row biases: add, gradient
+             + 2 * 4 * op_seconds(ops, "pass", tokens * d / t)    # q|k|v|out head splits
+             + 4 * op_seconds(ops, "pass", seq * d))         # residual adds, both ways
+    block *= (2 + (2 if layout.option("recompute") == "1" else 1)) / 3    # a forward is ~1/3
+    seconds = stage.blocks * block
+    if stage.first:
+        seconds += op_seconds(ops, "embedding", seq * d)
+    if stage.last:
+        seconds += op_seconds(ops, "layernorm", seq * d) + \
+            op_seconds(ops, "xent", tokens * model.vocab_size / t)
+    return m * (seconds + stage.blocks * fixed["gpt_block"] + fixed["gpt_base"])
 
 
 def elementwise_seconds(view, calibration: dict) -> float:
-    """Seconds of non-GEMM work per train_step (module docstring)."""
-    m = view.microbatches
-    per_row = sum(max(view.blocks[n][-1], 1) for n in view.params if n.endswith("/bias")
-                  or n.endswith("/weights") and n.replace("weights", "bias") not in view.params)
-    rows = view.rows * (local_tokens(view.model, view.layout) if is_gpt(view.model) else 1)
-    traffic = 8 * rows * per_row * view.itemsize
-    traffic += 10 * sum(view.nbytes(b) for b in view.grad_blocks.values())
-    passes = 3 * len(view.layers) * m
-    return traffic / (calibration["memory_gbs"] * 1e9) + passes * calibration["call_s"]
+    """Seconds of non-GEMM work per train_step and optimizer step (module docstring)."""
+    ops, fixed = calibration["ops"], calibration["fixed"]
+    seconds = (_gpt_elementwise if is_gpt(view.model) else _mlp_elementwise)(view, ops, fixed)
+    return seconds + sum(op_seconds(ops, "adamw", prod(b)) for b in view.grad_blocks.values()) \
+        + len(view.params) * fixed["optimizer_tensor"]
 
 
 def bubble(layout) -> float:
@@ -96,66 +198,91 @@ def bubble(layout) -> float:
     return simulate(make_schedule(name, pp, m, v), pp, m, v).bubble_fraction
 
 
-def comm_calls(view, kinds: dict) -> dict:
-    """Estimated engine calls per kind in one step (module docstring)."""
-    layout, m = view.layout, view.microbatches
-    layers = len(view.layers)
-    bucket = DEFAULT_BUCKET_MB * 2 ** 20
-    grad_bytes = sum(view.nbytes(b) for b in view.grad_blocks.values())
-    buckets = max(1, ceil(grad_bytes * layout.size("fsdp") / bucket))
-    zero3 = layout.size("fsdp") > 1 and layout.option("zero", 3) == 3
-    tp = layout.size("tp") > 1
-    per_layer = {"all_reduce": 2 * layers * m * tp + buckets + 1,
-                 "all_gather": 3 * layers * m if zero3 else buckets + 2 * layers * m * tp,
-                 "reduce_scatter": 2 * layers * m if zero3 else buckets,
-                 "all_to_all": 4 * layers * m, "broadcast": 1, "send": 2 * m}
-    return {k: per_layer[k] for k in kinds}
+def bubble_factor(b: float, concurrency: float = 1.0) -> float:
+    """What a pipeline bubble `b` multiplies the compute by (module docstring)."""
+    return max(1.0, 1.0 / (max(concurrency, 1.0) * (1.0 - b)))
 
 
-def group_size(layout, kind: str) -> int:
-    """The group a kind mostly runs on in this layout."""
-    data = layout.size("dp") * layout.size("fsdp")
-    return {"all_reduce": layout.size("tp") if layout.size("tp") > 1 else data,
-            "all_gather": layout.size("fsdp") if layout.size("fsdp") > 1 else layout.size("tp"),
-            "reduce_scatter": layout.size("fsdp") if layout.size("fsdp") > 1
-            else layout.size("tp"),
-            "all_to_all": max(layout.size("ep"), layout.size("cp")),
-            "broadcast": layout.size("pp"), "send": 2}[kind]
+def group_spans_nodes(layout, axes, ranks_per_node) -> bool:
+    """Whether a group over `axes` (ranks numbered tp innermost) reaches past one node."""
+    if not ranks_per_node:
+        return False
+    span, stride = 0, 1
+    for axis in reversed(AXES):
+        if axis in axes:
+            span += (layout.size(axis) - 1) * stride
+        stride *= layout.size(axis)
+    return span + 1 > ranks_per_node
 
 
-def alpha_beta(calibration: dict, kind: str, n: int) -> tuple:
-    """(alpha s, beta bytes/s) of `kind` on `n` ranks: the nearest calibrated group size."""
-    table = calibration["collectives"].get(kind) or calibration["collectives"]["all_reduce"]
-    key = min(table, key=lambda k: (abs(int(k) - n), -int(k)))
-    alpha, beta = table[key]
-    return float(alpha), float(beta)
+def call_seconds(calibration: dict, kind: str, n: int, nbytes: float,
+                 inter: bool = False) -> float:
+    """Seconds of one call of `kind` on `n` ranks counting `nbytes`, from the nearest
+    calibrated group size: alpha + nbytes / beta for an [alpha, beta] entry, or the measured
+    [[bytes, seconds], ...] points joined by straight lines (past the last one, its segment's
+    slope)."""
+    tables = calibration.get("collectives_inter") if inter else None
+    tables = tables or calibration["collectives"]
+    table = tables.get(kind) or tables["all_reduce"]
+    entry = table[min(table, key=lambda k: (abs(int(k) - n), -int(k)))]
+    if not isinstance(entry[0], (list, tuple)):
+        return float(entry[0]) + nbytes / float(entry[1])
+    points = sorted(entry)
+    i = min(max(bisect_left([p[0] for p in points], nbytes), 1), len(points) - 1)
+    (b0, t0), (b1, t1) = points[i - 1], points[i]
+    return max(float(t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)), 0.0) if nbytes >= b0 \
+        else float(t0)
 
 
-def comm_seconds(view, calibration: dict, kinds: dict) -> float:
-    calls = comm_calls(view, kinds)
-    total = 0.0
-    for kind, nbytes in kinds.items():
-        alpha, beta = alpha_beta(calibration, kind, max(2, group_size(view.layout, kind)))
-        total += calls[kind] * alpha + nbytes / beta
-    return total
+def comm_terms(view, calibration: dict) -> list:
+    """[(axes, kind, calls, bytes, seconds)] of `view`'s rank in one step."""
+    out = []
+    rpn = calibration.get("ranks_per_node")
+    for calls_of, sent_of, axes in GROUPS:
+        axes = tuple(a for a in axes if view.size(a) > 1)
+        calls, sent = calls_of(view), sent_of(view)
+        group = view.size(axes) if axes else 1
+        if axes == ("pp",):                  # sends go to the next stage: a stride away
+            inter = bool(rpn) and view.size(("cp", "tp")) >= rpn
+        else:
+            inter = group_spans_nodes(view.layout, axes, rpn)
+        for kind in sorted(k for k, v in calls.items() if v):
+            n = 2 if kind == "send" else max(2, group)
+            nbytes = sent.get(kind, 0)
+            out.append((axes, kind, calls[kind], nbytes,
+                        calls[kind] * call_seconds(calibration, kind, n, nbytes / calls[kind],
+                                                   inter)))
+    return out
+
+
+def representative_ranks(layout) -> list:
+    """Ranks whose costs bound every rank's: each pp stage, the first and last coordinate of
+    fsdp, cp and tp (uneven splits give those the largest or padded blocks), one dp and ep
+    replica (they hold and send the same). Enough for the max over ranks (tested against all
+    ranks) at a small fraction of a large world."""
+    layout = parse_layout(layout)
+    choices = []
+    for axis in AXES:
+        n = layout.size(axis)
+        choices.append(range(n) if axis == "pp" else
+                       [0] if axis in ("dp", "ep") else sorted({0, n - 1}))
+    return sorted({rank_of(layout, dict(zip(AXES, c))) for c in product(*choices)})
+
+
+def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
+                 itemsize: int = 4) -> dict:
+    """{'gemm_s', 'elementwise_s', 'compute_s', 'bubble', 'comm_s', 'step_s'} of one rank."""
+    view = rank_view(model, layout, rank, itemsize, batch)
+    gemm, elem = gemm_seconds(view, calibration), elementwise_seconds(view, calibration)
+    bub = bubble(view.layout)
+    comm = sum(term[-1] for term in comm_terms(view, calibration))
+    factor = bubble_factor(bub, calibration.get("concurrency", 1.0))
+    return {"gemm_s": gemm, "elementwise_s": elem, "compute_s": gemm + elem, "bubble": bub,
+            "comm_s": comm, "step_s": factor * (gemm + elem) + comm, "rank": rank}
 
 
 def predict_step(model, layout, batch: int, calibration: dict, itemsize: int = 4) -> dict:
-    """{'compute_s', 'bubble', 'comm_s', 'step_s'} of the busiest rank of `layout`."""
-    view0 = rank_view(model, layout, 0, itemsize, batch)
-    world = view0.layout.world_size
-    bub = bubble(view0.layout)
-    best = None
-    for rank in range(world):
-        view = rank_view(model, layout, rank, itemsize, batch) if rank else view0
-        sent = step_comm(model, layout, rank, batch, itemsize)
-        kinds = {k: sum(p.get(k, 0) for p in sent.values()) for k in COMM_KINDS}
-        kinds = {k: v for k, v in kinds.items() if v}
-        compute = compute_seconds(view, calibration["gemm_gflops"]) + \
-            elementwise_seconds(view, calibration)
-        comm = comm_seconds(view, calibration, kinds)
-        row = {"compute_s": compute, "bubble": bub, "comm_s": comm,
-               "step_s": compute / (1 - bub) + comm}
-        if best is None or row["step_s"] > best["step_s"]:
-            best = row
-    return best
+    """predict_rank's dict of the busiest of the representative ranks of `layout`."""
+    layout = parse_layout(layout)
+    return max((predict_rank(model, layout, r, batch, calibration, itemsize)
+                for r in representative_ranks(layout)), key=lambda row: row["step_s"])

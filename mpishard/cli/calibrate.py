@@ -1,0 +1,268 @@
+"""`plan --calibrate [FILE]`: measure this machine for the step-time model, on every rank of
+the MPI job at once (as in training: cores shared by more ranks than they have show in every
+rate), through the engine's own functions. Micro-benchmarks only; no layout is run.
+
+    gemm, bgemm   GFLOP/s of one nn.functional.einsum GEMM call by FLOPs per call: a layer's
+                  three ('bd,df->bf', 'bd,bf->df', 'bf,df->bd': x (n, n), W (n, 2n),
+                  n = 32 ... 512) and the attention's batched 'bhtd,bhsd->bhts' (16 heads x
+                  T x 32, T = 32 ... 256)
+    concurrency   the 256-GEMM's rate on rank 0 alone (the others asleep) over its rate with
+                  every rank busy: 1 with a core per rank, about ranks / free cores when they
+                  share; a pipeline's idle stage lends its core (step_time.bubble_factor)
+    ops           seconds per element of the element-wise work at 2**12, 2**15, 2**18 and
+                  2**21 elements (small arrays pay the call, large ones miss the caches):
+                  'pass' (one allocating add), each activation's forward + backward,
+                  layernorm, cross-entropy, embedding gather + scatter, AdamW; and attention's
+                  softmax (its forward + backward less its seven batched GEMMs, T = 128)
+    fixed         seconds per call that does not grow with size: a tiny MLP's train_step at 1
+                  and 5 layers and a tiny GPT's at 1 and 3 blocks (width 4-8): per layer or
+                  block (forward + backward) and the rest of the step; AdamW per tensor
+    collectives   per kind and group size (2, 4, ... up to the job; the world split into
+                  groups, all busy together; the engine with its default watchdog, as it
+                  trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
+                  32 B, 64 KiB, 1 MiB and 4 MiB per rank, against the bytes the engine counts
+
+Each time is the median over repeats of the slowest rank's mean over a window of >= 0.1 s
+(several scheduler periods, so cores shared with other processes show as the share they give).
+The JSON (default ~/.cache/mpishard/calibration.json) belongs to the machine, the rank count
+and the BLAS thread count it was measured with (see README: Threads).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..engine import make_engine
+from ..nn import attention, functional as nn
+from ..nn.gpt import GPT
+from ..nn.losses import MSE, CrossEntropy
+from ..nn.models import MLP
+from ..train.optim import AdamW
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+GEMM_SIDES = (32, 64, 128, 256, 512)
+BATCHED_T = (32, 64, 128, 256)
+HEADS, HEAD_DIM = 16, 32
+OP_SIZES = (2 ** 12, 2 ** 15, 2 ** 18, 2 ** 21)
+COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls timed
+ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid")
+WINDOW, REPEATS = 0.1, 3
+DEFAULT_PATH = os.path.join("~", ".cache", "mpishard", "calibration.json")
+VERSION = 2
+
+
+def _window(fn, inner: int, comm) -> float:
+    """The slowest rank's seconds per call over `inner` calls, started together."""
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return comm.allreduce((time.perf_counter() - t0) / inner, op=MPI.MAX)
+
+
+def timed(fn, comm, window=None, repeats=None) -> float:
+    """Seconds per call of `fn`, every rank of `comm` calling it at once (module docstring):
+    the calls per window double until a window takes a quarter of `window`, then scale to it
+    (the same count on every rank, measured as they run together, not from a lone call).
+    Defaults: the module's WINDOW and REPEATS (read at the call: tests shorten them)."""
+    window = WINDOW if window is None else window
+    repeats = REPEATS if repeats is None else repeats
+    fn()
+    inner = 1
+    while True:
+        per_call = _window(fn, inner, comm)
+        if per_call * inner >= window / 4 or inner >= 2 ** 16:
+            break
+        inner *= 2
+    inner = max(1, int(window / max(per_call, 1e-9)))
+    return float(np.median([_window(fn, inner, comm) for _ in range(repeats)]))
+
+
+def timed_alone(fn, comm, window=None, repeats=None) -> float:
+    """Seconds per call of `fn` on rank 0 while the other ranks sleep (a non-blocking barrier
+    polled every millisecond, so no rank spins in MPI)."""
+    result = None
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        result = timed(fn, MPI.COMM_SELF, window, repeats)
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(1e-3)
+    return comm.bcast(result, root=0)
+
+
+def measure_gemms(comm, dtype) -> dict:
+    rng = np.random.default_rng(comm.Get_rank())
+
+    def rand(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+    gemm, bgemm = [], []
+    for n in GEMM_SIDES:                 # a layer's forward, dW and dx: x (n, n), W (n, 2n)
+        x, w, dy = rand(n, n), rand(n, 2 * n), rand(n, 2 * n)
+
+        def layer():
+            nn.einsum("bd,df->bf", x, w)
+            nn.einsum("bd,bf->df", x, dy)
+            nn.einsum("bf,df->bd", dy, w)
+        gemm.append([4.0 * n ** 3, 3 * 4 * n ** 3 / timed(layer, comm) / 1e9])
+    for t in BATCHED_T:
+        q, k = rand(1, HEADS, t, HEAD_DIM), rand(1, HEADS, t, HEAD_DIM)
+        flops = 2.0 * HEADS * t * t * HEAD_DIM
+        bgemm.append([flops, flops / timed(lambda: nn.einsum("bhtd,bhsd->bhts", q, k),
+                                           comm) / 1e9])
+    a, w = rand(256, 256), rand(256, 256)
+    alone = timed_alone(lambda: nn.einsum("bd,df->bf", a, w), comm)
+    shared = timed(lambda: nn.einsum("bd,df->bf", a, w), comm)
+    return {"gemm": gemm, "bgemm": bgemm, "concurrency": max(1.0, shared / alone)}
+
+
+def _op_benchmarks(n: int, dtype, rng) -> dict:
+    """name -> a call doing that element-wise work on about `n` elements."""
+    z, dy = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+    rows = n // 128
+    x2, scale, shift = (rng.standard_normal((rows, 128)).astype(dtype),
+                        np.ones(128, dtype), np.zeros(128, dtype))
+    logits = rng.standard_normal((n // 256, 256)).astype(dtype)
+    labels = rng.integers(0, 256, n // 256)
+    table, ids = rng.standard_normal((256, 128)).astype(dtype), rng.integers(0, 256, rows)
+    engine = make_engine(MLP([2, 2]), "single", dtype=dtype, comm=MPI.COMM_SELF)
+    adamw, p, g = AdamW(engine, lr=1e-4), z.copy(), dy.copy()
+
+    def activation(name):
+        return lambda: nn.activation_backward(name, dy, nn.activation_forward(name, z)[1])
+
+    def layernorm():
+        y, saved = nn.layernorm_forward(x2, scale, shift)
+        nn.layernorm_backward(y, saved, scale)
+
+    def embedding():
+        nn.embedding_backward(nn.embedding_forward(table, ids), ids, 256)
+    ops = {"pass": lambda: np.add(z, dy), "layernorm": layernorm,
+           "xent": lambda: CrossEntropy()(logits, labels), "embedding": embedding,
+           "adamw": lambda: adamw.update("p", p, g)}
+    ops.update({name: activation(name) for name in ACTIVATIONS})
+    return ops
+
+
+def _attention_seconds(t: int, dtype, rng, comm) -> tuple:
+    """(forward + backward of causal attention on (1, HEADS, t, HEAD_DIM), one batched GEMM
+    of that shape): seconds per call."""
+    q, k, v, dout = (rng.standard_normal((1, HEADS, t, HEAD_DIM)).astype(dtype)
+                     for _ in range(4))
+
+    def both():
+        out, lse = attention.causal_attention_forward(q, k, v)
+        attention.causal_attention_backward(dout, q, k, v, out, lse)
+    return timed(both, comm), timed(lambda: nn.einsum("bhtd,bhsd->bhts", q, k), comm)
+
+
+def measure_ops(comm, dtype) -> dict:
+    """{op: [[elements, seconds per element], ...]} (module docstring)."""
+    rng = np.random.default_rng(comm.Get_rank())
+    out: dict = {}
+    for n in OP_SIZES:
+        for name, fn in _op_benchmarks(n, dtype, rng).items():
+            out.setdefault(name, []).append([float(n), timed(fn, comm) / n])
+    whole, gemm = _attention_seconds(128, dtype, rng, comm)
+    scores = HEADS * 128 * 128
+    out["softmax"] = [[float(scores), max(whole - 7 * gemm, 0.0) / scores]]
+    return out
+
+
+def _tiny_step(model, comm, dtype) -> tuple:
+    """(train_step seconds, AdamW step seconds) of `model` on one rank, batch 2."""
+    engine = make_engine(model, "single", dtype=dtype, comm=MPI.COMM_SELF)
+    engine.load_checkpoint(model.init(seed=0))
+    opt = AdamW(engine, lr=1e-4)
+    rng = np.random.default_rng(0)
+    if isinstance(model, GPT):
+        x = rng.integers(0, model.vocab_size, (2, model.seq_len))
+        t, loss = rng.integers(0, model.vocab_size, (2, model.seq_len)), CrossEntropy()
+    else:
+        x, t, loss = (rng.standard_normal((2, model.d_in)).astype(dtype),
+                      rng.standard_normal((2, model.d_out)).astype(dtype), MSE())
+    grads = engine.train_step(x, t, loss)[1]
+    return (timed(lambda: engine.train_step(x, t, loss), comm),
+            timed(lambda: opt.step(grads), comm))
+
+
+def measure_fixed(comm, dtype) -> dict:
+    """Per-call costs that do not grow with the arrays (module docstring)."""
+    (m1, o1), (m5, o5) = (_tiny_step(MLP([4] * (n + 1)), comm, dtype) for n in (1, 5))
+
+    def gpt(n):
+        return GPT(vocab_size=8, seq_len=4, d_model=8, n_heads=2, n_layers=n)
+    (g1, _), (g3, _) = (_tiny_step(gpt(n), comm, dtype) for n in (1, 3))
+    layer, block = max(m5 - m1, 0.0) / 4, max(g3 - g1, 0.0) / 2
+    return {"mlp_layer": layer, "mlp_base": max(m1 - layer, 0.0), "gpt_block": block,
+            "gpt_base": max(g1 - block, 0.0), "optimizer_tensor": max(o5 - o1, 0.0) / 8}
+
+
+def _collective(engine, kind, a):
+    """A call of `kind` on the engine's 'dp' group (send: even ranks to the next odd one)."""
+    if kind == "send":
+        me, n = engine.comm.rank("dp"), engine.comm.size("dp")
+        peer = me ^ 1
+        return (lambda: engine.send(peer, a) if me % 2 == 0 else engine.receive(peer)) \
+            if peer < n else (lambda: None)
+    if kind == "broadcast":
+        return lambda: engine.broadcast(a, root=0, group="dp")
+    if kind in ("all_reduce", "reduce_scatter"):             # as the gradients go: averaged
+        return lambda: getattr(engine, kind)(a, op="avg", group="dp")
+    return lambda: getattr(engine, kind)(a, group="dp")
+
+
+def measure_collectives(comm, dtype) -> dict:
+    """{kind: {group size: [[bytes counted per call, seconds per call], ...]}} at COMM_SIZES."""
+    world, itemsize = comm.Get_size(), np.dtype(dtype).itemsize
+    out = {k: {} for k in KINDS}
+    n = 2
+    while n <= world:
+        sub = comm.Split(comm.Get_rank() // n, comm.Get_rank())
+        engine = make_engine(MLP([2, 2]), f"dp={n}", dtype=dtype, comm=sub)
+        for kind in KINDS:
+            points = []
+            for nbytes in COMM_SIZES:
+                a = np.ones(max(n, nbytes // itemsize // n * n), dtype)
+                fn = _collective(engine, kind, a)
+                engine.reset_comm_stats()
+                fn()
+                counted = comm.allreduce(sum(engine.comm_bytes.values()), op=MPI.MAX)
+                points.append([float(counted or a.nbytes), timed(fn, comm)])
+            out[kind][str(n)] = points
+        n *= 2                # sub stays: the watchdog frees its window on it at exit
+    return out
+
+
+def blas_threads() -> str:
+    return os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or ""
+
+
+def calibrate(path, dtype=np.float32, comm=None) -> dict:
+    """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    cal = {"version": VERSION, "ranks": comm.Get_size(), "dtype": np.dtype(dtype).name,
+           "host": os.uname().nodename, "blas_threads": blas_threads(),
+           "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype),
+           "ops": measure_ops(comm, dtype), "fixed": measure_fixed(comm, dtype),
+           "collectives": measure_collectives(comm, dtype)}
+    if comm.Get_rank() == 0 and path:
+        path = os.path.expanduser(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(cal, f, indent=1)
+    return cal
+
+
+def load_calibration(path) -> dict:
+    """The calibration in `path`; ValueError for one of an older format."""
+    with open(os.path.expanduser(path)) as f:
+        cal = json.load(f)
+    if cal.get("version") != VERSION:
+        raise ValueError(f"calibration {path}: format version {cal.get('version', 1)}, this "
+                         f"mpishard reads {VERSION}; measure again with plan --calibrate")
+    return cal
