@@ -17,7 +17,7 @@ import mpishard as ms
 from mpishard import cli
 from mpishard.cli import calibrate as cal_mod
 from mpishard.cli.plan import candidate_layouts, plan_report
-from mpishard.cli.plan_time import validate
+from mpishard.cli.plan_time import validate, validation_report
 from mpishard.comm.mesh import parse_layout
 from mpishard.parallel.comm_calls import step_calls
 from mpishard.parallel.costs import check_fit, rank_memory, rank_view, step_comm_total
@@ -69,6 +69,14 @@ def test_call_seconds_alpha_beta_and_measured_points():
     assert call_seconds(cal, "send", 2, 5000) == pytest.approx(1e-2, rel=1e-12)
     inter = dict(cal, collectives_inter={"all_reduce": {"2": [1.0, 1.0]}})
     assert call_seconds(inter, "all_reduce", 2, 0, inter=True) == 1.0
+
+
+def test_alpha_beta_fit_through_measured_points():
+    line = [[x, 1e-3 + x / 1e9] for x in (32.0, 65536.0, 1048576.0, 4194304.0)]
+    alpha, beta = cal_mod.fit_alpha_beta(line)
+    assert alpha == pytest.approx(1e-3, rel=1e-9) and beta == pytest.approx(1e9, rel=1e-9)
+    flat_then_less = [[32.0, 2e-3], [1e6, 1e-3]]         # no bandwidth term to see
+    assert cal_mod.fit_alpha_beta(flat_then_less) == [pytest.approx(1.2e-3), 1e15]
 
 
 def test_single_is_flops_over_rate():
@@ -189,6 +197,15 @@ def test_old_calibration_format_is_refused(tmp_path):
         cal_mod.load_calibration(str(path))
 
 
+def test_validation_report_numbers():
+    results = [("a", 2.0, 1.0), ("b", 3.0, 1.5), ("c", 1.0, 1.2)]
+    text = validation_report(results, drift=2.0)
+    assert "median absolute error 100.0% over 3 layouts" in text
+    assert "predicted best 'c' measured 20.0% slower than the measured best" in text
+    assert "2.00x their calibrated rate" in text and "/ 2.00: median absolute error 0.0%" in text
+    assert "calibrated rate" not in validation_report(results)
+
+
 def test_extrapolation_command_marks_a_best_layout(capsys):
     """The README's paper table: an assumed H100 cluster, GPT-2 small on 64 ranks."""
     assert load("calibration.h100-cluster.json")["assumed"] is True
@@ -256,3 +273,4 @@ def test_calibrate_and_validate_run(monkeypatch):
     rows = [{"layout": "dp=2"}, {"layout": "tp=2"}, {"layout": "fsdp=2,zero=1"}]
     results = validate(model, rows, 8, np.float32, cal, top=2, comm=comm, rounds=2)
     assert len(results) == 2 and all(p > 0 and m > 0 for _, p, m in results)
+    assert validate.drift > 0          # the reference GEMMs, re-timed each round

@@ -20,10 +20,15 @@ rate), through the engine's own functions. Micro-benchmarks only; no layout is r
     collectives   per kind and group size (2, 4, ... up to the job; the world split into
                   groups, all busy together; the engine with its default watchdog, as it
                   trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
-                  32 B, 64 KiB, 1 MiB and 4 MiB per rank, against the bytes the engine counts
+                  32 B, 64 KiB, 1 MiB and 4 MiB per rank against the bytes the engine counts
+                  ('collective_points'), and [alpha, beta] fitted through them in relative
+                  error (fit_alpha_beta: one point's noise moves the line, not the model)
 
 Each time is the median over repeats of the slowest rank's mean over a window of >= 0.1 s
-(several scheduler periods, so cores shared with other processes show as the share they give).
+(several scheduler periods, so cores shared with other processes show as the share they
+give), the repeats taken in passes over a whole group of measurements (every GEMM size, every
+op and size, every collective point), so a burst of load spreads over the group instead of
+spoiling one point. About a minute at 4 ranks on the loaded 2-core VM.
 The JSON (default ~/.cache/mpishard/calibration.json) belongs to the machine, the rank count
 and the BLAS thread count it was measured with (see README: Threads).
 """
@@ -50,7 +55,7 @@ HEADS, HEAD_DIM = 16, 32
 OP_SIZES = (2 ** 12, 2 ** 15, 2 ** 18, 2 ** 21)
 COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls timed
 ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid")
-WINDOW, REPEATS = 0.1, 3
+WINDOW, REPEATS = 0.1, 5
 DEFAULT_PATH = os.path.join("~", ".cache", "mpishard", "calibration.json")
 VERSION = 2
 
@@ -64,13 +69,9 @@ def _window(fn, inner: int, comm) -> float:
     return comm.allreduce((time.perf_counter() - t0) / inner, op=MPI.MAX)
 
 
-def timed(fn, comm, window=None, repeats=None) -> float:
-    """Seconds per call of `fn`, every rank of `comm` calling it at once (module docstring):
-    the calls per window double until a window takes a quarter of `window`, then scale to it
-    (the same count on every rank, measured as they run together, not from a lone call).
-    Defaults: the module's WINDOW and REPEATS (read at the call: tests shorten them)."""
-    window = WINDOW if window is None else window
-    repeats = REPEATS if repeats is None else repeats
+def _calls_per_window(fn, comm, window: float) -> int:
+    """Calls of `fn` that fill `window` seconds with every rank calling it at once: the count
+    doubles until a window takes a quarter of it, then scales (the same on every rank)."""
     fn()
     inner = 1
     while True:
@@ -78,8 +79,45 @@ def timed(fn, comm, window=None, repeats=None) -> float:
         if per_call * inner >= window / 4 or inner >= 2 ** 16:
             break
         inner *= 2
-    inner = max(1, int(window / max(per_call, 1e-9)))
-    return float(np.median([_window(fn, inner, comm) for _ in range(repeats)]))
+    return max(1, int(window / max(per_call, 1e-9)))
+
+
+def timed(fn, comm, window=None, repeats=None) -> float:
+    """Seconds per call of `fn`, every rank of `comm` calling it at once (module docstring).
+    Defaults: the module's WINDOW and REPEATS (read at the call: tests shorten them)."""
+    return timed_interleaved({0: fn}, comm, window, repeats)[0]
+
+
+def timed_interleaved(fns: dict, comm, window=None, repeats=None) -> dict:
+    """{key: seconds per call} of each of `fns`, the repeats taken in passes over all of them
+    (a burst of the machine's load lands on one pass of every key, not on every repeat of
+    one): the median of `repeats` windows each."""
+    window = WINDOW if window is None else window
+    repeats = REPEATS if repeats is None else repeats
+    inner = {key: _calls_per_window(fn, comm, window) for key, fn in fns.items()}
+    times: dict = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            times[key].append(_window(fn, inner[key], comm))
+    return {key: float(np.median(t)) for key, t in times.items()}
+
+
+def fit_alpha_beta(points) -> list:
+    """[alpha s, beta bytes/s] of t = alpha + bytes / beta through [[bytes, t], ...], least
+    squares in relative error (each point's residual over its t), alpha >= 0, beta > 0."""
+    w = [1.0 / t ** 2 for _, t in points]
+    s, sx, st = sum(w), sum(wi * x for wi, (x, _) in zip(w, points)), \
+        sum(wi * t for wi, (_, t) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sxt = sum(wi * x * t for wi, (x, t) in zip(w, points))
+    det = s * sxx - sx * sx
+    b = (s * sxt - sx * st) / det if det > 0 else 0.0
+    a = (st - b * sx) / s
+    if b <= 0:
+        return [st / s, 1e15]                      # no measurable bandwidth term
+    if a < 0:
+        a, b = 0.0, sxt / sxx
+    return [a, 1.0 / b]
 
 
 def timed_alone(fn, comm, window=None, repeats=None) -> float:
@@ -95,29 +133,45 @@ def timed_alone(fn, comm, window=None, repeats=None) -> float:
     return comm.bcast(result, root=0)
 
 
+def _layer_gemms(n: int, comm, dtype):
+    """A call of a layer's forward, dW and dx GEMMs: x (n, n), W (n, 2n); 12 n^3 FLOPs."""
+    rng = np.random.default_rng(comm.Get_rank())
+    x, w, dy = (rng.standard_normal(s).astype(dtype) for s in ((n, n), (n, 2 * n), (n, 2 * n)))
+
+    def layer():
+        nn.einsum("bd,df->bf", x, w)
+        nn.einsum("bd,bf->df", x, dy)
+        nn.einsum("bf,df->bd", dy, w)
+    return layer
+
+
+def layer_gflops(n: int, comm, dtype, window=None, repeats=None) -> float:
+    """GFLOP/s of _layer_gemms(n), every rank at once: the `gemm` curve's point at n, and
+    validation's reference for how fast the machine is at that moment."""
+    return 12 * n ** 3 / timed(_layer_gemms(n, comm, dtype), comm, window, repeats) / 1e9
+
+
 def measure_gemms(comm, dtype) -> dict:
     rng = np.random.default_rng(comm.Get_rank())
 
     def rand(*shape):
         return rng.standard_normal(shape).astype(dtype)
-    gemm, bgemm = [], []
-    for n in GEMM_SIDES:                 # a layer's forward, dW and dx: x (n, n), W (n, 2n)
-        x, w, dy = rand(n, n), rand(n, 2 * n), rand(n, 2 * n)
-
-        def layer():
-            nn.einsum("bd,df->bf", x, w)
-            nn.einsum("bd,bf->df", x, dy)
-            nn.einsum("bf,df->bd", dy, w)
-        gemm.append([4.0 * n ** 3, 3 * 4 * n ** 3 / timed(layer, comm) / 1e9])
+    fns, flops = {}, {}
+    for n in GEMM_SIDES:
+        fns["gemm", n], flops["gemm", n] = _layer_gemms(n, comm, dtype), 12.0 * n ** 3
     for t in BATCHED_T:
         q, k = rand(1, HEADS, t, HEAD_DIM), rand(1, HEADS, t, HEAD_DIM)
-        flops = 2.0 * HEADS * t * t * HEAD_DIM
-        bgemm.append([flops, flops / timed(lambda: nn.einsum("bhtd,bhsd->bhts", q, k),
-                                           comm) / 1e9])
+        fns["bgemm", t] = lambda q=q, k=k: nn.einsum("bhtd,bhsd->bhts", q, k)
+        flops["bgemm", t] = 2.0 * HEADS * t * t * HEAD_DIM
+    seconds = timed_interleaved(fns, comm)
+    curves = {"gemm": [], "bgemm": []}
+    for (curve, size), t in seconds.items():       # a layer's GFLOP/s at one GEMM's FLOPs
+        per_call = flops[curve, size] / (3 if curve == "gemm" else 1)
+        curves[curve].append([per_call, flops[curve, size] / t / 1e9])
     a, w = rand(256, 256), rand(256, 256)
     alone = timed_alone(lambda: nn.einsum("bd,df->bf", a, w), comm)
     shared = timed(lambda: nn.einsum("bd,df->bf", a, w), comm)
-    return {"gemm": gemm, "bgemm": bgemm, "concurrency": max(1.0, shared / alone)}
+    return dict(curves, concurrency=max(1.0, shared / alone))
 
 
 def _op_benchmarks(n: int, dtype, rng) -> dict:
@@ -161,12 +215,13 @@ def _attention_seconds(t: int, dtype, rng, comm) -> tuple:
 
 
 def measure_ops(comm, dtype) -> dict:
-    """{op: [[elements, seconds per element], ...]} (module docstring)."""
+    """{op: [[elements, seconds per element], ...]} (module docstring), interleaved."""
     rng = np.random.default_rng(comm.Get_rank())
+    fns = {(name, n): fn for n in OP_SIZES
+           for name, fn in _op_benchmarks(n, dtype, rng).items()}
     out: dict = {}
-    for n in OP_SIZES:
-        for name, fn in _op_benchmarks(n, dtype, rng).items():
-            out.setdefault(name, []).append([float(n), timed(fn, comm) / n])
+    for (name, n), t in timed_interleaved(fns, comm).items():
+        out.setdefault(name, []).append([float(n), t / n])
     whole, gemm = _attention_seconds(128, dtype, rng, comm)
     scores = HEADS * 128 * 128
     out["softmax"] = [[float(scores), max(whole - 7 * gemm, 0.0) / scores]]
@@ -216,26 +271,32 @@ def _collective(engine, kind, a):
     return lambda: getattr(engine, kind)(a, group="dp")
 
 
-def measure_collectives(comm, dtype) -> dict:
-    """{kind: {group size: [[bytes counted per call, seconds per call], ...]}} at COMM_SIZES."""
+def measure_collectives(comm, dtype) -> tuple:
+    """({kind: {group size: [alpha, beta]}} fitted (fit_alpha_beta) to
+    {kind: {group size: [[bytes counted per call, seconds per call], ...]}} at COMM_SIZES),
+    every point timed in interleaved passes."""
     world, itemsize = comm.Get_size(), np.dtype(dtype).itemsize
-    out = {k: {} for k in KINDS}
+    fns, counted = {}, {}
     n = 2
     while n <= world:
         sub = comm.Split(comm.Get_rank() // n, comm.Get_rank())
         engine = make_engine(MLP([2, 2]), f"dp={n}", dtype=dtype, comm=sub)
         for kind in KINDS:
-            points = []
             for nbytes in COMM_SIZES:
                 a = np.ones(max(n, nbytes // itemsize // n * n), dtype)
-                fn = _collective(engine, kind, a)
+                fn = fns[kind, n, nbytes] = _collective(engine, kind, a)
                 engine.reset_comm_stats()
                 fn()
-                counted = comm.allreduce(sum(engine.comm_bytes.values()), op=MPI.MAX)
-                points.append([float(counted or a.nbytes), timed(fn, comm)])
-            out[kind][str(n)] = points
+                counted[kind, n, nbytes] = float(comm.allreduce(
+                    sum(engine.comm_bytes.values()), op=MPI.MAX) or a.nbytes)
         n *= 2                # sub stays: the watchdog frees its window on it at exit
-    return out
+    seconds = timed_interleaved(fns, comm)
+    points: dict = {k: {} for k in KINDS}
+    for (kind, n, nbytes), t in seconds.items():
+        points[kind].setdefault(str(n), []).append([counted[kind, n, nbytes], t])
+    fitted = {kind: {n: fit_alpha_beta(p) for n, p in by_n.items()}
+              for kind, by_n in points.items()}
+    return fitted, points
 
 
 def blas_threads() -> str:
@@ -248,8 +309,8 @@ def calibrate(path, dtype=np.float32, comm=None) -> dict:
     cal = {"version": VERSION, "ranks": comm.Get_size(), "dtype": np.dtype(dtype).name,
            "host": os.uname().nodename, "blas_threads": blas_threads(),
            "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype),
-           "ops": measure_ops(comm, dtype), "fixed": measure_fixed(comm, dtype),
-           "collectives": measure_collectives(comm, dtype)}
+           "ops": measure_ops(comm, dtype), "fixed": measure_fixed(comm, dtype)}
+    cal["collectives"], cal["collective_points"] = measure_collectives(comm, dtype)
     if comm.Get_rank() == 0 and path:
         path = os.path.expanduser(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -199,7 +199,8 @@ def run_plan(args) -> int:
                                  f"ranks, not {MPI.COMM_WORLD.Get_size()}")
             rows, _ = plan_layouts(model, args.world_size, args.batch, args.dtype,
                                    args.optimizer, args.momentum, args.microbatches)
-            text += "\n\nvalidate:\n" + validation_report(validate(
-                model, rows, args.batch, np.dtype(args.dtype), calibration, args.validate))
+            results = validate(model, rows, args.batch, np.dtype(args.dtype), calibration,
+                               args.validate)
+            text += "\n\nvalidate:\n" + validation_report(results, validate.drift)
         return text
     return report_mlp("plan", args, report)

@@ -23,8 +23,10 @@ from ..nn.losses import MSE, CrossEntropy
 from ..parallel.model_costs import is_gpt
 from ..parallel.step_time import predict_step
 from ..train.optim import AdamW
+from .calibrate import layer_gflops
 
 ROUNDS, WARMUP = 9, 2
+REFERENCE = 256                   # the GEMM size validation re-times each round
 
 
 def step_fn(model, layout, batch, dtype, comm):
@@ -46,45 +48,70 @@ def step_fn(model, layout, batch, dtype, comm):
     return step
 
 
-def measure_steps(steps: list, comm, rounds=ROUNDS, warmup=WARMUP) -> list:
-    """Median over `rounds` alternating rounds of the slowest rank's seconds per step, one
-    per callable in `steps` (each warmed up `warmup` times first)."""
+def measure_steps(steps: list, comm, rounds=ROUNDS, warmup=WARMUP, probe=None) -> tuple:
+    """(median over `rounds` alternating rounds of the slowest rank's seconds per step, one
+    per callable in `steps` (each warmed up `warmup` times first); the median of `probe()`
+    run once per round, or None)."""
     for step in steps:
         for _ in range(warmup):
             step()
-    times = [[] for _ in steps]
+    times, probes = [[] for _ in steps], []
     for _ in range(rounds):
         for i, step in enumerate(steps):
             comm.Barrier()
             t0 = time.perf_counter()
             step()
             times[i].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return [float(np.median(t)) for t in times]
+        if probe is not None:
+            probes.append(probe())
+    return [float(np.median(t)) for t in times], \
+        (float(np.median(probes)) if probes else None)
 
 
 def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUNDS) -> list:
-    """Run the `top` layouts of `rows` predicted fastest; [(layout, predicted s, measured s)]."""
+    """Run the `top` layouts of `rows` predicted fastest; [(layout, predicted s, measured s)].
+    Each round also times the calibration's reference GEMMs (n = REFERENCE, a short window):
+    `validate.drift` is their median rate over the calibration's, how much faster (> 1) or
+    slower the machine ran than when it was calibrated (reported, not used)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     itemsize = np.dtype(dtype).itemsize
     pred = sorted((predict_step(model, r["layout"], batch, calibration, itemsize)["step_s"],
                    r["layout"]) for r in rows)[:top]
     steps = [step_fn(model, layout, batch, dtype, comm) for _, layout in pred]
-    measured = measure_steps(steps, comm, rounds)
+    reference = dict((int(round((f / 4) ** (1 / 3))), g) for f, g in calibration["gemm"])
+    # (a gemm point is one GEMM of a layer at n: 4 n^3 FLOPs)
+    probe = (lambda: layer_gflops(REFERENCE, comm, dtype, window=0.05, repeats=1)) \
+        if REFERENCE in reference else None
+    measured, rate = measure_steps(steps, comm, rounds, probe=probe)
+    validate.drift = rate / reference[REFERENCE] if rate else None
     return [(layout, p, m) for (p, layout), m in zip(pred, measured)]
 
 
-def validation_report(results) -> str:
-    """The predicted vs measured table, the median absolute error and the best's gap."""
+validate.drift = None
+
+
+def _summary(results) -> tuple:
+    """(median absolute error, predicted best, its gap to the measured best)."""
+    errors = [abs(p - m) / m for _, p, m in results]
+    best = min(results, key=lambda r: r[1])
+    return float(np.median(errors)), best[0], best[2] / min(m for _, _, m in results) - 1
+
+
+def validation_report(results, drift=None) -> str:
+    """The predicted vs measured table, the median absolute error, the best's gap and the
+    machine's drift since the calibration (validate.drift): with a drift, the error again
+    with every prediction divided by it (the calibration's rates at the machine's share
+    during the validation; the ranking, and so the best's gap, does not change)."""
     lines = [f"{'layout':<36}{'predicted':>12}{'measured':>12}{'error':>9}"]
-    errors = []
     for layout, p, m in results:
-        errors.append(abs(p - m) / m)
         lines.append(f"{layout:<36}{p * 1e3:>10.2f}ms{m * 1e3:>10.2f}ms{100 * (p - m) / m:>8.1f}%")
-    best_measured = min(m for _, _, m in results)
-    predicted_best = min(results, key=lambda r: r[1])
-    gap = predicted_best[2] / best_measured - 1
-    lines.append(f"median absolute error {100 * float(np.median(errors)):.1f}% over "
-                 f"{len(results)} layouts; predicted best {predicted_best[0]!r} measured "
-                 f"{100 * gap:.1f}% slower than the measured best "
-                 f"(load average {os.getloadavg()[0]:.1f})")
+    error, best, gap = _summary(results)
+    lines.append(f"median absolute error {100 * error:.1f}% over {len(results)} layouts; "
+                 f"predicted best {best!r} measured {100 * gap:.1f}% slower than the measured "
+                 f"best (load average {os.getloadavg()[0]:.1f})")
+    if drift:
+        scaled, _, _ = _summary([(lay, p / drift, m) for lay, p, m in results])
+        lines.append(f"reference GEMMs ran at {drift:.2f}x their calibrated rate during the "
+                     f"validation (the machine's share changed since --calibrate); predictions "
+                     f"/ {drift:.2f}: median absolute error {100 * scaled:.1f}%")
     return "\n".join(lines)
