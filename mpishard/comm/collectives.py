@@ -1,7 +1,8 @@
 """Comm: the collectives (and, through PointToPoint, send/receive) of one device mesh.
 
-Every collective maps onto one mpi4py buffer (uppercase) call, so arrays never go through
-pickle, issued non-blocking and waited by the stall watchdog (watchdog.py: at most `timeout`
+Every collective maps onto one mpi4py buffer (uppercase) call (all_to_all_v onto one matched
+point-to-point message per peer: alltoallv.py), so arrays never go through pickle, issued
+non-blocking and waited by the stall watchdog (watchdog.py: at most `timeout`
 seconds, then CollectiveTimeout naming the late ranks). `group=` names a mesh axis ("tp"), a
 tuple of axes (("dp", "fsdp")), or None for the Comm's own group (the whole world for the
 engine's Comm; `comm.group("tp")` is a Comm whose calls default to the tp group). Each call
@@ -11,6 +12,7 @@ documents its adjoint, because the strategies use them in pairs:
     all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
     reduce_scatter(axis)   forward  <->  all_gather(axis)       backward
     all_to_all(axis)       forward  <->  all_to_all(axis)       backward (the inverse exchange)
+    all_to_all_v(counts)   forward  <->  all_to_all_v(counts swapped) backward
     send(dest)             forward  <->  receive(dest)          backward
 
 `stats` counts the bytes each rank sends per collective kind, using what a bandwidth-optimal
@@ -24,13 +26,12 @@ corrupting data or hanging.
 from __future__ import annotations
 
 import copy
-import math
 import time
 
 import numpy as np
 from mpi4py import MPI
-from mpi4py.util.dtlib import from_numpy_dtype
 
+from .alltoallv import PrivateComms, VariableExchange, blocks, mpi_type
 from .debug import OPS, CollectiveMismatchError, agree, check_signature
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .pool import ResultPool
@@ -39,40 +40,12 @@ from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, Watchdog
 
 __all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "Future", "agree"]
 
-_MPI_TYPES: dict = {}
 
-
-def mpi_type(dtype):
-    """The MPI datatype of a numpy dtype, made once per dtype: the predefined one
-    (`Datatype.fromcode`), else mpi4py's `from_numpy_dtype` (which returns a new duplicate on
-    every call, never freed: once per dtype here)."""
-    dtype = np.dtype(dtype)
-    found = _MPI_TYPES.get(dtype.str)
-    if found is None:
-        try:
-            found = MPI.Datatype.fromcode(dtype.char)
-        except (KeyError, ValueError):
-            found = from_numpy_dtype(dtype)
-        _MPI_TYPES[dtype.str] = found
-    return found
-
-
-def blocks(counts, row: int) -> tuple:
-    """([c * row], [displacement]) of consecutive blocks of `counts` rows of `row` elements:
-    the counts and displacements of a v-collective, as Python lists (n is small)."""
-    sizes, displs, at = [], [], 0
-    for c in counts:
-        sizes.append(c * row)
-        displs.append(at)
-        at += c * row
-    return sizes, displs
-
-
-class Comm(PointToPoint):
+class Comm(PointToPoint, VariableExchange):
     """The collectives of `mesh` (a DeviceMesh) on arrays of `backend` (numpy or cupy).
 
-    Group views made by `group(axis)` share the statistics, the result-buffer pool and the
-    pending receives with the Comm they came from.
+    Group views made by `group(axis)` share the statistics, the result-buffer pool, the
+    pending receives and all_to_all_v's private communicators with the Comm they came from.
     """
 
     def __init__(self, mesh, backend, debug: bool = False, timeout=DEFAULT_TIMEOUT):
@@ -86,6 +59,7 @@ class Comm(PointToPoint):
         self.default_group = None
         self._groups: dict = {}
         self.pending_receives: dict = {}   # (comm, src, tag) -> pending receives, in order
+        self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
 
     # -- groups ------------------------------------------------------------------------------
     def group(self, axes) -> "Comm":
@@ -334,54 +308,6 @@ class Comm(PointToPoint):
         self.backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
         return self._back(out, axis)
-
-    def all_to_all_v(self, arr, send_counts, group=None, recv_counts=None):
-        """Variable-count exchange along axis 0 (MPI Alltoallv).
-
-        `send_counts[j]` rows of `arr` (consecutive, in rank order) go to rank j. The counts are
-        exchanged first (one Alltoall of n int64), unless the caller already knows
-        `recv_counts` (e.g. the reverse of an earlier exchange); returns (received rows
-        concatenated in source-rank order, recv_counts as int64). Adjoint: all_to_all_v of the
-        gradient with send and receive counts swapped.
-
-        The per-call bookkeeping (checks, displacements, the byte count) is plain Python on the
-        n counts: at n <= 8 that is a few microseconds where numpy's small-array calls cost
-        ~70 us a call, as much as moving 1 MiB between two ranks here.
-        """
-        t0 = time.perf_counter()
-        comm = self._mpi(group)
-        n = comm.Get_size()
-        if self.debug:
-            self._check(comm, "all_to_all_v", self.xp.asarray(arr), axis=0, skip_axis=True)
-        a = self.prepare(arr)
-        sc = np.ascontiguousarray(send_counts, dtype=np.int64)
-        send = sc.tolist() if sc.ndim == 1 else []
-        bad = None
-        if len(send) != n or sum(send) != a.shape[0] or min(send) < 0:
-            bad = (f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
-                   f"counts summing to the {a.shape[0]} rows given")
-        if self.debug:          # counts are this rank's own: agree, so no rank waits alone
-            agree(comm, None if bad is None else f"group rank {comm.Get_rank()}: {bad}",
-                  wait=lambda req: self._wait(req, "all_to_all_v (debug check)", comm))
-        elif bad is not None:
-            raise ValueError(bad)
-        if recv_counts is None:
-            rc = np.empty(n, dtype=np.int64)
-            self._wait(comm.Ialltoall(sc, rc), "all_to_all_v", comm)
-        else:
-            rc = np.ascontiguousarray(recv_counts, dtype=np.int64)
-        recv = rc.tolist()
-        row = math.prod(a.shape[1:])
-        out = self.pool.get((sum(recv),) + a.shape[1:], a.dtype)
-        mtype = mpi_type(a.dtype)
-        sbuf = self.backend.mpi_buffer(a)
-        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
-        self._wait(comm.Ialltoallv([sbuf, *blocks(send, row), mtype],
-                                   [rbuf, *blocks(recv, row), mtype]), "all_to_all_v", comm)
-        self.backend.mpi_finish(rbuf, out)
-        self.stats.count("all_to_all", (a.shape[0] - send[comm.Get_rank()]) * row * a.itemsize,
-                         t0)
-        return out, rc
 
     # -- broadcast, agree --------------------------------------------------------------------
     def broadcast(self, arr, root: int = 0, group=None):

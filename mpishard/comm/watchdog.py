@@ -193,9 +193,20 @@ class Watchdog:
             return lambda requests: self.peer(requests, what, comm, rank)
         return lambda requests: self.collective(requests, what, comm, ticket)
 
+    def until(self, test, what: str, comm, ticket) -> None:
+        """Poll `test()` (e.g. matched probes: comm/alltoallv.py) until it returns True, at
+        most the timeout; then CollectiveTimeout naming the members of `comm` that have not
+        arrived (`ticket` from `arrive`). Needs a timeout (no requests to Waitall on)."""
+        if not self.poll_until(test):
+            self.expired(what, comm, self.late(comm, ticket))
+
     def poll(self, requests) -> bool:
         """Test until done (True) or the timeout passes (False); yields, then growing sleeps."""
-        if MPI.Request.Testall(requests):
+        return self.poll_until(lambda: MPI.Request.Testall(requests))
+
+    def poll_until(self, test) -> bool:
+        """poll's loop on any `test()`."""
+        if test():
             return True
         t0 = time.monotonic()
         while True:
@@ -206,7 +217,7 @@ class Watchdog:
                 time.sleep(min(MAX_SLEEP, 0.05 * waited))
             else:
                 os.sched_yield()
-            if MPI.Request.Testall(requests):
+            if test():
                 return True
 
     def late(self, comm, ticket) -> str:
