@@ -54,6 +54,7 @@ def test_interpolate_is_log_log_and_flat_beyond_the_ends():
     assert interpolate(curve, 0.5) == 10.0 and interpolate(curve, 1e6) == 1000.0
     ops = {"pass": [[100.0, 2e-9], [1e4, 2e-9]]}
     assert op_seconds(ops, "pass", 1000) == pytest.approx(2e-6, rel=1e-12)
+    assert op_seconds(ops, "pass", 10) == pytest.approx(2e-7, rel=1e-12)   # the smallest call
     assert op_seconds(ops, "identity", 1000) == 0.0
 
 

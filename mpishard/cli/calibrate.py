@@ -6,14 +6,18 @@ rate), through the engine's own functions. Micro-benchmarks only; no layout is r
                   three ('bd,df->bf', 'bd,bf->df', 'bf,df->bd': x (n, n), W (n, 2n),
                   n = 32 ... 512) and the attention's batched 'bhtd,bhsd->bhts' (16 heads x
                   T x 32, T = 32 ... 256)
-    concurrency   the 256-GEMM's rate on rank 0 alone (the others asleep) over its rate with
-                  every rank busy: 1 with a core per rank, about ranks / free cores when they
-                  share; a pipeline's idle stage lends its core (step_time.bubble_factor)
+    concurrency   the 256-GEMM's rate on rank 0 alone (the others waiting as the engine
+                  waits, polling with sched_yield) over its rate with every rank busy: 1 with
+                  a core per rank, up to ranks / free cores when they share; what a pipeline's
+                  idle stage lends the busy ones (step_time.bubble_factor)
     ops           seconds per element of the element-wise work at 2**12, 2**15, 2**18 and
-                  2**21 elements (small arrays pay the call, large ones miss the caches):
+                  2**21 elements (small arrays pay the call, large ones miss the caches;
+                  each call on other copies of its arrays, 16 MiB in all, so they come from
+                  memory as a step's do):
                   'pass' (one allocating add), each activation's forward + backward,
                   layernorm, cross-entropy, embedding gather + scatter, AdamW; and attention's
-                  softmax (its forward + backward less its seven batched GEMMs, T = 128)
+                  softmax per score (its forward + backward less its seven batched GEMMs,
+                  16 heads x T x T, T = 32 ... 256)
     fixed         seconds per call that does not grow with size: a tiny MLP's train_step at 1
                   and 5 layers and a tiny GPT's at 1 and 3 blocks (width 4-8): per layer or
                   block (forward + backward) and the rest of the step; AdamW per tensor
@@ -53,6 +57,7 @@ GEMM_SIDES = (32, 64, 128, 256, 512)
 BATCHED_T = (32, 64, 128, 256)
 HEADS, HEAD_DIM = 16, 32
 OP_SIZES = (2 ** 12, 2 ** 15, 2 ** 18, 2 ** 21)
+COLD_BYTES = 16 << 20            # the ops' arrays rotate through at least this much memory
 COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls timed
 ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid")
 WINDOW, REPEATS = 0.1, 5
@@ -121,15 +126,17 @@ def fit_alpha_beta(points) -> list:
 
 
 def timed_alone(fn, comm, window=None, repeats=None) -> float:
-    """Seconds per call of `fn` on rank 0 while the other ranks sleep (a non-blocking barrier
-    polled every millisecond, so no rank spins in MPI)."""
+    """Seconds per call of `fn` on rank 0 while the other ranks wait as a pipeline stage in
+    its bubble does: polling a non-blocking barrier with sched_yield between polls (the
+    engine's watchdog for its first 0.1 s), which gives the core back only as far as the
+    scheduler lets it."""
     result = None
     comm.Barrier()
     if comm.Get_rank() == 0:
         result = timed(fn, MPI.COMM_SELF, window, repeats)
     request = comm.Ibarrier()
     while not request.Test():
-        time.sleep(1e-3)
+        os.sched_yield()
     return comm.bcast(result, root=0)
 
 
@@ -174,8 +181,9 @@ def measure_gemms(comm, dtype) -> dict:
     return dict(curves, concurrency=max(1.0, shared / alone))
 
 
-def _op_benchmarks(n: int, dtype, rng) -> dict:
-    """name -> a call doing that element-wise work on about `n` elements."""
+def _op_benchmarks(n: int, dtype, rng, adamw) -> dict:
+    """name -> a call doing that element-wise work on about `n` elements (`adamw`: an AdamW
+    whose update is timed)."""
     z, dy = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
     rows = n // 128
     x2, scale, shift = (rng.standard_normal((rows, 128)).astype(dtype),
@@ -183,8 +191,7 @@ def _op_benchmarks(n: int, dtype, rng) -> dict:
     logits = rng.standard_normal((n // 256, 256)).astype(dtype)
     labels = rng.integers(0, 256, n // 256)
     table, ids = rng.standard_normal((256, 128)).astype(dtype), rng.integers(0, 256, rows)
-    engine = make_engine(MLP([2, 2]), "single", dtype=dtype, comm=MPI.COMM_SELF)
-    adamw, p, g = AdamW(engine, lr=1e-4), z.copy(), dy.copy()
+    p, g = z.copy(), dy.copy()
 
     def activation(name):
         return lambda: nn.activation_backward(name, dy, nn.activation_forward(name, z)[1])
@@ -197,34 +204,54 @@ def _op_benchmarks(n: int, dtype, rng) -> dict:
         nn.embedding_backward(nn.embedding_forward(table, ids), ids, 256)
     ops = {"pass": lambda: np.add(z, dy), "layernorm": layernorm,
            "xent": lambda: CrossEntropy()(logits, labels), "embedding": embedding,
-           "adamw": lambda: adamw.update("p", p, g)}
+           "adamw": lambda: adamw.update(f"p{id(p)}", p, g)}
     ops.update({name: activation(name) for name in ACTIVATIONS})
     return ops
 
 
-def _attention_seconds(t: int, dtype, rng, comm) -> tuple:
+def _attention_calls(t: int, dtype, rng) -> tuple:
     """(forward + backward of causal attention on (1, HEADS, t, HEAD_DIM), one batched GEMM
-    of that shape): seconds per call."""
+    of that shape): two calls to time."""
     q, k, v, dout = (rng.standard_normal((1, HEADS, t, HEAD_DIM)).astype(dtype)
                      for _ in range(4))
 
     def both():
         out, lse = attention.causal_attention_forward(q, k, v)
         attention.causal_attention_backward(dout, q, k, v, out, lse)
-    return timed(both, comm), timed(lambda: nn.einsum("bhtd,bhsd->bhts", q, k), comm)
+    return both, lambda: nn.einsum("bhtd,bhsd->bhts", q, k)
+
+
+def _cold(calls: list):
+    """One call of the next of `calls` (copies of one benchmark on different arrays) in turn,
+    so its operands come from memory, as a step's do, not from the cache of the last call."""
+    turn = [0]
+
+    def call():
+        calls[turn[0] % len(calls)]()
+        turn[0] += 1
+    return call
 
 
 def measure_ops(comm, dtype) -> dict:
-    """{op: [[elements, seconds per element], ...]} (module docstring), interleaved."""
+    """{op: [[elements, seconds per element], ...]} (module docstring): each size rotates
+    over copies of its arrays, COLD_BYTES in all, measured interleaved."""
     rng = np.random.default_rng(comm.Get_rank())
-    fns = {(name, n): fn for n in OP_SIZES
-           for name, fn in _op_benchmarks(n, dtype, rng).items()}
+    adamw = AdamW(make_engine(MLP([2, 2]), "single", dtype=dtype, comm=MPI.COMM_SELF), lr=1e-4)
+    fns = {}
+    for n in OP_SIZES:
+        copies = [_op_benchmarks(n, dtype, rng, adamw)
+                  for _ in range(max(1, min(16, COLD_BYTES // (8 * n * 4))))]
+        fns.update({(name, n): _cold([c[name] for c in copies]) for name in copies[0]})
+    for t in BATCHED_T:
+        fns["attention", t], fns["attention_gemm", t] = _attention_calls(t, dtype, rng)
+    seconds = timed_interleaved(fns, comm)
     out: dict = {}
-    for (name, n), t in timed_interleaved(fns, comm).items():
+    for (name, n), t in seconds.items():
+        if name in ("attention", "attention_gemm"):
+            continue
         out.setdefault(name, []).append([float(n), t / n])
-    whole, gemm = _attention_seconds(128, dtype, rng, comm)
-    scores = HEADS * 128 * 128
-    out["softmax"] = [[float(scores), max(whole - 7 * gemm, 0.0) / scores]]
+    out["softmax"] = [[float(HEADS * t * t), max(seconds["attention", t] - 7 * seconds[
+        "attention_gemm", t], 0.0) / (HEADS * t * t)] for t in BATCHED_T]
     return out
 
 
@@ -245,16 +272,20 @@ def _tiny_step(model, comm, dtype) -> tuple:
             timed(lambda: opt.step(grads), comm))
 
 
-def measure_fixed(comm, dtype) -> dict:
-    """Per-call costs that do not grow with the arrays (module docstring)."""
+def measure_fixed(comm, dtype, ops=None) -> dict:
+    """Per-call costs that do not grow with the arrays (module docstring); `ops`: the
+    measured ops, whose AdamW call on the smallest array (what step_time charges a tiny
+    tensor) is taken out of the per-tensor optimizer cost."""
     (m1, o1), (m5, o5) = (_tiny_step(MLP([4] * (n + 1)), comm, dtype) for n in (1, 5))
 
     def gpt(n):
         return GPT(vocab_size=8, seq_len=4, d_model=8, n_heads=2, n_layers=n)
     (g1, _), (g3, _) = (_tiny_step(gpt(n), comm, dtype) for n in (1, 3))
     layer, block = max(m5 - m1, 0.0) / 4, max(g3 - g1, 0.0) / 2
+    n0, s0 = (ops or {}).get("adamw", [[0.0, 0.0]])[0]
     return {"mlp_layer": layer, "mlp_base": max(m1 - layer, 0.0), "gpt_block": block,
-            "gpt_base": max(g1 - block, 0.0), "optimizer_tensor": max(o5 - o1, 0.0) / 8}
+            "gpt_base": max(g1 - block, 0.0),
+            "optimizer_tensor": max((o5 - o1) / 8 - (n0 * s0 if ops else 0.0), 0.0)}
 
 
 def _collective(engine, kind, a):
@@ -309,7 +340,8 @@ def calibrate(path, dtype=np.float32, comm=None) -> dict:
     cal = {"version": VERSION, "ranks": comm.Get_size(), "dtype": np.dtype(dtype).name,
            "host": os.uname().nodename, "blas_threads": blas_threads(),
            "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype),
-           "ops": measure_ops(comm, dtype), "fixed": measure_fixed(comm, dtype)}
+           "ops": measure_ops(comm, dtype)}
+    cal["fixed"] = measure_fixed(comm, dtype, cal["ops"])
     cal["collectives"], cal["collective_points"] = measure_collectives(comm, dtype)
     if comm.Get_rank() == 0 and path:
         path = os.path.expanduser(path)

@@ -15,7 +15,8 @@ of the busiest rank (the slowest of `representative_ranks`), where
   that array size (`ops`, interpolated like the GEMM rates: small arrays pay the call, large
   ones the memory): per MLP layer its activation and bias (forward + backward) and the MSE;
   per GPT block two LayerNorms, GELU on the d_ff activation, the attention's softmax on its
-  scores and the plain passes (biases, residuals, head splits); the embedding, ln_f and the
+  scores (ring cp: per step, and the online merges) and the plain passes (biases,
+  residuals, head splits); the embedding, ln_f and the
   cross-entropy on the first and last stage; AdamW over the rank's gradient blocks. Plus the
   per-call costs (`fixed`): per layer or block and microbatch, per step, per optimizer tensor.
 - bubble_factor: the pipeline schedule's simulated idle fraction b (schedules.py) costs
@@ -104,9 +105,13 @@ def interpolate(curve, x: float) -> float:
 
 
 def op_seconds(ops: dict, name: str, n: float) -> float:
-    """Seconds of element-wise op `name` on one array of `n` elements (0 for one not
-    calibrated, such as the identity activation)."""
-    return n * interpolate(ops[name], n) if name in ops and n > 0 else 0.0
+    """Seconds of element-wise op `name` on one array of `n` elements: n x the interpolated
+    seconds per element; below the smallest calibrated array, that array's whole call (its
+    fixed cost); 0 for an op not calibrated, such as the identity activation."""
+    if name not in ops or n <= 0:
+        return 0.0
+    n0, s0 = ops[name][0]
+    return n * interpolate(ops[name], n) if n >= n0 else n0 * s0
 
 
 def gemms(view) -> list:
@@ -166,8 +171,11 @@ def _gpt_elementwise(view, ops, fixed) -> float:
     tokens = view.rows / m * local_tokens(model, layout)
     seq = tokens / t if layout.option("sequence_parallel", 0) else tokens
     scores = view.rows / m * model.n_heads / t * local_tokens(model, layout) * model.seq_len
+    ring = layout.option("cp_kind", "ring") == "ring" and layout.size("cp") > 1
+    steps = layout.size("cp") if ring else 1     # ring: a block of scores per step, merged
     block = (2 * op_seconds(ops, "layernorm", seq * d) + op_seconds(ops, "gelu", tokens * f / t)
-             + op_seconds(ops, "softmax", scores)
+             + steps * op_seconds(ops, "softmax", scores / steps)
+             + (steps - 1) * 6 * op_seconds(ops, "pass", tokens * d / t)      # online merges
              + 2 * sum(op_seconds(ops, "pass", tokens * w / t) for w in (3 * d, f))  # biases
              + 2 * 2 * op_seconds(ops, "pass", seq * d)      # row biases: add, gradient
              + 2 * 4 * op_seconds(ops, "pass", tokens * d / t)    # q|k|v|out head splits
