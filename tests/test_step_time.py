@@ -103,6 +103,19 @@ def test_elementwise_counts_each_array_once():
     assert elementwise_seconds(view, cal) == pytest.approx(want, rel=1e-12)
 
 
+def test_fsdp_copies_a_pass_per_pack_and_gather():
+    model = ms.MLP([64, 32, 16])
+    cal = flat()
+    cal["ops"]["pass"] = [[1.0, 1e-9]]
+    dp = elementwise_seconds(rank_view(model, parse_layout("dp=2"), 0, 4, 8), cal)
+    zero1 = elementwise_seconds(rank_view(model, parse_layout("fsdp=2,zero=1"), 0, 4, 8), cal)
+    zero3 = elementwise_seconds(rank_view(model, parse_layout("fsdp=2,zero=3"), 0, 4, 8), cal)
+    full = 64 * 32 + 32 + 32 * 16 + 16                     # every tensor, padded (even here)
+    assert zero1 - dp == pytest.approx(2 * full * 1e-9, rel=1e-9)
+    uses = 64 * 32 * 2 + 32 * 2 + 32 * 16 * 3 + 16 * 2   # gets + gradients: W0 1+1, W1 2+1
+    assert zero3 - dp == pytest.approx(uses * 1e-9, rel=1e-9)
+
+
 def test_data_parallel_halves_compute_and_adds_comm():
     model = ms.MLP([64, 32, 16])
     one = predict_step(model, "single", 8, flat(), itemsize=4)

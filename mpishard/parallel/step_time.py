@@ -17,7 +17,8 @@ of the busiest rank (the slowest of `representative_ranks`), where
   per GPT block two LayerNorms, GELU on the d_ff activation, the attention's softmax on its
   scores (ring cp: per step, and the online merges) and the plain passes (biases,
   residuals, head splits); the embedding, ln_f and the
-  cross-entropy on the first and last stage; AdamW over the rank's gradient blocks. Plus the
+  cross-entropy on the first and last stage; FSDP's copies around its calls (a pass over
+  the full tensor per pack or gathered copy); AdamW over the rank's gradient blocks. Plus the
   per-call costs (`fixed`): per layer or block and microbatch, per step, per optimizer tensor.
 - bubble_factor: the pipeline schedule's simulated idle fraction b (schedules.py) costs
   1 / (1 - b) on a core per rank; with ranks sharing cores an idle stage lends its core to
@@ -50,7 +51,7 @@ from ..comm.mesh import AVERAGE_AXES, AXES, parse_layout, rank_of
 from . import (comm_calls, context_parallel, data_parallel, fsdp, gpt_tensor_parallel,
                pipeline, tensor_parallel)
 from .costs import rank_view
-from .model_costs import gpt_stage, is_gpt, local_tokens
+from .model_costs import gpt_stage, is_gpt, local_tokens, param_uses
 from .schedules import make_schedule, simulate
 from .stages import pipeline_options
 from .tensor_parallel import output_width, tp_role
@@ -190,10 +191,29 @@ def _gpt_elementwise(view, ops, fixed) -> float:
     return m * (seconds + stage.blocks * fixed["gpt_block"] + fixed["gpt_base"])
 
 
+def _fsdp_copies(view, ops) -> float:
+    """The copies FSDP makes around its calls, one pass over the full (padded) tensor each:
+    ZeRO-1/2 pack the gradient into its bucket and copy the all-gathered parameters back into
+    the buffer; ZeRO-3 copies every gathered weight out and packs every gradient it adds."""
+    n, m = view.size("fsdp"), view.microbatches
+    if n == 1:
+        return 0.0
+    seconds = 0.0
+    for name, info in view.params.items():
+        full = n * prod(view.grad_blocks[name])
+        if fsdp.zero_stage(info.placement, view.layout) == 3:
+            gets, adds = param_uses(view.model, view.layout, name)
+            seconds += m * (gets + adds) * op_seconds(ops, "pass", full)
+        else:
+            seconds += 2 * op_seconds(ops, "pass", full)
+    return seconds
+
+
 def elementwise_seconds(view, calibration: dict) -> float:
     """Seconds of non-GEMM work per train_step and optimizer step (module docstring)."""
     ops, fixed = calibration["ops"], calibration["fixed"]
     seconds = (_gpt_elementwise if is_gpt(view.model) else _mlp_elementwise)(view, ops, fixed)
+    seconds += _fsdp_copies(view, ops)
     return seconds + sum(op_seconds(ops, "adamw", prod(b)) for b in view.grad_blocks.values()) \
         + len(view.params) * fixed["optimizer_tensor"]
 
