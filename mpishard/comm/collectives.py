@@ -59,6 +59,7 @@ class Comm(PointToPoint, VariableExchange):
         self.default_group = None
         self._groups: dict = {}
         self.pending_receives: dict = {}   # (comm, src, tag) -> pending receives, in order
+        self.sends_in_flight: list = []    # send Futures kept alive until done (p2p.py)
         self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
 
     # -- groups ------------------------------------------------------------------------------

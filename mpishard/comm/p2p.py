@@ -139,8 +139,9 @@ class PointToPoint:
         if target_device_id is not None:                 # (src, dst_buffer, target) form
             req = comm.Isend(buf, dest=target_device_id, tag=wire_tag(tag, _TAG_RAW))
             self.stats.count("send", a.nbytes, t0)
-            return Future([req], keep=(a, buf), release=release,
-                          wait=self.watchdog.waiter("send", comm, rank=target_device_id))
+            return self._hold(Future([req], keep=(a, buf), release=release,
+                                     wait=self.watchdog.waiter("send", comm,
+                                                               rank=target_device_id)))
         dest = dst if dest is None else dest
         if dest is None or not isinstance(dest, (int, np.integer)):
             raise TypeError("send_async(arr, dest) needs an integer destination rank")
@@ -148,8 +149,17 @@ class PointToPoint:
         reqs = [comm.Isend(h, dest=int(dest), tag=wire_tag(tag, _TAG_HEADER)),
                 comm.Isend(buf, dest=int(dest), tag=wire_tag(tag, _TAG_DATA))]
         self.stats.count("send", a.nbytes, t0)
-        return Future(reqs, keep=(a, buf, h), release=release,
-                      wait=self.watchdog.waiter("send", comm, rank=int(dest)))
+        return self._hold(Future(reqs, keep=(a, buf, h), release=release,
+                                 wait=self.watchdog.waiter("send", comm, rank=int(dest))))
+
+    def _hold(self, fut: Future) -> Future:
+        """Keep a send's Future (and so its buffers) alive until MPI has completed it, even
+        if the caller drops it: a dropped Future would free the send buffer while MPI still
+        reads it (caught at one rank: a send to self whose buffer's memory was reused by the
+        matching receive). Completed ones are let go at the next send."""
+        self.sends_in_flight[:] = [f for f in self.sends_in_flight if not f.done()]
+        self.sends_in_flight.append(fut)
+        return fut
 
     def receive_async(self, src_id: int, out=None, tag: int = 0, group=None) -> Future:
         """Non-blocking receive (Irecv); `result()` returns the array.
