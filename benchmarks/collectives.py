@@ -10,7 +10,8 @@ For every size (bytes of each rank's input, 1 KiB .. 64 MiB; 16 MiB with --quick
     reduce_scatter  engine.reduce_scatter(a)        vs  comm.Reduce_scatter_block(a, out)
     all_to_all      engine.all_to_all(a)            vs  comm.Alltoall(a, out)
     all_to_all_v    engine.all_to_all_v(a, counts)  vs  comm.Alltoallv(a, out) (equal counts;
-                    the engine also exchanges the counts, as a user's call does)
+                    the engine learns its receive counts, as a user's call does; the raw
+                    call is handed them)
 
 on the same float32 buffers and the same communicator (the engine's 'dp' group, which spans
 the world). The raw calls get their output preallocated once; the engine is called as a user
@@ -104,7 +105,7 @@ def cases(engine, comm, nbytes):
     }
 
 
-def run(quick=False, max_bytes=None, comm=None, tiny=False):
+def run(quick=False, max_bytes=None, comm=None, tiny=False, min_bytes=0):
     comm = MPI.COMM_WORLD if comm is None else comm
     n = comm.Get_size()
     engine = ms.make_engine(ms.MLP([2, 2]), f"dp={n}", comm=comm, dtype=np.float32)
@@ -112,7 +113,7 @@ def run(quick=False, max_bytes=None, comm=None, tiny=False):
     cap = max_bytes or (64 * KIB if tiny else 16 * MIB if quick else 64 * MIB)
     trials = 1 if tiny else 3 if quick else 5
     rows = []
-    for nbytes in [s for s in SIZES if s <= cap]:
+    for nbytes in [s for s in SIZES if min_bytes <= s <= cap]:
         inner, samples = _plan(nbytes, quick, tiny)
         found: dict = {}
         for _ in range(trials):
@@ -147,9 +148,11 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="sizes up to 16 MiB, fewer samples")
     p.add_argument("--tiny", action="store_true", help="up to 64 KiB, 3 samples (smoke test)")
     p.add_argument("--max-bytes", type=int, default=None, help="largest size (bytes)")
+    p.add_argument("--min-bytes", type=int, default=0, help="smallest size (bytes; e.g. "
+                   "1048576 for the sizes the worst ratios are taken over)")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
     args = p.parse_args(argv)
-    res = run(args.quick, args.max_bytes, tiny=args.tiny)
+    res = run(args.quick, args.max_bytes, tiny=args.tiny, min_bytes=args.min_bytes)
     if MPI.COMM_WORLD.Get_rank() == 0:
         for r in res["rows"]:
             print(f"{r['ranks']} ranks {r['bytes'] / KIB:>8.0f} KiB {r['kind']:<15} "
