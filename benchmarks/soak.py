@@ -14,7 +14,9 @@ it checks, on every rank:
     files    the open file descriptors (/proc/self/fd) are as many at the end as after warm-up
 
 and prints the figures per rank from rank 0; exit code 1 if a check failed on any rank.
-The loss/grad-norm/lr histories (three floats a step, by design) are part of the growth.
+The loss/grad-norm/lr histories (three floats a step, by design) are part of the growth; their
+own size (the lists and the float objects they hold) is printed beside it, after warm-up and at
+the end, so the growth that is not theirs can be read off.
 """
 import argparse
 import os
@@ -48,17 +50,27 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def history_bytes(state) -> int:
+    """Bytes held by the TrainState's loss/grad-norm/lr histories: the lists and their floats
+    (an object in several lists, the lr, counted once)."""
+    lists = (state.loss_history, state.grad_norm_history, state.lr_history)
+    floats = {id(v): sys.getsizeof(v) for h in lists for v in h}
+    return sum(map(sys.getsizeof, lists)) + sum(floats.values())
+
+
 class Sampler(Callback):
-    """VmRSS every `every` steps; VmRSS and open fds at the end of the warm-up."""
+    """VmRSS every `every` steps; VmRSS, open fds and the histories' bytes at the end of the
+    warm-up."""
 
     def __init__(self, every: int, warmup: int):
         self.every, self.warmup = every, warmup
-        self.samples, self.warm_rss, self.warm_fds = [], None, None
+        self.samples, self.warm_rss, self.warm_fds, self.warm_hist = [], None, None, None
 
     def on_step_end(self, trainer) -> None:
         step = trainer.state.step
         if step == self.warmup:
             self.warm_rss, self.warm_fds = vmrss(), open_fds()
+            self.warm_hist = history_bytes(trainer.state)
         if step % self.every == 0:
             self.samples.append((step, vmrss()))
 
@@ -96,6 +108,7 @@ def soak(args, comm, directory) -> dict:
             "max_rss_after": max(after) if after else sampler.warm_rss, "end_rss": vmrss(),
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "warm_fds": sampler.warm_fds, "end_fds": open_fds(),
+            "warm_hist": sampler.warm_hist, "end_hist": history_bytes(trainer.state),
             "in_flight": Future.in_flight, "pending_receives": len(engine.comm.pending_receives),
             "wall_s": time.perf_counter() - t0, "final_loss": metrics["final_loss"],
             "warmup": warmup, "trace": sampler.samples[::max(1, len(sampler.samples) // 10)]}
@@ -117,6 +130,8 @@ def report(args, rows) -> bool:
               f"{100 * args.max_growth:g}%), end {r['end_rss'] / MB:.2f} MB, peak "
               f"{r['peak_rss'] / MB:.2f} MB; requests in flight {r['in_flight']}, pending "
               f"receives {r['pending_receives']}; fds {r['warm_fds']} -> {r['end_fds']}; "
+              f"histories {r['warm_hist'] / MB:.2f} -> {r['end_hist'] / MB:.2f} MB (by design, "
+              f"{100 * (r['end_hist'] - r['warm_hist']) / r['warm_rss']:+.2f}% of VmRSS); "
               + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
     print("  rank 0 VmRSS (MB) by step: " + ", ".join(f"{step} {rss / MB:.2f}"
                                                   for step, rss in rows[0]["trace"]))

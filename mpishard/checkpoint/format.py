@@ -1,10 +1,10 @@
 """What the checkpoint writer (writer.py), reader (reader.py) and restorer (restorer.py) share.
 
 The format constants, `CheckpointError`, the JSON of a model spec (`model_spec` /
-`model_from_spec`, `spec_text` for messages), the file hash, the real (unpadded) slices of a
-block, and `run_captured`, which turns an exception into the message that
-`comm.collectives.agree` hands to every rank. The on-disk layout itself is described in the
-package docstring (checkpoint/__init__.py).
+`model_from_spec`, `spec_text` for messages), `check_json` (is `extra` JSON? without
+building its text), the file hash, the real (unpadded) slices of a block, and `run_captured`,
+which turns an exception into the message that `comm.collectives.agree` hands to every rank.
+The on-disk layout itself is described in the package docstring (checkpoint/__init__.py).
 """
 from __future__ import annotations
 
@@ -44,6 +44,21 @@ def json_default(o):
     if hasattr(o, "tolist"):          # numpy scalars and small arrays in `extra`
         return o.tolist()
     raise TypeError(f"extra/hyperparameter value of type {type(o).__name__} is not JSON")
+
+
+class _Discard:
+    def write(self, text) -> None: ...
+
+
+def check_json(obj) -> None:
+    """Raise what `json.dumps(obj, default=json_default)` would (TypeError for a value that is
+    not JSON, ValueError for a circular reference) without building the text: the encoder's
+    pieces are written to nowhere as they come. A Trainer's `extra` holds its histories (three
+    floats a step); `json.dumps` of it (CPython 3.11's C encoder keeps one small string per
+    number until the end) on every rank at every save left freed memory in CPython's
+    small-object arenas that malloc_trim cannot return, so resident memory grew at each save
+    as the histories grew (issue 14; benchmarks/soak.py)."""
+    json.dump(obj, _Discard(), default=json_default)
 
 
 def real_slices(region) -> tuple:

@@ -27,8 +27,8 @@ import shutil
 import numpy as np
 
 from ..comm.collectives import agree
-from .format import (FORMAT, INDEX, VERSION, CheckpointError, json_default, model_spec,
-                     run_captured, sha256_file)
+from .format import (FORMAT, INDEX, VERSION, CheckpointError, check_json, json_default,
+                     model_spec, run_captured, sha256_file)
 
 
 def _fsync_dir(path) -> None:
@@ -194,7 +194,7 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
     try:
         if not getattr(engine, "loaded", True):
             raise ValueError("the engine holds no parameters yet: call load_checkpoint first")
-        json.dumps(extra, default=json_default)
+        check_json(extra)             # streamed: the histories are never one string
         if optimizer is not None and not hasattr(optimizer, "state"):
             raise TypeError(f"optimizer {type(optimizer).__name__} has no .state")
         descs = _blocks(engine, optimizer)
