@@ -26,6 +26,7 @@ from mpi4py import MPI
 from .comm.backend import Backend
 from .comm.collectives import Comm
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
+from .comm.threads import pin_blas_threads
 from .comm.watchdog import DEFAULT_TIMEOUT
 from .nn.losses import get_loss
 from .parallel.compose import compose
@@ -53,10 +54,11 @@ class ShardedEngine(ABC):
     """
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
-                 cuda_aware=None, timeout=DEFAULT_TIMEOUT):
+                 cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto"):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
+        self.blas_threads = pin_blas_threads(world, blas_threads)    # comm/threads.py
         self.backend = device if isinstance(device, Backend) else Backend(device, world, cuda_aware)
         self.xp = self.backend.xp
         self.dtype = np.dtype(dtype)
@@ -103,14 +105,10 @@ class ShardedEngine(ABC):
     def reset_comm_stats(self) -> None:
         self.comm.stats.reset()
 
-    @property
-    def reuse_buffers(self) -> bool:
-        """Collective results come from a pool of reused buffers (False: fresh each call)."""
-        return self.comm.pool.enabled
-
-    @reuse_buffers.setter
-    def reuse_buffers(self, value) -> None:
-        self.comm.pool.enabled = bool(value)
+    reuse_buffers = property(lambda self: self.comm.pool.enabled,
+                             lambda self, value: setattr(self.comm.pool, "enabled", bool(value)),
+                             doc="collective results come from a pool of reused buffers "
+                                 "(False: fresh each call)")
 
     # -- the collectives and point-to-point calls: the engine's Comm ---------------------------
     barrier = _on_comm("barrier")
@@ -160,14 +158,15 @@ class MeshEngine(ShardedEngine):
     cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
     param_dtype, comm_dtype : "bfloat16"/"float16" with dtype=float32 (parallel/precision.py)
     timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
+    blas_threads : "auto" (a node's ranks split its cores), None (as is), int (comm/threads.py)
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
                  debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None,
-                 timeout=DEFAULT_TIMEOUT):
+                 timeout=DEFAULT_TIMEOUT, blas_threads="auto"):
         dtype = np.dtype(dtype)
         self.precision = Precision(dtype, param_dtype, comm_dtype)     # TypeError, no MPI yet
-        super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout)
+        super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads)
         if not hasattr(model, "param_shapes"):
             raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
                             f"{type(model).__name__}")

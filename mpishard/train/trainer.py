@@ -258,6 +258,9 @@ class Trainer:
                       _model_text(e), e.num_devices, e.layout.text, self.total_steps,
                       self.batch, self.accumulate, self.batcher.local_rows,
                       self.batcher.steps_per_epoch)
+        threads = e.blas_threads                     # comm/threads.py: what the engine chose
+        self.log.info("BLAS threads per rank: %s (%s)", threads.threads or "as started",
+                      threads.why)
         bar = self._progress_bar()
         t_start = time.perf_counter()
         while st.step < self.total_steps:

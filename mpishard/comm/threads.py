@@ -1,0 +1,95 @@
+"""BLAS threads per rank: ranks that share a node's cores share them out, not multiply them.
+
+numpy's BLAS (OpenBLAS, MKL) starts one thread per core it sees. Under `mpiexec -n 4` on a
+4-core node without binding, each of the 4 ranks starts 4 threads: 16 busy-waiting threads on
+4 cores, and a GEMM-bound step runs 10-20x slower than with one thread per rank (measured: a
+2-rank dp run of benchmarks/soak.py on 2 cores took 60 ms a step with 2 threads per rank, 1 ms
+with 1). `torchrun` sets OMP_NUM_THREADS=1 for the same reason; here the engine does it from
+what MPI knows, when it is built:
+
+    ranks on this node whose CPU sets overlap this rank's  ->  sharing
+    threads = max(1, len(this rank's CPU set) // sharing)
+
+so unbound ranks split the node (4 ranks, 4 cores: 1 thread each; 2 ranks, 16 cores: 8), and
+ranks a launcher bound to disjoint cores (`srun --cpu-bind=cores`, Open MPI's default binding)
+keep all of theirs. Nothing is changed when the user chose: any of THREAD_VARS set in the
+environment, or `blas_threads=None` (leave the pool alone) or an int (exactly that many).
+The limit is applied with threadpoolctl, which works after numpy is imported, to the BLAS and
+OpenMP pools of this process; it never raises the pool above what the BLAS started with.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+               "BLIS_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class BlasThreads:
+    """What `pin_blas_threads` did: `threads` per rank (None: left as it was), the pool size
+    `before`, and `why` in words (for logs and `inspect`)."""
+    threads: int | None
+    before: int | None
+    why: str
+
+
+def cpu_set() -> frozenset:
+    """The CPUs this process may run on (its affinity; all CPUs where that is not known)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def threads_for(mine: frozenset, node_sets: list) -> tuple:
+    """(threads, sharing): this rank's share of its CPU set among the node's ranks whose sets
+    overlap it (itself included)."""
+    sharing = sum(1 for other in node_sets if other & mine)
+    return max(1, len(mine) // max(1, sharing)), sharing
+
+
+def _blas_pool_size(controller) -> int | None:
+    sizes = [p["num_threads"] for p in controller.info() if p["user_api"] == "blas"]
+    return max(sizes) if sizes else None
+
+
+def pin_blas_threads(comm, requested="auto", environ=None) -> BlasThreads:
+    """Limit this process's BLAS/OpenMP threads; collective over `comm` when `requested` is
+    "auto" and no THREAD_VARS is set (every rank of `comm` must call it then)."""
+    environ = os.environ if environ is None else environ
+    if requested is None:
+        return BlasThreads(None, None, "blas_threads=None: left as it was")
+    if requested != "auto" and (isinstance(requested, bool) or not isinstance(requested, int)
+                                or requested < 1):
+        raise ValueError(f"blas_threads must be 'auto', None or a positive int, "
+                         f"got {requested!r}")
+    if requested == "auto":
+        chosen = [v for v in THREAD_VARS if environ.get(v, "").strip()]
+        if chosen:
+            return BlasThreads(None, None, f"{chosen[0]}={environ[chosen[0]]} is set: left "
+                                           f"to the BLAS")
+    from threadpoolctl import ThreadpoolController  # imported late: it scans loaded libraries
+
+    controller = ThreadpoolController()
+    before = _blas_pool_size(controller)
+    if requested == "auto":
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            mine = cpu_set()
+            threads, sharing = threads_for(mine, node.allgather(mine))
+        finally:
+            node.Free()
+        why = (f"{sharing} rank(s) on this node share this rank's {len(mine)} CPU(s)")
+    else:
+        threads, why = requested, f"blas_threads={requested}"
+    if before is not None:
+        threads = min(threads, before)
+    if before is None or threads == before:
+        return BlasThreads(before, before, why + ": pool unchanged")
+    controller.limit(limits=threads, user_api="blas")
+    controller.limit(limits=threads, user_api="openmp")
+    return BlasThreads(threads, before, why)
