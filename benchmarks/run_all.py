@@ -1,6 +1,6 @@
 """`make bench`: every benchmark, as ratios measured in one run, into results.json + results.md.
 
-    python benchmarks/run_all.py --mpiexec ".venv/bin/mpiexec"            # ~5-10 min here
+    python benchmarks/run_all.py --mpiexec ".venv/bin/mpiexec"            # ~7-12 min here
     python benchmarks/run_all.py --mpiexec "mpirun --oversubscribe" --quick  # ~2 min
     python benchmarks/run_all.py --tiny --parts collectives,scaling-dp \\
         --out /tmp/r.json --md /tmp/r.md                                      # smoke test
@@ -10,13 +10,21 @@ is recorded without losing the others):
 
     mfu          benchmarks/mfu.py: float32 train_step GFLOP/s over plain matmul GFLOP/s,
                  single rank, three model sizes (the largest is the headline)
-    collectives  benchmarks/collectives.py at 2 and 4 ranks: engine vs raw mpi4py calls
+    collectives  benchmarks/collectives.py at 2 and 4 ranks: engine vs raw mpi4py calls; per
+                 kind the worst ratio at >= 1 MiB (each the median of trials) and its trials'
+                 range
     peers        benchmarks/peers_torch.py: single step vs torch; dp=2 vs torch DDP (gloo)
     gpt          benchmarks/gpt.py: the issue's GPT, single rank: MFU against plain matmul on
                  the same GEMMs, and the step time over PyTorch CPU eager's (same weights)
-    scaling-dp   benchmarks/scaling.py dp / tp (2 ranks) and pp (4 ranks)
-    scaling-tp
+    planner      `python -m mpishard plan ... --validate K --json` at 4 ranks: the planner's
+                 predicted step times against measured ones (calibrated in the first job, the
+                 calibration reused by the second), an MLP and a GPT
+    scaling-dp   benchmarks/scaling.py dp / tp (2 ranks) and pp (4 ranks; with zb1p's
+    scaling-tp   measured bubble over 1F1B's)
     scaling-pp
+
+results.json's `meta.commit` is the commit measured (`-dirty` when tracked files differed
+from it), named again in results.md's first line.
 
 Every child gets OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = MKL_NUM_THREADS = BLAS_THREADS
 (default 1: ranks share the cores; the Makefile exports the same), and torch runs with
@@ -41,12 +49,43 @@ TARGETS = {  # headline key: (comparison, target)
     "mfu_fraction": (">=", 0.75),
     "allreduce_overhead_ratio": ("<=", 1.10),
     "allreduce_overhead_ratio_default": ("<=", 1.10),
+    "allgather_overhead_ratio": ("<=", 1.10),
+    "reduce_scatter_overhead_ratio": ("<=", 1.10),
+    "all_to_all_overhead_ratio": ("<=", 1.10),
+    "all_to_all_v_overhead_ratio": ("<=", 1.10),
     "vs_torch_single_step_ratio": ("<=", 1.0),
     "vs_torch_ddp2_step_ratio": ("<=", 1.0),
     "gpt_mfu_fraction": (">=", 0.5),
-    "gpt_vs_torch_step_ratio": ("<=", 1.3),
+    "vs_torch_gpt_step_ratio": ("<=", 1.3),
+    "planner_median_error": ("<=", 0.20),
+    "planner_best_gap": ("<=", 0.10),
+    "zb1p_bubble_ratio": ("<", 1.0),
 }
-PARTS = ["mfu", "collectives", "peers", "gpt", "scaling-dp", "scaling-tp", "scaling-pp"]
+# collectives.py's kind -> its headline key: the worst ratio at >= 1 MiB over 2 and 4 ranks
+COLLECTIVE_KEYS = {"all_reduce_out": "allreduce_overhead_ratio",
+                   "all_reduce": "allreduce_overhead_ratio_default",
+                   "all_gather": "allgather_overhead_ratio",
+                   "reduce_scatter": "reduce_scatter_overhead_ratio",
+                   "all_to_all": "all_to_all_overhead_ratio",
+                   "all_to_all_v": "all_to_all_v_overhead_ratio"}
+PART_OF = {**{k: "collective_overhead" for k in COLLECTIVE_KEYS.values()},
+           "mfu_fraction": "mfu", "vs_torch_single_step_ratio": "peers",
+           "vs_torch_ddp2_step_ratio": "peers", "gpt_mfu_fraction": "gpt",
+           "vs_torch_gpt_step_ratio": "gpt", "gpt_vs_torch_step_ratio": "gpt",
+           "planner_median_error": "planner", "planner_best_gap": "planner",
+           "zb1p_bubble_ratio": "scaling"}     # headline key -> its part's results key
+PARTS = ["mfu", "collectives", "peers", "gpt", "planner", "scaling-dp", "scaling-tp",
+         "scaling-pp"]
+MIB = 1024 * 1024
+PLANNER_RANKS = 4
+PLANNER_MODELS = {  # mode: [(name, --model, batch, layouts validated)]; full: the README's
+    "full": [("mlp", "784,512,512,10", 256, 12),
+             ("gpt", "gpt:vocab=256,seq_len=64,d_model=128,n_heads=4,n_layers=4", 16, 12)],
+    "quick": [("mlp", "784,512,512,10", 256, 10),
+              ("gpt", "gpt:vocab=256,seq_len=64,d_model=128,n_heads=4,n_layers=4", 16, 10)],
+    "tiny": [("mlp", "64,32,32,16", 32, 3),
+             ("gpt", "gpt:vocab=64,seq_len=16,d_model=32,n_heads=4,n_layers=2", 8, 3)],
+}
 MFU_SIZES = {  # (dims, batch): small, medium, and the foundation's MLP([1024, 4096, 1024])
     "full": [([256, 1024, 256], 128), ([512, 2048, 512], 256), ([1024, 4096, 1024], 512)],
     "quick": [([128, 512, 128], 64), ([256, 1024, 256], 128), ([512, 2048, 512], 256)],
@@ -134,13 +173,30 @@ def mfu_one(spec: str, json_path: str) -> None:
 def part_collectives(r: Runner) -> dict:
     out = {}
     ranks = [2] if r.mode == "tiny" else [2, 4]
+    extra = ["--max-bytes", str(MIB)] if r.mode == "tiny" else []   # one size the keys use
     for n in ranks:
-        out[str(n)] = r.mpi(n, "collectives.py", timeout=r.args.part_timeout)
-    for key in ("allreduce_overhead_ratio", "allreduce_overhead_ratio_default"):
-        worst = [v.get(key) for v in out.values() if isinstance(v, dict)]
-        worst = [w for w in worst if w is not None]
-        if worst:
-            out[key] = max(worst)
+        out[str(n)] = r.mpi(n, "collectives.py", *extra, timeout=r.args.part_timeout)
+    out.update(worst_collectives(out))
+    return out
+
+
+def worst_collectives(by_ranks: dict) -> dict:
+    """Per kind, its headline key (COLLECTIVE_KEYS): the worst ratio at >= 1 MiB over the rank
+    counts run (each ratio the median of collectives.py's trials), and under 'worst' where it
+    was and the range of its trials' ratios (the spread a note should quote)."""
+    rows = [row for res in by_ranks.values() if isinstance(res, dict)
+            for row in res.get("rows", []) if row["bytes"] >= MIB]
+    out: dict = {"worst": {}}
+    for kind, key in COLLECTIVE_KEYS.items():
+        mine = [row for row in rows if row["kind"] == kind]
+        if not mine:
+            continue
+        w = max(mine, key=lambda row: row["ratio"])
+        trials = w.get("trial_ratios") or [w["ratio"]]
+        out[key] = w["ratio"]
+        out["worst"][key] = {"kind": kind, "ranks": w["ranks"], "bytes": w["bytes"],
+                             "ratio": w["ratio"], "trial_ratios": trials,
+                             "spread": [min(trials), max(trials)]}
     return out
 
 
@@ -173,8 +229,38 @@ def part_gpt(r: Runner) -> dict:
     if "mfu_fraction" in res:
         res["gpt_mfu_fraction"] = res["mfu_fraction"]
     if "vs_torch_ratio" in res:
-        res["gpt_vs_torch_step_ratio"] = res["vs_torch_ratio"]
+        # issue 16 names it vs_torch_gpt_step_ratio; the older name stays for old readers
+        res["vs_torch_gpt_step_ratio"] = res["gpt_vs_torch_step_ratio"] = res["vs_torch_ratio"]
     return res
+
+
+def part_planner(r: Runner) -> dict:
+    """`plan --validate K --json` at PLANNER_RANKS ranks per model of PLANNER_MODELS: the
+    first job calibrates the machine (full and quick; tiny reads the example calibration),
+    the next reuses that file. The headline is the worst model's median absolute error and
+    best gap."""
+    out: dict = {"ranks": PLANNER_RANKS, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        cal = str(HERE.parent / "examples" / "calibration.example.json") \
+            if r.mode == "tiny" else str(Path(tmp) / "calibration.json")
+        for name, model, batch, k in PLANNER_MODELS[r.mode]:
+            source = ["--calibrate", cal] if not Path(cal).exists() else ["--calibration", cal]
+            res = r.run(r.mpiexec + ["-n", str(PLANNER_RANKS), sys.executable, "-m", "mpi4py",
+                                     "-m", "mpishard", "plan", "--model", model,
+                                     "--world-size", str(PLANNER_RANKS), "--batch",
+                                     str(batch), *source, "--validate", str(k), "--top", "1"],
+                        timeout=r.args.part_timeout)
+            if "validate" in res:
+                res = {"model_flag": model, "calibration": source, **{key: res[key] for key in (
+                    "model", "parameters", "batch", "predicted_best", "validate", "wall_s")}}
+            out["models"][name] = res
+        if Path(cal).exists():
+            out["calibration"] = json.loads(Path(cal).read_text())
+    done = [m["validate"] for m in out["models"].values() if m.get("validate")]
+    if len(done) == len(out["models"]):          # every model validated
+        out["planner_median_error"] = max(v["median_abs_error"] for v in done)
+        out["planner_best_gap"] = max(v["best_gap"] for v in done)
+    return out
 
 
 def part_scaling(r: Runner, mode: str) -> dict:
@@ -189,17 +275,22 @@ def headline(results: dict) -> dict:
     if "mfu_fraction" in mfu:
         h["mfu_fraction"] = mfu["mfu_fraction"]
     coll = results.get("collective_overhead", {})
-    for key in ("allreduce_overhead_ratio", "allreduce_overhead_ratio_default"):
+    for key in COLLECTIVE_KEYS.values():
         if key in coll:
             h[key] = coll[key]
     peers = results.get("peers", {})
     for k in ("vs_torch_single_step_ratio", "vs_torch_ddp2_step_ratio"):
         if k in peers:
             h[k] = peers[k]
-    for k in ("gpt_mfu_fraction", "gpt_vs_torch_step_ratio"):
+    for k in ("gpt_mfu_fraction", "gpt_vs_torch_step_ratio", "vs_torch_gpt_step_ratio"):
         if k in results.get("gpt", {}):
             h[k] = results["gpt"][k]
+    for k in ("planner_median_error", "planner_best_gap"):
+        if k in results.get("planner", {}):
+            h[k] = results["planner"][k]
     sc = results.get("scaling", {})
+    if "zb1p_bubble_ratio" in sc.get("pp", {}):
+        h["zb1p_bubble_ratio"] = sc["pp"]["zb1p_bubble_ratio"]
     if "dp_efficiency" in sc.get("dp", {}):
         h["dp_1_to_2_efficiency"] = sc["dp"]["dp_efficiency"]
     if "tp_speedup" in sc.get("tp", {}):
@@ -207,17 +298,23 @@ def headline(results: dict) -> dict:
     return h
 
 
+def spreads(results: dict) -> dict:
+    """headline key -> [min, max] over the repeats its median was taken of (collectives)."""
+    worst = results.get("collective_overhead", {}).get("worst", {})
+    return {key: w["spread"] for key, w in worst.items()}
+
+
 def _fmt(v, digits=3):
     return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def _met(v, cmp, target) -> bool:
+    return {">=": v >= target, "<=": v <= target, "<": v < target, ">": v > target}[cmp]
+
+
 def _why(results, key):
     """Why a headline figure is missing: the part's skip or error message."""
-    part = {"mfu_fraction": "mfu", "allreduce_overhead_ratio": "collective_overhead",
-            "allreduce_overhead_ratio_default": "collective_overhead",
-            "vs_torch_single_step_ratio": "peers", "vs_torch_ddp2_step_ratio": "peers",
-            "gpt_mfu_fraction": "gpt", "gpt_vs_torch_step_ratio": "gpt"}[key]
-    res = results.get(part, {})
+    res = results.get(PART_OF.get(key, ""), {})
     for sub in [res] + [v for v in res.values() if isinstance(v, dict)]:
         for k in ("skipped", "error"):
             if k in sub:
@@ -228,7 +325,9 @@ def _why(results, key):
 
 def markdown(results: dict) -> str:
     meta, h = results["meta"], results["headline"]
-    lines = [f"Measured {meta['date']} on {meta['machine']} with `{meta['command']}` "
+    spread = results.get("headline_spread", {})
+    lines = [f"Measured at commit `{meta.get('commit', 'unknown')}`, {meta['date']} on "
+             f"{meta['machine']} with `{meta['command']}` "
              f"({meta['mode']} mode, {meta['threads_per_rank']} BLAS thread per rank, "
              f"wall {meta['wall_s']:.0f} s).", "",
              "| figure | value | target | met |", "| --- | --- | --- | --- |"]
@@ -237,16 +336,25 @@ def markdown(results: dict) -> str:
         if v is None:
             lines.append(f"| `{key}` | {_why(results, key)} | {cmp} {target} | - |")
             continue
-        met = v >= target if cmp == ">=" else v <= target
-        lines.append(f"| `{key}` | {_fmt(v)} | {cmp} {target} | {'yes' if met else 'no'} |")
+        cell = _fmt(v) + (f" ({_fmt(spread[key][0])}-{_fmt(spread[key][1])})"
+                          if key in spread else "")
+        lines.append(f"| `{key}` | {cell} | {cmp} {target} | "
+                     f"{'yes' if _met(v, cmp, target) else 'no'} |")
     for key in ("dp_1_to_2_efficiency", "tp2_speedup"):
         if key in h:
             lines.append(f"| `{key}` | {_fmt(h[key])} | - | - |")
-    lines += ["", "Worst over sizes >= 1 MiB at 2 and 4 ranks: `allreduce_overhead_ratio` times "
+    lines += ["", "Collective overhead ratios (`allreduce_overhead_ratio` ... "
+              "`all_to_all_v_overhead_ratio`): the worst over sizes >= 1 MiB at 2 and 4 ranks, "
+              "each the median of collectives.py's trials, in brackets the range of that "
+              "size's trials; `allreduce_overhead_ratio` times "
               "`engine.all_reduce(a, out=out)` against `comm.Allreduce(a, out)` on the same "
               "buffers; `allreduce_overhead_ratio_default` times the plain "
               "`engine.all_reduce(a)`, whose result lands in a buffer of the engine's own. "
-              "Single-step and DDP ratios: ours over torch (below 1: we are faster)."]
+              "Single-step, DDP and GPT step ratios: ours over torch (below 1: we are faster; "
+              "`vs_torch_gpt_step_ratio` is also written as `gpt_vs_torch_step_ratio`). "
+              "`planner_*`: the planner's validation at 4 ranks, the worse of the MLP and the "
+              "GPT below. `zb1p_bubble_ratio`: zb1p's measured bubble over 1F1B's, same pp "
+              "and microbatches (pipeline table below)."]
     mfu = results.get("mfu", {})
     if mfu.get("sizes"):
         lines += ["", "MFU (float32 train_step GFLOP/s over matmul GFLOP/s, one rank):", "",
@@ -276,7 +384,7 @@ def markdown(results: dict) -> str:
                       f"{cc['max_grad_rel_diff']:.1e}, 3 AdamW steps "
                       f"{cc['adamw_loss_rel_diff']:.1e}."]
     coll = results.get("collective_overhead", {})
-    kinds = ("all_reduce", "all_reduce_out", "all_gather", "reduce_scatter", "all_to_all")
+    kinds = tuple(COLLECTIVE_KEYS)
     rows = [(n, v) for n, v in coll.items() if isinstance(v, dict) and "rows" in v]
     if rows:
         lines += ["", "Collectives: engine time over raw mpi4py time on the same input "
@@ -294,20 +402,66 @@ def markdown(results: dict) -> str:
                 size = f"{b // 1024 // 1024} MiB" if b >= 1024 * 1024 else f"{b // 1024} KiB"
                 lines.append(f"| {n} | {size} | "
                              + " | ".join(_fmt(cells.get(k)) for k in kinds) + " |")
+    worst = coll.get("worst", {})
+    if worst:
+        lines += ["", "Worst at >= 1 MiB (median of trials, trials' range): " + "; ".join(
+            f"{w['kind']} {w['ratio']:.3f} ({w['spread'][0]:.3f}-{w['spread'][1]:.3f}) at "
+            f"{w['ranks']} ranks, {w['bytes'] // MIB} MiB" for w in worst.values()) + "."]
+    lines += _planner_lines(results.get("planner", {}))
     sc = results.get("scaling", {})
     pp = sc.get("pp", {})
     if "gpipe" in pp:
         lines += ["", f"Pipeline, pp={pp['ranks']}, {pp['microbatches']} microbatches, "
-                  f"MLP {pp['dims'][0]}x{len(pp['dims']) - 1} layers, batch {pp['batch']}:", "",
-                  "| schedule | step ms | vs GPipe | peak stashed | peak activation KiB |",
-                  "| --- | --- | --- | --- | --- |"]
-        for name in ("gpipe", "1f1b", "interleaved"):
+                  f"MLP {pp['dims'][0]}x{len(pp['dims']) - 1} layers, batch {pp['batch']}; "
+                  "bubble measured by the engine (median over the timed steps, their range), "
+                  "simulated from the last step's mean F/B/W, and the schedule's own (unit "
+                  "times):", "",
+                  "| schedule | step ms | vs GPipe | peak stashed | peak activation KiB | "
+                  "bubble measured | simulated | schedule |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name in ("gpipe", "1f1b", "interleaved", "zb1p"):
+            if name not in pp:
+                continue
             s = pp[name]
+            bubble = "- | - | -" if "bubble_measured" not in s else (
+                f"{s['bubble_measured']:.3f} ({s['bubble_measured_range'][0]:.3f}-"
+                f"{s['bubble_measured_range'][1]:.3f}) | {s['bubble_simulated']:.3f} | "
+                f"{s['bubble_schedule']:.3f}")
             lines.append(f"| {name} | {s['step_s'] * 1e3:.1f} | {s['vs_gpipe_time']:.2f} | "
-                         f"{s['peak_stashed']} | {s['peak_activation_bytes'] / 1024:.0f} |")
+                         f"{s['peak_stashed']} | {s['peak_activation_bytes'] / 1024:.0f} | "
+                         f"{bubble} |")
+        if "zb1p_bubble_ratio" in pp:
+            lines += ["", f"zb1p bubble over 1F1B's: measured {pp['zb1p_bubble_ratio']:.3f}, "
+                      f"simulated {pp['zb1p_bubble_ratio_simulated']:.3f}."]
     elif pp:
         lines += ["", f"Pipeline: {pp.get('skipped') or pp.get('error')}"]
     return "\n".join(lines) + "\n"
+
+
+def _planner_lines(planner: dict) -> list:
+    """results.md's planner table: one row per model validated."""
+    models = planner.get("models", {})
+    if not models:
+        return []
+    lines = ["", f"Planner at {planner['ranks']} ranks (`plan --validate K --json`; error: "
+             "|predicted - measured| / measured, median over the layouts; gap: how much "
+             "slower the predicted best ran than the measured best; drift: the reference "
+             "GEMMs' rate during validation over their calibrated rate):", "",
+             "| model | batch | layouts | median abs error | error / drift | predicted best | "
+             "gap | drift |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, m in models.items():
+        v = m.get("validate")
+        if not v:
+            why = str(m.get("error", "not measured")).replace("|", "/")[:160]
+            lines.append(f"| {name} | - | {why} | - | - | - | - | - |")
+            continue
+        scaled = v.get("median_abs_error_drift_scaled")
+        lines.append(f"| {name} `{m['model_flag']}` | {m['batch']} | "
+                     f"{len(v['layouts'])} | {100 * v['median_abs_error']:.1f}% | "
+                     f"{'-' if scaled is None else f'{100 * scaled:.1f}%'} | "
+                     f"`{v['predicted_best']}` | {100 * v['best_gap']:.1f}% | "
+                     f"{_fmt(v.get('drift'), 2)} |")
+    return lines
 
 
 def main(argv=None):
@@ -343,10 +497,13 @@ def main(argv=None):
         results["peers"] = part_peers(r)
     if "gpt" in parts:
         results["gpt"] = part_gpt(r)
+    if "planner" in parts:
+        results["planner"] = part_planner(r)
     for mode in ("dp", "tp", "pp"):
         if f"scaling-{mode}" in parts:
             results.setdefault("scaling", {})[mode] = part_scaling(r, mode)
     results["headline"] = headline(results)
+    results["headline_spread"] = spreads(results)
     results["targets"] = {k: f"{c} {t}" for k, (c, t) in TARGETS.items()}
     results["meta"] = meta(args, r, time.perf_counter() - t0)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
@@ -373,13 +530,27 @@ def meta(args, r: Runner, wall) -> dict:
         torch_version = None
     argv = sys.argv[1:] if args.argv is None else args.argv
     cmd = " ".join(["python benchmarks/run_all.py"] + [shlex.quote(a) for a in argv])
-    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+    return {"commit": git_commit(),
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "python": platform.python_version(), "numpy": numpy.__version__, "mpi": mpi,
             "torch": torch_version, "mode": r.mode, "parts": args.parts,
             "threads_per_rank": int(r.env["OMP_NUM_THREADS"]),
             "mpiexec": args.mpiexec, "command": cmd, "wall_s": wall, "runs": r.log}
+
+
+def git_commit() -> str:
+    """HEAD's hash, '-dirty' when tracked files differ from it; 'unknown' outside git."""
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 if __name__ == "__main__":

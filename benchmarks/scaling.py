@@ -10,9 +10,15 @@ dp   weak scaling: one rank alone runs the single-device step on `batch` rows (t
      plain sync (overlap=0) and the overlapped one (overlap=1), both with 25 MiB buckets.
 tp   the same global batch on a wide MLP: single-device step on one rank against tp=2;
      speedup = t_single / t_tp2 (2.0 would be perfect).
-pp   pp=4, microbatches=8: GPipe, 1F1B and interleaved (virtual_stages=2) step times, the
-     most microbatch-chunks stashed at once (engine.stats['peak_stashed'], max over stages)
-     and the peak bytes of saved activations (the layers' tapes, measured), max over stages.
+pp   pp=4, microbatches=8: GPipe, 1F1B, interleaved (virtual_stages=2) and zero-bubble
+     ZB-H1 (zb1p) step times, the most microbatch-chunks stashed at once
+     (engine.stats['peak_stashed'], max over stages), the peak bytes of saved activations
+     (the layers' tapes, measured), max over stages, and each schedule's bubble: measured by
+     the engine in every timed step (pipeline.pipeline_bubble's 1 - sum of the stages' busy
+     time / (pp x the longest stage's step), median over the samples), simulated with the
+     last step's measured mean F/B/W durations (as trace-summary does), and the schedule's
+     own with unit times (F = 1, B + W = 2; zb1p's is (p-1)/(3m+p-1)). zb1p_bubble_ratio:
+     zb1p's measured bubble over 1F1B's (issue 16's target: below 1).
 
 float32; every sample's time is the slowest rank's; medians after a warm-up.
 """
@@ -26,6 +32,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
+from mpishard.cli.trace_summary import measured_and_simulated
+from mpishard.parallel.schedules import make_schedule, simulate
 from _common import median_times, mpi_sync, write_json
 
 F32 = np.float32
@@ -112,31 +120,70 @@ def _track_tape_bytes(engine):
     return meter
 
 
-def run_pp(comm, dims, batch, samples, microbatches=8):
+def _keep_busy(engine, step):
+    """`step`, also keeping this rank's (busy_s, step_s) of each train_step it runs (the
+    pipeline executor's engine.stats; no communication inside the timed step)."""
+    kept = []
+
+    def run():
+        step()
+        kept.append((engine.stats["busy_s"], engine.stats["step_s"]))
+    return run, kept
+
+
+def _bubbles(comm, kept, skip):
+    """Per step after the first `skip` (the warm-up): 1 - sum of the stages' busy time / (pp x
+    the longest stage's step), pipeline.pipeline_bubble over the world (pp = world here)."""
+    every = np.array(comm.allgather(kept[skip:]))          # (ranks, steps, [busy, step])
+    return 1.0 - every[:, :, 0].sum(axis=0) / (len(every) * every[:, :, 1].max(axis=0))
+
+
+def _simulated_bubble(comm, engine):
+    """The last step's actions on every stage, simulated with their measured mean F/B/W
+    durations (trace-summary's `simulated`; per-rank clocks are enough for durations)."""
+    rows = comm.allgather(engine.stats["timeline"])
+    return measured_and_simulated(rows)[1].bubble_fraction
+
+
+def run_pp(comm, dims, batch, samples, microbatches=8, warmup=2):
     n = comm.Get_size()
     model = ms.MLP(dims, activation="relu")
     x, t = _data(dims, batch)
-    schedules = {"gpipe": "schedule=gpipe", "1f1b": "schedule=1f1b",
-                 "interleaved": "schedule=interleaved,virtual_stages=2"}
-    engines, meters, steps = {}, {}, []
-    for name, opts in schedules.items():
+    schedules = {"gpipe": ("schedule=gpipe", 1), "1f1b": ("schedule=1f1b", 1),
+                 "interleaved": ("schedule=interleaved,virtual_stages=2", 2),
+                 "zb1p": ("schedule=zb1p", 1)}
+    engines, meters, steps, kept = {}, {}, [], {}
+    for name, (opts, _) in schedules.items():
         e = _engine(model, f"pp={n},microbatches={microbatches},{opts}", comm)
         engines[name], meters[name] = e, _track_tape_bytes(e)
-        steps.append(_step(e, x, t))
-    times = median_times(steps, samples, sync=mpi_sync(comm))
+        step, kept[name] = _keep_busy(e, _step(e, x, t))
+        steps.append(step)
+    times = median_times(steps, samples, warmup=warmup, sync=mpi_sync(comm))
     out = {"dims": dims, "batch": batch, "ranks": n, "microbatches": microbatches}
     for (name, e), tm in zip(engines.items(), times):
+        v = schedules[name][1]
+        bubbles = _bubbles(comm, kept[name], warmup)
         out[name] = {"step_s": tm,
                      "peak_stashed": comm.allreduce(int(e.stats["peak_stashed"]), op=MPI.MAX),
                      "peak_activation_bytes": comm.allreduce(meters[name]["peak"], op=MPI.MAX),
-                     "vs_gpipe_time": tm / times[0]}
+                     "vs_gpipe_time": tm / times[0],
+                     "bubble_measured": float(np.median(bubbles)),
+                     "bubble_measured_range": [float(bubbles.min()), float(bubbles.max())],
+                     "bubble_simulated": _simulated_bubble(comm, e),
+                     "bubble_schedule": simulate(make_schedule(name, n, microbatches, v), n,
+                                                 microbatches, v).bubble_fraction}
+    zb, one = out["zb1p"], out["1f1b"]
+    out["zb1p_bubble_ratio"] = zb["bubble_measured"] / one["bubble_measured"]
+    out["zb1p_bubble_ratio_simulated"] = zb["bubble_simulated"] / one["bubble_simulated"]
     return out
 
 
 SIZES = {  # mode: (full, quick, tiny) as (dims, batch)
     "dp": (([1024, 2048, 2048, 1024], 256), ([256, 512, 512, 256], 64), ([16, 32, 16], 8)),
     "tp": (([1024, 4096, 1024], 256), ([256, 2048, 256], 64), ([16, 32, 16], 8)),
-    "pp": (([256] * 9, 256), ([128] * 9, 64), ([16] * 9, 16)),
+    # pp: wide enough that compute fills a stage's busy time (at 256 wide, per-action Python
+    # and MPI overhead made every schedule's measured bubble about 0.8, zb1p's no smaller)
+    "pp": (([1024] * 9, 512), ([1024] * 9, 256), ([16] * 9, 16)),
 }
 
 

@@ -1,6 +1,6 @@
 """Smoke test of `make bench` (benchmarks/run_all.py) so the harness does not rot.
 
-Runs the harness end to end in --tiny mode (toy sizes, 2-4 ranks through mpiexec, ~20 s) and
+Runs the harness end to end in --tiny mode (toy sizes, 2-4 ranks through mpiexec, ~30 s) and
 checks what it writes; the report formatting and the no-torch path are checked directly.
 The numbers themselves are not asserted: they are timings on a shared machine.
 """
@@ -29,23 +29,33 @@ def _mpiexec():
 
 def test_run_all_tiny_end_to_end(tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "results.md"
-    parts = "mfu,collectives,peers,gpt,scaling-dp,scaling-pp"
+    parts = "mfu,collectives,peers,gpt,planner,scaling-dp,scaling-pp"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "run_all.py"), "--mpiexec", _mpiexec(), "--tiny",
          "--parts", parts, "--out", str(out), "--md", str(md), "--part-timeout", "120"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["meta"]["mode"] == "tiny" and res["meta"]["threads_per_rank"] >= 1
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert res["meta"]["commit"].split("-")[0] == head
     # every part either produced numbers or says why not; none crashed
     for part in ("mfu", "collective_overhead", "peers"):
         assert "error" not in json.dumps(res[part]), res[part]
+    assert not any("error" in m for m in res["planner"]["models"].values()), res["planner"]
     coll = res["collective_overhead"]["2"]
     kinds = {r["kind"] for r in coll["rows"]}
     assert kinds == {"all_reduce", "all_reduce_out", "all_gather", "reduce_scatter",
                      "all_to_all", "all_to_all_v"}
     assert all(r["ratio"] > 0 and r["ranks"] == 2 for r in coll["rows"])
-    assert max(r["bytes"] for r in coll["rows"]) == 64 * 1024
+    assert max(r["bytes"] for r in coll["rows"]) == 1024 * 1024     # tiny adds 1 MiB
+    # each kind's headline: its (only) 1 MiB row, with its trials' range
+    for kind, key in run_all.COLLECTIVE_KEYS.items():
+        (row,) = [r for r in coll["rows"] if r["kind"] == kind and r["bytes"] == 1024 * 1024]
+        assert res["headline"][key] == row["ratio"]
+        lo, hi = res["headline_spread"][key]
+        assert lo <= row["ratio"] <= hi
     single = res["peers"]["single"]
     if "skipped" not in single:          # torch installed: same work on both sides
         assert single["max_loss_rel_diff"] < 1e-4
@@ -57,33 +67,74 @@ def test_run_all_tiny_end_to_end(tmp_path):
         assert gpt["cross_check"]["loss_rel_diff"] < 1e-5
         assert gpt["cross_check"]["max_grad_rel_diff"] < 1e-4
         assert res["headline"]["gpt_vs_torch_step_ratio"] == gpt["vs_torch_ratio"]
+        assert res["headline"]["vs_torch_gpt_step_ratio"] == gpt["vs_torch_ratio"]
+    planner = res["planner"]
+    for name, model in planner["models"].items():      # plan --validate 3 --json, 4 ranks
+        v = model["validate"]
+        assert len(v["layouts"]) == 3 and v["median_abs_error"] >= 0 and v["best_gap"] >= 0
+    assert set(planner["models"]) == {"mlp", "gpt"}
+    assert res["headline"]["planner_median_error"] == max(
+        m["validate"]["median_abs_error"] for m in planner["models"].values())
+    assert res["headline"]["planner_best_gap"] == max(
+        m["validate"]["best_gap"] for m in planner["models"].values())
     dp = res["scaling"]["dp"]
     assert dp["ranks"] == 2 and dp["dp_efficiency"] > 0
     pp = res["scaling"]["pp"]
     if "skipped" not in pp:
         assert pp["gpipe"]["peak_stashed"] >= pp["1f1b"]["peak_stashed"]
         assert pp["gpipe"]["peak_activation_bytes"] > pp["1f1b"]["peak_activation_bytes"]
+        assert pp["zb1p"]["peak_stashed"] == pp["1f1b"]["peak_stashed"]     # ZB-H1's memory
+        for name in ("gpipe", "1f1b", "interleaved", "zb1p"):
+            s = pp[name]
+            lo, hi = s["bubble_measured_range"]
+            assert 0 <= lo <= s["bubble_measured"] <= hi < 1
+            assert 0 <= s["bubble_simulated"] < 1
+        assert pp["zb1p"]["bubble_schedule"] < pp["1f1b"]["bubble_schedule"]
+        assert res["headline"]["zb1p_bubble_ratio"] == pytest.approx(
+            pp["zb1p"]["bubble_measured"] / pp["1f1b"]["bubble_measured"])
     text = md.read_text()
+    assert text.startswith(f"Measured at commit `{res['meta']['commit']}`")
     assert "| figure | value | target | met |" in text
-    assert "`allreduce_overhead_ratio`" in text
+    for key in run_all.TARGETS:
+        assert f"| `{key}` |" in text
+    assert "| zb1p |" in text and "| mlp `64,32,32,16` | 32 | 3 |" in text
 
 
 def test_report_marks_targets_met_or_not():
+    mib = 1024 * 1024
+
+    def row(kind, ranks, nbytes, trials):
+        return {"kind": kind, "ranks": ranks, "bytes": nbytes,
+                "ratio": sorted(trials)[len(trials) // 2], "trial_ratios": trials}
+    coll = {"2": {"rows": [row("all_gather", 2, mib, [1.02, 1.04, 1.03]),
+                           row("all_gather", 2, 64 * 1024, [3.0]),    # < 1 MiB: not counted
+                           row("all_reduce_out", 2, mib, [1.05])]},
+            "4": {"rows": [row("all_gather", 4, 4 * mib, [1.2, 1.07, 1.09]),
+                           row("all_reduce", 4, mib, [1.25])]}}
+    coll.update(run_all.worst_collectives(coll))
+    assert coll["worst"]["allgather_overhead_ratio"]["spread"] == [1.07, 1.2]
     results = {
         "mfu": {"mfu_fraction": 0.8},
-        "collective_overhead": {"allreduce_overhead_ratio": 1.05,
-                                "allreduce_overhead_ratio_default": 1.25},
+        "collective_overhead": coll,
         "peers": {"single": {"skipped": "torch is not installed"}},
-        "scaling": {"dp": {"dp_efficiency": 0.9}},
+        "planner": {"planner_median_error": 0.15, "planner_best_gap": 0.12},
+        "scaling": {"dp": {"dp_efficiency": 0.9}, "pp": {"zb1p_bubble_ratio": 0.6}},
     }
     results["headline"] = run_all.headline(results)
-    results["meta"] = {"date": "d", "machine": "m", "command": "c", "mode": "quick",
-                       "threads_per_rank": 1, "wall_s": 1.0}
+    results["headline_spread"] = run_all.spreads(results)
+    results["meta"] = {"commit": "abc123", "date": "d", "machine": "m", "command": "c",
+                       "mode": "quick", "threads_per_rank": 1, "wall_s": 1.0}
     text = run_all.markdown(results)
+    assert text.startswith("Measured at commit `abc123`, d on m")
     assert "| `mfu_fraction` | 0.800 | >= 0.75 | yes |" in text
-    assert "| `allreduce_overhead_ratio` | 1.050 | <= 1.1 | yes |" in text
-    assert "| `allreduce_overhead_ratio_default` | 1.250 | <= 1.1 | no |" in text
+    assert "| `allreduce_overhead_ratio` | 1.050 (1.050-1.050) | <= 1.1 | yes |" in text
+    assert "| `allreduce_overhead_ratio_default` | 1.250 (1.250-1.250) | <= 1.1 | no |" in text
+    assert "| `allgather_overhead_ratio` | 1.090 (1.070-1.200) | <= 1.1 | yes |" in text
+    assert "| `reduce_scatter_overhead_ratio` | not measured | <= 1.1 | - |" in text
     assert "| `vs_torch_single_step_ratio` | skipped: torch is not installed |" in text
+    assert "| `planner_median_error` | 0.150 | <= 0.2 | yes |" in text
+    assert "| `planner_best_gap` | 0.120 | <= 0.1 | no |" in text
+    assert "| `zb1p_bubble_ratio` | 0.600 | < 1.0 | yes |" in text
     assert "| `dp_1_to_2_efficiency` | 0.900 |" in text
 
 

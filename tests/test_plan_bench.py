@@ -12,6 +12,7 @@ leaves an odd last layer replicated, and a pipeline boundary falls after a colum
 layer (a tp-sharded activation is sent).
 """
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -324,6 +325,38 @@ def test_plan_filters_on_batch_and_microbatches():
     assert "pp=2,tp=2,microbatches=2" in fits                     # 6 rows, 2 microbatches
     assert "microbatches=2 does not divide the local batch of 3" in \
         reasons["dp=2,pp=2,microbatches=2"]                       # 3 rows per dp rank
+
+
+def test_plan_json(tmp_path, capsys):
+    """--json writes every layout that fits and the rejected ones; with a calibration the
+    predicted best, and with --validate (world size 1: this process is the MPI job) the
+    predicted vs measured numbers that validation_report prints."""
+    path = tmp_path / "plan.json"
+    rc = cli.main(["plan", "--model", "784,512,256,10", "--world-size", "8", "--batch", "64",
+                   "--top", "2", "--json", str(path)])
+    assert rc == 0, capsys.readouterr()
+    got = json.loads(path.read_text())
+    rows, rejected = plan.plan_layouts(ms.MLP([784, 512, 256, 10]), 8, 64)
+    assert sorted(r["layout"] for r in got["layouts"]) == sorted(r["layout"] for r in rows)
+    assert [r["layout"] for r in got["rejected"]] == [t for t, _ in rejected]
+    assert got["world_size"] == 8 and got["parameters"] == 535_818
+    assert got["predicted_best"] is None and got["validate"] is None
+    assert all(r["step_s"] is None and r["memory"] > 0 for r in got["layouts"])
+
+    calibration = str(ROOT / "examples" / "calibration.example.json")
+    rc = cli.main(["plan", "--model", "16,8,4", "--world-size", "1", "--batch", "8",
+                   "--calibration", calibration, "--validate", "1", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    got = json.loads(path.read_text())
+    v = got["validate"]
+    assert got["predicted_best"] == v["predicted_best"] == v["measured_best"] == "single"
+    (row,) = v["layouts"]
+    assert row["predicted_s"] == got["layouts"][0]["step_s"] > 0 and row["measured_s"] > 0
+    assert v["median_abs_error"] == pytest.approx(abs(row["error"]))
+    assert row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1)
+    assert v["best_gap"] == 0.0 and v["drift"] > 0
+    assert f"median absolute error {100 * v['median_abs_error']:.1f}% over 1 layouts" in out
 
 
 @pytest.mark.parametrize("argv,message", [

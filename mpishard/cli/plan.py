@@ -9,7 +9,9 @@ gradients + optimizer state) and bytes sent per training step, which the strateg
 compute for their own part (tests/test_plan_bench.py holds them to the engine's counters).
 Layouts that do not fit are listed with the engine's reason (the first MAX_REJECTED).
 Activations are not in the memory column: what sequence_parallel, cp and recompute save
-shows in the running engine's memory_report().
+shows in the running engine's memory_report(). `--json FILE` also writes the table (every
+layout that fits), the rejected layouts and --validate's numbers as JSON (plan_json), which
+benchmarks/run_all.py's `planner` part reads.
 
 Large worlds: only step_time.representative_ranks are costed (every pp stage, the first and
 last coordinate of fsdp, cp and tp, one dp replica: the max over them is the max over all
@@ -17,6 +19,8 @@ ranks, tests/test_step_time.py), so 1024 ranks cost at most 8 x pp ranks per lay
 1024; a 1B GPT at 1024 ranks (7000 candidates) plans in about 13 s of CPU.
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 from mpi4py import MPI
@@ -27,11 +31,11 @@ from ..parallel.step_time import predict_step, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .calibrate import DEFAULT_PATH, calibrate, load_calibration
-from .plan_time import validate, validation_report
-from .usage import UsageError, check_flags
+from .plan_time import validate, validation_report, validation_summary
+from .usage import UsageError, check_flags, world_rank
 
 __all__ = ["COMM_KINDS", "check_fit", "step_comm_total", "candidate_layouts", "plan_layouts",
-           "plan_report", "add_plan_arguments", "run_plan"]
+           "plan_report", "plan_json", "add_plan_arguments", "run_plan"]
 
 
 def _divisors(n: int) -> list:
@@ -104,14 +108,15 @@ SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
 
 def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                 momentum=0.0, microbatches=None, top=None, sort="memory",
-                calibration=None) -> str:
-    """The `plan` command's table."""
+                calibration=None, layouts=None) -> str:
+    """The `plan` command's table; `layouts`: plan_layouts' (rows, rejected) for these
+    arguments when the caller has them already."""
     if sort not in SORT_KEYS:
         raise ValueError(f"sort must be one of {sorted(SORT_KEYS)}, got {sort!r}")
     if top is not None:
         check_number("--top", top, low=1, integer=True)
-    rows, rejected = plan_layouts(model, world_size, batch, dtype, optimizer, momentum,
-                                  microbatches, calibration)
+    rows, rejected = layouts or plan_layouts(model, world_size, batch, dtype, optimizer,
+                                             momentum, microbatches, calibration)
     rows.sort(key=SORT_KEYS["time" if calibration and sort == "memory" else sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
@@ -149,6 +154,20 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     return "\n".join(lines)
 
 
+def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) -> dict:
+    """What `plan --json FILE` writes: every layout that fits (bytes; predicted seconds or
+    null without a calibration), the predicted best, the rejected ones with the reason, and
+    with --validate its numbers (plan_time.validation_summary)."""
+    timed = [r for r in rows if r["step_s"] is not None]
+    return {"model": repr(model), "parameters": model.num_params(), "world_size": world_size,
+            "batch": batch, "dtype": np.dtype(dtype).name,
+            "layouts": [{k: r[k] for k in ("layout", "memory", "comm", "kinds", "step_s")}
+                        for r in rows],
+            "predicted_best": min(timed, key=SORT_KEYS["time"])["layout"] if timed else None,
+            "rejected": [{"layout": text, "reason": reason} for text, reason in rejected],
+            "validate": validation}
+
+
 def add_plan_arguments(p):
     p.add_argument("--model", required=True, help="comma-separated MLP dims, e.g. "
                    "784,512,256,10, or gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32,vocab=256 "
@@ -174,6 +193,8 @@ def add_plan_arguments(p):
     p.add_argument("--validate", type=int, metavar="K", help="run the K layouts predicted "
                    "fastest for a few steps in this MPI job (its size = --world-size) and "
                    "print predicted vs measured")
+    p.add_argument("--json", metavar="FILE", help="also write the layouts, and with --validate "
+                   "the predicted vs measured times and their summary, to FILE (rank 0)")
     return p
 
 
@@ -189,18 +210,24 @@ def run_plan(args) -> int:
         raise UsageError("plan: --validate needs --calibration FILE or --calibrate")
 
     def report(model):
+        layouts = plan_layouts(model, args.world_size, args.batch, args.dtype, args.optimizer,
+                               args.momentum, args.microbatches, calibration)
         text = plan_report(model, args.world_size, args.batch, dtype=args.dtype,
                            optimizer=args.optimizer, momentum=args.momentum,
                            microbatches=args.microbatches, top=args.top, sort=args.sort,
-                           calibration=calibration)
+                           calibration=calibration, layouts=layouts)
+        summary = None
         if args.validate:
             if MPI.COMM_WORLD.Get_size() != args.world_size:
                 raise ValueError(f"--validate runs in this MPI job: launch {args.world_size} "
                                  f"ranks, not {MPI.COMM_WORLD.Get_size()}")
-            rows, _ = plan_layouts(model, args.world_size, args.batch, args.dtype,
-                                   args.optimizer, args.momentum, args.microbatches)
-            results = validate(model, rows, args.batch, np.dtype(args.dtype), calibration,
-                               args.validate)
+            results = validate(model, layouts[0], args.batch, np.dtype(args.dtype),
+                               calibration, args.validate)
             text += "\n\nvalidate:\n" + validation_report(results, validate.drift)
+            summary = validation_summary(results, validate.drift)
+        if args.json and world_rank() == 0:
+            with open(args.json, "w") as f:
+                json.dump(plan_json(model, args.world_size, args.batch, args.dtype,
+                                    *layouts, summary), f, indent=1)
         return text
     return report_mlp("plan", args, report)

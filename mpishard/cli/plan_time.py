@@ -97,6 +97,20 @@ def _summary(results) -> tuple:
     return float(np.median(errors)), best[0], best[2] / min(m for _, _, m in results) - 1
 
 
+def validation_summary(results, drift=None) -> dict:
+    """validation_report's numbers (plan --json): per layout the predicted and measured
+    seconds and the relative error; the median absolute error, the predicted best and how
+    much slower it ran than the measured best ('best_gap'), the drift and, with one, the
+    error again with every prediction divided by it."""
+    error, best, gap = _summary(results)
+    scaled = _summary([(lay, p / drift, m) for lay, p, m in results])[0] if drift else None
+    return {"layouts": [{"layout": lay, "predicted_s": p, "measured_s": m,
+                         "error": (p - m) / m} for lay, p, m in results],
+            "median_abs_error": error, "predicted_best": best, "best_gap": gap,
+            "measured_best": min(results, key=lambda r: r[2])[0], "drift": drift,
+            "median_abs_error_drift_scaled": scaled, "load_average": os.getloadavg()[0]}
+
+
 def validation_report(results, drift=None) -> str:
     """The predicted vs measured table, the median absolute error, the best's gap and the
     machine's drift since the calibration (validate.drift): with a drift, the error again
