@@ -1,8 +1,9 @@
 """Comm: the collectives (and, through PointToPoint, send/receive) of one device mesh.
 
-Every collective maps onto one mpi4py buffer (uppercase) call (all_to_all_v onto one matched
-point-to-point message per peer: alltoallv.py), so arrays never go through pickle, issued
-non-blocking and waited by the stall watchdog (watchdog.py: at most `timeout`
+Every collective maps onto mpi4py buffer (uppercase) calls, so arrays never go through pickle:
+one collective call, or one point-to-point message per peer where that is one round instead
+of two or measured faster (all_to_all_v: alltoallv.py; reduce_scatter: reduce_scatter.py),
+issued non-blocking and waited by the stall watchdog (watchdog.py: at most `timeout`
 seconds, then CollectiveTimeout naming the late ranks). `group=` names a mesh axis ("tp"), a
 tuple of axes (("dp", "fsdp")), or None for the Comm's own group (the whole world for the
 engine's Comm; `comm.group("tp")` is a Comm whose calls default to the tp group). Each call
@@ -35,13 +36,14 @@ from .alltoallv import PrivateComms, VariableExchange, blocks, mpi_type
 from .debug import OPS, CollectiveMismatchError, agree, check_signature
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .pool import ResultPool
+from .reduce_scatter import ScatterReduce
 from .stats import CommStats
 from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, Watchdog
 
 __all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "Future", "agree"]
 
 
-class Comm(PointToPoint, VariableExchange):
+class Comm(PointToPoint, VariableExchange, ScatterReduce):
     """The collectives of `mesh` (a DeviceMesh) on arrays of `backend` (numpy or cupy).
 
     Group views made by `group(axis)` share the statistics, the result-buffer pool, the
@@ -123,7 +125,7 @@ class Comm(PointToPoint, VariableExchange):
 
     def _moved(self, a, axis):
         """`a` with `axis` first, contiguous (the layout MPI concatenates along)."""
-        return self.prepare(self.xp.moveaxis(a, axis, 0))
+        return self.prepare(self.xp.moveaxis(a, axis, 0) if axis else a)
 
     def _back(self, out, axis):
         return self.xp.moveaxis(out, 0, axis) if axis != 0 else out
@@ -268,20 +270,15 @@ class Comm(PointToPoint, VariableExchange):
         if op == "avg" and a.dtype.kind not in "fc":
             raise TypeError(f"reduce_scatter(op='avg') needs a floating dtype, got {a.dtype}")
         axis = self._norm_axis(a, axis)
-        n, r = comm.Get_size(), comm.Get_rank()
+        n = comm.Get_size()
         moved = self._moved(a, axis)
-        length, rest = moved.shape[0], moved.shape[1:]
-        row = int(np.prod(rest, dtype=np.int64))
+        length = moved.shape[0]
         lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
-        out = self.pool.get((lens[r],) + rest, moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
-        if length % n == 0:
-            req = comm.Ireduce_scatter_block(sbuf, rbuf, op=MPI.SUM)
-        else:
-            req = comm.Ireduce_scatter(sbuf, rbuf, [c * row for c in lens], op=MPI.SUM)
-        self._wait(req, "reduce_scatter", comm)
-        self.backend.mpi_finish(rbuf, out)
+        if n == 1:
+            out = self.pool.get(moved.shape, moved.dtype)
+            out[...] = moved
+        else:                     # pairwise exchange, rank-order sum (reduce_scatter.py)
+            out = self._pairwise_reduce_scatter(moved, comm, lens)
         if op == "avg" and n > 1:
             out /= n
         self.stats.count("reduce_scatter", (n - 1) / n * moved.nbytes, t0)
