@@ -124,6 +124,20 @@ def test_data_parallel_halves_compute_and_adds_comm():
     assert two["comm_s"] > 0
 
 
+def test_step_factor_scales_compute_of_its_kind_only():
+    mlp = ms.MLP([64, 32, 16])
+    gpt = ms.GPT(vocab_size=16, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    base = flat(op=1e-9, fixed=1e-5)
+    scaled = dict(base, step_factor={"mlp": 2.0, "gpt": 3.0})
+    for model, factor in ((mlp, 2.0), (gpt, 3.0)):
+        one, two = (predict_step(model, "dp=2", 8, cal, itemsize=4) for cal in (base, scaled))
+        for key in ("gemm_s", "elementwise_s", "compute_s"):
+            assert two[key] == pytest.approx(factor * one[key], rel=1e-12)
+        assert two["comm_s"] == pytest.approx(one["comm_s"], rel=1e-12)
+        assert two["step_s"] == pytest.approx(factor * one["compute_s"] + one["comm_s"],
+                                              rel=1e-12)
+
+
 def test_zero3_computes_with_the_gathered_weight():
     model = ms.MLP([64, 32, 16])
     a = rank_view(model, parse_layout("fsdp=2"), 0, 4, 8)
@@ -283,6 +297,8 @@ def test_calibrate_and_validate_run(monkeypatch):
     assert set(cal["collectives"]) == set(KINDS) and set(cal["collectives"]["send"]) == {"2"}
     assert len(cal["gemm"]) == len(cal_mod.GEMM_SIDES) and cal["concurrency"] >= 1.0
     assert all(s >= 0 for points in cal["ops"].values() for _, s in points)
+    assert set(cal["step_factor"]) == {"mlp", "gpt"} and all(
+        f > 0 for f in cal["step_factor"].values())
     model = ms.MLP([16, 8, 4])
     rows = [{"layout": "dp=2"}, {"layout": "tp=2"}, {"layout": "fsdp=2,zero=1"}]
     results = validate(model, rows, 8, np.float32, cal, top=2, comm=comm, rounds=2)

@@ -21,6 +21,8 @@ rate), through the engine's own functions. Micro-benchmarks only; no layout is r
     fixed         seconds per call that does not grow with size: a tiny MLP's train_step at 1
                   and 5 layers and a tiny GPT's at 1 and 3 blocks (width 4-8): per layer or
                   block (forward + backward) and the rest of the step; AdamW per tensor
+    step_factor   per model kind, a mid-size reference model's measured train_step + AdamW
+                  step over the compute the above predict for it (measure_step_factor)
     collectives   per kind and group size (2, 4, ... up to the job; the world split into
                   groups, all busy together; the engine with its default watchdog, as it
                   trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
@@ -50,6 +52,7 @@ from ..nn import attention, functional as nn
 from ..nn.gpt import GPT
 from ..nn.losses import MSE, CrossEntropy
 from ..nn.models import MLP
+from ..parallel.step_time import predict_rank
 from ..train.optim import AdamW
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
@@ -61,6 +64,9 @@ COLD_BYTES = 16 << 20            # the ops' arrays rotate through at least this 
 COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls timed
 ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid")
 WINDOW, REPEATS = 0.1, 5
+REFERENCE_STEPS = {   # measure_step_factor's models and batches: mid-size, fixed
+    "mlp": (MLP([512, 1024, 1024, 256]), 64),
+    "gpt": (GPT(vocab_size=128, seq_len=32, d_model=96, n_heads=4, n_layers=2), 8)}
 DEFAULT_PATH = os.path.join("~", ".cache", "mpishard", "calibration.json")
 VERSION = 2
 
@@ -255,18 +261,19 @@ def measure_ops(comm, dtype) -> dict:
     return out
 
 
-def _tiny_step(model, comm, dtype) -> tuple:
-    """(train_step seconds, AdamW step seconds) of `model` on one rank, batch 2."""
+def _tiny_step(model, comm, dtype, batch: int = 2) -> tuple:
+    """(train_step seconds, AdamW step seconds) of `model` on each rank alone (COMM_SELF),
+    every rank at once, batch `batch` (2: the tiny models of measure_fixed)."""
     engine = make_engine(model, "single", dtype=dtype, comm=MPI.COMM_SELF)
     engine.load_checkpoint(model.init(seed=0))
     opt = AdamW(engine, lr=1e-4)
     rng = np.random.default_rng(0)
     if isinstance(model, GPT):
-        x = rng.integers(0, model.vocab_size, (2, model.seq_len))
-        t, loss = rng.integers(0, model.vocab_size, (2, model.seq_len)), CrossEntropy()
+        x = rng.integers(0, model.vocab_size, (batch, model.seq_len))
+        t, loss = rng.integers(0, model.vocab_size, (batch, model.seq_len)), CrossEntropy()
     else:
-        x, t, loss = (rng.standard_normal((2, model.d_in)).astype(dtype),
-                      rng.standard_normal((2, model.d_out)).astype(dtype), MSE())
+        x, t, loss = (rng.standard_normal((batch, model.d_in)).astype(dtype),
+                      rng.standard_normal((batch, model.d_out)).astype(dtype), MSE())
     grads = engine.train_step(x, t, loss)[1]
     return (timed(lambda: engine.train_step(x, t, loss), comm),
             timed(lambda: opt.step(grads), comm))
@@ -286,6 +293,21 @@ def measure_fixed(comm, dtype, ops=None) -> dict:
     return {"mlp_layer": layer, "mlp_base": max(m1 - layer, 0.0), "gpt_block": block,
             "gpt_base": max(g1 - block, 0.0),
             "optimizer_tensor": max((o5 - o1) / 8 - (n0 * s0 if ops else 0.0), 0.0)}
+
+
+def measure_step_factor(comm, dtype, cal: dict) -> dict:
+    """{'mlp'|'gpt': a mid-size reference model's measured train_step + AdamW step (on every
+    rank alone at once, as `fixed`) over what step_time charges it from `cal`'s GEMM, op and
+    fixed costs}: what those micro-benchmarks, each on its own arrays in a loop, miss of a
+    step at realistic sizes (operands evicted by the ops between, fresh outputs, the
+    interpreter between calls). step_time multiplies the compute of a model of that kind by
+    it. The references are fixed, not the model being planned."""
+    out = {}
+    for kind, (model, batch) in REFERENCE_STEPS.items():
+        step, opt = _tiny_step(model, comm, dtype, batch)
+        predicted = predict_rank(model, "dp=1", 0, batch, cal, np.dtype(dtype).itemsize)
+        out[kind] = (step + opt) / predicted["compute_s"]
+    return out
 
 
 def _collective(engine, kind, a):
@@ -342,6 +364,7 @@ def calibrate(path, dtype=np.float32, comm=None) -> dict:
            "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype),
            "ops": measure_ops(comm, dtype)}
     cal["fixed"] = measure_fixed(comm, dtype, cal["ops"])
+    cal["step_factor"] = measure_step_factor(comm, dtype, cal)
     cal["collectives"], cal["collective_points"] = measure_collectives(comm, dtype)
     if comm.Get_rank() == 0 and path:
         path = os.path.expanduser(path)

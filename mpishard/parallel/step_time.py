@@ -20,6 +20,10 @@ of the busiest rank (the slowest of `representative_ranks`), where
   cross-entropy on the first and last stage; FSDP's copies around its calls (a pass over
   the full tensor per pack or gathered copy); AdamW over the rank's gradient blocks. Plus the
   per-call costs (`fixed`): per layer or block and microbatch, per step, per optimizer tensor.
+- step_factor: both terms above times the calibration's `step_factor` of the model's kind
+  (mlp or gpt; 1 without one): a mid-size reference model's measured step over what the
+  terms predict for it, so the micro-benchmarks' optimism (operands warm in the cache, no
+  interpreter between calls) is measured once per machine, not assumed.
 - bubble_factor: the pipeline schedule's simulated idle fraction b (schedules.py) costs
   1 / (1 - b) on a core per rank; with ranks sharing cores an idle stage lends its core to
   the others, so the factor is max(1, 1 / (concurrency (1 - b))), `concurrency` the measured
@@ -37,6 +41,7 @@ examples/calibration.h100-cluster.json is assumed from public specs) is a dict:
 {"gemm": [[flops per call, GFLOP/s], ...], "bgemm": [...], "concurrency": k,
  "ops": {op: [[elements, seconds per element], ...]},
  "fixed": {"mlp_layer"|"mlp_base"|"gpt_block"|"gpt_base"|"optimizer_tensor": seconds},
+ optional "step_factor": {"mlp"|"gpt": factor},
  "collectives": {kind: {group size: [[bytes, seconds], ...] or [alpha s, beta bytes/s]}},
  optional "ranks_per_node" and "collectives_inter"}; a group size missing falls back to the
 nearest calibrated one.
@@ -301,7 +306,9 @@ def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
                  itemsize: int = 4) -> dict:
     """{'gemm_s', 'elementwise_s', 'compute_s', 'bubble', 'comm_s', 'step_s'} of one rank."""
     view = rank_view(model, layout, rank, itemsize, batch)
-    gemm, elem = gemm_seconds(view, calibration), elementwise_seconds(view, calibration)
+    scale = calibration.get("step_factor", {}).get("gpt" if is_gpt(model) else "mlp", 1.0)
+    gemm = scale * gemm_seconds(view, calibration)
+    elem = scale * elementwise_seconds(view, calibration)
     bub = bubble(view.layout)
     comm = sum(term[-1] for term in comm_terms(view, calibration))
     factor = bubble_factor(bub, calibration.get("concurrency", 1.0))
