@@ -27,6 +27,7 @@ corrupting data or hanging.
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import numpy as np
@@ -60,6 +61,7 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         self.pool = ResultPool(backend.xp)
         self.default_group = None
         self._groups: dict = {}
+        self._by_group: dict = {}          # group argument -> communicator (shared by views)
         self.pending_receives: dict = {}   # (comm, src, tag) -> pending receives, in order
         self.sends_in_flight: list = []    # send Futures kept alive until done (p2p.py)
         self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
@@ -76,8 +78,16 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         return view
 
     def _mpi(self, group=None):
-        """The mpi4py communicator of `group` (None: this Comm's own group)."""
-        return self.mesh.comm(self.default_group if group is None else group)
+        """The mpi4py communicator of `group` (None: this Comm's own group), looked up once
+        per spelling of the group (every collective call starts here)."""
+        key = self.default_group if group is None else group
+        try:
+            return self._by_group[key]
+        except (KeyError, TypeError):               # TypeError: a list of axes
+            comm = self.mesh.comm(key)
+            if isinstance(key, (str, tuple)) or key is None:
+                self._by_group[key] = comm
+            return comm
 
     @property
     def mpi(self):
@@ -107,6 +117,9 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
     def prepare(self, arr):
         """`arr` as a C-contiguous array of the backend with a transferable dtype."""
         xp = self.xp
+        if type(arr) is xp.ndarray and arr.flags.c_contiguous:     # the usual case, as is
+            dtype_code(arr.dtype)
+            return arr
         a = xp.asarray(arr)
         a = xp.ascontiguousarray(a).reshape(a.shape)   # ascontiguousarray makes 0-d 1-d
         dtype_code(a.dtype)
@@ -215,17 +228,19 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         """
         t0 = time.perf_counter()
         moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
-        rest, lens = moved.shape[1:], np.empty(n, dtype=np.int64)
-        row = int(np.prod(rest, dtype=np.int64))
-        self._wait(comm.Iallgather(np.array([moved.shape[0]], np.int64), lens), "all_gather", comm)
-        shape = (int(lens.sum()),) + rest
+        rest, lengths = moved.shape[1:], np.empty(n, dtype=np.int64)
+        self._wait(comm.Iallgather(np.array([moved.shape[0]], np.int64), lengths),
+                   "all_gather", comm)
+        lens = lengths.tolist()                 # plain ints: numpy on n numbers costs more
+        shape = (sum(lens),) + rest
         out = self.pool.get(shape, moved.dtype) if pooled else self.xp.empty(shape, moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
-        if (lens == lens[0]).all():
+        if lens.count(lens[0]) == n:
             self._wait(comm.Iallgather(sbuf, rbuf), "all_gather", comm)
         else:
-            self._wait(comm.Iallgatherv(sbuf, [rbuf, *blocks(lens.tolist(), row),
+            row = math.prod(rest)
+            self._wait(comm.Iallgatherv(sbuf, [rbuf, *blocks(lens, row),
                                                mpi_type(moved.dtype)]), "all_gather", comm)
         self.backend.mpi_finish(rbuf, out)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)

@@ -24,13 +24,19 @@ HEADER_WORDS = 12            # int64 words: dtype code, ndim, up to 10 dims
 _TAG_HEADER, _TAG_DATA, _TAG_RAW = 0, 1, 2
 
 
+CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
+
+
 def dtype_code(dtype) -> int:
     """Index of `dtype` in DTYPES (the wire code); TypeError naming the supported ones."""
-    dtype = np.dtype(dtype)
-    if dtype not in DTYPES:
-        raise TypeError(f"dtype {dtype} is not supported for MPI transfer; use one of "
-                        f"{[str(d) for d in DTYPES]}")
-    return DTYPES.index(dtype)
+    code = CODES.get(dtype)                 # a numpy dtype: one dict look-up per call
+    if code is None:
+        dtype = np.dtype(dtype)
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype {dtype} is not supported for MPI transfer; use one of "
+                            f"{[str(d) for d in DTYPES]}")
+        code = DTYPES.index(dtype)
+    return code
 
 
 def header(a) -> np.ndarray:
