@@ -109,9 +109,12 @@ def test_fsdp_copies_a_pass_per_pack_and_gather():
     cal["ops"]["pass"] = [[1.0, 1e-9]]
     dp = elementwise_seconds(rank_view(model, parse_layout("dp=2"), 0, 4, 8), cal)
     zero1 = elementwise_seconds(rank_view(model, parse_layout("fsdp=2,zero=1"), 0, 4, 8), cal)
+    zero2 = elementwise_seconds(rank_view(model, parse_layout("fsdp=2,zero=2"), 0, 4, 8), cal)
     zero3 = elementwise_seconds(rank_view(model, parse_layout("fsdp=2,zero=3"), 0, 4, 8), cal)
     full = 64 * 32 + 32 + 32 * 16 + 16                     # every tensor, padded (even here)
-    assert zero1 - dp == pytest.approx(2 * full * 1e-9, rel=1e-9)
+    assert zero2 - dp == pytest.approx(2 * full * 1e-9, rel=1e-9)
+    # ZeRO-1's full gradient buffer: one += (1 microbatch) and two zero fills more
+    assert zero1 - zero2 == pytest.approx(3 * full * 1e-9, rel=1e-9)
     uses = 64 * 32 * 2 + 32 * 2 + 32 * 16 * 3 + 16 * 2   # gets + gradients: W0 1+1, W1 2+1
     assert zero3 - dp == pytest.approx(uses * 1e-9, rel=1e-9)
 

@@ -199,18 +199,21 @@ def _gpt_elementwise(view, ops, fixed) -> float:
 def _fsdp_copies(view, ops) -> float:
     """The copies FSDP makes around its calls, one pass over the full (padded) tensor each:
     ZeRO-1/2 pack the gradient into its bucket and copy the all-gathered parameters back into
-    the buffer; ZeRO-3 copies every gathered weight out and packs every gradient it adds."""
+    the buffer; ZeRO-3 copies every gathered weight out and packs every gradient it adds.
+    ZeRO-1 also keeps a full gradient buffer: a `+=` per microbatch, and two zero fills per
+    step (once reduce-scattered, and at zero_grad)."""
     n, m = view.size("fsdp"), view.microbatches
     if n == 1:
         return 0.0
     seconds = 0.0
     for name, info in view.params.items():
         full = n * prod(view.grad_blocks[name])
-        if fsdp.zero_stage(info.placement, view.layout) == 3:
+        stage = fsdp.zero_stage(info.placement, view.layout)
+        if stage == 3:
             gets, adds = param_uses(view.model, view.layout, name)
             seconds += m * (gets + adds) * op_seconds(ops, "pass", full)
         else:
-            seconds += 2 * op_seconds(ops, "pass", full)
+            seconds += (2 + (m + 2 if stage == 1 else 0)) * op_seconds(ops, "pass", full)
     return seconds
 
 
