@@ -368,6 +368,14 @@ def test_a_malformed_index_or_misfit_chunk_is_a_checkpoint_error(tmp_path):
                    "does not fit"),
         "dtype": (lambda ix: ix["tensors"][w0].update(dtype="float32"),
                   "holds float64, layer_0/weights is float32"),
+        # numbers that are not integers (found by test_properties: a 0.0 offset reached a
+        # numpy slice as a TypeError)
+        "float offset": (lambda ix: ix["tensors"][w0]["chunks"][0].update(offset=[0.0, 0]),
+                         r"offset of layer_0/weights's chunk .* must be a list of integers"),
+        "bool offset": (lambda ix: ix["tensors"][w0]["chunks"][0].update(offset=[False, 0]),
+                        "must be a list of integers"),
+        "float shape": (lambda ix: ix["tensors"][w0].update(shape=[6.0, 8]),
+                        "layer_0/weights's shape must be a list of integers"),
     }
     for name, (fn, message) in cases.items():
         with pytest.raises(CheckpointError, match=message):

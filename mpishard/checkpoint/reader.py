@@ -202,6 +202,14 @@ class Checkpoint(Mapping):
             raise CheckpointError(f"checkpoint {self.path}: malformed {INDEX} "
                                   f"({type(e).__name__}: {e})") from None
 
+    def _ints(self, values, what: str) -> tuple:
+        """`values` (a list of JSON numbers from the index) as a tuple of ints; CheckpointError
+        unless every one is an integer (2.0 or true is not: they would index differently)."""
+        if not isinstance(values, list) or any(type(v) is not int for v in values):
+            raise CheckpointError(f"checkpoint {self.path}: {what} must be a list of integers, "
+                                  f"got {values!r}")
+        return tuple(values)
+
     def _check_files_unsafe(self) -> None:
         int(self.index.get("step", 0))
         if not isinstance(self.index.get("model", {}), dict):
@@ -224,12 +232,13 @@ class Checkpoint(Mapping):
                 raise CheckpointError(f"checkpoint {self.path}: shard file {fname} has {size} "
                                       f"bytes, the index says {info['bytes']} (truncated?)")
         for name, e in self._entries():
-            vol, shape, dtype = 0, tuple(int(d) for d in e["shape"]), np.dtype(e["dtype"])
+            vol, shape, dtype = 0, self._ints(e["shape"], f"{name}'s shape"), np.dtype(e["dtype"])
             for c in e["chunks"]:
                 if c["file"] not in files:
                     raise CheckpointError(f"checkpoint {self.path}: {name} names unknown file "
                                           f"{c['file']}")
-                block, offset = self.file_shape(c["file"]), tuple(int(o) for o in c["offset"])
+                block = self.file_shape(c["file"])
+                offset = self._ints(c["offset"], f"the offset of {name}'s chunk {c['file']}")
                 if (len(block) != len(shape) or len(offset) != len(shape)
                         or any(o < 0 or o + b > n for o, b, n in zip(offset, block, shape))):
                     raise CheckpointError(f"checkpoint {self.path}: chunk {c['file']} of shape "
