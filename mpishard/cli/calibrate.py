@@ -261,9 +261,10 @@ def measure_ops(comm, dtype) -> dict:
     return out
 
 
-def _tiny_step(model, comm, dtype, batch: int = 2) -> tuple:
+def _step_seconds(model, comm, dtype, batch: int = 2) -> tuple:
     """(train_step seconds, AdamW step seconds) of `model` on each rank alone (COMM_SELF),
-    every rank at once, batch `batch` (2: the tiny models of measure_fixed)."""
+    every rank at once, batch `batch` (2: measure_fixed's tiny models; measure_step_factor
+    passes its references' batches)."""
     engine = make_engine(model, "single", dtype=dtype, comm=MPI.COMM_SELF)
     engine.load_checkpoint(model.init(seed=0))
     opt = AdamW(engine, lr=1e-4)
@@ -283,11 +284,11 @@ def measure_fixed(comm, dtype, ops=None) -> dict:
     """Per-call costs that do not grow with the arrays (module docstring); `ops`: the
     measured ops, whose AdamW call on the smallest array (what step_time charges a tiny
     tensor) is taken out of the per-tensor optimizer cost."""
-    (m1, o1), (m5, o5) = (_tiny_step(MLP([4] * (n + 1)), comm, dtype) for n in (1, 5))
+    (m1, o1), (m5, o5) = (_step_seconds(MLP([4] * (n + 1)), comm, dtype) for n in (1, 5))
 
     def gpt(n):
         return GPT(vocab_size=8, seq_len=4, d_model=8, n_heads=2, n_layers=n)
-    (g1, _), (g3, _) = (_tiny_step(gpt(n), comm, dtype) for n in (1, 3))
+    (g1, _), (g3, _) = (_step_seconds(gpt(n), comm, dtype) for n in (1, 3))
     layer, block = max(m5 - m1, 0.0) / 4, max(g3 - g1, 0.0) / 2
     n0, s0 = (ops or {}).get("adamw", [[0.0, 0.0]])[0]
     return {"mlp_layer": layer, "mlp_base": max(m1 - layer, 0.0), "gpt_block": block,
@@ -304,7 +305,7 @@ def measure_step_factor(comm, dtype, cal: dict) -> dict:
     it. The references are fixed, not the model being planned."""
     out = {}
     for kind, (model, batch) in REFERENCE_STEPS.items():
-        step, opt = _tiny_step(model, comm, dtype, batch)
+        step, opt = _step_seconds(model, comm, dtype, batch)
         predicted = predict_rank(model, "dp=1", 0, batch, cal, np.dtype(dtype).itemsize)
         out[kind] = (step + opt) / predicted["compute_s"]
     return out

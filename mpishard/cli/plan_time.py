@@ -116,16 +116,18 @@ def validation_report(results, drift=None) -> str:
     machine's drift since the calibration (validate.drift): with a drift, the error again
     with every prediction divided by it (the calibration's rates at the machine's share
     during the validation; the ranking, and so the best's gap, does not change)."""
+    summary = validation_summary(results, drift)
     lines = [f"{'layout':<36}{'predicted':>12}{'measured':>12}{'error':>9}"]
-    for layout, p, m in results:
-        lines.append(f"{layout:<36}{p * 1e3:>10.2f}ms{m * 1e3:>10.2f}ms{100 * (p - m) / m:>8.1f}%")
-    error, best, gap = _summary(results)
-    lines.append(f"median absolute error {100 * error:.1f}% over {len(results)} layouts; "
-                 f"predicted best {best!r} measured {100 * gap:.1f}% slower than the measured "
-                 f"best (load average {os.getloadavg()[0]:.1f})")
+    for row in summary["layouts"]:
+        lines.append(f"{row['layout']:<36}{row['predicted_s'] * 1e3:>10.2f}ms"
+                     f"{row['measured_s'] * 1e3:>10.2f}ms{100 * row['error']:>8.1f}%")
+    lines.append(f"median absolute error {100 * summary['median_abs_error']:.1f}% over "
+                 f"{len(results)} layouts; predicted best {summary['predicted_best']!r} "
+                 f"measured {100 * summary['best_gap']:.1f}% slower than the measured best "
+                 f"(load average {summary['load_average']:.1f})")
     if drift:
-        scaled, _, _ = _summary([(lay, p / drift, m) for lay, p, m in results])
         lines.append(f"reference GEMMs ran at {drift:.2f}x their calibrated rate during the "
                      f"validation (the machine's share changed since --calibrate); predictions "
-                     f"/ {drift:.2f}: median absolute error {100 * scaled:.1f}%")
+                     f"/ {drift:.2f}: median absolute error "
+                     f"{100 * summary['median_abs_error_drift_scaled']:.1f}%")
     return "\n".join(lines)

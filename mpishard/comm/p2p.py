@@ -31,11 +31,10 @@ def dtype_code(dtype) -> int:
     """Index of `dtype` in DTYPES (the wire code); TypeError naming the supported ones."""
     code = CODES.get(dtype)                 # a numpy dtype: one dict look-up per call
     if code is None:
-        dtype = np.dtype(dtype)
-        if dtype not in DTYPES:
-            raise TypeError(f"dtype {dtype} is not supported for MPI transfer; use one of "
-                            f"{[str(d) for d in DTYPES]}")
-        code = DTYPES.index(dtype)
+        code = CODES.get(np.dtype(dtype))   # a name or type ('float32', np.float32)
+    if code is None:
+        raise TypeError(f"dtype {np.dtype(dtype)} is not supported for MPI transfer; use one "
+                        f"of {[str(d) for d in DTYPES]}")
     return code
 
 

@@ -22,8 +22,6 @@ the watchdog, whose timeout names the members that have not entered the call.
 """
 from __future__ import annotations
 
-import time
-
 from .alltoallv import TAG, mpi_type, offsets
 
 
@@ -46,10 +44,7 @@ class ScatterReduce:
                     for j in ((me + k) % n for k in range(1, n))]
         requests += [private.Irecv([rbuf[k - 1], mtype], source=(me - k) % n, tag=TAG)
                      for k in range(1, n)]
-        t_wait = time.perf_counter()
-        wd.wait_collective(requests, what, comm, ticket)
-        if wd.tracer is not None:
-            wd.tracer.blocked(wd.group(comm)[2], time.perf_counter() - t_wait)
+        wd.collective(requests, what, comm, ticket)      # bounded; traced as blocked time
         self.backend.mpi_finish(rbuf, scratch)
         parts = [moved[at[me]:at[me + 1]] if j == me else scratch[(me - j) % n - 1]
                  for j in range(n)]
