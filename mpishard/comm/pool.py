@@ -28,11 +28,14 @@ class ResultPool:
     def get(self, shape, dtype):
         if not self.enabled:
             return self.xp.empty(shape, dtype=dtype)
-        key = (tuple(shape), np.dtype(dtype).str)
-        bufs = self._bufs.pop(key, [])
-        self._bufs[key] = bufs                          # most recently used shape last
-        if len(self._bufs) > self.SHAPES:
-            self._bufs.pop(next(iter(self._bufs)))
+        key = (tuple(shape), dtype if isinstance(dtype, np.dtype) else np.dtype(dtype))
+        bufs = self._bufs.get(key)
+        if bufs is None:
+            bufs = self._bufs[key] = []
+            if len(self._bufs) > self.SHAPES:
+                self._bufs.pop(next(iter(self._bufs)))      # the least recently used shape
+        elif next(reversed(self._bufs)) != key:
+            self._bufs[key] = self._bufs.pop(key)           # most recently used shape last
         for i in range(len(bufs)):          # indexed: a loop variable would add a reference
             # 2 = the list's reference + getrefcount's argument; every view of a pooled
             # array (the moveaxis of a result, a slice of it) holds one more, as its .base

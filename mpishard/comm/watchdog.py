@@ -40,6 +40,7 @@ from .mesh import AXES, coordinates
 
 DEFAULT_TIMEOUT = 600.0
 YIELD = 0.1           # seconds waited before the polls sleep
+BURST = 32            # yielding polls between two clock reads
 MAX_SLEEP = 1e-2      # the longest sleep between two polls
 SLOTS = 1 << len(AXES)     # one counter per set of mesh axes (bit i: AXES[i])
 BLOCKS = 256               # engines sharing one window (a block of SLOTS counters each)
@@ -67,6 +68,8 @@ class Arrivals:
         self.win = MPI.Win.Allocate(BLOCKS * SLOTS * 8, 8, comm=comm)
         self.counts = np.frombuffer(self.win.tomemory(), dtype=np.int64)
         self.counts[:] = 0
+        self.cells = memoryview(self.win.tomemory()).cast("B").cast("q")  # the same counters:
+        # a Python int store (0.26 us) instead of numpy's scalar += (0.63 us), on every call
         self.win.Lock_all()
         self.blocks = 0
         self.broken = False                   # a timeout happened: never free collectively
@@ -105,6 +108,7 @@ class Arrivals:
     def free(self) -> None:
         failed = self.broken or getattr(sys, "last_value", None) is not None
         if self.win is not None and not failed and not MPI.Is_finalized():
+            self.cells.release()
             self.win.Unlock_all()
             self.win.Free()
         self.win = None
@@ -147,8 +151,9 @@ class Watchdog:
         if not self.timeout:
             return None
         index = self.group(comm)[0]
-        self.arrivals.counts[index] += 1
-        return index, int(self.arrivals.counts[index])
+        cells = self.arrivals.cells
+        cells[index] += 1
+        return index, cells[index]
 
     def collective(self, requests, what: str, comm, ticket=None) -> None:
         """Wait for a collective's requests; `ticket` from `arrive` when it was counted at
@@ -201,22 +206,34 @@ class Watchdog:
             self.expired(what, comm, self.late(comm, ticket))
 
     def poll(self, requests) -> bool:
-        """Test until done (True) or the timeout passes (False); yields, then growing sleeps."""
+        """Test until done (True) or the timeout passes (False); yields, then growing sleeps.
+        One request is tested with its own `Test` (0.14 us here), not `Testall` (0.66 us):
+        the cost of a poll is paid again on every turn of the yield loop."""
+        if len(requests) == 1:
+            return self.poll_until(requests[0].Test)
         return self.poll_until(lambda: MPI.Request.Testall(requests))
 
     def poll_until(self, test) -> bool:
-        """poll's loop on any `test()`."""
+        """poll's loop on any `test()`. The yield phase reads the clock once per BURST polls:
+        with more ranks than cores, every turn of a waiting rank's loop delays the peers that
+        share its core, and each step of the collective waits for them (4 ranks on 2 cores,
+        1 MiB Ialltoall: a clock read, a subtraction and two comparisons per turn cost 1.2x
+        the bare `while not Test(): sched_yield()` loop; per BURST, 1.03x)."""
         if test():
             return True
-        t0 = time.monotonic()
+        yield_, clock = os.sched_yield, time.monotonic
+        t0 = clock()
+        limit = min(YIELD, self.timeout)
+        while clock() - t0 <= limit:
+            for _ in range(BURST):
+                yield_()
+                if test():
+                    return True
         while True:
-            waited = time.monotonic() - t0
+            waited = clock() - t0
             if waited > self.timeout:
                 return False
-            if waited > YIELD:
-                time.sleep(min(MAX_SLEEP, 0.05 * waited))
-            else:
-                os.sched_yield()
+            time.sleep(min(MAX_SLEEP, 0.05 * waited))
             if test():
                 return True
 
