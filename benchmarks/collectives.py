@@ -21,6 +21,12 @@ the ratio is the median over samples of the paired ratio engine / raw, after a w
 is repeated in 5 trials (3 with --quick), each on freshly allocated buffers, and the figure is
 the median of the trials: on this VM two equal 16 MiB buffers can differ by 20% in how fast
 MPI writes into them, so a single trial measures where the pages landed, not the engine.
+From 1 MiB up a third side runs in the same alternation, `bounded`: the raw call's
+non-blocking form (Iallreduce, Iallgather, Ireduce_scatter_block, Ialltoall, Ialltoallv) waited
+by the least a wait that can time out must do, `while not req.Test(): sched_yield()` (the
+engine's watchdog loop without its clock reads). `bounded_ratio` (bounded / raw) is the floor
+of any engine whose collectives cannot hang silently; `engine_over_bounded` what the engine
+adds to it. With more ranks than cores the two differ: a blocking MPICH call waits in C.
 `allreduce_overhead_ratio` is the worst `all_reduce_out` ratio at 1 MiB and up: the engine
 writing into the raw call's own output buffer, literally the same buffers on both sides, so
 only the engine's code path differs. `allreduce_overhead_ratio_default` is the same for the
@@ -29,6 +35,7 @@ plain call, whose result lands in a buffer of the engine's own (see benchmarks/R
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -51,6 +58,10 @@ def _plan(nbytes, quick, tiny=False):
 
 
 def _sample(comm, fn, inner):
+    """Seconds per call of `inner` calls of `fn` (the slowest rank's), after one untimed call:
+    each side is timed in its own steady state, whichever side ran before it (the first call
+    after another side's finds its buffers out of cache: 1.1-1.3x at 1 MiB on 4 ranks)."""
+    fn()
     comm.Barrier()
     t0 = time.perf_counter()
     for _ in range(inner):
@@ -60,22 +71,30 @@ def _sample(comm, fn, inner):
     return float(dt[0])
 
 
-def compare(comm, ours, raw, inner, samples, warmup=2):
-    """(median s/call of `ours`, of `raw`, median of the paired ratios ours/raw), the two
-    alternating sample by sample so that load drifting over time hits both alike."""
-    for _ in range(warmup):
-        _sample(comm, raw, inner)
-        _sample(comm, ours, inner)
-    t_ours, t_raw = [], []
-    for i in range(samples):
-        if i % 2 == 0:
-            t_raw.append(_sample(comm, raw, inner))
-            t_ours.append(_sample(comm, ours, inner))
-        else:
-            t_ours.append(_sample(comm, ours, inner))
-            t_raw.append(_sample(comm, raw, inner))
+def compare(comm, ours, raw, inner, samples, warmup=2, bounded=None):
+    """(median s/call of `ours`, of `raw`, median of the paired ratios ours/raw, and with
+    `bounded` the median of the paired ratios bounded/raw), the sides alternating sample by
+    sample (forwards, then backwards) so that load drifting over time hits them alike."""
+    sides = [raw, ours] + ([bounded] if bounded is not None else [])
+    times = [[] for _ in sides]
+    for i in range(warmup + samples):
+        order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
+        for j in order:
+            t = _sample(comm, sides[j], inner)
+            if i >= warmup:
+                times[j].append(t)
+    t_raw, t_ours = times[0], times[1]
     ratios = [o / r for o, r in zip(t_ours, t_raw)]
-    return float(np.median(t_ours)), float(np.median(t_raw)), float(np.median(ratios))
+    floor = (float(np.median([b / r for b, r in zip(times[2], t_raw)]))
+             if bounded is not None else None)
+    return float(np.median(t_ours)), float(np.median(t_raw)), float(np.median(ratios)), floor
+
+
+def bounded_wait(req) -> None:
+    """The least a wait that can time out does: test, and yield the core between tests."""
+    test, pause = req.Test, os.sched_yield
+    while not test():
+        pause()
 
 
 def cases(engine, comm, nbytes):
@@ -88,20 +107,27 @@ def cases(engine, comm, nbytes):
     scattered = np.empty(count // n, dtype=np.float32)
     counts = np.full(n, count // n, dtype=np.int64)        # all_to_all_v: equal blocks, the
     displs = np.arange(n, dtype=np.int64) * (count // n)   # engine exchanging its counts first
+    typed = MPI.FLOAT
+    v_send, v_recv = [a, counts, displs, typed], [out, counts, displs, typed]
     return {
         "all_reduce": (lambda: engine.all_reduce(a, group="dp"),
-                       lambda: comm.Allreduce(a, out)),
+                       lambda: comm.Allreduce(a, out),
+                       lambda: bounded_wait(comm.Iallreduce(a, out))),
         "all_reduce_out": (lambda: engine.all_reduce(a, group="dp", out=out),
-                           lambda: comm.Allreduce(a, out)),
+                           lambda: comm.Allreduce(a, out),
+                           lambda: bounded_wait(comm.Iallreduce(a, out))),
         "all_gather": (lambda: engine.all_gather(a, group="dp"),
-                       lambda: comm.Allgather(a, gathered)),
+                       lambda: comm.Allgather(a, gathered),
+                       lambda: bounded_wait(comm.Iallgather(a, gathered))),
         "reduce_scatter": (lambda: engine.reduce_scatter(a, group="dp"),
-                           lambda: comm.Reduce_scatter_block(a, scattered)),
+                           lambda: comm.Reduce_scatter_block(a, scattered),
+                           lambda: bounded_wait(comm.Ireduce_scatter_block(a, scattered))),
         "all_to_all": (lambda: engine.all_to_all(a, group="dp"),
-                       lambda: comm.Alltoall(a, out)),
+                       lambda: comm.Alltoall(a, out),
+                       lambda: bounded_wait(comm.Ialltoall(a, out))),
         "all_to_all_v": (lambda: engine.all_to_all_v(a, counts, group="dp"),
-                         lambda: comm.Alltoallv([a, counts, displs, MPI.FLOAT],
-                                                [out, counts, displs, MPI.FLOAT])),
+                         lambda: comm.Alltoallv(v_send, v_recv),
+                         lambda: bounded_wait(comm.Ialltoallv(v_send, v_recv))),
     }
 
 
@@ -120,13 +146,18 @@ def run(quick=False, max_bytes=None, comm=None, tiny=False, min_bytes=0):
             # fresh buffers (and a fresh result pool) each trial: on this VM a large buffer's
             # speed depends on where its pages landed, by 10-20%, whichever side owns it
             engine.comm.pool.clear()
-            for kind, (ours, raw) in cases(engine, comm, nbytes).items():
-                found.setdefault(kind, []).append(compare(comm, ours, raw, inner, samples))
+            for kind, (ours, raw, bounded) in cases(engine, comm, nbytes).items():
+                found.setdefault(kind, []).append(compare(
+                    comm, ours, raw, inner, samples, bounded=bounded if nbytes >= MIB else None))
         for kind, res in found.items():
-            t_ours, t_raw, ratio = (float(np.median(col)) for col in zip(*res))
-            rows.append({"ranks": n, "bytes": nbytes, "kind": kind, "engine_s": t_ours,
-                         "raw_s": t_raw, "ratio": ratio, "trials": trials,
-                         "trial_ratios": [r[2] for r in res]})
+            t_ours, t_raw, ratio = (float(np.median([r[i] for r in res])) for i in range(3))
+            row = {"ranks": n, "bytes": nbytes, "kind": kind, "engine_s": t_ours,
+                   "raw_s": t_raw, "ratio": ratio, "trials": trials,
+                   "trial_ratios": [r[2] for r in res]}
+            if res[0][3] is not None:
+                row["bounded_ratio"] = float(np.median([r[3] for r in res]))
+                row["engine_over_bounded"] = ratio / row["bounded_ratio"]
+            rows.append(row)
     def worst(kind):
         return max((r["ratio"] for r in rows if r["kind"] == kind and r["bytes"] >= MIB),
                    default=None)
@@ -157,7 +188,8 @@ def main(argv=None):
         for r in res["rows"]:
             print(f"{r['ranks']} ranks {r['bytes'] / KIB:>8.0f} KiB {r['kind']:<15} "
                   f"engine {r['engine_s'] * 1e6:10.1f} us  raw {r['raw_s'] * 1e6:10.1f} us  "
-                  f"ratio {r['ratio']:.3f}")
+                  f"ratio {r['ratio']:.3f}" + (f"  bounded/raw {r['bounded_ratio']:.3f}"
+                                                if "bounded_ratio" in r else ""))
         print(f"allreduce_overhead_ratio_default={res['allreduce_overhead_ratio_default']}")
         print(f"allreduce_overhead_ratio={res['allreduce_overhead_ratio']}")
         print("worst ratio at >= 1 MiB: " + ", ".join(

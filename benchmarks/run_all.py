@@ -196,7 +196,8 @@ def worst_collectives(by_ranks: dict) -> dict:
         out[key] = w["ratio"]
         out["worst"][key] = {"kind": kind, "ranks": w["ranks"], "bytes": w["bytes"],
                              "ratio": w["ratio"], "trial_ratios": trials,
-                             "spread": [min(trials), max(trials)]}
+                             "spread": [min(trials), max(trials)],
+                             "bounded_ratio": w.get("bounded_ratio")}
     return out
 
 
@@ -390,7 +391,10 @@ def markdown(results: dict) -> str:
         lines += ["", "Collectives: engine time over raw mpi4py time on the same input "
                   "(1.0 = no overhead; median of 5 trials on fresh buffers); `all_reduce_out` "
                   "passes the raw call's own output buffer as `out=`, the others return a "
-                  "result the engine allocates (all_gather) or reuses from its pool:", "",
+                  "result the engine allocates (all_gather) or reuses from its pool. From "
+                  "1 MiB a second figure: the raw call's non-blocking form waited by a bare "
+                  "`while not req.Test(): sched_yield()` loop, over the raw call (`bounded`, "
+                  "the floor of any wait that can time out; benchmarks/collectives.py):", "",
                   "| ranks | size | " + " | ".join(kinds) + " |",
                   "| --- | --- | " + " | ".join("---" for _ in kinds) + " |"]
         for n, v in rows:
@@ -398,15 +402,19 @@ def markdown(results: dict) -> str:
             for b in sizes:
                 if b < 1024 * 1024 and b not in (1024, 64 * 1024):
                     continue
-                cells = {r["kind"]: r["ratio"] for r in v["rows"] if r["bytes"] == b}
+                cells = {r["kind"]: _fmt(r["ratio"]) + (f" / {r['bounded_ratio']:.3f}"
+                                                         if "bounded_ratio" in r else "")
+                         for r in v["rows"] if r["bytes"] == b}
                 size = f"{b // 1024 // 1024} MiB" if b >= 1024 * 1024 else f"{b // 1024} KiB"
                 lines.append(f"| {n} | {size} | "
-                             + " | ".join(_fmt(cells.get(k)) for k in kinds) + " |")
+                             + " | ".join(cells.get(k, "-") for k in kinds) + " |")
     worst = coll.get("worst", {})
     if worst:
         lines += ["", "Worst at >= 1 MiB (median of trials, trials' range): " + "; ".join(
             f"{w['kind']} {w['ratio']:.3f} ({w['spread'][0]:.3f}-{w['spread'][1]:.3f}) at "
-            f"{w['ranks']} ranks, {w['bytes'] // MIB} MiB" for w in worst.values()) + "."]
+            f"{w['ranks']} ranks, {w['bytes'] // MIB} MiB"
+            + (f", bounded floor {w['bounded_ratio']:.3f}" if w.get("bounded_ratio") else "")
+            for w in worst.values()) + "."]
     lines += _planner_lines(results.get("planner", {}))
     sc = results.get("scaling", {})
     pp = sc.get("pp", {})

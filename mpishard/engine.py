@@ -16,7 +16,6 @@ this rank's pipeline stage(s) and a runner. The engine only orchestrates them:
 """
 from __future__ import annotations
 
-import functools
 import os
 from abc import ABC, abstractmethod
 
@@ -35,14 +34,16 @@ from .parallel.precision import Precision
 from .parallel.tracing import trace_engine
 
 
-def _on_comm(name):
-    """An engine method that is the same call on the engine's Comm."""
-    method = getattr(Comm, name)
+class _OnComm:
+    """An engine method that is the Comm's: `engine.all_to_all` is `engine.comm.all_to_all`,
+    its bound method (a wrapper call in between cost 0.8 us of the ~10 a collective's Python
+    takes)."""
 
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        return method(self.comm, *args, **kwargs)
-    return call
+    def __init__(self, name):
+        self.name, self.__doc__ = name, getattr(Comm, name).__doc__
+
+    def __get__(self, engine, owner=None):
+        return getattr(Comm if engine is None else engine.comm, self.name)
 
 
 class ShardedEngine(ABC):
@@ -111,20 +112,20 @@ class ShardedEngine(ABC):
                                  "(False: fresh each call)")
 
     # -- the collectives and point-to-point calls: the engine's Comm ---------------------------
-    barrier = _on_comm("barrier")
-    send = _on_comm("send")
-    receive = _on_comm("receive")
-    send_async = _on_comm("send_async")
-    receive_async = _on_comm("receive_async")
-    all_reduce = _on_comm("all_reduce")
-    all_reduce_async = _on_comm("all_reduce_async")
-    all_gather = _on_comm("all_gather")
-    all_gather_async = _on_comm("all_gather_async")
-    reduce_scatter = _on_comm("reduce_scatter")
-    all_to_all = _on_comm("all_to_all")
-    all_to_all_v = _on_comm("all_to_all_v")
-    broadcast = _on_comm("broadcast")
-    agree = _on_comm("agree")
+    barrier = _OnComm("barrier")
+    send = _OnComm("send")
+    receive = _OnComm("receive")
+    send_async = _OnComm("send_async")
+    receive_async = _OnComm("receive_async")
+    all_reduce = _OnComm("all_reduce")
+    all_reduce_async = _OnComm("all_reduce_async")
+    all_gather = _OnComm("all_gather")
+    all_gather_async = _OnComm("all_gather_async")
+    reduce_scatter = _OnComm("reduce_scatter")
+    all_to_all = _OnComm("all_to_all")
+    all_to_all_v = _OnComm("all_to_all_v")
+    broadcast = _OnComm("broadcast")
+    agree = _OnComm("agree")
 
     # -- model lifecycle -----------------------------------------------------------------------
     @abstractmethod

@@ -132,6 +132,8 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
 
     @staticmethod
     def _norm_axis(a, axis):
+        if axis == 0:                                   # the usual case, checked cheaply
+            return 0
         if not -a.ndim <= axis < max(a.ndim, 1):
             raise ValueError(f"axis {axis} out of range for an array of shape {a.shape}")
         return axis % max(a.ndim, 1)
