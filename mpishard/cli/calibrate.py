@@ -47,6 +47,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.threads import pin_blas_threads
 from ..engine import make_engine
 from ..nn import attention, functional as nn
 from ..nn.gpt import GPT
@@ -353,15 +354,23 @@ def measure_collectives(comm, dtype) -> tuple:
     return fitted, points
 
 
-def blas_threads() -> str:
+def blas_threads(pinned) -> str:
+    """The BLAS threads per rank the rates were measured with (`pinned`: pin_blas_threads')."""
+    if pinned.threads is not None:
+        return str(pinned.threads)
     return os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or ""
 
 
 def calibrate(path, dtype=np.float32, comm=None) -> dict:
-    """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`."""
+    """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`.
+
+    The BLAS threads are first shared out as every engine shares them (comm/threads.py), so
+    the GEMM rates are those a layout will run at: measured before any engine was built, 8
+    ranks on 2 cores ran OpenBLAS's 2 threads each, and the rates came out 26x too slow."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    pinned = pin_blas_threads(comm)
     cal = {"version": VERSION, "ranks": comm.Get_size(), "dtype": np.dtype(dtype).name,
-           "host": os.uname().nodename, "blas_threads": blas_threads(),
+           "host": os.uname().nodename, "blas_threads": blas_threads(pinned),
            "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype),
            "ops": measure_ops(comm, dtype)}
     cal["fixed"] = measure_fixed(comm, dtype, cal["ops"])

@@ -1,7 +1,8 @@
 """Reused result buffers for collectives (all_reduce, reduce_scatter, all_to_all).
 
-Up to two results per shape and dtype (for the last few shapes) are kept, so the loop
-`y = comm.all_reduce(x)` alternates between two buffers; one is handed out again only when no
+Up to two results per shape and dtype are kept, for up to SHAPES shapes (a new shape beyond
+those drops the one first seen longest ago; a hit does not reorder them, which would cost on
+every call), so the loop `y = comm.all_reduce(x)` alternates between two buffers; one is handed out again only when no
 other reference to it, or to a view of it, remains (CPython reference counts of the array and
 of the memory's owner), so a result the caller still holds is never overwritten. This saves
 the page faults of a fresh large allocation per call (15-40% of a 16 MiB all_reduce here).
@@ -28,14 +29,14 @@ class ResultPool:
     def get(self, shape, dtype):
         if not self.enabled:
             return self.xp.empty(shape, dtype=dtype)
-        key = (tuple(shape), dtype if isinstance(dtype, np.dtype) else np.dtype(dtype))
+        if type(shape) is not tuple or not isinstance(dtype, np.dtype):
+            shape, dtype = tuple(shape), np.dtype(dtype)     # callers mostly pass a.shape, a.dtype
+        key = (shape, dtype)
         bufs = self._bufs.get(key)
         if bufs is None:
             bufs = self._bufs[key] = []
             if len(self._bufs) > self.SHAPES:
-                self._bufs.pop(next(iter(self._bufs)))      # the least recently used shape
-        elif next(reversed(self._bufs)) != key:
-            self._bufs[key] = self._bufs.pop(key)           # most recently used shape last
+                self._bufs.pop(next(iter(self._bufs)))      # the shape first seen longest ago
         for i in range(len(bufs)):          # indexed: a loop variable would add a reference
             # 2 = the list's reference + getrefcount's argument; every view of a pooled
             # array (the moveaxis of a result, a slice of it) holds one more, as its .base
