@@ -6,10 +6,10 @@ rate), through the engine's own functions. Micro-benchmarks only; no layout is r
                   three ('bd,df->bf', 'bd,bf->df', 'bf,df->bd': x (n, n), W (n, 2n),
                   n = 32 ... 512) and the attention's batched 'bhtd,bhsd->bhts' (16 heads x
                   T x 32, T = 32 ... 256)
-    concurrency   the 256-GEMM's rate on rank 0 alone (the others waiting as the engine
-                  waits, polling with sched_yield) over its rate with every rank busy: 1 with
-                  a core per rank, up to ranks / free cores when they share; what a pipeline's
-                  idle stage lends the busy ones (step_time.bubble_factor)
+    concurrency   the 256-GEMM's rate on rank 0 alone (the others waiting in a collective
+                  as the engine waits) over its rate with every rank busy: 1 with a core per
+                  rank, up to ranks / free cores when they share; what a pipeline's idle
+                  stage lends the busy ones (step_time.bubble_factor)
     ops           seconds per element of the element-wise work at 2**12, 2**15, 2**18 and
                   2**21 elements (small arrays pay the call, large ones miss the caches;
                   each call on other copies of its arrays, 16 MiB in all, so they come from
@@ -134,16 +134,14 @@ def fit_alpha_beta(points) -> list:
 
 def timed_alone(fn, comm, window=None, repeats=None) -> float:
     """Seconds per call of `fn` on rank 0 while the other ranks wait as a pipeline stage in
-    its bubble does: polling a non-blocking barrier with sched_yield between polls (the
-    engine's watchdog for its first 0.1 s), which gives the core back only as far as the
-    scheduler lets it."""
+    its bubble does: in a collective of an engine on `comm`, waited by its watchdog (which,
+    with more ranks than cores, sleeps while a member is missing: comm/watchdog.py)."""
+    barrier = make_engine(MLP([2, 2]), f"dp={comm.Get_size()}", comm=comm).barrier
     result = None
     comm.Barrier()
     if comm.Get_rank() == 0:
         result = timed(fn, MPI.COMM_SELF, window, repeats)
-    request = comm.Ibarrier()
-    while not request.Test():
-        os.sched_yield()
+    barrier()
     return comm.bcast(result, root=0)
 
 

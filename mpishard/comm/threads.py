@@ -77,12 +77,7 @@ def pin_blas_threads(comm, requested="auto", environ=None) -> BlasThreads:
     controller = ThreadpoolController()
     before = _blas_pool_size(controller)
     if requested == "auto":
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            mine = cpu_set()
-            threads, sharing = threads_for(mine, node.allgather(mine))
-        finally:
-            node.Free()
+        mine, threads, sharing = node_share(comm)
         why = (f"{sharing} rank(s) on this node share this rank's {len(mine)} CPU(s)")
     else:
         threads, why = requested, f"blas_threads={requested}"
@@ -93,3 +88,21 @@ def pin_blas_threads(comm, requested="auto", environ=None) -> BlasThreads:
     controller.limit(limits=threads, user_api="blas")
     controller.limit(limits=threads, user_api="openmp")
     return BlasThreads(threads, before, why)
+
+
+def node_share(comm):
+    """(this rank's CPUs, its threads_for share, ranks sharing them): collective over `comm`
+    (its ranks on this node exchange CPU sets)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        mine = cpu_set()
+        return (mine,) + tuple(threads_for(mine, node.allgather(mine)))
+    finally:
+        node.Free()
+
+
+def oversubscribed(comm) -> bool:
+    """Whether this rank shares its CPUs with more ranks of its node than it has CPUs
+    (collective over `comm`): then a rank that polls takes the core from one that computes."""
+    mine, _, sharing = node_share(comm)
+    return sharing > len(mine)

@@ -1,15 +1,24 @@
 """The stall watchdog: every blocking collective and receive waits at most `timeout` seconds.
 
 A blocking call is issued in its non-blocking form (Iallreduce, Ibarrier, Irecv, ...) and
-`Watchdog.collective` / `peer` poll it with `Testall`: polls that yield the core
-(`sched_yield`) between them up to 0.1 s, then sleeps
-that grow with the time already waited (5% of it, at most 10 ms), so a rank that waits long on
-a stalled peer uses ~1-5% of a core instead of spinning in MPI (measured:
-benchmarks/watchdog_overhead.py). No busy-spin phase: with more ranks than free cores a
-spinning rank takes the core its peer needs to progress the collective (measured on 2 loaded
-cores, 4 MiB all_reduce: 1 ms of spin 1.25-1.33x raw Allreduce, yielding from the first
-failed poll 1.09x, plain Waitall 1.03-1.06x); with a free core per rank a yield returns at
-once. When the timeout passes, it raises `CollectiveTimeout` naming the operation, the group
+`Watchdog.collective` / `peer` poll it with `Test`: polls that yield the core (`sched_yield`)
+between them up to 0.1 s, then sleeps that grow with the time already waited (5% of it, at
+most 10 ms), so a rank that waits long on a stalled peer uses ~1-5% of a core instead of
+spinning in MPI (measured: benchmarks/watchdog_overhead.py). No busy-spin phase: with more
+ranks than free cores a spinning rank takes the core its peer needs to progress the collective
+(measured on 2 loaded cores, 4 MiB all_reduce: 1 ms of spin 1.25-1.33x raw Allreduce, yielding
+from the first failed poll 1.09x, plain Waitall 1.03-1.06x); with a free core per rank a yield
+returns at once.
+
+With more ranks on a node than CPUs (`oversubscribed`, threads.py), yielding is not free
+either: the scheduler still gives every runnable rank its share, so ranks that yield-poll
+while a peer computes take the peer's core (measured, 256-GEMMs on rank 0 while the others
+wait: 2x slower with 4 ranks on 2 cores, 4x with 8, whether the others yield or sit in MPICH's
+Wait; 1.0x when they sleep). There, a wait yields for 1 ms (FAST), then, up to 0.1 s, yields
+only while every member of the group has entered the call (the arrival counters below: the
+rest is moving data, which needs every member's polls) and sleeps while one is still missing
+(a laggard computing, a pipeline stage ahead); after that, it sleeps as above.
+When the timeout passes, it raises `CollectiveTimeout` naming the operation, the group
 (its axes and the ranks in it), the step and microbatch the trainer and the pipeline set
 with `Comm.context`, and the late ranks. Every rank that waits raises on its own clock;
 under `python -m mpi4py` the first uncaught one aborts the job (the
@@ -37,10 +46,13 @@ from mpi4py import MPI
 
 from ..validate import check_number
 from .mesh import AXES, coordinates
+from .threads import oversubscribed
 
 DEFAULT_TIMEOUT = 600.0
 YIELD = 0.1           # seconds waited before the polls sleep
+FAST = 1e-3           # oversubscribed: seconds of yielding before a wait looks who is missing
 BURST = 32            # yielding polls between two clock reads
+MIN_SLEEP = 2e-5      # the shortest sleep between two polls
 MAX_SLEEP = 1e-2      # the longest sleep between two polls
 SLOTS = 1 << len(AXES)     # one counter per set of mesh axes (bit i: AXES[i])
 BLOCKS = 256               # engines sharing one window (a block of SLOTS counters each)
@@ -56,9 +68,9 @@ class Arrivals:
 
     Created collectively by the first Comm with a timeout on a communicator of these ranks;
     each later Comm takes the next block of SLOTS counters (engines are built collectively, in
-    the same order on every rank). Freed collectively at exit, before MPI_Finalize, unless the process
-    ends on an uncaught exception or after a timeout (a peer may never come to free it; the
-    job is being aborted anyway).
+    the same order on every rank). Freed collectively at exit, before MPI_Finalize, unless the
+    process ends on an uncaught exception or after a timeout (a peer may never come to free
+    it; the job is being aborted anyway).
     """
 
     SHARED: dict = {}     # members (COMM_WORLD ranks, in rank order) -> their Arrivals
@@ -120,6 +132,8 @@ class Watchdog:
     def __init__(self, mesh, timeout=DEFAULT_TIMEOUT):
         self.timeout = check_number("timeout", timeout, low=0)
         self.mesh = mesh
+        # seconds of yielding polls before a wait sleeps while a member is missing
+        self.fast = FAST if self.timeout and oversubscribed(mesh.world) else YIELD
         self.where: dict = {}                 # step, microbatch: set by Comm.context
         self.groups: dict = {}                # communicator handle -> Watchdog.group
         self.tracer = None                    # a comm.trace.Tracer while tracing: wait times
@@ -174,7 +188,7 @@ class Watchdog:
             MPI.Request.Waitall(requests)
             return
         ticket = ticket or self.arrive(comm)
-        if not self.poll(requests):
+        if not self.poll(requests, lambda: self.everyone_in(comm, ticket)):
             self.expired(what, comm, self.late(comm, ticket))
 
     def peer(self, requests, what: str, comm, rank: int) -> None:
@@ -202,40 +216,64 @@ class Watchdog:
         """Poll `test()` (e.g. matched probes: comm/alltoallv.py) until it returns True, at
         most the timeout; then CollectiveTimeout naming the members of `comm` that have not
         arrived (`ticket` from `arrive`). Needs a timeout (no requests to Waitall on)."""
-        if not self.poll_until(test):
+        if not self.poll_until(test, lambda: self.everyone_in(comm, ticket)):
             self.expired(what, comm, self.late(comm, ticket))
 
-    def poll(self, requests) -> bool:
-        """Test until done (True) or the timeout passes (False); yields, then growing sleeps.
-        One request is tested with its own `Test` (0.14 us here), not `Testall` (0.66 us):
-        the cost of a poll is paid again on every turn of the yield loop."""
+    def poll(self, requests, everyone_in=None) -> bool:
+        """Test until done (True) or the timeout passes (False); yields, then sleeps (module
+        docstring). One request is tested with its own `Test` (0.14 us here), not `Testall`
+        (0.66 us): the cost of a poll is paid again on every turn of the yield loop."""
         if len(requests) == 1:
-            return self.poll_until(requests[0].Test)
-        return self.poll_until(lambda: MPI.Request.Testall(requests))
+            return self.poll_until(requests[0].Test, everyone_in)
+        return self.poll_until(lambda: MPI.Request.Testall(requests), everyone_in)
 
-    def poll_until(self, test) -> bool:
-        """poll's loop on any `test()`. The yield phase reads the clock once per BURST polls:
-        with more ranks than cores, every turn of a waiting rank's loop delays the peers that
-        share its core, and each step of the collective waits for them (4 ranks on 2 cores,
-        1 MiB Ialltoall: a clock read, a subtraction and two comparisons per turn cost 1.2x
-        the bare `while not Test(): sched_yield()` loop; per BURST, 1.03x)."""
+    def poll_until(self, test, everyone_in=None) -> bool:
+        """poll's loop on any `test()`; `everyone_in()`: whether every member has entered the
+        call (collectives; None for a peer's message)."""
         if test():
             return True
+        t0 = time.monotonic()
+        if self.yield_until(test, t0, min(self.fast, self.timeout)):
+            return True
+        while True:
+            waited = time.monotonic() - t0
+            if waited > self.timeout:
+                return False
+            if waited < YIELD and everyone_in is not None and everyone_in():
+                if self.yield_until(test, t0, min(YIELD, self.timeout)):
+                    return True
+                continue
+            time.sleep(min(MAX_SLEEP, max(MIN_SLEEP, 0.05 * waited)))
+            if test():
+                return True
+
+    @staticmethod
+    def yield_until(test, t0: float, limit: float) -> bool:
+        """Poll `test()`, yielding the core between polls, until it is True (True) or `limit`
+        seconds since `t0` passed (False). The clock is read once per BURST polls: with more
+        ranks than cores, every turn of a waiting rank's loop delays the peers that share its
+        core, and each step of the collective waits for them (4 ranks on 2 cores, 1 MiB
+        Ialltoall: a clock read, a subtraction and two comparisons per turn cost 1.2x the bare
+        `while not Test(): sched_yield()` loop; per BURST, 1.03x)."""
         yield_, clock = os.sched_yield, time.monotonic
-        t0 = clock()
-        limit = min(YIELD, self.timeout)
         while clock() - t0 <= limit:
             for _ in range(BURST):
                 yield_()
                 if test():
                     return True
-        while True:
-            waited = clock() - t0
-            if waited > self.timeout:
-                return False
-            time.sleep(min(MAX_SLEEP, 0.05 * waited))
-            if test():
-                return True
+        return False
+
+    def everyone_in(self, comm, ticket) -> bool:
+        """Whether every member of `comm` has entered the collective of `ticket` (its arrival
+        counter read where it is, in the window: shared memory on one node)."""
+        index, mine = ticket
+        self.arrivals.win.Sync()
+        for rank in self.group(comm)[1]:
+            if rank != self.mesh.rank:
+                count = self.arrivals.read(rank, index)
+                if count is None or count < mine:
+                    return False
+        return True
 
     def late(self, comm, ticket) -> str:
         """The members whose counter is below this rank's `ticket`, as text."""

@@ -1,0 +1,67 @@
+"""How a waiting rank waits (comm/watchdog.py): `oversubscribed` tells, the same on every rank
+of a node, whether the node has more ranks than CPUs; `everyone_in` sees a member that has not
+entered the collective yet (the wait then sleeps instead of yielding) and sees it arrive.
+
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/test_watchdog_wait.py
+"""
+import os
+import time
+
+import pytest
+from mpi4py import MPI
+
+import mpishard as ms
+from conftest import world
+from mpishard.comm.threads import oversubscribed
+from mpishard.comm.watchdog import FAST, YIELD
+
+
+def make(timeout=600.0):
+    comm = world()
+    return ms.make_engine(ms.MLP([2, 2]), f"dp={comm.Get_size()}", comm=comm, timeout=timeout)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_oversubscribed_counts_the_node_s_ranks_against_its_cpus():
+    comm = world()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    sets = {frozenset(s) for s in node.allgather(os.sched_getaffinity(0))}
+    want = node.Get_size() > len(next(iter(sets))) if len(sets) == 1 else None
+    node.Free()
+    got = oversubscribed(comm)
+    assert comm.allgather(got) == [got] * comm.Get_size()
+    if want is not None:            # every rank on the same CPUs: the simple count
+        assert got == want
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_fast_phase_is_short_only_when_oversubscribed():
+    e = make()
+    assert e.comm.watchdog.fast == (FAST if oversubscribed(world()) else YIELD)
+    assert make(timeout=0).comm.watchdog.fast == YIELD
+
+
+@pytest.mark.mpi(min_size=2)
+def test_everyone_in_sees_a_missing_member_then_its_arrival():
+    e = make()
+    wd, comm = e.comm.watchdog, e.mesh.comm("dp")
+    last = comm.Get_size() - 1
+    seen = None
+    if comm.Get_rank() != last:
+        ticket = wd.arrive(comm)
+        comm.Barrier()                          # every rank but the last has arrived
+        seen = wd.everyone_in(comm, ticket)
+        comm.Barrier()                          # the last one arrives
+        comm.Barrier()
+        deadline = time.monotonic() + 30
+        while not wd.everyone_in(comm, ticket):   # a passive read: eventually visible
+            assert time.monotonic() < deadline
+            time.sleep(1e-3)
+    else:
+        comm.Barrier()
+        comm.Barrier()
+        ticket = wd.arrive(comm)
+        comm.Barrier()
+        assert wd.everyone_in(comm, ticket)
+    assert seen in (None, False)
+    e.barrier()                                 # the engine's collectives still line up
