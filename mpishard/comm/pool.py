@@ -2,9 +2,10 @@
 
 Up to two results per shape and dtype are kept, for up to SHAPES shapes (a new shape beyond
 those drops the one first seen longest ago; a hit does not reorder them, which would cost on
-every call), so the loop `y = comm.all_reduce(x)` alternates between two buffers; one is handed out again only when no
-other reference to it, or to a view of it, remains (CPython reference counts of the array and
-of the memory's owner), so a result the caller still holds is never overwritten. This saves
+every call), so the loop `y = comm.all_reduce(x)` alternates between two buffers; one is
+handed out again only when no other reference to it, or to a view of it, remains (CPython
+reference counts of the array and of the memory's owner), so a result the caller still holds
+is never overwritten. This saves
 the page faults of a fresh large allocation per call (15-40% of a 16 MiB all_reduce here).
 all_gather results are pooled too, except FSDP's gathered weights (`pooled=False`), which must
 really be freed (a fresh 16 MiB all_gather result cost 1.6x raw Allgather here).
