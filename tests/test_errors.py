@@ -142,7 +142,7 @@ def test_wrong_input_width(call):
     comm = world()
     n = comm.Get_size()
     layout = f"tp={n}"                                  # tp: a collective follows the check
-    engine = loaded(ms.MLP([4, 8, 4]), layout, comm)
+    engine = loaded(ms.MLP([4, 4 * n, 4]), layout, comm)      # a hidden size tp divides
     x, t = np.zeros((6, 5)), np.zeros((6, 4))
     fn = {"forward": lambda: engine.forward(x),
           "predict": lambda: engine.predict(x),
