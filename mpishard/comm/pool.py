@@ -5,10 +5,10 @@ those drops the one first seen longest ago; a hit does not reorder them, which w
 every call), so the loop `y = comm.all_reduce(x)` alternates between two buffers; one is
 handed out again only when no other reference to it, or to a view of it, remains (CPython
 reference counts of the array and of the memory's owner), so a result the caller still holds
-is never overwritten. This saves
-the page faults of a fresh large allocation per call (15-40% of a 16 MiB all_reduce here).
-all_gather results are pooled too, except FSDP's gathered weights (`pooled=False`), which must
-really be freed (a fresh 16 MiB all_gather result cost 1.6x raw Allgather here).
+is never overwritten. This saves the page faults of a fresh large allocation per call (15-40%
+of a 16 MiB all_reduce here). all_gather results are pooled too, except FSDP's gathered
+weights (`pooled=False`), which must really be freed (a fresh 16 MiB all_gather result cost
+1.6x raw Allgather here).
 """
 from __future__ import annotations
 
