@@ -141,6 +141,17 @@ def test_step_factor_scales_compute_of_its_kind_only():
                                               rel=1e-12)
 
 
+def test_step_factor_is_the_median_of_three_timings_with_their_range():
+    cal = flat(op=1e-9, fixed=1e-5)
+    predicted = {kind: predict_rank(model, "dp=1", 0, batch, cal, 4)["compute_s"]
+                 for kind, (model, batch) in cal_mod.REFERENCE_STEPS.items()}
+    samples = [{kind: f * p for kind, p in predicted.items()} for f in (1.3, 1.05, 1.28)]
+    factor, spread = cal_mod.measure_step_factor(samples, cal, 4)
+    assert factor == pytest.approx({"mlp": 1.28, "gpt": 1.28}, rel=1e-12)   # 1.05: outvoted
+    assert spread == {kind: [pytest.approx(1.05, rel=1e-12), pytest.approx(1.3, rel=1e-12)]
+                      for kind in ("mlp", "gpt")}
+
+
 def test_zero3_computes_with_the_gathered_weight():
     model = ms.MLP([64, 32, 16])
     a = rank_view(model, parse_layout("fsdp=2"), 0, 4, 8)
@@ -301,7 +312,8 @@ def test_calibrate_and_validate_run(monkeypatch):
     assert len(cal["gemm"]) == len(cal_mod.GEMM_SIDES) and cal["concurrency"] >= 1.0
     assert all(s >= 0 for points in cal["ops"].values() for _, s in points)
     assert set(cal["step_factor"]) == {"mlp", "gpt"} and all(
-        f > 0 for f in cal["step_factor"].values())
+        lo <= cal["step_factor"][kind] <= hi and lo > 0
+        for kind, (lo, hi) in cal["step_factor_range"].items())
     model = ms.MLP([16, 8, 4])
     rows = [{"layout": "dp=2"}, {"layout": "tp=2"}, {"layout": "fsdp=2,zero=1"}]
     results = validate(model, rows, 8, np.float32, cal, top=2, comm=comm, rounds=2)

@@ -22,7 +22,8 @@ rate), through the engine's own functions. Micro-benchmarks only; no layout is r
                   and 5 layers and a tiny GPT's at 1 and 3 blocks (width 4-8): per layer or
                   block (forward + backward) and the rest of the step; AdamW per tensor
     step_factor   per model kind, a mid-size reference model's measured train_step + AdamW
-                  step over the compute the above predict for it (measure_step_factor)
+                  step over the compute the above predict for it: the median of three
+                  timings spread over the run, their range in 'step_factor_range'
     collectives   per kind and group size (2, 4, ... up to the job; the world split into
                   groups, all busy together; the engine with its default watchdog, as it
                   trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
@@ -65,7 +66,7 @@ COLD_BYTES = 16 << 20            # the ops' arrays rotate through at least this 
 COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls timed
 ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid")
 WINDOW, REPEATS = 0.1, 5
-REFERENCE_STEPS = {   # measure_step_factor's models and batches: mid-size, fixed
+REFERENCE_STEPS = {   # reference_seconds' models and batches: mid-size, fixed
     "mlp": (MLP([512, 1024, 1024, 256]), 64),
     "gpt": (GPT(vocab_size=128, seq_len=32, d_model=96, n_heads=4, n_layers=2), 8)}
 DEFAULT_PATH = os.path.join("~", ".cache", "mpishard", "calibration.json")
@@ -262,8 +263,7 @@ def measure_ops(comm, dtype) -> dict:
 
 def _step_seconds(model, comm, dtype, batch: int = 2) -> tuple:
     """(train_step seconds, AdamW step seconds) of `model` on each rank alone (COMM_SELF),
-    every rank at once, batch `batch` (2: measure_fixed's tiny models; measure_step_factor
-    passes its references' batches)."""
+    every rank at once, batch `batch` (2: measure_fixed's tiny models)."""
     engine = make_engine(model, "single", dtype=dtype, comm=MPI.COMM_SELF)
     engine.load_checkpoint(model.init(seed=0))
     opt = AdamW(engine, lr=1e-4)
@@ -295,19 +295,25 @@ def measure_fixed(comm, dtype, ops=None) -> dict:
             "optimizer_tensor": max((o5 - o1) / 8 - (n0 * s0 if ops else 0.0), 0.0)}
 
 
-def measure_step_factor(comm, dtype, cal: dict) -> dict:
-    """{'mlp'|'gpt': a mid-size reference model's measured train_step + AdamW step (on every
-    rank alone at once, as `fixed`) over what step_time charges it from `cal`'s GEMM, op and
-    fixed costs}: what those micro-benchmarks, each on its own arrays in a loop, miss of a
-    step at realistic sizes (operands evicted by the ops between, fresh outputs, the
-    interpreter between calls). step_time multiplies the compute of a model of that kind by
-    it. The references are fixed, not the model being planned."""
-    out = {}
-    for kind, (model, batch) in REFERENCE_STEPS.items():
-        step, opt = _step_seconds(model, comm, dtype, batch)
-        predicted = predict_rank(model, "dp=1", 0, batch, cal, np.dtype(dtype).itemsize)
-        out[kind] = (step + opt) / predicted["compute_s"]
-    return out
+def reference_seconds(comm, dtype) -> dict:
+    """{'mlp'|'gpt': a mid-size reference model's measured train_step + AdamW step, on
+    every rank alone at once (as `fixed`), on fresh arrays}."""
+    return {kind: sum(_step_seconds(model, comm, dtype, batch))
+            for kind, (model, batch) in REFERENCE_STEPS.items()}
+
+
+def measure_step_factor(samples: list, cal: dict, itemsize: int) -> tuple:
+    """({'mlp'|'gpt': the median of `samples` (reference_seconds') over what step_time
+    charges the reference from `cal`}, {kind: [lowest, highest]}): what the micro-benchmarks,
+    each on its own arrays in a loop, miss of a step at realistic sizes (operands evicted,
+    fresh outputs, the interpreter between calls); step_time multiplies the compute of a
+    model of that kind by it. Three timings spread over the calibration, so one bad moment
+    does not set it (one bench's single timing gave 1.05 where the day's others gave
+    1.27-1.34). The references are fixed, not the model being planned."""
+    factors = {kind: sorted(s[kind] / predict_rank(model, "dp=1", 0, batch, cal, itemsize)[
+        "compute_s"] for s in samples) for kind, (model, batch) in REFERENCE_STEPS.items()}
+    return ({kind: float(np.median(f)) for kind, f in factors.items()},
+            {kind: [f[0], f[-1]] for kind, f in factors.items()})
 
 
 def _collective(engine, kind, a):
@@ -360,20 +366,22 @@ def blas_threads(pinned) -> str:
 
 
 def calibrate(path, dtype=np.float32, comm=None) -> dict:
-    """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`.
-
-    The BLAS threads are first shared out as every engine shares them (comm/threads.py), so
-    the GEMM rates are those a layout will run at: measured before any engine was built, 8
-    ranks on 2 cores ran OpenBLAS's 2 threads each, and the rates came out 26x too slow."""
+    """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`. The
+    BLAS threads are first shared out as engines share them (comm/threads.py): before that, 8
+    ranks on 2 cores ran OpenBLAS's 2 threads each and the GEMM rates came out 26x too slow."""
     comm = MPI.COMM_WORLD if comm is None else comm
     pinned = pin_blas_threads(comm)
     cal = {"version": VERSION, "ranks": comm.Get_size(), "dtype": np.dtype(dtype).name,
            "host": os.uname().nodename, "blas_threads": blas_threads(pinned),
-           "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype),
-           "ops": measure_ops(comm, dtype)}
+           "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype)}
+    samples = [reference_seconds(comm, dtype)]       # three times apart: one bad moment
+    cal["ops"] = measure_ops(comm, dtype)
     cal["fixed"] = measure_fixed(comm, dtype, cal["ops"])
-    cal["step_factor"] = measure_step_factor(comm, dtype, cal)
+    samples.append(reference_seconds(comm, dtype))
     cal["collectives"], cal["collective_points"] = measure_collectives(comm, dtype)
+    samples.append(reference_seconds(comm, dtype))
+    cal["step_factor"], cal["step_factor_range"] = measure_step_factor(
+        samples, cal, np.dtype(dtype).itemsize)
     if comm.Get_rank() == 0 and path:
         path = os.path.expanduser(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
