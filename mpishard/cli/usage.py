@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from mpi4py import MPI
 
@@ -23,6 +24,7 @@ from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..validate import check_number
 
 PROG = "mpishard"
+ABORT_GRACE = 0.5     # seconds between the error line and MPI_Abort (abort_job)
 
 
 class UsageError(ValueError):
@@ -126,8 +128,12 @@ def add_device_arguments(add, default="auto"):
 
 def abort_job(exc) -> None:
     """After a CollectiveTimeout: one line from this rank, then MPI_Abort (exit code 1). Not a
-    clean exit: a stalled peer would keep MPI_Finalize (and collective frees) waiting."""
+    clean exit: a stalled peer would keep MPI_Finalize (and collective frees) waiting. The
+    line gets ABORT_GRACE to pass through the launcher before the abort tears the job down:
+    without it, one `make test` run on the loaded 2-core VM ended on time with no reason
+    printed."""
     print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+    time.sleep(ABORT_GRACE)
     world_comm().Abort(1)
 
 
