@@ -85,7 +85,8 @@ def main():
     if engine.stage == 1:                          # the last stage wrote the outputs
         ok &= len(out.items) == 8 and close(np.concatenate(out.items), single.predict(x))
     ok = engine.mpi_comm.allreduce(bool(ok), op=MPI.LAND)   # control data
-    every = engine.mpi_comm.gather((stats["peak_stashed"], stats["idle_s"], stats["busy_s"]), root=0)
+    every = engine.mpi_comm.gather((stats["peak_stashed"], stats["idle_s"], stats["busy_s"]),
+                                   root=0)
     if rank0:
         for s, (peak, idle, busy) in enumerate(every):
             print(f"stage {s}: peak stashed microbatches {peak}, idle {idle * 1e3:.2f} ms, "

@@ -4,8 +4,9 @@ float64 (rtol 1e-9). Under cp the trainer feeds each rank its two sequence chunk
 (train/text.sequence_cut, as engine.shard_batch cuts them), targets too, and the evaluation
 puts the chunks back through gather_batch.
 
-MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/test_gpt_train_layouts.py`
-for N in 1, 2, 4, 8 (a k-rank layout runs on `group_comm(k)`).
+MPI tests, for N in 1, 2, 4, 8:
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/test_gpt_train_layouts.py`
+(a k-rank layout runs on `group_comm(k)`).
 """
 import pytest
 from mpi4py import MPI

@@ -142,6 +142,7 @@ def log_corpus(log: logging.Logger, data) -> None:
                  "loss", c["best_loss"])
 
 
-__all__ = ["DEFAULT_GPT", "DEFAULT_GPT_CLIP", "GPT_SCHEDULE_DEFAULTS", "TEXT_DATASET", "add_gpt_arguments",
+__all__ = ["DEFAULT_GPT", "DEFAULT_GPT_CLIP", "GPT_SCHEDULE_DEFAULTS", "TEXT_DATASET",
+           "add_gpt_arguments",
            "gpt_model_and_data", "gpt_spec_text", "log_corpus", "parse_gpt_spec",
            "validate_gpt_args"]

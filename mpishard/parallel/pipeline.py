@@ -168,7 +168,8 @@ class PipelineRunner:
             raise ValueError("the last pipeline stage needs dy (got None)")
         for c in reversed(range(self.v)):
             k = self._k(c)
-            g = dy if k == self.n_virtual - 1 else self._wait(self._post_receive(k + 1, mb, c, GRAD))
+            g = dy if k == self.n_virtual - 1 else \
+                self._wait(self._post_receive(k + 1, mb, c, GRAD))
             g = self._chunk_backward(c, g, mb)
             if k > 0:
                 self._send(g, k - 1, mb, GRAD)                # adjoint of the F receive

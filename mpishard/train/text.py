@@ -226,5 +226,6 @@ def language_metrics(loss_nats: float, tokens: int, seconds: float) -> dict:
 
 
 __all__ = ["BYTE_VOCAB", "DEFAULT_CORPUS_BYTES", "DEFAULT_VAL_FRACTION", "TextDataset",
-           "Windows", "corpus_files", "language_metrics", "read_corpus", "read_text", "sequence_cut",
+           "Windows", "corpus_files", "language_metrics", "read_corpus", "read_text",
+           "sequence_cut",
            "split_windows", "stdlib_files", "text_dataset", "window_loss"]
