@@ -183,8 +183,8 @@ def test_the_cli_prints_a_timeout_as_one_line(tmp_path):
     out = proc.stdout + proc.stderr
     print(f"rc={proc.returncode} after {elapsed:.1f} s\n{out[-3000:]}")
     assert proc.returncode != 0 and elapsed < TIMEOUT + 10
-    assert re.search(r"^mpishard: error: all_reduce\S* on group \S+ .* timed out after 2 s on "
-                     r"rank 0, step 1: late ranks: \[1\]", out, re.M), out[-2000:]
+    assert re.search(r"^mpishard: error: CollectiveTimeout: all_reduce\S* on group \S+ .* timed "
+                     r"out after 2 s on rank 0, step 1: late ranks: \[1\]", out, re.M), out[-2000:]
     assert "Traceback" not in out
 
 

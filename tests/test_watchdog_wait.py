@@ -7,6 +7,7 @@ entered the collective yet (the wait then sleeps instead of yielding) and sees i
 import os
 import time
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -65,3 +66,43 @@ def test_everyone_in_sees_a_missing_member_then_its_arrival():
         assert wd.everyone_in(comm, ticket)
     assert seen in (None, False)
     e.barrier()                                 # the engine's collectives still line up
+
+
+@pytest.mark.mpi(min_size=1)
+def test_blocking_collectives_run_under_the_guard_where_threads_may_call_mpi():
+    """MPI_THREAD_MULTIPLE (mpi4py's default): the guard's thread is running and the
+    collectives are the blocking calls; timeout=0: no guard."""
+    e = make()
+    guard = e.comm.watchdog.guard
+    assert (guard is not None) == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    if guard is not None:
+        assert guard.thread.is_alive() and guard.period <= 600.0 / 4
+        e.all_reduce(np.ones(3), group="dp")
+        assert guard.watched is None                # cleared after the call
+    assert make(timeout=0).comm.watchdog.guard is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_gate_learns_a_late_member_and_forgets_it_when_everyone_comes_together():
+    """On an oversubscribed node: after an all_reduce the last rank enters 50 ms late, every
+    other rank has learnt the group is `lagging` (it will wait at the gate, sleeping); after
+    calls where everyone comes together the flag goes off again."""
+    e = make()
+    wd, comm = e.comm.watchdog, e.mesh.comm("dp")
+    if not wd.gated:
+        pytest.skip("the gate is for oversubscribed nodes (more ranks than CPUs)")
+    index, last = wd.group(comm)[0], comm.Get_size() - 1
+    x = np.ones(4)
+    for _ in range(2):                              # the second: the early ranks at the gate
+        comm.Barrier()
+        if comm.Get_rank() == last:
+            time.sleep(0.05)
+        assert np.array_equal(e.all_reduce(x, group="dp"), x * comm.Get_size())
+        learnt = comm.allgather(bool(wd.lagging.get(index)))
+        assert learnt[:last] == [True] * last, learnt
+    for _ in range(200):                            # punctual calls: the flag goes off
+        comm.Barrier()
+        e.all_reduce(x, group="dp")
+        if not any(comm.allgather(bool(wd.lagging.get(index)))):
+            break
+    assert not wd.lagging.get(index)

@@ -20,11 +20,11 @@ from mpi4py import MPI
 
 from ..comm.collectives import agree
 from ..comm.mesh import check_world_size, parse_layout
+from ..comm.guard import ABORT_GRACE
 from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..validate import check_number
 
 PROG = "mpishard"
-ABORT_GRACE = 0.5     # seconds between the error line and MPI_Abort (abort_job)
 
 
 class UsageError(ValueError):
@@ -132,7 +132,7 @@ def abort_job(exc) -> None:
     line gets ABORT_GRACE to pass through the launcher before the abort tears the job down:
     without it, one `make test` run on the loaded 2-core VM ended on time with no reason
     printed."""
-    print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+    print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     time.sleep(ABORT_GRACE)
     world_comm().Abort(1)
 

@@ -103,11 +103,16 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
     def barrier(self, group=None) -> None:
         """Blocks until every device of the group reaches this line."""
         comm = self._mpi(group)
-        self._wait(comm.Ibarrier(), "barrier", comm)
+        self._run(comm.Barrier, comm.Ibarrier, (), "barrier", comm)
 
     def _wait(self, req, what, comm):
         """Wait for a collective's request, at most the timeout (CollectiveTimeout)."""
         self.watchdog.collective([req], what, comm)
+
+    def _run(self, blocking, nonblocking, args, what, comm):
+        """One collective, `blocking(*args)` or its `nonblocking` form, at most the timeout
+        (watchdog.py run)."""
+        self.watchdog.run(blocking, nonblocking, args, what, comm)
 
     def context(self, **where) -> None:
         """Where the job is (step=, microbatch=; None forgets one), for timeout messages."""
@@ -156,10 +161,12 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         """
         t0 = time.perf_counter()
         a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
-        sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a)
-        rbuf = self.backend.mpi_buffer(out, slot="recv", read=out is a)
-        self._wait(comm.Iallreduce(sbuf, rbuf, op=OPS[op]), "all_reduce", comm)
-        self.backend.mpi_finish(rbuf, out)
+        backend = self.backend
+        sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
+        rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
+        self.watchdog.run(comm.Allreduce, comm.Iallreduce, (sbuf, rbuf, OPS[op]), "all_reduce",
+                          comm)
+        backend.mpi_finish(rbuf, out)
         if op == "avg" and n > 1:
             out /= n
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
@@ -173,7 +180,7 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
             self._check(comm, "all_reduce", self.xp.asarray(arr), op)
         if op not in OPS:
             raise ValueError(f"all_reduce op must be one of {list(OPS)}, got {op!r}")
-        a = arr if out is not None and out is arr else self.prepare(arr)
+        a = arr if out is not None and out is arr else self.prepare(arr)   # dtype checked
         if op == "avg" and a.dtype.kind not in "fc":
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
         if out is None:
@@ -181,7 +188,8 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         elif out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous:
             raise ValueError(f"all_reduce: out= must be C-contiguous with shape {a.shape} and "
                              f"dtype {a.dtype}, got shape {out.shape} and dtype {out.dtype}")
-        dtype_code(a.dtype)
+        elif out is a:
+            dtype_code(a.dtype)                 # in place: not through prepare
         return a, out, comm, comm.Get_size()
 
     def all_reduce_async(self, arr, op: str = "sum", group=None, out=None) -> Future:
@@ -231,19 +239,19 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         t0 = time.perf_counter()
         moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
         rest, lengths = moved.shape[1:], np.empty(n, dtype=np.int64)
-        self._wait(comm.Iallgather(np.array([moved.shape[0]], np.int64), lengths),
-                   "all_gather", comm)
+        self._run(comm.Allgather, comm.Iallgather, (np.array([moved.shape[0]], np.int64),
+                                                     lengths), "all_gather", comm)
         lens = lengths.tolist()                 # plain ints: numpy on n numbers costs more
         shape = (sum(lens),) + rest
         out = self.pool.get(shape, moved.dtype) if pooled else self.xp.empty(shape, moved.dtype)
         sbuf = self.backend.mpi_buffer(moved)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         if lens.count(lens[0]) == n:
-            self._wait(comm.Iallgather(sbuf, rbuf), "all_gather", comm)
+            self._run(comm.Allgather, comm.Iallgather, (sbuf, rbuf), "all_gather", comm)
         else:
             row = math.prod(rest)
-            self._wait(comm.Iallgatherv(sbuf, [rbuf, *blocks(lens, row),
-                                               mpi_type(moved.dtype)]), "all_gather", comm)
+            self._run(comm.Allgatherv, comm.Iallgatherv, (sbuf, [rbuf, *blocks(lens, row),
+                      mpi_type(moved.dtype)]), "all_gather", comm)
         self.backend.mpi_finish(rbuf, out)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
         return self._back(out, axis)
@@ -309,20 +317,23 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         t0 = time.perf_counter()
         a = self.xp.asarray(arr)
         comm = self._mpi(group)
-        self._check(comm, "all_to_all", a, axis=axis)
-        axis = self._norm_axis(a, axis)
+        if self.debug:
+            self._check(comm, "all_to_all", a, axis=axis)
+        if axis:
+            axis = self._norm_axis(a, axis)
         n = comm.Get_size()
         if a.shape[axis] % n:
             raise ValueError(f"all_to_all: length {a.shape[axis]} along axis {axis} is not "
                              f"divisible by the group size {n}")
         moved = self._moved(a, axis)
         out = self.pool.get(moved.shape, moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
-        self._wait(comm.Ialltoall(sbuf, rbuf), "all_to_all", comm)
-        self.backend.mpi_finish(rbuf, out)
+        backend = self.backend
+        sbuf = backend.mpi_buffer(moved)
+        rbuf = backend.mpi_buffer(out, slot="recv", read=False)
+        self.watchdog.run(comm.Alltoall, comm.Ialltoall, (sbuf, rbuf), "all_to_all", comm)
+        backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
-        return self._back(out, axis)
+        return self.xp.moveaxis(out, 0, axis) if axis else out
 
     # -- broadcast, agree --------------------------------------------------------------------
     def broadcast(self, arr, root: int = 0, group=None):
@@ -337,7 +348,7 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
             shape, dtype = header_shape(h)
             a = self.xp.empty(shape, dtype=dtype)
         buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
-        self._wait(comm.Ibcast(buf, root=root), "broadcast", comm)
+        self._run(comm.Bcast, comm.Ibcast, (buf, root), "broadcast", comm)
         self.backend.mpi_finish(buf, a)
         n = comm.Get_size()
         self.stats.count("broadcast", (n - 1) / n * a.nbytes if comm.Get_rank() == root else 0,
@@ -357,7 +368,7 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
                             dtype=np.int64)
         else:
             h = np.empty(HEADER_WORDS, dtype=np.int64)
-        self._wait(comm.Ibcast(h, root=root), "broadcast", comm)
+        self._run(comm.Bcast, comm.Ibcast, (h, root), "broadcast", comm)
         if h[0] < 0:
             msg = comm.bcast(str(error) if error is not None else None, root=root)
             raise (TypeError if h[0] == -1 else ValueError)(f"broadcast from group rank "

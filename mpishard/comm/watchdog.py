@@ -1,50 +1,62 @@
 """The stall watchdog: every blocking collective and receive waits at most `timeout` seconds.
 
-A blocking call is issued in its non-blocking form (Iallreduce, Ibarrier, Irecv, ...) and
-`Watchdog.collective` / `peer` poll it with `Test`: polls that yield the core (`sched_yield`)
-between them up to 0.1 s, then sleeps that grow with the time already waited (5% of it, at
-most 10 ms), so a rank that waits long on a stalled peer uses ~1-5% of a core instead of
-spinning in MPI (measured: benchmarks/watchdog_overhead.py). No busy-spin phase: with more
-ranks than free cores a spinning rank takes the core its peer needs to progress the collective
-(measured on 2 loaded cores, 4 MiB all_reduce: 1 ms of spin 1.25-1.33x raw Allreduce, yielding
-from the first failed poll 1.09x, plain Waitall 1.03-1.06x); with a free core per rank a yield
-returns at once.
+Blocking collectives (`Watchdog.run`: all_reduce, all_gather, all_to_all, broadcast, barrier)
+are the blocking MPI call itself (Allreduce, ...), bounded by the guard (guard.py): a thread
+that sleeps beside the call and, past its deadline, prints the CollectiveTimeout line and
+aborts the job. A poll loop from Python cannot match MPI's own wait (measured, 1 MiB Alltoall
+at 4 ranks on 2 cores: Ialltoall waited by `Test` + `sched_yield` 1.08-1.13x the blocking call;
+the blocking call under the guard 1.00-1.04x). Where the guard cannot run (MPI initialised
+below MPI_THREAD_MULTIPLE), the call is issued in its non-blocking form and polled as below.
+
+Receives, the non-blocking calls' Futures, and the collectives built from point-to-point
+messages (reduce_scatter, all_to_all_v) are waited by `Watchdog.collective` / `peer`, which
+poll with `Test`: polls that yield the core (`sched_yield`) between them up to 0.1 s, then
+sleeps that grow with the time already waited (5% of it, at most 10 ms), so a rank that waits
+long on a stalled peer uses ~1-5% of a core instead of spinning in MPI (measured:
+benchmarks/watchdog_overhead.py). No busy-spin phase: with more ranks than free cores a
+spinning rank takes the core its peer needs to progress the collective (measured on 2 loaded
+cores, 4 MiB all_reduce: 1 ms of spin 1.25-1.33x raw Allreduce, yielding from the first failed
+poll 1.09x, plain Waitall 1.03-1.06x); with a free core per rank a yield returns at once.
 
 With more ranks on a node than CPUs (`oversubscribed`, threads.py), yielding is not free
 either: the scheduler still gives every runnable rank its share, so ranks that yield-poll
 while a peer computes take the peer's core (measured, 256-GEMMs on rank 0 while the others
 wait: 2x slower with 4 ranks on 2 cores, 4x with 8, whether the others yield or sit in MPICH's
-Wait; 1.0x when they sleep). There, a wait yields for 1 ms (FAST), then, up to 0.1 s, yields
+Wait; 1.0x when they sleep). There, a poll yields for 1 ms (FAST), then, up to 0.1 s, yields
 only while every member of the group has entered the call (the arrival counters below: the
 rest is moving data, which needs every member's polls) and sleeps while one is still missing
-(a laggard computing, a pipeline stage ahead); after that, it sleeps as above.
-When the timeout passes, it raises `CollectiveTimeout` naming the operation, the group
-(its axes and the ranks in it), the step and microbatch the trainer and the pipeline set
-with `Comm.context`, and the late ranks. Every rank that waits raises on its own clock;
-under `python -m mpi4py` the first uncaught one aborts the job (the
-CLI prints it as one line and calls MPI_Abort: cli/usage.py abort_job).
+(a laggard computing, a pipeline stage ahead); after that, it sleeps as above. A blocking
+collective there passes a gate first (`guarded`): it stamps its arrival, and when a member is
+missing and this group's members have been late by more than FAST before (`lagging`, learnt
+from the arrival stamps after each call entered with a member missing), it waits for them the
+same way, probing MPI so that its own non-blocking calls progress, and only then enters MPI.
+A group whose members arrive together never waits at the gate: a gate that always waited
+cost 1.04-1.12x on 1 MiB collectives at 4 ranks, against 1.00-1.06x for looking only.
+
+When the timeout passes, a polled wait raises `CollectiveTimeout`, and the guard prints the
+same text (`mpishard: error: CollectiveTimeout: ...`) and aborts: the operation, the group (its
+axes and the ranks in it), the step and microbatch the trainer and the pipeline set with
+`Comm.context`, and the late ranks. Every rank that waits times out on its own clock; under
+`python -m mpi4py` the first uncaught exception aborts the job (the CLI prints it as one line
+and calls MPI_Abort: cli/usage.py abort_job).
 
 How late ranks are found without the stalled rank's help: arrival counters in an MPI-3 RMA
-window (`Arrivals`, one per set of ranks engines are built on). Entering a collective, a rank
-bumps its own counter for the group's set of active mesh axes: a plain store into its own
-window memory, no MPI call. On a timeout it reads its peers' counters with
-passive-target `Rget` under a `Lock_all` epoch held for the window's life; a peer whose count is
-below the waiting rank's has not entered this collective. With MPICH (ch4, ucx or ofi) on one
-node the window is shared memory, so the read needs no progress on the stalled rank; a read
-that does not complete within a second reports that rank as not answering. Point-to-point
-waits name the peer directly. `timeout=0` turns all of this off (plain `Waitall`).
+window (arrivals.py). Entering a collective, a rank bumps its own counter for the group's set
+of active mesh axes: a plain store into its own window memory, no MPI call. On a timeout it
+reads its peers' counters with passive-target `Rget`; a peer whose count is below the waiting
+rank's has not entered this collective. Point-to-point waits name the peer directly.
+`timeout=0` turns all of this off (the blocking call, or a plain `Waitall`).
 """
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from ..validate import check_number
+from .arrivals import RING, STAMPS, Arrivals
+from .guard import Guard, usable
 from .mesh import AXES, coordinates
 from .threads import oversubscribed
 
@@ -54,81 +66,10 @@ FAST = 1e-3           # oversubscribed: seconds of yielding before a wait looks 
 BURST = 32            # yielding polls between two clock reads
 MIN_SLEEP = 2e-5      # the shortest sleep between two polls
 MAX_SLEEP = 1e-2      # the longest sleep between two polls
-SLOTS = 1 << len(AXES)     # one counter per set of mesh axes (bit i: AXES[i])
-BLOCKS = 256               # engines sharing one window (a block of SLOTS counters each)
-READ_TIMEOUT = 1.0
 
 
 class CollectiveTimeout(RuntimeError):
     """A collective or a receive waited longer than the engine's timeout."""
-
-
-def _zeros(n: int) -> memoryview:
-    """n int64 zeros, to store into a slice of Arrivals.cells."""
-    return memoryview(bytes(8 * n)).cast("q")
-
-
-class Arrivals:
-    """Arrival counters of the ranks of one communicator in an RMA window (module docstring).
-
-    Created collectively by the first Comm with a timeout on a communicator of these ranks;
-    each later Comm takes the next block of SLOTS counters (engines are built collectively, in
-    the same order on every rank). Freed collectively at exit, before MPI_Finalize, unless the
-    process ends on an uncaught exception or after a timeout (a peer may never come to free
-    it; the job is being aborted anyway).
-    """
-
-    SHARED: dict = {}     # members (COMM_WORLD ranks, in rank order) -> their Arrivals
-
-    def __init__(self, comm):
-        self.comm = comm
-        self.win = MPI.Win.Allocate(BLOCKS * SLOTS * 8, 8, comm=comm)
-        # the counters as a memoryview: a Python int store (0.26 us) instead of numpy's
-        # scalar += (0.63 us), on every call
-        self.cells = memoryview(self.win.tomemory()).cast("B").cast("q")
-        self.cells[:] = _zeros(len(self.cells))
-        self.win.Lock_all()
-        self.blocks = 0
-        self.broken = False                   # a timeout happened: never free collectively
-        atexit.register(self.free)
-
-    @classmethod
-    def of(cls, comm) -> "Arrivals":
-        """The window of `comm`'s members: one per set of members, however many communicators
-        (a test's split per case) engines are built on, so windows do not pile up."""
-        mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        key = tuple(MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world))
-        mine.Free()
-        world.Free()
-        if key not in cls.SHARED:
-            cls.SHARED[key] = cls(comm)
-        return cls.SHARED[key]
-
-    def take_block(self) -> int:
-        """The offset of a fresh block of SLOTS counters, zeroed."""
-        base = (self.blocks % BLOCKS) * SLOTS
-        self.blocks += 1
-        self.cells[base:base + SLOTS] = _zeros(SLOTS)
-        return base
-
-    def read(self, rank: int, index: int):
-        """Counter `index` of `rank`, or None if the read does not complete in time."""
-        out = np.zeros(1, dtype=np.int64)
-        req = self.win.Rget(out, rank, target=(index, 1, MPI.INT64_T))
-        t0 = time.monotonic()
-        while not req.Test():
-            if time.monotonic() - t0 > READ_TIMEOUT:
-                return None
-            time.sleep(1e-3)
-        return int(out[0])
-
-    def free(self) -> None:
-        failed = self.broken or getattr(sys, "last_value", None) is not None
-        if self.win is not None and not failed and not MPI.Is_finalized():
-            self.cells.release()
-            self.win.Unlock_all()
-            self.win.Free()
-        self.win = None
 
 
 class Watchdog:
@@ -144,6 +85,14 @@ class Watchdog:
         self.tracer = None                    # a comm.trace.Tracer while tracing: wait times
         self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
         self.base = self.arrivals.take_block() if self.timeout else 0
+        # blocking collectives under the guard's deadline (guard.py), else polled
+        self.guard = Guard.shared(self.timeout) if self.timeout and usable() else None
+        # an oversubscribed node: the gate before a blocking collective (run)
+        self.gated = (self.guard is not None and self.fast == FAST
+                      and self.arrivals.peers is not None)
+        self.lagging: dict = {}               # counter index -> a member came > FAST late
+        self.slots: dict = {}                 # communicator handle -> Watchdog.slot
+        self.stamps = STAMPS
         active = mesh.layout.active_axes
         for subset in range(1 << len(active)) if self.timeout else ():
             # every group's communicator now: MPI_Comm_split later, mid-step, is unbounded
@@ -173,6 +122,93 @@ class Watchdog:
         cells = self.arrivals.cells
         cells[index] += 1
         return index, cells[index]
+
+    def run(self, blocking, nonblocking, args, what: str, comm) -> None:
+        """One collective, bounded: `blocking(*args)` (comm.Allreduce, ...) under the guard's
+        deadline, or where the guard cannot run, `nonblocking(*args)` polled. Without a
+        timeout, the blocking call alone."""
+        if self.guard is None:
+            if self.timeout:
+                self.collective([nonblocking(*args)], what, comm)
+            else:
+                blocking(*args)
+        elif self.tracer is not None:
+            self.traced(self.guarded, comm, blocking, args, what, comm)
+        else:
+            self.guarded(blocking, args, what, comm)
+
+    def guarded(self, blocking, args, what: str, comm) -> None:
+        """Count in (and on an oversubscribed node, the gate), then the blocking call under
+        the guard. The hot path of every collective: each microsecond of Python here costs
+        ~2% of a 1 MiB collective at 4 ranks on 2 cores (ranks delay each other's arrival)."""
+        index, peers = self.slots.get(comm.py2f()) or self.slot(comm)
+        cells = self.arrivals.cells
+        count = cells[index] + 1
+        missing = False
+        if peers:                                  # gated: stamp, then count, then look
+            now = time.monotonic_ns()
+            cells[self.stamps + index * RING + count % RING] = now
+            cells[index] = count
+            for view in peers:
+                if view[index] < count:
+                    missing = self.gate(peers, index, count)
+                    break
+        else:
+            cells[index] = count
+        guard = self.guard
+        guard.watch(self.timeout, self.message, what, comm, (index, count))
+        blocking(*args)
+        guard.clear()
+        if missing:
+            self.learn(peers, index, count, now)
+
+    def slot(self, comm) -> tuple:
+        """(counter index, the other members' counters as views or () when not gated) of
+        `comm`, kept per communicator."""
+        index, ranks, _ = self.group(comm)
+        views = self.arrivals.peers if self.gated else None
+        peers = tuple(views[r] for r in ranks if r != self.mesh.rank) if views else ()
+        self.slots[comm.py2f()] = index, peers
+        return index, peers
+
+    def gate(self, peers, index: int, count: int) -> bool:
+        """A member is missing: if members of this group have been late by more than FAST,
+        wait for it (yield, after FAST sleep; module docstring) and return False; else go on
+        at once and return True (the call is then `learn`ed from)."""
+        if not self.lagging.get(index):
+            return True
+
+        progress = self.mesh.world.Iprobe
+
+        def everyone_in():     # the probe drives MPI's progress: a peer waiting on this
+            progress(MPI.ANY_SOURCE, MPI.ANY_TAG)     # rank's non-blocking calls gets it
+            return all(view[index] >= count for view in peers)
+        t0 = time.monotonic()
+        if not self.yield_until(everyone_in, t0, min(self.fast, self.timeout)):
+            self.sleep_until(everyone_in, t0)
+        elif time.monotonic() - t0 < self.fast / 2:
+            self.lagging[index] = False           # everyone came soon: stop waiting here
+        return False
+
+    def learn(self, peers, index: int, count: int, since: int) -> None:
+        """After a call entered with a member missing: wait at the gate from now on if the
+        last member came more than FAST after this rank (its arrival stamp, arrivals.py)."""
+        at = self.stamps + index * RING + count % RING
+        if max(view[at] for view in peers) - since > self.fast * 1e9:
+            self.lagging[index] = True
+
+    def sleep_until(self, test, t0: float) -> None:
+        """Sleep-poll `test()` until it is True; past the timeout, return (the blocking call
+        that follows is the guard's to time out)."""
+        while not test():
+            waited = time.monotonic() - t0
+            if waited > self.timeout:
+                return
+            time.sleep(min(MAX_SLEEP, max(MIN_SLEEP, 0.05 * waited)))
+
+    def message(self, what: str, comm, ticket) -> str:
+        """The timeout's text for the collective of `ticket` (on the guard's thread)."""
+        return self.describe(what, comm, self.late(comm, ticket[:2]))
 
     def collective(self, requests, what: str, comm, ticket=None) -> None:
         """Wait for a collective's requests; `ticket` from `arrive` when it was counted at
@@ -296,10 +332,13 @@ class Watchdog:
         return text + (f"; ranks {silent} did not answer" if silent else "")
 
     def expired(self, what, comm, late) -> None:
+        raise CollectiveTimeout(self.describe(what, comm, late))
+
+    def describe(self, what, comm, late) -> str:
+        """The text of a timeout of `what` on `comm`, `late` naming the late ranks."""
         self.arrivals.broken = True
         _, ranks, name = self.group(comm)
         where = "".join(f", {k} {v}" for k, v in self.where.items() if v is not None)
-        raise CollectiveTimeout(
-            f"{what} on group {name} (ranks {ranks}) timed out after "
-            f"{self.timeout:g} s on rank {self.mesh.rank}{where}: late ranks: {late}; "
-            f"set make_engine(timeout=) or --timeout (0: off)")
+        return (f"{what} on group {name} (ranks {ranks}) timed out after "
+                f"{self.timeout:g} s on rank {self.mesh.rank}{where}: late ranks: {late}; "
+                f"set make_engine(timeout=) or --timeout (0: off)")
