@@ -23,10 +23,12 @@ the median of the trials: on this VM two equal 16 MiB buffers can differ by 20% 
 MPI writes into them, so a single trial measures where the pages landed, not the engine.
 From 1 MiB up a third side runs in the same alternation, `bounded`: the raw call's
 non-blocking form (Iallreduce, Iallgather, Ireduce_scatter_block, Ialltoall, Ialltoallv) waited
-by the least a wait that can time out must do, `while not req.Test(): sched_yield()` (the
-engine's watchdog loop without its clock reads). `bounded_ratio` (bounded / raw) is the floor
-of any engine whose collectives cannot hang silently; `engine_over_bounded` what the engine
-adds to it. With more ranks than cores the two differ: a blocking MPICH call waits in C.
+by the least a polled wait must do, `while not req.Test(): sched_yield()` (the watchdog's
+poll loop without its clock reads). `bounded_ratio` (bounded / raw) is the floor of a
+collective whose wait is polled from Python (the engine's reduce_scatter and all_to_all_v
+exchanges, and every collective below MPI_THREAD_MULTIPLE); the others are the blocking call
+under the guard thread (mpishard/comm/guard.py), which can run below it. `engine_over_bounded`
+is engine / bounded.
 `allreduce_overhead_ratio` is the worst `all_reduce_out` ratio at 1 MiB and up: the engine
 writing into the raw call's own output buffer, literally the same buffers on both sides, so
 only the engine's code path differs. `allreduce_overhead_ratio_default` is the same for the
