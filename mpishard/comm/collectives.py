@@ -5,10 +5,10 @@ one collective call, or one point-to-point message per peer where that is one ro
 of two or measured faster (all_to_all_v: alltoallv.py; reduce_scatter: reduce_scatter.py),
 bounded by the stall watchdog (watchdog.py: at most `timeout` seconds, then CollectiveTimeout
 naming the late ranks): a collective call is MPI's blocking one under the guard thread's
-deadline (guard.py), point-to-point messages are issued non-blocking and polled. `group=` names a mesh axis ("tp"), a
-tuple of axes (("dp", "fsdp")), or None for the Comm's own group (the whole world for the
-engine's Comm; `comm.group("tp")` is a Comm whose calls default to the tp group). Each call
-documents its adjoint, because the strategies use them in pairs:
+deadline (guard.py), point-to-point messages are issued non-blocking and polled. `group=`
+names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the Comm's own group
+(the whole world for the engine's Comm; `comm.group("tp")` is a Comm whose calls default to
+the tp group). Each call documents its adjoint, because the strategies use them in pairs:
 
     all_reduce(sum)        forward  <->  all_reduce(sum)        backward (of a sum over copies)
     all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
