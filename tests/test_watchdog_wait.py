@@ -14,7 +14,7 @@ from mpi4py import MPI
 import mpishard as ms
 from conftest import world
 from mpishard.comm.threads import oversubscribed
-from mpishard.comm.watchdog import FAST, LEARN, YIELD
+from mpishard.comm.watchdog import FAST, LEARN, YIELD, CollectiveTimeout
 
 
 def make(timeout=600.0):
@@ -107,3 +107,21 @@ def test_the_gate_learns_a_late_member_and_forgets_it_when_everyone_comes_togeth
         if not any(comm.allgather(bool(wd.lagging.get(index)))):
             break
     assert not wd.lagging.get(index)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_lagging_group_times_out_at_the_gate_with_an_error_that_can_be_caught():
+    """A group marked lagging waits at the gate, outside MPI: when the last member never
+    comes, the others raise CollectiveTimeout naming it (no MPI call is left pending)."""
+    e = make(timeout=1.0)
+    wd, comm = e.comm.watchdog, e.mesh.comm("dp")
+    if not wd.gated:
+        pytest.skip("the gate is for oversubscribed nodes (more ranks than CPUs)")
+    index, ranks = wd.group(comm)[:2]
+    last = comm.Get_size() - 1
+    wd.lagging[index] = True
+    if comm.Get_rank() != last:
+        with pytest.raises(CollectiveTimeout, match=rf"late ranks: \[{ranks[last]}\]"):
+            e.all_reduce(np.ones(4), group="dp")
+        wd.arrivals.broken = False          # the test goes on: the window is freed as usual
+    comm.Barrier()

@@ -155,14 +155,16 @@ class Watchdog:
             if index in self.lagging or count % LEARN == 0:
                 for view in peers:
                     if view[index] < count:
-                        look = self.gate(peers, index, count)
+                        look = self.gate(peers, index, count, what, comm)
                         break
         else:
             cells[index] = count
         guard = self.guard
         guard.watch(self.timeout, self.message, what, comm, (index, count))
-        blocking(*args)
-        guard.clear()
+        try:
+            blocking(*args)
+        finally:                  # an MPI error raised here must not time out later
+            guard.clear()
         if look:
             self.learn(peers, index, count, now)
 
@@ -175,10 +177,11 @@ class Watchdog:
         self.slots[comm.py2f()] = index, peers
         return index, peers
 
-    def gate(self, peers, index: int, count: int) -> bool:
+    def gate(self, peers, index: int, count: int, what: str, comm) -> bool:
         """A member is missing: if this group is `lagging`, wait for it (yield, after FAST
-        sleep; module docstring) and return False; else go on at once and return True (the
-        call is then `learn`ed from)."""
+        sleep; module docstring) and return False, or past the timeout raise CollectiveTimeout
+        (here, outside MPI, it can be raised); else go on at once and return True (the call is
+        then `learn`ed from)."""
         if index not in self.lagging:
             return True
         progress = self.mesh.world.Iprobe
@@ -188,7 +191,8 @@ class Watchdog:
             return all(view[index] >= count for view in peers)
         t0 = time.monotonic()
         if not self.yield_until(everyone_in, t0, min(self.fast, self.timeout)):
-            self.sleep_until(everyone_in, t0)
+            if not self.sleep_until(everyone_in, t0):
+                self.expired(what, comm, self.late(comm, (index, count)))
         elif time.monotonic() - t0 < self.fast / 2:
             del self.lagging[index]               # everyone came soon: stop waiting here
         return False
@@ -200,14 +204,14 @@ class Watchdog:
         if max(view[at] for view in peers) - since > self.fast * 1e9:
             self.lagging[index] = True
 
-    def sleep_until(self, test, t0: float) -> None:
-        """Sleep-poll `test()` until it is True; past the timeout, return (the blocking call
-        that follows is the guard's to time out)."""
+    def sleep_until(self, test, t0: float) -> bool:
+        """Sleep-poll `test()` until it is True (True), at most the timeout since `t0`."""
         while not test():
             waited = time.monotonic() - t0
             if waited > self.timeout:
-                return
+                return False
             time.sleep(min(MAX_SLEEP, max(MIN_SLEEP, 0.05 * waited)))
+        return True
 
     def message(self, what: str, comm, ticket) -> str:
         """The timeout's text for the collective of `ticket` (on the guard's thread)."""
