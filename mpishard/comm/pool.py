@@ -32,13 +32,21 @@ class ResultPool:
             bufs = self._bufs.get((shape, dtype)) if self.enabled else None
         except TypeError:          # a list for a shape: _get makes it a tuple
             bufs = None
-        if bufs:                   # the usual call: a.shape, a.dtype, seen before
-            for i in range(len(bufs)):
-                if sys.getrefcount(bufs[i]) == 2:       # (see below)
-                    return bufs[i]
-        return self._get(shape, dtype)
+        free = self._free(bufs) if bufs else None      # the usual call: a shape seen before
+        return free if free is not None else self._get(shape, dtype)
+
+    @staticmethod
+    def _free(bufs):
+        """A kept buffer nobody else holds, or None."""
+        for i in range(len(bufs)):          # indexed: a loop variable would add a reference
+            # 2 = the list's reference + getrefcount's argument; every view of a pooled
+            # array (the moveaxis of a result, a slice of it) holds one more, as its .base
+            if sys.getrefcount(bufs[i]) == 2:
+                return bufs[i]
+        return None
 
     def _get(self, shape, dtype):
+        """get's slow path: a new shape, a shape given as a list, or every buffer held."""
         if not self.enabled:
             return self.xp.empty(shape, dtype=dtype)
         if type(shape) is not tuple or not isinstance(dtype, np.dtype):
@@ -49,11 +57,9 @@ class ResultPool:
             bufs = self._bufs[key] = []
             if len(self._bufs) > self.SHAPES:
                 self._bufs.pop(next(iter(self._bufs)))      # the shape first seen longest ago
-        for i in range(len(bufs)):          # indexed: a loop variable would add a reference
-            # 2 = the list's reference + getrefcount's argument; every view of a pooled
-            # array (the moveaxis of a result, a slice of it) holds one more, as its .base
-            if sys.getrefcount(bufs[i]) == 2:
-                return bufs[i]
+        free = self._free(bufs)
+        if free is not None:
+            return free
         buf = self.xp.empty(shape, dtype=dtype)
         bufs.append(buf)
         if len(bufs) > self.PER_SHAPE:

@@ -80,8 +80,9 @@ class Watchdog:
     def __init__(self, mesh, timeout=DEFAULT_TIMEOUT):
         self.timeout = check_number("timeout", timeout, low=0)
         self.mesh = mesh
+        crowded = bool(self.timeout) and oversubscribed(mesh.world)
         # seconds of yielding polls before a wait sleeps while a member is missing
-        self.fast = FAST if self.timeout and oversubscribed(mesh.world) else YIELD
+        self.fast = FAST if crowded else YIELD
         self.where: dict = {}                 # step, microbatch: set by Comm.context
         self.groups: dict = {}                # communicator handle -> Watchdog.group
         self.tracer = None                    # a comm.trace.Tracer while tracing: wait times
@@ -90,11 +91,9 @@ class Watchdog:
         # blocking collectives under the guard's deadline (guard.py), else polled
         self.guard = Guard.shared(self.timeout) if self.timeout and usable() else None
         # an oversubscribed node: the gate before a blocking collective (run)
-        self.gated = (self.guard is not None and self.fast == FAST
-                      and self.arrivals.peers is not None)
+        self.gated = crowded and self.guard is not None and self.arrivals.peers is not None
         self.lagging: dict = {}               # counter index -> True: a member came > FAST late
         self.slots: dict = {}                 # communicator handle -> Watchdog.slot
-        self.stamps = STAMPS
         active = mesh.layout.active_axes
         for subset in range(1 << len(active)) if self.timeout else ():
             # every group's communicator now: MPI_Comm_split later, mid-step, is unbounded
@@ -150,7 +149,7 @@ class Watchdog:
         look = False
         if peers:                                  # gated: stamp, then count, then look
             now = time.monotonic_ns()
-            cells[self.stamps + index * RING + count % RING] = now
+            cells[STAMPS + index * RING + count % RING] = now
             cells[index] = count
             if index in self.lagging or count % LEARN == 0:
                 for view in peers:
@@ -190,32 +189,22 @@ class Watchdog:
             progress(MPI.ANY_SOURCE, MPI.ANY_TAG)     # rank's non-blocking calls gets it
             return all(view[index] >= count for view in peers)
         t0 = time.monotonic()
-        if not self.yield_until(everyone_in, t0, min(self.fast, self.timeout)):
-            if not self.sleep_until(everyone_in, t0):
-                self.expired(what, comm, self.late(comm, (index, count)))
-        elif time.monotonic() - t0 < self.fast / 2:
+        if not self.poll_until(everyone_in):
+            self.expired(what, comm, self.late(comm, (index, count)))
+        if time.monotonic() - t0 < self.fast / 2:
             del self.lagging[index]               # everyone came soon: stop waiting here
         return False
 
     def learn(self, peers, index: int, count: int, since: int) -> None:
         """After a call entered with a member missing: wait at the gate from now on if the
         last member came more than FAST after this rank (its arrival stamp, arrivals.py)."""
-        at = self.stamps + index * RING + count % RING
+        at = STAMPS + index * RING + count % RING
         if max(view[at] for view in peers) - since > self.fast * 1e9:
             self.lagging[index] = True
 
-    def sleep_until(self, test, t0: float) -> bool:
-        """Sleep-poll `test()` until it is True (True), at most the timeout since `t0`."""
-        while not test():
-            waited = time.monotonic() - t0
-            if waited > self.timeout:
-                return False
-            time.sleep(min(MAX_SLEEP, max(MIN_SLEEP, 0.05 * waited)))
-        return True
-
     def message(self, what: str, comm, ticket) -> str:
         """The timeout's text for the collective of `ticket` (on the guard's thread)."""
-        return self.describe(what, comm, self.late(comm, ticket[:2]))
+        return self.describe(what, comm, self.late(comm, ticket))
 
     def collective(self, requests, what: str, comm, ticket=None) -> None:
         """Wait for a collective's requests; `ticket` from `arrive` when it was counted at
