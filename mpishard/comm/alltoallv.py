@@ -157,7 +157,7 @@ class VariableExchange:
                             else messages[j].Irecv(buf))
         rbuf[into[me]:into[me + 1]] = sbuf[at[me]:at[me + 1]]        # the own block
         t_wait = time.perf_counter()
-        wd.wait_collective(requests, what, comm, ticket)
+        wd.settle(requests, what, comm, ticket)
         if wd.tracer is not None:            # both waits, as one collective's blocked time
             wd.tracer.blocked(wd.group(comm)[2], blocked + time.perf_counter() - t_wait)
         self.backend.mpi_finish(rbuf, out)

@@ -2,10 +2,11 @@
 
 Every collective maps onto mpi4py buffer (uppercase) calls, so arrays never go through pickle:
 one collective call, or one point-to-point message per peer where that is one round instead
-of two or measured faster (all_to_all_v: alltoallv.py; reduce_scatter: reduce_scatter.py),
-bounded by the stall watchdog (watchdog.py: at most `timeout` seconds, then CollectiveTimeout
-naming the late ranks): a collective call is MPI's blocking one under the guard thread's
-deadline (guard.py), point-to-point messages are issued non-blocking and polled. `group=`
+of two or measured faster (all_to_all_v: alltoallv.py; reduce_scatter: reduce_scatter.py;
+all_gather lives in gather.py), bounded by the stall watchdog (watchdog.py: at most `timeout`
+seconds, then CollectiveTimeout naming the late ranks): a collective call is MPI's blocking one
+under the guard thread's deadline (guard.py), and so is the Waitall of a collective made of
+point-to-point messages; send/receive and the `*_async` Futures are polled. `group=`
 names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the Comm's own group
 (the whole world for the engine's Comm; `comm.group("tp")` is a Comm whose calls default to
 the tp group). Each call documents its adjoint, because the strategies use them in pairs:
@@ -28,14 +29,14 @@ corrupting data or hanging.
 from __future__ import annotations
 
 import copy
-import math
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from .alltoallv import PrivateComms, VariableExchange, blocks, mpi_type
+from .alltoallv import PrivateComms, VariableExchange
 from .debug import OPS, CollectiveMismatchError, agree, check_signature
+from .gather import Gather
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .pool import ResultPool
 from .reduce_scatter import ScatterReduce
@@ -45,7 +46,7 @@ from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, Watchdog
 __all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "Future", "agree"]
 
 
-class Comm(PointToPoint, VariableExchange, ScatterReduce):
+class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
     """The collectives of `mesh` (a DeviceMesh) on arrays of `backend` (numpy or cupy).
 
     Group views made by `group(axis)` share the statistics, the result-buffer pool, the
@@ -66,6 +67,7 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         self.pending_receives: dict = {}   # (comm, src, tag) -> pending receives, in order
         self.sends_in_flight: list = []    # send Futures kept alive until done (p2p.py)
         self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
+        self._lengths: dict = {}           # communicator handle -> all_gather's length buffers
 
     # -- groups ------------------------------------------------------------------------------
     def group(self, axes) -> "Comm":
@@ -163,11 +165,15 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         t0 = time.perf_counter()
         a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
         backend = self.backend
-        sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
-        rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
+        if backend.is_gpu:                      # host staging (backend.py); CPU: as they are
+            sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
+            rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
+        else:
+            sbuf, rbuf = MPI.IN_PLACE if out is a else a, out
         self.watchdog.run(comm.Allreduce, comm.Iallreduce, (sbuf, rbuf, OPS[op]), "all_reduce",
                           comm)
-        backend.mpi_finish(rbuf, out)
+        if backend.is_gpu:
+            backend.mpi_finish(rbuf, out)
         if op == "avg" and n > 1:
             out /= n
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
@@ -216,69 +222,6 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
         return Future([req], finish, keep=(a, sbuf, rbuf), wait=self.watchdog.waiter(
             "all_reduce_async", comm, ticket), release=lambda: self.backend.release(sbuf, rbuf))
-
-    # -- all_gather --------------------------------------------------------------------------
-    def _gather_args(self, arr, axis, group, uneven=False):
-        """(arr with `axis` moved first, contiguous; the axis normalised; communicator; group
-        size) for all_gather(_async); a 0-d array gathers as shape (1,). `uneven`: lengths
-        along `axis` may differ, so debug mode leaves them out of the comparison."""
-        a = self.xp.asarray(arr)
-        if a.ndim == 0:
-            a = a.reshape(1)
-        comm = self._mpi(group)
-        self._check(comm, "all_gather", a, axis=axis, skip_axis=uneven)
-        axis = self._norm_axis(a, axis)
-        return self._moved(a, axis), axis, comm, comm.Get_size()
-
-    def all_gather(self, arr, axis: int = 0, group=None, pooled: bool = True):
-        """Concatenate the group's arrays along `axis` (MPI Allgather / Allgatherv).
-
-        Lengths along `axis` may differ between ranks (they are exchanged first); the other
-        dimensions must agree. Adjoint: reduce_scatter(sum) along the same axis. The result
-        comes from the pool (pool.py) unless `pooled=False` (FSDP's weights, really freed).
-        """
-        t0 = time.perf_counter()
-        moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
-        rest, lengths = moved.shape[1:], np.empty(n, dtype=np.int64)
-        self._run(comm.Allgather, comm.Iallgather, (np.array([moved.shape[0]], np.int64),
-                                                     lengths), "all_gather", comm)
-        lens = lengths.tolist()                 # plain ints: numpy on n numbers costs more
-        shape = (sum(lens),) + rest
-        out = self.pool.get(shape, moved.dtype) if pooled else self.xp.empty(shape, moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved)
-        rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
-        if lens.count(lens[0]) == n:
-            self._run(comm.Allgather, comm.Iallgather, (sbuf, rbuf), "all_gather", comm)
-        else:
-            row = math.prod(rest)
-            self._run(comm.Allgatherv, comm.Iallgatherv, (sbuf, [rbuf, *blocks(lens, row),
-                      mpi_type(moved.dtype)]), "all_gather", comm)
-        self.backend.mpi_finish(rbuf, out)
-        self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
-        return self._back(out, axis)
-
-    def all_gather_async(self, arr, axis: int = 0, group=None) -> Future:
-        """Non-blocking all_gather (MPI Iallgather); `result()` waits and returns the array.
-
-        Every rank must pass the same shape (equal lengths along `axis`: no lengths are
-        exchanged; debug mode checks it); `arr` must not be modified until the Future
-        completes, which keeps the send and receive buffers alive. FSDP's prefetch gathers the
-        next layer's weight with it while the current layer computes. Adjoint:
-        reduce_scatter(sum) along the same axis. Bytes are counted when the call is issued.
-        """
-        t0 = time.perf_counter()
-        moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
-        out = self.xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
-        sbuf = self.backend.mpi_buffer(moved, slot=None)    # this request's own staging
-        rbuf = self.backend.mpi_buffer(out, slot=None, read=False)
-        req, ticket = comm.Iallgather(sbuf, rbuf), self.watchdog.arrive(comm)
-
-        def finish():
-            self.backend.mpi_finish(rbuf, out)
-            return self._back(out, axis)
-        self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
-        return Future([req], finish, keep=(moved, sbuf, out, rbuf), wait=self.watchdog.waiter(
-            "all_gather_async", comm, ticket), release=lambda: self.backend.release(sbuf, rbuf))
 
     # -- reduce_scatter, all_to_all ----------------------------------------------------------
     def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
@@ -329,10 +272,14 @@ class Comm(PointToPoint, VariableExchange, ScatterReduce):
         moved = self._moved(a, axis)
         out = self.pool.get(moved.shape, moved.dtype)
         backend = self.backend
-        sbuf = backend.mpi_buffer(moved)
-        rbuf = backend.mpi_buffer(out, slot="recv", read=False)
+        if backend.is_gpu:                      # host staging (backend.py); CPU: as they are
+            sbuf = backend.mpi_buffer(moved)
+            rbuf = backend.mpi_buffer(out, slot="recv", read=False)
+        else:
+            sbuf, rbuf = moved, out
         self.watchdog.run(comm.Alltoall, comm.Ialltoall, (sbuf, rbuf), "all_to_all", comm)
-        backend.mpi_finish(rbuf, out)
+        if backend.is_gpu:
+            backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
         return self.xp.moveaxis(out, 0, axis) if axis else out
 

@@ -2,16 +2,16 @@
 
     reduce_scatter(axis)   forward  <->  all_gather(axis)       backward
 
-The watchdog needs a non-blocking call (a blocking one cannot time out), and MPICH's
-Ireduce_scatter_block ran 1.35-1.4x its own blocking Reduce_scatter_block at 1 MiB on 2 and 4
-ranks here (an Ireduce_scatter_block polled to completion against the blocking call, 9 samples
-each): the engine's reduce_scatter was 1.86-1.87x raw at 1 MiB in `make bench`. So the
-engine does the pairwise exchange of MPI's own long-message algorithm itself: block j of the
-rows goes to rank j as one message, each rank receives its block from every peer into a
+The engine does the pairwise exchange of MPI's own long-message algorithm itself: block j of
+the rows goes to rank j as one message, each rank receives its block from every peer into a
 scratch buffer, then adds the n contributions in rank order (xp.add in place: rank 0's first,
-the same order on every run). In one micro-benchmark (21 alternating samples) that was
-0.76-0.85x Reduce_scatter_block at 1 and 4 MiB on 2 and 4 ranks; `make bench` has the
-engine's own figures.
+the same order on every run). Under the guard (guard.py) the messages are waited by MPI's own
+Waitall, bounded like a blocking collective; below MPI_THREAD_MULTIPLE they are polled.
+Why not Reduce_scatter_block: it was chosen against when every wait had to be pollable
+(MPICH's Ireduce_scatter_block polled to completion ran 1.35-1.46x its blocking form at 1 MiB
+on 2 and 4 ranks here), and the exchange has stayed faster than the blocking call at most
+sizes: in `make bench` 0.56-0.96x Reduce_scatter_block from 1 MiB up on 2 ranks, 0.83-0.86x at
+16 and 64 MiB on 4 (4 MiB on 4 ranks is its worst case; `make bench` has the figures).
 
 The messages go over all_to_all_v's private duplicate of the group's communicator
 (alltoallv.py): every call sends one message to each peer and takes one from each, so
@@ -34,7 +34,6 @@ class ScatterReduce:
         what, xp, wd = "reduce_scatter", self.xp, self.watchdog
         private = self.private.of(comm, lambda req: self._wait(req, what, comm))
         n, me = comm.Get_size(), comm.Get_rank()
-        ticket = wd.arrive(comm)
         at, mtype = offsets(lens), mpi_type(moved.dtype)
         mine = (lens[me],) + moved.shape[1:]
         scratch = self.pool.get((n - 1,) + mine, moved.dtype)   # slot k-1: from (me - k) % n
@@ -44,7 +43,7 @@ class ScatterReduce:
                     for j in ((me + k) % n for k in range(1, n))]
         requests += [private.Irecv([rbuf[k - 1], mtype], source=(me - k) % n, tag=TAG)
                      for k in range(1, n)]
-        wd.collective(requests, what, comm, ticket)      # bounded; traced as blocked time
+        wd.settle(requests, what, comm)          # bounded; traced as blocked time
         self.backend.mpi_finish(rbuf, scratch)
         parts = [moved[at[me]:at[me + 1]] if j == me else scratch[(me - j) % n - 1]
                  for j in range(n)]

@@ -8,15 +8,17 @@ at 4 ranks on 2 cores: Ialltoall waited by `Test` + `sched_yield` 1.08-1.13x the
 the blocking call under the guard 1.00-1.04x). Where the guard cannot run (MPI initialised
 below MPI_THREAD_MULTIPLE), the call is issued in its non-blocking form and polled as below.
 
-Receives, the non-blocking calls' Futures, and the collectives built from point-to-point
-messages (reduce_scatter, all_to_all_v) are waited by `Watchdog.collective` / `peer`, which
-poll with `Test`: polls that yield the core (`sched_yield`) between them up to 0.1 s, then
-sleeps that grow with the time already waited (5% of it, at most 10 ms), so a rank that waits
-long on a stalled peer uses ~1-5% of a core instead of spinning in MPI (measured:
-benchmarks/watchdog_overhead.py). No busy-spin phase: with more ranks than free cores a
-spinning rank takes the core its peer needs to progress the collective (measured on 2 loaded
-cores, 4 MiB all_reduce: 1 ms of spin 1.25-1.33x raw Allreduce, yielding from the first failed
-poll 1.09x, plain Waitall 1.03-1.06x); with a free core per rank a yield returns at once.
+The collectives built from point-to-point messages (reduce_scatter, all_to_all_v's data) are
+waited by MPI's Waitall under the guard the same way (`settle`). Receives, the non-blocking
+calls' Futures, all_to_all_v's probes, and everything below MPI_THREAD_MULTIPLE are waited by
+`Watchdog.collective` / `peer` / `until`, which poll with `Test`: polls that yield the core
+(`sched_yield`) between them up to 0.1 s, then sleeps that grow with the time already waited
+(5% of it, at most 10 ms), so a rank that waits long on a stalled peer uses ~1-5% of a core
+instead of spinning in MPI (measured: benchmarks/watchdog_overhead.py). No busy-spin phase:
+with more ranks than free cores a spinning rank takes the core its peer needs to progress the
+collective (measured on 2 loaded cores, 4 MiB all_reduce: 1 ms of spin 1.25-1.33x raw
+Allreduce, yielding from the first failed poll 1.09x, plain Waitall 1.03-1.06x); with a free
+core per rank a yield returns at once.
 
 With more ranks on a node than CPUs (`oversubscribed`, threads.py), yielding is not free
 either: the scheduler still gives every runnable rank its share, so ranks that yield-poll
@@ -124,21 +126,20 @@ class Watchdog:
         cells[index] += 1
         return index, cells[index]
 
-    def run(self, blocking, nonblocking, args, what: str, comm) -> None:
+    def run(self, blocking, nonblocking, args, what: str, comm):
         """One collective, bounded: `blocking(*args)` (comm.Allreduce, ...) under the guard's
         deadline, or where the guard cannot run, `nonblocking(*args)` polled. Without a
-        timeout, the blocking call alone."""
+        timeout, the blocking call alone. Returns what `blocking` returns (None polled)."""
         if self.guard is None:
             if self.timeout:
                 self.collective([nonblocking(*args)], what, comm)
-            else:
-                blocking(*args)
-        elif self.tracer is not None:
-            self.traced(self.guarded, comm, blocking, args, what, comm)
-        else:
-            self.guarded(blocking, args, what, comm)
+                return None
+            return blocking(*args)
+        if self.tracer is not None:
+            return self.traced(self.guarded, comm, blocking, args, what, comm)
+        return self.guarded(blocking, args, what, comm)
 
-    def guarded(self, blocking, args, what: str, comm) -> None:
+    def guarded(self, blocking, args, what: str, comm):
         """Count in (and on an oversubscribed node, the gate), then the blocking call under
         the guard. The hot path of every collective: each microsecond of Python here costs
         ~2% of a 1 MiB collective at 4 ranks on 2 cores (ranks delay each other's arrival),
@@ -158,14 +159,35 @@ class Watchdog:
                         break
         else:
             cells[index] = count
-        guard = self.guard
-        guard.watch(self.timeout, self.message, what, comm, (index, count))
+        guard = self.guard                         # guard.watch and .clear, inlined
+        guard.watched = (time.monotonic(), self.timeout, self.message, (what, comm, (index, count)))
         try:
-            blocking(*args)
+            result = blocking(*args)
         finally:                  # an MPI error raised here must not time out later
-            guard.clear()
+            guard.watched = None
         if look:
             self.learn(peers, index, count, now)
+        return result
+
+    def settle(self, requests, what: str, comm, ticket=None) -> None:
+        """Wait for the point-to-point requests of a collective built from messages
+        (reduce_scatter, all_to_all_v). Under the guard: MPI's own Waitall, bounded by the
+        guard's deadline like a blocking collective (counted in, and gated, here; `ticket`:
+        already counted at issue). Below MPI_THREAD_MULTIPLE, polled (`collective`). Measured,
+        4 MiB reduce_scatter at 4 ranks on 2 cores: polled 1.22-1.29x MPICH's
+        Reduce_scatter_block, under the guard 1.11-1.13x (3 trials; 0.71-0.92x on 2 ranks)."""
+        guard = self.guard
+        if guard is None:              # with a `ticket` the caller traces the wait itself
+            (self.collective if ticket is None else self.wait_collective)(requests, what, comm,
+                                                                           ticket)
+        elif ticket is None:
+            self.run(MPI.Request.Waitall, None, (requests,), what, comm)
+        else:
+            guard.watch(self.timeout, self.message, what, comm, ticket)
+            try:
+                MPI.Request.Waitall(requests)
+            finally:
+                guard.clear()
 
     def slot(self, comm) -> tuple:
         """(counter index, the other members' counters as views or () when not gated) of
@@ -214,11 +236,13 @@ class Watchdog:
         else:
             self.wait_collective(requests, what, comm, ticket)
 
-    def traced(self, wait, comm, *args) -> None:
-        """Run `wait(*args)` and tell the tracer how long it blocked, on which group."""
+    def traced(self, wait, comm, *args):
+        """Run `wait(*args)` and tell the tracer how long it blocked, on which group; returns
+        what `wait` returns."""
         t0 = time.perf_counter()
-        wait(*args)
+        result = wait(*args)
         self.tracer.blocked(self.group(comm)[2], time.perf_counter() - t0)
+        return result
 
     def wait_collective(self, requests, what: str, comm, ticket=None) -> None:
         if not self.timeout:
