@@ -25,10 +25,10 @@ From 1 MiB up a third side runs in the same alternation, `bounded`: the raw call
 non-blocking form (Iallreduce, Iallgather, Ireduce_scatter_block, Ialltoall, Ialltoallv) waited
 by the least a polled wait must do, `while not req.Test(): sched_yield()` (the watchdog's
 poll loop without its clock reads). `bounded_ratio` (bounded / raw) is the floor of a
-collective whose wait is polled from Python (the engine's reduce_scatter and all_to_all_v
-exchanges, and every collective below MPI_THREAD_MULTIPLE); the others are the blocking call
-under the guard thread (mpishard/comm/guard.py), which can run below it. `engine_over_bounded`
-is engine / bounded.
+collective whose wait is polled from Python (every collective below MPI_THREAD_MULTIPLE, and
+all_to_all_v's probes); above it the engine makes the blocking call, or for reduce_scatter and
+all_to_all_v's messages a blocking Waitall, under the guard thread (mpishard/comm/guard.py),
+which can run below it. `engine_over_bounded` is engine / bounded.
 `allreduce_overhead_ratio` is the worst `all_reduce_out` ratio at 1 MiB and up: the engine
 writing into the raw call's own output buffer, literally the same buffers on both sides, so
 only the engine's code path differs. `allreduce_overhead_ratio_default` is the same for the
