@@ -106,16 +106,11 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
     def barrier(self, group=None) -> None:
         """Blocks until every device of the group reaches this line."""
         comm = self._mpi(group)
-        self._run(comm.Barrier, comm.Ibarrier, (), "barrier", comm)
+        self.watchdog.run(comm.Barrier, comm.Ibarrier, (), "barrier", comm)
 
     def _wait(self, req, what, comm):
         """Wait for a collective's request, at most the timeout (CollectiveTimeout)."""
         self.watchdog.collective([req], what, comm)
-
-    def _run(self, blocking, nonblocking, args, what, comm):
-        """One collective, `blocking(*args)` or its `nonblocking` form, at most the timeout
-        (watchdog.py run)."""
-        self.watchdog.run(blocking, nonblocking, args, what, comm)
 
     def context(self, **where) -> None:
         """Where the job is (step=, microbatch=; None forgets one), for timeout messages."""
@@ -165,15 +160,11 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         t0 = time.perf_counter()
         a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
         backend = self.backend
-        if backend.is_gpu:                      # host staging (backend.py); CPU: as they are
-            sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
-            rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
-        else:
-            sbuf, rbuf = MPI.IN_PLACE if out is a else a, out
+        sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
+        rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
         self.watchdog.run(comm.Allreduce, comm.Iallreduce, (sbuf, rbuf, OPS[op]), "all_reduce",
                           comm)
-        if backend.is_gpu:
-            backend.mpi_finish(rbuf, out)
+        backend.mpi_finish(rbuf, out)
         if op == "avg" and n > 1:
             out /= n
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
@@ -272,16 +263,12 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         moved = self._moved(a, axis)
         out = self.pool.get(moved.shape, moved.dtype)
         backend = self.backend
-        if backend.is_gpu:                      # host staging (backend.py); CPU: as they are
-            sbuf = backend.mpi_buffer(moved)
-            rbuf = backend.mpi_buffer(out, slot="recv", read=False)
-        else:
-            sbuf, rbuf = moved, out
+        sbuf = backend.mpi_buffer(moved)
+        rbuf = backend.mpi_buffer(out, slot="recv", read=False)
         self.watchdog.run(comm.Alltoall, comm.Ialltoall, (sbuf, rbuf), "all_to_all", comm)
-        if backend.is_gpu:
-            backend.mpi_finish(rbuf, out)
+        backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
-        return self.xp.moveaxis(out, 0, axis) if axis else out
+        return self._back(out, axis)
 
     # -- broadcast, agree --------------------------------------------------------------------
     def broadcast(self, arr, root: int = 0, group=None):
@@ -296,7 +283,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
             shape, dtype = header_shape(h)
             a = self.xp.empty(shape, dtype=dtype)
         buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
-        self._run(comm.Bcast, comm.Ibcast, (buf, root), "broadcast", comm)
+        self.watchdog.run(comm.Bcast, comm.Ibcast, (buf, root), "broadcast", comm)
         self.backend.mpi_finish(buf, a)
         n = comm.Get_size()
         self.stats.count("broadcast", (n - 1) / n * a.nbytes if comm.Get_rank() == root else 0,
@@ -316,7 +303,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
                             dtype=np.int64)
         else:
             h = np.empty(HEADER_WORDS, dtype=np.int64)
-        self._run(comm.Bcast, comm.Ibcast, (h, root), "broadcast", comm)
+        self.watchdog.run(comm.Bcast, comm.Ibcast, (h, root), "broadcast", comm)
         if h[0] < 0:
             msg = comm.bcast(str(error) if error is not None else None, root=root)
             raise (TypeError if h[0] == -1 else ValueError)(f"broadcast from group rank "

@@ -14,7 +14,7 @@ raw Allgather after a raw lengths round 1.02-1.04x: the engine's Python is what 
 all_gather_async (FSDP's prefetch) needs equal shapes and exchanges no lengths.
 
 `Gather` is a mixin of collectives.Comm: it uses the host's `_mpi`, `_check`, `_norm_axis`,
-`_moved`, `_back`, `_run`, `pool`, `backend`, `stats`, `watchdog` and `_lengths` (a dict).
+`_moved`, `_back`, `pool`, `backend`, `stats`, `watchdog` and `_lengths` (a dict).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Gather:
             out = self.watchdog.run(self._gathered, None, (moved, comm, n, pooled, _plain),
                                     "all_gather", comm)     # counted and gated once
         else:                                   # each round bounded on its own
-            out = self._gathered(moved, comm, n, pooled, self._run)
+            out = self._gathered(moved, comm, n, pooled, self.watchdog.run)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
         return self._back(out, axis)
 
@@ -73,8 +73,8 @@ class Gather:
         length, rest = shape[0], shape[1:]
         shape = (n * length,) + rest
         out = self.pool.get(shape, dtype) if pooled else self.xp.empty(shape, dtype)
-        sbuf = backend.mpi_buffer(moved) if backend.is_gpu else moved
-        rbuf = backend.mpi_buffer(out, slot="recv", read=False) if backend.is_gpu else out
+        sbuf = backend.mpi_buffer(moved)
+        rbuf = backend.mpi_buffer(out, slot="recv", read=False)
         try:                                    # this group's length buffers, made once
             mine, lengths = self._lengths[comm.py2f()]
         except KeyError:
@@ -88,11 +88,10 @@ class Gather:
         else:
             shape = (sum(lens),) + rest
             out = self.pool.get(shape, dtype) if pooled else self.xp.empty(shape, dtype)
-            rbuf = backend.mpi_buffer(out, slot="recv", read=False) if backend.is_gpu else out
+            rbuf = backend.mpi_buffer(out, slot="recv", read=False)
             run(comm.Allgatherv, comm.Iallgatherv, (sbuf, [rbuf, *blocks(lens, math.prod(rest)),
                 mpi_type(dtype)]), "all_gather", comm)
-        if backend.is_gpu:
-            backend.mpi_finish(rbuf, out)
+        backend.mpi_finish(rbuf, out)
         return out
 
     def all_gather_async(self, arr, axis: int = 0, group=None) -> Future:

@@ -159,12 +159,7 @@ class Watchdog:
                         break
         else:
             cells[index] = count
-        guard = self.guard                         # guard.watch and .clear, inlined
-        guard.watched = (time.monotonic(), self.timeout, self.message, (what, comm, (index, count)))
-        try:
-            result = blocking(*args)
-        finally:                  # an MPI error raised here must not time out later
-            guard.watched = None
+        result = self.watched(blocking, args, what, comm, (index, count))
         if look:
             self.learn(peers, index, count, now)
         return result
@@ -176,18 +171,25 @@ class Watchdog:
         already counted at issue). Below MPI_THREAD_MULTIPLE, polled (`collective`). Measured,
         4 MiB reduce_scatter at 4 ranks on 2 cores: polled 1.22-1.29x MPICH's
         Reduce_scatter_block, under the guard 1.11-1.13x (3 trials; 0.71-0.92x on 2 ranks)."""
-        guard = self.guard
-        if guard is None:              # with a `ticket` the caller traces the wait itself
-            (self.collective if ticket is None else self.wait_collective)(requests, what, comm,
-                                                                           ticket)
+        if self.guard is None:
+            if ticket is None:
+                self.collective(requests, what, comm)
+            else:                      # with a `ticket` the caller traces the wait itself
+                self.wait_collective(requests, what, comm, ticket)
         elif ticket is None:
             self.run(MPI.Request.Waitall, None, (requests,), what, comm)
         else:
-            guard.watch(self.timeout, self.message, what, comm, ticket)
-            try:
-                MPI.Request.Waitall(requests)
-            finally:
-                guard.clear()
+            self.watched(MPI.Request.Waitall, (requests,), what, comm, ticket)
+
+    def watched(self, blocking, args, what: str, comm, ticket):
+        """`blocking(*args)` under the guard's deadline; its timeout describes the collective
+        of `ticket` (counted in already)."""
+        guard = self.guard
+        guard.watch(self.timeout, self.message, what, comm, ticket)
+        try:
+            return blocking(*args)
+        finally:                  # an MPI error raised here must not time out later
+            guard.clear()
 
     def slot(self, comm) -> tuple:
         """(counter index, the other members' counters as views or () when not gated) of
