@@ -22,6 +22,14 @@ def make(timeout=600.0):
     return ms.make_engine(ms.MLP([2, 2]), f"dp={comm.Get_size()}", comm=comm, timeout=timeout)
 
 
+def gated(timeout=600.0):
+    """(engine, its watchdog, the dp group); skips where there is no gate."""
+    e = make(timeout)
+    if not e.comm.watchdog.gated:
+        pytest.skip("the gate is for oversubscribed nodes (more ranks than CPUs)")
+    return e, e.comm.watchdog, e.mesh.comm("dp")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_oversubscribed_counts_the_node_s_ranks_against_its_cpus():
     comm = world()
@@ -87,10 +95,7 @@ def test_the_gate_learns_a_late_member_and_forgets_it_when_everyone_comes_togeth
     """On an oversubscribed node: after an all_reduce the last rank enters 50 ms late, every
     other rank has learnt the group is `lagging` (it will wait at the gate, sleeping); after
     calls where everyone comes together the flag goes off again."""
-    e = make()
-    wd, comm = e.comm.watchdog, e.mesh.comm("dp")
-    if not wd.gated:
-        pytest.skip("the gate is for oversubscribed nodes (more ranks than CPUs)")
+    e, wd, comm = gated()
     index, last = wd.group(comm)[0], comm.Get_size() - 1
     x = np.ones(4)
     for call in range(2 * LEARN):           # the calls after the LEARN-th: at the gate
@@ -110,13 +115,34 @@ def test_the_gate_learns_a_late_member_and_forgets_it_when_everyone_comes_togeth
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_rank_that_is_always_last_unlearns_lagging():
+    """The last rank to arrive never meets the gate (nobody is missing): finding everyone in
+    before it turns its `lagging` flag off (else it would stay on for good; seen on Open MPI,
+    whose barrier released the same rank last call after call)."""
+    e, wd, comm = gated()
+    index, last = wd.group(comm)[0], comm.Get_size() - 1
+    x = np.ones(4)
+    e.all_reduce(x, group="dp")                     # the group's slot exists everywhere
+    peers, cells = wd.slots[comm.py2f()][1], wd.arrivals.cells
+    if comm.Get_rank() == last:
+        wd.lagging[index] = True
+    for _ in range(LEARN):
+        comm.Barrier()
+        if comm.Get_rank() == last:                 # wait until the others are all in
+            deadline = time.monotonic() + 30
+            while any(view[index] <= cells[index] for view in peers):
+                assert time.monotonic() < deadline
+                time.sleep(1e-3)
+        e.all_reduce(x, group="dp")
+    if comm.Get_rank() == last:
+        assert not wd.lagging.get(index)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_lagging_group_times_out_at_the_gate_with_an_error_that_can_be_caught():
     """A group marked lagging waits at the gate, outside MPI: when the last member never
     comes, the others raise CollectiveTimeout naming it (no MPI call is left pending)."""
-    e = make(timeout=1.0)
-    wd, comm = e.comm.watchdog, e.mesh.comm("dp")
-    if not wd.gated:
-        pytest.skip("the gate is for oversubscribed nodes (more ranks than CPUs)")
+    e, wd, comm = gated(timeout=1.0)
     index, ranks = wd.group(comm)[:2]
     last = comm.Get_size() - 1
     wd.lagging[index] = True
