@@ -38,6 +38,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from .debug import agree
+from .retired import free_retired, retire
 
 TAG = 0                       # on the private communicator, which carries nothing else
 _MPI_TYPES: dict = {}
@@ -90,6 +91,7 @@ class PrivateComms:
         one of which is entering the same all_to_all_v); `wait(request)` bounds the wait."""
         dup = self.dups.get(comm.py2f())
         if dup is None:
+            free_retired()
             dup, req = comm.Idup()
             wait(req)
             self.dups[comm.py2f()] = dup
@@ -97,9 +99,7 @@ class PrivateComms:
 
     def __del__(self):
         dups, self.dups = getattr(self, "dups", {}), {}
-        if not MPI.Is_finalized():
-            for dup in dups.values():
-                dup.Free()
+        retire(dups.values())                       # freed later: comm/retired.py
 
 
 class VariableExchange:

@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import isfinite, prod
 
-from mpi4py import MPI
+
+from .retired import free_retired, retire
 
 AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")
 """Mesh axes, outermost first (the rank order)."""
@@ -196,16 +197,13 @@ class DeviceMesh:
         self._comms: dict = {}
 
     def __del__(self):
-        """Free the group communicators this mesh split off (not `world`, the caller's). MPI
-        has a few thousand communicator ids per process; a program (a test suite) that builds
-        engine after engine would run out. MPI_Comm_free is local (a new Split only reuses
-        an id freed on every member), so the ranks may collect their meshes at different
-        times."""
+        """Give up the group communicators this mesh split off (not `world`, the caller's):
+        freed before the next Split (comm/retired.py: never from a finalizer). MPI has a few
+        thousand communicator ids per process; a program (a test suite) that builds engine
+        after engine would run out. MPI_Comm_free is local (a new Split only reuses an id
+        freed on every member), so the ranks may collect their meshes at different times."""
         comms, self._comms = getattr(self, "_comms", {}), {}
-        if MPI.Is_finalized():
-            return
-        for comm in comms.values():
-            comm.Free()
+        retire(comms.values())
 
     def size(self, axes) -> int:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -237,6 +235,7 @@ class DeviceMesh:
             for a in AXES:
                 if a not in key:
                     color = color * self.layout.size(a) + self.coords[a]
+            free_retired()                          # ids of collected meshes, first
             self._comms[key] = self.world.Split(color, self.coord(key))
         return self._comms[key]
 
