@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import isfinite, prod
 
-
 from .retired import free_retired, retire
 
 AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")

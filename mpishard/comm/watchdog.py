@@ -31,13 +31,13 @@ rest is moving data, which needs every member's polls) and sleeps while one is s
 collective there passes a gate first (`guarded`): it stamps its arrival, and when a member is
 missing and this group's members have been late by more than FAST before (`lagging`, learnt
 from the arrival stamps after a call entered with a member missing: every LEARN-th call of a
-group not lagging looks), it waits for them the
-same way, probing MPI so that its own non-blocking calls progress, and only then enters MPI.
-The flag goes off at the first call where nobody is late to this rank: every member came
-within FAST/2 at the gate, or was in before it (a rank that is itself the last one, call after
-call, would otherwise never see the gate again and never unlearn).
-A group whose members arrive together never waits at the gate: a gate that always waited
-cost 1.04-1.12x on 1 MiB collectives at 4 ranks, against 1.00-1.06x for looking only.
+group not lagging looks), it waits for them the same way, probing MPI so that its own
+non-blocking calls progress, and only then enters MPI. The flag goes off at the first call
+where nobody is late to this rank: every member came within FAST/2 at the gate, or was in
+before it (a rank that is itself the last one, call after call, would otherwise never see the
+gate again and never unlearn). A group whose members arrive together never waits at the
+gate: a gate that always waited cost 1.04-1.12x on 1 MiB collectives at 4 ranks, against
+1.00-1.06x for looking only.
 
 When the timeout passes, a polled wait raises `CollectiveTimeout`, and the guard prints the
 same text (`mpishard: error: CollectiveTimeout: ...`) and aborts: the operation, the group (its
