@@ -18,7 +18,7 @@ sys.path.insert(0, str(BENCH))
 
 import peers_torch  # noqa: E402
 import run_all  # noqa: E402
-from conftest import mpiexec_cmd  # noqa: E402
+from conftest import mpiexec_cmd, run_mpi  # noqa: E402
 
 
 def _mpiexec():
@@ -98,6 +98,19 @@ def test_run_all_tiny_end_to_end(tmp_path):
     for key in run_all.TARGETS:
         assert f"| `{key}` |" in text
     assert "| zb1p |" in text and "| mlp `64,32,32,16` | 32 | 3 |" in text
+
+
+def test_collective_pieces_prints_every_side():
+    """benchmarks/collective_pieces.py (the README's piece-by-piece all_to_all) runs end to
+    end at 2 ranks with toy sizes and prints a ratio for every side."""
+    proc = run_mpi(2, BENCH / "collective_pieces.py", "--mib", "0.0625", "--rounds", "2",
+                   "--trials", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("all_to_all 0.0625 MiB, 2 ranks")
+    sides = [line.split()[0] for line in lines[1:]]
+    assert sides == ["pooled", "busy1", "busy3", "watched", "guarded", "engine", "ungated"]
+    assert all(float(line.split()[1]) > 0 for line in lines[1:])
 
 
 def test_report_marks_targets_met_or_not():
