@@ -29,10 +29,11 @@ def retire(comms) -> None:
 
 def free_retired() -> int:
     """Free every retired communicator (not from a finalizer); returns how many."""
+    if MPI.Is_finalized():
+        _RETIRED.clear()
+        return 0
     freed = 0
     while _RETIRED:
-        comm = _RETIRED.pop()        # atomic: a finalizer may retire more meanwhile
-        if not MPI.Is_finalized():
-            comm.Free()
-            freed += 1
+        _RETIRED.pop().Free()        # pop is atomic: a finalizer may retire more meanwhile
+        freed += 1
     return freed
