@@ -6,10 +6,10 @@ rate), through the engine's own functions. Micro-benchmarks only; no layout is r
                   three ('bd,df->bf', 'bd,bf->df', 'bf,df->bd': x (n, n), W (n, 2n),
                   n = 32 ... 512) and the attention's batched 'bhtd,bhsd->bhts' (16 heads x
                   T x 32, T = 32 ... 256)
-    concurrency   the 256-GEMM's rate on rank 0 alone (the others waiting in a collective
-                  as the engine waits) over its rate with every rank busy: 1 with a core per
-                  rank, up to ranks / free cores when they share; what a pipeline's idle
-                  stage lends the busy ones (step_time.bubble_factor)
+    concurrency   the 256-GEMM's rate on rank 0 alone (the others waiting in a receive,
+                  as a pipeline stage in its bubble waits) over its rate with every rank
+                  busy: 1 with a core per rank, up to ranks / free cores when they share;
+                  what a pipeline's idle stage lends the busy ones (step_time.bubble_factor)
     ops           seconds per element of the element-wise work at 2**12, 2**15, 2**18 and
                   2**21 elements (small arrays pay the call, large ones miss the caches;
                   each call on other copies of its arrays, 16 MiB in all, so they come from
@@ -135,14 +135,21 @@ def fit_alpha_beta(points) -> list:
 
 def timed_alone(fn, comm, window=None, repeats=None) -> float:
     """Seconds per call of `fn` on rank 0 while the other ranks wait as a pipeline stage in
-    its bubble does: in a collective of an engine on `comm`, waited by its watchdog (which,
-    with more ranks than cores, sleeps while a member is missing: comm/watchdog.py)."""
-    barrier = make_engine(MLP([2, 2]), f"dp={comm.Get_size()}", comm=comm).barrier
+    its bubble does: in a receive from rank 0 of an engine on `comm`, waited by its watchdog
+    (which yields for a moment, then sleeps: comm/watchdog.py). Not in a blocking collective:
+    MPICH spins there, and three spinning ranks on 2 cores left rank 0 the share of a core
+    it has with every rank busy (this measured concurrency 1.00 at 4 ranks on 2 cores, where
+    a receive's wait gives 2)."""
+    engine = make_engine(MLP([2, 2]), f"dp={comm.Get_size()}", comm=comm)
+    done = np.zeros(1)
     result = None
     comm.Barrier()
     if comm.Get_rank() == 0:
         result = timed(fn, MPI.COMM_SELF, window, repeats)
-    barrier()
+        for peer in range(1, comm.Get_size()):
+            engine.send(peer, done)
+    else:
+        engine.receive(0)
     return comm.bcast(result, root=0)
 
 
