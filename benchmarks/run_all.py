@@ -470,13 +470,16 @@ def _planner_lines(planner: dict) -> list:
                      f"`{v['predicted_best']}` | {100 * v['best_gap']:.1f}% | "
                      f"{_fmt(v.get('drift'), 2)} |")
     cal = planner.get("calibration") or {}
-    if cal.get("step_factor"):
-        spread = cal.get("step_factor_range", {})
-        lines += ["", "Calibration: step_factor " + ", ".join(
-            f"{kind} {f:.3f}" + (f" (its three timings {spread[kind][0]:.3f}-"
-                                 f"{spread[kind][1]:.3f})" if kind in spread else "")
-            for kind, f in cal["step_factor"].items())
-            + f"; concurrency {_fmt(cal.get('concurrency'), 2)}."]
+    factors = [name for name in ("step_factor", "optimizer_factor") if cal.get(name)]
+    if factors:
+        def described(name):
+            spread = cal.get(name + "_range", {})
+            return f"{name} " + ", ".join(
+                f"{kind} {f:.3f}" + (f" (its three timings {spread[kind][0]:.3f}-"
+                                     f"{spread[kind][1]:.3f})" if kind in spread else "")
+                for kind, f in cal[name].items())
+        lines += ["", "Calibration: " + "; ".join(described(n) for n in factors)
+                  + f"; concurrency {_fmt(cal.get('concurrency'), 2)}."]
     return lines
 
 

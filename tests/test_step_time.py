@@ -23,8 +23,8 @@ from mpishard.parallel.comm_calls import step_calls
 from mpishard.parallel.costs import check_fit, rank_memory, rank_view, step_comm_total
 from mpishard.parallel.step_time import (bubble, bubble_factor, call_seconds, comm_terms,
                                          elementwise_seconds, gemms, group_spans_nodes,
-                                         interpolate, op_seconds, predict_rank, predict_step,
-                                         representative_ranks)
+                                         interpolate, op_seconds, optimizer_seconds,
+                                         predict_rank, predict_step, representative_ranks)
 
 from conftest import group_comm
 
@@ -141,15 +141,39 @@ def test_step_factor_scales_compute_of_its_kind_only():
                                               rel=1e-12)
 
 
+def test_optimizer_factor_scales_the_optimizer_only():
+    model = ms.MLP([64, 32, 16])
+    base = flat(op=1e-9, fixed=1e-5)
+    one = predict_step(model, "dp=2", 8, base, itemsize=4)
+    two = predict_step(model, "dp=2", 8, dict(base, step_factor={"mlp": 2.0},
+                                              optimizer_factor={"mlp": 5.0}), itemsize=4)
+    view = rank_view(model, parse_layout("dp=2"), 0, 4, 8)
+    optimizer = optimizer_seconds(view, base)
+    assert optimizer > 0 and one["optimizer_s"] == pytest.approx(optimizer, rel=1e-12)
+    assert two["optimizer_s"] == pytest.approx(5.0 * optimizer, rel=1e-12)
+    assert two["gemm_s"] == pytest.approx(2.0 * one["gemm_s"], rel=1e-12)
+    assert two["elementwise_s"] == pytest.approx(
+        2.0 * (one["elementwise_s"] - optimizer) + 5.0 * optimizer, rel=1e-12)
+
+
 def test_step_factor_is_the_median_of_three_timings_with_their_range():
     cal = flat(op=1e-9, fixed=1e-5)
-    predicted = {kind: predict_rank(model, "dp=1", 0, batch, cal, 4)["compute_s"]
-                 for kind, (model, batch) in cal_mod.REFERENCE_STEPS.items()}
-    samples = [{kind: f * p for kind, p in predicted.items()} for f in (1.3, 1.05, 1.28)]
-    factor, spread = cal_mod.measure_step_factor(samples, cal, 4)
-    assert factor == pytest.approx({"mlp": 1.28, "gpt": 1.28}, rel=1e-12)   # 1.05: outvoted
-    assert spread == {kind: [pytest.approx(1.05, rel=1e-12), pytest.approx(1.3, rel=1e-12)]
-                      for kind in ("mlp", "gpt")}
+    rows = {kind: predict_rank(model, "dp=1", 0, batch, cal, 4)
+            for kind, (model, batch) in cal_mod.REFERENCE_STEPS.items()}
+    predicted = {kind: (r["compute_s"] - r["optimizer_s"], r["optimizer_s"])
+                 for kind, r in rows.items()}
+    samples = [{kind: (f * p[0], g * p[1]) for kind, p in predicted.items()}
+               for f, g in ((1.3, 1.1), (1.05, 1.2), (1.28, 1.15))]
+    got = cal_mod.measure_step_factor(samples, dict(cal, step_factor={"mlp": 9.0}), 4)
+    # the median: 1.05 is outvoted
+    assert got["step_factor"] == pytest.approx({"mlp": 1.28, "gpt": 1.28}, rel=1e-12)
+    assert got["optimizer_factor"] == pytest.approx({"mlp": 1.15, "gpt": 1.15}, rel=1e-12)
+    assert got["step_factor_range"] == {kind: [pytest.approx(1.05, rel=1e-12),
+                                               pytest.approx(1.3, rel=1e-12)]
+                                        for kind in ("mlp", "gpt")}
+    assert got["optimizer_factor_range"] == {kind: [pytest.approx(1.1, rel=1e-12),
+                                                    pytest.approx(1.2, rel=1e-12)]
+                                             for kind in ("mlp", "gpt")}
 
 
 def test_zero3_computes_with_the_gathered_weight():
@@ -311,9 +335,10 @@ def test_calibrate_and_validate_run(monkeypatch):
     assert set(cal["collectives"]) == set(KINDS) and set(cal["collectives"]["send"]) == {"2"}
     assert len(cal["gemm"]) == len(cal_mod.GEMM_SIDES) and cal["concurrency"] >= 1.0
     assert all(s >= 0 for points in cal["ops"].values() for _, s in points)
-    assert set(cal["step_factor"]) == {"mlp", "gpt"} and all(
-        lo <= cal["step_factor"][kind] <= hi and lo > 0
-        for kind, (lo, hi) in cal["step_factor_range"].items())
+    for name in ("step_factor", "optimizer_factor"):
+        assert set(cal[name]) == {"mlp", "gpt"} and all(
+            lo <= cal[name][kind] <= hi and lo > 0
+            for kind, (lo, hi) in cal[name + "_range"].items())
     model = ms.MLP([16, 8, 4])
     rows = [{"layout": "dp=2"}, {"layout": "tp=2"}, {"layout": "fsdp=2,zero=1"}]
     results = validate(model, rows, 8, np.float32, cal, top=2, comm=comm, rounds=2)

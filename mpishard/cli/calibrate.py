@@ -21,9 +21,10 @@ rate), through the engine's own functions. Micro-benchmarks only; no layout is r
     fixed         seconds per call that does not grow with size: a tiny MLP's train_step at 1
                   and 5 layers and a tiny GPT's at 1 and 3 blocks (width 4-8): per layer or
                   block (forward + backward) and the rest of the step; AdamW per tensor
-    step_factor   per model kind, a mid-size reference model's measured train_step + AdamW
-                  step over the compute the above predict for it: the median of three
-                  timings spread over the run, their range in 'step_factor_range'
+    step_factor   per model kind, a mid-size reference model's measured train_step over
+                  what the above predict for it; optimizer_factor, the same of its AdamW
+                  step: each the median of three timings spread over the run, their range
+                  in 'step_factor_range' and 'optimizer_factor_range'
     collectives   per kind and group size (2, 4, ... up to the job; the world split into
                   groups, all busy together; the engine with its default watchdog, as it
                   trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
@@ -303,24 +304,34 @@ def measure_fixed(comm, dtype, ops=None) -> dict:
 
 
 def reference_seconds(comm, dtype) -> dict:
-    """{'mlp'|'gpt': a mid-size reference model's measured train_step + AdamW step, on
-    every rank alone at once (as `fixed`), on fresh arrays}."""
-    return {kind: sum(_step_seconds(model, comm, dtype, batch))
+    """{'mlp'|'gpt': (train_step seconds, AdamW step seconds) of a mid-size reference model,
+    on every rank alone at once (as `fixed`), on fresh arrays}."""
+    return {kind: _step_seconds(model, comm, dtype, batch)
             for kind, (model, batch) in REFERENCE_STEPS.items()}
 
 
-def measure_step_factor(samples: list, cal: dict, itemsize: int) -> tuple:
-    """({'mlp'|'gpt': the median of `samples` (reference_seconds') over what step_time
-    charges the reference from `cal`}, {kind: [lowest, highest]}): what the micro-benchmarks,
-    each on its own arrays in a loop, miss of a step at realistic sizes (operands evicted,
-    fresh outputs, the interpreter between calls); step_time multiplies the compute of a
-    model of that kind by it. Three timings spread over the calibration, so one bad moment
-    does not set it (one bench's single timing gave 1.05 where the day's others gave
-    1.27-1.34). The references are fixed, not the model being planned."""
-    factors = {kind: sorted(s[kind] / predict_rank(model, "dp=1", 0, batch, cal, itemsize)[
-        "compute_s"] for s in samples) for kind, (model, batch) in REFERENCE_STEPS.items()}
-    return ({kind: float(np.median(f)) for kind, f in factors.items()},
-            {kind: [f[0], f[-1]] for kind, f in factors.items()})
+def measure_step_factor(samples: list, cal: dict, itemsize: int) -> dict:
+    """{'step_factor': {'mlp'|'gpt': the median over `samples` (reference_seconds') of the
+    reference's measured train_step over what step_time charges its train_step from `cal`},
+    'optimizer_factor': the same of its AdamW step, and each one's '..._range': {kind:
+    [lowest, highest]}}: what the micro-benchmarks, each on its own arrays in a loop, miss of
+    a step at realistic sizes (operands evicted, fresh outputs, the interpreter between
+    calls); step_time multiplies each part of a model of that kind by its factor. Three
+    timings spread over the calibration, so one bad moment does not set it (one bench's
+    single timing gave 1.05 where the day's others gave 1.27-1.34). The references are fixed,
+    not the model being planned."""
+    plain = {key: value for key, value in cal.items()
+             if key not in ("step_factor", "optimizer_factor")}
+    out: dict = {}
+    for name, part in (("step_factor", 0), ("optimizer_factor", 1)):
+        ratios = {}
+        for kind, (model, batch) in REFERENCE_STEPS.items():
+            row = predict_rank(model, "dp=1", 0, batch, plain, itemsize)
+            predicted = row["optimizer_s"] if part else row["compute_s"] - row["optimizer_s"]
+            ratios[kind] = sorted(s[kind][part] / predicted for s in samples)
+        out[name] = {kind: float(np.median(r)) for kind, r in ratios.items()}
+        out[name + "_range"] = {kind: [r[0], r[-1]] for kind, r in ratios.items()}
+    return out
 
 
 def _collective(engine, kind, a):
@@ -387,8 +398,7 @@ def calibrate(path, dtype=np.float32, comm=None) -> dict:
     samples.append(reference_seconds(comm, dtype))
     cal["collectives"], cal["collective_points"] = measure_collectives(comm, dtype)
     samples.append(reference_seconds(comm, dtype))
-    cal["step_factor"], cal["step_factor_range"] = measure_step_factor(
-        samples, cal, np.dtype(dtype).itemsize)
+    cal.update(measure_step_factor(samples, cal, np.dtype(dtype).itemsize))
     if comm.Get_rank() == 0 and path:
         path = os.path.expanduser(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -20,10 +20,17 @@ of the busiest rank (the slowest of `representative_ranks`), where
   cross-entropy on the first and last stage; FSDP's copies around its calls (a pass over
   the full tensor per pack or gathered copy); AdamW over the rank's gradient blocks. Plus the
   per-call costs (`fixed`): per layer or block and microbatch, per step, per optimizer tensor.
-- step_factor: both terms above times the calibration's `step_factor` of the model's kind
-  (mlp or gpt; 1 without one): a mid-size reference model's measured step over what the
-  terms predict for it, so the micro-benchmarks' optimism (operands warm in the cache, no
-  interpreter between calls) is measured once per machine, not assumed.
+- step_factor, optimizer_factor: the calibration's factors of the model's kind (mlp or gpt;
+  1 without them): the train_step's terms (GEMMs and its element-wise work) times
+  `step_factor`, the optimizer's (AdamW per element and per tensor) times
+  `optimizer_factor` (`step_factor` in a calibration without one). Each is a mid-size
+  reference model's measured train_step, or AdamW step, over what the terms predict for it,
+  so the micro-benchmarks' optimism (operands warm in the cache, no interpreter between
+  calls) is measured once per machine, not assumed. Two factors because the two parts miss
+  by different amounts (4 ranks on 2 cores: the reference MLP's train_step 1.58-1.68x its
+  terms, its AdamW 1.07-1.11x; the GPT's 1.16-1.20x and 0.86-0.87x). With one factor for
+  both, MLP 784-512-512-10's steps, AdamW a third of them, came out 19.4% under-predicted
+  (median over 12 layouts at 4 ranks); with two, 8.9% in the next run.
 - bubble_factor: the pipeline schedule's simulated idle fraction b (schedules.py) costs
   1 / (1 - b) on a core per rank; with ranks sharing cores an idle stage lends its core to
   the others, so the factor is max(1, 1 / (concurrency (1 - b))), `concurrency` the measured
@@ -41,7 +48,7 @@ examples/calibration.h100-cluster.json is assumed from public specs) is a dict:
 {"gemm": [[flops per call, GFLOP/s], ...], "bgemm": [...], "concurrency": k,
  "ops": {op: [[elements, seconds per element], ...]},
  "fixed": {"mlp_layer"|"mlp_base"|"gpt_block"|"gpt_base"|"optimizer_tensor": seconds},
- optional "step_factor": {"mlp"|"gpt": factor},
+ optional "step_factor" and "optimizer_factor": {"mlp"|"gpt": factor},
  "collectives": {kind: {group size: [[bytes, seconds], ...] or [alpha s, beta bytes/s]}},
  optional "ranks_per_node" and "collectives_inter"}; a group size missing falls back to the
 nearest calibrated one.
@@ -221,9 +228,15 @@ def elementwise_seconds(view, calibration: dict) -> float:
     """Seconds of non-GEMM work per train_step and optimizer step (module docstring)."""
     ops, fixed = calibration["ops"], calibration["fixed"]
     seconds = (_gpt_elementwise if is_gpt(view.model) else _mlp_elementwise)(view, ops, fixed)
-    seconds += _fsdp_copies(view, ops)
-    return seconds + sum(op_seconds(ops, "adamw", prod(b)) for b in view.grad_blocks.values()) \
-        + len(view.params) * fixed["optimizer_tensor"]
+    return seconds + _fsdp_copies(view, ops) + optimizer_seconds(view, calibration)
+
+
+def optimizer_seconds(view, calibration: dict) -> float:
+    """The optimizer step's part of elementwise_seconds: AdamW over the rank's gradient
+    blocks, and its per-tensor cost."""
+    return sum(op_seconds(calibration["ops"], "adamw", prod(b))
+               for b in view.grad_blocks.values()) \
+        + len(view.params) * calibration["fixed"]["optimizer_tensor"]
 
 
 def bubble(layout) -> float:
@@ -305,18 +318,30 @@ def representative_ranks(layout) -> list:
     return sorted({rank_of(layout, dict(zip(AXES, c))) for c in product(*choices)})
 
 
+def factors(calibration: dict, model) -> tuple:
+    """(step_factor, optimizer_factor) of `model`'s kind in `calibration` (module docstring)."""
+    kind = "gpt" if is_gpt(model) else "mlp"
+    step = calibration.get("step_factor", {}).get(kind, 1.0)
+    return step, calibration.get("optimizer_factor", {}).get(kind, step)
+
+
 def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
                  itemsize: int = 4) -> dict:
-    """{'gemm_s', 'elementwise_s', 'compute_s', 'bubble', 'comm_s', 'step_s'} of one rank."""
+    """{'gemm_s', 'elementwise_s', 'optimizer_s', 'compute_s', 'bubble', 'comm_s', 'step_s'}
+    of one rank; 'elementwise_s' holds 'optimizer_s', each term times its factor."""
     view = rank_view(model, layout, rank, itemsize, batch)
-    scale = calibration.get("step_factor", {}).get("gpt" if is_gpt(model) else "mlp", 1.0)
-    gemm = scale * gemm_seconds(view, calibration)
-    elem = scale * elementwise_seconds(view, calibration)
+    step_factor, optimizer_factor = factors(calibration, model)
+    gemm = step_factor * gemm_seconds(view, calibration)
+    optimizer = optimizer_seconds(view, calibration)
+    elem = step_factor * (elementwise_seconds(view, calibration) - optimizer) \
+        + optimizer_factor * optimizer
+    optimizer *= optimizer_factor
     bub = bubble(view.layout)
     comm = sum(term[-1] for term in comm_terms(view, calibration))
     factor = bubble_factor(bub, calibration.get("concurrency", 1.0))
-    return {"gemm_s": gemm, "elementwise_s": elem, "compute_s": gemm + elem, "bubble": bub,
-            "comm_s": comm, "step_s": factor * (gemm + elem) + comm, "rank": rank}
+    return {"gemm_s": gemm, "elementwise_s": elem, "optimizer_s": optimizer,
+            "compute_s": gemm + elem, "bubble": bub, "comm_s": comm,
+            "step_s": factor * (gemm + elem) + comm, "rank": rank}
 
 
 def predict_step(model, layout, batch: int, calibration: dict, itemsize: int = 4) -> dict:
