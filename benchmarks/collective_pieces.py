@@ -7,7 +7,7 @@ Every side is timed as benchmarks/collectives.py times one (`inner` back-to-back
 between barriers, the slowest rank's time), all sides rotating through each round, and its
 ratio paired with the raw call of the same round; a trial's figure is the median over the
 rounds, on fresh buffers per trial. With 60 rounds the medians of whole runs repeat within
-~0.05 at 4 ranks on 2 cores (trials of the bench's 9 samples per side spread by 0.1-0.2).
+~0.05 at 4 ranks on 2 cores (trials of 9 samples per side spread by 0.1-0.2).
 Sides, each a superset of the one above unless said otherwise:
 
     pooled     comm.Alltoall into the engine's pooled result buffer (not the raw `out`)

@@ -18,7 +18,7 @@ the world). The raw calls get their output preallocated once; the engine is call
 calls it. One sample is `inner` back-to-back calls between barriers, its time the slowest
 rank's; the two sides alternate sample by sample (so background load hits both alike), and
 the ratio is the median over samples of the paired ratio engine / raw, after a warm-up. This
-is repeated in 5 trials (3 with --quick), each on freshly allocated buffers, and the figure is
+is repeated in 5 trials (7 from 1 MiB; 3 with --quick), each on fresh buffers, and the figure is
 the median of the trials: on this VM two equal 16 MiB buffers can differ by 20% in how fast
 MPI writes into them, so a single trial measures where the pages landed, not the engine.
 From 1 MiB up a third side runs in the same alternation, `bounded`: the raw call's
@@ -53,10 +53,17 @@ SIZES = [s for s in SIZES if s <= 64 * MIB]
 
 
 def _plan(nbytes, quick, tiny=False):
-    """(inner calls per sample, samples per side): a sample moves >= 4 MiB per rank."""
+    """(inner calls per sample, samples per side, trials): a sample moves >= 4 MiB per rank.
+    From 1 MiB, where the targets are, a full run takes 15 samples and 7 trials instead of 9
+    and 5: at 4 ranks on 2 cores one sample's ratio spreads by 0.1-0.2, so the worst of
+    eight sizes' medians read high by whichever one the noise pushed up most (two runs of
+    the same code, all_to_all at 4 MiB on 2 ranks: 1.139 and 1.217)."""
     inner = max(1, min(200, (4 * MIB) // nbytes))
-    samples = 3 if tiny else 7 if quick else 9
-    return inner, samples
+    if tiny:
+        return inner, 3, 1
+    if quick:
+        return inner, 7, 3
+    return (inner, 15, 7) if nbytes >= MIB else (inner, 9, 5)
 
 
 def _sample(comm, fn, inner):
@@ -139,10 +146,9 @@ def run(quick=False, max_bytes=None, comm=None, tiny=False, min_bytes=0):
     engine = ms.make_engine(ms.MLP([2, 2]), f"dp={n}", comm=comm, dtype=np.float32)
     comm = engine.mesh.comm("dp")           # raw calls on the very communicator the engine uses
     cap = max_bytes or (64 * KIB if tiny else 16 * MIB if quick else 64 * MIB)
-    trials = 1 if tiny else 3 if quick else 5
     rows = []
     for nbytes in [s for s in SIZES if min_bytes <= s <= cap]:
-        inner, samples = _plan(nbytes, quick, tiny)
+        inner, samples, trials = _plan(nbytes, quick, tiny)
         found: dict = {}
         for _ in range(trials):
             # fresh buffers (and a fresh result pool) each trial: on this VM a large buffer's

@@ -389,7 +389,8 @@ def markdown(results: dict) -> str:
     rows = [(n, v) for n, v in coll.items() if isinstance(v, dict) and "rows" in v]
     if rows:
         lines += ["", "Collectives: engine time over raw mpi4py time on the same input "
-                  "(1.0 = no overhead; median of 5 trials on fresh buffers); `all_reduce_out` "
+                  "(1.0 = no overhead; median of 5 trials on fresh buffers, 7 from 1 MiB); "
+                  "`all_reduce_out` "
                   "passes the raw call's own output buffer as `out=`, the others return a "
                   "result the engine allocates (all_gather) or reuses from its pool. From "
                   "1 MiB a second figure: the raw call's non-blocking form waited by a bare "
