@@ -16,19 +16,20 @@ For every size (bytes of each rank's input, 1 KiB .. 64 MiB; 16 MiB with --quick
 on the same float32 buffers and the same communicator (the engine's 'dp' group, which spans
 the world). The raw calls get their output preallocated once; the engine is called as a user
 calls it. One sample is `inner` back-to-back calls between barriers, its time the slowest
-rank's; the two sides alternate sample by sample (so background load hits both alike), and
+rank's; the sides take turns sample by sample (so background load hits them alike), and
 the ratio is the median over samples of the paired ratio engine / raw, after a warm-up. This
 is repeated in 5 trials (7 from 1 MiB; 3 with --quick), each on fresh buffers, and the figure is
 the median of the trials: on this VM two equal 16 MiB buffers can differ by 20% in how fast
 MPI writes into them, so a single trial measures where the pages landed, not the engine.
-From 1 MiB up a third side runs in the same alternation, `bounded`: the raw call's
-non-blocking form (Iallreduce, Iallgather, Ireduce_scatter_block, Ialltoall, Ialltoallv) waited
-by the least a polled wait must do, `while not req.Test(): sched_yield()` (the watchdog's
-poll loop without its clock reads). `bounded_ratio` (bounded / raw) is the floor of a
-collective whose wait is polled from Python (every collective below MPI_THREAD_MULTIPLE, and
-all_to_all_v's probes); above it the engine makes the blocking call, or for reduce_scatter and
-all_to_all_v's messages a blocking Waitall, under the guard thread (mpishard/comm/guard.py),
-which can run below it. `engine_over_bounded` is engine / bounded.
+From 1 MiB up a third side takes its turn too, `bounded`, on output buffers of its own (each
+side writes into its own: one that follows a side that wrote into its buffers finds them warm,
+cases()): the raw call's non-blocking form (Iallreduce, Iallgather, Ireduce_scatter_block,
+Ialltoall, Ialltoallv) waited by the least a polled wait must do, `while not req.Test():
+sched_yield()` (the watchdog's poll loop without its clock reads). `bounded_ratio` (bounded /
+raw) is the floor of a collective whose wait is polled from Python (every collective below
+MPI_THREAD_MULTIPLE, and all_to_all_v's probes); above it the engine makes the blocking call,
+or for reduce_scatter and all_to_all_v's messages a blocking Waitall, under the guard thread
+(mpishard/comm/guard.py), which can run below it. `engine_over_bounded` is engine / bounded.
 `allreduce_overhead_ratio` is the worst `all_reduce_out` ratio at 1 MiB and up: the engine
 writing into the raw call's own output buffer, literally the same buffers on both sides, so
 only the engine's code path differs. `allreduce_overhead_ratio_default` is the same for the
@@ -82,12 +83,15 @@ def _sample(comm, fn, inner):
 
 def compare(comm, ours, raw, inner, samples, warmup=2, bounded=None):
     """(median s/call of `ours`, of `raw`, median of the paired ratios ours/raw, and with
-    `bounded` the median of the paired ratios bounded/raw), the sides alternating sample by
-    sample (forwards, then backwards) so that load drifting over time hits them alike."""
+    `bounded` the median of the paired ratios bounded/raw), the sides taking turns sample by
+    sample so that load drifting over time hits them alike, their order rotating so that
+    each follows each other side as often (forwards-then-backwards left `ours` always in
+    the middle of three)."""
     sides = [raw, ours] + ([bounded] if bounded is not None else [])
     times = [[] for _ in sides]
     for i in range(warmup + samples):
-        order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
+        k = i % len(sides)
+        order = list(range(k, len(sides))) + list(range(k))
         for j in order:
             t = _sample(comm, sides[j], inner)
             if i >= warmup:
@@ -118,25 +122,30 @@ def cases(engine, comm, nbytes):
     displs = np.arange(n, dtype=np.int64) * (count // n)   # engine exchanging its counts first
     typed = MPI.FLOAT
     v_send, v_recv = [a, counts, displs, typed], [out, counts, displs, typed]
+    # `bounded` writes into buffers of its own: sharing the raw call's, it kept them warm
+    # for it (2 ranks, 4 MiB all_to_all: engine / raw 1.15-1.18 with them shared, 1.03-1.04
+    # apart; the raw call itself 422 -> 488-557 us)
+    b_out, b_gathered, b_scattered = (np.empty_like(x) for x in (out, gathered, scattered))
+    b_recv = [b_out, counts, displs, typed]
     return {
         "all_reduce": (lambda: engine.all_reduce(a, group="dp"),
                        lambda: comm.Allreduce(a, out),
-                       lambda: bounded_wait(comm.Iallreduce(a, out))),
+                       lambda: bounded_wait(comm.Iallreduce(a, b_out))),
         "all_reduce_out": (lambda: engine.all_reduce(a, group="dp", out=out),
                            lambda: comm.Allreduce(a, out),
-                           lambda: bounded_wait(comm.Iallreduce(a, out))),
+                           lambda: bounded_wait(comm.Iallreduce(a, b_out))),
         "all_gather": (lambda: engine.all_gather(a, group="dp"),
                        lambda: comm.Allgather(a, gathered),
-                       lambda: bounded_wait(comm.Iallgather(a, gathered))),
+                       lambda: bounded_wait(comm.Iallgather(a, b_gathered))),
         "reduce_scatter": (lambda: engine.reduce_scatter(a, group="dp"),
                            lambda: comm.Reduce_scatter_block(a, scattered),
-                           lambda: bounded_wait(comm.Ireduce_scatter_block(a, scattered))),
+                           lambda: bounded_wait(comm.Ireduce_scatter_block(a, b_scattered))),
         "all_to_all": (lambda: engine.all_to_all(a, group="dp"),
                        lambda: comm.Alltoall(a, out),
-                       lambda: bounded_wait(comm.Ialltoall(a, out))),
+                       lambda: bounded_wait(comm.Ialltoall(a, b_out))),
         "all_to_all_v": (lambda: engine.all_to_all_v(a, counts, group="dp"),
                          lambda: comm.Alltoallv(v_send, v_recv),
-                         lambda: bounded_wait(comm.Ialltoallv(v_send, v_recv))),
+                         lambda: bounded_wait(comm.Ialltoallv(v_send, b_recv))),
     }
 
 
