@@ -16,6 +16,7 @@ import pytest
 import mpishard as ms
 from mpishard import cli
 from mpishard.cli import calibrate as cal_mod
+from mpishard.cli import calibrate_steps as cal_steps
 from mpishard.cli.plan import candidate_layouts, plan_report
 from mpishard.cli.plan_time import validate, validation_report
 from mpishard.comm.mesh import parse_layout
@@ -159,12 +160,12 @@ def test_optimizer_factor_scales_the_optimizer_only():
 def test_step_factor_is_the_median_of_three_timings_with_their_range():
     cal = flat(op=1e-9, fixed=1e-5)
     rows = {kind: predict_rank(model, "dp=1", 0, batch, cal, 4)
-            for kind, (model, batch) in cal_mod.REFERENCE_STEPS.items()}
+            for kind, (model, batch) in cal_steps.REFERENCE_STEPS.items()}
     predicted = {kind: (r["compute_s"] - r["optimizer_s"], r["optimizer_s"])
                  for kind, r in rows.items()}
     samples = [{kind: (f * p[0], g * p[1]) for kind, p in predicted.items()}
                for f, g in ((1.3, 1.1), (1.05, 1.2), (1.28, 1.15))]
-    got = cal_mod.measure_step_factor(samples, dict(cal, step_factor={"mlp": 9.0}), 4)
+    got = cal_steps.measure_step_factor(samples, dict(cal, step_factor={"mlp": 9.0}), 4)
     # the median: 1.05 is outvoted
     assert got["step_factor"] == pytest.approx({"mlp": 1.28, "gpt": 1.28}, rel=1e-12)
     assert got["optimizer_factor"] == pytest.approx({"mlp": 1.15, "gpt": 1.15}, rel=1e-12)

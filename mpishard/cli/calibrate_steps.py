@@ -1,0 +1,88 @@
+"""The calibration's whole-step measurements (cli/calibrate.py): the per-call costs of tiny
+models (`fixed`) and the mid-size reference models' train_step and AdamW step, over what the
+micro-benchmarks predict for them (`step_factor`, `optimizer_factor`: parallel/step_time.py).
+Every timing goes through the `timed` passed in (calibrate.timed: every rank at once, windows
+of its WINDOW seconds), so this module needs nothing else of calibrate.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ..engine import make_engine
+from ..nn.gpt import GPT
+from ..nn.losses import MSE, CrossEntropy
+from ..nn.models import MLP
+from ..parallel.step_time import predict_rank
+from ..train.optim import AdamW
+
+REFERENCE_STEPS = {   # reference_seconds' models and batches: mid-size, fixed
+    "mlp": (MLP([512, 1024, 1024, 256]), 64),
+    "gpt": (GPT(vocab_size=128, seq_len=32, d_model=96, n_heads=4, n_layers=2), 8)}
+
+
+def step_seconds(model, comm, dtype, timed, batch: int = 2) -> tuple:
+    """(train_step seconds, AdamW step seconds) of `model` on each rank alone (COMM_SELF),
+    every rank at once, batch `batch` (2: measure_fixed's tiny models), each by
+    `timed(fn, comm)` (calibrate.timed)."""
+    engine = make_engine(model, "single", dtype=dtype, comm=MPI.COMM_SELF)
+    engine.load_checkpoint(model.init(seed=0))
+    opt = AdamW(engine, lr=1e-4)
+    rng = np.random.default_rng(0)
+    if isinstance(model, GPT):
+        x = rng.integers(0, model.vocab_size, (batch, model.seq_len))
+        t, loss = rng.integers(0, model.vocab_size, (batch, model.seq_len)), CrossEntropy()
+    else:
+        x, t, loss = (rng.standard_normal((batch, model.d_in)).astype(dtype),
+                      rng.standard_normal((batch, model.d_out)).astype(dtype), MSE())
+    grads = engine.train_step(x, t, loss)[1]
+    return (timed(lambda: engine.train_step(x, t, loss), comm),
+            timed(lambda: opt.step(grads), comm))
+
+
+def measure_fixed(comm, dtype, timed, ops=None) -> dict:
+    """Per-call costs that do not grow with the arrays (module docstring); `ops`: the
+    measured ops, whose AdamW call on the smallest array (what step_time charges a tiny
+    tensor) is taken out of the per-tensor optimizer cost."""
+    (m1, o1), (m5, o5) = (step_seconds(MLP([4] * (n + 1)), comm, dtype, timed)
+                              for n in (1, 5))
+
+    def gpt(n):
+        return GPT(vocab_size=8, seq_len=4, d_model=8, n_heads=2, n_layers=n)
+    (g1, _), (g3, _) = (step_seconds(gpt(n), comm, dtype, timed) for n in (1, 3))
+    layer, block = max(m5 - m1, 0.0) / 4, max(g3 - g1, 0.0) / 2
+    n0, s0 = (ops or {}).get("adamw", [[0.0, 0.0]])[0]
+    return {"mlp_layer": layer, "mlp_base": max(m1 - layer, 0.0), "gpt_block": block,
+            "gpt_base": max(g1 - block, 0.0),
+            "optimizer_tensor": max((o5 - o1) / 8 - (n0 * s0 if ops else 0.0), 0.0)}
+
+
+def reference_seconds(comm, dtype, timed) -> dict:
+    """{'mlp'|'gpt': (train_step seconds, AdamW step seconds) of a mid-size reference model,
+    on every rank alone at once (as `fixed`), on fresh arrays}."""
+    return {kind: step_seconds(model, comm, dtype, timed, batch)
+            for kind, (model, batch) in REFERENCE_STEPS.items()}
+
+
+def measure_step_factor(samples: list, cal: dict, itemsize: int) -> dict:
+    """{'step_factor': {'mlp'|'gpt': the median over `samples` (reference_seconds') of the
+    reference's measured train_step over what step_time charges its train_step from `cal`},
+    'optimizer_factor': the same of its AdamW step, and each one's '..._range': {kind:
+    [lowest, highest]}}: what the micro-benchmarks, each on its own arrays in a loop, miss of
+    a step at realistic sizes (operands evicted, fresh outputs, the interpreter between
+    calls); step_time multiplies each part of a model of that kind by its factor. Three
+    timings spread over the calibration, so one bad moment does not set it (one bench's
+    single timing gave 1.05 where the day's others gave 1.27-1.34). The references are fixed,
+    not the model being planned."""
+    plain = {key: value for key, value in cal.items()
+             if key not in ("step_factor", "optimizer_factor")}
+    out: dict = {}
+    for name, part in (("step_factor", 0), ("optimizer_factor", 1)):
+        ratios = {}
+        for kind, (model, batch) in REFERENCE_STEPS.items():
+            row = predict_rank(model, "dp=1", 0, batch, plain, itemsize)
+            predicted = row["optimizer_s"] if part else row["compute_s"] - row["optimizer_s"]
+            ratios[kind] = sorted(s[kind][part] / predicted for s in samples)
+        out[name] = {kind: float(np.median(r)) for kind, r in ratios.items()}
+        out[name + "_range"] = {kind: [r[0], r[-1]] for kind, r in ratios.items()}
+    return out
