@@ -41,7 +41,7 @@ def step_seconds(model, comm, dtype, timed, batch: int = 2) -> tuple:
 
 
 def measure_fixed(comm, dtype, timed, ops=None) -> dict:
-    """Per-call costs that do not grow with the arrays (module docstring); `ops`: the
+    """Per-call costs that do not grow with the arrays (calibrate.py: `fixed`); `ops`: the
     measured ops, whose AdamW call on the smallest array (what step_time charges a tiny
     tensor) is taken out of the per-tensor optimizer cost."""
     (m1, o1), (m5, o5) = (step_seconds(MLP([4] * (n + 1)), comm, dtype, timed)
