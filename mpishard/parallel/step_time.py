@@ -226,9 +226,15 @@ def _fsdp_copies(view, ops) -> float:
 
 def elementwise_seconds(view, calibration: dict) -> float:
     """Seconds of non-GEMM work per train_step and optimizer step (module docstring)."""
+    return train_elementwise_seconds(view, calibration) + optimizer_seconds(view, calibration)
+
+
+def train_elementwise_seconds(view, calibration: dict) -> float:
+    """The train_step's part of elementwise_seconds: the model's element-wise work and
+    FSDP's copies."""
     ops, fixed = calibration["ops"], calibration["fixed"]
     seconds = (_gpt_elementwise if is_gpt(view.model) else _mlp_elementwise)(view, ops, fixed)
-    return seconds + _fsdp_copies(view, ops) + optimizer_seconds(view, calibration)
+    return seconds + _fsdp_copies(view, ops)
 
 
 def optimizer_seconds(view, calibration: dict) -> float:
@@ -332,10 +338,8 @@ def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
     view = rank_view(model, layout, rank, itemsize, batch)
     step_factor, optimizer_factor = factors(calibration, model)
     gemm = step_factor * gemm_seconds(view, calibration)
-    optimizer = optimizer_seconds(view, calibration)
-    elem = step_factor * (elementwise_seconds(view, calibration) - optimizer) \
-        + optimizer_factor * optimizer
-    optimizer *= optimizer_factor
+    optimizer = optimizer_factor * optimizer_seconds(view, calibration)
+    elem = step_factor * train_elementwise_seconds(view, calibration) + optimizer
     bub = bubble(view.layout)
     comm = sum(term[-1] for term in comm_terms(view, calibration))
     factor = bubble_factor(bub, calibration.get("concurrency", 1.0))
