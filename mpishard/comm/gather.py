@@ -13,8 +13,9 @@ between the rounds 1.17-1.26x raw Allgather, after it 1.05-1.22x, median 1.14 ov
 raw Allgather after a raw lengths round 1.02-1.04x: the engine's Python is what is left).
 all_gather_async (FSDP's prefetch) needs equal shapes and exchanges no lengths.
 
-`Gather` is a mixin of collectives.Comm: it uses the host's `_mpi`, `_check`, `_norm_axis`,
-`_moved`, `_back`, `pool`, `backend`, `stats`, `watchdog` and `_lengths` (a dict).
+`Gather` is a mixin of collectives.Comm: it uses the host's `_mpi`, `_sized`, `_check`,
+`_norm_axis`, `_moved`, `_back`, `host_array`, `pool`, `backend`, `stats`, `watchdog` and
+`_lengths` (a dict).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import time
 import numpy as np
 
 from .alltoallv import blocks, mpi_type
-from .p2p import Future
+from .p2p import Future, dtype_code
 
 
 def _plain(blocking, nonblocking, args, what, comm):
@@ -55,14 +56,21 @@ class Gather:
         comes from the pool (pool.py) unless `pooled=False` (FSDP's weights, really freed).
         """
         t0 = time.perf_counter()
-        moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
+        if not axis and type(arr) is self.host_array and arr.ndim and arr.flags.c_contiguous:
+            moved = arr                         # the usual call, as is (the least Python:
+            comm, n = self._sized(group)        # collectives.Comm._all_to_all_rows)
+            if self.debug:
+                self._check(comm, "all_gather", moved, skip_axis=True)
+            dtype_code(moved.dtype)
+        else:
+            moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)
         if self.watchdog.guard is not None:     # both rounds as one call under the guard:
             out = self.watchdog.run(self._gathered, None, (moved, comm, n, pooled, _plain),
                                     "all_gather", comm)     # counted and gated once
         else:                                   # each round bounded on its own
             out = self._gathered(moved, comm, n, pooled, self.watchdog.run)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
-        return self._back(out, axis)
+        return self._back(out, axis) if axis else out
 
     def _gathered(self, moved, comm, n, pooled, run):
         """all_gather's two rounds, each a collective made by `run(blocking, nonblocking, args,

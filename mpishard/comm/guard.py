@@ -5,7 +5,7 @@ it cannot time out by itself; polling its non-blocking form from Python instead 
 call the poll loop (measured, 1 MiB at 4 ranks on 2 cores: Ialltoall waited by the barest
 `Test` + `sched_yield` loop 1.08-1.13x the blocking Alltoall, the engine's poll-based call
 1.30-1.36x). The guard keeps the blocking call: before it, the watchdog hands the guard a
-deadline and how to describe the call (`watch`), after it clears them (`clear`): two stores.
+deadline and how to describe the call (`Guard.watched`), after it clears them: two stores.
 One daemon thread per process wakes every PERIOD seconds (at most a quarter of the shortest
 timeout watched), and when a call is still in flight past its deadline it prints the
 CollectiveTimeout line (the operation, the group, the step, the late ranks) and aborts the job
@@ -37,8 +37,10 @@ def usable() -> bool:
 class Guard:
     """The deadline of the blocking call in flight on this process, and its watching thread.
 
-    `watched` is None between calls, else (start, timeout, describe, args): `describe(*args)`
-    returns the timeout's message; it is called on the guard's thread, only on a timeout.
+    `watched` is None between calls, else (start, timeout, describe, args): start and timeout
+    in nanoseconds of `time.monotonic_ns`; `describe(*args)` returns the timeout's message,
+    called on the guard's thread, only on a timeout. The watchdog's hot path stores the tuple
+    itself (Watchdog.guarded: one clock read serves its arrival stamp and the deadline).
     """
 
     SHARED = None         # the process's Guard, started by the first engine that needs one
@@ -58,18 +60,11 @@ class Guard:
         cls.SHARED.period = min(cls.SHARED.period, timeout / 4)
         return cls.SHARED
 
-    def watch(self, timeout: float, describe, *args) -> None:
-        """A blocking call starts now; at most `timeout` seconds."""
-        self.watched = (time.monotonic(), timeout, describe, args)
-
-    def clear(self) -> None:
-        self.watched = None
-
     def _run(self) -> None:
         while not self.fired:
             time.sleep(self.period)
             watched = self.watched
-            if watched is not None and time.monotonic() - watched[0] > watched[1]:
+            if watched is not None and time.monotonic_ns() - watched[0] > watched[1]:
                 if self.watched is watched:           # still the same call, still in it
                     self.fire(watched[2](*watched[3]))
 
