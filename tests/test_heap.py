@@ -3,6 +3,7 @@ engine is built, so freed arrays stay in the process instead of being page-fault
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -25,9 +26,12 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
-if sys.argv[1] == "keep":
-    from mpishard.comm.heap import keep_host_heap
-    assert keep_host_heap().kept
+if sys.argv[1] == "keep":                    # heap.py alone: importing mpishard starts MPI
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("heap", sys.argv[2])
+    heap = sys.modules["heap"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heap)
+    assert heap.keep_host_heap().kept
 a = np.ones(1 << 17)                         # 1 MiB of float64, freed
 del a
 b = np.ones(1 << 20)                         # 8 MiB
@@ -36,8 +40,9 @@ print(json.dumps({"mmapped": libc.mallinfo2().hblkhd}))
 
 
 def _mmapped(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         check=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    env = {k: v for k, v in os.environ.items() if k not in heap.HEAP_VARS}
+    out = subprocess.run([sys.executable, "-c", PROBE, mode, heap.__file__], capture_output=True,
+                         text=True, check=True, env=env).stdout
     return json.loads(out)["mmapped"]
 
 
