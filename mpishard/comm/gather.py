@@ -40,6 +40,12 @@ class Gather:
         """(arr with `axis` moved first, contiguous; the axis normalised; communicator; group
         size) for all_gather(_async); a 0-d array gathers as shape (1,). `uneven`: lengths
         along `axis` may differ, so debug mode leaves them out of the comparison."""
+        if not axis and type(arr) is self.host_array and arr.ndim and arr.flags.c_contiguous:
+            comm, n = self._sized(group)        # the usual call, as is (Comm._sized)
+            if self.debug:
+                self._check(comm, "all_gather", arr, skip_axis=uneven)
+            dtype_code(arr.dtype)
+            return arr, 0, comm, n
         a = self.xp.asarray(arr)
         if a.ndim == 0:
             a = a.reshape(1)
@@ -56,14 +62,7 @@ class Gather:
         comes from the pool (pool.py) unless `pooled=False` (FSDP's weights, really freed).
         """
         t0 = time.perf_counter()
-        if not axis and type(arr) is self.host_array and arr.ndim and arr.flags.c_contiguous:
-            moved = arr                         # the usual call, as is (the least Python:
-            comm, n = self._sized(group)        # collectives.Comm._all_to_all_rows)
-            if self.debug:
-                self._check(comm, "all_gather", moved, skip_axis=True)
-            dtype_code(moved.dtype)
-        else:
-            moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)
+        moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
         if self.watchdog.guard is not None:     # both rounds as one call under the guard:
             out = self.watchdog.run(self._gathered, None, (moved, comm, n, pooled, _plain),
                                     "all_gather", comm)     # counted and gated once
