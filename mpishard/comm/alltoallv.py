@@ -148,7 +148,7 @@ class VariableExchange:
         else:
             recv, messages = self._probe(private, comm, send[me], row, mtype, ticket)
         blocked = time.perf_counter() - t_wait
-        out = self.pool.get((sum(recv),) + a.shape[1:], a.dtype)
+        out = self.pool.get((sum(recv),) + a.shape[1:], a.dtype, a)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         into = offsets(recv)
         for j in reversed(peers):               # the peer that sends to this rank first

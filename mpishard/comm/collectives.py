@@ -37,7 +37,8 @@ from mpi4py import MPI
 from .alltoallv import PrivateComms, VariableExchange
 from .debug import OPS, CollectiveMismatchError, agree, check_signature
 from .gather import Gather
-from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
+from .p2p import HEADER_WORDS, OFFSET, Future, PointToPoint, dtype_code, header, header_shape
+from .placement import empty_at
 from .pool import ResultPool
 from .reduce_scatter import ScatterReduce
 from .stats import CommStats
@@ -206,7 +207,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         if op == "avg" and a.dtype.kind not in "fc":
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
         if out is None:
-            out = self.pool.get(a.shape, a.dtype) if pooled else self.xp.empty_like(a)
+            out = self.pool.get(a.shape, a.dtype, a) if pooled else self.xp.empty_like(a)
         elif out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous:
             raise ValueError(f"all_reduce: out= must be C-contiguous with shape {a.shape} and "
                              f"dtype {a.dtype}, got shape {out.shape} and dtype {out.dtype}")
@@ -259,7 +260,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         length = moved.shape[0]
         lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
         if n == 1:
-            out = self.pool.get(moved.shape, moved.dtype)
+            out = self.pool.get(moved.shape, moved.dtype, moved)
             out[...] = moved
         else:                     # pairwise exchange, rank-order sum (reduce_scatter.py)
             out = self._pairwise_reduce_scatter(moved, comm, lens)
@@ -290,7 +291,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         if moved.shape[0] % n:
             raise ValueError(f"all_to_all: length {moved.shape[0]} along axis {axis} is not "
                              f"divisible by the group size {n}")
-        out = self.pool.get(moved.shape, moved.dtype)
+        out = self.pool.get(moved.shape, moved.dtype, moved)
         backend = self.backend
         sbuf = backend.mpi_buffer(moved)
         rbuf = backend.mpi_buffer(out, slot="recv", read=False)
@@ -310,7 +311,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         a, h = self._broadcast_header(comm, arr, root)
         if comm.Get_rank() != root:
             shape, dtype = header_shape(h)
-            a = self.xp.empty(shape, dtype=dtype)
+            a = empty_at(self.xp, shape, dtype, int(h[OFFSET]))   # at root's page offset
         buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
         self.watchdog.run(comm.Bcast, comm.Ibcast, (buf, root), "broadcast", comm)
         self.backend.mpi_finish(buf, a)

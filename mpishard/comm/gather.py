@@ -26,6 +26,7 @@ import numpy as np
 
 from .alltoallv import blocks, mpi_type
 from .p2p import Future, dtype_code
+from .placement import empty_at, page_offset
 
 
 def _plain(blocking, nonblocking, args, what, comm):
@@ -79,7 +80,8 @@ class Gather:
         shape, dtype, backend = moved.shape, moved.dtype, self.backend
         length, rest = shape[0], shape[1:]
         shape = (n * length,) + rest
-        out = self.pool.get(shape, dtype) if pooled else self.xp.empty(shape, dtype)
+        out = (self.pool.get(shape, dtype, moved) if pooled
+               else empty_at(self.xp, shape, dtype, page_offset(moved)))
         sbuf = backend.mpi_buffer(moved)
         rbuf = backend.mpi_buffer(out, slot="recv", read=False)
         try:                                    # this group's length buffers, made once
@@ -94,7 +96,8 @@ class Gather:
             run(comm.Allgather, comm.Iallgather, (sbuf, rbuf), "all_gather", comm)
         else:
             shape = (sum(lens),) + rest
-            out = self.pool.get(shape, dtype) if pooled else self.xp.empty(shape, dtype)
+            out = (self.pool.get(shape, dtype, moved) if pooled
+                   else empty_at(self.xp, shape, dtype, page_offset(moved)))
             rbuf = backend.mpi_buffer(out, slot="recv", read=False)
             run(comm.Allgatherv, comm.Iallgatherv, (sbuf, [rbuf, *blocks(lens, math.prod(rest)),
                 mpi_type(dtype)]), "all_gather", comm)
@@ -112,7 +115,8 @@ class Gather:
         """
         t0 = time.perf_counter()
         moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
-        out = self.xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
+        out = empty_at(self.xp, (n * moved.shape[0],) + moved.shape[1:], moved.dtype,
+                       page_offset(moved))
         sbuf = self.backend.mpi_buffer(moved, slot=None)    # this request's own staging
         rbuf = self.backend.mpi_buffer(out, slot=None, read=False)
         req, ticket = comm.Iallgather(sbuf, rbuf), self.watchdog.arrive(comm)

@@ -6,9 +6,12 @@ every call), so the loop `y = comm.all_reduce(x)` alternates between two buffers
 handed out again only when no other reference to it, or to a view of it, remains (CPython
 reference counts of the array and of the memory's owner), so a result the caller still holds
 is never overwritten. This saves the page faults of a fresh large allocation per call (15-40%
-of a 16 MiB all_reduce here). all_gather results are pooled too, except FSDP's gathered
-weights (`pooled=False`), which must really be freed (a fresh 16 MiB all_gather result cost
-1.6x raw Allgather here).
+of a 16 MiB all_reduce here). A new buffer starts at the page offset of the input it is first
+allocated for (`like`; placement.py: a receive 1-31 bytes past its send within the page
+copies 2-4x slower), so it is a view of a byte buffer, its `.base`, which owns the memory and
+which every further view holds: both counts are checked. all_gather results are pooled too,
+except FSDP's gathered weights (`pooled=False`), which must really be freed (a fresh 16 MiB
+all_gather result cost 1.6x raw Allgather here).
 """
 from __future__ import annotations
 
@@ -16,9 +19,12 @@ import sys
 
 import numpy as np
 
+from .placement import empty_at, page_offset
+
 
 class ResultPool:
-    """`get(shape, dtype)`: a reused array nobody holds any more, or a new one."""
+    """`get(shape, dtype, like)`: a reused array nobody holds any more, or a new one placed
+    at `like`'s page offset (the array it receives for)."""
 
     SHAPES, PER_SHAPE = 8, 2
 
@@ -27,28 +33,30 @@ class ResultPool:
         self.enabled = True          # False: a fresh result every call
         self._bufs: dict = {}
 
-    def get(self, shape, dtype):
+    def get(self, shape, dtype, like=None):
         try:
             bufs = self._bufs.get((shape, dtype)) if self.enabled else None
         except TypeError:          # a list for a shape: _get makes it a tuple
             bufs = None
         free = self._free(bufs) if bufs else None      # the usual call: a shape seen before
-        return free if free is not None else self._get(shape, dtype)
+        return free if free is not None else self._get(shape, dtype, like)
 
     @staticmethod
     def _free(bufs):
         """A kept buffer nobody else holds, or None."""
         for i in range(len(bufs)):          # indexed: a loop variable would add a reference
-            # 2 = the list's reference + getrefcount's argument; every view of a pooled
-            # array (the moveaxis of a result, a slice of it) holds one more, as its .base
-            if sys.getrefcount(bufs[i]) == 2:
+            # 2 = the list's reference + getrefcount's argument; a view of a pooled array
+            # (the moveaxis of a result, a slice of it) holds one more on the byte buffer
+            # that owns the memory, the pooled array's .base (2: its reference + the argument)
+            if sys.getrefcount(bufs[i]) == 2 and (bufs[i].base is None
+                                                  or sys.getrefcount(bufs[i].base) == 2):
                 return bufs[i]
         return None
 
-    def _get(self, shape, dtype):
+    def _get(self, shape, dtype, like=None):
         """get's slow path: a new shape, a shape given as a list, or every buffer held."""
         if not self.enabled:
-            return self.xp.empty(shape, dtype=dtype)
+            return empty_at(self.xp, shape, dtype, page_offset(like))
         if type(shape) is not tuple or not isinstance(dtype, np.dtype):
             shape, dtype = tuple(shape), np.dtype(dtype)     # callers mostly pass a.shape, a.dtype
         key = (shape, dtype)
@@ -60,7 +68,7 @@ class ResultPool:
         free = self._free(bufs)
         if free is not None:
             return free
-        buf = self.xp.empty(shape, dtype=dtype)
+        buf = empty_at(self.xp, shape, dtype, page_offset(like))
         bufs.append(buf)
         if len(bufs) > self.PER_SHAPE:
             bufs.pop(0)                                 # the oldest stays with its holder

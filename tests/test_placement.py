@@ -1,0 +1,117 @@
+"""Receive buffers start at the page offset of what is sent into them (comm/placement.py).
+
+    mpiexec -n 2 python -m mpi4py -m pytest --with-mpi -m mpi tests/test_placement.py
+"""
+import numpy as np
+import pytest
+
+import mpishard as ms
+from mpishard.comm.placement import MIN_BYTES, PAGE, empty_at, page_offset
+from mpishard.comm.pool import ResultPool
+
+from conftest import world
+
+OFFSETS = [0, 16, 48, 1040, PAGE - 16]
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_empty_at_starts_at_the_offset(offset, dtype):
+    a = empty_at(np, (3, 5000), dtype, offset)
+    assert a.shape == (3, 5000) and a.dtype == dtype and a.flags.c_contiguous
+    assert a.flags.aligned and a.flags.writeable
+    assert a.ctypes.data % PAGE == offset
+    assert page_offset(a) == offset
+    a[...] = 7                                   # the whole array is usable memory
+    assert a.sum() == 7 * a.size
+
+
+def test_empty_at_rounds_down_to_the_dtype_alignment_and_takes_an_int_shape():
+    a = empty_at(np, 4000, np.float64, 1044)
+    assert a.shape == (4000,) and a.ctypes.data % PAGE == 1040
+
+
+def test_small_and_device_arrays_are_not_placed():
+    small = np.empty(MIN_BYTES // 8 - 1)
+    assert page_offset(small) == -1
+    assert page_offset([1.0] * 10_000) == -1     # not a host array: nothing to read
+    plain = empty_at(np, (10,), np.float32, -1)
+    assert plain.base is None
+
+
+def test_pool_places_a_new_buffer_at_its_input_offset_and_reuses_it():
+    pool = ResultPool(np)
+    for offset in OFFSETS:
+        x = empty_at(np, (64, 100), np.float32, offset)
+        out = pool.get(x.shape, x.dtype, x)
+        assert out.ctypes.data % PAGE == offset
+        address = out.ctypes.data
+        del out
+        assert pool.get(x.shape, x.dtype, x).ctypes.data == address   # nobody holds it
+        pool.clear()
+
+
+def test_pool_never_hands_out_a_buffer_while_a_view_of_it_lives():
+    """A view of a placed buffer holds the byte buffer that owns the memory, not the pooled
+    array: the pool must count that holder too, or it would overwrite the view's data."""
+    pool = ResultPool(np)
+    x = empty_at(np, (64, 100), np.float32, 16)
+    out = pool.get(x.shape, x.dtype, x)
+    out[...] = 1.0
+    view = out[1:, :3]
+    address = out.ctypes.data
+    del out
+    again = pool.get(x.shape, x.dtype, x)
+    assert again.ctypes.data != address
+    again[...] = 2.0
+    other = pool.get(x.shape, x.dtype, x)          # both held: a third (the view keeps the first)
+    kept = other.ctypes.data
+    assert kept not in (address, again.ctypes.data)
+    np.testing.assert_array_equal(view, 1.0)
+    del other
+    assert pool.get(x.shape, x.dtype, x).ctypes.data == kept      # free again: reused
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_a_received_array_starts_at_the_senders_page_offset(offset):
+    comm = world()
+    n, me = comm.Get_size(), comm.Get_rank()
+    engine = ms.make_engine(ms.MLP([2, 2]), f"dp={n}", comm=comm, dtype=np.float32)
+    sent = empty_at(np, (32, 257), np.float32, (offset + 64 * me) % PAGE)   # 32 KiB
+    sent[...] = np.arange(sent.size, dtype=np.float32).reshape(sent.shape) + me
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    fut = engine.send_async(sent, nxt, tag=3)
+    got = engine.receive(prev, tag=3)
+    fut.result()
+    np.testing.assert_array_equal(got, np.arange(sent.size).reshape(sent.shape) + prev)
+    assert got.ctypes.data % PAGE == (offset + 64 * prev) % PAGE
+    if me == 0:                                    # the blocking form, around the ring
+        engine.send(nxt, sent, tag=4)
+    got = engine.receive(prev, tag=4)
+    if me != 0:
+        engine.send(nxt, sent, tag=4)
+    assert got.ctypes.data % PAGE == (offset + 64 * prev) % PAGE
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_and_collective_results_start_at_the_inputs_page_offset():
+    comm = world()
+    n, me = comm.Get_size(), comm.Get_rank()
+    engine = ms.make_engine(ms.MLP([2, 2]), f"dp={n}", comm=comm, dtype=np.float64)
+    root = empty_at(np, (n * 8, 129), np.float64, 2064) if me == 0 else None
+    if me == 0:
+        root[...] = 3.0
+    got = engine.broadcast(root, root=0, group="dp")
+    np.testing.assert_array_equal(got, 3.0)
+    assert got.ctypes.data % PAGE == 2064
+    x = empty_at(np, (n * 8, 129), np.float64, 80)
+    x[...] = me
+    y = engine.all_to_all(x, group="dp")
+    np.testing.assert_array_equal(y, np.repeat(np.arange(n), 8)[:, None] * np.ones(129))
+    assert y.ctypes.data % PAGE == 80
+    g = engine.all_gather(x, group="dp")
+    assert g.ctypes.data % PAGE == 80 and g.shape == (n * n * 8, 129)
+    s = engine.all_reduce(x, group="dp")
+    assert s.ctypes.data % PAGE == 80
+    np.testing.assert_array_equal(s, n * (n - 1) / 2)
