@@ -115,3 +115,29 @@ def test_broadcast_and_collective_results_start_at_the_inputs_page_offset():
     s = engine.all_reduce(x, group="dp")
     assert s.ctypes.data % PAGE == 80
     np.testing.assert_array_equal(s, n * (n - 1) / 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_received_array_is_freed_when_its_holder_lets_go():
+    """No reference cycle keeps a received array (or its Future) alive until the garbage
+    collector runs: receive_async's finish names its own Future, so a completed Future lets
+    go of it (before, every 1 MiB receive in a loop took a fresh heap block: 2.3x slower)."""
+    import gc
+    import weakref
+
+    comm = world()
+    n, me = comm.Get_size(), comm.Get_rank()
+    engine = ms.make_engine(ms.MLP([2, 2]), f"dp={n}", comm=comm, dtype=np.float32)
+    sent = np.full(4096, me, dtype=np.float32)
+    gc.disable()
+    try:
+        fut = engine.send_async(sent, (me + 1) % n, tag=5)
+        got = engine.receive_async((me - 1) % n, tag=5)
+        value = got.result()
+        fut.result()
+        assert value[0] == (me - 1) % n
+        alive = weakref.ref(value), weakref.ref(got)
+        del value, got
+        assert [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()

@@ -46,19 +46,18 @@ def dtype_code(dtype) -> int:
 def header(a, sent=None) -> np.ndarray:
     """The header that travels before `a`: dtype code, ndim, shape, and the page offset of
     `sent`, the buffer MPI reads (`a`, or its host staging copy)."""
-    h = np.zeros(HEADER_WORDS, dtype=np.int64)
-    if a.ndim > OFFSET - 2:
-        raise ValueError(f"send supports up to {OFFSET - 2} dims, got {a.ndim}")
-    h[0], h[1] = dtype_code(a.dtype), a.ndim
-    h[2:2 + a.ndim] = a.shape
-    h[OFFSET] = page_offset(a if sent is None else sent)
-    return h
+    ndim = a.ndim
+    if ndim > OFFSET - 2:
+        raise ValueError(f"send supports up to {OFFSET - 2} dims, got {ndim}")
+    words = [dtype_code(a.dtype), ndim, *a.shape] + [0] * (OFFSET - 2 - ndim)
+    words.append(page_offset(a if sent is None else sent))
+    return np.array(words, dtype=np.int64)     # one call (the send path runs cache-cold too)
 
 
 def header_shape(h) -> tuple:
     """(shape, dtype) described by a received header."""
-    ndim = int(h[1])
-    return tuple(int(d) for d in h[2:2 + ndim]), DTYPES[int(h[0])]
+    words = h.tolist()          # one call: the receive path runs with caches a copy evicted
+    return tuple(words[2:2 + words[1]]), DTYPES[words[0]]
 
 
 def wire_tag(tag, kind) -> int:
@@ -109,9 +108,14 @@ class Future:
     def _complete(self):
         self._done = True
         Future.in_flight -= 1
-        self._value = self._finish() if self._finish is not None else None
-        if self._release is not None:
-            self._release()
+        finish, release = self._finish, self._release
+        # let go of the callables: a finish that names its own Future (receive_async's) is a
+        # reference cycle, and it held every received array until the garbage collector ran
+        # (1 MiB receives in a loop: a fresh heap block each, 2.3x the time of a reused one)
+        self._finish = self._release = self._wait = None
+        self._value = finish() if finish is not None else None
+        if release is not None:
+            release()
         self._keep = ()
 
 

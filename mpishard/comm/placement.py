@@ -25,7 +25,10 @@ at the sender's, which travels in the message header (p2p.py). A buffer the call
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from mpi4py import MPI
 
 PAGE = 4096              # bytes: the distance that matters is counted within a page
 MIN_BYTES = 8 * 1024     # smaller messages: copied through shared memory, no kernel copy
@@ -33,11 +36,12 @@ SLOW = range(1, 32)      # receive offset - send offset (mod PAGE) where the cop
 
 
 def page_offset(a) -> int:
-    """Where host array `a`'s data starts within its page, or -1: a small array (not worth
-    the ~1.4 us the address costs), or a device array."""
+    """Where host array `a`'s data starts within its page, or -1: a small array (a message
+    that takes no kernel copy), or a device array. The address is mpi4py's view of the
+    buffer (0.19 us here; `a.ctypes.data` 1.4 us)."""
     if type(a) is not np.ndarray or a.nbytes < MIN_BYTES:
         return -1
-    return a.ctypes.data % PAGE
+    return MPI.buffer(a).address % PAGE
 
 
 def empty_at(xp, shape, dtype, offset: int):
@@ -48,9 +52,10 @@ def empty_at(xp, shape, dtype, offset: int):
     if offset < 0 or xp is not np:
         return xp.empty(shape, dtype=dtype)
     dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
     offset -= offset % dtype.alignment
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    start = (offset - raw.ctypes.data) % PAGE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    start = (offset - MPI.buffer(raw).address) % PAGE
+    a = raw[start:start + nbytes].view(dtype)
+    return a if len(shape) == 1 else a.reshape(shape)
