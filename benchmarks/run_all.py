@@ -13,6 +13,9 @@ is recorded without losing the others):
     collectives  benchmarks/collectives.py at 2 and 4 ranks: engine vs raw mpi4py calls; per
                  kind the worst ratio at >= 1 MiB (each the median of trials) and its trials'
                  range
+    placement    benchmarks/placement.py at 2 and 4 ranks: 1 MiB Sendrecv and Alltoall by
+                 the distance from send to receive buffer within a page, and the engine's
+                 p2p and all_to_all on the same send buffers
     peers        benchmarks/peers_torch.py: single step vs torch; dp=2 vs torch DDP (gloo)
     gpt          benchmarks/gpt.py: the issue's GPT, single rank: MFU against plain matmul on
                  the same GEMMs, and the step time over PyTorch CPU eager's (same weights)
@@ -74,8 +77,8 @@ PART_OF = {**{k: "collective_overhead" for k in COLLECTIVE_KEYS.values()},
            "vs_torch_gpt_step_ratio": "gpt", "gpt_vs_torch_step_ratio": "gpt",
            "planner_median_error": "planner", "planner_best_gap": "planner",
            "zb1p_bubble_ratio": "scaling"}     # headline key -> its part's results key
-PARTS = ["mfu", "collectives", "peers", "gpt", "planner", "scaling-dp", "scaling-tp",
-         "scaling-pp"]
+PARTS = ["mfu", "collectives", "placement", "peers", "gpt", "planner", "scaling-dp",
+         "scaling-tp", "scaling-pp"]
 MIB = 1024 * 1024
 PLANNER_RANKS = 4
 PLANNER_MODELS = {  # mode: [(name, --model, batch, layouts validated)]; full: the README's
@@ -199,6 +202,10 @@ def worst_collectives(by_ranks: dict) -> dict:
                              "spread": [min(trials), max(trials)],
                              "bounded_ratio": w.get("bounded_ratio")}
     return out
+
+
+def part_placement(r: Runner) -> dict:
+    return {str(n): r.mpi(n, "placement.py", timeout=r.args.part_timeout) for n in (2, 4)}
 
 
 def part_peers(r: Runner) -> dict:
@@ -416,6 +423,7 @@ def markdown(results: dict) -> str:
             f"{w['ranks']} ranks, {w['bytes'] // MIB} MiB"
             + (f", bounded floor {w['bounded_ratio']:.3f}" if w.get("bounded_ratio") else "")
             for w in worst.values()) + "."]
+    lines += _placement_lines(results.get("placement", {}))
     lines += _planner_lines(results.get("planner", {}))
     sc = results.get("scaling", {})
     pp = sc.get("pp", {})
@@ -445,6 +453,28 @@ def markdown(results: dict) -> str:
     elif pp:
         lines += ["", f"Pipeline: {pp.get('skipped') or pp.get('error')}"]
     return "\n".join(lines) + "\n"
+
+
+def _placement_lines(placement: dict) -> list:
+    runs = [(n, v) for n, v in placement.items() if isinstance(v, dict) and "deltas" in v]
+    if not runs:
+        return []
+    deltas = runs[0][1]["deltas"]
+    lines = ["", "Receive placement (benchmarks/placement.py): us per call by the distance, "
+             "within a 4 KiB page, from the send buffer's start to the receive buffer's, "
+             "then the engine on the same send buffers (it places what it receives into), "
+             "and the slowest distance over the median of those outside 1-31 bytes:", "",
+             "| op | ranks | KiB | " + " | ".join(f"+{d}" for d in deltas)
+             + " | engine | slow / other | engine / +0 |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in deltas) + " | --- | --- | --- |"]
+    for n, v in runs:
+        for op in ("p2p", "alltoall"):
+            if op in v:
+                r = v[op]
+                lines.append(f"| {op} | {n} | {v['bytes'] // 1024} | " + " | ".join(
+                    f"{r['us'][str(d)]:.0f}" for d in deltas) + f" | {r['us']['engine']:.0f} | "
+                    f"{r['slow_ratio']:.2f} | {r['engine_over_delta0']:.2f} |")
+    return lines
 
 
 def _planner_lines(planner: dict) -> list:
@@ -513,6 +543,8 @@ def main(argv=None):
         results["mfu"] = part_mfu(r)
     if "collectives" in parts:
         results["collective_overhead"] = part_collectives(r)
+    if "placement" in parts:
+        results["placement"] = part_placement(r)
     if "peers" in parts:
         results["peers"] = part_peers(r)
     if "gpt" in parts:
