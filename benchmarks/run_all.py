@@ -1,6 +1,6 @@
 """`make bench`: every benchmark, as ratios measured in one run, into results.json + results.md.
 
-    python benchmarks/run_all.py --mpiexec ".venv/bin/mpiexec"            # ~7-12 min here
+    python benchmarks/run_all.py --mpiexec ".venv/bin/mpiexec"            # ~12-15 min here
     python benchmarks/run_all.py --mpiexec "mpirun --oversubscribe" --quick  # ~2 min
     python benchmarks/run_all.py --tiny --parts collectives,scaling-dp \\
         --out /tmp/r.json --md /tmp/r.md                                      # smoke test

@@ -29,7 +29,7 @@ def _mpiexec():
 
 def test_run_all_tiny_end_to_end(tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "results.md"
-    parts = "mfu,collectives,peers,gpt,planner,scaling-dp,scaling-pp"
+    parts = "mfu,collectives,placement,peers,gpt,planner,scaling-dp,scaling-pp"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "run_all.py"), "--mpiexec", _mpiexec(), "--tiny",
          "--parts", parts, "--out", str(out), "--md", str(md), "--part-timeout", "120"],
@@ -56,6 +56,14 @@ def test_run_all_tiny_end_to_end(tmp_path):
         assert res["headline"][key] == row["ratio"]
         lo, hi = res["headline_spread"][key]
         assert lo <= row["ratio"] <= hi
+    for n in ("2", "4"):                 # placement.py: every distance, and the engine
+        run = res["placement"][n]
+        assert run["ranks"] == int(n) and run["bytes"] == 64 * 1024, run
+        for op, sides in (("p2p", ["engine", "protocol"]), ("alltoall", ["engine"])):
+            assert set(run[op]["us"]) == {str(d) for d in run["deltas"]} | set(sides)
+            assert all(t > 0 for t in run[op]["us"].values())
+            assert run[op]["slow_ratio"] > 0 and run[op]["engine_over_delta0"] > 0
+    assert "Receive placement" in md.read_text()
     single = res["peers"]["single"]
     if "skipped" not in single:          # torch installed: same work on both sides
         assert single["max_loss_rel_diff"] < 1e-4
