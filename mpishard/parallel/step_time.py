@@ -33,8 +33,12 @@ of the busiest rank (the slowest of `representative_ranks`), where
   (median over 12 layouts at 4 ranks); with two, 8.9% in the next run.
 - bubble_factor: the pipeline schedule's simulated idle fraction b (schedules.py) costs
   1 / (1 - b) on a core per rank; with ranks sharing cores an idle stage lends its core to
-  the others, so the factor is max(1, 1 / (concurrency (1 - b))), `concurrency` the measured
-  slowdown of a GEMM when every rank runs one at once (about ranks / free cores).
+  the others, so the factor is max(1, 1 / (c (1 - b))), c = 1 + (concurrency - 1) x
+  lent(span): `concurrency` the measured slowdown of a GEMM when every rank runs one at once
+  (about ranks / free cores), and `lent` the share of an idle span the others really get,
+  which grows with the span against the scheduler's slice (spans under 2 ms lend nothing).
+  Before `lent`, a bubble was free wherever ranks outnumbered cores two to one, and
+  pipelined layouts came out 16-24% under-predicted (median, six 4-rank benches).
 - communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
   calls (comm_calls.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
   fsdp, the averaging axes for dp's gradients and for the loss): calls x the calibrated
@@ -253,9 +257,29 @@ def bubble(layout) -> float:
     return simulate(make_schedule(name, pp, m, v), pp, m, v).bubble_fraction
 
 
-def bubble_factor(b: float, concurrency: float = 1.0) -> float:
-    """What a pipeline bubble `b` multiplies the compute by (module docstring)."""
-    return max(1.0, 1.0 / (max(concurrency, 1.0) * (1.0 - b)))
+LEND_AFTER = 2e-3    # seconds: an idle span shorter than this lends its core to nobody
+SLICE = 3e-3         # seconds: about the scheduler's slice
+
+
+def lent(span: float) -> float:
+    """The share of a stage's idle span of `span` seconds that ranks sharing its core get:
+    (span - LEND_AFTER) / (span + SLICE), at least 0. Measured (87966be, 4 ranks on 2 cores:
+    half the ranks run bursts of GEMMs while their partners wait in a receive, roles swapping
+    each burst, against every rank busy): 1.00-1.03x as fast at bursts of 0.6-2.4 ms, 1.75x at
+    17 ms, 1.87x at 72 ms, where 2x is all; this gives 0-0.08, 0.75 and 0.93 of all."""
+    return max(0.0, span - LEND_AFTER) / (span + SLICE)
+
+
+def bubble_factor(b: float, concurrency: float = 1.0, compute_s=None) -> float:
+    """What a pipeline bubble `b` multiplies the compute by (module docstring). With the
+    rank's `compute_s`, the sharing is scaled by `lent` of the bubble's idle spans: the idle
+    time b / (1 - b) x compute, taken as two spans, the fill's and the drain's."""
+    if b <= 0:
+        return 1.0
+    c = max(concurrency, 1.0)
+    if compute_s is not None:
+        c = 1.0 + (c - 1.0) * lent(b / (1.0 - b) * compute_s / 2)
+    return max(1.0, 1.0 / (c * (1.0 - b)))
 
 
 def group_spans_nodes(layout, axes, ranks_per_node) -> bool:
@@ -342,7 +366,7 @@ def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
     elem = step_factor * train_elementwise_seconds(view, calibration) + optimizer
     bub = bubble(view.layout)
     comm = sum(term[-1] for term in comm_terms(view, calibration))
-    factor = bubble_factor(bub, calibration.get("concurrency", 1.0))
+    factor = bubble_factor(bub, calibration.get("concurrency", 1.0), gemm + elem)
     return {"gemm_s": gemm, "elementwise_s": elem, "optimizer_s": optimizer,
             "compute_s": gemm + elem, "bubble": bub, "comm_s": comm,
             "step_s": factor * (gemm + elem) + comm, "rank": rank}
