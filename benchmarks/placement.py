@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 import mpishard as ms
 from _common import mpi_sync, sample_times, write_json
+from mpishard.comm.p2p import HEADER_WORDS
 from mpishard.comm.placement import PAGE, SLOW, empty_at
 
 DELTAS = [0, 8, 16, 24, 32, 64, 512, 2048, PAGE - 16]
@@ -53,7 +54,7 @@ def _two_messages(comm, a, out):
     is posted once the header is in (it names the shape), at distance 0."""
     n, me = comm.Get_size(), comm.Get_rank()
     nxt, prev = (me + 1) % n, (me - 1) % n
-    h, h_in = np.zeros(13, np.int64), np.zeros(13, np.int64)
+    h, h_in = np.zeros(HEADER_WORDS, np.int64), np.zeros(HEADER_WORDS, np.int64)
 
     def call():
         sends = [comm.Isend(h, nxt, 8), comm.Isend(a, nxt, 9)]

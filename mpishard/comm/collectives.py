@@ -207,7 +207,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         if op == "avg" and a.dtype.kind not in "fc":
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
         if out is None:
-            out = self.pool.get(a.shape, a.dtype, a) if pooled else self.xp.empty_like(a)
+            out = self.pool.get(a.shape, a.dtype, a, pooled)
         elif out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous:
             raise ValueError(f"all_reduce: out= must be C-contiguous with shape {a.shape} and "
                              f"dtype {a.dtype}, got shape {out.shape} and dtype {out.dtype}")

@@ -26,7 +26,6 @@ import numpy as np
 
 from .alltoallv import blocks, mpi_type
 from .p2p import Future, dtype_code
-from .placement import empty_at, page_offset
 
 
 def _plain(blocking, nonblocking, args, what, comm):
@@ -80,8 +79,7 @@ class Gather:
         shape, dtype, backend = moved.shape, moved.dtype, self.backend
         length, rest = shape[0], shape[1:]
         shape = (n * length,) + rest
-        out = (self.pool.get(shape, dtype, moved) if pooled
-               else empty_at(self.xp, shape, dtype, page_offset(moved)))
+        out = self.pool.get(shape, dtype, moved, pooled)
         sbuf = backend.mpi_buffer(moved)
         rbuf = backend.mpi_buffer(out, slot="recv", read=False)
         try:                                    # this group's length buffers, made once
@@ -96,8 +94,7 @@ class Gather:
             run(comm.Allgather, comm.Iallgather, (sbuf, rbuf), "all_gather", comm)
         else:
             shape = (sum(lens),) + rest
-            out = (self.pool.get(shape, dtype, moved) if pooled
-                   else empty_at(self.xp, shape, dtype, page_offset(moved)))
+            out = self.pool.get(shape, dtype, moved, pooled)
             rbuf = backend.mpi_buffer(out, slot="recv", read=False)
             run(comm.Allgatherv, comm.Iallgatherv, (sbuf, [rbuf, *blocks(lens, math.prod(rest)),
                 mpi_type(dtype)]), "all_gather", comm)
@@ -115,8 +112,7 @@ class Gather:
         """
         t0 = time.perf_counter()
         moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
-        out = empty_at(self.xp, (n * moved.shape[0],) + moved.shape[1:], moved.dtype,
-                       page_offset(moved))
+        out = self.pool.new((n * moved.shape[0],) + moved.shape[1:], moved.dtype, moved)
         sbuf = self.backend.mpi_buffer(moved, slot=None)    # this request's own staging
         rbuf = self.backend.mpi_buffer(out, slot=None, read=False)
         req, ticket = comm.Iallgather(sbuf, rbuf), self.watchdog.arrive(comm)

@@ -33,13 +33,14 @@ class ResultPool:
         self.enabled = True          # False: a fresh result every call
         self._bufs: dict = {}
 
-    def get(self, shape, dtype, like=None):
+    def get(self, shape, dtype, like=None, pooled=True):
+        """pooled=False: a fresh array (`new`), for a result that must really be freed."""
         try:
-            bufs = self._bufs.get((shape, dtype)) if self.enabled else None
+            bufs = self._bufs.get((shape, dtype)) if self.enabled and pooled else None
         except TypeError:          # a list for a shape: _get makes it a tuple
             bufs = None
         free = self._free(bufs) if bufs else None      # the usual call: a shape seen before
-        return free if free is not None else self._get(shape, dtype, like)
+        return free if free is not None else self._get(shape, dtype, like, pooled)
 
     @staticmethod
     def _free(bufs):
@@ -53,10 +54,15 @@ class ResultPool:
                 return bufs[i]
         return None
 
-    def _get(self, shape, dtype, like=None):
+    def new(self, shape, dtype, like=None):
+        """A fresh, unpooled array placed at `like`'s page offset (results that must really
+        be freed, and the pool's own new buffers)."""
+        return empty_at(self.xp, shape, dtype, page_offset(like))
+
+    def _get(self, shape, dtype, like=None, pooled=True):
         """get's slow path: a new shape, a shape given as a list, or every buffer held."""
-        if not self.enabled:
-            return empty_at(self.xp, shape, dtype, page_offset(like))
+        if not (self.enabled and pooled):
+            return self.new(shape, dtype, like)
         if type(shape) is not tuple or not isinstance(dtype, np.dtype):
             shape, dtype = tuple(shape), np.dtype(dtype)     # callers mostly pass a.shape, a.dtype
         key = (shape, dtype)
@@ -68,7 +74,7 @@ class ResultPool:
         free = self._free(bufs)
         if free is not None:
             return free
-        buf = empty_at(self.xp, shape, dtype, page_offset(like))
+        buf = self.new(shape, dtype, like)
         bufs.append(buf)
         if len(bufs) > self.PER_SHAPE:
             bufs.pop(0)                                 # the oldest stays with its holder
