@@ -2,11 +2,15 @@
 
     mpiexec -n 2 python -m mpi4py -m pytest --with-mpi -m mpi tests/test_placement.py
 """
+import mmap
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.comm.placement import MIN_BYTES, PAGE, empty_at, page_offset
+from mpishard.comm.placement import HUGE, MIN_BYTES, PAGE, empty_at, page_offset
 from mpishard.comm.pool import ResultPool
 
 from conftest import world
@@ -39,6 +43,54 @@ def test_small_and_device_arrays_are_not_placed():
     assert plain.base is None
 
 
+def thp_eligible(address: int):
+    """The kernel's THPeligible flag of the mapping holding `address` (/proc/self/smaps), or
+    None where transparent huge pages are off or the kernel does not say."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        return None
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span[1], 16) <= address < int(span[2], 16)
+        elif inside and line.startswith("THPeligible:"):
+            return int(line.split()[1])
+    return None
+
+
+def mapped(a) -> bool:
+    """Whether `a` lives in a mapping of its own (placement.huge_pages), not on the heap."""
+    return isinstance(getattr(a.base.base, "obj", None), mmap.mmap)
+
+
+def test_a_huge_buffer_starts_at_the_offset_past_a_2mib_boundary_in_advised_memory():
+    a = empty_at(np, (3, HUGE // 8), np.float32, 1040, huge=True)      # 3 MiB
+    assert a.shape == (3, HUGE // 8) and a.flags.c_contiguous and a.flags.writeable
+    assert a.ctypes.data % HUGE == 1040 and page_offset(a) == 1040
+    assert mapped(a)                                   # memory of its own, not the heap's
+    a[...] = 7
+    assert a.sum() == 7 * a.size
+    if thp_eligible(a.ctypes.data) is not None:        # the whole first 2 MiB is advised
+        assert thp_eligible(a.ctypes.data) == 1
+    small = empty_at(np, HUGE // 4 - 1, np.float32, 16, huge=True)     # under 2 MiB: heap
+    assert small.ctypes.data % PAGE == 16 and not mapped(small)
+    plain = empty_at(np, (3, HUGE // 8), np.float32, 1040)             # not asked for
+    assert not mapped(plain)
+
+
+def test_the_pool_gives_huge_pages_to_the_buffers_it_keeps_and_heap_to_the_rest():
+    """A shape's first two buffers are reused call after call; one made while the caller
+    holds both (it keeps its results) replaces the oldest and comes from the heap, which
+    reuses freed memory without faulting it in again."""
+    pool = ResultPool(np)
+    x = empty_at(np, HUGE // 4, np.float32, 48)
+    first, second = pool.get(x.shape, x.dtype, x), pool.get(x.shape, x.dtype, x)
+    third = pool.get(x.shape, x.dtype, x)
+    assert [mapped(b) for b in (first, second, third)] == [True, True, False]
+    assert {b.ctypes.data % PAGE for b in (first, second, third)} == {48}
+
+
 def test_pool_places_a_new_buffer_at_its_input_offset_and_reuses_it():
     pool = ResultPool(np)
     for offset in OFFSETS:
@@ -51,11 +103,12 @@ def test_pool_places_a_new_buffer_at_its_input_offset_and_reuses_it():
         pool.clear()
 
 
-def test_pool_never_hands_out_a_buffer_while_a_view_of_it_lives():
+@pytest.mark.parametrize("rows", [64, HUGE // 400 + 1])       # on the heap, in huge pages
+def test_pool_never_hands_out_a_buffer_while_a_view_of_it_lives(rows):
     """A view of a placed buffer holds the byte buffer that owns the memory, not the pooled
     array: the pool must count that holder too, or it would overwrite the view's data."""
     pool = ResultPool(np)
-    x = empty_at(np, (64, 100), np.float32, 16)
+    x = empty_at(np, (rows, 100), np.float32, 16)
     out = pool.get(x.shape, x.dtype, x)
     out[...] = 1.0
     view = out[1:, :3]

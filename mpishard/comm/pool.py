@@ -8,9 +8,12 @@ reference counts of the array and of the memory's owner), so a result the caller
 is never overwritten. This saves the page faults of a fresh large allocation per call (15-40%
 of a 16 MiB all_reduce here). A new buffer starts at the page offset of the input it is first
 allocated for (`like`; placement.py: a receive 1-31 bytes past its send within the page
-copies 2-4x slower), so it is a view of a byte buffer, its `.base`, which owns the memory and
-which every further view holds: both counts are checked. all_gather results are pooled too,
-except FSDP's gathered weights (`pooled=False`), which must really be freed (a fresh 16 MiB
+copies 2-4x slower), the first two of a shape from 2 MiB up in huge pages (placement.py: MPI
+reads an all_gather's result from the peer while it fills it, and pins it a page at a time;
+a buffer made later, every kept one being held, comes from the heap, heap.py). So each is a
+view of a byte buffer, its `.base`, which owns the memory and which every further view
+holds: both counts are checked. all_gather results are pooled too, except FSDP's gathered
+weights (`pooled=False`), which must really be freed (a fresh 16 MiB
 all_gather result cost 1.6x raw Allgather here).
 """
 from __future__ import annotations
@@ -74,7 +77,10 @@ class ResultPool:
         free = self._free(bufs)
         if free is not None:
             return free
-        buf = self.new(shape, dtype, like)
+        # the buffers that fill a shape's slots are reused: huge pages. One made because the
+        # caller holds every kept one (activations kept for the backward) replaces the
+        # oldest: from the heap, which reuses a freed block without page faults
+        buf = empty_at(self.xp, shape, dtype, page_offset(like), huge=len(bufs) < self.PER_SHAPE)
         bufs.append(buf)
         if len(bufs) > self.PER_SHAPE:
             bufs.pop(0)                                 # the oldest stays with its holder
