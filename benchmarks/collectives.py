@@ -120,8 +120,8 @@ def cases(engine, comm, nbytes):
     # 1-31 bytes past the input, MPI's copy between ranks runs 2-4x slower)
     at = page_offset(a)
 
-    def empty(size):
-        return empty_at(np, size, np.float32, at)
+    def empty(size):                # and from 2 MiB up in huge pages, like the engine's pool
+        return empty_at(np, size, np.float32, at, huge=True)
     out, gathered, scattered = empty(count), empty(count * n), empty(count // n)
     counts = np.full(n, count // n, dtype=np.int64)        # all_to_all_v: equal blocks, the
     displs = np.arange(n, dtype=np.int64) * (count // n)   # engine exchanging its counts first

@@ -1,7 +1,7 @@
 """Where a receive buffer starts, against where its send buffer starts (comm/placement.py).
 
     mpiexec -n 2 python -m mpi4py benchmarks/placement.py [--mib 1] [--json out.json]
-    mpiexec -n 4 python -m mpi4py benchmarks/placement.py --ops alltoall
+    mpiexec -n 4 python -m mpi4py benchmarks/placement.py --ops alltoall,pages
 
 On one node MPICH copies a message of 8 KiB and up straight from the sender's memory with
 one kernel call (CMA); how fast that copy runs depends on the distance, within a 4 KiB page,
@@ -21,12 +21,19 @@ and then the engine on the same send buffers, as a user calls it:
                      the data, received once the header is in) at distance 0
     engine_alltoall  engine.all_to_all(a) (its pooled result, placed at `a`'s offset)
 
+and, as op `pages`, the page size of an all_gather's result: raw comm.Allgather into numpy's
+own `np.empty` (which advises huge pages from 4 MiB, wherever glibc mapped it) and into a
+buffer of huge pages from a 2 MiB boundary (`empty_at(huge=True)`, what the engine's pool
+makes from 2 MiB up; placement.py), both at the input's offset, then engine.all_gather(a).
+
 One sample is `inner` calls between barriers (the slowest rank's time); every side takes its
 turn in each round (_common.sample_times) and a side's figure is the median of its samples.
 The summary divides the slowest distance by the median of the distances outside 1-31 bytes
 (`slow_ratio`) and the engine by the raw call at distance 0 (`engine_over_delta0`), at 16
 (`engine_over_delta16`, the heap's distance, where an unplaced buffer could land) and, for
-p2p, by its own protocol in raw calls (`engine_over_protocol`).
+p2p, by its own protocol in raw calls (`engine_over_protocol`); for `pages` huge pages by
+numpy's buffer (`huge_over_numpy`) and the engine by the raw call into huge pages
+(`engine_over_huge`).
 """
 from __future__ import annotations
 
@@ -64,6 +71,17 @@ def _two_messages(comm, a, out):
     return call
 
 
+def _pages(engine, comm, a):
+    """op `pages`: raw Allgather into numpy's own buffer and into huge pages, and the engine."""
+    n, at = comm.Get_size(), MPI.buffer(a).address % PAGE
+    numpy_out = np.empty(a.size * n + PAGE // 4, np.float32)
+    numpy_out = numpy_out[(at - MPI.buffer(numpy_out).address) % PAGE // 4:][:a.size * n]
+    huge_out = empty_at(np, a.size * n, np.float32, at, huge=True)
+    return {"numpy": lambda: comm.Allgather(a, numpy_out),
+            "huge": lambda: comm.Allgather(a, huge_out),
+            "engine": lambda: engine.all_gather(a, group="dp")}
+
+
 def measure(engine, comm, op, nbytes, samples, inner):
     """{delta: median seconds per call} for the raw call, plus the engine's call."""
     n, me = comm.Get_size(), comm.Get_rank()
@@ -71,7 +89,9 @@ def measure(engine, comm, op, nbytes, samples, inner):
     a = empty_at(np, count, np.float32, SEND_OFFSET)
     a[...] = me
     outs = {d: empty_at(np, count, np.float32, (SEND_OFFSET + d) % PAGE) for d in DELTAS}
-    if op == "p2p":
+    if op == "pages":
+        sides = _pages(engine, comm, a)
+    elif op == "p2p":
         sides = {d: _ring(comm, a, outs[d]) for d in DELTAS}
 
         def ours():
@@ -84,16 +104,23 @@ def measure(engine, comm, op, nbytes, samples, inner):
 
         def ours():
             engine.all_to_all(a, group="dp")
-    sides["engine"] = ours
+    if op != "pages":
+        sides["engine"] = ours
 
-    def run(fn):
-        return lambda: [fn() for _ in range(inner)]
+    def run(fn):                   # each result dropped before the next call, as a loop
+        def calls():               # does (a list of them would keep the pool's buffers held)
+            for _ in range(inner):
+                fn()
+        return calls
     names = list(sides)
     times = sample_times([run(sides[k]) for k in names], samples, sync=mpi_sync(comm))
     return {k: float(np.median(t)) / inner for k, t in zip(names, times)}
 
 
 def summary(times):
+    if "huge" in times:
+        return {"huge_over_numpy": times["huge"] / times["numpy"],
+                "engine_over_huge": times["engine"] / times["huge"]}
     outside = [times[d] for d in DELTAS if d not in SLOW]
     inside = [times[d] for d in DELTAS if d in SLOW]
     res = {"slow_ratio": max(inside) / float(np.median(outside)),
@@ -107,7 +134,7 @@ def summary(times):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=float, default=1.0, help="MiB each rank sends per call")
-    p.add_argument("--ops", default="p2p,alltoall")
+    p.add_argument("--ops", default="p2p,alltoall,pages")
     p.add_argument("--samples", type=int, default=9)
     p.add_argument("--quick", action="store_true", help="5 samples")
     p.add_argument("--tiny", action="store_true", help="64 KiB, 3 samples (the smoke test)")
@@ -130,6 +157,11 @@ def main(argv=None):
     if comm.Get_rank() == 0:
         for op in args.ops.split(","):
             r = res[op]
+            if op == "pages":
+                print(f"pages, {n} ranks, {args.mib:g} MiB, us: " + ", ".join(
+                    f"{k} {v:.0f}" for k, v in r["us"].items()) + "; " + ", ".join(
+                    f"{k} {v}" for k, v in r.items() if k != "us"))
+                continue
             sweep = ", ".join(f"{d}:{r['us'][str(d)]:.0f}" for d in DELTAS)
             ratios = ", ".join(f"{k} {v}" for k, v in r.items() if k != "us")
             extra = "".join(f"; {k} {r['us'][k]:.0f} us" for k in ("engine", "protocol")
