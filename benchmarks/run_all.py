@@ -15,7 +15,8 @@ is recorded without losing the others):
                  range
     placement    benchmarks/placement.py at 2 and 4 ranks: 1 MiB Sendrecv and Alltoall by
                  the distance from send to receive buffer within a page, and the engine's
-                 p2p and all_to_all on the same send buffers
+                 p2p and all_to_all on the same send buffers; raw Allgather into numpy's
+                 own buffer vs huge pages, and the engine's all_gather
     peers        benchmarks/peers_torch.py: single step vs torch; dp=2 vs torch DDP (gloo)
     gpt          benchmarks/gpt.py: the issue's GPT, single rank: MFU against plain matmul on
                  the same GEMMs, and the step time over PyTorch CPU eager's (same weights)
@@ -474,6 +475,18 @@ def _placement_lines(placement: dict) -> list:
                 lines.append(f"| {op} | {n} | {v['bytes'] // 1024} | " + " | ".join(
                     f"{r['us'][str(d)]:.0f}" for d in deltas) + f" | {r['us']['engine']:.0f} | "
                     f"{r['slow_ratio']:.2f} | {r['engine_over_delta0']:.2f} |")
+    pages = [(n, v) for n, v in runs if "pages" in v]
+    if pages:
+        lines += ["", "An all_gather's result in numpy's own buffer (huge pages from 4 MiB, "
+                  "wherever glibc mapped it) against huge pages from a 2 MiB boundary (the "
+                  "pool's kept results from 2 MiB up), raw Allgather, us per call:", "",
+                  "| ranks | KiB per rank | numpy | huge pages | engine | huge / numpy | "
+                  "engine / huge |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for n, v in pages:
+            r = v["pages"]
+            lines.append(f"| {n} | {v['bytes'] // 1024} | {r['us']['numpy']:.0f} | "
+                         f"{r['us']['huge']:.0f} | {r['us']['engine']:.0f} | "
+                         f"{r['huge_over_numpy']:.2f} | {r['engine_over_huge']:.2f} |")
     return lines
 
 

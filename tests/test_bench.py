@@ -63,7 +63,10 @@ def test_run_all_tiny_end_to_end(tmp_path):
             assert set(run[op]["us"]) == {str(d) for d in run["deltas"]} | set(sides)
             assert all(t > 0 for t in run[op]["us"].values())
             assert run[op]["slow_ratio"] > 0 and run[op]["engine_over_delta0"] > 0
-    assert "Receive placement" in md.read_text()
+        assert set(run["pages"]["us"]) == {"numpy", "huge", "engine"}
+        assert all(t > 0 for t in run["pages"]["us"].values())
+        assert run["pages"]["huge_over_numpy"] > 0 and run["pages"]["engine_over_huge"] > 0
+    assert "Receive placement" in md.read_text() and "| huge / numpy |" in md.read_text()
     single = res["peers"]["single"]
     if "skipped" not in single:          # torch installed: same work on both sides
         assert single["max_loss_rel_diff"] < 1e-4
