@@ -66,9 +66,9 @@ def page_offset(a) -> int:
 def empty_at(xp, shape, dtype, offset: int, huge: bool = False):
     """An uninitialised array whose data starts `offset` bytes into a page (rounded down to
     the dtype's alignment), with `huge` from HUGE bytes on in huge pages (module docstring);
-    with `offset` -1, or off the host, plain `xp.empty`. The array is a view of a longer byte
-    array, its `.base` (over the heap, or over the mapping), which owns the memory (pool.py
-    counts the holders of both)."""
+    with `offset` -1, or off the host, plain `xp.empty`. The array is a view of a byte array,
+    its `.base` (a longer one on the heap, or exactly its bytes of the mapping), which every
+    further view holds (pool.py counts the holders of both)."""
     if offset < 0 or xp is not np:
         return xp.empty(shape, dtype=dtype)
     dtype = np.dtype(dtype)
@@ -76,24 +76,22 @@ def empty_at(xp, shape, dtype, offset: int, huge: bool = False):
     offset -= offset % dtype.alignment
     nbytes = math.prod(shape) * dtype.itemsize
     if huge and nbytes >= HUGE:
-        raw, start = huge_pages(nbytes + offset)
-        start += offset
+        a = huge_pages(nbytes, offset).view(dtype)
     else:
         raw = np.empty(nbytes + PAGE, dtype=np.uint8)
         start = (offset - MPI.buffer(raw).address) % PAGE
-    a = raw[start:start + nbytes].view(dtype)
+        a = raw[start:start + nbytes].view(dtype)
     return a if len(shape) == 1 else a.reshape(shape)
 
 
-def huge_pages(nbytes: int):
-    """(bytes, start): a private anonymous mapping with `nbytes` from `start` on, `start` at
-    a 2 MiB boundary, advised for huge pages over the whole 2 MiB pages of those bytes (the
-    tail stays in 4 KiB pages). The array keeps the mapping; it is unmapped with its last
-    view."""
-    mapped = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(mapped, dtype=np.uint8)
-    start = -MPI.buffer(raw).address % HUGE
-    whole = nbytes // HUGE * HUGE
+def huge_pages(nbytes: int, offset: int):
+    """`nbytes` uninitialised bytes starting `offset` bytes past a 2 MiB boundary, in a
+    private anonymous mapping advised for huge pages over the whole 2 MiB pages they cover
+    (the tail stays in 4 KiB pages). The array's base is a memoryview of exactly its bytes
+    (so memory reports count the array, not the mapping's spare address space); it keeps
+    the mapping, which is unmapped with the array's last view."""
+    mapped = mmap.mmap(-1, nbytes + offset + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -MPI.buffer(mapped).address % HUGE
     if ADVICE is not None:
-        mapped.madvise(ADVICE, start, whole)
-    return raw, start
+        mapped.madvise(ADVICE, start, (offset + nbytes) // HUGE * HUGE)
+    return np.frombuffer(memoryview(mapped)[start + offset:start + offset + nbytes], np.uint8)
