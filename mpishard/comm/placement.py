@@ -23,19 +23,20 @@ that of the input they were first allocated for, and a point-to-point or broadca
 at the sender's, which travels in the message header (p2p.py). A buffer the caller passes
 (`out=`) is left where it is. Device arrays are left to the device allocator.
 
-Buffers kept for reuse (`huge=True`: the pool's results, pool.py) of HUGE bytes and up also
-start at a 2 MiB boundary (plus that offset), in memory of
-their own (a private anonymous mmap) advised for transparent huge pages over every whole
-2 MiB the data covers. MPICH reads a collective's sources out of the peer's memory, and
-all_gather's result is one (its algorithm forwards the blocks it has received): pinning a
-2 MiB page costs what pinning one 4 KiB page does. Measured here (raw Allgather, 2 ranks,
-THP "madvise"): into a 2 MiB buffer of huge pages 0.57-0.60x the time into numpy's own
-(1 MiB per rank), and at 4 MiB per rank into 4 KiB pages 1.45-1.89x into numpy's, which got
-huge pages for 3 of its 4 whole 2 MiB (1.0x with all 4); Alltoall's receive, which MPI only
-writes, is the same either way. numpy advises huge pages for arrays of 4 MiB and up but
-does not align them, so which 2 MiB get huge pages varied with where glibc mapped the
-array. Nothing is rounded up: the tail past the last whole 2 MiB stays in 4 KiB pages, so
-the memory used is the array's; only its address space is up to 2 MiB + 4 KiB larger.
+Buffers kept for reuse (`huge=True`: the pool's kept results, pool.py, and data
+parallelism's gradient buckets) of HUGE bytes and up also start at a 2 MiB boundary (plus
+that offset), in memory of their own (a private anonymous mmap) advised for transparent huge
+pages over every whole 2 MiB the data covers. MPICH reads a collective's sources out of the
+peer's memory, and all_gather's result is one (its algorithm forwards the blocks it has
+received): pinning a 2 MiB page costs what pinning one 4 KiB page does. Measured here (raw
+Allgather, 2 ranks, THP "madvise"): into a 2 MiB buffer of huge pages 0.57-0.60x the time
+into numpy's own (1 MiB per rank), and at 4 MiB per rank into 4 KiB pages 1.45-1.89x into
+numpy's, which got huge pages for 3 of its 4 whole 2 MiB (1.0x with all 4); Alltoall's
+receive, which MPI only writes, is the same either way. numpy advises huge pages for arrays
+of 4 MiB and up but does not align them, so which 2 MiB get huge pages varied with where
+glibc mapped the array. Nothing is rounded up: the tail past the last whole 2 MiB stays in 4
+KiB pages, so the memory used is the array's; only its address space is up to 2 MiB + 4 KiB
+larger.
 Buffers made for one use (a received message, FSDP's gathered weights) stay on the heap
 (heap.py): a fresh mapping is page-faulted in on every use, a freed heap block is not.
 """

@@ -11,7 +11,7 @@ allocated for (`like`; placement.py: a receive 1-31 bytes past its send within t
 copies 2-4x slower), the first two of a shape from 2 MiB up in huge pages (placement.py: MPI
 reads an all_gather's result from the peer while it fills it, and pins it a page at a time;
 a buffer made later, every kept one being held, comes from the heap, heap.py). So each is a
-view of a byte buffer, its `.base`, which owns the memory and which every further view
+view of a byte buffer, its `.base`, which holds the memory and which every further view
 holds: both counts are checked. all_gather results are pooled too, except FSDP's gathered
 weights (`pooled=False`), which must really be freed (a fresh 16 MiB
 all_gather result cost 1.6x raw Allgather here).
