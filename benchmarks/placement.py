@@ -82,16 +82,11 @@ def _pages(engine, comm, a):
             "engine": lambda: engine.all_gather(a, group="dp")}
 
 
-def measure(engine, comm, op, nbytes, samples, inner):
-    """{delta: median seconds per call} for the raw call, plus the engine's call."""
+def _distances(engine, comm, op, a):
+    """ops `p2p` and `alltoall`: the raw call at every distance in DELTAS, and the engine."""
     n, me = comm.Get_size(), comm.Get_rank()
-    count = nbytes // 4 // n * n
-    a = empty_at(np, count, np.float32, SEND_OFFSET)
-    a[...] = me
-    outs = {d: empty_at(np, count, np.float32, (SEND_OFFSET + d) % PAGE) for d in DELTAS}
-    if op == "pages":
-        sides = _pages(engine, comm, a)
-    elif op == "p2p":
+    outs = {d: empty_at(np, a.size, np.float32, (SEND_OFFSET + d) % PAGE) for d in DELTAS}
+    if op == "p2p":
         sides = {d: _ring(comm, a, outs[d]) for d in DELTAS}
 
         def ours():
@@ -104,8 +99,20 @@ def measure(engine, comm, op, nbytes, samples, inner):
 
         def ours():
             engine.all_to_all(a, group="dp")
-    if op != "pages":
-        sides["engine"] = ours
+    sides["engine"] = ours
+    return sides
+
+
+def measure(engine, comm, op, nbytes, samples, inner):
+    """{delta: median seconds per call} for the raw call, plus the engine's call."""
+    n, me = comm.Get_size(), comm.Get_rank()
+    count = nbytes // 4 // n * n
+    a = empty_at(np, count, np.float32, SEND_OFFSET)
+    a[...] = me
+    if op == "pages":
+        sides = _pages(engine, comm, a)
+    else:
+        sides = _distances(engine, comm, op, a)
 
     def run(fn):                   # each result dropped before the next call, as a loop
         def calls():               # does (a list of them would keep the pool's buffers held)

@@ -57,10 +57,10 @@ class ResultPool:
                 return bufs[i]
         return None
 
-    def new(self, shape, dtype, like=None):
-        """A fresh, unpooled array placed at `like`'s page offset (results that must really
-        be freed, and the pool's own new buffers)."""
-        return empty_at(self.xp, shape, dtype, page_offset(like))
+    def new(self, shape, dtype, like=None, huge=False):
+        """A fresh array placed at `like`'s page offset: unpooled (a result that must really
+        be freed), or one of the pool's own new buffers (`huge`: placement.py)."""
+        return empty_at(self.xp, shape, dtype, page_offset(like), huge)
 
     def _get(self, shape, dtype, like=None, pooled=True):
         """get's slow path: a new shape, a shape given as a list, or every buffer held."""
@@ -80,7 +80,7 @@ class ResultPool:
         # the buffers that fill a shape's slots are reused: huge pages. One made because the
         # caller holds every kept one (activations kept for the backward) replaces the
         # oldest: from the heap, which reuses a freed block without page faults
-        buf = empty_at(self.xp, shape, dtype, page_offset(like), huge=len(bufs) < self.PER_SHAPE)
+        buf = self.new(shape, dtype, like, huge=len(bufs) < self.PER_SHAPE)
         bufs.append(buf)
         if len(bufs) > self.PER_SHAPE:
             bufs.pop(0)                                 # the oldest stays with its holder
