@@ -106,6 +106,27 @@ def test_pool_places_a_new_buffer_at_its_input_offset_and_reuses_it():
 
 
 @pytest.mark.parametrize("rows", [64, HUGE // 400 + 1])       # on the heap, in huge pages
+def test_pool_never_hands_an_input_a_buffer_at_the_slow_distance(rows):
+    """Two arrays of one size allocated one after the other start 16 bytes apart in their
+    pages: the result kept for the second must not receive for the first (a copy 1-31 bytes
+    past its source within the page runs 2-4x slower), but is still reused for the second."""
+    pool = ResultPool(np)
+    first = empty_at(np, (rows, 100), np.float32, 1792)
+    second = empty_at(np, (rows, 100), np.float32, 1792 + 16)
+    kept = pool.get(second.shape, second.dtype, second).ctypes.data      # freed at once
+    assert kept % PAGE == 1808
+    out = pool.get(first.shape, first.dtype, first)
+    assert out.ctypes.data != kept and out.ctypes.data % PAGE == 1792
+    del out
+    assert pool.get(second.shape, second.dtype, second).ctypes.data == kept
+    again = pool.get(first.shape, first.dtype, first).ctypes.data        # its own, kept too
+    assert again % PAGE == 1792 and again != kept
+    assert pool.get(first.shape, first.dtype, first).ctypes.data == again
+    far = empty_at(np, (rows, 100), np.float32, 1808 + 64)       # any other distance: reused
+    assert pool.get(far.shape, far.dtype, far).ctypes.data in (kept, again)
+
+
+@pytest.mark.parametrize("rows", [64, HUGE // 400 + 1])       # on the heap, in huge pages
 def test_pool_never_hands_out_a_buffer_while_a_view_of_it_lives(rows):
     """A view of a placed buffer holds the byte buffer that owns the memory, not the pooled
     array: the pool must count that holder too, or it would overwrite the view's data."""
