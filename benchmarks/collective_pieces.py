@@ -16,6 +16,12 @@ Sides, each a superset of the one above unless said otherwise:
     guarded    pooled through Watchdog.run (count in, the gate's stamp and look, the guard)
     engine     engine.all_to_all(a) as a user calls it
     ungated    the same on a second engine whose gate is removed (no stamps, no looks)
+    inlined    (beside the others) everything the engine's call does for a contiguous
+               array, written inline in one function: the pooled result, the arrival
+               count and stamp, the look for a missing member every LEARN-th call (the gate
+               and the learning as the engine does them), the guard's deadline, the byte
+               counter with its time. No argument checks, no calls of the engine's own: the
+               least a call that keeps the watchdog and the counters can cost from Python.
 """
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ from mpi4py import MPI
 
 import mpishard as ms
 from collectives import MIB, _plan, _sample
+from mpishard.comm.arrivals import RING, STAMPS
+from mpishard.comm.placement import empty_at, page_offset
+from mpishard.comm.watchdog import LEARN
 
 
 def sides(engine, ungated_engine, comm, a, out):
@@ -34,7 +43,7 @@ def sides(engine, ungated_engine, comm, a, out):
     pool, watchdog = engine.comm.pool, engine.comm.watchdog
 
     def pooled():
-        comm.Alltoall(a, pool.get(a.shape, a.dtype))
+        comm.Alltoall(a, pool.get(a.shape, a.dtype, a))
 
     def busy(us):
         def call():
@@ -45,17 +54,58 @@ def sides(engine, ungated_engine, comm, a, out):
         return call
 
     def watched():
-        watchdog.watched(comm.Alltoall, (a, pool.get(a.shape, a.dtype)), "all_to_all", comm,
+        watchdog.watched(comm.Alltoall, (a, pool.get(a.shape, a.dtype, a)), "all_to_all", comm,
                          (0, 0))
 
     def guarded():
-        watchdog.run(comm.Alltoall, comm.Ialltoall, (a, pool.get(a.shape, a.dtype)),
+        watchdog.run(comm.Alltoall, comm.Ialltoall, (a, pool.get(a.shape, a.dtype, a)),
                      "all_to_all", comm)
 
     return {"raw": lambda: comm.Alltoall(a, out), "pooled": pooled, "busy1": busy(1.0),
             "busy3": busy(3.0), "watched": watched, "guarded": guarded,
             "engine": lambda: engine.all_to_all(a, group="dp"),
-            "ungated": lambda: ungated_engine.all_to_all(a, group="dp")}
+            "ungated": lambda: ungated_engine.all_to_all(a, group="dp"),
+            "inlined": inlined(engine, comm, a)}
+
+
+def inlined(engine, comm, a):
+    """The engine's all_to_all of a contiguous `a` with its watchdog and counters inline
+    (module docstring): Comm.all_to_all, Watchdog.guarded and CommStats.count in one body."""
+    pool, watchdog, clock = engine.comm.pool, engine.comm.watchdog, time.perf_counter
+    index, peers = watchdog.slot(comm)
+    cells, guard, lagging = watchdog.cells, watchdog.guard, watchdog.lagging
+    counter = engine.comm.stats.kinds.setdefault("all_to_all", [0, 0, 0.0])
+    share = (comm.Get_size() - 1) / comm.Get_size()
+
+    def call():
+        t0 = clock()
+        out = pool.get(a.shape, a.dtype, a)
+        count = cells[index] + 1
+        now = time.monotonic_ns()
+        look = False
+        if peers:
+            cells[STAMPS + index * RING + count % RING] = now
+            cells[index] = count
+            if count % LEARN == 0 or index in lagging:
+                for view in peers:
+                    if view[index] < count:
+                        look = watchdog.gate(peers, index, count, "all_to_all", comm)
+                        break
+        else:
+            cells[index] = count
+        guard.watched = (now, watchdog.timeout_ns, watchdog.message,
+                         ("all_to_all", comm, (index, count)))
+        try:
+            comm.Alltoall(a, out)
+        finally:
+            guard.watched = None
+        if look:
+            watchdog.learn(peers, index, count, now)
+        counter[0] += 1
+        counter[1] += int(share * a.nbytes)
+        counter[2] += clock() - t0
+        return out
+    return call
 
 
 def without_gate(engine) -> None:
@@ -80,7 +130,9 @@ def run(mib=1.0, rounds=60, trials=6, warmup=2):
         engine.comm.pool.clear()
         a = np.random.default_rng(comm.Get_rank() + trial).standard_normal(count)
         a = a.astype(np.float32)
-        calls = sides(engine, ungated, comm, a, np.empty_like(a))
+        # the raw output at a's page offset, as the engine's results are (collectives.py)
+        out = empty_at(np, a.shape, a.dtype, page_offset(a))
+        calls = sides(engine, ungated, comm, a, out)
         names = list(calls)
         times: dict = {k: [] for k in names}
         for r in range(warmup + rounds):
