@@ -120,7 +120,8 @@ def test_collective_pieces_prints_every_side():
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("all_to_all 0.0625 MiB, 2 ranks")
     sides = [line.split()[0] for line in lines[1:]]
-    assert sides == ["pooled", "busy1", "busy3", "watched", "guarded", "engine", "ungated"]
+    assert sides == ["pooled", "busy1", "busy3", "watched", "guarded", "engine", "ungated",
+                     "inlined"]
     assert all(float(line.split()[1]) > 0 for line in lines[1:])
 
 
