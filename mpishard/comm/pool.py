@@ -11,8 +11,8 @@ allocated for (`like`; placement.py: a receive 1-31 bytes past its send within t
 copies 2-4x slower), and a kept buffer is not handed to an input it sits at that distance
 from: two arrays of one size allocated one after the other start 16 bytes apart in their
 pages, so a result kept for the second is at the slow distance from the first (measured, 1
-MiB all_to_all at 4 ranks into the second's kept result: 2.3x raw Alltoall, 1.2-1.4x into
-its own). The first two of a shape from 2 MiB up are in huge pages (placement.py: MPI
+MiB all_to_all at 4 ranks into the second's kept result: 2.3x raw Alltoall, 1.2-1.3x into
+one of its own). The first two of a shape from 2 MiB up are in huge pages (placement.py: MPI
 reads an all_gather's result from the peer while it fills it, and pins it a page at a time;
 a buffer made later, every kept one being held, comes from the heap, heap.py). So each is a
 view of a byte buffer, its `.base`, which holds the memory and which every further view
@@ -53,10 +53,11 @@ class ResultPool:
     def _free(bufs, at):
         """A kept buffer nobody else holds and not at the slow distance from an input at page
         offset `at` (placement.py; -1: any), or None. `bufs` holds (buffer, its offset)."""
-        for i in range(len(bufs)):          # indexed: a loop variable would add a reference
-            # 2 = the list's reference + getrefcount's argument; a view of a pooled array
-            # (the moveaxis of a result, a slice of it) holds one more on the byte buffer
-            # that owns the memory, the pooled array's .base (2: its reference + the argument)
+        for i in range(len(bufs)):
+            # 3 = the kept pair's reference + `buf` + getrefcount's argument; a view of a
+            # pooled array (the moveaxis of a result, a slice of it) holds one more on the
+            # byte buffer that owns the memory, the pooled array's .base (2: its reference +
+            # the argument)
             buf = bufs[i][0]
             if sys.getrefcount(buf) == 3 and (buf.base is None
                                               or sys.getrefcount(buf.base) == 2):
