@@ -45,7 +45,7 @@ from mpi4py import MPI
 import mpishard as ms
 from _common import mpi_sync, sample_times, write_json
 from mpishard.comm.p2p import HEADER_WORDS
-from mpishard.comm.placement import PAGE, SLOW, empty_at
+from mpishard.comm.placement import PAGE, SLOW, empty_at, page_offset
 
 DELTAS = [0, 8, 16, 24, 32, 64, 512, 2048, PAGE - 16]
 SEND_OFFSET = 1040               # any: only the distance matters (the sweep found it so)
@@ -73,9 +73,8 @@ def _two_messages(comm, a, out):
 
 def _pages(engine, comm, a):
     """op `pages`: raw Allgather into numpy's own buffer and into huge pages, and the engine."""
-    n, at = comm.Get_size(), MPI.buffer(a).address % PAGE
-    numpy_out = np.empty(a.size * n + PAGE // 4, np.float32)
-    numpy_out = numpy_out[(at - MPI.buffer(numpy_out).address) % PAGE // 4:][:a.size * n]
+    n, at = comm.Get_size(), page_offset(a)
+    numpy_out = empty_at(np, a.size * n, np.float32, at)     # a slice of numpy's np.empty
     huge_out = empty_at(np, a.size * n, np.float32, at, huge=True)
     return {"numpy": lambda: comm.Allgather(a, numpy_out),
             "huge": lambda: comm.Allgather(a, huge_out),
