@@ -6,7 +6,7 @@ Each candidate layout (every factorisation over dp, fsdp with zero=1, 2, 3, pp a
 GPT also cp, ring and Ulysses, and tp with sequence_parallel=1) is checked as the engine would
 check it, then costed with parallel/costs.py: the busiest rank's memory (parameters +
 gradients + optimizer state) and bytes sent per training step, which the strategy files
-compute for their own part (tests/test_plan_bench.py holds them to the engine's counters).
+compute for their own part (tests/cli/test_plan_bench.py holds them to the engine's counters).
 Layouts that do not fit are listed with the engine's reason (the first MAX_REJECTED).
 Activations are not in the memory column: what sequence_parallel, cp and recompute save
 shows in the running engine's memory_report(). `--json FILE` also writes the table (every
@@ -15,7 +15,7 @@ benchmarks/run_all.py's `planner` part reads.
 
 Large worlds: only step_time.representative_ranks are costed (every pp stage, the first and
 last coordinate of fsdp, cp and tp, one dp replica: the max over them is the max over all
-ranks, tests/test_step_time.py), so 1024 ranks cost at most 8 x pp ranks per layout, not
+ranks, tests/parallel/test_step_time.py), so 1024 ranks cost at most 8 x pp ranks per layout, not
 1024; a 1B GPT at 1024 ranks (7000 candidates) plans in about 13 s of CPU.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ Every strategy file ends with its own cost model, two pure functions of a `RankV
 `rank_memory` and `step_comm` here add them up over `STRATEGY_COSTS`; the `plan` and
 `inspect` commands call only these. The shapes are the engine's own: `plan_params` gives
 the placements and `placement.local_shape` the blocks, so what is printed is what the engine
-holds (tests/test_mesh_compose.py) and sends (tests/test_plan_bench.py).
+holds (tests/parallel/test_mesh_compose.py) and sends (tests/cli/test_plan_bench.py).
 
 Memory per rank: the base is one parameter block, one gradient block and `n_state` optimizer
 state blocks (AdamW 2: exp_avg, exp_avg_sq; SGD with momentum 1; plain SGD 0) per parameter

@@ -11,7 +11,7 @@ is the best achievable expected loss: every target of a window (t[i] = the byte 
 is predicted from at least the byte before it, and the chain is first order, so no model
 beats the true conditional P[x[i], :], whose expected cross-entropy is H at every position.
 (H0 = -sum pi log pi, the entropy of a byte with no context, is reported too.) Validation
-losses of a trained GPT approach H from above (tests/test_gpt_corpora.py).
+losses of a trained GPT approach H from above (tests/train/test_gpt_corpora.py).
 """
 from __future__ import annotations
 
