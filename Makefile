@@ -47,6 +47,12 @@ TIMEOUT_CMD   ?= timeout -k 10 $(TIMEOUT)
 BLAS_THREADS  ?= 1
 BENCH_EXTRAS  ?= dev,bench
 BENCH_TIMEOUT ?= 3600
+# `make test-newpy`: the serial tests and the 2-rank stage under the newest Python 3 this machine
+# has besides the default (python3.14/3.13/3.12 on PATH, else pyenv's), in .venv-newpy.
+NEWEST_PYTHON ?= $(shell for v in 3.14 3.13 3.12; do \
+    p=$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v*/bin/python$$v 2>/dev/null | tail -1); \
+    [ -n "$$p" ] || p=$$(command -v python$$v 2>/dev/null); \
+    [ -n "$$p" ] && "$$p" -c pass 2>/dev/null && echo "$$p" && break; done)
 # `make test-slurm`: seconds for the whole stage (install, two jobs, teardown).
 SLURM_TIMEOUT ?= 900
 # `make test-hosts`: seconds for the whole stage (namespaces, three jobs, teardown).
@@ -84,7 +90,7 @@ STAMP     = $(VENV)/.installed
 MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
-.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-slurm test-hosts soak bench lint clean
+.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-newpy test-slurm test-hosts soak bench lint clean
 
 help:
 	@echo "make venv | install   create $(VENV) and pip install -e '.[dev]' (MPICH wheel included)"
@@ -93,6 +99,7 @@ help:
 	@echo "make test             test-serial, then $(MPI_TESTS)"
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
+	@echo "make test-newpy       test-serial and test-2 under the newest other Python ($(or $(NEWEST_PYTHON),none found)), in .venv-newpy"
 	@echo "make test-slurm       a throwaway 1-node Slurm: sbatch examples/hpc/train.slurm, then scancel a long job (root; SKIPPED otherwise)"
 	@echo "make test-hosts       one job over two network-namespace hosts over TCP: bandwidth, dp=2,tp=2 == one host (root; SKIPPED otherwise)"
 	@echo "make soak             benchmarks/soak.py on $(SOAK_NP) ranks (SOAK_ARGS): RSS growth, pending requests, fds"
@@ -142,6 +149,13 @@ $(MPI_TESTS): test-%: $(STAMP)
 	@echo "==> test-$*: MPI tests on $* rank(s), timeout $(TIMEOUT) s"
 	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests
 
+# --- the newest other Python (not in `make test`; .ci/run runs it) ------------------------
+test-newpy:
+	@if [ -z "$(NEWEST_PYTHON)" ]; then \
+	    echo "==> test-newpy: SKIPPED: no Python 3.12-3.14 besides the default found"; exit 0; fi; \
+	echo "==> test-newpy: $(NEWEST_PYTHON) ($$($(NEWEST_PYTHON) --version)) in .venv-newpy"; \
+	$(MAKE) --no-print-directory test-serial test-2 PYTHON=$(NEWEST_PYTHON) VENV=.venv-newpy
+
 # --- a throwaway Slurm (not in `make test`; .ci/run runs it) ------------------------------
 # tests/hpc/slurm_stage.sh: apt-installs slurm-wlm munge when missing (root only), starts munged,
 # slurmctld and slurmd from a generated slurm.conf in a temporary directory, sbatches
@@ -181,7 +195,7 @@ lint: $(STAMP)
 
 # --- cleaning --------------------------------------------------------------------------
 clean:
-	rm -rf $(VENV) build dist .eggs *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-newpy build dist .eggs *.egg-info .pytest_cache .ruff_cache
 	rm -f demo-metrics.json
 	rm -rf $(DEMO_CKPT) $(DEMO_CKPT).old
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
