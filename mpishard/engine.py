@@ -28,6 +28,7 @@ from .comm.collectives import Comm
 from .comm.heap import keep_host_heap
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
 from .comm.threads import pin_blas_threads
+from .comm.uncaught import install as install_error_report
 from .comm.watchdog import DEFAULT_TIMEOUT
 from .nn.losses import get_loss
 from .parallel.compose import compose
@@ -395,6 +396,15 @@ class SingleDevice(MeshEngine):
                          dtype=dtype, device=device, **options)
 
 
-def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu", **options):
-    """Build the engine for `layout` on every rank (SPMD); options: see MeshEngine."""
-    return MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, **options)
+def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu",
+                report_errors=True, **options):
+    """Build the engine for `layout` on every rank (SPMD); options: see MeshEngine.
+
+    dtype defaults to float64, the exact reference every layout is tested against (the
+    `train` command defaults to float32 for speed). report_errors: make an uncaught exception
+    end the job with one report per distinct cause (comm/uncaught.py: replaces sys.excepthook,
+    logged once); False keeps Python's hook."""
+    engine = MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, **options)
+    if report_errors:
+        install_error_report()
+    return engine

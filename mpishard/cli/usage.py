@@ -21,6 +21,7 @@ from mpi4py import MPI
 from ..comm.collectives import agree
 from ..comm.mesh import check_world_size, parse_layout
 from ..comm.guard import ABORT_GRACE
+from ..comm.signals import remove_mpi_files
 from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..validate import check_number
 
@@ -127,12 +128,13 @@ def add_device_arguments(add, default="auto"):
 
 
 def abort_job(exc) -> None:
-    """After a CollectiveTimeout: one line from this rank, then MPI_Abort (exit code 1). Not a
-    clean exit: a stalled peer would keep MPI_Finalize (and collective frees) waiting. The
-    line gets ABORT_GRACE to pass through the launcher before the abort tears the job down:
-    without it, one `make test` run on the loaded 2-core VM ended on time with no reason
-    printed."""
+    """After a CollectiveTimeout: one line from this rank, the MPI library's files removed
+    (comm/signals.py), then MPI_Abort (exit code 1). Not a clean exit: a stalled peer would
+    keep MPI_Finalize (and collective frees) waiting. The line gets ABORT_GRACE to pass
+    through the launcher before the abort tears the job down (otherwise a loaded node can end
+    the job before the reason is printed)."""
     print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    remove_mpi_files()
     time.sleep(ABORT_GRACE)
     world_comm().Abort(1)
 

@@ -25,6 +25,8 @@ import time
 
 from mpi4py import MPI
 
+from .signals import remove_mpi_files
+
 PERIOD = 0.25         # seconds between two looks at the call in flight (at most)
 ABORT_GRACE = 0.5     # seconds between the error line and MPI_Abort (cli/usage.py abort_job)
 
@@ -72,5 +74,6 @@ class Guard:
         """The call timed out: one line, then MPI_Abort (exit code 1)."""
         self.fired = True
         print(f"mpishard: error: CollectiveTimeout: {message}", file=sys.stderr, flush=True)
+        remove_mpi_files()                       # MPI_Abort leaves MPI's own files behind
         time.sleep(ABORT_GRACE)
         MPI.COMM_WORLD.Abort(1)

@@ -1,35 +1,48 @@
-"""Unlink MPI's POSIX shared memory when a rank is told to stop (SIGTERM, SIGINT).
+"""Remove the MPI library's own files when a rank ends without MPI_Finalize.
 
-MPICH (and UCX, Open MPI's sm) put intra-node buffers in files under /dev/shm. A job that
-finishes calls MPI_Finalize and they are removed; a job stopped by `scancel` or Ctrl-C gets
-SIGTERM/SIGINT, dies on the spot, and leaves its segments behind: memory the node never gets
-back until someone deletes the files (issue 15). So the CLI installs, once per process of an MPI
-command, handlers that
+MPICH (and UCX, Open MPI's sm) put intra-node buffers in files under /dev/shm, and MPICH's
+launcher (hydra) writes the node's hwloc topology to /tmp/hydra_hwloc_xmlfile_*. A job that
+finishes calls MPI_Finalize and they are removed; a job that ends in MPI_Abort (an uncaught
+exception under `python -m mpi4py`, a collective timeout) or is stopped by `scancel`/Ctrl-C
+(SIGTERM/SIGINT) leaves them behind: memory the node never gets back until someone deletes
+the files. `remove_mpi_files` removes exactly those of this job:
 
-- read /proc/self/maps for the files this process has mapped from /dev/shm (names vary:
-  mpich_shm_*, ucx_shm_posix_*, sm_segment.*: whatever is mapped from there is MPI's or the
-  transport's), skipping ones already marked `(deleted)`;
-- unlink each: a sibling rank on the node may have been first (FileNotFoundError, ignored), and
-  unlinking a mapped file is safe, ranks still running keep their mappings;
-- write one line to stderr with a plain os.write to fd 2 (a handler that prints could re-enter
-  sys.stderr's buffer while the interrupted code holds it);
-- and exit with os._exit(128 + signum), the shell's code for "killed by signal". No
-  MPI_Finalize: it is a collective, peers may be stuck or gone, and a handler must not block.
+- the /dev/shm files this process has mapped (/proc/self/maps), and only those whose name is
+  one of MPI_SHM_PATTERNS (MPICH's, Open MPI's, UCX's): a user's
+  `multiprocessing.shared_memory` segment or a data loader's, mapped by the same process, stays;
+- the hydra topology file that this rank's launcher process (its parent, hydra_pmi_proxy)
+  holds open; the ranks read it in MPI_Init and no longer need it.
 
-Python runs the handler in the main thread between bytecodes, so a rank blocked inside one MPI
-call runs it only when that call returns; the launcher kills it meanwhile, and the segment it
-shares with its siblings is unlinked by whichever rank got there first. Without /proc the
-handlers only exit. `import mpishard` installs nothing: library users keep their own handlers.
+Unlinking a mapped file is safe (ranks still running keep their mappings), and a sibling rank
+on the node may have been first (FileNotFoundError, ignored). Everything here is plain `os`
+calls, so it can run inside a signal handler. Without /proc nothing is found.
+
+`install_cleanup_handlers` (the CLI's, once per process of an MPI command) replaces the
+SIGTERM/SIGINT handlers with: remove_mpi_files, one stderr line written with os.write to fd 2
+(a handler that prints could re-enter sys.stderr's buffer), and os._exit(128 + signum), the
+shell's code for "killed by signal". No MPI_Finalize: it is a collective, peers may be stuck
+or gone, and a handler must not block. Python runs the handler in the main thread between
+bytecodes, so a rank blocked inside one MPI call runs it only when that call returns; the
+launcher kills it meanwhile, and a segment shared by the node's ranks is unlinked by whichever
+rank got there first. `import mpishard` installs nothing: library users keep their handlers.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import signal
 
-__all__ = ["install_cleanup_handlers", "mapped_shm_paths", "SHM_DIR"]
+__all__ = ["install_cleanup_handlers", "mapped_shm_paths", "mpi_shm_paths",
+           "launcher_files", "remove_mpi_files", "MPI_SHM_PATTERNS", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm/"
 DELETED = " (deleted)"
+# The names the MPI libraries give their /dev/shm segments: MPICH, Open MPI's sm (5.x) and
+# vader (4.x) transports, UCX's posix transport (MPICH ch4:ucx, Open MPI's pml ucx).
+MPI_SHM_PATTERNS = ("mpich_shm_*", "sm_segment.*", "vader_segment.*", "ucx_shm_posix_*")
+# hydra_pmi_proxy's topology file (mkstemp of /tmp/hydra_hwloc_xmlfile_XXXXXX).
+LAUNCHER_PROCESS = "hydra_pmi_proxy"
+LAUNCHER_FILE = "/tmp/hydra_hwloc_xmlfile_*"
 
 
 def mapped_shm_paths(maps_text: str) -> list[str]:
@@ -46,38 +59,79 @@ def mapped_shm_paths(maps_text: str) -> list[str]:
     return list(paths)
 
 
-def read_own_maps() -> str:
-    """/proc/self/maps as text, '' where there is no /proc."""
+def mpi_shm_paths(paths) -> list[str]:
+    """The paths among `paths` whose file name is an MPI library's (MPI_SHM_PATTERNS)."""
+    return [p for p in paths if any(fnmatch.fnmatchcase(os.path.basename(p), pattern)
+                                    for pattern in MPI_SHM_PATTERNS)]
+
+
+def _read(path: str) -> str:
+    """A /proc file as text, '' where it cannot be read."""
     try:
-        fd = os.open("/proc/self/maps", os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return ""
     chunks = []
     try:
         while chunk := os.read(fd, 1 << 16):
             chunks.append(chunk)
+    except OSError:
+        pass
     finally:
         os.close(fd)
     return b"".join(chunks).decode(errors="replace")
 
 
+def read_own_maps() -> str:
+    """/proc/self/maps as text, '' where there is no /proc."""
+    return _read("/proc/self/maps")
+
+
+def launcher_files(parent: int | None = None) -> list[str]:
+    """The hydra topology files that the launcher process `parent` (default: this process's
+    parent) holds open, [] when the parent is not hydra_pmi_proxy (Open MPI, srun, a shell)."""
+    parent = os.getppid() if parent is None else parent
+    if _read(f"/proc/{parent}/comm").strip() != LAUNCHER_PROCESS:
+        return []
+    found = []
+    try:
+        fds = os.listdir(f"/proc/{parent}/fd")
+    except OSError:                               # another user's process, or gone
+        return []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{parent}/fd/{fd}")
+        except OSError:
+            continue
+        if fnmatch.fnmatchcase(target, LAUNCHER_FILE) and target not in found:
+            found.append(target)
+    return found
+
+
+def remove_mpi_files() -> int:
+    """Unlink this job's MPI files that this process can see (the module docstring): the MPI
+    segments it maps and its launcher's topology file. Returns how many it removed."""
+    removed = 0
+    for path in mpi_shm_paths(mapped_shm_paths(read_own_maps())) + launcher_files():
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:                          # a sibling was first, or not ours to remove
+            pass
+    return removed
+
+
 def install_cleanup_handlers(rank: int | None = None) -> None:
-    """Replace the SIGTERM and SIGINT handlers of this (main-thread) process with: unlink the
-    /dev/shm files it has mapped, say so in one stderr line naming `rank`, exit 128 + signum."""
+    """Replace the SIGTERM and SIGINT handlers of this (main-thread) process with: remove this
+    job's MPI files, say so in one stderr line naming `rank`, exit 128 + signum."""
     who = "" if rank is None else f" rank {rank}"
 
     def cleanup_and_exit(signum, frame):
-        unlinked = 0
-        for path in mapped_shm_paths(read_own_maps()):
-            try:
-                os.unlink(path)
-                unlinked += 1
-            except OSError:                      # a sibling was first, or not ours to remove
-                pass
-        if unlinked:
+        removed = remove_mpi_files()
+        if removed:
             name = signal.Signals(signum).name
-            os.write(2, f"mpishard:{who} received {name}; unlinked {unlinked} shared-memory "
-                        f"segment(s); exiting\n".encode())
+            os.write(2, f"mpishard:{who} received {name}; removed {removed} file(s) of the "
+                        f"MPI library; exiting\n".encode())
         os._exit(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,5 +1,7 @@
-"""A cancelled job cleans up (issue 15): SIGTERM/SIGINT make every rank unlink the /dev/shm
-files it mapped, print one line and exit 128 + signum (mpishard/comm/signals.py)."""
+"""A cancelled job cleans up (issue 15): SIGTERM/SIGINT make every rank unlink the MPI library's
+/dev/shm files it mapped, print one line and exit 128 + signum (mpishard/comm/signals.py); a
+user's own shared memory, mapped by the same ranks, stays (issue 31, defect 7)."""
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import ROOT, mpiexec_cmd
-from mpishard.comm.signals import mapped_shm_paths
+from mpishard.comm.signals import mapped_shm_paths, mpi_shm_paths
 
 MAPS = """\
 55d0c0a00000-55d0c0a01000 r--p 00000000 08:01 1234  /usr/bin/python3.11
@@ -28,6 +30,15 @@ MAPS = """\
 def test_mapped_shm_paths_reads_each_live_dev_shm_file_once():
     assert mapped_shm_paths(MAPS) == ["/dev/shm/mpich_shm_c9541517_0", "/dev/shm/sm segment.vm.0"]
     assert mapped_shm_paths("") == []
+
+
+def test_only_the_mpi_librarys_segments_are_removable():
+    paths = ["/dev/shm/mpich_shm_c9541517_0", "/dev/shm/psm_2f1a9c", "/dev/shm/sm_segment.vm.0.1",
+             "/dev/shm/vader_segment.vm.1f.2", "/dev/shm/ucx_shm_posix_25309267",
+             "/dev/shm/torch_4242_1", "/dev/shm/my_mpich_shm_copy"]
+    assert mpi_shm_paths(paths) == ["/dev/shm/mpich_shm_c9541517_0", "/dev/shm/sm_segment.vm.0.1",
+                                    "/dev/shm/vader_segment.vm.1f.2",
+                                    "/dev/shm/ucx_shm_posix_25309267"]
 
 
 def rank_pids(marker, launcher):
@@ -99,6 +110,65 @@ def test_sigterm_to_the_launcher_unlinks_the_jobs_shared_memory(tmp_path):
     # stderr shows it, and PRRTE removes its sm_segment.* files itself too): nothing to read.
     if "MPICH" not in MPI.Get_library_version():
         return
-    said = [line for line in text.splitlines() if "received SIGTERM; unlinked" in line]
+    said = [line for line in text.splitlines() if "received SIGTERM; removed" in line]
     assert 1 <= len(said) <= 2, text
     assert said[0].startswith("mpishard: rank "), said
+
+
+HOLDER = """
+import json, os, sys, time
+from multiprocessing import resource_tracker, shared_memory
+from mpi4py import MPI
+from mpishard.comm.signals import install_cleanup_handlers
+
+comm = MPI.COMM_WORLD
+install_cleanup_handlers(rank=comm.Get_rank())
+shm = shared_memory.SharedMemory(name=sys.argv[1])            # the user's segment, mapped here
+resource_tracker.unregister(shm._name, "shared_memory")       # (3.11 tracks attached ones too)
+shm.buf[comm.Get_rank()] = 1
+comm.Barrier()                                                # MPI's segments mapped too
+with open(f"{sys.argv[2]}.{comm.Get_rank()}", "w") as f:
+    json.dump({"pid": os.getpid(), "maps": open("/proc/self/maps").read()}, f)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.skipif(not (os.path.isdir("/proc/self") and os.path.isdir("/dev/shm")),
+                    reason="needs /proc and /dev/shm")
+def test_sigterm_leaves_the_users_shared_memory_in_place(tmp_path):
+    from multiprocessing import shared_memory
+
+    name = f"mpishard-test-{uuid.uuid4().hex[:12]}"
+    user = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    script, ready = tmp_path / "holder.py", tmp_path / "ready"
+    script.write_text(HOLDER)
+    cmd = [*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", str(script), name, str(ready)]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{ready}.{r}").exists() for r in range(2)):
+            assert job.poll() is None, f"job ended early:\n{job.stdout.read()}"
+            assert time.monotonic() < deadline, "the ranks did not start in 60 s"
+            time.sleep(0.05)
+        time.sleep(0.2)                                       # both files written completely
+        ranks = [json.loads(Path(f"{ready}.{r}").read_text()) for r in range(2)]
+        mapped = set().union(*(mapped_shm_paths(r["maps"]) for r in ranks))
+        mpi = set(mpi_shm_paths(mapped))
+        print(f"the ranks map {sorted(mapped)}; MPI's: {sorted(mpi)}")
+        assert f"/dev/shm/{name}" in mapped and mpi
+        for r in ranks:
+            os.kill(r["pid"], 15)
+        out, _ = job.communicate(timeout=30)
+        print(out)
+        assert job.returncode != 0
+        assert os.path.exists(f"/dev/shm/{name}"), "the user's shared memory was unlinked"
+        assert bytes(user.buf[:2]) == b"\x01\x01"
+        assert sorted(p for p in mpi if os.path.exists(p)) == []
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        user.close()
+        user.unlink()
