@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.mesh import parse_layout
 from ..engine import make_engine
 from ..nn.gpt import GPT
 from ..nn.losses import MSE, CrossEntropy
@@ -80,7 +81,7 @@ def measure_step_factor(samples: list, cal: dict, itemsize: int) -> dict:
     for name, part in (("step_factor", 0), ("optimizer_factor", 1)):
         ratios = {}
         for kind, (model, batch) in REFERENCE_STEPS.items():
-            row = predict_rank(model, "dp=1", 0, batch, plain, itemsize)
+            row = predict_rank(model, parse_layout("dp=1"), 0, batch, plain, itemsize)
             predicted = row["optimizer_s"] if part else row["compute_s"] - row["optimizer_s"]
             ratios[kind] = sorted(s[kind][part] / predicted for s in samples)
         out[name] = {kind: float(np.median(r)) for kind, r in ratios.items()}

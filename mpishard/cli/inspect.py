@@ -20,7 +20,7 @@ from ..checkpoint import CheckpointError, describe
 from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.costs import check_fit, rank_memory
-from .model_flag import model_from_flag
+from .model_flag import add_model_arguments, model_from_flag
 from .usage import UsageError, print_report, world_comm
 
 
@@ -34,8 +34,8 @@ def format_bytes(n: float) -> str:
 
 def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
                   momentum: float = 0.0, shapes: bool = True) -> str:
-    """Text report: the mesh groups, each rank's shard shapes and memory (no MPI)."""
-    layout = parse_layout(layout)
+    """Text report: the mesh groups, each rank's shard shapes and memory (no MPI); `layout`
+    is a parsed Layout."""
     check_fit(model, layout)       # the engine's own ValueError for a layout it would refuse
     itemsize = np.dtype(dtype).itemsize
     world = layout.world_size
@@ -57,6 +57,9 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
     mems = [rank_memory(model, layout, r, itemsize, optimizer, momentum) for r in range(world)]
     if shapes:
         lines += _shape_lines(model, mems)
+    lines.append(f"dtype  {np.dtype(dtype).name} assumed" + (
+        " (make_engine's default; --dtype float32 for train's)"
+        if np.dtype(dtype) == np.float64 else " (train's default; make_engine's is float64)"))
     lines.append(f"memory per rank ({np.dtype(dtype).name}, optimizer {optimizer}; "
                  "activations not included)")
     lines.append(f"{'rank':>4}  {'parameters':>12}  {'gradients':>12}  {'optimizer':>12}  "
@@ -87,11 +90,12 @@ def add_inspect_arguments(p):
                    help="a checkpoint directory: prints names, shapes, dtypes, layout, step")
     p.add_argument("--layout", help="plan a layout instead (no MPI launch needed): the mesh "
                    "groups, each rank's shard shapes and memory, e.g. dp=2,tp=2,pp=2")
-    p.add_argument("--model", help="with --layout: comma-separated MLP dims, e.g. 64,256,256,10, "
-                   "or gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32,vocab=256")
+    add_model_arguments(p, required=False)
     p.add_argument("--activation", default="relu", help="with --layout (default relu)")
     p.add_argument("--no-bias", action="store_true", help="with --layout: layers without bias")
-    p.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    p.add_argument("--dtype", default="float64", choices=["float32", "float64"],
+                   help="with --layout: the dtype memory is counted in (default float64, "
+                   "make_engine's default; train defaults to float32)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="with --layout: optimizer whose state is counted (default adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
@@ -132,7 +136,8 @@ def report_mlp(command, args, report) -> int:
     """inspect --layout and plan: `report(the MLP or GPT of --model, model_flag.py)`, printed by
     rank 0; the model's or the layout's ValueError/TypeError is a UsageError."""
     try:
-        model = model_from_flag(args.model, args.activation, bias=not args.no_bias)
+        model = model_from_flag(args.model, args.activation, bias=not args.no_bias,
+                                gpt=getattr(args, "gpt", None))
         text = report(model)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{command}: {exc}") from None

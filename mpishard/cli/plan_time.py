@@ -18,6 +18,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.mesh import parse_layout
 from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
 from ..parallel.model_costs import is_gpt
@@ -75,7 +76,8 @@ def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUN
     slower the machine ran than when it was calibrated (reported, not used)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     itemsize = np.dtype(dtype).itemsize
-    pred = sorted((predict_step(model, r["layout"], batch, calibration, itemsize)["step_s"],
+    pred = sorted((predict_step(model, parse_layout(r["layout"]), batch, calibration,
+                                itemsize)["step_s"],
                    r["layout"]) for r in rows)[:top]
     steps = [step_fn(model, layout, batch, dtype, comm) for _, layout in pred]
     reference = dict((int(round((f / 4) ** (1 / 3))), g) for f, g in calibration["gemm"])

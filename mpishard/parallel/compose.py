@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..comm.mesh import DATA_AXES, parse_layout
+from ..comm.mesh import DATA_AXES
 from ..nn.activations import TapeMeter, meter_tapes
 from ..nn.layers import Activation, Layer, Linear, LocalAccess, Sequential
 from ..nn.recompute import recompute_chunks
@@ -46,7 +46,6 @@ from .vocab_parallel import ReplicatedOutput
 # -- planning (no MPI) -------------------------------------------------------------------------
 def layer_stages(model, layout) -> list:
     """Virtual-stage index of each layer (pp * virtual_stages of them; rank stage k % pp)."""
-    layout = parse_layout(layout)
     if layout.size("pp") == 1:
         return [0] * model.n_layers
     return assign_stages(model, layout)
@@ -63,12 +62,12 @@ def is_gpt(model) -> bool:
 
 
 def plan_params(model, layout) -> dict:
-    """name -> ParamInfo(full_shape, Placement) for every parameter of `model` under `layout`.
+    """name -> ParamInfo(full_shape, Placement) for every parameter of `model` under `layout`
+    (a comm.mesh.Layout: strings are parsed once, where they enter, by parse_layout).
 
     Raises ValueError (identically on every rank, before any communication) when the layout
     does not fit the model.
     """
-    layout = parse_layout(layout)
     if is_gpt(model):
         return plan_gpt_params(model, layout, layer_stages(model, layout))
     if layout.size("cp") > 1:
@@ -113,12 +112,11 @@ class EngineParts:
 
 
 def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
-    """This rank's parts of the engine for `model` under `layout` (comm: the engine's Comm;
-    precision: a precision.Precision, default all `dtype`).
+    """This rank's parts of the engine for `model` under `layout` (the engine's parsed Layout;
+    comm: the engine's Comm; precision: a precision.Precision, default all `dtype`).
 
     Raises ValueError on every rank, before any communication, when the layout does not fit.
     """
-    layout = parse_layout(layout)
     mesh = comm.mesh
     plan = plan_params(model, layout)                               # 1. tp, pp, fsdp splits
     placements = {n: info.placement for n, info in plan.items()}

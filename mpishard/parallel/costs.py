@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import ClassVar
 
-from ..comm.mesh import Layout, coordinates, parse_layout
+from ..comm.mesh import Layout, coordinates
 from ..validate import check_number
 from . import (context_parallel, data_parallel, expert_parallel, fsdp, gpt_tensor_parallel,
                pipeline, tensor_parallel)
@@ -88,7 +88,6 @@ class RankView:
 def check_fit(model, layout, batch=None) -> int:
     """Raise ValueError (the engine's own, where it has one) unless `layout` can train `model`
     on a global batch of `batch` rows; returns the microbatches per step (1 without pp)."""
-    layout = parse_layout(layout)
     plan_params(model, layout)          # tp must divide the hidden sizes, pp <= layers, ...
     m = pipeline.step_microbatches(layout)   # interleaved: microbatches a multiple of pp
     if batch is not None:
@@ -107,7 +106,6 @@ def check_fit(model, layout, batch=None) -> int:
 def rank_view(model, layout, rank: int, itemsize: int = 8, batch=None) -> RankView:
     """The RankView of `rank`; with `batch` (global rows per step) also its rows and
     microbatches. Raises check_fit's ValueError for a layout the engine refuses."""
-    layout = parse_layout(layout)
     microbatches = check_fit(model, layout, batch)
     coords = coordinates(layout, rank)
     params = {name: info for name, info in plan_params(model, layout).items()

@@ -46,7 +46,6 @@ import time
 
 import numpy as np
 
-from ..comm.mesh import parse_layout
 from .schedules import make_schedule, splits_backward
 from .stages import assign_stages, pipeline_options
 from .model_costs import boundary_width
@@ -341,7 +340,6 @@ def pipeline_bubble(engine) -> float:
 def step_microbatches(layout) -> int:
     """Microbatches per train_step (1 without pp); ValueError for a schedule the engine
     refuses (make_schedule: interleaved needs microbatches a multiple of pp)."""
-    layout = parse_layout(layout)
     if layout.size("pp") == 1:
         return 1
     pp, name, v, m = pipeline_options(layout)
@@ -352,7 +350,6 @@ def step_microbatches(layout) -> int:
 def boundary_widths(model, layout) -> dict:
     """Virtual stage k -> width of the activation it sends on, per batch row: its last layer's
     output on one tp rank, or a GPT's residual stream (model_costs.boundary_width)."""
-    layout = parse_layout(layout)
     vstages = assign_stages(model, layout)
     return {vstages[spec.index]: boundary_width(model, layout, spec)
             for spec in model.layers()}                # a stage's later layers overwrite

@@ -1,17 +1,15 @@
 """Which layers go where in a pipeline (no MPI): the options of a pp layout and the
 assignment of layers to (virtual) stages, balanced by parameter count or given by `stages=`.
+Both read a parsed comm.mesh.Layout.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 from math import prod
 
-from ..comm.mesh import parse_layout
-
 
 def pipeline_options(layout):
-    """(pp, schedule name, virtual stages, microbatches) of a layout; ValueError if they clash."""
-    layout = parse_layout(layout)
+    """(pp, schedule name, virtual stages, microbatches) of a Layout; ValueError if they clash."""
     pp = layout.size("pp")
     name = layout.option("schedule", "1f1b")
     v = layout.option("virtual_stages", 2 if name == "interleaved" else 1)
@@ -71,7 +69,6 @@ def assign_stages(model, layout) -> list:
     option `stages=2+1+1` (layers per virtual stage) overrides. Raises ValueError with the
     numbers, the same on every rank (no communication happens here).
     """
-    layout = parse_layout(layout)
     pp, name, v, _ = pipeline_options(layout)
     n, k_total = model.n_layers, pp * v
     what = f"pp={pp}" + (f" x virtual_stages={v} = {k_total} virtual stages" if v > 1 else "")

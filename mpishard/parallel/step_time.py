@@ -63,7 +63,7 @@ from bisect import bisect_left
 from itertools import product
 from math import log, prod
 
-from ..comm.mesh import AVERAGE_AXES, AXES, parse_layout, rank_of
+from ..comm.mesh import AVERAGE_AXES, AXES, rank_of
 from . import (comm_calls, context_parallel, data_parallel, fsdp, gpt_tensor_parallel,
                pipeline, tensor_parallel)
 from .costs import rank_view
@@ -339,7 +339,6 @@ def representative_ranks(layout) -> list:
     fsdp, cp and tp (uneven splits give those the largest or padded blocks), one dp and ep
     replica (they hold and send the same). Enough for the max over ranks (tested against all
     ranks) at a small fraction of a large world."""
-    layout = parse_layout(layout)
     choices = []
     for axis in AXES:
         n = layout.size(axis)
@@ -374,6 +373,5 @@ def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
 
 def predict_step(model, layout, batch: int, calibration: dict, itemsize: int = 4) -> dict:
     """predict_rank's dict of the busiest of the representative ranks of `layout`."""
-    layout = parse_layout(layout)
     return max((predict_rank(model, layout, r, batch, calibration, itemsize)
                 for r in representative_ranks(layout)), key=lambda row: row["step_s"])

@@ -62,7 +62,8 @@ def check_step_bytes(comm, model, layout, params, x, t, loss, dtype=np.float64) 
     eng.load_checkpoint(params)
     opt = ms.optim.AdamW(eng, lr=1e-3)
     xl, tl = eng.shard_batch(x), eng.shard_batch(t)
-    want = costs.step_comm(model, layout, comm.Get_rank(), BATCH, np.dtype(dtype).itemsize)
+    want = costs.step_comm(model, ms.parse_layout(layout), comm.Get_rank(), BATCH,
+                           np.dtype(dtype).itemsize)
 
     eng.reset_comm_stats()
     value, grads = eng.train_step(xl, tl, loss)
@@ -182,7 +183,7 @@ def test_plan_and_inspect_know_gpt(capsys):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_dp_is_a_gradient_all_reduce_plus_the_loss(n):
     model = ms.MLP([12, 16, 8, 6])
-    got = costs.step_comm(model, f"dp={n}", n - 1, batch=8 * n, itemsize=4)
+    got = costs.step_comm(model, ms.parse_layout(f"dp={n}"), n - 1, batch=8 * n, itemsize=4)
     p = model.num_params() * 4
     assert got == {"train_step": {"all_reduce": 2 * (n - 1) / n * (p + 8)}, "optimizer": {}}
 
@@ -196,7 +197,7 @@ def test_fsdp_stages_cost_what_fsdp_py_says(n):
     loss = 2 * (n - 1) / n * 8
 
     def total(layout):
-        c = costs.step_comm_total(model, layout, 0, batch=4 * n, itemsize=8)
+        c = costs.step_comm_total(model, ms.parse_layout(layout), 0, batch=4 * n, itemsize=8)
         return sum(c.values()) - loss
 
     dp = total(f"dp={n}")
@@ -209,15 +210,15 @@ def test_fsdp_stages_cost_what_fsdp_py_says(n):
 def test_tp_and_pp_terms():
     model = ms.MLP([12, 16, 8, 6])      # layer 0 column, 1 row, 2 replicated
     rows, s = 16, 8
-    tp = costs.step_comm_total(model, "tp=2", 0, batch=rows, itemsize=s)
+    tp = costs.step_comm_total(model, ms.parse_layout("tp=2"), 0, batch=rows, itemsize=s)
     # only the row layer's forward all-reduce (the first layer needs no dL/dx), rows x 8
     assert tp == {"all_reduce": 2 * (2 - 1) / 2 * rows * 8 * s}
     # pp=2 puts layer 0 on stage 0 (most parameters); its 16-wide output goes forward and
     # its gradient comes back; under tp=2 the column layer's output is the 8-wide block
     for layout, width in (("pp=2", 16), ("pp=2,tp=2", 8)):
-        first = costs.step_comm(model, layout, 0, rows, s)["train_step"]
+        first = costs.step_comm(model, ms.parse_layout(layout), 0, rows, s)["train_step"]
         last_rank = rank_of(ms.parse_layout(layout), {"pp": 1})
-        last = costs.step_comm(model, layout, last_rank, rows, s)["train_step"]
+        last = costs.step_comm(model, ms.parse_layout(layout), last_rank, rows, s)["train_step"]
         assert first["send"] == last["send"] == rows * width * s
         assert last["broadcast"] == 4 and "broadcast" not in first   # the loss, from the last
 
@@ -226,12 +227,13 @@ def test_every_strategy_owns_its_cost_model():
     """plan and inspect only add up STRATEGY_COSTS: each strategy file exposes memory and
     step_comm, and a strategy whose axis is absent costs nothing."""
     model = ms.MLP([12, 16, 8, 6])
-    view = costs.rank_view(model, "single", 0, itemsize=8, batch=16)
+    view = costs.rank_view(model, ms.parse_layout("single"), 0, itemsize=8, batch=16)
     for strategy in costs.STRATEGY_COSTS:
         assert strategy.memory(view, 2) == {}, strategy.__name__
         assert not any(v for kinds in strategy.step_comm(view).values()
                        for v in kinds.values()), strategy.__name__
-    assert costs.step_comm(model, "single", 0, 16) == {"train_step": {}, "optimizer": {}}
+    assert costs.step_comm(model, ms.parse_layout("single"), 0, 16) == {"train_step": {},
+                                                                        "optimizer": {}}
 
 
 def test_gpt_tp_sp_cp_terms():
@@ -242,7 +244,7 @@ def test_gpt_tp_sp_cp_terms():
     act, loss = rows * t_len * d * s, 3 * rows * t_len * s     # (B, T, D); 3 x (B, T)
 
     def train(layout):
-        return costs.step_comm(model, layout, 0, rows, s)["train_step"]
+        return costs.step_comm(model, ms.parse_layout(layout), 0, rows, s)["train_step"]
     # per block f, g before/after qkv | proj and fc | proj, the head's f, the embedding
     assert train("tp=2") == {"all_reduce": (3 * 4 + 1 + 1) * act + loss}
     # the same activations as half an all_reduce each way, plus the split gradients

@@ -74,22 +74,23 @@ def test_single_matches_the_numpy_reference(tied, T):
 ])
 def test_unsupported_axes_are_refused(layout, match):
     with pytest.raises(ValueError, match=match):
-        plan_params(make_gpt(), layout)
+        plan_params(make_gpt(), ms.parse_layout(layout))
 
 
 def test_tied_with_pipeline_is_refused():
     with pytest.raises(ValueError, match="tied GPT .* with pp=2"):
-        plan_params(make_gpt(2, tied=True), "pp=2")
-    plan_params(make_gpt(2, tied=True), "fsdp=2")            # fine without pp
+        plan_params(make_gpt(2, tied=True), ms.parse_layout("pp=2"))
+    plan_params(make_gpt(2, tied=True), ms.parse_layout("fsdp=2"))  # fine without pp
 
 
 def test_pipeline_places_embedding_first_and_head_last():
-    plan = plan_params(make_gpt(4), "pp=2,schedule=interleaved")      # blocks 0,1,2,3 on 0,1,0,1
+    # blocks 0, 1, 2, 3 on stages 0, 1, 0, 1
+    plan = plan_params(make_gpt(4), ms.parse_layout("pp=2,schedule=interleaved"))
     stage = {name: info.placement.stage for name, info in plan.items()}
     assert stage["embed/tokens"] == stage["embed/positions"] == 0
     assert [stage[f"block_{i}/ln_1/scale"] for i in range(4)] == [0, 1, 0, 1]
     assert stage["ln_f/scale"] == stage["head/weights"] == 1
-    plan = plan_params(make_gpt(4), "pp=2,stages=3+1")
+    plan = plan_params(make_gpt(4), ms.parse_layout("pp=2,stages=3+1"))
     assert [plan[f"block_{i}/mlp/fc/bias"].placement.stage for i in range(4)] == [0, 0, 0, 1]
 
 

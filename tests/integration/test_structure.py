@@ -12,7 +12,9 @@ Each test enforces one rule and, when it fails, lists every offender as `file:li
 - no private API of other libraries (`MPI._typedict`, argparse's `_subparsers`, ...);
 - no file over 400 lines;
 - the only top-level modules are `__init__.py`, `__main__.py`, `engine.py` and `validate.py`;
-  everything else lives in a package (comm/, nn/, parallel/, train/, checkpoint/, cli/).
+  everything else lives in a package (comm/, nn/, parallel/, train/, checkpoint/, cli/);
+- a layout is parsed where its text enters (the engine, the mesh, the CLI) and travels as a
+  `Layout`: nn/, parallel/ and train/ never call `parse_layout`.
 
 The helpers take the package folder as an argument, so `benchmarks/structure_report.py`
 measures any tree (e.g. an older commit) with the same definitions.
@@ -34,6 +36,8 @@ MAX_LINES = 400
 # argparse internals that are tempting to reach for; flagged on any object.
 ARGPARSE_INTERNALS = {"_subparsers", "_group_actions", "_option_string_actions", "_actions",
                       "_print_message"}
+# Packages a parsed Layout travels through: they take the object, never the text.
+LAYOUT_TAKERS = ("nn", "parallel", "train")
 
 
 # ---------------------------------------------------------------- reading the package
@@ -286,6 +290,20 @@ def line_counts(parsed, package=PACKAGE):
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def layout_parses(parsed):
+    """`parse_layout` named (imported or called) in a module of LAYOUT_TAKERS."""
+    found = []
+    for module, (rel, tree, _) in parsed.items():
+        if module.split(".")[1:2] and module.split(".")[1] in LAYOUT_TAKERS:
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.ImportFrom)
+                         else [node.id] if isinstance(node, ast.Name)
+                         else [node.attr] if isinstance(node, ast.Attribute) else [])
+                if "parse_layout" in names:
+                    found.append(f"{rel}:{node.lineno}  {ast.unparse(node)}")
+    return found
+
+
 def top_level_modules(package=PACKAGE):
     return sorted(p.name for p in Path(package).glob("*.py"))
 
@@ -335,6 +353,13 @@ def test_top_level_holds_only_the_public_face():
                              "into the package of their concern", extra)
 
 
+def test_layout_is_parsed_once_where_it_enters():
+    found = layout_parses(parse_package())
+    assert not found, report("parse_layout in a package a parsed Layout travels through "
+                             f"({', '.join(LAYOUT_TAKERS)}); take the Layout the engine or the "
+                             "CLI parsed instead", found)
+
+
 # ---------------------------------------------------------------- the checker checks itself
 
 def test_checker_finds_each_kind_of_offence(tmp_path):
@@ -365,3 +390,23 @@ def test_checker_finds_each_kind_of_offence(tmp_path):
     assert [imp.node.lineno for imp in underscore_imports(parsed)] == [2]
     assert private_api_uses(parsed) == ["mpishard/comm/mesh.py:6  MPI._typedict",
                                         "mpishard/comm/mesh.py:6  parser._actions"]
+
+
+def test_checker_finds_a_layout_parsed_again(tmp_path):
+    pkg = tmp_path / "mpishard"
+    (pkg / "parallel").mkdir(parents=True)
+    (pkg / "comm").mkdir()
+    sources = {
+        "__init__.py": "",
+        "comm/__init__.py": "",
+        "comm/mesh.py": "def parse_layout(text):\n    return text\n",      # where it lives
+        "engine.py": "from .comm.mesh import parse_layout\n",              # an entry: allowed
+        "parallel/__init__.py": "",
+        "parallel/stages.py": ("from ..comm import mesh\n"
+                               "def f(layout):\n"
+                               "    return mesh.parse_layout(layout)\n"),
+    }
+    for name, text in sources.items():
+        (pkg / name).write_text(text)
+    assert layout_parses(parse_package(pkg)) == [
+        "mpishard/parallel/stages.py:3  mesh.parse_layout"]

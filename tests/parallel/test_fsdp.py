@@ -55,10 +55,10 @@ def padded_rows(rows, n):
 def test_plan_shards_parameters_only_under_zero3():
     model = ms.MLP([5, 6, 4, 3])
     for zero in (1, 2):
-        plan = plan_params(model, f"fsdp=4,zero={zero}")
+        plan = plan_params(model, ms.parse_layout(f"fsdp=4,zero={zero}"))
         assert all(info.placement.is_replicated_on("fsdp") for info in plan.values())
     for layout in ("fsdp=4", "fsdp=4,zero=3", "fsdp=2,tp=2"):
-        plan = plan_params(model, layout)
+        plan = plan_params(model, ms.parse_layout(layout))
         assert all(info.placement.shards[-1] == pl.Shard("fsdp", 0, pad=True)
                    for info in plan.values()), layout
 

@@ -59,7 +59,7 @@ def microbatches(e) -> int:
 
 def planned_calls(model, layout, n) -> dict:
     """fsdp's calls per train_step in the cost model, for this rank of the n-rank group."""
-    view = costs.rank_view(model, layout, group_comm(n).Get_rank(), 8, BATCH)
+    view = costs.rank_view(model, ms.parse_layout(layout), group_comm(n).Get_rank(), 8, BATCH)
     return fsdp.step_calls(view)["train_step"]
 
 

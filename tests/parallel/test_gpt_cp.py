@@ -99,7 +99,7 @@ def test_cp_axis_sits_between_pp_and_tp():
 ])
 def test_layouts_that_do_not_fit_are_refused(layout, model, match):
     with pytest.raises(ValueError, match=match):
-        plan_params(model, layout)
+        plan_params(model, ms.parse_layout(layout))
 
 
 def test_cp_kind_needs_cp():

@@ -86,7 +86,7 @@ def test_blocked_split_refuses_padding_and_single_region():
 
 
 def test_plan_places_megatron_splits():
-    plan = plan_params(make_gpt(), "fsdp=2,tp=2")
+    plan = plan_params(make_gpt(), ms.parse_layout("fsdp=2,tp=2"))
     shards = {n: info.placement.shards for n, info in plan.items()}
     fsdp = pl.Shard("fsdp", 0, pad=True)
     assert shards["block_0/attn/qkv/weights"] == (pl.Shard("tp", 1, blocks=3), fsdp)
@@ -107,7 +107,7 @@ def test_tp_must_divide_heads_ffn_and_vocab(kw, match):
     args = dict(vocab_size=16, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=32)
     args.update(kw)
     with pytest.raises(ValueError, match=match):
-        plan_params(ms.GPT(**args), "tp=4")
+        plan_params(ms.GPT(**args), ms.parse_layout("tp=4"))
 
 
 def test_sequence_parallel_needs_tp():

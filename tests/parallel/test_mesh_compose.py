@@ -144,7 +144,8 @@ def test_inspect_plan_matches_running_engine(n, layout):
     _, grads = eng.train_step(eng.shard_batch(x), eng.shard_batch(t), ms.losses.MSE())
     opt.step(grads)
     held = eng.memory_report(opt)
-    plan = rank_memory(model, layout, comm.Get_rank(), itemsize=8, optimizer="adamw")
+    plan = rank_memory(model, ms.parse_layout(layout), comm.Get_rank(), itemsize=8,
+                       optimizer="adamw")
     print(layout, comm.Get_rank(), held, {k: v for k, v in plan.items() if k != "shapes"})
     assert held["params"] == plan["parameters"]
     assert held["grads"] == plan["gradients"]
@@ -179,8 +180,9 @@ def test_inspect_refuses_a_schedule_the_engine_refuses():
 
     model = ms.MLP([8, 8, 8, 8, 4])
     with pytest.raises(ValueError, match=r"microbatches \(3\) to be a multiple of pp \(2\)"):
-        layout_report(model, "pp=2,schedule=interleaved,microbatches=3")
-    assert "memory per rank" in layout_report(model, "pp=2,schedule=interleaved,microbatches=4")
+        layout_report(model, ms.parse_layout("pp=2,schedule=interleaved,microbatches=3"))
+    report = layout_report(model, ms.parse_layout("pp=2,schedule=interleaved,microbatches=4"))
+    assert "memory per rank" in report
 
 
 def test_cli_digits_dp_tp_pp_matches_single(tmp_path):

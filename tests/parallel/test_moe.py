@@ -101,7 +101,7 @@ def test_capacity_formula():
 ])
 def test_plan_rejects_mlp_under_ep(layout, msg):
     with pytest.raises(ValueError, match=msg):
-        plan_params(ms.MLP([6, 8, 6]), layout)
+        plan_params(ms.MLP([6, 8, 6]), ms.parse_layout(layout))
 
 
 @pytest.mark.parametrize("model, layout, msg", [
@@ -113,11 +113,11 @@ def test_plan_rejects_mlp_under_ep(layout, msg):
 ])
 def test_plan_rejects_bad_layouts(model, layout, msg):
     with pytest.raises(ValueError, match=msg):
-        plan_params(model, layout)
+        plan_params(model, ms.parse_layout(layout))
 
 
 def test_plan_places_experts_on_their_ep_rank():
-    plan = plan_params(ms.MoE(6, 8, 8), "dp=2,ep=4")
+    plan = plan_params(ms.MoE(6, 8, 8), ms.parse_layout("dp=2,ep=4"))
     assert plan["router/weights"].placement.owner == {}
     assert plan["expert_5/layer_1/bias"].placement.owner == {"ep": 2}
     assert not plan["expert_5/layer_1/bias"].placement.is_replicated_on("ep")

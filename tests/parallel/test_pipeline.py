@@ -61,21 +61,22 @@ def all_same_error(comm, fn):
 # -- stage assignment (no MPI) -----------------------------------------------------------------
 def test_assign_stages_balances_parameter_count():
     equal = ms.MLP([8] * 9)                                # 8 equal layers
-    assert assign_stages(equal, "pp=4") == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert assign_stages(equal, "pp=2,schedule=interleaved") == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert sorted(np.bincount(assign_stages(equal, "pp=3"))) == [2, 3, 3]
+    assert assign_stages(equal, ms.parse_layout("pp=4")) == [0, 0, 1, 1, 2, 2, 3, 3]
+    interleaved = ms.parse_layout("pp=2,schedule=interleaved")
+    assert assign_stages(equal, interleaved) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sorted(np.bincount(assign_stages(equal, ms.parse_layout("pp=3")))) == [2, 3, 3]
     heavy = ms.MLP([100, 4, 4, 4, 4])                      # layer 0 dwarfs the rest
-    assert assign_stages(heavy, "pp=2") == [0, 1, 1, 1]
+    assert assign_stages(heavy, ms.parse_layout("pp=2")) == [0, 1, 1, 1]
     for model, pp in [(make_model(d), pp) for pp in (2, 4, 8) for d in (pp, 2 * pp, 3 * pp)]:
-        stages = assign_stages(model, f"pp={pp}")
+        stages = assign_stages(model, ms.parse_layout(f"pp={pp}"))
         assert len(stages) == model.n_layers
         assert stages == sorted(stages) and set(stages) == set(range(pp))
 
 
 def test_assign_stages_explicit_split():
-    assert assign_stages(ms.MLP([8] * 5), "pp=2,stages=3+1") == [0, 0, 0, 1]
-    assert assign_stages(ms.MLP([8] * 6), "pp=2,schedule=interleaved,stages=2+1+1+1") == \
-        [0, 0, 1, 2, 3]
+    assert assign_stages(ms.MLP([8] * 5), ms.parse_layout("pp=2,stages=3+1")) == [0, 0, 0, 1]
+    interleaved = ms.parse_layout("pp=2,schedule=interleaved,stages=2+1+1+1")
+    assert assign_stages(ms.MLP([8] * 6), interleaved) == [0, 0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("dims,layout,words", [
@@ -93,7 +94,7 @@ def test_assign_stages_explicit_split():
 ])
 def test_assign_stages_rejects_bad_layouts(dims, layout, words):
     with pytest.raises(ValueError) as info:
-        assign_stages(ms.MLP(dims), layout)
+        assign_stages(ms.MLP(dims), ms.parse_layout(layout))
     assert words in str(info.value), str(info.value)
 
 

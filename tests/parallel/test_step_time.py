@@ -84,7 +84,7 @@ def test_alpha_beta_fit_through_measured_points():
 
 def test_single_is_flops_over_rate():
     model = ms.MLP([64, 32, 16])
-    got = predict_step(model, "single", 8, flat(), itemsize=4)
+    got = predict_step(model, parse_layout("single"), 8, flat(), itemsize=4)
     flops = 3 * 2 * 8 * 32 * 16 + 2 * 2 * 8 * 64 * 32        # layer 0 has no dx
     assert got["gemm_s"] == pytest.approx(flops / 10e9, rel=1e-12)
     assert got["step_s"] == pytest.approx(flops / 10e9, rel=1e-12)
@@ -123,8 +123,8 @@ def test_fsdp_copies_a_pass_per_pack_and_gather():
 
 def test_data_parallel_halves_compute_and_adds_comm():
     model = ms.MLP([64, 32, 16])
-    one = predict_step(model, "single", 8, flat(), itemsize=4)
-    two = predict_step(model, "dp=2", 8, flat(), itemsize=4)
+    one = predict_step(model, parse_layout("single"), 8, flat(), itemsize=4)
+    two = predict_step(model, parse_layout("dp=2"), 8, flat(), itemsize=4)
     assert two["gemm_s"] == pytest.approx(one["gemm_s"] / 2, rel=1e-12)
     assert two["comm_s"] > 0
 
@@ -135,7 +135,8 @@ def test_step_factor_scales_compute_of_its_kind_only():
     base = flat(op=1e-9, fixed=1e-5)
     scaled = dict(base, step_factor={"mlp": 2.0, "gpt": 3.0})
     for model, factor in ((mlp, 2.0), (gpt, 3.0)):
-        one, two = (predict_step(model, "dp=2", 8, cal, itemsize=4) for cal in (base, scaled))
+        one, two = (predict_step(model, parse_layout("dp=2"), 8, cal, itemsize=4)
+                    for cal in (base, scaled))
         for key in ("gemm_s", "elementwise_s", "compute_s"):
             assert two[key] == pytest.approx(factor * one[key], rel=1e-12)
         assert two["comm_s"] == pytest.approx(one["comm_s"], rel=1e-12)
@@ -146,8 +147,8 @@ def test_step_factor_scales_compute_of_its_kind_only():
 def test_optimizer_factor_scales_the_optimizer_only():
     model = ms.MLP([64, 32, 16])
     base = flat(op=1e-9, fixed=1e-5)
-    one = predict_step(model, "dp=2", 8, base, itemsize=4)
-    two = predict_step(model, "dp=2", 8, dict(base, step_factor={"mlp": 2.0},
+    one = predict_step(model, parse_layout("dp=2"), 8, base, itemsize=4)
+    two = predict_step(model, parse_layout("dp=2"), 8, dict(base, step_factor={"mlp": 2.0},
                                               optimizer_factor={"mlp": 5.0}), itemsize=4)
     view = rank_view(model, parse_layout("dp=2"), 0, 4, 8)
     optimizer = optimizer_seconds(view, base)
@@ -160,7 +161,7 @@ def test_optimizer_factor_scales_the_optimizer_only():
 
 def test_step_factor_is_the_median_of_three_timings_with_their_range():
     cal = flat(op=1e-9, fixed=1e-5)
-    rows = {kind: predict_rank(model, "dp=1", 0, batch, cal, 4)
+    rows = {kind: predict_rank(model, parse_layout("dp=1"), 0, batch, cal, 4)
             for kind, (model, batch) in cal_steps.REFERENCE_STEPS.items()}
     predicted = {kind: (r["compute_s"] - r["optimizer_s"], r["optimizer_s"])
                  for kind, r in rows.items()}
@@ -206,8 +207,8 @@ def test_comm_terms_one_group_each():
                      (("dp",), "all_reduce", 1, 8)]              # the loss
     seconds = [s for *_, s in comm_terms(view, flat(alpha=1e-4, beta=1e9))]
     assert seconds == pytest.approx([1e-4 + 1024 / 1e9, 1e-4 + grads / 1e9, 1e-4 + 8 / 1e9])
-    assert sum(t[3] for t in terms) == sum(step_comm_total(model, "dp=2,tp=2", 0, 16,
-                                                           4).values())
+    assert sum(t[3] for t in terms) == sum(step_comm_total(model, parse_layout("dp=2,tp=2"), 0,
+                                                           16, 4).values())
 
 
 def test_pipeline_bubble_and_shared_cores():
@@ -249,7 +250,8 @@ def test_groups_span_nodes_tp_innermost():
 def test_representative_ranks_bound_every_rank(model, batch, seq, world):
     cal = flat(op=1e-9, fixed=1e-5)
     checked = 0
-    for layout in candidate_layouts(world, None, seq):
+    for text in candidate_layouts(world, None, seq):
+        layout = parse_layout(text)
         try:
             check_fit(model, layout, batch)
         except ValueError:
@@ -270,7 +272,7 @@ def test_plan_marks_the_predicted_best_and_examples_load():
     text = plan_report(ms.MLP([64, 32, 32, 16]), 4, 32, dtype=np.float32, calibration=cal)
     assert sum(line.split()[1:2] == ["*"] for line in text.splitlines()) == 1
     gpt = ms.GPT(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-    assert predict_step(gpt, "tp=2", 4, cal)["step_s"] > 0
+    assert predict_step(gpt, parse_layout("tp=2"), 4, cal)["step_s"] > 0
 
 
 def test_old_calibration_format_is_refused(tmp_path):
@@ -340,7 +342,7 @@ def test_calls_match_the_engine(spec, batch, layout):
     engine.reset_comm_stats()
     opt.step(engine.train_step(engine.shard_batch(x), engine.shard_batch(t), loss)[1])
     got = {k: v for k, v in engine.comm_calls.items() if v}
-    assert got == step_calls(rank_view(model, layout, comm.Get_rank(), 4, batch)), layout
+    assert got == step_calls(rank_view(model, engine.layout, comm.Get_rank(), 4, batch)), layout
 
 
 @pytest.mark.mpi(min_size=2)
