@@ -1,0 +1,175 @@
+"""README.md and docs/ say what works: their links resolve, their commands parse, their ranks fit.
+
+Serial tests (no MPI): `pytest tests/integration/test_docs.py`.
+"""
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mpishard.cli import build_parser
+
+try:
+    import tomllib
+except ImportError:                     # Python < 3.11
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS, ROOT / "benchmarks" / "README.md", ROOT / "tests" / "README.md",
+         ROOT / "hostfiles" / "README.md"]
+REQUIRED_DOCS = ["strategies", "checkpoints", "reliability", "clusters", "gpus",
+                 "planning-and-tracing", "performance"]
+MESH_AXES = ("dp", "fsdp", "tp", "pp", "ep", "cp")
+MPISHARD = re.compile(r"(?:^|\s)(?:\S*python\S*)\s+(?:-m\s+mpi4py\s+)?-m\s+mpishard\s+(\S.*)$")
+MPIEXEC_N = re.compile(r"(?:^|\s)\S*mpiexec\b.*?\s-n\s+(\d+)\s")
+
+
+def _code_blocks(text):
+    """The fenced code blocks of a markdown text, each as a string."""
+    return re.findall(r"^```[^\n]*\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+
+
+def _commands(text):
+    """Shell lines of the code blocks, backslash continuations joined, comments dropped."""
+    out = []
+    for block in _code_blocks(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def _documented_mpishard_commands():
+    """(page, line, argv after `-m mpishard`) for every documented mpishard command."""
+    found = []
+    for page in PAGES:
+        for line in _commands(page.read_text()):
+            m = MPISHARD.search(line)
+            if m:
+                found.append((page.name, line, shlex.split(m.group(1).replace("$", ""))))
+    return found
+
+
+def _layout_size(layout):
+    size = 1
+    for part in layout.split(","):
+        axis, _, n = part.partition("=")
+        if axis.strip() in MESH_AXES:
+            size *= int(n)
+    return size
+
+
+def _slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_readme_starts_with_the_two_commands_and_stays_short():
+    text = README.read_text()
+    first = _code_blocks(text)[0].splitlines()
+    print(first)
+    assert first[0].startswith("make demo ") and first[1].startswith("make test ")
+    assert text.index("```") < text.index("## "), "the two commands come before any section"
+    lines = text.count("\n")
+    print(f"README.md: {lines} lines")
+    assert lines <= 300
+    assert "## Contents" in text
+
+
+def test_the_docs_pages_exist_and_start_with_what_a_user_does():
+    names = {p.stem for p in DOCS}
+    assert set(REQUIRED_DOCS) <= names, sorted(set(REQUIRED_DOCS) - names)
+    for page in DOCS:
+        sections = re.findall(r"^## (.+)$", page.read_text(), re.MULTILINE)
+        print(page.name, sections[:2])
+        assert sections and sections[0] == "What you do", page.name
+
+
+def test_every_relative_link_resolves():
+    """Links to files exist; links with an anchor name a heading of the target page."""
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and dest.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(),
+                                                      re.MULTILINE)}
+                if anchor not in slugs:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    print("\n".join(broken))
+    assert not broken
+
+
+def test_every_documented_command_parses():
+    """Each `python -m mpishard ...` in a code block is accepted by the command's parser:
+    no flag that does not exist, no argument where the flag takes none (`--resume DIR`)."""
+    parser = build_parser()
+    commands = _documented_mpishard_commands()
+    assert len(commands) >= 20, len(commands)
+    bad = []
+    for page, line, argv in commands:
+        try:
+            parser.parse_args(argv)
+        except (SystemExit, Exception) as exc:    # noqa: BLE001 - report every failure
+            bad.append(f"{page}: {line}\n    {type(exc).__name__}: {exc}")
+    print("\n".join(bad))
+    assert not bad
+
+
+def test_resume_takes_no_argument_anywhere():
+    """`--resume` continues from --checkpoint-dir; prose must not show it with a directory."""
+    for page in PAGES:
+        for code in re.findall(r"`([^`\n]+)`", page.read_text()):
+            m = re.search(r"--resume\s+(\S+)", code)
+            assert not m or m.group(1).startswith("-"), f"{page.name}: `{code}`"
+
+
+def test_documented_jobs_have_the_ranks_their_layout_needs():
+    """A documented `train`/`bench`/`infer`/`generate` runs under `mpiexec -n N` with N the
+    product of its layout's sizes, whether the layout is a flag or inside a --config file."""
+    checked, bad = 0, []
+    for page, line, argv in _documented_mpishard_commands():
+        if argv[0] not in ("train", "bench", "infer", "generate"):
+            continue
+        layout = None
+        if "--layout" in argv:
+            layout = argv[argv.index("--layout") + 1]
+        elif "--config" in argv:
+            cfg = tomllib.loads((ROOT / argv[argv.index("--config") + 1]).read_text())
+            layout = cfg.get("layout")
+        if layout is None:
+            continue
+        m = MPIEXEC_N.search(" " + line)
+        if m is None and "-m mpi4py" in line:
+            continue                    # a rank of a batch script: srun or mpiexec starts it
+        ranks = int(m.group(1)) if m else 1
+        checked += 1
+        if _layout_size(layout) != ranks:
+            bad.append(f"{page}: {layout} needs {_layout_size(layout)} ranks, shown with "
+                       f"{ranks}: {line}")
+    print(f"{checked} commands checked\n" + "\n".join(bad))
+    assert checked >= 10 and not bad
+
+
+def test_the_venv_is_activated_before_any_bare_command():
+    """`python`/`mpiexec` in a code block mean the venv's: each page says to activate it
+    (`. .venv/bin/activate`) before its first such command."""
+    bare = re.compile(r"^(?:\S+=\S+\s+)*(python|mpiexec)\s", re.MULTILINE)
+    for page in [README, *DOCS]:
+        text = page.read_text()
+        blocks = [b for b in _code_blocks(text) if bare.search(b)]
+        if not blocks:
+            continue
+        first = text.index(blocks[0]) + bare.search(blocks[0]).start()
+        assert ".venv/bin/activate" in text[:first], page.name
+
