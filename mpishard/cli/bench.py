@@ -2,11 +2,15 @@
 
     mpiexec -n 4 python -m mpi4py -m mpishard bench --layout dp=2,tp=2 --model 784,512,256,10 \\
         --batch 64 --steps 20 --warmup 3
+    mpiexec -n 2 python -m mpi4py -m mpishard bench --layout tp=2 --model gpt \\
+        --gpt d_model=128,n_heads=4,n_layers=4,seq_len=64 --batch 8
 
 Every rank builds the engine (inside `agreed`, so bad input gives one error line and exit
 code 2 everywhere), loads `model.init(seed)`, draws a seeded synthetic regression batch (the
 global batch on every rank, then `engine.shard_batch`), and runs `--warmup` untimed and
-`--steps` timed steps of `engine.train_step(x, t, MSE)` + `optimizer.step()`. Rank 0 prints:
+`--steps` timed steps of `engine.train_step(x, t, loss)` + `optimizer.step()` (an MLP: MSE on
+a regression batch; a GPT, `--model gpt:...` or `--model gpt --gpt ...`: cross-entropy on random
+tokens, a batch row being one sequence of seq_len tokens). Rank 0 prints:
 
   step time      the median over the timed steps of the slowest rank's step time
                  (each step's time is combined with all_reduce(op='max'))
@@ -16,7 +20,7 @@ global batch on every rank, then `engine.shard_batch`), and runs `--warmup` unti
                    backward 2F - 2 B d_0 d_1  (dW and dx per layer; the first layer has no dx)
                  so 3F - 2 B d_0 d_1 per step (biases, activations, loss and optimizer left
                  out; work repeated on several ranks, like tp's replicated last layer, counted
-                 once)
+                 once); a GPT: 3 x its forward's matmul FLOPs (gpt_flops)
   comm time      the fraction of step time inside the engine's collectives (engine.comm_time:
                  blocking calls for their whole duration, non-blocking ones for the issue only;
                  pipeline receives are waits, shown as 'pipeline idle' instead), max over ranks
@@ -30,20 +34,20 @@ import time
 
 import numpy as np
 
-from ..nn.losses import MSE
-from ..nn.models import MLP
+from ..nn.gpt import GPT
+from ..nn.losses import MSE, CrossEntropy
 from ..engine import make_engine
 from ..train.optim import SGD, AdamW
+from .model_flag import add_model_arguments, model_from_flag
 from .plan import COMM_KINDS, check_fit, step_comm_total
 from .usage import (CUDA_AWARE, add_device_arguments, agreed, check_flags, checked_layout,
-                    default_layout, parse_dims, print_report, world_comm)
+                    default_layout, print_report, world_comm)
 
 
 def add_bench_arguments(p):
     p.add_argument("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, "
                    "single on one)")
-    p.add_argument("--model", required=True, help="comma-separated MLP dims, e.g. "
-                   "784,512,256,10")
+    add_model_arguments(p)
     p.add_argument("--activation", default="relu", help="hidden activation (relu)")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
@@ -65,6 +69,19 @@ def model_flops(dims, batch: int) -> int:
     return 3 * forward - 2 * batch * dims[0] * dims[1]
 
 
+def gpt_flops(model: GPT, batch: int) -> int:
+    """FLOPs of one training step of a GPT on full sequences, 3 x the forward's matmuls: per
+    layer the q, k, v and output projections (4 d^2 per token), the MLP (2 d d_ff), scores and
+    weighted values (2 T d), and the head (d V); 2 FLOPs per multiply-add."""
+    d, T = model.d_model, model.seq_len
+    per_token = model.n_layers * (4 * d * d + 2 * d * model.d_ff + 2 * T * d) + d * model.vocab_size
+    return 3 * 2 * batch * T * per_token
+
+
+def step_flops(model, batch: int) -> int:
+    return gpt_flops(model, batch) if isinstance(model, GPT) else model_flops(model.dims, batch)
+
+
 def build_bench(args, comm):
     """Validate and build (engine, optimizer, x_local, t_local); ValueError/TypeError before
     any collective on bad input."""
@@ -72,7 +89,7 @@ def build_bench(args, comm):
     check_flags(args, ("warmup", "seed"), low=0)
     world = comm.Get_size()
     layout = checked_layout(args.layout or default_layout(world), world)
-    model = MLP(parse_dims(args.model), activation=args.activation)
+    model = model_from_flag(args.model, args.activation, gpt=args.gpt)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                             device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
@@ -81,14 +98,17 @@ def build_bench(args, comm):
     opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
            else SGD(engine, lr=args.lr))
     rng = np.random.default_rng(args.seed)
-    x = rng.standard_normal((args.batch, model.d_in))
-    t = rng.standard_normal((args.batch, model.d_out))
+    if isinstance(model, GPT):
+        x, t = rng.integers(0, model.vocab_size, (2, args.batch, model.seq_len))
+    else:
+        x = rng.standard_normal((args.batch, model.d_in))
+        t = rng.standard_normal((args.batch, model.d_out))
     return engine, opt, engine.shard_batch(x), engine.shard_batch(t)
 
 
 def measure(engine, opt, x, t, steps: int, warmup: int) -> dict:
     """Collective: warm-up, then `steps` timed steps; numbers combined over ranks (max)."""
-    loss = MSE()
+    loss = CrossEntropy() if isinstance(engine.model, GPT) else MSE()
     sync = (engine.xp.cuda.get_current_stream().synchronize if engine.backend.is_gpu
             else (lambda: None))
 
@@ -132,7 +152,7 @@ def format_table(engine, args, result) -> str:
     per_rank = [step_comm_total(model, layout, r, args.batch, itemsize) for r in range(world)]
     plan = {k: max(c.get(k, 0) for c in per_rank) for k in COMM_KINDS}
     med = result["median_s"]
-    flops = model_flops(model.dims, args.batch)
+    flops = step_flops(model, args.batch)
     rows = [("step time (median)", f"{med * 1e3:.3f} ms", ""),
             ("samples/s", f"{args.batch / med:,.0f}", ""),
             ("GFLOP/s (model)", f"{flops / med / 1e9:.3f}", ""),

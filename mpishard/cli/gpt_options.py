@@ -18,11 +18,11 @@ from ..parallel.gpt import check_gpt_layout
 from ..parallel.stages import assign_stages
 from ..train.text import (BYTE_VOCAB, DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION,
                           text_dataset)
+from . import model_flag
 from .usage import UsageError, check_flags
 
 TEXT_DATASET = "text"
-DEFAULT_GPT = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
-               "tied": 0}
+DEFAULT_GPT = {k: v for k, v in model_flag.GPT_DEFAULTS.items() if k != "vocab"}
 TEXT_FLAGS = ("corpus", "corpus_bytes", "val_fraction", "train_stride")
 # --clip when not given for a GPT: global-norm clipping at 1.0 (GPT-2/nanoGPT practice). Measured,
 # 250 steps of the README's d_model=128 GPT (cosine, warm-up 20, batch 32): val 2.55 -> 2.25
@@ -60,29 +60,13 @@ def gpt_spec_text(table: dict) -> str:
 
 
 def parse_gpt_spec(text) -> dict:
-    """--gpt text -> {key: int} over DEFAULT_GPT (UsageError: unknown or repeated key,
-    missing '=', a value that is not a positive integer, tied not 0/1)."""
-    spec, given = dict(DEFAULT_GPT), set()
-    for item in ([] if text is None else str(text).split(",")):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not eq:
-            raise UsageError(f"--gpt {text!r}: expected KEY=VALUE pairs joined by commas, "
-                             f"e.g. d_model=128,n_heads=4, got {item!r}")
-        if key not in DEFAULT_GPT:
-            raise UsageError(f"--gpt: unknown key {key!r}; known keys: {', '.join(DEFAULT_GPT)}")
-        if key in given:
-            raise UsageError(f"--gpt: {key} is given twice")
-        given.add(key)
-        try:
-            number = int(value)
-        except ValueError:
-            raise UsageError(f"--gpt: {key}={value!r} is not an integer") from None
-        if key == "tied" and number not in (0, 1):
-            raise UsageError(f"--gpt: tied must be 0 or 1, got {value}")
-        if key != "tied" and number < 1:
-            raise UsageError(f"--gpt: {key} must be a positive integer, got {value}")
-        spec[key] = number
-    return spec
+    """--gpt text -> {key: int} over DEFAULT_GPT (model_flag.parse_gpt_spec's checks); the
+    vocabulary is the data set's, so a vocab key is refused."""
+    keys = [item.partition("=")[0].strip() for item in str(text or "").split(",")]
+    if {"vocab", "vocab_size"} & set(keys):
+        raise UsageError(f"--gpt: train takes the vocabulary from the data set ({BYTE_VOCAB} "
+                         f"bytes); leave vocab out")
+    return model_flag.parse_gpt_spec(text, DEFAULT_GPT)
 
 
 def validate_gpt_args(args, layout):

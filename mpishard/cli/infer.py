@@ -6,8 +6,10 @@
 Every rank rebuilds the model from the checkpoint's index (`Checkpoint.model()`), makes the
 engine for `--layout` and calls `engine.load_checkpoint(ms.checkpoint.load(DIR))`: reshard on
 load, each rank reads only the blocks it keeps (any layout, whatever the saving layout was).
-The input `.npy` is memory-mapped (allow_pickle=False); its rows go in batches of `--batch`
-through `engine.inference_loop(input_stream, output_stream)`:
+The input `.npy` is memory-mapped (allow_pickle=False): for an MLP (rows, d_in) numbers, for a
+GPT (rows, T) integer token ids with T <= seq_len, whose output is the logits (rows, T, vocab)
+at every position (to sample text use `generate`). Its rows go in batches of `--batch` through
+`engine.inference_loop(input_stream, output_stream)`:
 
   - Data axes (dp, fsdp, ep): every batch is split by `engine.shard_batch`, so each replica
     computes 1/dp of every batch (fsdp ranks must run the same batches in lock-step anyway).
@@ -37,6 +39,7 @@ import numpy as np
 from ..checkpoint import CheckpointError
 from ..checkpoint import load as load_checkpoint
 from ..engine import make_engine
+from ..nn.gpt import GPT
 from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_flags,
                     checked_layout, default_layout, world_comm)
 
@@ -61,9 +64,11 @@ def add_compute_arguments(p):
 def add_infer_arguments(p):
     add_checkpoint_arguments(p)
     p.add_argument("--input", required=True, metavar="X.npy",
-                   help="2-D array (rows, model input width), read memory-mapped")
+                   help="2-D array, read memory-mapped: (rows, model input width), or for a GPT "
+                   "(rows, T) token ids, T <= seq_len")
     p.add_argument("--output", required=True, metavar="Y.npy",
-                   help="written by rank 0: (rows, model output width)")
+                   help="written by rank 0: (rows, model output width), or for a GPT the logits "
+                   "(rows, T, vocab); `generate` samples text from a GPT")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                    help=f"rows per batch (default {DEFAULT_BATCH}); must divide by the "
                    "data-parallel size")
@@ -93,6 +98,7 @@ def infer_rows(engine, x, batch: int, out=None) -> int:
     it. Every rank passes the same x and batch. Returns the number of batches."""
     dp = engine.data_parallel_size
     spans = batch_spans(int(x.shape[0]), batch)
+    tokens = isinstance(engine.model, GPT)        # token ids stay integers
 
     def batches():                 # read by stage 0 only under pp; by every rank otherwise
         for start, stop in spans:
@@ -100,7 +106,8 @@ def infer_rows(engine, x, batch: int, out=None) -> int:
             short = -len(rows) % dp              # only the last batch can be short
             if short:
                 rows = np.concatenate([rows, np.zeros((short,) + rows.shape[1:], rows.dtype)])
-            yield engine.shard_batch(rows).astype(engine.dtype, copy=False)
+            rows = engine.shard_batch(rows)
+            yield rows if tokens else rows.astype(engine.dtype, copy=False)
 
     held = _Held()
     engine.inference_loop(batches(), held)
@@ -114,7 +121,7 @@ def infer_rows(engine, x, batch: int, out=None) -> int:
 
 
 # -- the command: validate and build inside agreed, then stream --------------------------------
-def _open_input(path, d_in):
+def _open_input(path, model):
     try:
         x = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
@@ -125,13 +132,37 @@ def _open_input(path, d_in):
     if not isinstance(x, np.ndarray):            # an .npz archive
         x.close()
         raise UsageError(f"--input {path}: an .npz archive; give one .npy array")
-    if x.ndim != 2 or x.shape[1] != d_in:
-        raise UsageError(f"--input {path}: shape {x.shape}, the model takes (rows, {d_in})")
+    if x.shape[:1] == (0,):
+        raise UsageError(f"--input {path}: no rows")
+    if isinstance(model, GPT):
+        return _check_tokens(path, x, model)
+    if x.ndim != 2 or x.shape[1] != model.d_in:
+        raise UsageError(f"--input {path}: shape {x.shape}, the model takes (rows, "
+                         f"{model.d_in})")
     if x.dtype.kind not in "fiu":
         raise UsageError(f"--input {path}: dtype {x.dtype} is not a real number type")
-    if x.shape[0] == 0:
-        raise UsageError(f"--input {path}: no rows")
     return x
+
+
+def _check_tokens(path, x, model):
+    """A GPT's input: (rows, T) integer token ids below vocab_size, 1 <= T <= seq_len."""
+    if x.ndim != 2 or not 1 <= x.shape[1] <= model.seq_len:
+        raise UsageError(f"--input {path}: shape {x.shape}; a GPT takes token ids (rows, T) "
+                         f"with T <= seq_len={model.seq_len}")
+    if x.dtype.kind not in "iu":
+        raise UsageError(f"--input {path}: dtype {x.dtype}; a GPT takes integer token ids")
+    low, high = int(x.min()), int(x.max())
+    if low < 0 or high >= model.vocab_size:
+        raise UsageError(f"--input {path}: token ids {low}..{high} outside the vocabulary "
+                         f"0..{model.vocab_size - 1}")
+    return x
+
+
+def output_shape(model, x) -> tuple:
+    """The shape of the outputs of every row of `x`: (rows, d_out), a GPT's (rows, T, vocab)."""
+    if isinstance(model, GPT):
+        return (int(x.shape[0]), int(x.shape[1]), model.vocab_size)
+    return (int(x.shape[0]), model.d_out)
 
 
 def _check_output(path, input_path):
@@ -159,7 +190,10 @@ def build_inference(args, comm):
         raise UsageError(f"--batch {args.batch} must divide by the {dp} data-parallel ranks "
                          f"of layout {layout.text!r}")
     ckpt, model = open_checkpoint(args.checkpoint)
-    x = _open_input(args.input, model.d_in)
+    if isinstance(model, GPT) and layout.size("cp") > 1:
+        raise UsageError(f"infer: layout {layout.text!r} splits the sequence (cp); a GPT's "
+                         f"logits are gathered over the data axes only: leave cp out")
+    x = _open_input(args.input, model)
     _check_output(args.output, args.input)
     return checkpoint_engine(ckpt, model, layout, args, comm), x
 
@@ -196,7 +230,7 @@ def run_infer(args) -> int:
     if comm.Get_rank() == 0:
         tmp = f"{path}.tmp-{os.getpid()}"
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=engine.dtype,
-                                        shape=(rows, engine.model.d_out))
+                                        shape=output_shape(engine.model, x))
     t0 = time.perf_counter()
     n_batches = infer_rows(engine, x, args.batch, out)
     if out is not None:

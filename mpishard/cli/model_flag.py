@@ -1,11 +1,14 @@
-"""`--model` of `plan` and `inspect --layout`: an MLP's dims or a GPT's sizes, no MPI.
+"""`--model` (and `--gpt`) of every command: an MLP's dims or a GPT's sizes, no MPI.
 
     --model 784,512,256,10                                   ms.MLP (with --activation, --no-bias)
-    --model gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32,vocab=256      ms.GPT
+    --model gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32   ms.GPT
+    --model gpt --gpt d_model=64,n_heads=4,n_layers=2,seq_len=32     the same GPT
 
-GPT keys: vocab (vocab_size), seq_len, d_model, n_heads, n_layers, d_ff, tied (0/1); a key
-left out takes its value from GPT_DEFAULTS. The plan costs full-length sequences (T = seq_len)
-and counts a batch row as one sequence.
+Both GPT spellings work in every command (train, plan, inspect, bench); keys given in both
+places must not repeat. GPT keys: vocab (or vocab_size), seq_len, d_model, n_heads, n_layers,
+d_ff (default 4 d_model), tied (0/1); a key left out takes its value from GPT_DEFAULTS. `train`
+takes its vocabulary from the data set (256 bytes) and refuses a vocab key. The plan costs
+full-length sequences (T = seq_len) and counts a batch row as one sequence.
 """
 from __future__ import annotations
 
@@ -13,36 +16,74 @@ from ..nn.gpt import GPT
 from ..nn.models import MLP
 from .usage import UsageError, parse_dims
 
-GPT_DEFAULTS = {"vocab": 256, "seq_len": 64, "d_model": 128, "n_heads": 4, "n_layers": 4,
-                "d_ff": None, "tied": 0}
+GPT_DEFAULTS = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
+                "tied": 0, "vocab": 256}
 GPT_PREFIX = "gpt:"
+GPT_FLAG_HELP = ("comma-separated MLP dims, e.g. 64,256,256,10, or a GPT: gpt:KEY=VALUE,... or "
+                 "gpt with --gpt KEY=VALUE,... (keys " + ", ".join(GPT_DEFAULTS) + ")")
 
 
-def model_from_flag(text, activation: str = "relu", bias: bool = True):
-    """The model spec `--model` names (UsageError for a malformed flag, ValueError for sizes
-    the model refuses)."""
-    text = str(text).strip()
-    if text == "gpt" or text.startswith(GPT_PREFIX):
-        return gpt_from_flag(text[len(GPT_PREFIX):] if text != "gpt" else "")
+def joined_gpt_spec(model, gpt=None):
+    """The GPT spec text that --model and --gpt give together ('' for a GPT of defaults), or
+    None when --model names an MLP (UsageError if --gpt came with one)."""
+    text = str(model).strip()
+    if text != "gpt" and not text.startswith(GPT_PREFIX):
+        if gpt is not None:
+            raise UsageError(f"--gpt applies to --model gpt, not --model {model}")
+        return None
+    parts = [text[len(GPT_PREFIX):] if text != "gpt" else "", gpt or ""]
+    return ",".join(p for p in parts if p.strip())
+
+
+def parse_gpt_spec(text, defaults=None) -> dict:
+    """'d_model=64,n_heads=4,...' -> {key: int} over `defaults` (GPT_DEFAULTS); UsageError for
+    an unknown or repeated key, a missing '=', a value that is not a positive integer, tied not
+    0/1. The key vocab_size is read as vocab."""
+    defaults = GPT_DEFAULTS if defaults is None else defaults
+    spec, given = dict(defaults), set()
+    for item in ([] if text is None else str(text).split(",")):
+        if not item.strip():
+            continue
+        key, eq, value = (s.strip() for s in item.partition("="))
+        key = "vocab" if key == "vocab_size" else key
+        if not eq:
+            raise UsageError(f"--gpt {text!r}: expected KEY=VALUE pairs joined by commas, "
+                             f"e.g. d_model=128,n_heads=4, got {item!r}")
+        if key not in defaults:
+            raise UsageError(f"--gpt: unknown key {key!r}; known keys: {', '.join(defaults)}")
+        if key in given:
+            raise UsageError(f"--gpt: {key} is given twice")
+        given.add(key)
+        try:
+            number = int(value)
+        except ValueError:
+            raise UsageError(f"--gpt: {key}={value!r} is not an integer") from None
+        if key == "tied" and number not in (0, 1):
+            raise UsageError(f"--gpt: tied must be 0 or 1, got {value}")
+        if key != "tied" and number < 1:
+            raise UsageError(f"--gpt: {key} must be a positive integer, got {value}")
+        spec[key] = number
+    return spec
+
+
+def gpt_from_spec(spec: dict, vocab_size=None) -> GPT:
+    """ms.GPT of a parse_gpt_spec table (vocab_size: instead of the table's vocab)."""
+    return GPT(vocab_size=vocab_size or spec["vocab"], seq_len=spec["seq_len"],
+               d_model=spec["d_model"], n_heads=spec["n_heads"], n_layers=spec["n_layers"],
+               d_ff=spec["d_ff"], tied=bool(spec["tied"]))
+
+
+def model_from_flag(text, activation: str = "relu", bias: bool = True, gpt=None):
+    """The model spec `--model` (and `--gpt`) name (UsageError for a malformed flag,
+    ValueError for sizes the model refuses)."""
+    spec = joined_gpt_spec(text, gpt)
+    if spec is not None:
+        return gpt_from_spec(parse_gpt_spec(spec))
     return MLP(parse_dims(text), activation=activation, bias=bias)
 
 
-def gpt_from_flag(body: str) -> GPT:
-    """'d_model=64,n_heads=4,...' -> ms.GPT over GPT_DEFAULTS."""
-    sizes, given = dict(GPT_DEFAULTS), set()
-    for item in filter(None, (s.strip() for s in body.split(","))):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        key = "vocab" if key == "vocab_size" else key
-        if not eq or key not in GPT_DEFAULTS or key in given:
-            raise UsageError(f"--model gpt:{body}: expected distinct KEY=VALUE pairs with keys "
-                             f"{', '.join(GPT_DEFAULTS)}; got {item!r}")
-        given.add(key)
-        try:
-            sizes[key] = int(value)
-        except ValueError:
-            raise UsageError(f"--model gpt:{body}: {key}={value!r} is not an integer") from None
-    if sizes["tied"] not in (0, 1):
-        raise UsageError(f"--model gpt:{body}: tied must be 0 or 1, got {sizes['tied']}")
-    return GPT(vocab_size=sizes["vocab"], seq_len=sizes["seq_len"], d_model=sizes["d_model"],
-               n_heads=sizes["n_heads"], n_layers=sizes["n_layers"], d_ff=sizes["d_ff"],
-               tied=bool(sizes["tied"]))
+def add_model_arguments(p, required=True):
+    """--model and --gpt on parser `p` (plan, inspect, bench)."""
+    p.add_argument("--model", required=required, help=GPT_FLAG_HELP)
+    p.add_argument("--gpt", metavar="KEY=VALUE,...", help="with --model gpt: the GPT's sizes, "
+                   "the same keys as gpt:KEY=VALUE,...")

@@ -30,6 +30,7 @@ from ..parallel.costs import COMM_KINDS, check_fit, rank_memory, step_comm_total
 from ..parallel.step_time import predict_step, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
+from .model_flag import add_model_arguments
 from .calibrate import DEFAULT_PATH, calibrate, load_calibration
 from .plan_time import validate, validation_report, validation_summary
 from .usage import UsageError, check_flags, world_rank
@@ -169,9 +170,7 @@ def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) 
 
 
 def add_plan_arguments(p):
-    p.add_argument("--model", required=True, help="comma-separated MLP dims, e.g. "
-                   "784,512,256,10, or gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32,vocab=256 "
-                   "(a batch row is then one sequence of seq_len tokens)")
+    add_model_arguments(p)             # a GPT's batch row is one sequence of seq_len tokens
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])

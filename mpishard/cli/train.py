@@ -29,6 +29,7 @@ from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
                           gpt_model_and_data, gpt_spec_text, log_corpus, validate_gpt_args)
+from .model_flag import joined_gpt_spec
 from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
                             trace_lines, validate_trace_args)
 from .usage import (CUDA_AWARE, PROG, Parser, UsageError, add_device_arguments, agreed,
@@ -77,10 +78,11 @@ def add_train_arguments(p):
     m = _recording(p.add_argument_group("model and layout"), options)
     m("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, single on one)")
     m("--model", help="comma-separated layer dims, e.g. 64,128,128,10, or gpt (see --gpt; "
-      "default: by dataset, "
+      "gpt:KEY=VALUE,... is the same as gpt --gpt KEY=VALUE,...; default: by dataset, "
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
-    m("--dtype", choices=("float32", "float64"), help="default float32")
+    m("--dtype", choices=("float32", "float64"), help="default float32 for speed (the "
+      "library's make_engine defaults to float64, the exact reference)")
     for flag, what in (("--param-dtype", "parameter storage (fsdp: all-gather)"),
                        ("--comm-dtype", "gradient communication (sums stay fp32)")):
         m(flag, choices=PRECISION_DTYPES, help=f"{what} dtype; bfloat16/float16 need --dtype "
@@ -222,6 +224,9 @@ def parse_train_args(argv, parser=None):
             merged["epochs"] = None
         if cli.epochs is not None and cli.steps is None:
             merged["steps"] = None
+    gpt = joined_gpt_spec(merged["model"], merged.get("gpt")) if merged.get("model") else None
+    if gpt is not None:                 # --model gpt:KEY=VALUE,... is --model gpt --gpt ...
+        merged.update(model="gpt", gpt=gpt or None)
     if merged.get("dataset") is None and merged.get("model") == "gpt":
         merged["dataset"] = TEXT_DATASET
     if merged.get("model") == "gpt" and merged.get("schedule") is None:

@@ -5,11 +5,13 @@
 
 Serial tests; the subprocess ones launch `mpiexec -n {1,2} python -m mpi4py -m mpishard ...`.
 """
+import inspect
 import json
 
 import numpy as np
 import pytest
 
+import mpishard as ms
 from mpishard import cli
 from mpishard.cli.gpt_options import parse_gpt_spec
 from mpishard.cli.train import parse_train_args, validate_train_args
@@ -187,3 +189,23 @@ def test_resume_under_another_layout_continues_the_same_run(tmp_path):
     a, b = json.loads(whole.read_text()), json.loads(part.read_text())
     assert_close(b["loss_history"], a["loss_history"], what="resumed loss history")
     assert_close(b["val_loss"], a["val_loss"], what="resumed val loss")
+
+
+def test_train_takes_both_gpt_spellings_and_documents_its_dtype(tmp_path):
+    """--model gpt:KEY=VALUE,... is --model gpt --gpt KEY=VALUE,... in train too, on the command
+    line and in a --config file; train defaults to float32, make_engine to float64 (defect 12)."""
+    a = parse_train_args(["--model", "gpt:d_model=64,n_heads=2", "--gpt", "n_layers=3"])
+    assert (a.model, a.gpt, a.dataset, a.schedule) == ("gpt", "d_model=64,n_heads=2,n_layers=3",
+                                                       "text", "cosine")
+    _, gpt, _ = validate_train_args(a, world_size=1)
+    assert (gpt.d_model, gpt.n_heads, gpt.n_layers) == (64, 2, 3)
+    cfg = tmp_path / "gpt.toml"
+    cfg.write_text('model = "gpt:d_model=32,n_heads=2"\nsteps = 5\n')
+    _, gpt, _ = validate_train_args(parse_train_args(["--config", str(cfg)]), world_size=1)
+    assert (gpt.d_model, gpt.n_heads) == (32, 2)
+    with pytest.raises(cli.UsageError, match="train takes the vocabulary from the data set"):
+        validate_train_args(parse_train_args(["--model", "gpt:vocab=50"]), 1)
+    assert parse_train_args([]).dtype == "float32"
+    assert inspect.signature(ms.make_engine).parameters["dtype"].default == np.float64
+    help_text = " ".join(cli.build_parser().commands["train"].format_help().split())
+    assert "default float32" in help_text and "make_engine defaults to float64" in help_text

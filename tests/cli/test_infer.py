@@ -132,3 +132,54 @@ def test_bad_input_exits_2_with_one_line_on_two_ranks(saved, tmp_path, case, mes
     assert len(lines) == 1 and lines[0].startswith("mpishard: error: "), err
     assert message in lines[0] and "Traceback" not in err, err
     assert not y.exists()
+
+
+# -- a GPT checkpoint: token ids in, logits at every position out (issue 31, defect 10) ----------
+GPT_SIZES = dict(vocab_size=12, seq_len=8, d_model=8, n_heads=2, n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def saved_gpt(tmp_path_factory):
+    """(directory, checkpoint, token input (9 rows of 6 ids), SingleDevice.predict of it)."""
+    d = tmp_path_factory.mktemp("infer-gpt")
+    model = ms.GPT(**GPT_SIZES)
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint(model.init(seed=1))
+    ms.checkpoint.save(d / "ck", engine, step=3)
+    x = np.random.default_rng(2).integers(0, GPT_SIZES["vocab_size"], (9, 6))
+    np.save(d / "x.npy", x)
+    return d, d / "ck", d / "x.npy", np.asarray(engine.predict(x))
+
+
+def test_infer_a_gpt_gives_the_logits_in_process(saved_gpt, capsys):
+    d, ck, x, want = saved_gpt
+    y = d / "y.npy"
+    assert cli.main(infer_args(ck, x, y)) == 0, capsys.readouterr().err
+    assert "infer: 9 rows in 3 batches of 4" in capsys.readouterr().out
+    got = np.load(y, allow_pickle=False)
+    assert got.shape == (9, 6, GPT_SIZES["vocab_size"]) and got.dtype == np.float64
+    assert_close(got, want, rtol=1e-12, what="GPT infer vs SingleDevice.predict")
+
+
+@pytest.mark.parametrize("layout", ["dp=2", "tp=2", "pp=2"])
+def test_infer_a_gpt_on_two_ranks(saved_gpt, layout):
+    d, ck, x, want = saved_gpt
+    y = d / f"y-{layout}.npy"
+    rc, out, err, _ = launch(2, *infer_args(ck, x, y, "--layout", layout))
+    assert rc == 0 and "Traceback" not in err, out + err
+    assert_close(np.load(y), want, rtol=1e-9, what=f"GPT infer {layout} vs SingleDevice.predict")
+
+
+def test_infer_a_gpt_refuses_bad_tokens(saved_gpt, tmp_path, capsys):
+    d, ck, x, _ = saved_gpt
+    y = tmp_path / "y.npy"
+    np.save(tmp_path / "long.npy", np.zeros((2, 9), dtype=np.int64))
+    np.save(tmp_path / "floats.npy", np.zeros((2, 4)))
+    np.save(tmp_path / "big.npy", np.full((2, 4), 12))
+    for path, message in [("long.npy", "with T <= seq_len=8"),
+                          ("floats.npy", "a GPT takes integer token ids"),
+                          ("big.npy", "token ids 12..12 outside the vocabulary 0..11")]:
+        assert cli.main(infer_args(ck, tmp_path / path, y)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (message, err)
+    assert not y.exists()

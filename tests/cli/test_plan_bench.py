@@ -1,6 +1,6 @@
 """`plan` and `bench`: the communication model checked against the running engine.
 
-    pytest -m "not mpi" tests/cli/test_plan_bench.py                 # formulas, plan CLI, bench runs
+    pytest -m "not mpi" tests/cli/test_plan_bench.py                # formulas, plan CLI, bench
     mpiexec -n {2,4,8} python -m mpi4py -m pytest --with-mpi -m mpi tests/cli/test_plan_bench.py
 
 The MPI test runs one `train_step` and one optimizer step per layout and requires the bytes the
@@ -24,7 +24,7 @@ from mpishard import cli
 from mpishard.cli import plan
 from mpishard.comm.mesh import rank_of
 from mpishard.parallel import costs
-from mpishard.cli.bench import model_flops
+from mpishard.cli.bench import gpt_flops, model_flops
 
 from conftest import RTOL32, assert_close, engine_lines, group_comm, run_mpi
 
@@ -176,7 +176,30 @@ def test_plan_and_inspect_know_gpt(capsys):
     out = capsys.readouterr().out
     assert "embed/tokens" in out and "head/weights" in out
     assert cli.main(["plan", "--model", "gpt:d_model=16,depth=2", "--world-size", "2"]) == 2
-    assert "expected distinct KEY=VALUE pairs" in capsys.readouterr().err
+    assert "--gpt: unknown key 'depth'; known keys: d_model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["plan", "--world-size", "2"],
+                                     ["inspect", "--layout", "tp=2"]])
+def test_both_gpt_spellings_name_the_same_model(capsys, command):
+    """--model gpt:KEY=VALUE,... and --model gpt --gpt KEY=VALUE,... (issue 31, defect 12)."""
+    sizes = "d_model=16,n_heads=2,n_layers=1,seq_len=8,vocab=16"
+    assert cli.main([*command, "--model", "gpt:" + sizes]) == 0
+    prefixed = capsys.readouterr().out
+    assert cli.main([*command, "--model", "gpt", "--gpt", sizes]) == 0
+    assert capsys.readouterr().out == prefixed and "GPT(vocab_size=16, seq_len=8" in prefixed
+    assert cli.main([*command, "--model", "gpt:d_model=16", "--gpt", "d_model=32"]) == 2
+    assert "--gpt: d_model is given twice" in capsys.readouterr().err
+    assert cli.main([*command, "--model", "12,16,6", "--gpt", "d_model=32"]) == 2
+    assert "--gpt applies to --model gpt" in capsys.readouterr().err
+
+
+def test_inspect_says_which_dtype_it_assumes(capsys):
+    assert cli.main(["inspect", "--layout", "dp=2", "--model", "4,8,2"]) == 0
+    assert "dtype  float64 assumed (make_engine's default; --dtype float32 for train's)" \
+        in capsys.readouterr().out
+    assert cli.main(["inspect", "--layout", "dp=2", "--model", "4,8,2", "--dtype", "float32"]) == 0
+    assert "dtype  float32 assumed (train's default" in capsys.readouterr().out
 
 
 # -- the formulas against the closed forms in the strategy docstrings (serial) ------------------
@@ -404,6 +427,21 @@ def test_bench_two_ranks():
     for name, (measured, planned) in rows.items():
         if name.startswith("comm bytes/step"):
             assert measured == planned, f"{name}: measured {measured} != plan {planned}"
+
+
+def test_bench_a_gpt_both_spellings():
+    sizes = "d_model=16,n_heads=2,n_layers=1,seq_len=8,vocab=16"
+    tables = []
+    for model in (["--model", "gpt:" + sizes], ["--model", "gpt", "--gpt", sizes]):
+        r = _launch(2, "bench", "--layout", "tp=2", *model, "--batch", "4", "--steps", "2",
+                    "--warmup", "1")
+        assert r.returncode == 0, r.stdout + r.stderr
+        tables.append(r.stdout)
+    flops = gpt_flops(ms.GPT(16, 8, 16, 2, 1), 4)
+    for out in tables:
+        assert "GPT(vocab_size=16, seq_len=8, d_model=16" in out and f"{flops:,} FLOP" in out
+        total = [ln.split() for ln in out.splitlines() if ln.startswith("comm bytes/step total")]
+        assert total and total[0][-1] == total[0][-2], out       # measured == plan
 
 
 def test_bench_bad_input_exits_2_on_every_rank():
