@@ -110,9 +110,31 @@ def our_engine(model, params):
 
 
 # -- torch, written from DESIGN.md's contract ----------------------------------------------------
-def torch_gpt(torch, model, params, attention="sdpa"):
+def qkv_blocked(a, groups: int):
+    """Our q | k | v columns (last axis 3D) reordered as [q_0 | k_0 | v_0 | q_1 | ...], one
+    block per group of H/groups heads: a column split into `groups` equal parts (torch's
+    ColwiseParallel under tp=groups) then gives rank r the q, k, v of its own heads, as our
+    tp does (gpt_tensor_parallel's blocked Shard). groups=1 leaves `a` as it is."""
+    *lead, three_d = a.shape
+    blocks = a.reshape(*lead, 3, groups, three_d // (3 * groups))
+    return np.ascontiguousarray(np.swapaxes(blocks, -3, -2).reshape(a.shape))
+
+
+def qkv_unblocked(a, groups: int):
+    """qkv_blocked's inverse: [q_0 | k_0 | v_0 | q_1 | ...] back to q | k | v (last axis)."""
+    *lead, three_d = a.shape
+    blocks = a.reshape(*lead, groups, 3, three_d // (3 * groups))
+    return np.ascontiguousarray(np.swapaxes(blocks, -3, -2).reshape(a.shape))
+
+
+def torch_gpt(torch, model, params, attention="sdpa", qkv_groups=1):
+    """The torch model with our weights copied in; `qkv_groups` > 1 stores qkv blocked per
+    head group (qkv_blocked) so that a tp=qkv_groups column split keeps whole heads. The
+    attention reads the local width and head count from its input, so the same module runs
+    whole or under torch's tensor parallel plans."""
     nnt, F = torch.nn, torch.nn.functional
     D, H = model.d_model, model.n_heads
+    dh = D // H
 
     class Block(nnt.Module):
         def __init__(self):
@@ -123,15 +145,16 @@ def torch_gpt(torch, model, params, attention="sdpa"):
 
         def attn(self, x):
             b, t, _ = x.shape
-            q, k, v = (z.view(b, t, H, D // H).transpose(1, 2)
-                       for z in self.qkv(x).split(D, dim=2))
+            qkv = self.qkv(x)                # (b, t, 3 d): d = D, or D / tp under tp
+            d = qkv.shape[-1] // 3
+            q, k, v = (z.view(b, t, d // dh, dh).transpose(1, 2) for z in qkv.split(d, dim=2))
             if attention == "sdpa":
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
-                s = (q @ k.transpose(-2, -1)) * (1.0 / (D // H) ** 0.5)
+                s = (q @ k.transpose(-2, -1)) * (1.0 / dh ** 0.5)
                 mask = torch.ones(t, t, dtype=torch.bool).tril()
                 o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
-            return self.proj(o.transpose(1, 2).reshape(b, t, D))
+            return self.proj(o.transpose(1, 2).reshape(b, t, d))
 
         def forward(self, h):
             h = h + self.attn(self.ln_1(h))
@@ -157,7 +180,10 @@ def torch_gpt(torch, model, params, attention="sdpa"):
     mapping = torch_names(model)
     with torch.no_grad():
         for name, (tname, transpose) in mapping.items():
-            a = params[name].T if transpose else params[name]
+            a = params[name]
+            if qkv_groups > 1 and "/attn/qkv/" in name:
+                a = qkv_blocked(a, qkv_groups)
+            a = a.T if transpose else a
             ours[tname].copy_(torch.from_numpy(np.ascontiguousarray(a)))
     return net.float(), mapping
 
