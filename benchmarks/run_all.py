@@ -13,11 +13,10 @@ is recorded without losing the others):
     collectives  benchmarks/collectives.py at 2 and 4 ranks: engine vs raw mpi4py calls; per
                  kind the worst ratio at >= 1 MiB (each the median of trials) and its trials'
                  range
-    placement    benchmarks/placement.py at 2 and 4 ranks: 1 MiB Sendrecv and Alltoall by
-                 the distance from send to receive buffer within a page, and the engine's
-                 p2p and all_to_all on the same send buffers; raw Allgather into numpy's
-                 own buffer vs huge pages, and the engine's all_gather
-    peers        benchmarks/peers_torch.py: single step vs torch; dp=2 vs torch DDP (gloo)
+    peers        benchmarks/peers_torch.py: the MLP's single step vs torch, dp=2 vs torch DDP
+                 (gloo); the GPT at 2 ranks (one mpiexec job, torch over gloo on the same
+                 ranks, every side alternated): dp=2 vs DDP, fsdp=2 vs FSDP2 (fully_shard),
+                 tp=2 vs DTensor tensor parallel (parallelize_module), full AdamW steps
     gpt          benchmarks/gpt.py: the issue's GPT, single rank: MFU against plain matmul on
                  the same GEMMs, and the step time over PyTorch CPU eager's (same weights)
     planner      `python -m mpishard plan ... --validate K --json` at 4 ranks: the planner's
@@ -59,6 +58,9 @@ TARGETS = {  # headline key: (comparison, target)
     "all_to_all_v_overhead_ratio": ("<=", 1.10),
     "vs_torch_single_step_ratio": ("<=", 1.0),
     "vs_torch_ddp2_step_ratio": ("<=", 1.0),
+    "vs_torch_ddp_gpt_step_ratio": ("<=", 1.0),
+    "vs_torch_fsdp_gpt_step_ratio": ("<=", 1.0),
+    "vs_torch_tp_gpt_step_ratio": ("<=", 1.0),
     "gpt_mfu_fraction": (">=", 0.5),
     "vs_torch_gpt_step_ratio": ("<=", 1.3),
     "planner_median_error": ("<=", 0.20),
@@ -74,11 +76,13 @@ COLLECTIVE_KEYS = {"all_reduce_out": "allreduce_overhead_ratio",
                    "all_to_all_v": "all_to_all_v_overhead_ratio"}
 PART_OF = {**{k: "collective_overhead" for k in COLLECTIVE_KEYS.values()},
            "mfu_fraction": "mfu", "vs_torch_single_step_ratio": "peers",
-           "vs_torch_ddp2_step_ratio": "peers", "gpt_mfu_fraction": "gpt",
+           "vs_torch_ddp2_step_ratio": "peers", "vs_torch_ddp_gpt_step_ratio": "peers",
+           "vs_torch_fsdp_gpt_step_ratio": "peers", "vs_torch_tp_gpt_step_ratio": "peers",
+           "gpt_mfu_fraction": "gpt",
            "vs_torch_gpt_step_ratio": "gpt", "gpt_vs_torch_step_ratio": "gpt",
            "planner_median_error": "planner", "planner_best_gap": "planner",
            "zb1p_bubble_ratio": "scaling"}     # headline key -> its part's results key
-PARTS = ["mfu", "collectives", "placement", "peers", "gpt", "planner", "scaling-dp",
+PARTS = ["mfu", "collectives", "peers", "gpt", "planner", "scaling-dp",
          "scaling-tp", "scaling-pp"]
 MIB = 1024 * 1024
 PLANNER_RANKS = 4
@@ -205,8 +209,6 @@ def worst_collectives(by_ranks: dict) -> dict:
     return out
 
 
-def part_placement(r: Runner) -> dict:
-    return {str(n): r.mpi(n, "placement.py", timeout=r.args.part_timeout) for n in (2, 4)}
 
 
 def part_peers(r: Runner) -> dict:
@@ -215,8 +217,11 @@ def part_peers(r: Runner) -> dict:
     if "ratio" in single:
         out["vs_torch_single_step_ratio"] = single["ratio"]
     if "skipped" in single:            # no torch: no point launching the DDP pair
-        out["ddp2"] = {"skipped": single["skipped"]}
+        out["ddp2"] = out["gpt2"] = {"skipped": single["skipped"]}
         return out
+    out["gpt2"] = gpt2 = r.mpi(2, "peers_torch.py", "gpt2", timeout=r.args.part_timeout)
+    for peer, res in gpt2.get("peers", {}).items():
+        out[f"vs_torch_{peer}_gpt_step_ratio"] = res["ratio"]
     if r.mode == "tiny":
         out["ddp2"] = {"skipped": "not run in --tiny mode (starting torch twice is slow)"}
         return out
@@ -288,7 +293,9 @@ def headline(results: dict) -> dict:
         if key in coll:
             h[key] = coll[key]
     peers = results.get("peers", {})
-    for k in ("vs_torch_single_step_ratio", "vs_torch_ddp2_step_ratio"):
+    for k in ("vs_torch_single_step_ratio", "vs_torch_ddp2_step_ratio",
+              "vs_torch_ddp_gpt_step_ratio", "vs_torch_fsdp_gpt_step_ratio",
+              "vs_torch_tp_gpt_step_ratio"):
         if k in peers:
             h[k] = peers[k]
     for k in ("gpt_mfu_fraction", "gpt_vs_torch_step_ratio", "vs_torch_gpt_step_ratio"):
@@ -360,7 +367,9 @@ def markdown(results: dict) -> str:
               "buffers; `allreduce_overhead_ratio_default` times the plain "
               "`engine.all_reduce(a)`, whose result lands in a buffer of the engine's own. "
               "Single-step, DDP and GPT step ratios: ours over torch (below 1: we are faster; "
-              "`vs_torch_gpt_step_ratio` is also written as `gpt_vs_torch_step_ratio`). "
+              "`vs_torch_gpt_step_ratio` is also written as `gpt_vs_torch_step_ratio`; "
+              "`vs_torch_{ddp,fsdp,tp}_gpt_step_ratio`: the GPT at 2 ranks, dp=2 over DDP, "
+              "fsdp=2 over FSDP2, tp=2 over DTensor tensor parallel, table below). "
               "`planner_*`: the planner's validation at 4 ranks, the worse of the MLP and the "
               "GPT below. `zb1p_bubble_ratio`: zb1p's measured bubble over 1F1B's, same pp "
               "and microbatches (pipeline table below)."]
@@ -392,6 +401,7 @@ def markdown(results: dict) -> str:
                       f"loss rel. diff {cc['loss_rel_diff']:.1e}, gradients "
                       f"{cc['max_grad_rel_diff']:.1e}, 3 AdamW steps "
                       f"{cc['adamw_loss_rel_diff']:.1e}."]
+    lines += _gpt_peer_lines(results.get("peers", {}).get("gpt2", {}))
     coll = results.get("collective_overhead", {})
     kinds = tuple(COLLECTIVE_KEYS)
     rows = [(n, v) for n, v in coll.items() if isinstance(v, dict) and "rows" in v]
@@ -424,7 +434,6 @@ def markdown(results: dict) -> str:
             f"{w['ranks']} ranks, {w['bytes'] // MIB} MiB"
             + (f", bounded floor {w['bounded_ratio']:.3f}" if w.get("bounded_ratio") else "")
             for w in worst.values()) + "."]
-    lines += _placement_lines(results.get("placement", {}))
     lines += _planner_lines(results.get("planner", {}))
     sc = results.get("scaling", {})
     pp = sc.get("pp", {})
@@ -456,37 +465,28 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _placement_lines(placement: dict) -> list:
-    runs = [(n, v) for n, v in placement.items() if isinstance(v, dict) and "deltas" in v]
-    if not runs:
+def _gpt_peer_lines(gpt2: dict) -> list:
+    """results.md's table of the GPT at 2 ranks against PyTorch's distributed peers."""
+    if "peers" not in gpt2:
         return []
-    deltas = runs[0][1]["deltas"]
-    lines = ["", "Receive placement (benchmarks/placement.py): us per call by the distance, "
-             "within a 4 KiB page, from the send buffer's start to the receive buffer's, "
-             "then the engine on the same send buffers (it places what it receives into), "
-             "and the slowest distance over the median of those outside 1-31 bytes:", "",
-             "| op | ranks | KiB | " + " | ".join(f"+{d}" for d in deltas)
-             + " | engine | slow / other | engine / +0 |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in deltas) + " | --- | --- | --- |"]
-    for n, v in runs:
-        for op in ("p2p", "alltoall"):
-            if op in v:
-                r = v[op]
-                lines.append(f"| {op} | {n} | {v['bytes'] // 1024} | " + " | ".join(
-                    f"{r['us'][str(d)]:.0f}" for d in deltas) + f" | {r['us']['engine']:.0f} | "
-                    f"{r['slow_ratio']:.2f} | {r['engine_over_delta0']:.2f} |")
-    pages = [(n, v) for n, v in runs if "pages" in v]
-    if pages:
-        lines += ["", "An all_gather's result in numpy's own buffer (huge pages from 4 MiB, "
-                  "wherever glibc mapped it) against huge pages from a 2 MiB boundary (the "
-                  "pool's kept results from 2 MiB up), raw Allgather, us per call:", "",
-                  "| ranks | KiB per rank | numpy | huge pages | engine | huge / numpy | "
-                  "engine / huge |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for n, v in pages:
-            r = v["pages"]
-            lines.append(f"| {n} | {v['bytes'] // 1024} | {r['us']['numpy']:.0f} | "
-                         f"{r['us']['huge']:.0f} | {r['us']['engine']:.0f} | "
-                         f"{r['huge_over_numpy']:.2f} | {r['engine_over_huge']:.2f} |")
+    m = gpt2["model"]
+    lines = ["", f"GPT at {gpt2['ranks']} ranks against PyTorch {gpt2['torch_version']}'s "
+             f"distributed peers (benchmarks/peers_torch.py gpt2; vocab {m['vocab_size']}, "
+             f"d_model {m['d_model']}, {m['n_heads']} heads, {m['n_layers']} layers, seq "
+             f"{m['seq_len']}, global batch {m['batch']}, float32, "
+             f"{gpt2['threads_per_rank']} thread per rank, {gpt2['optimizer']}; torch over "
+             f"{gpt2['backend']} in the same mpiexec job; a sample is a full step, the slowest "
+             f"rank's, every side alternated; median of {gpt2['samples']}). Before timing, each "
+             "torch peer's gradients and the first steps' losses of both sides are compared "
+             "with torch in one process (relative differences):", "",
+             "| ours | torch | ours ms | torch ms | ours / torch | paired | loss: ours | "
+             "loss: torch | grads: torch |", "| --- | --- | --- | --- | --- | --- | --- | "
+             "--- | --- |"]
+    for r in gpt2["peers"].values():
+        lines.append(f"| `{r['layout']}` | {r['torch']} | {r['ours_s'] * 1e3:.1f} | "
+                     f"{r['torch_s'] * 1e3:.1f} | {r['ratio']:.3f} | {r['ratio_paired']:.3f} | "
+                     f"{r['ours_loss_rel_diff']:.1e} | {r['torch_loss_rel_diff']:.1e} | "
+                     f"{r['torch_max_grad_rel_diff']:.1e} |")
     return lines
 
 
@@ -556,8 +556,6 @@ def main(argv=None):
         results["mfu"] = part_mfu(r)
     if "collectives" in parts:
         results["collective_overhead"] = part_collectives(r)
-    if "placement" in parts:
-        results["placement"] = part_placement(r)
     if "peers" in parts:
         results["peers"] = part_peers(r)
     if "gpt" in parts:
@@ -576,6 +574,27 @@ def main(argv=None):
     Path(args.md).write_text(md)
     print(md)
     print(f"wrote {args.out} and {args.md}")
+    failed = failures(results)
+    for where, msg in failed:
+        print(f"FAILED {where}: {msg}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def failures(results: dict, where: str = "") -> list:
+    """(path, message) of every part (or sub-run) that crashed, timed out or wrote no result
+    (Runner.run's {'error': message}; a number under 'error', like the planner's prediction
+    errors, is a result); a benchmark that fails makes the whole run fail."""
+    found = []
+    for key, value in results.items():
+        if key == "error" and isinstance(value, str):
+            found.append((where or "results", str(value)))
+        elif isinstance(value, dict):
+            found += failures(value, f"{where}.{key}" if where else key)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    found += failures(item, f"{where}.{key}[{i}]")
+    return found
 
 
 def meta(args, r: Runner, wall) -> dict:
@@ -619,4 +638,4 @@ def git_commit() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
