@@ -1,7 +1,8 @@
 """`python -m mpishard ...` (under mpiexec: `python -m mpi4py -m mpishard ...`) and the
 `mpishard` console script; the commands are in mpishard/cli/. A process running an MPI command
-first installs the SIGTERM/SIGINT handlers of comm/signals.py (scancel, Ctrl-C: unlink MPI's
-/dev/shm segments, then exit). In-process `mpishard.cli.main([...])` installs nothing."""
+first installs the SIGTERM/SIGINT handlers of comm/signals.py (scancel, Ctrl-C: remove the MPI
+library's own files of this job, then exit). In-process `mpishard.cli.main([...])` installs
+nothing."""
 import sys
 
 from .cli import MPI_COMMANDS, exit_cleanly, main

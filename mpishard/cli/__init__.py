@@ -59,7 +59,7 @@ COMMANDS = {
               add_bench_arguments, run_bench),
 }
 # The commands whose processes are ranks of an MPI job: `python -m mpishard` gives them
-# comm/signals.py's SIGTERM/SIGINT handlers, which unlink MPI's /dev/shm segments on the way out.
+# comm/signals.py's SIGTERM/SIGINT handlers, which remove the MPI library's files on the way out.
 MPI_COMMANDS = ("train", "infer", "generate", "bench")
 
 
