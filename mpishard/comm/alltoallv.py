@@ -10,9 +10,9 @@ the engine 1.6-1.7x raw Alltoallv at 1 MiB (2 ranks, load 15-17).
 
 Here the messages carry their own counts. Each rank sends block j of its rows to rank j as
 one message (an empty block too), then takes a matched probe (MPI_Improbe) of the message
-from each peer: its size gives the count. The result is taken once from the pool at the summed
-length and each message is received (MPI_Imrecv of the probed message) straight into its rows;
-the rank's own block is a local copy. When the caller passes `recv_counts` (the reverse of an
+from each peer: its size gives the count. The result is allocated once at the summed length
+and each message is received (MPI_Imrecv of the probed message) straight into its rows; the
+rank's own block is a local copy. When the caller passes `recv_counts` (the reverse of an
 earlier exchange) the receives are posted at once. Results are bit for bit those of
 Alltoallv: the same rows in the same order.
 
@@ -24,7 +24,7 @@ consecutive calls never mix. Waits are bounded by the watchdog; a timeout names 
 that have not entered the call (its arrival counters).
 
 `VariableExchange` is a mixin of collectives.Comm: it uses the host's `_mpi(group)`,
-`prepare(arr)`, `_check`, `_wait`, `debug`, `pool`, `backend`, `stats`, `watchdog` and
+`prepare(arr)`, `_check`, `_wait`, `debug`, `xp`, `backend`, `stats`, `watchdog` and
 `private` (a PrivateComms).
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ class VariableExchange:
         else:
             recv, messages = self._probe(private, comm, send[me], row, mtype, ticket)
         blocked = time.perf_counter() - t_wait
-        out = self.pool.get((sum(recv),) + a.shape[1:], a.dtype, a)
+        out = self.xp.empty((sum(recv),) + a.shape[1:], dtype=a.dtype)
         rbuf = self.backend.mpi_buffer(out, slot="recv", read=False)
         into = offsets(recv)
         for j in reversed(peers):               # the peer that sends to this rank first

@@ -22,6 +22,9 @@ the tp group). Each call documents its adjoint, because the strategies use them 
 (ring) algorithm sends: all_reduce 2(n-1)/n * size, all_gather and reduce_scatter (n-1)/n *
 full size, all_to_all (n-1)/n * size, send the message size.
 
+Results are fresh arrays of the backend (the caller owns them); all_reduce takes `out=` for a
+buffer the caller reuses (the gradient buckets reduce in place with `out=arr`).
+
 Debug mode (`debug=True`): before each collective the group compares op, dtype and shape
 (debug.py) and raises `CollectiveMismatchError` on every rank naming the difference, instead of
 corrupting data or hanging.
@@ -37,9 +40,7 @@ from mpi4py import MPI
 from .alltoallv import PrivateComms, VariableExchange
 from .debug import OPS, CollectiveMismatchError, agree, check_signature
 from .gather import Gather
-from .p2p import HEADER_WORDS, OFFSET, Future, PointToPoint, dtype_code, header, header_shape
-from .placement import empty_at
-from .pool import ResultPool
+from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .reduce_scatter import ScatterReduce
 from .stats import CommStats
 from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, Watchdog
@@ -50,8 +51,8 @@ __all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", 
 class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
     """The collectives of `mesh` (a DeviceMesh) on arrays of `backend` (numpy or cupy).
 
-    Group views made by `group(axis)` share the statistics, the result-buffer pool, the
-    pending receives and all_to_all_v's private communicators with the Comm they came from.
+    Group views made by `group(axis)` share the statistics, the pending receives and
+    all_to_all_v's private communicators with the Comm they came from.
     """
 
     def __init__(self, mesh, backend, debug: bool = False, timeout=DEFAULT_TIMEOUT):
@@ -61,18 +62,12 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         self.debug = bool(debug)
         self.stats = CommStats()
         self.watchdog = Watchdog(mesh, timeout)   # bounded waits (watchdog.py)
-        self.pool = ResultPool(backend.xp)
         self.default_group = None
         self._groups: dict = {}
         self._by_group: dict = {}          # group argument -> communicator (shared by views)
-        self._sizes: dict = {}             # group argument -> (communicator, size)
-        # the array type whose contiguous instances go to MPI as they are (numpy's ndarray
-        # on the host; None with a GPU backend, whose arrays take the general path)
-        self.host_array = None if backend.is_gpu else np.ndarray
         self.pending_receives: dict = {}   # (comm, src, tag) -> pending receives, in order
         self.sends_in_flight: list = []    # send Futures kept alive until done (p2p.py)
         self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
-        self._lengths: dict = {}           # communicator handle -> all_gather's length buffers
 
     # -- groups ------------------------------------------------------------------------------
     def group(self, axes) -> "Comm":
@@ -80,7 +75,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         key = axes if axes is None or isinstance(axes, str) else tuple(axes)
         view = self._groups.get(key)
         if view is None:
-            view = copy.copy(self)          # shallow: stats, pool and queues are shared
+            view = copy.copy(self)          # shallow: stats and queues are shared
             view.default_group = key
             self._groups[key] = view
         return view
@@ -96,26 +91,6 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
             if isinstance(key, (str, tuple)) or key is None:
                 self._by_group[key] = comm
             return comm
-
-    def _sized(self, group=None):
-        """(communicator, its size) of `group`, kept like `_mpi`'s. With `host_array`, the
-        usual all_to_all and all_gather (a contiguous host array along axis 0) go to MPI as
-        they are, with no asarray, moveaxis or Get_size: at 4 ranks on 2 cores each call runs
-        with its caches just evicted by the transfer, and every line costs several times its
-        warm time. Measured, 1 MiB, both paths in the same run (6 trials, paired with the raw
-        call): all_to_all 1.156x raw at 4 ranks (the general path 1.160x), 1.092x at 2
-        (1.103x); all_gather 1.115x / 1.085x (1.118x / 1.090x). A copy of the whole call that
-        also skipped the backend's hand-off calls measured 1.103x against 1.114x at 4 ranks,
-        1.078x against 1.100x at 2, in a quieter run: not worth a second body."""
-        key = self.default_group if group is None else group
-        try:
-            return self._sizes[key]
-        except (KeyError, TypeError):               # TypeError: a list of axes
-            comm = self._mpi(group)
-            found = comm, comm.Get_size()
-            if isinstance(key, (str, tuple)) or key is None:
-                self._sizes[key] = found
-            return found
 
     @property
     def mpi(self):
@@ -183,7 +158,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         (MPI_IN_PLACE, no second buffer).
         """
         t0 = time.perf_counter()
-        a, out, comm, n = self._all_reduce_args(arr, op, group, out, pooled=True)
+        a, out, comm, n = self._all_reduce_args(arr, op, group, out)
         backend = self.backend
         sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
         rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
@@ -195,7 +170,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
         return out
 
-    def _all_reduce_args(self, arr, op, group, out, pooled=False):
+    def _all_reduce_args(self, arr, op, group, out):
         """(input, result buffer, communicator, group size); the result `is` the input when
         reducing in place (`out=arr`, which must then be C-contiguous)."""
         comm = self._mpi(group)
@@ -207,7 +182,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         if op == "avg" and a.dtype.kind not in "fc":
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
         if out is None:
-            out = self.pool.get(a.shape, a.dtype, a, pooled)
+            out = self.xp.empty(a.shape, dtype=a.dtype)
         elif out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous:
             raise ValueError(f"all_reduce: out= must be C-contiguous with shape {a.shape} and "
                              f"dtype {a.dtype}, got shape {out.shape} and dtype {out.dtype}")
@@ -260,8 +235,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         length = moved.shape[0]
         lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
         if n == 1:
-            out = self.pool.get(moved.shape, moved.dtype, moved)
-            out[...] = moved
+            out = moved.copy()                  # never the caller's own array
         else:                     # pairwise exchange, rank-order sum (reduce_scatter.py)
             out = self._pairwise_reduce_scatter(moved, comm, lens)
         if op == "avg" and n > 1:
@@ -275,30 +249,23 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         Adjoint: all_to_all along the same axis (the exchange undoes itself).
         """
         t0 = time.perf_counter()
-        if not axis and type(arr) is self.host_array and arr.flags.c_contiguous:
-            moved, (comm, n) = arr, self._sized(group)     # the usual call, as is (_sized)
-            if self.debug:
-                self._check(comm, "all_to_all", moved)
-            dtype_code(moved.dtype)
-        else:
-            a = self.xp.asarray(arr)
-            comm = self._mpi(group)
-            if self.debug:
-                self._check(comm, "all_to_all", a, axis=axis)
-            axis = self._norm_axis(a, axis)
-            n = comm.Get_size()
-            moved = self._moved(a, axis)
+        a = self.xp.asarray(arr)
+        comm = self._mpi(group)
+        self._check(comm, "all_to_all", a, axis=axis)
+        axis = self._norm_axis(a, axis)
+        n = comm.Get_size()
+        moved = self._moved(a, axis)
         if moved.shape[0] % n:
             raise ValueError(f"all_to_all: length {moved.shape[0]} along axis {axis} is not "
                              f"divisible by the group size {n}")
-        out = self.pool.get(moved.shape, moved.dtype, moved)
+        out = self.xp.empty(moved.shape, dtype=moved.dtype)
         backend = self.backend
         sbuf = backend.mpi_buffer(moved)
         rbuf = backend.mpi_buffer(out, slot="recv", read=False)
         self.watchdog.run(comm.Alltoall, comm.Ialltoall, (sbuf, rbuf), "all_to_all", comm)
         backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
-        return self._back(out, axis) if axis else out
+        return self._back(out, axis)
 
     # -- broadcast, agree --------------------------------------------------------------------
     def broadcast(self, arr, root: int = 0, group=None):
@@ -311,7 +278,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         a, h = self._broadcast_header(comm, arr, root)
         if comm.Get_rank() != root:
             shape, dtype = header_shape(h)
-            a = empty_at(self.xp, shape, dtype, int(h[OFFSET]))   # at root's page offset
+            a = self.xp.empty(shape, dtype=dtype)
         buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
         self.watchdog.run(comm.Bcast, comm.Ibcast, (buf, root), "broadcast", comm)
         self.backend.mpi_finish(buf, a)

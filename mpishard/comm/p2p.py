@@ -1,9 +1,7 @@
 """Point-to-point transfers (Send/Recv, Isend/Irecv) of arrays of any shape and dtype.
 
-A message is a header (dtype code, ndim, shape, and where the data starts in its page: 13
-int64 words) followed by the data, both with mpi4py's buffer methods, so arrays never go
-through pickle. The receiver allocates the array at the sender's page offset (placement.py:
-1-31 bytes past it, the kernel's copy between ranks runs 2-4x slower). The three-argument form
+A message is a header (dtype code, ndim, shape: 12 int64 words) followed by the data, both
+with mpi4py's buffer methods, so arrays never go through pickle. The three-argument form
 `send_async(src, dst, target)` sends no header: the receiver names the buffer it fills.
 
     send(dest)   forward  <->  receive(dest)   backward (the gradient travels the other way)
@@ -20,12 +18,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .placement import empty_at, page_offset
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
                                 "bool", "complex128", "complex64")]
-HEADER_WORDS = 13            # int64 words: dtype code, ndim, up to 10 dims, page offset
-OFFSET = HEADER_WORDS - 1    # the word of the data's page offset (placement.py; -1: none)
+HEADER_WORDS = 12            # int64 words: dtype code, ndim, up to 10 dims
+MAX_DIMS = HEADER_WORDS - 2
 _TAG_HEADER, _TAG_DATA, _TAG_RAW = 0, 1, 2
 
 
@@ -43,20 +40,18 @@ def dtype_code(dtype) -> int:
     return code
 
 
-def header(a, sent=None) -> np.ndarray:
-    """The header that travels before `a`: dtype code, ndim, shape, and the page offset of
-    `sent`, the buffer MPI reads (`a`, or its host staging copy)."""
+def header(a) -> np.ndarray:
+    """The header that travels before `a`: dtype code, ndim, shape."""
     ndim = a.ndim
-    if ndim > OFFSET - 2:
-        raise ValueError(f"send supports up to {OFFSET - 2} dims, got {ndim}")
-    words = [dtype_code(a.dtype), ndim, *a.shape] + [0] * (OFFSET - 2 - ndim)
-    words.append(page_offset(a if sent is None else sent))
-    return np.array(words, dtype=np.int64)     # one call (the send path runs cache-cold too)
+    if ndim > MAX_DIMS:
+        raise ValueError(f"send supports up to {MAX_DIMS} dims, got {ndim}")
+    words = [dtype_code(a.dtype), ndim, *a.shape] + [0] * (MAX_DIMS - ndim)
+    return np.array(words, dtype=np.int64)
 
 
 def header_shape(h) -> tuple:
     """(shape, dtype) described by a received header."""
-    words = h.tolist()          # one call: the receive path runs with caches a copy evicted
+    words = h.tolist()
     return tuple(words[2:2 + words[1]]), DTYPES[words[0]]
 
 
@@ -128,7 +123,7 @@ class PointToPoint:
         a = self.prepare(arr)
         comm = self._mpi(group)
         buf = self.backend.mpi_buffer(a)
-        h = header(a, buf)
+        h = header(a)
         self.watchdog.peer([comm.Isend(h, dest=dest_id, tag=wire_tag(tag, _TAG_HEADER)),
                             comm.Isend(buf, dest=dest_id, tag=wire_tag(tag, _TAG_DATA))],
                            "send", comm, dest_id)
@@ -162,7 +157,7 @@ class PointToPoint:
         dest = dst if dest is None else dest
         if dest is None or not isinstance(dest, (int, np.integer)):
             raise TypeError("send_async(arr, dest) needs an integer destination rank")
-        h = header(a, buf)
+        h = header(a)
         reqs = [comm.Isend(h, dest=int(dest), tag=wire_tag(tag, _TAG_HEADER)),
                 comm.Isend(buf, dest=int(dest), tag=wire_tag(tag, _TAG_DATA))]
         self.stats.count("send", a.nbytes, t0)
@@ -203,7 +198,7 @@ class PointToPoint:
             if not queue:        # the last pending receive of this key: forget the key
                 del self.pending_receives[key]
             shape, dtype = header_shape(h)
-            out_arr = empty_at(self.xp, shape, dtype, int(h[OFFSET]))   # the sender's
+            out_arr = self.xp.empty(shape, dtype=dtype)
             buf = self.backend.mpi_buffer(out_arr, slot="recv", read=False)
             self.watchdog.peer([comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))],
                                "receive", comm, src_id)

@@ -36,7 +36,7 @@ class ScatterReduce:
         n, me = comm.Get_size(), comm.Get_rank()
         at, mtype = offsets(lens), mpi_type(moved.dtype)
         mine = (lens[me],) + moved.shape[1:]
-        scratch = self.pool.get((n - 1,) + mine, moved.dtype, moved)   # slot k-1: from (me - k) % n
+        scratch = xp.empty((n - 1,) + mine, dtype=moved.dtype)   # slot k-1: from (me - k) % n
         sbuf = self.backend.mpi_buffer(moved)
         rbuf = self.backend.mpi_buffer(scratch, slot="recv", read=False)
         requests = [private.Isend([sbuf[at[j]:at[j + 1]], mtype], dest=j, tag=TAG)
@@ -47,7 +47,7 @@ class ScatterReduce:
         self.backend.mpi_finish(rbuf, scratch)
         parts = [moved[at[me]:at[me + 1]] if j == me else scratch[(me - j) % n - 1]
                  for j in range(n)]
-        out = self.pool.get(mine, moved.dtype, moved)
+        out = xp.empty(mine, dtype=moved.dtype)
         xp.add(parts[0], parts[1], out=out)
         for part in parts[2:]:
             xp.add(out, part, out=out)

@@ -36,7 +36,6 @@ Bucket order, and so the order of the collectives, is the same on every rank of 
 from __future__ import annotations
 
 from ..comm.mesh import AVERAGE_AXES
-from ..comm.placement import HUGE, empty_at
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -73,13 +72,7 @@ def plan_buckets(names, nbytes: dict, axes_of: dict, bucket_bytes: int) -> list:
 
 
 class Bucket:
-    """Gradients reduced together: one flat buffer, the gradients views into it.
-
-    The flat buffer lives for the whole run and MPI reads it from every peer (an in-place
-    all_reduce), so from 2 MiB up it starts on a 2 MiB boundary in huge pages
-    (comm/placement.py): a 4 MiB in-place Allreduce measured 0.77-0.84x (2 ranks) and
-    0.73-0.78x (4 ranks) the time on numpy's own buffer, which had huge pages for one of its
-    two whole 2 MiB; at 25 MiB, where numpy's has most, 0.95-1.09x."""
+    """Gradients reduced together: one flat buffer, the gradients views into it."""
 
     def __init__(self, comm, grads: dict, axes, names, views: bool):
         self.comm, self.axes, self.names = comm, axes, list(names)
@@ -88,8 +81,7 @@ class Bucket:
         if len(self.names) > 1 and views:
             total = sum(grads[n].size for n in self.names)
             dtype = grads[self.names[0]].dtype
-            self.flat = (empty_at(xp, total, dtype, 0, huge=True)
-                         if total * dtype.itemsize >= HUGE else xp.empty(total, dtype=dtype))
+            self.flat = xp.empty(total, dtype=dtype)
             offset = 0
             for n in self.names:                     # the store's gradients become views
                 g = grads[n]

@@ -195,7 +195,7 @@ class FSDPAccess:
             return params[name]
         full = self.prefetcher.take(name) if self.prefetcher is not None else None
         if full is None:                                              # not prefetched
-            full = self.comm.all_gather(params[name], axis=0, pooled=False)   # (N s, ...); RS
+            full = self.comm.all_gather(params[name], axis=0)   # (N s, ...); RS
         self.count_live(full.nbytes - self._live.get((name, mb), 0))   # (an unreleased copy
         self._live[(name, mb)] = full.nbytes                           #  counts as dropped)
         if self.prefetcher is not None:

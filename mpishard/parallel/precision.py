@@ -212,10 +212,9 @@ class LowPrecisionComm:
         return DoneFuture(self.all_reduce(arr, op=op, group=group, out=out))
 
     # -- non-reducing calls: 16-bit arrays as raw 2-byte words ---------------------------------
-    def all_gather(self, arr, axis=0, group=None, pooled=True):
+    def all_gather(self, arr, axis=0, group=None):
         a = self.inner.xp.asarray(arr)
-        return self.inner.all_gather(to_wire(a), axis=axis, group=group,
-                                     pooled=pooled).view(a.dtype)
+        return self.inner.all_gather(to_wire(a), axis=axis, group=group).view(a.dtype)
 
     def all_gather_async(self, arr, axis=0, group=None):
         a = self.inner.xp.asarray(arr)

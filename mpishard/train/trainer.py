@@ -261,8 +261,6 @@ class Trainer:
         threads = e.blas_threads                     # comm/threads.py: what the engine chose
         self.log.info("BLAS threads per rank: %s (%s)", threads.threads or "as started",
                       threads.why)
-        self.log.info("host heap: %s (%s)", "kept" if e.host_heap.kept else "as is",
-                      e.host_heap.why)                # comm/heap.py
         bar = self._progress_bar()
         t_start = time.perf_counter()
         while st.step < self.total_steps:

@@ -111,3 +111,76 @@ def test_the_engine_pins_when_built_and_leaves_a_user_choice_alone():
         assert engine.blas_threads.threads is None
     with pytest.raises(ValueError, match="blas_threads"):
         ms.make_engine(ms.MLP([4, 8, 2]), f"dp={n}", blas_threads=0)
+
+
+@pytest.mark.parametrize("path, numpys", [
+    ("/venv/lib/python3.11/site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so", True),
+    ("/venv/lib/python3.11/site-packages/numpy/.dylibs/libopenblas.0.dylib", True),
+    ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3", True),     # a distro numpy
+    ("/opt/conda/lib/libmkl_rt.so.2", True),                              # a conda numpy
+    ("/venv/lib/python3.11/site-packages/torch/lib/libgomp-a34b3233.so.1", False),
+    ("/usr/lib/python3/dist-packages/torch/lib/libmkl_core.so", False),
+])
+def test_only_numpys_blas_is_ever_limited(path, numpys):
+    from mpishard.comm.threads import is_numpys_blas
+    assert is_numpys_blas(path, "/venv/lib/python3.11/site-packages/numpy") == numpys
+
+
+# Defect 5 of issue 31: make_engine changes no process-wide state silently. A fresh interpreter
+# bound to one CPU after numpy started its BLAS (so that "auto" has something to limit) builds
+# an engine and reports its
+# BLAS pools, what was logged, and whether a 16 MiB array still gets a mapping of its own
+# (glibc's default; a raised mmap threshold, mallopt, would put it on the heap).
+ENGINE_PROBE = """
+import ctypes, json, logging, os, sys
+import numpy as np          # its BLAS starts a thread per CPU; then this rank gets one CPU
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+from mpi4py import MPI
+from threadpoolctl import threadpool_info
+import mpishard as ms
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append(r.getMessage())
+logging.getLogger("mpishard").addHandler(handler)
+blas = lambda: [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+before = blas()
+kwargs = json.loads(sys.argv[1])
+engine = ms.make_engine(ms.MLP([4, 8, 2]), "single", comm=MPI.COMM_SELF, **kwargs)
+mapped = libc.mallinfo2().hblkhd
+big = np.empty(2 << 20)
+print(json.dumps({"before": before, "after": blas(), "logs": records,
+                  "mapped": libc.mallinfo2().hblkhd - mapped >= big.nbytes}))
+"""
+
+
+def engine_probe(kwargs) -> dict:
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity here")
+    out = subprocess.run([sys.executable, "-c", ENGINE_PROBE, json.dumps(kwargs)],
+                         env=CLEAN_ENV, capture_output=True, text=True, timeout=120)
+    if "mallinfo2" in out.stderr:
+        pytest.skip("malloc is not glibc >= 2.33 (no mallinfo2)")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_an_engine_with_defaults_logs_its_thread_change_and_leaves_malloc_alone():
+    res = engine_probe({})
+    assert res["mapped"], "make_engine changed glibc's mmap threshold (mallopt)"
+    if max(res["before"], default=1) < 2:
+        pytest.skip(f"the BLAS started {res['before']} thread(s): nothing to limit")
+    assert res["after"] == [1] * len(res["before"])          # one CPU: one thread
+    assert len(res["logs"]) == 1, res["logs"]
+    assert f"{max(res['before'])} -> 1" in res["logs"][0]
+    assert "blas_threads=None" in res["logs"][0]             # how to turn it off
+
+
+def test_an_engine_with_the_opt_out_changes_nothing():
+    res = engine_probe({"blas_threads": None})
+    assert res["mapped"] and res["after"] == res["before"] and res["logs"] == []

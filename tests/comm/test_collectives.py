@@ -482,14 +482,18 @@ def test_debug_mode_catches_mistakes_that_one_rank_would_raise_alone():
     np.testing.assert_array_equal(e.all_reduce(np.ones(2)), np.full(2, n))   # still in step
 
 
-def test_engine_calls_are_the_comms_bound_methods():
-    """engine.all_to_all is the Comm's bound method, stored on the instance (no wrapper per
-    call); an engine class that defines one of them keeps its own."""
+def test_engine_calls_are_the_comms_with_their_signature_and_doc():
+    """engine.all_to_all calls the Comm's all_to_all (same signature and docstring); an
+    engine class that defines one of them keeps its own."""
+    import inspect
+
+    from mpishard.comm.collectives import Comm
 
     e = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
     for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier"):
-        assert getattr(e, name).__self__ is e.comm
-        assert getattr(e, name).__func__ is getattr(type(e.comm), name)
+        assert inspect.signature(getattr(type(e), name)) == inspect.signature(getattr(Comm, name))
+        assert getattr(type(e), name).__doc__ == getattr(Comm, name).__doc__
+    np.testing.assert_array_equal(e.all_gather(np.arange(3.0)), np.arange(3.0))
 
     class Mine(MeshEngine):
         def all_reduce(self, arr, op="sum", group=None, out=None):
@@ -508,3 +512,53 @@ def test_comm_stats_columns_read_zero_for_unused_kinds():
     assert e.comm_bytes["broadcast"] == 0 and e.comm_time["all_reduce"] >= 0.0
     e.reset_comm_stats()
     assert e.comm_calls["all_reduce"] == 0
+
+
+# -- result buffers: ownership is the caller's, never inferred from reference counts ----------
+class _ViewsWithoutBase:
+    """Makes a device double (tests/device_double.py) whose views do not hold the array they
+    view, as a device array library may: then nothing but the caller's own reference to a
+    view says that a collective's result is still in use."""
+
+    @staticmethod
+    def module(cuda_aware):
+        from device_double import DeviceArray, DeviceModule
+
+        class Module(DeviceModule):
+            def wrap(self, r, sources=()):
+                out = super().wrap(r, sources)
+                if isinstance(out, DeviceArray) and not any(out is s for s in sources):
+                    out._base = None
+                return out
+        return Module(cuda_aware=cuda_aware)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["staged", "cuda_aware"])
+def test_tp_gradients_are_right_when_views_do_not_hold_their_base(mode):
+    """Issue 31 defect 3: a result pool that reused a buffer once its reference count said
+    nobody held it handed tp=2 a buffer that activations (views of it) still used, and the
+    weight gradients came out wrong while the loss was right. Results are fresh arrays now."""
+    from conftest import RTOL64, assert_close, group_comm
+
+    from mpishard.comm.backend import Backend
+
+    comm = group_comm(2)
+    xp = _ViewsWithoutBase.module(mode == "cuda_aware")
+    backend = Backend("gpu", comm, cuda_aware=mode == "cuda_aware", array_module=xp)
+    rng = np.random.default_rng(1)
+    model = ms.GPT(vocab_size=16, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+    loss_fn = ms.losses.CrossEntropy()
+    x, t = (rng.integers(0, 16, (4, 8)) for _ in range(2))
+    params = model.init(seed=0)
+    ref = ms.SingleDevice(model)
+    ref.load_checkpoint(params)
+    want_loss, want = ref.train_step(x, t, loss_fn)
+
+    engine = ms.make_engine(model, "tp=2", comm=comm, device=backend)
+    engine.load_checkpoint(params)
+    loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), loss_fn)
+    full = {k: backend.to_host(v) for k, v in engine.gather_grads(grads).items()}
+    assert_close(loss, want_loss, rtol=RTOL64, what=f"GPT tp=2 {mode} loss")
+    for name in want:
+        assert_close(full[name], want[name], rtol=RTOL64, what=f"GPT tp=2 {mode} {name}")

@@ -199,13 +199,12 @@ def test_in_place_really_is_in_place():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("reuse", [True, False])
 @pytest.mark.parametrize("cols", [3, 50_000])   # small, and >= 1 MiB (mmap-backed buffers)
-def test_result_buffer_reuse_never_overwrites_a_held_result(reuse, cols):
+def test_a_collective_never_overwrites_a_held_result(cols):
+    """Results are the caller's: a later call never writes into one, or into a view of one."""
     comm = world()
     n = comm.Get_size()
     engine = ms.make_engine(ms.MLP([4, 4]), f"dp={n}", comm=comm)
-    engine.reuse_buffers = reuse
     a = np.arange(3.0 * cols).reshape(3, cols)
     held = [engine.all_reduce(a * k) for k in range(4)]       # all alive at once
     rs_view = engine.reduce_scatter(np.ones((2 * n, cols)) * 5, axis=0)[:, :2]
@@ -221,6 +220,3 @@ def test_result_buffer_reuse_never_overwrites_a_held_result(reuse, cols):
     assert_close(rs_view, np.full((2, 2), 5.0 * n), what="view of a reduce_scatter result")
     assert_close(ar_view, a[1:, :2] * 7 * n, what="view of an all_reduce result")
     assert_close(y, a * 13 * n, what="last loop result")
-    if reuse:   # the loop alternates between two pooled buffers
-        ptrs = {engine.all_reduce(a).ctypes.data for _ in range(4)}
-        assert len(ptrs) <= 2
