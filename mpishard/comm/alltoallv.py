@@ -5,8 +5,8 @@
 MPI's Alltoallv wants every rank's receive counts up front, so a caller that knows only what
 it sends first exchanges the counts (an Alltoall of n ints), then the rows: two rounds, in
 each of which every rank waits for the others. On a machine with more runnable processes than
-cores each such wait costs a trip through the OS scheduler, and the counts round alone made
-the engine 1.6-1.7x raw Alltoallv at 1 MiB (2 ranks, load 15-17).
+cores each such wait costs a trip through the OS scheduler, so the counts round alone can cost
+as much as the rows.
 
 Here the messages carry their own counts. Each rank sends block j of its rows to rank j as
 one message (an empty block too), then takes a matched probe (MPI_Improbe) of the message
@@ -184,7 +184,7 @@ class VariableExchange:
 
         if self.watchdog.timeout:
             self.watchdog.until(arrived, "all_to_all_v", comm, ticket)
-        else:              # no watchdog, no bound (MPICH's blocking Mprobe was 5x slower)
+        else:              # no watchdog, no bound (polled: MPICH's blocking Mprobe was slower)
             while not arrived():
                 os.sched_yield()
         return recv, messages

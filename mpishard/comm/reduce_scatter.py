@@ -8,10 +8,9 @@ scratch buffer, then adds the n contributions in rank order (xp.add in place: ra
 the same order on every run). Under the guard (guard.py) the messages are waited by MPI's own
 Waitall, bounded like a blocking collective; below MPI_THREAD_MULTIPLE they are polled.
 Why not Reduce_scatter_block: it was chosen against when every wait had to be pollable
-(MPICH's Ireduce_scatter_block polled to completion ran 1.35-1.46x its blocking form at 1 MiB
-on 2 and 4 ranks here), and the exchange has stayed faster than the blocking call at most
-sizes: in `make bench` 0.56-0.96x Reduce_scatter_block from 1 MiB up on 2 ranks, 0.83-0.86x at
-16 and 64 MiB on 4 (4 MiB on 4 ranks is its worst case; `make bench` has the figures).
+(MPICH's Ireduce_scatter_block polled to completion is slower than its blocking form), and
+the exchange has stayed faster than the blocking call at most sizes (`make bench`,
+benchmarks/results.md).
 
 The messages go over all_to_all_v's private duplicate of the group's communicator
 (alltoallv.py): every call sends one message to each peer and takes one from each, so
