@@ -27,10 +27,15 @@ without `index.json`; it checks that every file the index names exists with its 
 size up front, and a file's sha256 before the first read from it (a rank reads and hashes
 only the files overlapping the slices it asks for).
 
+`restore` continues exactly in any order of building: the optimizer passed, built before
+the restore, or built after it (which then starts from the restored state); restorer.py.
+
 Errors (corrupt/missing/truncated shard, missing index, another model) raise
 `CheckpointError` (a ValueError). `save` and `restore` are collective and raise the same
 error on every rank (no rank is left in a collective); `load` is local, and `load(path,
-comm=comm)` verifies every file collectively up front.
+comm=engine)` verifies every file collectively up front. Every wait between ranks is bounded
+by the engine's timeout: a rank that does not come raises CollectiveTimeout naming it on the
+others (comm/objects.py), and the previous checkpoint stays intact.
 
 The pieces live in their own modules; this package re-exports them, so `ms.checkpoint.X` is
 the one place to reach any of them:

@@ -28,15 +28,43 @@ counted once and a sharded one summed over its shards, on every layout.
 Mixed precision (parameters stored in bfloat16/float16, parallel/precision.py): the update runs
 on an fp32 master copy of each block (state key 'master'), which is then rounded into the
 stored parameter; gradients are fp32 already.
+
+Resume in any order (`ms.checkpoint.restore`): restored optimizer state goes to the optimizer
+given, else to the optimizer last built on the engine, else it is kept for the next optimizer
+built on the engine, which starts from it (`hand_over_state`). So `opt = AdamW(engine);
+restore(path, engine)` and `restore(path, engine); opt = AdamW(engine)` both continue exactly.
 """
 from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import numpy as np
 
 from ..validate import check_number
+
+_BUILT = weakref.WeakKeyDictionary()    # engine -> weakref to the optimizer last built on it
+_KEPT = weakref.WeakKeyDictionary()     # engine -> (restored state_dict, the blocks it fits)
+
+
+def built_optimizer(engine):
+    """The optimizer last built on `engine` that is still alive, or None."""
+    ref = _BUILT.get(engine)
+    return ref() if ref is not None else None
+
+
+def hand_over_state(engine, sd: dict, optimizer=None) -> None:
+    """Restored optimizer state `sd` (this rank's blocks, as `Optimizer.state_dict()` returns
+    them) into `optimizer`, else into the optimizer built on `engine`; with neither, kept
+    until an optimizer is built on `engine`, which loads it as it is built, as long as the
+    engine still holds the same parameter blocks."""
+    optimizer = optimizer if optimizer is not None else built_optimizer(engine)
+    if optimizer is None:
+        _KEPT[engine] = (sd, dict(engine.params))
+    else:
+        _KEPT.pop(engine, None)
+        optimizer.load_state_dict(sd)
 
 
 class Optimizer:
@@ -53,6 +81,25 @@ class Optimizer:
         self.lr = lr                    # checked by the setter below
         self.weight_decay = check_number("weight_decay", weight_decay, low=0)
         self.state: dict = {}           # name -> {'step': int, arrays shaped like the block}
+
+    def attach_to(self, engine) -> None:
+        """Become the optimizer a restore of `engine` fills (`hand_over_state`), loading the
+        state a restore kept for the next optimizer built, if the engine still holds the
+        blocks it was read for. Subclasses call it last in __init__ (hyperparameters set)."""
+        sd, blocks = _KEPT.get(engine, (None, None))
+        if sd is not None and (blocks.keys() != engine.params.keys() or any(
+                engine.params[n] is not b for n, b in blocks.items())):
+            del _KEPT[engine]             # loaded again since: the state is for other weights
+            sd = None
+        if sd is not None and sd["type"] != type(self).__name__:
+            raise ValueError(f"the engine was restored from a checkpoint that holds "
+                             f"{sd['type']} state: build an {sd['type']} to continue from it "
+                             f"(or load the weights alone with engine.load_checkpoint("
+                             f"ms.checkpoint.load(path)))")
+        if sd is not None:
+            del _KEPT[engine]
+            self.load_state_dict(sd)
+        _BUILT[engine] = weakref.ref(self)
 
     @property
     def lr(self) -> float:
@@ -132,7 +179,7 @@ class Optimizer:
                                      f"this rank's block is {tuple(blocks[name])}")
                 new[k] = xp.array(v, dtype=dtype)
             state[name] = new
-        for k, v in sd.get("hyperparameters", {}).items():
+        for k, v in sd.get("hyperparameters", {}).items():    # as torch's load_state_dict
             setattr(self, k, tuple(v) if k == "betas" else v)
         self.state = state
 
@@ -144,6 +191,7 @@ class SGD(Optimizer):
     def __init__(self, engine, lr, momentum=0.0, weight_decay=0.0):
         super().__init__(engine, lr, weight_decay)
         self.momentum = check_number("momentum", momentum, low=0)
+        self.attach_to(engine)
 
     def hyperparameters(self) -> dict:
         return dict(super().hyperparameters(), momentum=self.momentum)
@@ -174,6 +222,7 @@ class AdamW(Optimizer):
         self.betas = (check_number("beta1", betas[0], low=0, high=1),
                       check_number("beta2", betas[1], low=0, high=1))
         self.eps = check_number("eps", eps, low=0)
+        self.attach_to(engine)
 
     def hyperparameters(self) -> dict:
         return dict(super().hyperparameters(), betas=list(self.betas), eps=self.eps)

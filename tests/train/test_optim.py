@@ -13,7 +13,7 @@ import pytest
 
 import mpishard as ms
 from mpishard.train.lr import constant_schedule, cosine_schedule, make_lr_schedule
-from mpishard.train.optim import SGD, AdamW, clip_grad_norm
+from mpishard.train.optim import SGD, AdamW, clip_grad_norm, hand_over_state
 
 from conftest import assert_close, assert_dicts_close, world
 
@@ -176,6 +176,43 @@ def test_load_state_dict_rejects_mismatches():
     sd["state"]["layer_0/weights"]["exp_avg"] = np.zeros((2, 2))
     with pytest.raises(ValueError, match=r"layer_0/weights/exp_avg has shape \(2, 2\)"):
         AdamW(e).load_state_dict(sd)
+
+
+def test_restored_state_goes_to_the_optimizer_built_before_or_after():
+    """hand_over_state (what ms.checkpoint.restore calls): with no optimizer given, the state
+    goes to the one built on the engine, else waits for the next one built, which starts
+    from it; one of another type is refused, and a reload of the engine drops the state."""
+    e, opt, _, _ = run_with_grads(lambda e: AdamW(e, 0.01), n_steps=2)
+    sd = opt.state_dict()
+    params = {k: v.copy() for k, v in e.params.items()}
+
+    def fresh():
+        e2 = single_engine()
+        e2.load_checkpoint(params)
+        return e2
+
+    before = fresh()
+    built = AdamW(before, 0.01)
+    hand_over_state(before, sd)                       # into the optimizer built before
+    after = fresh()
+    hand_over_state(after, sd)                        # kept for the next one built
+    with pytest.raises(ValueError, match="holds AdamW state: build an AdamW"):
+        SGD(after, 0.1)
+    later = AdamW(after, 0.01)
+    rng = np.random.default_rng(9)
+    for k in e.grads:
+        g = rng.standard_normal(e.grads[k].shape)
+        for engine in (e, before, after):
+            engine.grads[k][...] = g
+    for o in (opt, built, later):
+        o.step()
+    assert_dicts_close(before.params, e.params, rtol=0, what="optimizer built before")
+    assert_dicts_close(after.params, e.params, rtol=0, what="optimizer built after")
+
+    reloaded = fresh()
+    hand_over_state(reloaded, sd)
+    reloaded.load_checkpoint(params)                  # other blocks: the kept state is stale
+    assert AdamW(reloaded, 0.01).state == {}
 
 
 # -- clipping (serial) ---------------------------------------------------------------------------
