@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from ..comm.collectives import agree
+from ..comm.objects import agree
 from ..train.trainer import Callback, TrainState
 from ..validate import check_number
 from .format import INDEX, CheckpointError, run_captured
@@ -61,9 +61,9 @@ class Checkpointer(Callback):
     def on_train_begin(self, trainer) -> None:
         """Collective: refuse a directory of the other retention kind, then make it (step
         folders) and check it is writable with room to spare (storage.preflight)."""
-        comm = trainer.engine.mpi_comm
-        err = run_captured(self._prepare, comm.Get_rank())[1]
-        agree(comm, err, exc=CheckpointError)
+        comm = trainer.engine.comm
+        err = run_captured(self._prepare, comm.rank())[1]
+        agree(comm, err, CheckpointError, "checkpoint preflight")
         preflight(self.path, trainer.engine, trainer.optimizer, self.keep_last)
 
     def _prepare(self, rank) -> None:

@@ -3,7 +3,7 @@
 The format constants, `CheckpointError`, the JSON of a model spec (`model_spec` /
 `model_from_spec`, `spec_text` for messages), `check_json` (is `extra` JSON? without
 building its text), the file hash, the real (unpadded) slices of a block, and `run_captured`,
-which turns an exception into the message that `comm.collectives.agree` hands to every rank.
+which turns an exception into the message that `comm.objects.agree` hands to every rank.
 The on-disk layout itself is described in the package docstring (checkpoint/__init__.py).
 """
 from __future__ import annotations

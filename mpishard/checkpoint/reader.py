@@ -24,7 +24,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..comm.collectives import agree
+from ..comm.collectives import Comm
+from ..comm.objects import agree
 from .format import (FORMAT, INDEX, VERSION, CheckpointError, model_from_spec, model_spec,
                      run_captured, sha256_file, spec_text)
 from .storage import latest
@@ -280,16 +281,18 @@ class Checkpoint(Mapping):
         self._verified.add(fname)
 
     def verify(self, files=None, comm=None) -> None:
-        """Check the sha256 of `files` (default all). With `comm`: collective, each rank
-        hashes a share and every rank raises the same error."""
+        """Check the sha256 of `files` (default all). With `comm` (an engine or its Comm):
+        collective, each rank hashes a share and every rank raises the same error; the wait
+        is bounded by the engine's timeout."""
         files = sorted(self.index["files"]) if files is None else sorted(set(files))
         if comm is None:
             for f in files:
                 self.verify_file(f)
             return
-        mine = files[comm.Get_rank()::comm.Get_size()]
+        comm = engine_comm(comm)
+        mine = files[comm.rank()::comm.size()]
         err = run_captured(lambda: [self.verify_file(f) for f in mine])[1]
-        agree(comm, err, exc=CheckpointError)
+        agree(comm, err, CheckpointError, "checkpoint verify")
 
     def open_file(self, fname):
         if fname not in self._open:
@@ -343,17 +346,36 @@ class Checkpoint(Mapping):
                 f"{len(self)} tensors)")
 
 
+def engine_comm(comm) -> Comm:
+    """The Comm of `comm`, an engine or an engine's Comm: its timeout bounds the waits."""
+    found = comm if isinstance(comm, Comm) else getattr(comm, "comm", None)
+    if not isinstance(found, Comm):
+        raise TypeError(f"comm= takes an mpishard engine or its Comm (whose timeout bounds "
+                        f"the wait), got {type(comm).__name__}")
+    return found
+
+
 def load(path, verify: bool = True, model=None, comm=None) -> Checkpoint:
     """Open a checkpoint: a read-only mapping name -> LazyArray reading only what is sliced,
     so `engine.load_checkpoint(load(path))` reshards to any layout and world size.
 
     verify=True checks each file's sha256 before its first read. `model=` raises if the
-    checkpoint holds another model; `comm=` verifies all files collectively up front."""
+    checkpoint holds another model. `comm=` (the engine, or its Comm) makes it collective:
+    every file verified up front, the same CheckpointError on every rank, each wait bounded
+    by the engine's timeout."""
+    if comm is None:
+        return _open(path, verify, model)
+    comm = engine_comm(comm)
+    ckpt, err = run_captured(_open, path, verify, model)
+    agree(comm, err, CheckpointError, "checkpoint load")
+    ckpt.verify(comm=comm)
+    return ckpt
+
+
+def _open(path, verify, model) -> Checkpoint:
     ckpt = Checkpoint(path, verify=verify)
     if model is not None:
         ckpt.check_model(model)
-    if comm is not None:
-        ckpt.verify(comm=comm)
     return ckpt
 
 

@@ -17,8 +17,8 @@ for the free bytes there; the need is `checkpoint_bytes` (parameters and optimiz
 the engine's full shapes and dtype, each block written once) times the checkpoints that are on
 disk together at the peak of a save (the kept ones plus the one being written; the previous
 one stays until the swap), less what the existing checkpoints there already occupy. Every
-rank agrees on the verdict (`comm.collectives.agree`), so a bad directory is one
-CheckpointError on every rank before the first step.
+rank agrees on the verdict (`comm.objects.agree`, bounded by the engine's timeout), so a bad
+directory is one CheckpointError on every rank before the first step.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import shutil
 
 import numpy as np
 
-from ..comm.collectives import agree
+from ..comm.objects import agree
 from ..train.optim import AdamW
 from .format import INDEX, CheckpointError, run_captured
 
@@ -130,5 +130,5 @@ def preflight(path, engine, optimizer=None, keep: int = 1) -> int:
     when any rank fails. Returns the bytes of one checkpoint."""
     need = checkpoint_bytes(engine, optimizer)
     err = run_captured(check_directory, path, need, keep)[1]
-    agree(engine.mpi_comm, err, exc=CheckpointError)
+    agree(engine.comm, err, CheckpointError, "checkpoint preflight")
     return need

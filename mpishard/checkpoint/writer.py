@@ -15,8 +15,12 @@ reads it from there and the next `save` renames it back first. A crash after lea
 complete and `P.old` as garbage the next save removes. At no moment is there no complete
 checkpoint.
 
-Errors raise the same `CheckpointError` on every rank (`comm.collectives.agree`), so no rank
-is left waiting in a collective.
+Errors raise the same `CheckpointError` on every rank (`comm.objects.agree`), so no rank is
+left waiting in a collective. Every exchange between ranks (names, regions, file hashes: JSON
+control data, never arrays) is bounded by the engine's timeout (comm/objects.py): a rank that
+does not come raises CollectiveTimeout naming it on the others. The swap needs every rank's
+blocks written, so a timeout leaves the previous checkpoint (or, at the last agreement, the
+new one) complete.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import shutil
 
 import numpy as np
 
-from ..comm.collectives import agree
+from ..comm.objects import agree, gather_json, scatter_json
 from .format import (FORMAT, INDEX, VERSION, CheckpointError, check_json, json_default,
                      model_spec, run_captured, sha256_file)
 
@@ -176,7 +180,7 @@ def _write_blocks(engine, tmp, descs, todo) -> tuple:
             write_block(full, np.ascontiguousarray(engine.backend.to_host(arr)))
             written.append((i, fname, sha256_file(full), os.path.getsize(full)))
     except Exception as e:
-        return f"rank {engine.mpi_comm.Get_rank()}: {type(e).__name__}: {e}", written
+        return f"rank {engine.comm.rank()}: {type(e).__name__}: {e}", written
     return None, written
 
 
@@ -186,8 +190,8 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
     Each rank writes only the blocks it is the first holder of; rank 0 writes the index last
     and swaps the new directory in (see this module's docstring). `extra` (rank 0's) is any
     JSON-able dict, e.g. the data position and RNG state. Returns the path."""
-    comm = engine.mpi_comm
-    rank = comm.Get_rank()
+    comm, what = engine.comm, "checkpoint save"
+    rank = comm.rank()
     path = os.path.abspath(os.fspath(path))
     tmp = f"{path}.tmp-{int(step)}"
     err = None
@@ -200,27 +204,29 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
         descs = _blocks(engine, optimizer)
     except Exception as e:
         err, descs = f"{type(e).__name__}: {e}", []
-    agree(comm, err, exc=CheckpointError)
+    agree(comm, err, CheckpointError, what)
     if rank == 0:
         _, err = run_captured(_prepare_dirs, path, tmp)
-    agree(comm, err, exc=CheckpointError)
+    agree(comm, err, CheckpointError, what)
 
     # 1. who writes what (control data: names and regions only)
     meta = [(k, n, key, reg, str(a.dtype), sc) for k, n, key, reg, a, sc in descs]
-    gathered = comm.gather(meta, root=0)
+    gathered = gather_json(comm, meta, what)
     payload = owners = None
     if rank == 0:
+        gathered = [[(k, n, key, tuple(map(tuple, reg)), dt, sc)       # JSON made lists
+                     for k, n, key, reg, dt, sc in descs] for descs in gathered]
         res, err = run_captured(_assign_writers, gathered, engine.full_shapes)
         todos, owners = res if err is None else ([[]] * len(gathered), {})
         payload = [(err, todo) for todo in todos]
-    err, todo = comm.scatter(payload, root=0)
+    err, todo = scatter_json(comm, payload, what)
     if err is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(err)
 
     # 2. write my blocks, durably, and hash them
-    results = comm.gather(_write_blocks(engine, tmp, descs, todo), root=0)
+    results = gather_json(comm, _write_blocks(engine, tmp, descs, todo), what)
 
     # 3. rank 0: the index, last, then the swap
     if rank == 0:
@@ -232,7 +238,7 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
             _, err = run_captured(_write_index, path, tmp, index)
         if err is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    agree(comm, err if rank == 0 else None, exc=CheckpointError)
+    agree(comm, err if rank == 0 else None, CheckpointError, what)
     return path
 
 

@@ -256,7 +256,7 @@ def test_damaged_checkpoints_raise_on_every_rank():
                 ms.checkpoint.load(bad, model=e.engine.model)
         else:
             with pytest.raises(CheckpointError, match=message):   # collective verification
-                ms.checkpoint.load(bad, comm=comm)
+                ms.checkpoint.load(bad, comm=e.engine)
         assert dir_digest(bad) == digest
         comm.Barrier()
     # the good one is intact and still restores; a model of other dims is refused
