@@ -23,7 +23,7 @@ send / receive are adjoint: the activation sent forward is what the gradient com
 Sends are non-blocking (Isend, kept as Futures until the step ends), so a rank never waits for
 its neighbour to *take* a message, only to *produce* one: the executor then deadlocks exactly
 when the schedule's simulation (buffered sends) does, which `schedules.simulate` rules out.
-Every message's tag encodes (microbatch, receiving chunk, direction), so with interleaving
+Every message's tag encodes (microbatch, receiving chunk, kind), so with interleaving
 stage 0 can receive activations from stage pp-1 and gradients from stage 1 (one rank at pp=2)
 without mixing them up. Each layer keeps one tape entry per microbatch, so microbatches in
 flight never share buffers. Under tp each tp rank talks to the same tp coordinate of its
@@ -43,6 +43,7 @@ the stages' numbers (a small collective over 'pp').
 from __future__ import annotations
 
 import time
+from itertools import islice
 
 import numpy as np
 
@@ -50,8 +51,10 @@ from .schedules import make_schedule, splits_backward
 from .stages import assign_stages, pipeline_options
 from .model_costs import boundary_width
 
-ACT, GRAD = 0, 1           # message kind: an activation (forward), a gradient (backward)
-_EOS_NDIM = 1              # inference end-of-stream: a 1-D int64 array [group size]; data is 2-D
+# message kinds: an activation (forward), a gradient (backward), and in streaming inference
+# the count of requests that follow in a group (fewer than a full group: the end of stream)
+ACT, GRAD, COUNT = 0, 1, 2
+KINDS = 3
 
 
 # -- the executor ------------------------------------------------------------------------------
@@ -84,18 +87,31 @@ class PipelineRunner:
     def _k(self, chunk):
         return chunk * self.pp + self.stage
 
-    def _tag(self, mb, chunk, direction):
-        """Unique per (microbatch, receiving chunk, direction); mb = -1 (predict) allowed."""
-        return 2 * ((mb + 1) * self.v + chunk) + direction
+    def _tag(self, mb, chunk, kind):
+        """Unique per (microbatch, receiving chunk, message kind); mb = -1 (predict) allowed."""
+        return KINDS * ((mb + 1) * self.v + chunk) + kind
 
-    def _send(self, arr, k_to, mb, direction):
+    def _send(self, arr, k_to, mb, kind):
         """Non-blocking send to the rank of virtual stage k_to; adjoint: its _receive."""
         fut = self.comm.send_async(arr, dest=k_to % self.pp,
-                                   tag=self._tag(mb, k_to // self.pp, direction))
+                                   tag=self._tag(mb, k_to // self.pp, kind))
         self._sends.append(fut)
 
-    def _post_receive(self, k_from, mb, chunk, direction):
-        return self.comm.receive_async(k_from % self.pp, tag=self._tag(mb, chunk, direction))
+    def _post_receive(self, k_from, mb, chunk, kind):
+        return self.comm.receive_async(k_from % self.pp, tag=self._tag(mb, chunk, kind))
+
+    def _send_count(self, q):
+        """Streaming: tell the next stage that q requests follow (the COUNT kind). Its one
+        int64 travels without a shape header: the receiver knows what it is."""
+        count = self.comm.xp.full(1, q, dtype=np.int64)
+        self._sends.append(self.comm.send_async(count, None, self.stage + 1,
+                                                tag=self._tag(-1, 0, COUNT)))
+
+    def _receive_count(self) -> int:
+        """The count the previous stage sent with `_send_count`."""
+        count = self.comm.xp.empty(1, dtype=np.int64)
+        return int(self._wait(self.comm.receive_async(self.stage - 1, out=count,
+                                                      tag=self._tag(-1, 0, COUNT)))[0])
 
     def _wait(self, future):
         """Block until a neighbour's message is here; the wait is idle time."""
@@ -276,19 +292,21 @@ class PipelineRunner:
         the group, then chunk 1, ... Each rank works in the order (group, chunk, request), in
         which every message it waits for was produced earlier, so with non-blocking sends no
         rank waits forever, and stage 0 reads request i+1 while stage 1 works on request i.
-        End of stream: stage 0 sends a 1-D array [q] (q < G requests in the last group) in
-        place of request q+1 down the chunk-0 stages; each stage finishes that group and
-        returns. `prepare(x)` (stage 0) checks and converts each input.
+        Each group starts with a COUNT message [q] down the chunk-0 stages: q requests follow.
+        A group of q < G requests (q = 0 included) is the last one: the end of stream, after
+        which every stage returns. No stage looks at a request's shape to tell. A stage sends
+        the count right before the group's first activation, so the next stage wakes once for
+        both. `prepare(x)` (stage 0) checks and converts each input.
         """
         pp, s = self.pp, self.stage
         group = pp if self.v > 1 else 1
-        window = 4 * group * self.v + 4            # bounds the sends in flight per rank
+        window = 4 * (group + 1) * self.v + 4      # bounds the sends in flight per rank
         stream = iter(input_stream) if s == 0 else None
         self._idle, busy, requests = 0.0, 0.0, 0
         t_start = time.perf_counter()
 
-        def work(c, h):                            # forward chunk c of one request, pass it on
-            nonlocal busy, requests
+        def work(c, h, count=None):                # forward chunk c of one request, pass it on
+            nonlocal busy, requests                # (count: the group's COUNT goes first)
             k = self._k(c)
             t0 = time.perf_counter()
             y = self._chunk_forward(c, h, -1, record=False)
@@ -297,29 +315,27 @@ class PipelineRunner:
                 output_stream.write(y)
                 requests += 1
             else:
+                if count is not None:
+                    self._send_count(count)
                 self._send(y, k + 1, -1, ACT)
                 self._drain_sends(keep=window)
 
         while True:
-            q = 0                                  # requests in this group
-            while q < group:                       # chunk 0
-                if s == 0:
-                    x = next(stream, None)
-                    if x is None:
-                        break
-                    x = prepare(x) if prepare is not None else x
-                else:
-                    x = self._wait(self._post_receive(s - 1, -1, 0, ACT))
-                    if x.ndim == _EOS_NDIM:
-                        break
-                work(0, x)
-                q += 1
+            if s == 0:                             # the group's requests, checked before any send
+                xs = [x if prepare is None else prepare(x) for x in islice(stream, group)]
+                q = len(xs)
+            else:                                  # how many the previous stage will send
+                q = self._receive_count()
+            tell = s < pp - 1                      # the next stage waits for our count
+            if tell and q == 0:
+                self._send_count(0)
+            for i in range(q):                     # chunk 0
+                h = xs[i] if s == 0 else self._wait(self._post_receive(s - 1, -1, 0, ACT))
+                work(0, h, q if tell and i == 0 else None)
             for c in range(1, self.v):             # later chunks of the same group
                 for _ in range(q):
                     work(c, self._wait(self._post_receive(self._k(c) - 1, -1, c, ACT)))
-            if q < group:                          # end of stream: tell the next stage, stop
-                if s < pp - 1:
-                    self._send(np.array([q], dtype=np.int64), s + 1, -1, ACT)
+            if q < group:                          # the end of stream
                 break
         self._drain_sends()
         step = time.perf_counter() - t_start

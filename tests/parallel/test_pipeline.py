@@ -1,7 +1,7 @@
 """Pipeline parallelism against the single-device reference, float64, rtol 1e-9.
 
-MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_pipeline.py`
-for N in 1, 2, 4, 8 (a pp=k layout runs on `group_comm(k)`, several groups side by side).
+MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
+tests/parallel/test_pipeline.py` for N in 1, 2, 4, 8 (a pp=k layout runs on `group_comm(k)`, several groups side by side).
 Serial tests (stage assignment, the examples under mpiexec): `pytest -m "not mpi"`.
 """
 from pathlib import Path
@@ -234,6 +234,40 @@ def test_inference_loop_streams_100_batches_pp4():
 @pytest.mark.parametrize("n_requests", [0, 4, 7])
 def test_inference_loop_interleaved_and_short_streams(n_requests):
     check_stream(group_comm(2), "pp=2,schedule=interleaved", 4, n_requests)
+
+
+class Affine:
+    """A stand-in layer for the stream test: h -> 2 h + 1, whatever h's shape."""
+
+    def forward(self, h, mb, record):
+        return 2 * h + 1
+
+    def in_flight(self):
+        return ()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["pp=2", "pp=2,schedule=interleaved"])
+def test_inference_loop_end_of_stream_is_a_message_kind(layout):
+    """The end of stream travels as a message kind of its own (a group's request count), so a
+    stage never guesses it from a request's shape: 1-D activations between the stages, which
+    the end-of-stream marker (a 1-D array) was once told apart from by ndim alone, all come
+    through, and the pipeline returns on every rank."""
+    engine = ms.make_engine(make_model(4), layout, comm=group_comm(2))
+    runner = engine.runner
+    runner.chunks = [[Affine()] for _ in runner.chunks]      # 2 h + 1 on each virtual stage
+    requests = [np.arange(1.0, 2.0 + i) for i in range(5)]   # 1-D, of 1 to 5 elements
+    out = Collect()
+    runner.inference_loop(iter(requests), out)
+    if runner.stage == runner.pp - 1:
+        want = list(requests)
+        for _ in range(runner.n_virtual):
+            want = [2 * x + 1 for x in want]
+        assert len(out.items) == len(requests)
+        for got, expected in zip(out.items, want):
+            np.testing.assert_array_equal(got, expected)
+    else:
+        assert out.items == []
 
 
 @pytest.mark.mpi(min_size=4)
