@@ -162,8 +162,8 @@ def embedding_backward(dy, ids, rows: int):
     """Undo the gather: scatter-add dy (..., D) into a (rows, D) gradient (repeated ids add).
 
     On numpy: sort the ids, sum each run of equal ids with one add.reduceat and write the
-    sums to their rows (10-20x faster than the unbuffered `np.add.at`); other array modules
-    (cupy: an atomic scatter-add kernel) use `xp.add.at`."""
+    sums to their rows (one buffered pass instead of the unbuffered, element-at-a-time
+    `np.add.at`); other array modules (cupy: an atomic scatter-add kernel) use `xp.add.at`."""
     xp = array_module(dy)
     g = xp.zeros((rows, dy.shape[-1]), dtype=dy.dtype)
     flat, dy2 = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])
@@ -195,7 +195,7 @@ def gelu_forward(z):
     In place on one temporary (t) and the output: no other full-size arrays."""
     xp = array_module(z)
     t = z * z
-    t *= z                                   # z*z*z as PyTorch (pow is 20x slower)
+    t *= z                                   # z*z*z as PyTorch (a float pow is slower)
     t *= 0.044715
     t += z
     t *= _GELU_C                             # c (z + 0.044715 z^3), PyTorch's order

@@ -27,18 +27,13 @@ of the busiest rank (the slowest of `representative_ranks`), where
   reference model's measured train_step, or AdamW step, over what the terms predict for it,
   so the micro-benchmarks' optimism (operands warm in the cache, no interpreter between
   calls) is measured once per machine, not assumed. Two factors because the two parts miss
-  by different amounts (4 ranks on 2 cores: the reference MLP's train_step 1.58-1.68x its
-  terms, its AdamW 1.07-1.11x; the GPT's 1.16-1.20x and 0.86-0.87x). With one factor for
-  both, MLP 784-512-512-10's steps, AdamW a third of them, came out 19.4% under-predicted
-  (median over 12 layouts at 4 ranks); with two, 8.9% in the next run.
+  by different amounts (the figures are in docs/performance.md).
 - bubble_factor: the pipeline schedule's simulated idle fraction b (schedules.py) costs
   1 / (1 - b) on a core per rank; with ranks sharing cores an idle stage lends its core to
   the others, so the factor is max(1, 1 / (c (1 - b))), c = 1 + (concurrency - 1) x
   lent(span): `concurrency` the measured slowdown of a GEMM when every rank runs one at once
   (about ranks / free cores), and `lent` the share of an idle span the others really get,
-  which grows with the span against the scheduler's slice (spans under 2 ms lend nothing).
-  Before `lent`, a bubble was free wherever ranks outnumbered cores two to one, and
-  pipelined layouts came out 16-24% under-predicted (median, six 4-rank benches).
+  which grows with the span against the scheduler's slice (short spans lend nothing).
 - communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
   calls (comm_calls.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
   fsdp, the averaging axes for dp's gradients and for the loss): calls x the calibrated
@@ -257,16 +252,15 @@ def bubble(layout) -> float:
     return simulate(make_schedule(name, pp, m, v), pp, m, v).bubble_fraction
 
 
+# fitted to ranks sharing cores, bursts of GEMMs against receives (docs/performance.md)
 LEND_AFTER = 2e-3    # seconds: an idle span shorter than this lends its core to nobody
 SLICE = 3e-3         # seconds: about the scheduler's slice
 
 
 def lent(span: float) -> float:
     """The share of a stage's idle span of `span` seconds that ranks sharing its core get:
-    (span - LEND_AFTER) / (span + SLICE), at least 0. Measured (87966be, 4 ranks on 2 cores:
-    half the ranks run bursts of GEMMs while their partners wait in a receive, roles swapping
-    each burst, against every rank busy): 1.00-1.03x as fast at bursts of 0.6-2.4 ms, 1.75x at
-    17 ms, 1.87x at 72 ms, where 2x is all; this gives 0-0.08, 0.75 and 0.93 of all."""
+    (span - LEND_AFTER) / (span + SLICE), at least 0: a span shorter than the scheduler's
+    slice lends almost nothing, a long one nearly all of itself."""
     return max(0.0, span - LEND_AFTER) / (span + SLICE)
 
 

@@ -9,11 +9,11 @@ Every file is opened with `np.load(mmap_mode="r")` (only its header is read) and
 `MappedRows`: each rank's DistributedBatcher copies out just the rows of its batches (`x[idx]`)
 with one pread per row into a fresh array, so nothing of the file is mapped and only the
 copies are resident (a long-lived map keeps every page it read resident, and a read fault also
-maps the cached pages around it: measured, a rank's peak RSS reached the 200 MB file size in
-one epoch that way). Fortran-order files and strided slices go through a short-lived map. No
-rank ever holds the whole file. Labels are
-range-checked in chunks of CHUNK_ROWS; the test targets (one value or label per row) are read
-whole, the test inputs a chunk at a time by the evaluation.
+maps the cached pages around it, so a rank's resident memory would grow to the file's size
+within an epoch). Fortran-order files and strided slices go through a short-lived map. No
+rank ever holds the whole file. Labels are range-checked in chunks of CHUNK_ROWS; the test
+targets (one value or label per row) are read whole, the test inputs a chunk at a time by the
+evaluation.
 """
 from __future__ import annotations
 
