@@ -103,7 +103,7 @@ def single_reference(model, params, x, t, loss):
 
 def assert_close(got, want, rtol=RTOL64, atol=0.0, what=""):
     """Compare with an explicit tolerance relative to the largest |want| and print the max
-    difference (style rule 6)."""
+    difference."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     scale = max(float(np.abs(want).max()) if want.size else 0.0, 1e-300)

@@ -1,4 +1,4 @@
-"""A rank that raises mid-step ends the whole job, non-zero, within seconds (style rule 8).
+"""A rank that raises mid-step ends the whole job, non-zero, within seconds.
 
 Serial test: it launches its own 2-rank job with `mpiexec -n 2 python -m mpi4py script`. In the
 script rank 1 raises inside train_step (in the loss, after a collective) while rank 0 goes on
