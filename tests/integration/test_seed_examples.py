@@ -1,4 +1,5 @@
-"""The seed examples run (briefly, on 2 ranks) and say what they should.
+"""The examples from the ShardedEngine chapter's notebooks (examples/seed_*.py: the BCE
+classifier under every layout, memory per rank) run briefly on 2 ranks and say what they should.
 
     pytest -m "not mpi" tests/integration/test_seed_examples.py
 

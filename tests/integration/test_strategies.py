@@ -1,11 +1,11 @@
-"""Every layout against the single-device reference, in float64 with rtol 1e-9 (style rule 6).
+"""Every layout against the single-device reference, in float64 with rtol 1e-9.
 
 For each layout that fits the world size (single, dp=N, tp=N, dp=a,tp=b) and each model case
 (1 to 4 layers, every activation, with and without bias) the engine must reproduce
 `ms.SingleDevice`: the forward output (gather_batch of predict), the global mean loss (the same
 float on every rank) and every gradient (gather_grads), through train_step and through the
-seed API forward + backward(dy). A layout of n ranks runs on `group_comm(n)`, so at 8 ranks the
-2-rank layouts run four times side by side.
+ShardedEngine chapter's forward + backward(dy). A layout of n ranks runs on `group_comm(n)`,
+so at 8 ranks the 2-rank layouts run four times side by side.
 
     mpiexec -n 8 python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_strategies.py
 """
@@ -109,7 +109,8 @@ def test_layout_matches_single(layout, case):
     assert_close(loss, want_loss, RTOL64, what=f"{tag} loss")
     assert_dicts_close(engine.gather_grads(grads), want_grads, RTOL64, what=f"{tag} train_step")
 
-    # the seed API: forward, then backward(dy) with dy = dL/dy of this rank's local-mean loss
+    # the ShardedEngine chapter's calls: forward, then backward(dy), dy = dL/dy of this
+    # rank's local-mean loss
     y_local = engine.forward(x_local)
     assert_close(engine.gather_batch(y_local), want_y, RTOL64, what=f"{tag} forward")
     _, dy_local = ms.losses.MSE()(y_local, t_local)
