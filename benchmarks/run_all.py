@@ -220,8 +220,9 @@ def part_peers(r: Runner) -> dict:
         out["ddp2"] = out["gpt2"] = {"skipped": single["skipped"]}
         return out
     out["gpt2"] = gpt2 = r.mpi(2, "peers_torch.py", "gpt2", timeout=r.args.part_timeout)
-    for peer, res in gpt2.get("peers", {}).items():
-        out[f"vs_torch_{peer}_gpt_step_ratio"] = res["ratio"]
+    for peer in ("ddp", "fsdp", "tp"):
+        if peer in gpt2.get("peers", {}):
+            out[f"vs_torch_{peer}_gpt_step_ratio"] = gpt2["peers"][peer]["ratio"]
     if r.mode == "tiny":
         out["ddp2"] = {"skipped": "not run in --tiny mode (starting torch twice is slow)"}
         return out
@@ -321,7 +322,9 @@ def spreads(results: dict) -> dict:
 
 
 def _fmt(v, digits=3):
-    return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+    """A number for results.md: `digits` decimals, or a format spec such as '.1e'."""
+    spec = digits if isinstance(digits, str) else f".{digits}f"
+    return "-" if v is None else f"{v:{spec}}" if isinstance(v, float) else str(v)
 
 
 def _met(v, cmp, target) -> bool:
@@ -478,7 +481,8 @@ def _gpt_peer_lines(gpt2: dict) -> list:
              f"{gpt2['backend']} in the same mpiexec job; a sample is a full step, the slowest "
              f"rank's, every side alternated; median of {gpt2['samples']}). Before timing, each "
              "torch peer's gradients and the first steps' losses of both sides are compared "
-             "with torch in one process (relative differences):", "",
+             "with torch in one process (relative differences; `single`: each rank alone on "
+             "its rows, no communication, the compute inside dp and fsdp):", "",
              "| ours | torch | ours ms | torch ms | ours / torch | paired | loss: ours | "
              "loss: torch | grads: torch |", "| --- | --- | --- | --- | --- | --- | --- | "
              "--- | --- |"]
@@ -486,7 +490,7 @@ def _gpt_peer_lines(gpt2: dict) -> list:
         lines.append(f"| `{r['layout']}` | {r['torch']} | {r['ours_s'] * 1e3:.1f} | "
                      f"{r['torch_s'] * 1e3:.1f} | {r['ratio']:.3f} | {r['ratio_paired']:.3f} | "
                      f"{r['ours_loss_rel_diff']:.1e} | {r['torch_loss_rel_diff']:.1e} | "
-                     f"{r['torch_max_grad_rel_diff']:.1e} |")
+                     f"{_fmt(r['torch_max_grad_rel_diff'], '.1e')} |")
     return lines
 
 
