@@ -8,11 +8,15 @@ of 5 it raises, is SIGKILLed, feeds a batch of the wrong width, sleeps past the 
 the loss, or skips a collective (the last one, so its peers wait in it; or, in debug mode, one
 in the middle of the loop, so the signature check sees the next collective instead). Last, the
 last rank's checkpoint write fails (through the `writer.write_block` hook) under each
---checkpoint-failures policy.
+--checkpoint-failures policy. Every job records the MPI library's files it uses (its /dev/shm
+segments, hydra's topology file) and none may be left after the abort (comm/signals.py), except
+after a SIGKILL, which no process of the job can clean up after: that test removes them itself.
 """
 import json
+import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,10 +26,11 @@ from conftest import run_mpi
 TIMEOUT = 2.0
 
 SCRIPT = '''
-import os, signal, sys, time
+import json, os, signal, sys, time
 import numpy as np
 from mpi4py import MPI
 import mpishard as ms
+from mpishard.comm.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_own_maps
 
 mode, timeout = sys.argv[1], float(sys.argv[2])
 comm = MPI.COMM_WORLD
@@ -40,6 +45,8 @@ def fault_stamp():
 model = ms.MLP([8, 16, 4])
 engine = ms.make_engine(model, "dp=2" if n == 2 else "dp=2,tp=2", comm=comm, timeout=timeout)
 engine.load_checkpoint(model.init(seed=0))
+with open(f"{sys.argv[3]}.{rank}", "w") as f:         # the MPI library's files of this job
+    json.dump(mpi_shm_paths(mapped_shm_paths(read_own_maps())) + launcher_files(), f)
 rng = np.random.default_rng(0)
 x, t = rng.standard_normal((8, 8)), rng.standard_normal((8, 4))
 
@@ -92,15 +99,24 @@ def run_fault(tmp_path, n, mode, debug=False):
     script = tmp_path / "fault.py"
     script.write_text(SCRIPT)
     t0 = time.time()
-    proc = run_mpi(n, script, mode, TIMEOUT, timeout=TIMEOUT + 60,
+    files = tmp_path / "mpi-files"
+    proc = run_mpi(n, script, mode, TIMEOUT, files, timeout=TIMEOUT + 60,
                    env={"MPISHARD_DEBUG": "1" if debug else "0"})
     elapsed = since_fault(proc, t0)
     out = proc.stdout + proc.stderr
-    print(f"{mode} at {n} ranks (debug {debug}): rc={proc.returncode} after {elapsed:.1f} s\n"
-          f"{out[-3000:]}")
+    used = sorted({p for r in range(n) if Path(f"{files}.{r}").exists()
+                   for p in json.loads(Path(f"{files}.{r}").read_text())})
+    left = [p for p in used if os.path.exists(p)]
+    print(f"{mode} at {n} ranks (debug {debug}): rc={proc.returncode} after {elapsed:.1f} s; "
+          f"MPI's files {used}, left {left}\n{out[-3000:]}")
+    if mode == "kill":                   # SIGKILLed ranks clean nothing: the test does
+        for path in left:
+            os.unlink(path)
+        left = []
     assert proc.returncode != 0
     assert elapsed < TIMEOUT + 10, f"the job took {elapsed:.1f} s to end"
     assert "rank 0 finished" not in out
+    assert used and left == [], f"the aborted job left the MPI library's files {left}"
     return out
 
 
