@@ -142,12 +142,19 @@ test: $(STAMP)
 
 test-serial: $(STAMP)
 	@echo "==> test-serial: pytest without MPI (tests not marked mpi)"
-	$(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" tests
+	@$(LEFTOVERS) before $(VENV)/.mpi-files-serial
+	$(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" tests; rc=$$?; \
+	    $(LEFTOVERS) after $(VENV)/.mpi-files-serial || rc=1; exit $$rc
 
 # test-1, test-2, ...: -p no:cacheprovider keeps the ranks from racing on .pytest_cache.
+# Each test stage fails if it left files of the MPI library behind (/dev/shm segments, hydra's
+# topology file: tests/hpc/leftovers.py lists those new since the stage began that no process uses).
+LEFTOVERS = $(PY) tests/hpc/leftovers.py
 $(MPI_TESTS): test-%: $(STAMP)
 	@echo "==> test-$*: MPI tests on $* rank(s), timeout $(TIMEOUT) s"
-	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests
+	@$(LEFTOVERS) before $(VENV)/.mpi-files-$*
+	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests; rc=$$?; \
+	    $(LEFTOVERS) after $(VENV)/.mpi-files-$* || rc=1; exit $$rc
 
 # --- the newest other Python (not in `make test`; .ci/run runs it) ------------------------
 test-newpy:
