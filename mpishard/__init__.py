@@ -8,7 +8,7 @@
 """
 from . import checkpoint, nn
 from .comm.collectives import CollectiveMismatchError, CollectiveTimeout, Future
-from .comm.mesh import DeviceMesh, Layout, parse_layout
+from .comm.mesh import CommUnusable, DeviceMesh, Layout, parse_layout
 from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
 from .nn import losses
 from .nn.models import GPT, MLP, MoE
@@ -17,7 +17,8 @@ from .train import data, optim, trainer
 __version__ = "0.1.0"
 
 __all__ = ["GPT", "MLP", "MoE", "ShardedEngine", "MeshEngine", "SingleDevice", "DeviceMesh",
-           "Layout", "CollectiveMismatchError", "CollectiveTimeout", "Future", "make_engine",
+           "Layout", "CollectiveMismatchError", "CollectiveTimeout", "CommUnusable", "Future",
+           "make_engine",
            "parse_layout",
            "losses", "nn", "checkpoint", "data", "optim", "trainer",
            "__version__"]

@@ -115,6 +115,25 @@ class ShardedEngine(ABC):
     broadcast = _comm_method("broadcast")
     agree = _comm_method("agree")
 
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give back what the engine holds in MPI: sends still in flight are completed,
+        receives never waited for cancelled, its communicators freed and its arrival counters
+        returned (comm/arrivals.py). Call it on every rank, in the order the engines were
+        built; closing twice does nothing; afterwards every call raises CommUnusable. An
+        engine never closed keeps them until it is collected (comm/retired.py)."""
+        if not self.mesh.closed:
+            try:
+                self.comm.close()
+            finally:
+                self.mesh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- model lifecycle -----------------------------------------------------------------------
     @abstractmethod
     def load_checkpoint(self, params: dict) -> None: ...

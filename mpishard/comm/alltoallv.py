@@ -97,6 +97,12 @@ class PrivateComms:
             self.dups[comm.py2f()] = dup
         return dup
 
+    def close(self) -> None:
+        """Free the duplicates (Comm.close)."""
+        dups, self.dups = self.dups, {}
+        for dup in dups.values():
+            dup.Free()
+
     def __del__(self):
         dups, self.dups = getattr(self, "dups", {}), {}
         retire(dups.values())                       # freed later: comm/retired.py
@@ -157,7 +163,7 @@ class VariableExchange:
                             else messages[j].Irecv(buf))
         rbuf[into[me]:into[me + 1]] = sbuf[at[me]:at[me + 1]]        # the own block
         t_wait = time.perf_counter()
-        wd.settle(requests, what, comm, ticket)
+        wd.wait_for_requests(requests, what, comm, ticket)
         if wd.tracer is not None:            # both waits, as one collective's blocked time
             wd.tracer.blocked(wd.group(comm)[2], blocked + time.perf_counter() - t_wait)
         self.backend.mpi_finish(rbuf, out)
@@ -183,7 +189,7 @@ class VariableExchange:
             return not missing
 
         if self.watchdog.timeout:
-            self.watchdog.until(arrived, "all_to_all_v", comm, ticket)
+            self.watchdog.wait_until(arrived, "all_to_all_v", comm, ticket)
         else:              # no watchdog, no bound (polled: MPICH's blocking Mprobe was slower)
             while not arrived():
                 os.sched_yield()

@@ -1,25 +1,17 @@
 """Arrival counters: which ranks have entered a collective, found without the stalled rank's help.
 
 Entering a collective, a rank bumps its own counter for the group's set of active mesh axes
-(one of SLOTS counters per engine) and stamps the time it arrived: plain stores into its own
-window memory, no MPI call. A peer whose count is below this rank's has not entered this
-collective yet. The counters live in an MPI-3 RMA window (`Arrivals`, one per set of ranks
-engines are built on), read two ways:
+(one of SLOTS counters per engine): a plain store into its own window memory, no MPI call. A
+peer whose count is below this rank's has not entered this collective yet.
 
-- `read`: passive-target `Rget` under a `Lock_all` epoch held for the window's life, on any
-  number of nodes. With MPICH (ch4) on one node the window is shared memory, so the read needs
-  no progress on the stalled rank; a read that does not complete within READ_TIMEOUT reports
-  that rank as not answering. Used to name the late ranks when a wait times out.
-- `peers`: when every rank is on one node the window is allocated as shared memory
-  (`Allocate_shared`) and every rank's counters are a memoryview here too, read with a plain
-  load (0.1 us): the watchdog's gate reads them on every blocking collective of an
-  oversubscribed node (watchdog.py `guarded`). Caches are coherent on the CPUs MPI runs on; a
-  store not yet visible only delays the gate by one poll.
-
-Each counter has a ring of RING time stamps (monotonic ns, one per call, at STAMPS + counter
-* RING + count % RING), written by the gate before the count: after a blocking collective a
-rank reads how late the last member arrived at that same call, which a peer overwrites only
-RING calls later (it cannot complete those without this rank).
+The counters live in an MPI-3 RMA window, one per set of ranks engines are built on; each
+engine takes a block of SLOTS counters and gives it back when it is closed. On a timeout the
+waiting rank reads its peers' counters with passive-target `Rget` under a `Lock_all` epoch held
+for the window's life: every read is issued at once and they are waited for together, until
+one deadline (READ_TIMEOUT), so the report is late by at most that, whatever the group size.
+A peer whose read has not completed by then is reported as not answering. On one node the
+window is shared memory (`Allocate_shared`), which MPICH reads without the peer's help; across
+nodes a peer busy outside MPI may not answer in time.
 """
 from __future__ import annotations
 
@@ -33,15 +25,12 @@ from mpi4py import MPI
 from .mesh import AXES
 
 SLOTS = 1 << len(AXES)     # one counter per set of mesh axes (bit i: AXES[i])
-BLOCKS = 256               # engines sharing one window (a block of SLOTS counters each)
-RING = 4                   # arrival stamps kept per counter
-STAMPS = BLOCKS * SLOTS    # where the stamps start: counter i's ring at STAMPS + i * RING
-READ_TIMEOUT = 1.0
+BLOCKS = 256               # engines open at once on one window (a block of SLOTS counters each)
+READ_TIMEOUT = 1.0         # seconds all the reads of one report may take together
 
-
-def _zeros(n: int) -> memoryview:
-    """n int64 zeros, to store into a slice of Arrivals.cells."""
-    return memoryview(bytes(8 * n)).cast("q")
+# Rget requests a deadline gave up on: MPI may still write their result, so their buffers
+# stay referenced (mpi4py keeps a request's buffer alive with the request) for the process's life.
+_UNANSWERED: list = []
 
 
 def _one_node(comm) -> bool:
@@ -54,39 +43,27 @@ def _one_node(comm) -> bool:
 
 
 class Arrivals:
-    """Arrival counters and stamps of the ranks of one communicator (module docstring).
+    """The arrival counters of the ranks of one communicator (module docstring).
 
-    Created collectively by the first Comm with a timeout on a communicator of these ranks;
-    each later Comm takes the next block of SLOTS counters (engines are built collectively, in
-    the same order on every rank). Freed collectively at exit, before MPI_Finalize, unless the
-    process ends on an uncaught exception or after a timeout (a peer may never come to free
-    it; the job is being aborted anyway).
+    Created collectively by the first Comm with a timeout on a communicator of these ranks.
+    Blocks are taken and given back in the same order on every rank (engines are built and
+    closed collectively), so a block has the same offset everywhere. Freed at exit, before
+    MPI_Finalize (collective), unless the process ends on an uncaught exception.
     """
 
     SHARED: dict = {}     # members (COMM_WORLD ranks, in rank order) -> their Arrivals
 
     def __init__(self, comm):
-        self.comm = comm
-        size = BLOCKS * SLOTS * (1 + RING) * 8           # counters, then their stamp rings
-        if _one_node(comm):
-            self.win = MPI.Win.Allocate_shared(size, 8, comm=comm)
-            self.peers = [self._view(self.win.Shared_query(r)[0])
-                          for r in range(comm.Get_size())]
-        else:
-            self.win = MPI.Win.Allocate(size, 8, comm=comm)
-            self.peers = None                            # no plain loads across nodes
-        # the counters as a memoryview: a Python int store (0.26 us) instead of numpy's
-        # scalar += (0.63 us), on every call
-        self.cells = self._view(self.win.tomemory())
-        self.cells[:] = _zeros(len(self.cells))
+        size = BLOCKS * SLOTS * 8
+        allocate = MPI.Win.Allocate_shared if _one_node(comm) else MPI.Win.Allocate
+        self.win = allocate(size, 8, comm=comm)
+        # a memoryview: a Python int store per call, cheaper than numpy's scalar +=
+        self.cells = memoryview(self.win.tomemory()).cast("B").cast("q")
+        self.cells[:] = memoryview(bytes(size)).cast("q")
         self.win.Lock_all()
-        self.blocks = 0
-        self.broken = False                   # a timeout happened: never free collectively
+        self.next_block = 0
+        self.given_back: list = []            # offsets of blocks closed engines returned
         atexit.register(self.free)
-
-    @staticmethod
-    def _view(buffer) -> memoryview:
-        return memoryview(buffer).cast("B").cast("q")
 
     @classmethod
     def of(cls, comm) -> "Arrivals":
@@ -101,30 +78,44 @@ class Arrivals:
         return cls.SHARED[key]
 
     def take_block(self) -> int:
-        """The offset of a fresh block of SLOTS counters, zeroed (and their stamps)."""
-        base = (self.blocks % BLOCKS) * SLOTS
-        self.blocks += 1
-        self.cells[base:base + SLOTS] = _zeros(SLOTS)
-        first = STAMPS + base * RING
-        self.cells[first:first + SLOTS * RING] = _zeros(SLOTS * RING)
+        """The offset of a block of SLOTS zeroed counters: one given back, else the next one
+        (past BLOCKS engines never closed, the oldest block is taken again)."""
+        if self.given_back:
+            base = self.given_back.pop()
+        else:
+            base = (self.next_block % BLOCKS) * SLOTS
+            self.next_block += 1
+        self.cells[base:base + SLOTS] = memoryview(bytes(8 * SLOTS)).cast("q")
         return base
 
-    def read(self, rank: int, index: int):
-        """Counter `index` of `rank`, or None if the read does not complete in time."""
-        out = np.zeros(1, dtype=np.int64)
-        req = self.win.Rget(out, rank, target=(index, 1, MPI.INT64_T))
-        t0 = time.monotonic()
-        while not req.Test():
-            if time.monotonic() - t0 > READ_TIMEOUT:
-                return None
+    def give_back(self, base: int) -> None:
+        """A closed engine's block, to be taken by the next engine."""
+        self.given_back.append(base)
+
+    def read(self, ranks, index: int) -> list:
+        """Counter `index` of each of `ranks`: all the reads issued at once, then waited for
+        together for at most READ_TIMEOUT seconds; None for a rank whose read did not complete."""
+        self.win.Sync()
+        out = np.zeros(len(ranks), dtype=np.int64)
+        requests = [self.win.Rget(out[i:i + 1], rank, target=(index, 1, MPI.INT64_T))
+                    for i, rank in enumerate(ranks)]
+        done = [False] * len(ranks)
+        end = time.monotonic() + READ_TIMEOUT
+        while True:
+            for i, req in enumerate(requests):
+                if not done[i]:
+                    done[i] = req.Test()
+            if all(done) or time.monotonic() > end:
+                break
             time.sleep(1e-3)
-        return int(out[0])
+        _UNANSWERED.extend(req for req, ok in zip(requests, done) if not ok)
+        return [int(out[i]) if ok else None for i, ok in enumerate(done)]
 
     def free(self) -> None:
-        failed = self.broken or getattr(sys, "last_value", None) is not None
+        """Collective: unlock and free the window (at exit, before MPI_Finalize)."""
+        failed = getattr(sys, "last_value", None) is not None
         if self.win is not None and not failed and not MPI.Is_finalized():
-            for view in [self.cells] + (self.peers or []):
-                view.release()
+            self.cells.release()
             self.win.Unlock_all()
             self.win.Free()
         self.win = None

@@ -43,9 +43,10 @@ from .gather import Gather
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .reduce_scatter import ScatterReduce
 from .stats import CommStats
-from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, Watchdog
+from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, CommUnusable, Watchdog
 
-__all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "Future", "agree"]
+__all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "CommUnusable",
+           "Future", "agree"]
 
 
 class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
@@ -82,7 +83,10 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
 
     def _mpi(self, group=None):
         """The mpi4py communicator of `group` (None: this Comm's own group), looked up once
-        per spelling of the group (every collective call starts here)."""
+        per spelling of the group (every collective call starts here). After close() or a
+        timeout it raises CommUnusable (watchdog.py)."""
+        if self.watchdog.unusable is not None:
+            raise CommUnusable(self.watchdog.unusable)
         key = self.default_group if group is None else group
         try:
             return self._by_group[key]
@@ -110,11 +114,31 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
 
     def _wait(self, req, what, comm):
         """Wait for a collective's request, at most the timeout (CollectiveTimeout)."""
-        self.watchdog.collective([req], what, comm)
+        self.watchdog.wait_collective([req], what, comm)
 
     def context(self, **where) -> None:
         """Where the job is (step=, microbatch=; None forgets one), for timeout messages."""
         self.watchdog.where.update(where)
+
+    def close(self) -> None:
+        """What engine.close() gives back: the sends still in flight are completed (bounded by
+        the timeout; not after a timeout), the receives never waited for are cancelled, and
+        all_to_all_v's communicators freed; every later call raises CommUnusable."""
+        try:
+            if self.watchdog.unusable is None:
+                for fut in self.sends_in_flight:
+                    fut.result()
+        finally:
+            for queue in self.pending_receives.values():
+                for fut in queue:
+                    for req in fut._requests:
+                        req.Cancel()
+                        req.Wait()
+            self.pending_receives.clear()
+            self.sends_in_flight.clear()
+            self._by_group.clear()             # every view's next lookup: the closed mesh
+            self.private.close()
+            self.watchdog.close("this engine was closed (engine.close()): build a new engine")
 
     # -- helpers -----------------------------------------------------------------------------
     def prepare(self, arr):

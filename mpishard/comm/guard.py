@@ -1,21 +1,17 @@
 """The guard: a thread that bounds blocking MPI calls without polling them.
 
 A blocking collective (`comm.Allreduce`, ...) waits inside MPI, where no Python code runs, so
-it cannot time out by itself; polling its non-blocking form from Python instead costs every
-call the poll loop (measured, 1 MiB at 4 ranks on 2 cores: Ialltoall waited by the barest
-`Test` + `sched_yield` loop 1.08-1.13x the blocking Alltoall, the engine's poll-based call
-1.30-1.36x). The guard keeps the blocking call: before it, the watchdog hands the guard a
-deadline and how to describe the call (`Guard.watched`), after it clears them: two stores.
-One daemon thread per process wakes every PERIOD seconds (at most a quarter of the shortest
-timeout watched), and when a call is still in flight past its deadline it prints the
+it cannot time out by itself, and polling its non-blocking form from Python instead would cost
+every call a poll loop. The guard keeps the blocking call: before it, the watchdog hands the
+guard the call's deadline and how to describe it (`Guard.in_flight`), after it clears them:
+two stores. One daemon thread per process wakes every PERIOD seconds (at most a quarter of the
+shortest timeout), and when a call is still in flight past its deadline it prints the
 CollectiveTimeout line (the operation, the group, the step, the late ranks) and aborts the job
 with MPI_Abort: peers stuck in the collective can never leave it cleanly.
 
 mpi4py releases the GIL inside MPI calls, so the thread runs while the main thread waits, and
 reads the arrival counters (arrivals.py) with MPI calls of its own: it needs
-MPI_THREAD_MULTIPLE (mpi4py's default), and without it the watchdog polls instead.
-Measured with the thread sleeping beside the call (4 ranks on 2 cores, 1 MiB): Alltoall,
-Allgather and Allreduce 1.00-1.04x the same call without it.
+MPI_THREAD_MULTIPLE (mpi4py's default); below it the watchdog polls instead.
 """
 from __future__ import annotations
 
@@ -31,7 +27,7 @@ PERIOD = 0.25         # seconds between two looks at the call in flight (at most
 ABORT_GRACE = 0.5     # seconds between the error line and MPI_Abort (cli/usage.py abort_job)
 
 
-def usable() -> bool:
+def thread_multiple() -> bool:
     """Whether a thread may make MPI calls while the main thread is in one."""
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
@@ -39,16 +35,15 @@ def usable() -> bool:
 class Guard:
     """The deadline of the blocking call in flight on this process, and its watching thread.
 
-    `watched` is None between calls, else (start, timeout, describe, args): start and timeout
-    in nanoseconds of `time.monotonic_ns`; `describe(*args)` returns the timeout's message,
-    called on the guard's thread, only on a timeout. The watchdog's hot path stores the tuple
-    itself (Watchdog.guarded: one clock read serves its arrival stamp and the deadline).
+    `in_flight` is None between calls, else (start, timeout, describe, args): start and
+    timeout in nanoseconds of `time.monotonic_ns`; `describe(*args)` returns the timeout's
+    message, called on the guard's thread, only on a timeout.
     """
 
     SHARED = None         # the process's Guard, started by the first engine that needs one
 
     def __init__(self):
-        self.watched = None
+        self.in_flight = None
         self.period = PERIOD
         self.fired = False
         self.thread = threading.Thread(target=self._run, name="mpishard-guard", daemon=True)
@@ -65,10 +60,10 @@ class Guard:
     def _run(self) -> None:
         while not self.fired:
             time.sleep(self.period)
-            watched = self.watched
-            if watched is not None and time.monotonic_ns() - watched[0] > watched[1]:
-                if self.watched is watched:           # still the same call, still in it
-                    self.fire(watched[2](*watched[3]))
+            call = self.in_flight
+            if call is not None and time.monotonic_ns() - call[0] > call[1]:
+                if self.in_flight is call:            # still the same call, still in it
+                    self.fire(call[2](*call[3]))
 
     def fire(self, message: str) -> None:
         """The call timed out: one line, then MPI_Abort (exit code 1)."""

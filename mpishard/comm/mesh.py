@@ -20,7 +20,8 @@ outermost, as Megatron does. For "dp=2,tp=2":
 
 `DeviceMesh` builds one communicator per axis with `Split` (color = the coordinates on all the
 other axes, key = the coordinate on this axis), and on demand one for a tuple of axes (the
-combined data-parallel group, for example).
+combined data-parallel group, for example); the whole world's group is one of these too, never
+the caller's communicator itself. `close()` frees them (engine.close()).
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ from dataclasses import dataclass, field
 from math import isfinite, prod
 
 from .retired import free_retired, retire
+
+class CommUnusable(RuntimeError):
+    """The engine's communication was closed, or timed out before: build a new engine."""
+
 
 AXES = ("dp", "fsdp", "ep", "pp", "cp", "tp")
 """Mesh axes, outermost first (the rank order)."""
@@ -194,13 +199,18 @@ class DeviceMesh:
         self.rank = comm.Get_rank()
         self.coords = coordinates(self.layout, self.rank)
         self._comms: dict = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Free the communicators this mesh split off (not `world`, the caller's); later
+        calls to `comm` raise. Idempotent; local (MPI_Comm_free does not communicate)."""
+        comms, self._comms, self.closed = self._comms, {}, True
+        for comm in comms.values():
+            comm.Free()
 
     def __del__(self):
-        """Give up the group communicators this mesh split off (not `world`, the caller's):
-        freed before the next Split (comm/retired.py: never from a finalizer). MPI has a few
-        thousand communicator ids per process; a program (a test suite) that builds engine
-        after engine would run out. MPI_Comm_free is local (a new Split only reuses an id
-        freed on every member), so the ranks may collect their meshes at different times."""
+        """A mesh collected without `close()`: its communicators are handed over to be freed
+        at the next Split (comm/retired.py: a finalizer must never call MPI)."""
         comms, self._comms = getattr(self, "_comms", {}), {}
         retire(comms.values())
 
@@ -218,10 +228,12 @@ class DeviceMesh:
         return i
 
     def comm(self, axes=None):
-        """The communicator of this rank's group over `axes` (None: the whole world)."""
-        if axes is None:
-            return self.world
-        key = (axes,) if isinstance(axes, str) else tuple(axes)
+        """The communicator of this rank's group over `axes` (None: the whole world, in the
+        same rank order as `world`, split off it so that no call is left on the caller's)."""
+        if self.closed:
+            raise CommUnusable("this engine was closed (engine.close()): build a new engine")
+        key = self.layout.active_axes if axes is None else (
+            (axes,) if isinstance(axes, str) else tuple(axes))
         for a in key:
             if a not in AXES:
                 raise ValueError(f"unknown mesh axis {a!r}; axes are {list(AXES)}")

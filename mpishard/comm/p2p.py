@@ -124,9 +124,9 @@ class PointToPoint:
         comm = self._mpi(group)
         buf = self.backend.mpi_buffer(a)
         h = header(a)
-        self.watchdog.peer([comm.Isend(h, dest=dest_id, tag=wire_tag(tag, _TAG_HEADER)),
-                            comm.Isend(buf, dest=dest_id, tag=wire_tag(tag, _TAG_DATA))],
-                           "send", comm, dest_id)
+        self.watchdog.wait_peer([comm.Isend(h, dest=dest_id, tag=wire_tag(tag, _TAG_HEADER)),
+                                 comm.Isend(buf, dest=dest_id, tag=wire_tag(tag, _TAG_DATA))],
+                                "send", comm, dest_id)
         self.stats.count("send", a.nbytes, t0)
 
     def receive(self, src_id: int, tag: int = 0, group=None):
@@ -200,8 +200,9 @@ class PointToPoint:
             shape, dtype = header_shape(h)
             out_arr = self.xp.empty(shape, dtype=dtype)
             buf = self.backend.mpi_buffer(out_arr, slot="recv", read=False)
-            self.watchdog.peer([comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))],
-                               "receive", comm, src_id)
+            self.watchdog.wait_peer(
+                [comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))],
+                "receive", comm, src_id)
             self.backend.mpi_finish(buf, out_arr)
             return out_arr
         fut._finish = finish_header

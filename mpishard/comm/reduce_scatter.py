@@ -42,7 +42,7 @@ class ScatterReduce:
                     for j in ((me + k) % n for k in range(1, n))]
         requests += [private.Irecv([rbuf[k - 1], mtype], source=(me - k) % n, tag=TAG)
                      for k in range(1, n)]
-        wd.settle(requests, what, comm)          # bounded; traced as blocked time
+        wd.wait_for_requests(requests, what, comm)     # bounded; traced as blocked time
         self.backend.mpi_finish(rbuf, scratch)
         parts = [moved[at[me]:at[me + 1]] if j == me else scratch[(me - j) % n - 1]
                  for j in range(n)]

@@ -1,19 +1,16 @@
-"""Communicators that finalizers give up, freed later at a safe point.
+"""The fallback for engines never closed: their communicators are freed later, at a safe point.
 
-A finalizer (`__del__`) runs whenever the garbage collector does, at any allocation: also
-inside mpi4py while it holds the lock of its communicator-lock table (`PyMPI_Lock` allocates
-a `Lock` for a lowercase collective such as `comm.allgather`). MPI_Comm_free there calls
-mpi4py's attribute-delete callback (`commlock_free_fn`), which takes that same lock: the rank
-hangs for good in Comm_free while its peers wait in the collective. Seen in CI at 4 ranks:
-rank 0 stuck in `commlock_free_fn` under `Comm.allgather` -> gc -> DeviceMesh.__del__, ranks
-1-3 spinning in MPI_Allgather.
+`engine.close()` (or `with make_engine(...) as engine:`) frees an engine's communicators
+plainly. An engine dropped without it still holds some, and MPI has only a few thousand
+communicator ids per process, so a program that builds engine after engine would run out. Its
+finalizer (`__del__`) cannot free them: it runs whenever the garbage collector does, also
+inside mpi4py while that holds the lock of its communicator-lock table, where MPI_Comm_free
+(through mpi4py's attribute-delete callback) takes the same lock and hangs for good.
 
 So a finalizer only `retire`s its communicators (a list append: no MPI call, no lock), and
 `free_retired()` frees them from plain code where no MPI call is in progress: before a mesh
 splits new communicators or a new duplicate is made (MPI_Comm_free is local: the ranks may
 free theirs at different times). What is still retired at MPI_Finalize is MPI's to reclaim.
-
-The list is the process's, like the MPI library's own communicator table it stands for.
 """
 from __future__ import annotations
 

@@ -115,10 +115,3 @@ def node_share(comm):
         return (mine,) + tuple(threads_for(mine, node.allgather(mine)))
     finally:
         node.Free()
-
-
-def oversubscribed(comm) -> bool:
-    """Whether this rank shares its CPUs with more ranks of its node than it has CPUs
-    (collective over `comm`): then a rank that polls takes the core from one that computes."""
-    mine, _, sharing = node_share(comm)
-    return sharing > len(mine)

@@ -1,6 +1,7 @@
-"""Communicators of collected meshes are freed later, never by the finalizer itself
-(comm/retired.py): the garbage collector may run a finalizer inside mpi4py's lock-table lock,
-where MPI_Comm_free hangs for good.
+"""Communicator lifetimes: `engine.close()` (and `with make_engine(...) as engine:`) frees an
+engine's communicators; an engine never closed hands them over to be freed later, never by the
+finalizer itself (comm/retired.py): the garbage collector may run a finalizer inside mpi4py's
+lock-table lock, where MPI_Comm_free hangs for good.
 
     pytest tests/comm/test_retired.py
 """
@@ -8,8 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import pytest
 from mpi4py import MPI
 
+import mpishard as ms
+from conftest import run_mpi
 from mpishard.comm.alltoallv import PrivateComms
 from mpishard.comm.mesh import DeviceMesh
 from mpishard.comm.retired import free_retired
@@ -69,3 +74,67 @@ def test_all_to_all_v_duplicates_are_retired_too():
     del dups
     assert dup != MPI.COMM_NULL
     assert free_retired() == 1 and dup == MPI.COMM_NULL
+
+
+def test_close_frees_the_engine_s_communicators_and_later_calls_raise():
+    engine = ms.make_engine(ms.MLP([2, 2]), "single")
+    comms = list(engine.mesh._comms.values())
+    assert comms and all(c != MPI.COMM_NULL for c in comms)
+    engine.close()
+    assert all(c == MPI.COMM_NULL for c in comms)
+    for call in (lambda: engine.all_reduce(np.ones(2)), lambda: engine.barrier(),
+                 lambda: engine.send_async(np.ones(2), dest=0)):
+        with pytest.raises(ms.CommUnusable, match=r"closed \(engine.close\(\)\): build a new"):
+            call()
+    engine.close()                            # a second close does nothing
+
+
+def test_the_context_manager_closes_the_engine_also_on_an_exception():
+    with ms.make_engine(ms.MLP([2, 2]), "single") as engine:
+        assert np.array_equal(engine.all_reduce(np.ones(2)), np.ones(2))
+    assert engine.mesh.closed
+    with pytest.raises(ZeroDivisionError):
+        with ms.make_engine(ms.MLP([2, 2]), "single") as engine:
+            1 / 0
+    assert engine.mesh.closed
+
+
+def test_engines_built_and_closed_in_a_loop_do_not_exhaust_communicator_ids():
+    """MPICH has about 2,000 communicator ids per process; every engine is kept alive (so no
+    finalizer can free anything): only close() gives the ids back."""
+    engines = []
+    for _ in range(2200):
+        engine = ms.make_engine(ms.MLP([2, 2]), "single", timeout=5)
+        engine.all_reduce(np.ones(1))
+        engine.close()
+        engines.append(engine)
+    assert free_retired() == 0
+
+
+UNWAITED_SEND = """
+import sys
+import numpy as np
+import mpishard as ms
+
+engine = ms.make_engine(ms.MLP([2, 2]), "single")
+pending = engine.receive_async(0)
+engine.send_async(np.ones(4), dest=0)        # its Future is never waited for
+assert np.array_equal(pending.result(), np.ones(4))
+if sys.argv[1] == "close":
+    engine.close()
+print("exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", ["close", "no-close"])
+def test_a_send_never_waited_for_leaves_no_pending_reference(tmp_path, close):
+    """Defect 11: a 1-rank job whose send_async was never waited for ended with MPICH's
+    `Builtin communicator ... has pending 2 references` (its header and data Isend, on the
+    caller's COMM_WORLD). The engine's calls now run on communicators of its own, and close()
+    completes the sends still in flight."""
+    script = tmp_path / "unwaited_send.py"
+    script.write_text(UNWAITED_SEND)
+    proc = run_mpi(1, script, close, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "exits" in out, out[-3000:]
+    assert "has pending" not in out, out[-3000:]

@@ -1,10 +1,12 @@
-"""How a waiting rank waits (comm/watchdog.py): `oversubscribed` tells, the same on every rank
-of a node, whether the node has more ranks than CPUs; `everyone_in` sees a member that has not
-entered the collective yet (the wait then sleeps instead of yielding) and sees it arrive.
+"""How a rank waits (comm/watchdog.py): blocking collectives under the guard's deadline, polled
+waits below MPI_THREAD_MULTIPLE, the late ranks read with one deadline for all of them, and an
+engine that timed out refusing every later call.
 
+    pytest tests/comm/test_watchdog_wait.py
     mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/comm/test_watchdog_wait.py
 """
 import os
+import re
 import time
 
 import numpy as np
@@ -12,9 +14,11 @@ import pytest
 from mpi4py import MPI
 
 import mpishard as ms
-from conftest import world
-from mpishard.comm.threads import oversubscribed
-from mpishard.comm.watchdog import FAST, LEARN, YIELD, CollectiveTimeout
+from conftest import run_mpi, world
+from mpishard.comm import arrivals
+from mpishard.comm.arrivals import Arrivals
+from mpishard import CommUnusable
+from mpishard.comm.watchdog import Watchdog
 
 
 def make(timeout=600.0):
@@ -22,132 +26,148 @@ def make(timeout=600.0):
     return ms.make_engine(ms.MLP([2, 2]), f"dp={comm.Get_size()}", comm=comm, timeout=timeout)
 
 
-def gated(timeout=600.0):
-    """(engine, its watchdog, the dp group); skips where there is no gate."""
-    e = make(timeout)
-    if not e.comm.watchdog.gated:
-        pytest.skip("the gate is for oversubscribed nodes (more ranks than CPUs)")
-    return e, e.comm.watchdog, e.mesh.comm("dp")
-
-
-@pytest.mark.mpi(min_size=1)
-def test_oversubscribed_counts_the_node_s_ranks_against_its_cpus():
-    comm = world()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    sets = {frozenset(s) for s in node.allgather(os.sched_getaffinity(0))}
-    want = node.Get_size() > len(next(iter(sets))) if len(sets) == 1 else None
-    node.Free()
-    got = oversubscribed(comm)
-    assert comm.allgather(got) == [got] * comm.Get_size()
-    if want is not None:            # every rank on the same CPUs: the simple count
-        assert got == want
-
-
-@pytest.mark.mpi(min_size=1)
-def test_the_fast_phase_is_short_only_when_oversubscribed():
-    e = make()
-    assert e.comm.watchdog.fast == (FAST if oversubscribed(world()) else YIELD)
-    assert make(timeout=0).comm.watchdog.fast == YIELD
-
-
-@pytest.mark.mpi(min_size=2)
-def test_everyone_in_sees_a_missing_member_then_its_arrival():
-    e = make()
-    wd, comm = e.comm.watchdog, e.mesh.comm("dp")
-    last = comm.Get_size() - 1
-    seen = None
-    if comm.Get_rank() != last:
-        ticket = wd.arrive(comm)
-        comm.Barrier()                          # every rank but the last has arrived
-        seen = wd.everyone_in(comm, ticket)
-        comm.Barrier()                          # the last one arrives
-        comm.Barrier()
-        deadline = time.monotonic() + 30
-        while not wd.everyone_in(comm, ticket):   # a passive read: eventually visible
-            assert time.monotonic() < deadline
-            time.sleep(1e-3)
-    else:
-        comm.Barrier()
-        comm.Barrier()
-        ticket = wd.arrive(comm)
-        comm.Barrier()
-        assert wd.everyone_in(comm, ticket)
-    assert seen in (None, False)
-    e.barrier()                                 # the engine's collectives still line up
-
-
 @pytest.mark.mpi(min_size=1)
 def test_blocking_collectives_run_under_the_guard_where_threads_may_call_mpi():
     """MPI_THREAD_MULTIPLE (mpi4py's default): the guard's thread is running and the
-    collectives are the blocking calls; timeout=0: no guard."""
-    e = make()
-    guard = e.comm.watchdog.guard
-    assert (guard is not None) == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-    if guard is not None:
-        assert guard.thread.is_alive() and guard.period <= 600.0 / 4
-        e.all_reduce(np.ones(3), group="dp")
-        assert guard.watched is None                # cleared after the call
-    assert make(timeout=0).comm.watchdog.guard is None
+    collectives are the blocking calls; timeout=0 or a lower thread level: no guard."""
+    with make() as e:
+        guard = e.comm.watchdog.guard
+        assert (guard is not None) == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        if guard is not None:
+            assert guard.thread.is_alive() and guard.period <= 600.0 / 4
+        assert np.array_equal(e.all_reduce(np.ones(3), group="dp"), np.full(3, e.num_devices))
+        if guard is not None:
+            assert guard.in_flight is None             # cleared after the call
+    with make(timeout=0) as e:
+        assert e.comm.watchdog.guard is None
+        assert np.array_equal(e.all_reduce(np.ones(3)), np.full(3, e.num_devices))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mpi_runs_at_the_thread_level_mpi4py_was_asked_for():
+    """`make test-serialized` sets MPI4PY_RC_THREAD_LEVEL=serialized: that stage must run
+    the polled waits (no guard thread), never MPI_THREAD_MULTIPLE unnoticed."""
+    asked = os.environ.get("MPI4PY_RC_THREAD_LEVEL", "multiple")
+    assert MPI.Query_thread() == getattr(MPI, f"THREAD_{asked.upper()}")
+    with make() as e:
+        assert (e.comm.watchdog.guard is None) == (asked != "multiple")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_gate_learns_a_late_member_and_forgets_it_when_everyone_comes_together():
-    """On an oversubscribed node: after an all_reduce the last rank enters 50 ms late, every
-    other rank has learnt the group is `lagging` (it will wait at the gate, sleeping); after
-    calls where everyone comes together the flag goes off again."""
-    e, wd, comm = gated()
-    index, last = wd.group(comm)[0], comm.Get_size() - 1
-    x = np.ones(4)
-    for call in range(2 * LEARN):           # the calls after the LEARN-th: at the gate
-        comm.Barrier()
-        if comm.Get_rank() == last:
-            time.sleep(0.05)
-        assert np.array_equal(e.all_reduce(x, group="dp"), x * comm.Get_size())
-        learnt = comm.allgather(bool(wd.lagging.get(index)))
-        if call + 1 >= LEARN:
-            assert learnt[:last] == [True] * last, (call, learnt)
-    for _ in range(200):                            # punctual calls: the flag goes off
-        comm.Barrier()
-        e.all_reduce(x, group="dp")
-        if not any(comm.allgather(bool(wd.lagging.get(index)))):
-            break
-    assert not wd.lagging.get(index)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_rank_that_is_always_last_unlearns_lagging():
-    """The last rank to arrive never meets the gate (nobody is missing): finding everyone in
-    before it turns its `lagging` flag off (else it would stay on for good; seen on Open MPI,
-    whose barrier released the same rank last call after call)."""
-    e, wd, comm = gated()
-    index, last = wd.group(comm)[0], comm.Get_size() - 1
-    x = np.ones(4)
-    e.all_reduce(x, group="dp")                     # the group's slot exists everywhere
-    peers, cells = wd.slots[comm.py2f()][1], wd.arrivals.cells
-    if comm.Get_rank() == last:
-        wd.lagging[index] = True
-    for _ in range(LEARN):
-        comm.Barrier()
-        if comm.Get_rank() == last:                 # wait until the others are all in
-            deadline = time.monotonic() + 30
-            while any(view[index] <= cells[index] for view in peers):
-                assert time.monotonic() < deadline
-                time.sleep(1e-3)
-        e.all_reduce(x, group="dp")
-    if comm.Get_rank() == last:
-        assert not wd.lagging.get(index)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_lagging_group_times_out_at_the_gate_with_an_error_that_can_be_caught():
-    """A group marked lagging waits at the gate, outside MPI: when the last member never
-    comes, the others raise CollectiveTimeout naming it (no MPI call is left pending)."""
-    e, wd, comm = gated(timeout=1.0)
-    index, ranks = wd.group(comm)[:2]
+def test_a_polled_timeout_names_the_late_rank_and_the_engine_then_refuses_every_call():
+    """The last rank never enters an all_reduce_async: the others' wait (polled in every
+    thread mode) raises CollectiveTimeout naming it; afterwards every call on that engine
+    raises CommUnusable, saying it timed out and must be rebuilt."""
+    e = make(timeout=1.0)
+    comm = e.mesh.comm("dp")
     last = comm.Get_size() - 1
-    wd.lagging[index] = True
+    ranks = e.comm.watchdog.group(comm)[1]
     if comm.Get_rank() != last:
-        with pytest.raises(CollectiveTimeout, match=rf"late ranks: \[{ranks[last]}\]"):
-            e.all_reduce(np.ones(4), group="dp")
-        wd.arrivals.broken = False          # the test goes on: the window is freed as usual
-    comm.Barrier()
+        fut = e.all_reduce_async(np.ones(4), group="dp")
+        with pytest.raises(ms.CollectiveTimeout) as caught:
+            fut.result()
+        assert re.match(rf"all_reduce_async on group \w+ \(ranks {re.escape(str(ranks))}\) "
+                        rf"timed out after 1 s on rank {ranks[comm.Get_rank()]}: "
+                        rf"late ranks: \[{ranks[last]}\] ", str(caught.value)), caught.value
+        for call in (lambda: e.all_reduce(np.ones(2)), lambda: e.barrier(),
+                     lambda: e.all_gather(np.ones(2)), lambda: e.all_reduce_async(np.ones(2))):
+            with pytest.raises(CommUnusable, match="timed out earlier .* build a new engine"):
+                call()
+    world().Barrier()
+    e.close()
+
+
+class _Request:
+    """An Rget that completes (writing `value`) or never does (`value` None)."""
+
+    def __init__(self, buf, value):
+        self.buf, self.value = buf, value
+
+    def Test(self):
+        if self.value is None:
+            return False
+        self.buf[0] = self.value
+        return True
+
+
+class _Window:
+    """A window whose reads of `silent` ranks never complete; the others read `counts`."""
+
+    def __init__(self, counts, silent):
+        self.counts, self.silent = counts, silent
+
+    def Sync(self):
+        pass
+
+    def Rget(self, buf, rank, target=None):
+        return _Request(buf, None if rank in self.silent else self.counts[rank])
+
+
+def test_late_ranks_are_read_with_one_deadline_for_all(monkeypatch):
+    """Defect 8: a report used to wait READ_TIMEOUT for each rank that does not answer, one
+    after the other (group size x 1 s on a TCP job); now all reads share one deadline."""
+    deadline = 0.3
+    monkeypatch.setattr(arrivals, "READ_TIMEOUT", deadline)
+    window = Arrivals.__new__(Arrivals)
+    window.win = _Window({1: 5, 2: 4, 3: 5, 4: 4}, silent={5, 6, 7, 8})
+    wd = Watchdog.__new__(Watchdog)
+    wd.arrivals, wd.mesh = window, type("Mesh", (), {"rank": 0})()
+    comm = type("Comm", (), {"py2f": lambda self: 7})()
+    wd.groups = {7: (3, list(range(9)), "dp")}
+    t0 = time.monotonic()
+    text = wd.late(comm, (3, 5))
+    took = time.monotonic() - t0
+    print(f"late ranks read in {took:.2f} s, {len(window.win.silent)} silent, deadline "
+          f"{deadline} s: {text}")
+    assert text == "[2, 4] (not yet in this collective); ranks [5, 6, 7, 8] did not answer"
+    assert deadline <= took < 2 * deadline
+
+
+SERIALIZED_TIMEOUT = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+import mpishard as ms
+from mpishard import CommUnusable
+
+assert MPI.Query_thread() == MPI.THREAD_SERIALIZED, MPI.Query_thread()
+comm = MPI.COMM_WORLD
+rank, late = comm.Get_rank(), sys.argv[1] == "late"
+engine = ms.make_engine(ms.MLP([2, 2]), "dp=2", comm=comm, timeout=1.0)
+assert engine.comm.watchdog.guard is None
+engine.all_reduce(np.ones(3))
+if rank == 0:
+    try:
+        engine.all_reduce(np.ones(3))
+    except ms.CollectiveTimeout as exc:
+        print("rank 0 caught:", exc, flush=True)
+    try:
+        engine.barrier()
+    except ms.CommUnusable as exc:
+        print("rank 0 then:", exc, flush=True)
+else:
+    time.sleep(2.5)                  # past rank 0's timeout
+    if late:                         # meets rank 0's abandoned all_reduce
+        print("rank 1 late:", engine.all_reduce(np.ones(3)), flush=True)
+print(f"rank {rank} exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("peer", ["never", "late"])
+def test_a_caught_polled_timeout_ends_the_job_cleanly(tmp_path, peer):
+    """Defect 9: below MPI_THREAD_MULTIPLE (no guard thread) a timeout is raised where the
+    wait polls; caught, the engine refuses later calls, and the job still exits 0 without
+    MPICH's "pending references" (before: a hang at exit, or rc != 0), whether the late rank
+    never comes or comes after the timeout (its all_reduce completes against the abandoned
+    request while rank 0 exits)."""
+    script = tmp_path / "serialized_timeout.py"
+    script.write_text(SERIALIZED_TIMEOUT)
+    proc = run_mpi(2, script, peer, timeout=60, env={"MPI4PY_RC_THREAD_LEVEL": "serialized"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "rank 0 caught: all_reduce on group world (ranks [0, 1]) timed out" in out, out
+    assert "late ranks: [1]" in out
+    assert "rank 0 then: this engine timed out earlier (all_reduce on group world)" in out
+    assert "rank 0 exits" in out and "rank 1 exits" in out
+    assert ("rank 1 late: [2. 2. 2.]" in out) == (peer == "late")
+    assert "has pending" not in out, out[-3000:]     # MPICH: "... has pending N references"
