@@ -1,13 +1,18 @@
 """README.md and docs/ say what works: their links resolve, their commands parse, their ranks fit.
 
-Serial tests (no MPI): `pytest tests/integration/test_docs.py`.
+Serial tests (no MPI) except the last, which launches the README's Python quickstart on 4 ranks:
+`pytest tests/integration/test_docs.py`.
 """
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import mpiexec_cmd
 from mpishard.cli import build_parser
 
 try:
@@ -173,3 +178,20 @@ def test_the_venv_is_activated_before_any_bare_command():
         first = text.index(blocks[0]) + bare.search(blocks[0]).start()
         assert ".venv/bin/activate" in text[:first], page.name
 
+
+def test_readme_python_quickstart_runs_on_4_ranks(tmp_path):
+    """The README's Python block, as written, trains, saves and restores on 4 ranks."""
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 1
+    for call in ("ms.checkpoint.save(", "ms.checkpoint.restore(", "make_engine("):
+        assert call in blocks[0]
+    script = tmp_path / "quickstart.py"
+    script.write_text(blocks[0] + "\nassert step == 5, step\n"
+                      "if engine.device_id == 0:\n    print('restored step', step)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([*mpiexec_cmd(4), sys.executable, "-m", "mpi4py", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert lines.count("restored step 5") == 1 and sum("step 5: loss" in s for s in lines) == 1
