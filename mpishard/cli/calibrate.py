@@ -38,7 +38,7 @@ give), the repeats taken in passes over a whole group of measurements (every GEM
 op and size, every collective point), so a burst of load spreads over the group instead of
 spoiling one point. About a minute at 4 ranks on the loaded 2-core VM.
 The JSON (default ~/.cache/mpishard/calibration.json) belongs to the machine, the rank count
-and the BLAS thread count it was measured with (see README: Threads).
+and the BLAS thread count it was measured with (see docs/performance.md: BLAS threads).
 """
 from __future__ import annotations
 

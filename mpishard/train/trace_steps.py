@@ -9,8 +9,8 @@ recorded: the micro-steps' layers, loss, collectives and pipeline actions, gradi
 the optimizer step, checkpoint saves and an evaluation made at a step of the window (the
 final evaluation at the end of the run is not traced). A window, not the whole run, keeps the
 file small: a step is tens of spans per rank (hundreds under a pipeline with many
-microbatches), ~200 bytes each in the JSON; 3 steps of the README's dp=2,tp=2 GPT on 4 ranks
-are 456 spans, 88 KB.
+microbatches), ~200 bytes each in the JSON; 3 steps of the dp=2,tp=2 GPT on 4 ranks in
+docs/planning-and-tracing.md are 456 spans, 88 KB.
 
 DEFAULT_STEPS is steps 2 to 4: step 1 pays one-time costs (first allocations, the result
 pool filling, BLAS warm-up) that are not what later steps look like. A default window that

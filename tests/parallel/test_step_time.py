@@ -292,7 +292,8 @@ def test_validation_report_numbers():
 
 
 def test_extrapolation_command_marks_a_best_layout(capsys):
-    """The README's paper table: an assumed H100 cluster, GPT-2 small on 64 ranks."""
+    """The paper table of docs/planning-and-tracing.md: an assumed H100 cluster, GPT-2 small, 64
+    ranks."""
     assert load("calibration.h100-cluster.json")["assumed"] is True
     code = cli.main(["plan", "--model", "gpt:vocab=50257,seq_len=1024,d_model=768,n_heads=12,"
                      "n_layers=12,tied=1", "--world-size", "64", "--batch", "512",
