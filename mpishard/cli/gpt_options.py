@@ -25,7 +25,8 @@ TEXT_DATASET = "text"
 DEFAULT_GPT = {k: v for k, v in model_flag.GPT_DEFAULTS.items() if k != "vocab"}
 TEXT_FLAGS = ("corpus", "corpus_bytes", "val_fraction", "train_stride")
 # --clip when not given for a GPT: global-norm clipping at 1.0, GPT-2/nanoGPT practice (the
-# README's GPT reaches a lower validation loss with it, as PyTorch does on the same batches).
+# GPT of docs/training.md reaches a lower validation loss with it, as PyTorch does on the same
+# batches; docs/performance.md).
 DEFAULT_GPT_CLIP = 1.0
 # The learning-rate schedule when neither the command line nor the config gives one: cosine
 # decay with a short warm-up, the GPT-2/nanoGPT recipe the PyTorch reference uses.
