@@ -17,8 +17,9 @@ is given `report_errors=False` -- replaces `sys.excepthook` (process-wide: logge
   since the first MPI_Abort ends every rank of the job;
 - when mpi4py's runner is going to abort, removes this job's MPI files (signals.py).
 
-Python's own hook still handles KeyboardInterrupt. The exchange uses COMM_WORLD with tags of its
-own (REPORT_TAG, ...) and only point-to-point calls, so it works while peers sit in a collective.
+Python's own hook still handles KeyboardInterrupt, and any exception once MPI is finalized.
+The exchange uses COMM_WORLD with tags of its own (REPORT_TAG, ...) and only point-to-point
+calls, so it works while peers sit in a collective.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def installed() -> bool:
 
 def report(exc_type, exc, tb) -> None:
     """sys.excepthook: the exchange and the report of the module docstring."""
-    if _previous is None or issubclass(exc_type, KeyboardInterrupt):
+    if (_previous is None or issubclass(exc_type, KeyboardInterrupt)
+            or not MPI.Is_initialized() or MPI.Is_finalized()):     # no MPI left to ask
         (_previous or sys.__excepthook__)(exc_type, exc, tb)
         return
     for stream in (sys.stdout, sys.stderr):      # what the script printed goes out first

@@ -43,3 +43,13 @@ def test_make_engine_installs_the_report_unless_told_not_to():
         uncaught.uninstall()
         if was:
             uncaught.install()
+
+
+def test_after_finalize_python_s_hook_reports(monkeypatch, capsys):
+    """Once MPI is finalized the report cannot ask the other ranks: the previous hook prints."""
+    calls = []
+    monkeypatch.setattr(uncaught, "_previous", lambda *exc: calls.append(exc))
+    monkeypatch.setattr(uncaught.MPI, "Is_finalized", lambda: True)
+    error = ValueError("late")
+    uncaught.report(ValueError, error, None)
+    assert calls == [(ValueError, error, None)] and capsys.readouterr().err == ""

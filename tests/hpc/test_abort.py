@@ -53,6 +53,9 @@ def test_rank_exception_aborts_the_job(tmp_path):
     assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
     assert "rank 1 fails mid-step" in out
     assert "should never get here" not in out
+    # rank 0 is stuck in the all-reduce, so rank 1 reports its own error after the window
+    assert [s for s in out.splitlines() if s.startswith("mpishard: error:")] == \
+        ["mpishard: error: RuntimeError: rank 1 fails mid-step (rank 1)"]
 
 
 # -- one report per distinct cause, nothing left behind (comm/uncaught.py, comm/signals.py) ------
