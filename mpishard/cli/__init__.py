@@ -6,8 +6,8 @@
 
 Commands live in `COMMANDS`: name -> (help, add_arguments(parser), run(args) -> exit code),
 one file per command in this package: train.py, infer.py, generate.py, bench.py, schedule.py,
-plan.py, inspect.py (gpt_options.py: train's --gpt and text corpus flags). A new command is
-one file and one entry there.
+plan.py, inspect.py (model_flag.py: every command's --model/--gpt; gpt_options.py: train's
+text corpus flags). A new command is one file and one entry there.
 
 Bad input is a user mistake, not a crash (usage.py): every rank validates the same argv
 before any collective, a command builds inside `agreed(comm, build)`, and `main` turns a

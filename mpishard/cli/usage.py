@@ -7,8 +7,8 @@ every rank (`comm.collectives.agree`: one flag Allreduce). `cli.main` catches Us
 top: rank 0 prints one line, `mpishard: error: ...`, and every rank returns exit code 2 (no
 traceback, no hang; `cli.exit_cleanly` finalizes MPI before exiting so mpi4py does not abort).
 A ValueError raised later, in the middle of collectives, is not caught: it may be raised on some
-ranks only, and finishing those ranks would leave the others waiting, so it propagates and
-`python -m mpi4py` aborts the job.
+ranks only, and finishing those ranks would leave the others waiting, so it propagates, is
+reported once per distinct cause (comm/uncaught.py) and `python -m mpi4py` aborts the job.
 """
 from __future__ import annotations
 
