@@ -160,3 +160,22 @@ def test_einsum_falls_back_for_non_matmul_specs(rng, spec):
     b = rng.standard_normal((3,) * len(ins[1]))
     assert nn._matmul_plan(spec) is None
     np.testing.assert_allclose(nn.einsum(spec, a, b), np.einsum(spec, a, b), rtol=1e-12)
+
+
+def test_gelu_saves_one_array_for_its_backward(rng):
+    """The tape holds dy/dz alone (the size of z), not z and tanh(...) (twice that)."""
+    from mpishard.nn.activations import buffers
+    z = rng.standard_normal((70000, 3))                  # spans several GELU_CHUNK chunks
+    _, saved = nn.activation_forward("gelu", z)
+    assert sum(b.nbytes for b in buffers(saved)) == z.nbytes
+
+
+def test_gelu_chunks_agree_with_the_whole_array(rng, monkeypatch):
+    """Chunking (GELU_CHUNK) changes nothing: the same bits as one pass over everything."""
+    import mpishard.nn.functional as fn
+    z, r = rng.standard_normal((7, 11)), rng.standard_normal((7, 11))
+    y, d = fn.gelu_forward(z)
+    monkeypatch.setattr(fn, "GELU_CHUNK", 5)
+    y5, d5 = fn.gelu_forward(z)
+    np.testing.assert_array_equal(y, y5)
+    np.testing.assert_array_equal(fn.gelu_backward(r, d), fn.gelu_backward(r, d5))
