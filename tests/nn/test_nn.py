@@ -179,3 +179,11 @@ def test_gelu_chunks_agree_with_the_whole_array(rng, monkeypatch):
     y5, d5 = fn.gelu_forward(z)
     np.testing.assert_array_equal(y, y5)
     np.testing.assert_array_equal(fn.gelu_backward(r, d), fn.gelu_backward(r, d5))
+
+
+def test_row_and_column_sums_are_numpys_sums(rng):
+    """LayerNorm and the bias gradient sum with matrix-vector products: the same sums."""
+    a = rng.standard_normal((3, 5, 7))
+    np.testing.assert_allclose(nn.row_sums(a), a.sum(axis=-1, keepdims=True), rtol=1e-13)
+    np.testing.assert_allclose(nn.column_sums(a[0]), a[0].sum(axis=0), rtol=1e-13)
+    assert nn.row_sums(a.astype(np.float32)).dtype == np.float32
