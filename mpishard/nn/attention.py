@@ -39,32 +39,65 @@ def _finite_or_zero(xp, a):
     return xp.where(xp.isfinite(a), a, 0.0)
 
 
-def _masked_scores(q, k, offset):
-    """s = q k^T / sqrt(Dh), -inf where the causal mask hides the key (in place on s)."""
+def _t(a):
+    """Swap the last two axes (each matrix of a batch transposed, a view)."""
+    return a.swapaxes(-1, -2)
+
+
+def _masked_scores_t(q, k, offset):
+    """The scores transposed, keys down and queries across (B, H, Tk, Tq):
+    s^T = 'bhsd,bhtd->bhst' (k, q / sqrt(Dh)), -inf where the causal mask hides the key.
+
+    Why transposed: the softmax then reduces over axis -2 (whole contiguous rows at a time)
+    instead of along a short last axis, and both GEMMs of the forward are plain or
+    transposed-left products, which OpenBLAS runs faster than q k^T on these small blocks.
+    """
     xp = array_module(q)
-    s = einsum("bhtd,bhsd->bhts", q, k)
-    s *= 1.0 / math.sqrt(q.shape[-1])
-    if offset is not None:
-        xp.copyto(s, -xp.inf, where=~causal_mask(xp, q.shape[-2], k.shape[-2], offset))
+    qt = xp.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype)
+    xp.multiply(_t(q), 1.0 / math.sqrt(q.shape[-1]), out=qt)     # (q / sqrt Dh)^T, one copy
+    s = xp.matmul(k, qt)                                         # 'bhsd,bhdt->bhst'
+    if offset is not None:                                       # + 0 or -inf: hides keys
+        s += xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset).T, 0.0, -xp.inf
+                      ).astype(s.dtype)
     return s
+
+
+def _max_over_keys(s):
+    """max over axis -2 of s (B, H, Tk, Tq), kept as (B, H, 1, Tq): halving the key rows
+    with element-wise maxima (each pass whole rows) instead of numpy's strided reduction."""
+    xp = array_module(s)
+    n = s.shape[-2]
+    if n <= 1:
+        return s.max(axis=-2, keepdims=True) if n == 0 else s.copy()
+    half = (n + 1) // 2                          # an odd count: the middle row twice
+    m = xp.maximum(s[..., :half, :], s[..., n - half:, :])
+    n = half
+    while n > 1:
+        half = (n + 1) // 2
+        xp.maximum(m[..., :half, :], m[..., n - half:n, :], out=m[..., :half, :])
+        n = half
+    return m[..., :1, :]
 
 
 def attention_block(q, k, v, offset=None):
     """One block: (out (B, H, Tq, Dh) normalised within the block, lse (B, H, Tq)).
 
     offset None: every query sees every key; an int: the causal mask of causal_mask. A row
-    that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0).
+    that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
+    (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
     """
     xp = array_module(q)
-    p = _masked_scores(q, k, offset)                          # s, then p in place
-    m = _finite_or_zero(xp, p.max(axis=-1, keepdims=True))   # row max: exp(s - m) <= 1
+    p = _masked_scores_t(q, k, offset)                       # s^T, then p^T in place
+    m = _finite_or_zero(xp, _max_over_keys(p))               # per query max: exp(s - m) <= 1
     p -= m
-    xp.exp(p, out=p)                                          # unnormalised probabilities
-    denom = p.sum(axis=-1, keepdims=True)
-    out = einsum("bhts,bhsd->bhtd", p, v)
-    out /= xp.where(denom > 0, denom, 1.0)
-    with np.errstate(divide="ignore"):                        # log 0 = -inf: no key seen
-        lse = (m + xp.log(denom))[..., 0]
+    xp.exp(p, out=p)                                         # unnormalised probabilities
+    denom = xp.matmul(xp.ones(p.shape[-2], dtype=p.dtype), p)   # sum over keys (B, H, Tq)
+    p *= (1.0 / xp.where(denom > 0, denom, 1.0))[..., None, :]   # normalised: p^T
+    b, h, tq, dh = q.shape
+    out = xp.empty((b, tq, h, dh), dtype=q.dtype).transpose(0, 2, 1, 3)
+    xp.matmul(_t(p), v, out=out)                             # 'bhst,bhsd->bhtd' (p, v)
+    with np.errstate(divide="ignore"):                       # log 0 = -inf: no key seen
+        lse = m[..., 0, :] + xp.log(denom)
     return out, lse
 
 
@@ -80,28 +113,33 @@ def merge_blocks(out_a, lse_a, out_b, lse_b):
     return wa * out_a + wb * out_b, lse
 
 
-def attention_block_backward(dout, q, k, v, out, lse, offset=None):
+def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None):
     """One block's share of (dq, dk, dv), given dL/dout and the final out and lse.
 
-    p  = exp(s - lse)                    the final softmax on this block's keys (recomputed)
+    p  = exp(s - lse)                    the final softmax on this block's keys (recomputed,
+                                         transposed as in the forward: p^T (B, H, Tk, Tq))
     dv = 'bhts,bhtd->bhsd' (p, dout)     undoes o = p v (in v)
     dp = 'bhtd,bhsd->bhts' (dout, v)     undoes o = p v (in p)
     ds = p (dp - sum_d dout * out)       undoes the softmax (the row sum uses the final out)
     dq = 'bhts,bhsd->bhtd' (ds, k) / sqrt(Dh)    undoes s = q k^T / sqrt(Dh) (in q)
     dk = 'bhts,bhtd->bhsd' (ds, q) / sqrt(Dh)    ... (in k)
+
+    into: three (B, H, T, Dh) arrays (views allowed) to write dq, dk, dv to, e.g. the views
+    of split_heads_grads; None: fresh arrays.
     """
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    p = _masked_scores(q, k, offset)                          # s, then p in place
-    p -= _finite_or_zero(xp, lse)[..., None]
+    p = _masked_scores_t(q, k, offset)                       # s^T, then p^T in place
+    p -= _finite_or_zero(xp, lse)[..., None, :]
     xp.exp(p, out=p)
-    dv = einsum("bhts,bhtd->bhsd", p, dout)
-    ds = einsum("bhtd,bhsd->bhts", dout, v)                   # dp, then ds in place
-    ds -= (dout * out).sum(axis=-1, keepdims=True)
-    ds *= p
-    dq = einsum("bhts,bhsd->bhtd", ds, k)
+    dq, dk, dv = (None, None, None) if into is None else into
+    dv = xp.matmul(p, dout, out=dv)                          # 'bhst,bhtd->bhsd' (p^T, dout)
+    ds = xp.matmul(v, xp.ascontiguousarray(_t(dout)))        # dp^T 'bhsd,bhdt->bhst'
+    ds -= xp.einsum("bhtd,bhtd->bht", dout, out)[..., None, :]   # - sum_d dout * out
+    ds *= p                                                  # ds^T
+    dq = xp.matmul(_t(ds), k, out=dq)                        # 'bhts,bhsd->bhtd' (ds, k)
     dq *= scale
-    dk = einsum("bhts,bhtd->bhsd", ds, q)
+    dk = xp.matmul(ds, q, out=dk)                            # 'bhst,bhtd->bhsd' (ds^T, q)
     dk *= scale
     return dq, dk, dv
 
@@ -111,9 +149,9 @@ def causal_attention_forward(q, k, v):
     return attention_block(q, k, v, offset=0)
 
 
-def causal_attention_backward(dout, q, k, v, out, lse):
-    """Undo causal_attention_forward: (dq, dk, dv)."""
-    return attention_block_backward(dout, q, k, v, out, lse, offset=0)
+def causal_attention_backward(dout, q, k, v, out, lse, into=None):
+    """Undo causal_attention_forward: (dq, dk, dv) (written to `into` when given)."""
+    return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into)
 
 
 # -- heads ---------------------------------------------------------------------------------------
@@ -127,12 +165,21 @@ def split_heads(a, n_heads: int):
 
 def split_heads_backward(dq, dk, dv):
     """Undo split_heads: (B, H, T, Dh) x 3 -> (B, T, 3 D)."""
-    xp = array_module(dq)
-    b, h, t, dh = dq.shape
-    da = xp.empty((b, t, 3, h, dh), dtype=dq.dtype)          # one copy, no stack
-    for i, d in enumerate((dq, dk, dv)):
-        da[:, :, i] = d.transpose(0, 2, 1, 3)
-    return da.reshape(b, t, 3 * h * dh)
+    da, views = split_heads_grads(dq)
+    for view, d in zip(views, (dq, dk, dv)):
+        view[...] = d
+    return da
+
+
+def split_heads_grads(q):
+    """A (B, T, 3 D) gradient of split_heads' input for heads shaped like q (B, H, T, Dh),
+    and its q, k, v parts as (B, H, T, Dh) views: a backward that writes dq, dk, dv there
+    (attention_block_backward's `into`) has undone split_heads without a copy."""
+    xp = array_module(q)
+    b, h, t, dh = q.shape
+    da = xp.empty((b, t, 3, h, dh), dtype=q.dtype)
+    return da.reshape(b, t, 3 * h * dh), tuple(da[:, :, i].transpose(0, 2, 1, 3)
+                                               for i in range(3))
 
 
 def merge_heads(o):

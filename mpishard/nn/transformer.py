@@ -82,8 +82,9 @@ class CausalSelfAttention(Layer):
     def backward(self, dy, mb=0):
         q, k, v, out, lse = self.pop(mb)
         dout = att.merge_heads_backward(dy, self.n_heads)         # undoes merge_heads
-        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, lse)   # undoes attn
-        return att.split_heads_backward(dq, dk, dv)               # undoes split_heads
+        da, into = att.split_heads_grads(q)                       # undoes split_heads as
+        att.causal_attention_backward(dout, q, k, v, out, lse, into=into)   # attn's undone
+        return da
 
 
 def leading_positions(t: int):

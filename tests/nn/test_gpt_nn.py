@@ -317,3 +317,25 @@ def test_gpt_units_gradients_by_finite_differences(rng, tied):
         return ce.value(stack.forward(tokens, record=False), targets)
     for name in params:
         fd_check(f, params[name], store.grads[name], rng, f"GPT d {name}", n=4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9])
+def test_max_over_keys_is_numpys_max(rng, n):
+    s = rng.standard_normal((2, 3, n, 4))
+    np.testing.assert_array_equal(att._max_over_keys(s), s.max(axis=-2, keepdims=True))
+
+
+def test_attention_writes_heads_where_merge_and_split_want_them(rng):
+    """The forward's out is laid out as (B, T, H, Dh), so merge_heads is a view, not a copy;
+    the backward writes dq, dk, dv into split_heads_grads' views of one (B, T, 3 D) array,
+    equal to split_heads_backward of freshly returned gradients."""
+    a = rng.standard_normal((2, 5, 3 * 8))
+    q, k, v = att.split_heads(a, 2)
+    out, lse = att.causal_attention_forward(q, k, v)
+    assert np.shares_memory(att.merge_heads(out), out)
+    r = rng.standard_normal(out.shape)
+    want = att.split_heads_backward(*att.causal_attention_backward(r, q, k, v, out, lse))
+    da, into = att.split_heads_grads(q)
+    got = att.causal_attention_backward(r, q, k, v, out, lse, into=into)
+    assert all(g is i for g, i in zip(got, into))
+    np.testing.assert_allclose(da, want, rtol=1e-14, atol=1e-15)
