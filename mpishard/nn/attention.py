@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .functional import array_module, einsum
+from .functional import array_module
 
 
 def causal_mask(xp, tq: int, tk: int, offset: int):
