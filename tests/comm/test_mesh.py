@@ -7,6 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import mpishard as ms
 from mpishard.comm import mesh
@@ -124,6 +125,23 @@ def test_axis_communicators_match_group_ranks():
                 assert sub.Get_size() == dm.size(axes)
                 assert sub.Get_rank() == dm.coord(axes)
                 assert dm.comm(tuple(reversed(axes))) is sub     # cached, order-free
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_whole_world_s_group_is_the_mesh_s_own_and_close_frees_every_group():
+    """No call of the engine's is left on the caller's communicator (a pending one there is
+    MPICH's "Builtin communicator ... has pending references" at exit): the whole world's
+    group is split off it, the same members in the same order; close() frees every group."""
+    comm = world()
+    dm = ms.DeviceMesh(comm, f"dp={comm.Get_size()}")
+    whole, dp = dm.comm(None), dm.comm("dp")
+    assert whole is not comm and MPI.Comm.Compare(whole, comm) == MPI.CONGRUENT
+    assert whole is dp                      # the world's group is the dp group here
+    dm.close()
+    assert whole == MPI.COMM_NULL and dm.closed
+    with pytest.raises(ms.CommUnusable, match="closed"):
+        dm.comm("dp")
+    dm.close()                              # twice: nothing more
 
 
 @pytest.mark.mpi(min_size=1)
