@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from .comm.backend import Backend
 from .comm.collectives import Comm
+from .comm.heap import keep_host_heap
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
 from .comm.threads import pin_blas_threads
 from .comm.uncaught import install as install_error_report
@@ -53,9 +54,11 @@ class ShardedEngine(ABC):
     """
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
-                 cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto"):
+                 cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto",
+                 host_heap=None):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
+        self.host_heap = keep_host_heap(host_heap)        # comm/heap.py: opt-in, no MPI
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
         self.blas_threads = pin_blas_threads(world, blas_threads)    # comm/threads.py
         self.backend = device if isinstance(device, Backend) else Backend(device, world, cuda_aware)
@@ -165,14 +168,17 @@ class MeshEngine(ShardedEngine):
     timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
     blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int
         (comm/threads.py)
+    host_heap : None (malloc as is) or "keep": freed arrays under 32 MiB stay in glibc's heap
+        instead of being page-faulted in again every step (process-wide mallopt; comm/heap.py)
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
                  debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None,
-                 timeout=DEFAULT_TIMEOUT, blas_threads="auto"):
+                 timeout=DEFAULT_TIMEOUT, blas_threads="auto", host_heap=None):
         dtype = np.dtype(dtype)
         self.precision = Precision(dtype, param_dtype, comm_dtype)     # TypeError, no MPI yet
-        super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads)
+        super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads,
+                         host_heap)
         if not hasattr(model, "param_shapes"):
             raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
                             f"{type(model).__name__}")

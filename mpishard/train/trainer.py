@@ -261,6 +261,7 @@ class Trainer:
         threads = e.blas_threads                     # comm/threads.py: what the engine chose
         self.log.info("BLAS threads per rank: %s (%s)", threads.threads or "as started",
                       threads.why)
+        self.log.info("host heap: %s", e.host_heap.why)   # comm/heap.py: make_engine's opt-in
         bar = self._progress_bar()
         t_start = time.perf_counter()
         while st.step < self.total_steps:
