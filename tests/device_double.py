@@ -55,7 +55,7 @@ class CopyCounter:
 
 class DeviceArray:
     """An array in (pretend) device memory. `_base` keeps the array a view came from, as
-    cupy's `.base` does, so reference counts see views (the result pool relies on that)."""
+    cupy's `.base` does."""
 
     __array_ufunc__ = None            # numpy ufuncs on a device array raise TypeError
 
