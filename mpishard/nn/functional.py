@@ -131,11 +131,11 @@ LN_EPS = 1e-5
 def layernorm_forward(x, scale, shift, eps=LN_EPS):
     """PyTorch's LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * scale + shift,
     var the biased variance. Returns (y, saved). Row sums are matrix-vector products
-    (row_sums)."""
+    (row_sums) and the variance one einsum, no squared temporary."""
     xp = array_module(x)
     d = x.shape[-1]
     xc = x - row_sums(x) / d
-    var = row_sums(xp.square(xc)) / d                       # biased variance
+    var = xp.einsum("...d,...d->...", xc, xc)[..., None] / d     # biased variance
     rstd = 1.0 / xp.sqrt(var + eps)
     xhat = xc
     xhat *= rstd                                            # in place: xc is ours
@@ -150,18 +150,22 @@ def layernorm_backward(dy, saved, scale):
     dshift = sum over rows of dy               (undoes + shift)
     dscale = sum over rows of dy * xhat        (undoes * scale)
     dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy * scale   (undoes the normalisation)
+
+    The row means are matrix-vector products with scale: mean(g) = dy scale / D and
+    mean(g xhat) = (dy xhat) scale / D, so g xhat is never formed.
     """
+    xp = array_module(dy)
     xhat, rstd = saved
     d = dy.shape[-1]
     dshift = column_sums(dy.reshape(-1, d))
-    gx = dy * xhat
+    gx = dy * xhat                                          # dy xhat
     dscale = column_sums(gx.reshape(-1, d))
-    gx *= scale                                             # g xhat
-    g = dy * scale
-    dx = xhat * (row_sums(gx) / d)
-    dx += row_sums(g) / d
-    xp = array_module(dy)
-    xp.subtract(g, dx, out=dx)                              # g - mean(g) - xhat mean(g xhat)
+    c1 = ((gx @ scale) / d)[..., None]                      # mean(g xhat)
+    c0 = ((dy @ scale) / d)[..., None]                      # mean(g)
+    dx = dy * scale                                         # g
+    dx -= c0                                                # g - mean(g)
+    xp.multiply(xhat, c1, out=gx)                           # xhat mean(g xhat), in gx
+    dx -= gx
     dx *= rstd
     return dx, dscale, dshift
 
