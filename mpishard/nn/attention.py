@@ -56,9 +56,10 @@ def _masked_scores_t(q, k, offset):
     qt = xp.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype)
     xp.multiply(_t(q), 1.0 / math.sqrt(q.shape[-1]), out=qt)     # (q / sqrt Dh)^T, one copy
     s = xp.matmul(k, qt)                                         # 'bhsd,bhdt->bhst'
-    if offset is not None:                                       # + 0 or -inf: hides keys
-        s += xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset).T, 0.0, -xp.inf
-                      ).astype(s.dtype)
+    if offset is not None:                  # + 0 or -inf: hides keys; flat (Tk Tq) rows, so
+        hide = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset).T, 0.0, -xp.inf)
+        flat = s.reshape(s.shape[:-2] + (-1,))          # the add runs in long contiguous loops
+        flat += hide.astype(s.dtype).reshape(-1)
     return s
 
 
@@ -134,13 +135,15 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None):
     xp.exp(p, out=p)
     dq, dk, dv = (None, None, None) if into is None else into
     dv = xp.matmul(p, dout, out=dv)                          # 'bhst,bhtd->bhsd' (p^T, dout)
-    ds = xp.matmul(v, xp.ascontiguousarray(_t(dout)))        # dp^T 'bhsd,bhdt->bhst'
-    ds -= xp.einsum("bhtd,bhtd->bht", dout, out)[..., None, :]   # - sum_d dout * out
-    ds *= p                                                  # ds^T
+    dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
+    xp.multiply(_t(dout), scale, out=dout_t)                 # (dout / sqrt Dh)^T, one copy
+    ds = xp.matmul(v, dout_t)                                # dp^T / sqrt Dh 'bhsd,bhdt->bhst'
+    row = xp.einsum("bthd,bthd->bht", dout.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3))
+    row *= scale                                             # sum_d dout * out / sqrt Dh
+    ds -= row[..., None, :]
+    ds *= p                                                  # ds^T / sqrt Dh
     dq = xp.matmul(_t(ds), k, out=dq)                        # 'bhts,bhsd->bhtd' (ds, k)
-    dq *= scale
     dk = xp.matmul(ds, q, out=dk)                            # 'bhst,bhtd->bhsd' (ds^T, q)
-    dk *= scale
     return dq, dk, dv
 
 
