@@ -230,20 +230,18 @@ def gelu_forward(z):
     for lo in range(0, n, max(chunk, 1)):
         hi = min(lo + chunk, n)
         zc, s, yc, h = zf[lo:hi], sq[:hi - lo], y[lo:hi], dydz[lo:hi]
-        xp.multiply(zc, zc, out=s)
-        xp.multiply(s, zc, out=h)            # z*z*z as PyTorch (a float pow is slower)
-        h *= 0.044715
-        h += zc
-        h *= _GELU_C                         # c (z + 0.044715 z^3), PyTorch's order
+        xp.multiply(zc, zc, out=s)           # z^2
+        xp.multiply(s, 0.044715 * _GELU_C, out=h)
+        h += _GELU_C
+        h *= zc                              # c (z + 0.044715 z^3) as z (c + 0.044715 c z^2)
         xp.tanh(h, out=h)                    # t
         h += 1.0
         h *= 0.5                             # h = 0.5 (1 + t)
-        s *= 3 * 0.044715 * _GELU_C
-        s += _GELU_C                         # u' = c (1 + 3 0.044715 z^2)
+        s *= 6 * 0.044715 * _GELU_C
+        s += 2 * _GELU_C                     # 2 u' = 2 c (1 + 3 0.044715 z^2)
         s *= zc
         xp.subtract(1.0, h, out=yc)          # 0.5 (1 - t), y's chunk as scratch
-        s *= yc
-        s *= 2.0                             # z (1 - t) u'
+        s *= yc                              # z (1 - t) u'
         s += 1.0
         xp.multiply(zc, h, out=yc)           # y = 0.5 z (1 + t)
         h *= s                               # dy/dz = 0.5 (1 + t) (1 + z (1 - t) u')
