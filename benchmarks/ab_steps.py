@@ -36,10 +36,12 @@ GPT_SIZES = {"small": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n
              "big": dict(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=4)}
 
 
-def cases_for(n: int) -> list:
-    """(model, layout) cases run at `n` ranks."""
+def cases_for(n: int, only=None) -> list:
+    """(model, layout) cases run at `n` ranks; `only`: those whose "model layout" contains one
+    of these strings."""
     layouts = ["single"] if n == 1 else [f"dp={n}"] + (["tp=2", "fsdp=2"] if n == 2 else [])
-    return [(model, layout) for layout in layouts for model in ("gpt", "mlp")]
+    return [(model, layout) for layout in layouts for model in ("gpt", "mlp")
+            if not only or any(o in f"{model} {layout}" for o in only)]
 
 
 # -- worker: runs under mpiexec with PYTHONPATH=<tree> ----------------------------------------
@@ -53,7 +55,7 @@ def worker(args) -> None:
     n = world.Get_size()
     dtype = np.dtype(args.dtype)
     out = {"mpishard": str(Path(ms.__file__).resolve().parent.parent), "cases": {}}
-    for model_name, layout in cases_for(n):
+    for model_name, layout in cases_for(n, args.only):
         rng = np.random.default_rng(0)
         if model_name == "gpt":
             model = ms.GPT(**GPT_SIZES[args.gpt_size])
@@ -96,7 +98,7 @@ def launch(tree: Path, n: int, args) -> dict:
         env.pop(var, None)
     cmd = [args.mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", str(HERE), "--worker",
            "--dtype", args.dtype, "--gpt-size", args.gpt_size, "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup)] + (["--only", *args.only] if args.only else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(tree),
                           timeout=args.launch_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB_RESULT ")]
@@ -120,6 +122,8 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--gpt-size", default="small", choices=sorted(GPT_SIZES))
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both trees")
+    p.add_argument("--only", nargs="+", help='only the cases whose "model layout" contains '
+                   'one of these, e.g. --only "mlp dp"')
     p.add_argument("--mpiexec", default=str(Path(sys.executable).parent / "mpiexec"))
     p.add_argument("--launch-timeout", type=float, default=900)
     p.add_argument("--json", help="write the results here")
