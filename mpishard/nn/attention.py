@@ -80,12 +80,14 @@ def _max_over_keys(s):
     return m[..., :1, :]
 
 
-def attention_block(q, k, v, offset=None):
+def attention_block(q, k, v, offset=None, keep_probs=False):
     """One block: (out (B, H, Tq, Dh) normalised within the block, lse (B, H, Tq)).
 
     offset None: every query sees every key; an int: the causal mask of causal_mask. A row
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
+    keep_probs: also return the probabilities p^T (B, H, Tk, Tq), for a backward that keeps
+    them instead of recomputing the scores (one (B, H, T, T) array more per layer on the tape).
     """
     xp = array_module(q)
     p = _masked_scores_t(q, k, offset)                       # s^T, then p^T in place
@@ -99,7 +101,7 @@ def attention_block(q, k, v, offset=None):
     xp.matmul(_t(p), v, out=out)                             # 'bhst,bhsd->bhtd' (p, v)
     with np.errstate(divide="ignore"):                       # log 0 = -inf: no key seen
         lse = m[..., 0, :] + xp.log(denom)
-    return out, lse
+    return (out, lse, p) if keep_probs else (out, lse)
 
 
 def merge_blocks(out_a, lse_a, out_b, lse_b):
@@ -114,7 +116,7 @@ def merge_blocks(out_a, lse_a, out_b, lse_b):
     return wa * out_a + wb * out_b, lse
 
 
-def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None):
+def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, probs=None):
     """One block's share of (dq, dk, dv), given dL/dout and the final out and lse.
 
     p  = exp(s - lse)                    the final softmax on this block's keys (recomputed,
@@ -126,13 +128,16 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None):
     dk = 'bhts,bhtd->bhsd' (ds, q) / sqrt(Dh)    ... (in k)
 
     into: three (B, H, T, Dh) arrays (views allowed) to write dq, dk, dv to, e.g. the views
-    of split_heads_grads; None: fresh arrays.
+    of split_heads_grads; None: fresh arrays. probs: the p^T the forward kept (keep_probs),
+    used as it is (read only) instead of recomputed from q, k and lse.
     """
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    p = _masked_scores_t(q, k, offset)                       # s^T, then p^T in place
-    p -= _finite_or_zero(xp, lse)[..., None, :]
-    xp.exp(p, out=p)
+    p = probs
+    if p is None:
+        p = _masked_scores_t(q, k, offset)                   # s^T, then p^T in place
+        p -= _finite_or_zero(xp, lse)[..., None, :]
+        xp.exp(p, out=p)
     dq, dk, dv = (None, None, None) if into is None else into
     dv = xp.matmul(p, dout, out=dv)                          # 'bhst,bhtd->bhsd' (p^T, dout)
     dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
@@ -147,14 +152,16 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None):
     return dq, dk, dv
 
 
-def causal_attention_forward(q, k, v):
-    """Causal self-attention of a whole sequence: (out, lse), one block at offset 0."""
-    return attention_block(q, k, v, offset=0)
+def causal_attention_forward(q, k, v, keep_probs=False):
+    """Causal self-attention of a whole sequence: (out, lse), one block at offset 0 (and the
+    probabilities with keep_probs)."""
+    return attention_block(q, k, v, offset=0, keep_probs=keep_probs)
 
 
-def causal_attention_backward(dout, q, k, v, out, lse, into=None):
-    """Undo causal_attention_forward: (dq, dk, dv) (written to `into` when given)."""
-    return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into)
+def causal_attention_backward(dout, q, k, v, out, lse, into=None, probs=None):
+    """Undo causal_attention_forward: (dq, dk, dv) (written to `into` when given; `probs`:
+    the forward's kept probabilities, else recomputed)."""
+    return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into, probs=probs)
 
 
 # -- heads ---------------------------------------------------------------------------------------

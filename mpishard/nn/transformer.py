@@ -75,16 +75,16 @@ class CausalSelfAttention(Layer):
         if self.cache is not None:                                # decoding: no tape
             assert not record, "a KV-cached forward is inference only"
             return att.merge_heads(self.cache.attend(self, q, k, v))
-        out, lse = att.causal_attention_forward(q, k, v)          # softmax(q k^T / sqrt Dh) v
-        self.save(mb, record, (q, k, v, out, lse))
+        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True)  # softmax(q k^T /
+        self.save(mb, record, (q, k, v, out, p))                 # sqrt Dh) v; p for backward
         return att.merge_heads(out)                               # heads concatenated
 
     def backward(self, dy, mb=0):
-        q, k, v, out, lse = self.pop(mb)
+        q, k, v, out, p = self.pop(mb)
         dout = att.merge_heads_backward(dy, self.n_heads)         # undoes merge_heads
         da, into = att.split_heads_grads(q)                       # undoes split_heads as
-        att.causal_attention_backward(dout, q, k, v, out, lse, into=into)   # attn's undone
-        return da
+        att.causal_attention_backward(dout, q, k, v, out, None, into=into, probs=p)  # attn's
+        return da                                                 # undone
 
 
 def leading_positions(t: int):

@@ -339,3 +339,22 @@ def test_attention_writes_heads_where_merge_and_split_want_them(rng):
     got = att.causal_attention_backward(r, q, k, v, out, lse, into=into)
     assert all(g is i for g, i in zip(got, into))
     np.testing.assert_allclose(da, want, rtol=1e-14, atol=1e-15)
+
+
+def test_attention_backward_uses_the_kept_probabilities(rng, monkeypatch):
+    """CausalSelfAttention keeps p from its forward: its backward computes no scores, and
+    gives the gradients of the recomputing backward (float64, rtol 1e-12)."""
+    from mpishard.nn.transformer import CausalSelfAttention
+    a, dy = rng.standard_normal((2, 5, 3 * 8)), rng.standard_normal((2, 5, 8))
+    q, k, v = att.split_heads(a, 2)
+    out, lse = att.causal_attention_forward(q, k, v)
+    want = att.split_heads_backward(*att.causal_attention_backward(
+        att.merge_heads_backward(dy, 2), q, k, v, out, lse))
+    unit = CausalSelfAttention(2)
+    unit.forward(a)
+    calls = []
+    real = att._masked_scores_t
+    monkeypatch.setattr(att, "_masked_scores_t", lambda *x: calls.append(1) or real(*x))
+    got = unit.backward(dy)
+    assert calls == []
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
