@@ -184,3 +184,36 @@ def test_an_engine_with_defaults_logs_its_thread_change_and_leaves_malloc_alone(
 def test_an_engine_with_the_opt_out_changes_nothing():
     res = engine_probe({"blas_threads": None})
     assert res["mapped"] and res["after"] == res["before"] and res["logs"] == []
+
+
+TORCH_PROBE = """
+import json, os
+import numpy as np
+import torch               # brings its own OpenMP runtime (libgomp) and thread pool
+from threadpoolctl import threadpool_info
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+from mpi4py import MPI
+import mpishard as ms
+pools = lambda: {p["filepath"]: p["num_threads"] for p in threadpool_info()}
+before, torch_before = pools(), torch.get_num_threads()
+ms.make_engine(ms.MLP([4, 4]), comm=MPI.COMM_SELF)
+print(json.dumps({"before": before, "after": pools(), "torch": [torch_before,
+                  torch.get_num_threads()], "numpy": np.__file__}))
+"""
+
+
+def test_the_default_never_touches_torchs_threads():
+    """The engine splits numpy's BLAS threads only: torch's OpenMP pool (and any BLAS inside
+    torch's package) keeps its threads. The old default limited every loaded pool."""
+    pytest.importorskip("torch")
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity here")
+    out = subprocess.run([sys.executable, "-c", TORCH_PROBE], env=CLEAN_ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["torch"][1] == res["torch"][0], f"torch's threads {res['torch']}"
+    numpy_dir = os.path.dirname(res["numpy"])
+    for path, threads in res["before"].items():
+        if not path.startswith(numpy_dir):             # not numpy's own: left as it was
+            assert res["after"][path] == threads, (path, threads, res["after"][path])
