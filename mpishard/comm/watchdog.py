@@ -86,6 +86,7 @@ class Watchdog:
         self.unusable = self.unusable or why
 
     def check_usable(self) -> None:
+        """Raise CommUnusable after close() or a timeout."""
         if self.unusable is not None:
             raise CommUnusable(self.unusable)
 
@@ -108,8 +109,7 @@ class Watchdog:
     def arrive(self, comm):
         """Count this rank into its next collective on `comm`: its ticket (counter, count),
         or None without a timeout."""
-        if self.unusable is not None:
-            raise CommUnusable(self.unusable)
+        self.check_usable()
         if not self.timeout:
             return None
         index = self.group(comm)[0]
@@ -137,8 +137,8 @@ class Watchdog:
         collective was counted in at issue (arrive); else it is counted in here."""
         if ticket is None:
             ticket = self.arrive(comm)
-        elif self.unusable is not None:
-            raise CommUnusable(self.unusable)
+        else:
+            self.check_usable()
         guard = self.guard
         guard.in_flight = (time.monotonic_ns(), self.timeout_ns, self.message, (what, comm, ticket))
         try:
@@ -173,8 +173,8 @@ class Watchdog:
     def _poll_collective(self, requests, what: str, comm, ticket=None) -> None:
         if ticket is None:
             ticket = self.arrive(comm)
-        elif self.unusable is not None:
-            raise CommUnusable(self.unusable)
+        else:
+            self.check_usable()
         if not self.timeout:
             MPI.Request.Waitall(requests)
         elif not self.poll(requests):
