@@ -60,6 +60,7 @@ def _masked_scores_t(q, k, offset):
         hide = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset).T, 0.0, -xp.inf)
         flat = s.reshape(s.shape[:-2] + (-1,))          # the add runs in long contiguous loops
         flat += hide.astype(s.dtype).reshape(-1)
+        s = flat.reshape(s.shape)                       # (a view of s, or of a copy of it)
     return s
 
 
