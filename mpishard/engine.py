@@ -1,14 +1,10 @@
 """ShardedEngine: devices, collectives and a model split over a device mesh.
 
-`ShardedEngine` is the engine's public surface: device identity, point-to-point and
-collective calls (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`,
-`send`, `receive`, `send_async`, `receive_async`, `barrier`, each with `group=` naming a mesh
-axis), `load_checkpoint`, `forward`, `backward` and `inference_loop`. It *has* a communicator:
-every collective is a call on its `Comm` (comm/collectives.py), which counts bytes per kind.
-
-`MeshEngine` is the one concrete engine, for every layout. `parallel.compose` builds its parts
-from (model, layout): a parameter store, the gradient sync, an access policy, the layers of
-this rank's pipeline stage(s) and a runner. The engine only orchestrates them:
+`ShardedEngine` is the public surface: device identity, the collectives and point-to-point
+calls (each with `group=` naming a mesh axis; every one a call on its `Comm`,
+comm/collectives.py), `load_checkpoint`, `forward`, `backward`, `close`, `inference_loop`.
+`MeshEngine`, the one concrete engine, orchestrates what `parallel.compose` builds from (model,
+layout): a parameter store, the gradient sync, an access policy, the stage's layers, a runner:
 
     train_step  ->  runner.train_step (layers: forward, loss, backward; tp/fsdp/pp/ep
                     communication inside the layers and the runner; then access.end_backward)
@@ -46,12 +42,10 @@ def _comm_method(name):
 
 
 class ShardedEngine(ABC):
-    """Device identity, point-to-point and collective calls, the inference loop.
-
-    Subclasses implement `load_checkpoint`, `forward` and `backward`.
-    Debug mode (`MPISHARD_DEBUG=1` or `debug=True`): every collective first compares op,
-    dtype and shape across its group and raises `CollectiveMismatchError` on every rank.
-    """
+    """Device identity, point-to-point and collective calls, the inference loop; subclasses
+    implement `load_checkpoint`, `forward` and `backward`. Debug mode (`MPISHARD_DEBUG=1` or
+    `debug=True`): every collective first compares op, dtype and shape across its group and
+    raises `CollectiveMismatchError` on every rank."""
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
                  cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto",
@@ -69,20 +63,10 @@ class ShardedEngine(ABC):
         self.comm = Comm(self.mesh, self.backend, debug, timeout)  # timeout: comm/watchdog.py
 
     # -- identity ------------------------------------------------------------------------------
-    @property
-    def mpi_comm(self):
-        """The engine's mpi4py communicator (its world), for control data."""
-        return self.mesh.world
-
-    @property
-    def device_id(self) -> int:
-        """The rank of this device in the engine's communicator."""
-        return self.mesh.rank
-
-    @property
-    def num_devices(self) -> int:
-        """World size."""
-        return self.mesh.world.Get_size()
+    mpi_comm = property(lambda self: self.mesh.world,
+                        doc="The engine's mpi4py communicator (its world), for control data.")
+    device_id = property(lambda self: self.mesh.rank, doc="This device's rank in mpi_comm.")
+    num_devices = property(lambda self: self.mesh.world.Get_size(), doc="World size.")
 
     debug = property(lambda self: self.comm.debug,
                      lambda self, value: setattr(self.comm, "debug", bool(value)))
@@ -166,8 +150,7 @@ class MeshEngine(ShardedEngine):
     cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
     param_dtype, comm_dtype : "bfloat16"/"float16" with dtype=float32 (parallel/precision.py)
     timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
-    blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int
-        (comm/threads.py)
+    blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int (threads.py)
     host_heap : None (malloc as is) or "keep": freed arrays under 32 MiB stay in glibc's heap
         instead of being page-faulted in again every step (process-wide mallopt; comm/heap.py)
     """
@@ -290,14 +273,20 @@ class MeshEngine(ShardedEngine):
         (averaged over the data axes when sync=True), keyed by full parameter names.
         accumulate=True adds to the gradients already held (gradient accumulation)."""
         self._require_loaded()
+        self._begin_backward(accumulate, sync)
+        self.runner.backward(None if dy is None else self._to_device(dy), mb=mb)
+        self._end_backward(sync)
+        return self.grads
+
+    def _begin_backward(self, accumulate, sync) -> None:
         if not accumulate:
             self.zero_grad()
         self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
-        self.runner.backward(None if dy is None else self._to_device(dy), mb=mb)
+
+    def _end_backward(self, sync) -> None:
         self.access.end_backward()             # FSDP ZeRO-2/3: the last gradient bucket
         if sync:
             self.sync_grads()
-        return self.grads
 
     def sync_grads(self) -> None:
         """Average gradients over the data axes on which they are replicated (collective)."""
@@ -324,17 +313,12 @@ class MeshEngine(ShardedEngine):
             stand_in = self.xp.broadcast_to(self.xp.zeros((), self.dtype),
                                             self.model.output_shape(t.shape))
             loss.check(stand_in, t)
-        if not accumulate:
-            self.zero_grad()
-        self.grad_sync.begin(overlap=sync)     # only a syncing backward may communicate
+        self._begin_backward(accumulate, sync)
         self._drop_tape()
         self.meter.reset_peak()                # activations_peak: this step's
         value, _ = self.runner.train_step(x, t, loss, grad_scale)
-        self.access.end_backward()             # FSDP ZeRO-2/3: the last gradient bucket
-        if sync:
-            self.sync_grads()
-            value = self.global_mean(value)
-        return value, self.grads
+        self._end_backward(sync)
+        return (self.global_mean(value) if sync else value), self.grads
 
     def global_mean(self, value: float) -> float:
         """Mean of a per-rank scalar over the data axes and cp (and from the last pp stage)."""
@@ -377,15 +361,10 @@ class MeshEngine(ShardedEngine):
                                       self.grad_placements)
 
     def memory_report(self, optimizer=None) -> dict:
-        """Bytes this rank holds, measured from its arrays (no communication):
-
-        params         parameter storage (padding included; views counted once, by buffer)
-        grads          gradient storage, with the full gradient buffers ZeRO-1 keeps
-        optimizer      the arrays in `optimizer.state` (0 without an optimizer)
-        gathered_peak  the most bytes of all-gathered (FSDP ZeRO-3) weights alive at once
-        activations_peak  most bytes saved for backward at once in the last train_step
-        total          their sum
-        """
+        """Bytes this rank holds, measured from its arrays (no communication): params
+        (padding included, views counted once), grads (with ZeRO-1's full buffers), optimizer
+        (`optimizer.state`), gathered_peak (FSDP ZeRO-3 weights alive at once),
+        activations_peak (saved for backward in the last train_step) and their total."""
         return self.store.memory_report(self.access, optimizer, self.meter)
 
     def inference_loop(self, input_stream, output_stream) -> None:

@@ -7,9 +7,7 @@
 
 The on-disk format (a directory of .npy blocks plus `index.json`) is described in the
 package docstring, and the crash-consistent save in writer.py, which writes what this module
-reads. A `LazyArray` maps
-the chunks overlapping a slice (np.load with mmap_mode="r", allow_pickle=False) and copies only
-that region, so loading a shard of a large checkpoint reads about the shard's bytes. Before the
+reads. Each array is a `LazyArray` (lazy.py), which reads only the region sliced. Before the
 first read from a file its sha256 is checked against the index (`verify=False` skips that);
 every file's presence and size is checked when the checkpoint is opened. What writer and
 reader share (constants, CheckpointError, the model-spec JSON) is in format.py.
@@ -17,7 +15,6 @@ reader share (constants, CheckpointError, the model-spec JSON) is in format.py.
 from __future__ import annotations
 
 import json
-import operator
 import os
 import tokenize
 from collections.abc import Mapping
@@ -28,6 +25,7 @@ from ..comm.collectives import Comm
 from ..comm.objects import agree
 from .format import (FORMAT, INDEX, VERSION, CheckpointError, model_from_spec, model_spec,
                      run_captured, sha256_file, spec_text)
+from .lazy import LazyArray
 from .storage import latest
 
 _OPEN_ATTEMPTS = 5          # opening retries while a concurrent save swaps the directory
@@ -71,80 +69,6 @@ def read_index(path) -> dict:
         raise CheckpointError(f"{d}/{INDEX} has format version {index.get('version')}, this "
                               f"mpishard reads version {VERSION}")
     return index
-
-
-class LazyArray:
-    """A full array in a checkpoint, read only where sliced: `.shape`, `.dtype`, `a[slices]`
-    and `np.asarray(a)`. Its chunks are memory-mapped .npy files."""
-
-    def __init__(self, ckpt, name, entry):
-        self._ckpt, self.name = ckpt, name
-        self.shape = tuple(entry["shape"])
-        self.dtype = np.dtype(entry["dtype"])
-        self._chunks = entry["chunks"]
-
-    ndim = property(lambda self: len(self.shape))
-    size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
-
-    def __len__(self):
-        return self.shape[0]
-
-    def __repr__(self):
-        return f"LazyArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
-
-    def _overlap(self, region, chunk):
-        """Where `chunk` meets region [(start, stop), ...]: (slices into the chunk, slices
-        into the region), or None when they do not overlap."""
-        src, dst = [], []
-        for (a, b), o, n in zip(region, chunk["offset"], self._ckpt.file_shape(chunk["file"])):
-            lo, hi = max(a, o), min(b, o + n)
-            if lo >= hi:
-                return None
-            src.append(slice(lo - o, hi - o))
-            dst.append(slice(lo - a, hi - a))
-        return tuple(src), tuple(dst)
-
-    def files_for(self, region) -> list:
-        """Files of the chunks overlapping region [(start, stop), ...]."""
-        return [c["file"] for c in self._chunks if self._overlap(region, c) is not None]
-
-    def __getitem__(self, key):
-        key = key if isinstance(key, tuple) else (key,)
-        if any(k is Ellipsis for k in key):
-            i = key.index(Ellipsis)
-            key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
-        key = key + (slice(None),) * (self.ndim - len(key))
-        if len(key) != self.ndim:
-            raise IndexError(f"{len(key)} indices for a {self.ndim}-d array {self.name!r}")
-        region, post = [], []
-        for k, n in zip(key, self.shape):
-            if isinstance(k, slice):
-                r = range(*k.indices(n))
-                if r.step == 1 or len(r) == 0:
-                    region.append((r.start, max(r.start, r.stop)) if len(r) else (0, 0))
-                    post.append(slice(None))
-                else:                 # read the span, then take every step-th entry
-                    lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
-                    stop = r[-1] - lo + (1 if r.step > 0 else -1)
-                    region.append((lo, hi))
-                    post.append(slice(r[0] - lo, stop if stop >= 0 else None, r.step))
-            else:
-                i = operator.index(k)       # an integer (not a float, not an array)
-                i = i + n if i < 0 else i
-                if not 0 <= i < n:
-                    raise IndexError(f"index {k} out of range for {n} in {self.name!r}")
-                region.append((i, i + 1))
-                post.append(0)
-        out = np.empty([b - a for a, b in region], dtype=self.dtype)
-        for c in self._chunks:                 # only chunks overlapping the region are opened
-            where = self._overlap(region, c)
-            if where is not None:
-                out[where[1]] = self._ckpt.open_file(c["file"])[where[0]]
-        return out[tuple(post)]
-
-    def __array__(self, dtype=None, copy=None):
-        a = self[...]
-        return a if dtype is None else a.astype(dtype)
 
 
 class Checkpoint(Mapping):
