@@ -1,8 +1,5 @@
 """`python -m mpi4py -m mpishard train`: its flags, the --config TOML file, validation, build.
 
-    mpiexec -n 4 python -m mpi4py -m mpishard train --dataset digits --layout dp=2,tp=2 \\
-        --model 64,128,128,10 --optimizer adamw --lr 0.003 --batch 64 --epochs 12 --clip 1.0
-
 Every flag defaults to None in argparse, so "given on the command line" is visible: the
 command line wins over the --config file, which wins over `TRAIN_DEFAULTS`. Validation needs no
 MPI and is the same on every rank; the build runs inside `agreed` (cli/usage.py).
@@ -28,28 +25,21 @@ from ..train.npy_data import is_npy_name, load_npy_dataset, npy_task
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
-                          gpt_model_and_data, gpt_spec_text, log_corpus, validate_gpt_args)
+                          gpt_model_and_data, log_corpus, validate_gpt_args)
 from .model_flag import joined_gpt_spec
+from .train_config import config_tokens, load_toml
 from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
                             trace_lines, validate_trace_args)
 from .usage import (CUDA_AWARE, PROG, Parser, UsageError, add_device_arguments, agreed,
                     check_flags, checked_layout, default_layout, parse_dims, print_report,
                     world_comm)
 
-try:
-    import tomllib
-except ImportError:                                        # Python < 3.11
-    try:
-        import tomli as tomllib
-    except ImportError:
-        tomllib = None
-
-
 # -- arguments ----------------------------------------------------------------------------------
 DATASET_MODELS = {"digits": "64,128,128,10", "synthetic-regression": "16,32,32,1",
                   "synthetic-classification": "16,32,32,4", TEXT_DATASET: "gpt"}
 LOSS_CHOICES = ("mse", "bce", "cross_entropy")
 PRECISION_DTYPES = ("float32", "float64", "bfloat16", "float16")
+HOST_HEAP = {"keep": "keep", "none": None}     # --host-heap -> make_engine(host_heap=)
 
 # Defaults applied after merging the command line and the --config file (argparse itself
 # defaults everything to None, so "given on the command line" is visible and wins).
@@ -59,7 +49,7 @@ TRAIN_DEFAULTS = {
     "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
     "schedule": "constant", "warmup": 0, "min_lr": 0.0, "batch": 64, "epochs": None,
     "steps": None, "accumulate": 1, "clip": None, "seed": 0, "dtype": "float32",
-    "param_dtype": None, "comm_dtype": None, "timeout": DEFAULT_TIMEOUT,
+    "param_dtype": None, "comm_dtype": None, "timeout": DEFAULT_TIMEOUT, "host_heap": "keep",
     "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": False, "keep_last": 1,
@@ -83,6 +73,8 @@ def add_train_arguments(p):
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
     m("--dtype", choices=("float32", "float64"), help="default float32 for speed (the "
       "library's make_engine defaults to float64, the exact reference)")
+    m("--host-heap", choices=("keep", "none"), help="keep: glibc keeps freed arrays for the "
+      "next step (mallopt, logged; the train process's default), none: malloc as it is")
     for flag, what in (("--param-dtype", "parameter storage (fsdp: all-gather)"),
                        ("--comm-dtype", "gradient communication (sums stay fp32)")):
         m(flag, choices=PRECISION_DTYPES, help=f"{what} dtype; bfloat16/float16 need --dtype "
@@ -165,46 +157,6 @@ def _recording(group, options: dict):
     return add
 
 
-def _load_toml(path):
-    if tomllib is None:
-        raise UsageError("--config needs Python 3.11+ (tomllib) or `pip install tomli`")
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise UsageError(f"config file {path!r} not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"config {path}: invalid TOML: {exc}") from None
-
-
-def config_tokens(parser, config: dict, path="config") -> list:
-    """A TOML table as command-line tokens for `parser` (keys are flag names without '--',
-    '-' or '_'), so the values get exactly the checks the flags get. The keys a config may
-    hold are `parser.config_options` (set by add_train_arguments)."""
-    options = parser.config_options
-    tokens = []
-    for key, value in config.items():
-        flag = "--" + str(key).replace("_", "-")
-        action = options.get(flag)
-        if action is None:
-            known = sorted(a[2:] for a in options if a.startswith("--"))
-            raise UsageError(f"config {path}: unknown key {key!r}; known keys: "
-                             f"{', '.join(known)}")
-        if action.nargs == 0:                              # an on/off switch (store_true)
-            if not isinstance(value, bool):
-                raise UsageError(f"config {path}: {key} must be true or false, got {value!r}")
-            tokens += [flag] if value else []
-            continue
-        if isinstance(value, list) and key == "model":
-            value = ",".join(str(v) for v in value)
-        if isinstance(value, dict) and key == "gpt":          # a [gpt] table
-            value = gpt_spec_text(value)
-        if isinstance(value, (bool, dict, list)):
-            raise UsageError(f"config {path}: {key} = {value!r} is not a valid value")
-        tokens += [flag, str(value)]
-    return tokens
-
-
 def parse_train_args(argv, parser=None):
     """Namespace of the train options: command line over --config file over defaults."""
     parser = parser or add_train_arguments(Parser(prog=f"{PROG} train"))
@@ -212,7 +164,7 @@ def parse_train_args(argv, parser=None):
     merged = dict(vars(cli))
     if cli.config:
         try:
-            cfg = parser.parse_args(config_tokens(parser, _load_toml(cli.config), cli.config))
+            cfg = parser.parse_args(config_tokens(parser, load_toml(cli.config), cli.config))
         except UsageError as exc:
             msg = str(exc)
             raise UsageError(msg if msg.startswith("config") else f"config {cli.config}: {msg}"
@@ -365,7 +317,7 @@ def build_training(args, comm=None):
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          param_dtype=args.param_dtype, comm_dtype=args.comm_dtype,
-                         timeout=args.timeout)
+                         timeout=args.timeout, host_heap=HOST_HEAP[args.host_heap])
     engine.load_checkpoint(model.init(seed=args.seed))
     if args.optimizer == "adamw":
         opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
