@@ -40,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -101,6 +102,14 @@ MFU_SIZES = {  # (dims, batch): small, medium, and the foundation's MLP([1024, 4
 }
 
 
+
+def _cause(output: str, tail: list) -> str:
+    """The Python exception lines a crashed part printed (its cause, whatever the launcher
+    printed after it: Open MPI's abort banner fills the tail), else the output's last lines."""
+    found = re.findall(r"^(?:mpishard: error: )?[A-Za-z_.]*(?:Error|Exception|Timeout)\b.*$",
+                       output, re.MULTILINE)
+    return " | ".join(dict.fromkeys(found[-3:])) if found else " | ".join(tail[-4:])
+
 class Runner:
     """Launches the parts and collects their JSON."""
 
@@ -135,7 +144,8 @@ class Runner:
             if self.args.verbose or proc.returncode:
                 print("\n".join(tail), flush=True)
             if proc.returncode or not out.exists():
-                return {"error": f"exit {proc.returncode}: " + " | ".join(tail[-4:])}
+                return {"error": f"exit {proc.returncode}: " + _cause(proc.stdout + proc.stderr,
+                                                                      tail)}
             res = json.loads(out.read_text())
             res.setdefault("wall_s", wall)
             return res
