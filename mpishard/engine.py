@@ -104,22 +104,25 @@ class ShardedEngine(ABC):
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give back what the engine holds in MPI: sends still in flight are completed,
-        receives never waited for cancelled, its communicators freed and its arrival counters
-        returned (comm/arrivals.py). Call it on every rank, in the order the engines were
-        built; closing twice does nothing; afterwards every call raises CommUnusable. An
-        engine never closed keeps them until it is collected (comm/retired.py)."""
+        """Give back what the engine holds in MPI (sends completed, receives cancelled,
+        communicators freed, arrival counters returned), on every rank, in the order the engines
+        were built; twice does nothing; then every call raises CommUnusable. (comm/retired.py:
+        an engine never closed keeps them until it is collected.)"""
+        self._close(collective=True)
+
+    def _close(self, collective: bool) -> None:
         if not self.mesh.closed:
             try:
-                self.comm.close()
+                self.comm.close(collective)
             finally:
                 self.mesh.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        """On an exception (perhaps on this rank alone) nothing is waited for (Comm.close)."""
+        self._close(collective=exc_type is None)
 
     # -- model lifecycle -----------------------------------------------------------------------
     @abstractmethod
@@ -238,8 +241,7 @@ class MeshEngine(ShardedEngine):
         return self.comm.all_gather(y_local, axis=0, group=DATA_AXES)
 
     def _input(self, x):
-        """x on the device, as the model takes it (model.check_input: an MLP's rows in the
-        engine's dtype, a GPT's integer tokens as integers); ValueError on a wrong input."""
+        """x on the device as the model takes it (model.check_input; ValueError if wrong)."""
         return self.model.check_input(self.backend.asarray(x), self.dtype)
 
     # -- compute -------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from .gather import Gather
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .reduce_scatter import ScatterReduce
 from .stats import CommStats
-from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, CommUnusable, Watchdog
+from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, CommUnusable, Watchdog, abandon
 
 __all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "CommUnusable",
            "Future", "agree"]
@@ -120,25 +120,30 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         """Where the job is (step=, microbatch=; None forgets one), for timeout messages."""
         self.watchdog.where.update(where)
 
-    def close(self) -> None:
+    def close(self, collective: bool = True) -> None:
         """What engine.close() gives back: the sends still in flight are completed (bounded by
         the timeout; not after a timeout), the receives never waited for are cancelled, and
-        all_to_all_v's communicators freed; every later call raises CommUnusable."""
+        all_to_all_v's communicators freed; every later call raises CommUnusable.
+        collective=False (this rank alone, leaving a `with` block on an exception): nothing is
+        waited for, sends in flight are kept alive (watchdog.abandon), the arrival block too."""
         try:
-            if self.watchdog.unusable is None:
+            if collective and self.watchdog.unusable is None:
                 for fut in self.sends_in_flight:
                     fut.result()
         finally:
             for queue in self.pending_receives.values():
                 for fut in queue:
                     for req in fut._requests:
-                        req.Cancel()
-                        req.Wait()
+                        if req:                # a completed header request is null already
+                            req.Cancel()
+                            req.Wait()
             self.pending_receives.clear()
+            abandon(fut for fut in self.sends_in_flight if not fut.done())
             self.sends_in_flight.clear()
             self._by_group.clear()             # every view's next lookup: the closed mesh
             self.private.close()
-            self.watchdog.close("this engine was closed (engine.close()): build a new engine")
+            self.watchdog.close("this engine was closed (engine.close()): build a new engine",
+                                give_back=collective)
 
     # -- helpers -----------------------------------------------------------------------------
     def prepare(self, arr):

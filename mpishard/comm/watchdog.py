@@ -54,6 +54,12 @@ MAX_SLEEP = 1e-2      # the longest sleep between two polls
 _ABANDONED: list = []
 
 
+def abandon(pending) -> None:
+    """Keep requests (or Futures, which hold their buffers) that were given up on alive for
+    the process's life: MPI may still complete them and write into their buffers."""
+    _ABANDONED.extend(pending)
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective or a receive waited longer than the engine's timeout."""
 
@@ -69,6 +75,7 @@ class Watchdog:
         self.groups: dict = {}                # communicator handle -> Watchdog.group
         self.tracer = None                    # a comm.trace.Tracer while tracing: wait times
         self.unusable = None                  # why later calls are refused (CommUnusable)
+        self.returned = False                 # the arrival block was given back (close)
         self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
         self.cells = self.arrivals.cells if self.timeout else None     # its counters
         self.base = self.arrivals.take_block() if self.timeout else 0
@@ -79,10 +86,14 @@ class Watchdog:
             # every group's communicator now: MPI_Comm_split later, mid-step, is unbounded
             mesh.comm(tuple(a for i, a in enumerate(active) if subset >> i & 1))
 
-    def close(self, why: str) -> None:
-        """Refuse every later call with CommUnusable(`why`); give the arrival block back."""
-        if self.unusable is None and self.arrivals is not None:
+    def close(self, why: str, give_back: bool = True) -> None:
+        """Refuse every later call with CommUnusable(`why`). `give_back`: this is a close on
+        every rank (engine.close()), so the arrival block goes back for the next engine; a
+        rank that closes alone (its own timeout, an exception leaving a `with` block) keeps it,
+        or the ranks' next engines would count in different blocks."""
+        if give_back and not self.returned and self.arrivals is not None:
             self.arrivals.give_back(self.base)
+            self.returned = True
         self.unusable = self.unusable or why
 
     def check_usable(self) -> None:
@@ -277,9 +288,10 @@ class Watchdog:
             if not req.Test():
                 if what == "receive":
                     req.Cancel()
-                _ABANDONED.append(req)
+                abandon([req])
         self.close(f"this engine timed out earlier ({what} on group {self.group(comm)[2]}); "
-                   "its communicators may still have operations pending: build a new engine")
+                   "its communicators may still have operations pending: build a new engine",
+                   give_back=False)
         raise CollectiveTimeout(message)
 
     def describe(self, what, comm, late) -> str:

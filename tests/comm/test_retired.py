@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import mpishard as ms
-from conftest import run_mpi
+from conftest import group_comm, run_mpi
 from mpishard.comm.alltoallv import PrivateComms
 from mpishard.comm.mesh import DeviceMesh
 from mpishard.comm.retired import free_retired
@@ -138,3 +138,40 @@ def test_a_send_never_waited_for_leaves_no_pending_reference(tmp_path, close):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "exits" in out, out[-3000:]
     assert "has pending" not in out, out[-3000:]
+
+
+def _bases(engine, comm):
+    """Every rank's arrival-counter block of `engine` (the same on all, or late ranks are
+    misnamed: comm/arrivals.py)."""
+    return comm.allgather(engine.comm.watchdog.base)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_closing_alone_keeps_the_ranks_counter_blocks_aligned():
+    """A rank's own timeout, or an exception leaving its `with` block, closes its engine on
+    that rank alone: it must neither wait for peers (a send nobody receives) nor give its
+    arrival block back, or the ranks' next engines count in different blocks and a timeout
+    names the wrong late ranks (review of issue 31: the old close gave it back on a timeout)."""
+    comm = group_comm(2)
+    rank = comm.Get_rank()
+    engine = ms.make_engine(ms.MLP([2, 2]), "dp=2", comm=comm, timeout=1.0,
+                            report_errors=False)
+    if rank == 0:                              # a receive rank 1 never sends: polled, caught
+        with pytest.raises(ms.CollectiveTimeout):
+            engine.receive(1)
+    comm.Barrier()
+    after_timeout = ms.make_engine(ms.MLP([2, 2]), "dp=2", comm=comm, timeout=1.0,
+                                   report_errors=False)
+    assert len(set(_bases(after_timeout, comm))) == 1, _bases(after_timeout, comm)
+    t0 = MPI.Wtime()
+    with pytest.raises(ZeroDivisionError):
+        with after_timeout:
+            if rank == 0:                      # 8 MiB: not sent eagerly, never received
+                after_timeout.send_async(np.ones(1 << 20), dest=1)
+                1 / 0
+            raise ZeroDivisionError
+    assert MPI.Wtime() - t0 < 0.9              # nothing waited for the 1 s timeout
+    comm.Barrier()
+    again = ms.make_engine(ms.MLP([2, 2]), "dp=2", comm=comm, timeout=1.0, report_errors=False)
+    assert len(set(_bases(again, comm))) == 1, _bases(again, comm)
+    again.close()
