@@ -63,7 +63,17 @@ class Guard:
             call = self.in_flight
             if call is not None and time.monotonic_ns() - call[0] > call[1]:
                 if self.in_flight is call:            # still the same call, still in it
-                    self.fire(call[2](*call[3]))
+                    self.fire(self._describe(call))
+
+    @staticmethod
+    def _describe(call) -> str:
+        """The timeout's message; if making it fails (it reads the peers' counters with MPI
+        calls), a plainer one: the guard thread must still abort, or no later call is bounded."""
+        try:
+            return call[2](*call[3])
+        except Exception as exc:       # noqa: BLE001 -- any failure: still report and abort
+            return (f"a blocking call timed out after {call[1] / 1e9:g} s (naming the late "
+                    f"ranks failed: {type(exc).__name__}: {exc})")
 
     def fire(self, message: str) -> None:
         """The call timed out: one line, then MPI_Abort (exit code 1)."""

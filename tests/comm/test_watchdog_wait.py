@@ -171,3 +171,21 @@ def test_a_caught_polled_timeout_ends_the_job_cleanly(tmp_path, peer):
     assert "rank 0 exits" in out and "rank 1 exits" in out
     assert ("rank 1 late: [2. 2. 2.]" in out) == (peer == "late")
     assert "has pending" not in out, out[-3000:]     # MPICH: "... has pending N references"
+
+
+def test_the_guard_still_fires_when_naming_the_late_ranks_fails():
+    """Building the timeout's message makes MPI calls (the peers' counters); if that raises,
+    the guard thread must still report and abort, not die and leave every later blocking
+    call unbounded (review of issue 31: the exception ended the daemon thread silently)."""
+    from mpishard.comm.guard import Guard
+
+    guard = Guard()                          # a guard of its own, not the process's
+    fired = []
+    guard.fire = lambda message: (fired.append(message), setattr(guard, "fired", True))
+    guard.period = 0.01
+
+    def describe():
+        raise RuntimeError("window freed")
+    guard.in_flight = (time.monotonic_ns() - 10**9, 10**8, describe, ())
+    guard.thread.join(timeout=5)
+    assert fired and "timed out after 0.1 s" in fired[0] and "window freed" in fired[0], fired
