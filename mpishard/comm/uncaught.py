@@ -32,6 +32,7 @@ import traceback
 from mpi4py import MPI
 
 from .signals import remove_mpi_files
+from .watchdog import abandon
 
 __all__ = ["install", "uninstall", "installed", "report", "format_report", "rank_ranges",
            "REPORT_WINDOW"]
@@ -116,23 +117,25 @@ def _exchange(world, mine) -> list:
     acknowledged its report (and said it is done, or DONE_WAIT passed), else its own."""
     if world.Get_rank() == 0:
         return _collect(world, mine)
-    world.isend(mine, dest=0, tag=REPORT_TAG)
+    report = world.isend(mine, dest=0, tag=REPORT_TAG)  # holds the pickled bytes until sent
     if _receive(world, ACK_TAG, REPORT_WINDOW) is None:
+        abandon([report])            # rank 0 may still read it while this rank goes on
         return [mine]
+    report.Wait()                    # acknowledged: rank 0 has received it
     _receive(world, DONE_TAG, DONE_WAIT)
     return []
 
 
 def _collect(world, mine) -> list:
     """Rank 0: every report that arrives within REPORT_WINDOW (all ranks: at once)."""
-    reports, size = {0: mine}, world.Get_size()
+    reports, size, acks = {0: mine}, world.Get_size(), []
     deadline = time.monotonic() + REPORT_WINDOW
     while len(reports) < size:
         status = MPI.Status()
         if world.Iprobe(source=MPI.ANY_SOURCE, tag=REPORT_TAG, status=status):
             source = status.Get_source()
             reports[source] = world.recv(source=source, tag=REPORT_TAG)
-            world.isend(None, dest=source, tag=ACK_TAG)
+            acks.append(world.isend(None, dest=source, tag=ACK_TAG))
         elif time.monotonic() > deadline:
             break
         else:
@@ -140,10 +143,11 @@ def _collect(world, mine) -> list:
     failures = [reports[r] for r in sorted(reports)]
     sys.stderr.write(format_report(failures))
     sys.stderr.flush()
-    sends = [world.isend(None, dest=r, tag=DONE_TAG) for r in sorted(reports) if r]
+    sends = acks + [world.isend(None, dest=r, tag=DONE_TAG) for r in sorted(reports) if r]
     deadline = time.monotonic() + DONE_WAIT
     while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
         time.sleep(POLL)
+    abandon(sends)                   # the ones a reporter never received stay alive
     return []
 
 
