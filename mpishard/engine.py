@@ -61,6 +61,8 @@ class ShardedEngine(ABC):
         if debug is None:
             debug = os.environ.get("MPISHARD_DEBUG", "0") not in ("", "0")
         self.comm = Comm(self.mesh, self.backend, debug, timeout)  # timeout: comm/watchdog.py
+        self.optimizer_ref = None         # the optimizer last built on it (train/optim.py)
+        self.kept_optimizer_state = None  # (state, blocks) a restore kept for the next one
 
     # -- identity ------------------------------------------------------------------------------
     mpi_comm = property(lambda self: self.mesh.world,
@@ -206,13 +208,8 @@ class MeshEngine(ShardedEngine):
             raise RuntimeError("call engine.load_checkpoint(params) before running the model")
 
     # -- data ----------------------------------------------------------------------------------
-    @property
-    def data_parallel_size(self) -> int:
-        return self.mesh.size(DATA_AXES)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.mesh.coord(DATA_AXES)
+    data_parallel_size = property(lambda self: self.mesh.size(DATA_AXES))
+    data_parallel_rank = property(lambda self: self.mesh.coord(DATA_AXES))
 
     def shard_batch(self, arr):
         """The rows of a global batch this rank is fed: block data_parallel_rank of

@@ -31,7 +31,9 @@ def restore(path, engine, optimizer=None) -> int:
     The optimizer state goes to `optimizer`; when none is passed, to the optimizer already
     built on `engine`, else to the next one built on it (which starts from it; one of another
     type raises ValueError naming the saved type). Its hyperparameters (lr, betas, ...) are
-    restored too, as torch's load_state_dict does. To start a fresh optimizer on the saved
+    restored too into an optimizer that exists, as torch's load_state_dict does; one built
+    after the restore keeps the arguments it is built with (a warning names those that differ
+    from the saved ones). To start a fresh optimizer on the saved
     weights, load them alone: `engine.load_checkpoint(ms.checkpoint.load(path))`.
     An unusable checkpoint (missing, corrupt, another model or optimizer type) raises the
     same CheckpointError on every rank before the engine is touched."""

@@ -37,6 +37,7 @@ restore(path, engine)` and `restore(path, engine); opt = AdamW(engine)` both con
 from __future__ import annotations
 
 import math
+import logging
 import time
 import weakref
 
@@ -44,13 +45,12 @@ import numpy as np
 
 from ..validate import check_number
 
-_BUILT = weakref.WeakKeyDictionary()    # engine -> weakref to the optimizer last built on it
-_KEPT = weakref.WeakKeyDictionary()     # engine -> (restored state_dict, the blocks it fits)
+log = logging.getLogger("mpishard")
 
 
 def built_optimizer(engine):
     """The optimizer last built on `engine` that is still alive, or None."""
-    ref = _BUILT.get(engine)
+    ref = engine.optimizer_ref
     return ref() if ref is not None else None
 
 
@@ -61,9 +61,9 @@ def hand_over_state(engine, sd: dict, optimizer=None) -> None:
     engine still holds the same parameter blocks."""
     optimizer = optimizer if optimizer is not None else built_optimizer(engine)
     if optimizer is None:
-        _KEPT[engine] = (sd, dict(engine.params))
+        engine.kept_optimizer_state = (sd, dict(engine.params))
     else:
-        _KEPT.pop(engine, None)
+        engine.kept_optimizer_state = None
         optimizer.load_state_dict(sd)
 
 
@@ -85,11 +85,13 @@ class Optimizer:
     def attach_to(self, engine) -> None:
         """Become the optimizer a restore of `engine` fills (`hand_over_state`), loading the
         state a restore kept for the next optimizer built, if the engine still holds the
-        blocks it was read for. Subclasses call it last in __init__ (hyperparameters set)."""
-        sd, blocks = _KEPT.get(engine, (None, None))
+        blocks it was read for; the arguments this optimizer was built with win over the
+        saved hyperparameters (a warning names each that differs). Subclasses call it last in
+        __init__ (hyperparameters set)."""
+        sd, blocks = engine.kept_optimizer_state or (None, None)
         if sd is not None and (blocks.keys() != engine.params.keys() or any(
                 engine.params[n] is not b for n, b in blocks.items())):
-            del _KEPT[engine]             # loaded again since: the state is for other weights
+            engine.kept_optimizer_state = None   # loaded again since: state for other weights
             sd = None
         if sd is not None and sd["type"] != type(self).__name__:
             raise ValueError(f"the engine was restored from a checkpoint that holds "
@@ -97,9 +99,19 @@ class Optimizer:
                              f"(or load the weights alone with engine.load_checkpoint("
                              f"ms.checkpoint.load(path)))")
         if sd is not None:
-            del _KEPT[engine]
+            engine.kept_optimizer_state = None
+            mine = self.hyperparameters()
             self.load_state_dict(sd)
-        _BUILT[engine] = weakref.ref(self)
+            for k, v in mine.items():
+                setattr(self, k, tuple(v) if k == "betas" else v)
+            changed = {k: (v, sd["hyperparameters"][k]) for k, v in mine.items()
+                       if k in sd.get("hyperparameters", {})
+                       and np.any(np.asarray(v) != np.asarray(sd["hyperparameters"][k]))}
+            if changed:
+                log.warning("%s built after a restore: its own %s replace the checkpoint's",
+                            type(self).__name__, ", ".join(f"{k}={v!r} (saved {s!r})"
+                                                          for k, (v, s) in changed.items()))
+        engine.optimizer_ref = weakref.ref(self)
 
     @property
     def lr(self) -> float:

@@ -215,6 +215,25 @@ def test_restored_state_goes_to_the_optimizer_built_before_or_after():
     assert AdamW(reloaded, 0.01).state == {}
 
 
+def test_an_optimizer_built_after_a_restore_keeps_its_own_arguments(caplog):
+    """`restore(path, engine); AdamW(engine, lr=...)`: the optimizer starts from the saved state
+    (step counts, moments) but with the arguments it was built with, as any constructor does;
+    each one that differs from the checkpoint's is named in a warning (review of issue 31: the
+    saved values silently replaced them)."""
+    e, opt, _, _ = run_with_grads(lambda e: AdamW(e, 0.01, weight_decay=0.1), n_steps=2)
+    sd = opt.state_dict()
+    e2 = single_engine()
+    e2.load_checkpoint({k: v.copy() for k, v in e.params.items()})
+    hand_over_state(e2, sd)
+    with caplog.at_level("WARNING", logger="mpishard"):
+        later = AdamW(e2, 0.001, weight_decay=0.1, betas=(0.8, 0.95))
+    assert later.lr == 0.001 and later.betas == (0.8, 0.95) and later.weight_decay == 0.1
+    assert {k: v["step"] for k, v in later.state.items()} == {k: 2 for k in sd["state"]}
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "lr=0.001 (saved 0.01)" in warned and "betas=[0.8, 0.95]" in warned
+    assert "weight_decay" not in warned               # the same as saved: not named
+
+
 # -- clipping (serial) ---------------------------------------------------------------------------
 @pytest.mark.parametrize("factor", [0.25, 1.0, 4.0])
 def test_clip_matches_torch_clip_grad_norm(factor):
