@@ -3,9 +3,9 @@
     all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
 
 The blocking call may gather different lengths along the axis, so it takes two rounds: the
-lengths (an Allgather of one int64 per rank, into buffers kept per group), then the rows
-(Allgather, or Allgatherv when the lengths differ). Under the guard (guard.py) both rounds are
-one guarded call: counted in, gated and watched once. The result is a fresh array.
+lengths (an Allgather of one int64 per rank), then the rows (Allgather, or Allgatherv when the
+lengths differ). Under the guard (guard.py) both rounds run as one call with one deadline and
+one arrival count. The result is a fresh array.
 all_gather_async (FSDP's prefetch) needs equal shapes and exchanges no lengths.
 
 `Gather` is a mixin of collectives.Comm: it uses the host's `_mpi`, `_check`, `_norm_axis`,
@@ -52,7 +52,7 @@ class Gather:
         moved, axis, comm, n = self._gather_args(arr, axis, group, uneven=True)  # (len_i, ...)
         if self.watchdog.guard is not None:     # both rounds as one call under the guard:
             out = self.watchdog.run(self._gathered, None, (moved, comm, n, _plain),
-                                    "all_gather", comm)     # counted and gated once
+                                    "all_gather", comm)     # one deadline, counted once
         else:                                   # each round bounded on its own
             out = self._gathered(moved, comm, n, self.watchdog.run)
         self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
