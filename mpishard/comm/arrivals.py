@@ -16,6 +16,7 @@ nodes a peer busy outside MPI may not answer in time.
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 import time
 
@@ -85,6 +86,11 @@ class Arrivals:
         else:
             base = (self.next_block % BLOCKS) * SLOTS
             self.next_block += 1
+            if self.next_block == BLOCKS + 1:
+                logging.getLogger("mpishard").warning(
+                    "more than %d engines were built and not closed: their arrival counters "
+                    "are shared from now on, so a timeout may name the wrong late ranks "
+                    "(close engines you are done with: engine.close() or `with`)", BLOCKS)
         self.cells[base:base + SLOTS] = memoryview(bytes(8 * SLOTS)).cast("q")
         return base
 
