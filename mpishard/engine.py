@@ -391,7 +391,6 @@ def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu
     `train` command defaults to float32 for speed). report_errors: make an uncaught exception
     end the job with one report per distinct cause (comm/uncaught.py: replaces sys.excepthook,
     logged once); False keeps Python's hook."""
-    engine = MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, **options)
-    if report_errors:
+    if report_errors:                  # first: a bad argument below is reported like the rest
         install_error_report()
-    return engine
+    return MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, **options)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
+import leftovers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,13 +64,25 @@ def mpiexec_cmd(n):
     return [mpiexec(), *shlex.split(os.environ.get("MPIEXEC_FLAGS", "")), "-n", str(n)]
 
 
-def run_mpi(n, *args, timeout=120, env=None):
+def run_mpi(n, *args, timeout=120, env=None, killed=False):
     """Run `mpiexec $MPIEXEC_FLAGS -n n python -m mpi4py args...` in the repository root with
-    OMP_NUM_THREADS=1 and the variables in `env`; the CompletedProcess, output as text."""
+    OMP_NUM_THREADS=1 and the variables in `env`; the CompletedProcess, output as text.
+    The job must leave no file of the MPI library behind (tests/hpc/leftovers.py: an aborted
+    job removes its own); `killed=True`: a rank is SIGKILLed on purpose and cleans nothing, so
+    the files the job left are removed here."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    before = leftovers.mpi_files()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    finally:
+        left = leftovers.left_since(before)
+        for path in left if killed else ():
+            os.unlink(path)
+    assert killed or not left, (f"the job left the MPI library's files {left}:\n"
+                                f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return proc
 
 
 def engine_lines(text):

@@ -423,7 +423,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     path = tmp_path / "ck"
-    proc = run_mpi(2, script, path, env={"MPISHARD_TEST_CRASH_AFTER_SHARD": "1"})
+    proc = run_mpi(2, script, path, env={"MPISHARD_TEST_CRASH_AFTER_SHARD": "1"}, killed=True)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "save 2 finished" not in proc.stdout
     assert (tmp_path / "ck.tmp-2").is_dir()                      # the half-written one

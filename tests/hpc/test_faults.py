@@ -101,7 +101,7 @@ def run_fault(tmp_path, n, mode, debug=False):
     t0 = time.time()
     files = tmp_path / "mpi-files"
     proc = run_mpi(n, script, mode, TIMEOUT, files, timeout=TIMEOUT + 60,
-                   env={"MPISHARD_DEBUG": "1" if debug else "0"})
+                   env={"MPISHARD_DEBUG": "1" if debug else "0"}, killed=mode == "kill")
     elapsed = since_fault(proc, t0)
     out = proc.stdout + proc.stderr
     used = sorted({p for r in range(n) if Path(f"{files}.{r}").exists()
