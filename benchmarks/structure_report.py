@@ -4,8 +4,8 @@ functions, import cycles, private names imported across modules, other libraries
     python benchmarks/structure_report.py                  # this checkout's mpishard/
     python benchmarks/structure_report.py /tmp/before/mpishard
 
-The measurements are the helpers of tests/integration/test_structure.py, so the numbers mean exactly what
-the structure test enforces; the tree is read with `ast`, never imported.
+The measurements are the helpers of tests/integration/test_structure.py, so the numbers mean
+exactly what the structure test enforces; the tree is read with `ast`, never imported.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from .comm.backend import Backend
 from .comm.collectives import Comm
 from .comm.heap import keep_host_heap
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
+from .comm.signals import remove_singleton_segment_at_exit
 from .comm.threads import pin_blas_threads
 from .comm.uncaught import install as install_error_report
 from .comm.watchdog import DEFAULT_TIMEOUT
@@ -54,6 +55,7 @@ class ShardedEngine(ABC):
         self.layout = parse_layout(layout)
         self.host_heap = keep_host_heap(host_heap)        # comm/heap.py: opt-in, no MPI
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
+        remove_singleton_segment_at_exit(world)   # Open MPI's leak (comm/signals.py)
         self.blas_threads = pin_blas_threads(world, blas_threads)    # comm/threads.py
         self.backend = device if isinstance(device, Backend) else Backend(device, world, cuda_aware)
         self.xp = self.backend.xp

@@ -85,6 +85,20 @@ def run_mpi(n, *args, timeout=120, env=None, killed=False):
     return proc
 
 
+def run_python(args, **kwargs):
+    """`subprocess.run([sys.executable, *args], **kwargs)` for a fresh interpreter that
+    initialises MPI without a launcher and builds no engine: Open MPI 5 leaves such a
+    singleton's shared-memory segment (sm_segment.*) in /dev/shm at every exit (an engine
+    removes its own: comm/signals.py), so the segments it left are removed here."""
+    before = leftovers.mpi_files()
+    try:
+        return subprocess.run([sys.executable, *map(str, args)], **kwargs)
+    finally:
+        for path in leftovers.left_since(before):
+            if os.path.basename(path).startswith("sm_segment."):
+                os.unlink(path)
+
+
 def engine_lines(text):
     """The lines of a job's output that the engine or the script printed, without the
     launcher's own (Open MPI's `prterun`/`mpirun` reports and `----` boxes, hydra's

@@ -28,9 +28,12 @@ rank got there first. `import mpishard` installs nothing: library users keep the
 """
 from __future__ import annotations
 
+import atexit
 import fnmatch
 import os
 import signal
+
+from mpi4py import MPI
 
 __all__ = ["install_cleanup_handlers", "mapped_shm_paths", "mpi_shm_paths",
            "launcher_files", "remove_mpi_files", "MPI_SHM_PATTERNS", "SHM_DIR"]
@@ -119,6 +122,24 @@ def remove_mpi_files() -> int:
         except OSError:                          # a sibling was first, or not ours to remove
             pass
     return removed
+
+
+def remove_singleton_segment_at_exit(world) -> bool:
+    """Open MPI 5 run without a launcher (a singleton: `python script.py`) leaves its
+    shared-memory segment (sm_segment.*, 16 MiB) in /dev/shm at every exit, clean or not. For
+    such a process only, register (once) an exit handler that removes the segment it maps; it
+    runs before mpi4py finalizes MPI, and the mapping stays valid once the name is gone.
+    Returns whether the handler is registered."""
+    if (_SINGLETON_HANDLER or world.Get_size() != 1 or MPI.COMM_WORLD.Get_size() != 1
+            or "Open MPI" not in MPI.Get_library_version()):
+        return bool(_SINGLETON_HANDLER)
+    atexit.register(lambda: [os.unlink(p) for p in mpi_shm_paths(mapped_shm_paths(
+        read_own_maps())) if fnmatch.fnmatchcase(os.path.basename(p), "sm_segment.*")])
+    _SINGLETON_HANDLER.append(True)
+    return True
+
+
+_SINGLETON_HANDLER: list = []     # the process's handler is registered (once)
 
 
 def install_cleanup_handlers(rank: int | None = None) -> None:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(BENCH))
 import peers_torch  # noqa: E402
 import run_all  # noqa: E402
 import leftovers  # noqa: E402
-from conftest import mpiexec_cmd  # noqa: E402
+from conftest import mpiexec_cmd, run_python  # noqa: E402
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -36,8 +36,8 @@ def _mpiexec():
 def test_run_all_tiny_end_to_end(tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "results.md"
     parts = "mfu,collectives,peers,gpt,planner,scaling-dp,scaling-pp"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "run_all.py"), "--mpiexec", _mpiexec(), "--tiny",
+    proc = run_python(                         # some parts run without a launcher
+        [str(BENCH / "run_all.py"), "--mpiexec", _mpiexec(), "--tiny",
          "--parts", parts, "--out", str(out), "--md", str(md), "--part-timeout", "120"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -6,14 +6,13 @@ the ranks of a node never run more BLAS threads than their CPUs, and the engine 
 """
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import mpishard as ms
+from conftest import run_python
 from mpishard.comm.threads import THREAD_VARS, BlasThreads, cpu_set, pin_blas_threads, \
     threads_for
 
@@ -63,7 +62,7 @@ print(json.dumps({"before": before, "after": after, "threads": got.threads, "why
 
 
 def probe(request) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(request)], env=CLEAN_ENV,
+    out = run_python(["-c", PROBE, json.dumps(request)], env=CLEAN_ENV,
                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -162,7 +161,7 @@ print(json.dumps({"before": before, "after": blas(), "logs": records,
 def engine_probe(kwargs) -> dict:
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity here")
-    out = subprocess.run([sys.executable, "-c", ENGINE_PROBE, json.dumps(kwargs)],
+    out = run_python(["-c", ENGINE_PROBE, json.dumps(kwargs)],
                          env=CLEAN_ENV, capture_output=True, text=True, timeout=120)
     if "mallinfo2" in out.stderr:
         pytest.skip("malloc is not glibc >= 2.33 (no mallinfo2)")
@@ -208,7 +207,7 @@ def test_the_default_never_touches_torchs_threads():
     pytest.importorskip("torch")
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity here")
-    out = subprocess.run([sys.executable, "-c", TORCH_PROBE], env=CLEAN_ENV,
+    out = run_python(["-c", TORCH_PROBE], env=CLEAN_ENV,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])

@@ -6,12 +6,11 @@ bytes in mmapped blocks. The default engine leaves malloc alone (test_blas_threa
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import mpishard as ms
+from conftest import run_python
 from mpishard.comm import heap
 
 PROBE = """
@@ -42,7 +41,7 @@ print(json.dumps({"kept": engines[0].host_heap.kept, "logs": [r for r in records
 
 def probe(requested) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in heap.HEAP_VARS}
-    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(requested)], env=env,
+    out = run_python(["-c", PROBE, json.dumps(requested)], env=env,
                          capture_output=True, text=True, timeout=120)
     if "mallinfo2" in out.stderr:
         pytest.skip("malloc is not glibc >= 2.33 (no mallinfo2)")

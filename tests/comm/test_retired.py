@@ -6,7 +6,6 @@ lock-table lock, where MPI_Comm_free hangs for good.
     pytest tests/comm/test_retired.py
 """
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import mpishard as ms
-from conftest import group_comm, run_mpi
+from conftest import group_comm, run_mpi, run_python
 from mpishard.comm.alltoallv import PrivateComms
 from mpishard.comm.mesh import DeviceMesh
 from mpishard.comm.retired import free_retired
@@ -49,7 +48,7 @@ GC_INSIDE_MPI4PY = textwrap.dedent("""
 
 def test_a_mesh_collected_inside_mpi4py_s_lock_does_not_hang():
     try:
-        run = subprocess.run([sys.executable, "-c", GC_INSIDE_MPI4PY], capture_output=True,
+        run = run_python(["-c", GC_INSIDE_MPI4PY], capture_output=True,
                              text=True, timeout=60)
     except subprocess.TimeoutExpired:
         raise AssertionError("a mesh's finalizer hung inside mpi4py's commlock") from None

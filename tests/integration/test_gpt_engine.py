@@ -1,7 +1,8 @@
 """GPT on the engine: single against a plain numpy reference, then every supported layout
 against single in float64 (rtol 1e-9): logits, loss and every gradient; AdamW training.
 
-MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_gpt_engine.py`
+MPI tests:
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_gpt_engine.py`
 for N in 1, 2, 4, 8 (a k-rank layout runs on `group_comm(k)`, several groups side by side).
 """
 import numpy as np

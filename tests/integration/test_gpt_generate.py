@@ -3,7 +3,8 @@ equals argmax of full recomputation, token for token, and the logits agree in fl
 1e-9) at every step, the cache full and refilled included (seq_len 16, 40 new tokens); under
 single, tp=2, pp=2 and dp=2,tp=2 the same; a seeded sampled text is the same on 1 and 2 ranks.
 
-MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_gpt_generate.py`
+MPI tests:
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_gpt_generate.py`
 for N in 1, 2, 4, 8 (a k-rank layout runs on `group_comm(k)`).
 """
 import numpy as np

@@ -5,7 +5,8 @@ float64 (rtol 1e-9). Under cp the trainer feeds each rank its two sequence chunk
 puts the chunks back through gather_batch.
 
 MPI tests, for N in 1, 2, 4, 8:
-`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_gpt_train_layouts.py`
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi \
+    tests/integration/test_gpt_train_layouts.py`
 (a k-rank layout runs on `group_comm(k)`).
 """
 import pytest

@@ -1,6 +1,7 @@
 """ZeRO-3 gathers no weight in the backward of the model's first layer (no dx is needed there).
 
-    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_fsdp_first_layer.py
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi \
+        tests/parallel/test_fsdp_first_layer.py
 
 dW = x^T dy needs x and dy, not W, and nothing uses the gradient of the model input, so layer 0
 (on pipeline stage 0) gets its weight only for the forward. Against the same engine made to

@@ -4,7 +4,8 @@ Serial: the balanced chunk split and its inverse, the ring's chunk pairs, the re
 every cp layout equals single in float64 (rtol 1e-9): logits via gather_batch(predict), the
 loss and every gradient; the attention-score memory and the ring's bytes at cp=4, measured.
 
-`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_gpt_cp.py`, N in 1, 2,
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_gpt_cp.py`,
+N in 1, 2,
 4, 8 (a k-rank layout runs on `group_comm(k)`, several groups side by side).
 """
 import numpy as np

@@ -1,8 +1,10 @@
 """Mixture of experts: the ms.MoE spec, its single-device reference, and expert parallelism.
 
-Serial: `pytest tests/parallel/test_moe.py -m "not mpi"` (spec, routing rules against a from-scratch
+Serial: `pytest tests/parallel/test_moe.py -m "not mpi"` (spec, routing rules against a
+from-scratch
 loop, finite-difference gradients, plan errors, the example at 2 ranks).
-MPI: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_moe.py`, N in 1, 2,
+MPI: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_moe.py`,
+N in 1, 2,
 4, 8: ep / dp / dp x ep against `single` with the same capacity groups, float64 rtol 1e-9.
 """
 from pathlib import Path

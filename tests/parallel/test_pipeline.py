@@ -1,7 +1,8 @@
 """Pipeline parallelism against the single-device reference, float64, rtol 1e-9.
 
 MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
-tests/parallel/test_pipeline.py` for N in 1, 2, 4, 8 (a pp=k layout runs on `group_comm(k)`, several groups side by side).
+tests/parallel/test_pipeline.py` for N in 1, 2, 4, 8 (a pp=k layout runs on `group_comm(k)`,
+several groups side by side).
 Serial tests (stage assignment, the examples under mpiexec): `pytest -m "not mpi"`.
 """
 from pathlib import Path

@@ -2,7 +2,8 @@
 engine's split backward (B: input gradient, W: weight gradients) against single in float64
 (rtol 1e-9) for an MLP and a GPT at pp=2 and pp=4, with and without dp/fsdp/tp.
 
-MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_zero_bubble.py`
+MPI tests:
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_zero_bubble.py`
 for N in 1, 2, 4, 8 (a k-rank layout runs on `group_comm(k)`).
 """
 import pytest
