@@ -67,12 +67,21 @@ def agree(comm, error, exc=ValueError, wait=None) -> None:
     else a message; if any rank has one, every rank raises `exc` with the first failing rank's
     message, so no rank is left waiting alone in a later collective.
 
-    One Allreduce of a flag when every rank is fine; the messages travel (pickled, small
-    control data) only when one is not. `wait`: how to wait for the Iallreduce (a watchdog).
+    One Allreduce of a flag when every rank is fine; the messages travel (their lengths, then
+    their UTF-8 bytes) only when one is not. `wait`: how to wait for each request (a watchdog,
+    so every round is bounded).
     """
+    wait = wait or MPI.Request.Wait
     flag = np.array([0 if error is None else 1], dtype=np.int64)
     total = np.empty(1, dtype=np.int64)
-    (wait or MPI.Request.Wait)(comm.Iallreduce(flag, total, op=MPI.SUM))
+    wait(comm.Iallreduce(flag, total, op=MPI.SUM))
     if total[0]:
-        msgs = comm.allgather(None if error is None else str(error))
-        raise exc(next(m for m in msgs if m is not None))
+        mine = np.frombuffer(b"" if error is None else str(error).encode(), dtype=np.uint8)
+        lengths = np.empty(comm.Get_size(), dtype=np.int64)
+        wait(comm.Iallgather(np.array([mine.size], dtype=np.int64), lengths))
+        counts = lengths.tolist()
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).tolist()
+        text = np.empty(sum(counts), dtype=np.uint8)
+        wait(comm.Iallgatherv([mine, MPI.BYTE], [text, counts, starts, MPI.BYTE]))
+        msgs = [bytes(text[a:a + n]).decode() for a, n in zip(starts, counts) if n]
+        raise exc(msgs[0] if msgs else "a rank failed without a message")
