@@ -119,7 +119,7 @@ class ShardedEngine(ABC):
             try:
                 self.comm.close(collective)
             finally:
-                self.mesh.close()
+                self.mesh.close() if collective else self.mesh.keep()   # (Comm.close)
 
     def __enter__(self):
         return self

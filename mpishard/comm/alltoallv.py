@@ -38,7 +38,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from .debug import agree
-from .retired import free_retired, retire
+from .retired import free_retired, keep_forever, retire
 
 TAG = 0                       # on the private communicator, which carries nothing else
 _MPI_TYPES: dict = {}
@@ -102,6 +102,11 @@ class PrivateComms:
         dups, self.dups = self.dups, {}
         for dup in dups.values():
             dup.Free()
+
+    def keep(self) -> None:
+        """Never free the duplicates (retired.keep_forever: a message may still arrive)."""
+        dups, self.dups = self.dups, {}
+        keep_forever(dups.values())
 
     def __del__(self):
         dups, self.dups = getattr(self, "dups", {}), {}

@@ -69,6 +69,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         self.pending_receives: dict = {}   # (comm, src, tag) -> pending receives, in order
         self.sends_in_flight: list = []    # send Futures kept alive until done (p2p.py)
         self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
+        self.watchdog.keep_on_timeout.append(self.private)
 
     # -- groups ------------------------------------------------------------------------------
     def group(self, axes) -> "Comm":
@@ -125,7 +126,10 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         the timeout; not after a timeout), the receives never waited for are cancelled, and
         all_to_all_v's communicators freed; every later call raises CommUnusable.
         collective=False (this rank alone, leaving a `with` block on an exception): nothing is
-        waited for, sends in flight are kept alive (watchdog.abandon), the arrival block too."""
+        waited for, sends in flight are kept alive (watchdog.abandon), and the communicators
+        and the arrival block are kept too: a freed communicator's context id can be reused by
+        a later one, where a peer's message that was never received would then match a
+        receive and silently overwrite its data."""
         try:
             if collective and self.watchdog.unusable is None:
                 for fut in self.sends_in_flight:
@@ -141,7 +145,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
             abandon(fut for fut in self.sends_in_flight if not fut.done())
             self.sends_in_flight.clear()
             self._by_group.clear()             # every view's next lookup: the closed mesh
-            self.private.close()
+            self.private.close() if collective else self.private.keep()
             self.watchdog.close("this engine was closed (engine.close()): build a new engine",
                                 give_back=collective)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import isfinite, prod
 
-from .retired import free_retired, retire
+from .retired import free_retired, keep_forever, retire
 
 class CommUnusable(RuntimeError):
     """The engine's communication was closed, or timed out before: build a new engine."""
@@ -207,6 +207,12 @@ class DeviceMesh:
         comms, self._comms, self.closed = self._comms, {}, True
         for comm in comms.values():
             comm.Free()
+
+    def keep(self) -> None:
+        """Like close(), but the communicators are never freed (retired.keep_forever): after
+        a timeout or a close on this rank alone, a message may still arrive on them."""
+        comms, self._comms, self.closed = self._comms, {}, True
+        keep_forever(comms.values())
 
     def __del__(self):
         """A mesh collected without `close()`: its communicators are handed over to be freed

@@ -17,6 +17,14 @@ from __future__ import annotations
 from mpi4py import MPI
 
 _RETIRED: list = []
+_NEVER_FREED: list = []
+
+
+def keep_forever(comms) -> None:
+    """Keep communicators that a message may still arrive on (a send or receive given up on,
+    a peer's message never received) for the process's life: freed, their context id could
+    go to a later communicator, whose receive would take that message instead."""
+    _NEVER_FREED.extend(comms)
 
 
 def retire(comms) -> None:

@@ -76,6 +76,7 @@ class Watchdog:
         self.tracer = None                    # a comm.trace.Tracer while tracing: wait times
         self.unusable = None                  # why later calls are refused (CommUnusable)
         self.returned = False                 # the arrival block was given back (close)
+        self.keep_on_timeout: list = []       # more communicators to keep (Comm.__init__)
         self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
         self.cells = self.arrivals.cells if self.timeout else None     # its counters
         self.base = self.arrivals.take_block() if self.timeout else 0
@@ -292,6 +293,9 @@ class Watchdog:
         self.close(f"this engine timed out earlier ({what} on group {self.group(comm)[2]}); "
                    "its communicators may still have operations pending: build a new engine",
                    give_back=False)
+        self.mesh.keep()                      # never freed: a late message may still come
+        for holder in self.keep_on_timeout:   # all_to_all_v's duplicates (Comm)
+            holder.keep()
         raise CollectiveTimeout(message)
 
     def describe(self, what, comm, late) -> str:
