@@ -1,16 +1,18 @@
 """`python -m mpishard ...` (under mpiexec: `python -m mpi4py -m mpishard ...`) and the
 `mpishard` console script; the commands are in mpishard/cli/. A process running an MPI command
 first installs the SIGTERM/SIGINT handlers of comm/signals.py (scancel, Ctrl-C: remove the MPI
-library's own files of this job, then exit). In-process `mpishard.cli.main([...])` installs
-nothing."""
+library's own files of this job, then exit); every command run without a launcher under Open
+MPI removes the shared-memory segment such a singleton leaves at exit (comm/signals.py).
+In-process `mpishard.cli.main([...])` installs nothing."""
 import sys
 
 from .cli import MPI_COMMANDS, exit_cleanly, main
-from .cli.usage import world_rank
-from .comm.signals import install_cleanup_handlers
+from .cli.usage import world_comm, world_rank
+from .comm.signals import install_cleanup_handlers, remove_singleton_segment_at_exit
 
 
 def run() -> None:
+    remove_singleton_segment_at_exit(world_comm())
     if sys.argv[1:2] and sys.argv[1] in MPI_COMMANDS:
         install_cleanup_handlers(rank=world_rank())
     exit_cleanly(main())
