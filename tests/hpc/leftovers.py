@@ -16,7 +16,10 @@ import json
 import os
 import sys
 
-from mpishard.comm.signals import MPI_SHM_PATTERNS
+# comm/signals.py's MPI_SHM_PATTERNS (tests/hpc/test_faults.py checks they agree), copied: this
+# script must not import mpishard, whose import initialises MPI, and an Open MPI singleton
+# leaves a segment of its own behind
+MPI_SHM_PATTERNS = ("mpich_shm_*", "sm_segment.*", "vader_segment.*", "ucx_shm_posix_*")
 
 LAUNCHER_FILES = "/tmp/hydra_hwloc_xmlfile_*"
 

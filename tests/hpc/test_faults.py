@@ -285,3 +285,10 @@ def test_a_rank_s_checkpoint_write_fails_and_training_continues(tmp_path, n):
     assert metrics["checkpoint_failures"] == 1 and metrics["checkpoint_last_step"] == 6
     assert ckpt.step == 6
     ckpt.verify()
+
+
+def test_the_leftover_check_knows_the_mpi_library_s_file_names():
+    """tests/hpc/leftovers.py keeps its own copy (it must not import mpishard, which starts MPI)."""
+    import leftovers
+    from mpishard.comm.signals import MPI_SHM_PATTERNS
+    assert leftovers.MPI_SHM_PATTERNS == MPI_SHM_PATTERNS
