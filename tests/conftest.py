@@ -91,6 +91,20 @@ def run_mpi(n, *args, timeout=120, env=None, killed=False):
     return proc
 
 
+# The start of a fresh-interpreter probe (after `import ctypes, logging`): glibc's mallinfo2,
+# to see where malloc put an array, and `records`, what a logging handler received.
+MALLINFO_PROBE = """
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append(r.getMessage())
+"""
+
+
 def run_python(args, **kwargs):
     """`subprocess.run([sys.executable, *args], **kwargs)` for a fresh interpreter that
     initialises MPI without a launcher and builds no engine: Open MPI 5 leaves such a

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import mpishard as ms
-from conftest import run_python
+from conftest import MALLINFO_PROBE, run_python
 from mpishard.comm.threads import THREAD_VARS, BlasThreads, cpu_set, pin_blas_threads, \
     threads_for
 
@@ -138,15 +138,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_info
 import mpishard as ms
 
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
-records = []
-handler = logging.Handler()
-handler.emit = lambda r: records.append(r.getMessage())
-logging.getLogger("mpishard").addHandler(handler)
+""" + MALLINFO_PROBE + """logging.getLogger("mpishard").addHandler(handler)
 blas = lambda: [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
 before = blas()
 kwargs = json.loads(sys.argv[1])

@@ -10,7 +10,7 @@ import os
 import pytest
 
 import mpishard as ms
-from conftest import run_python
+from conftest import MALLINFO_PROBE, run_python
 from mpishard.comm import heap
 
 PROBE = """
@@ -19,15 +19,7 @@ import numpy as np
 from mpi4py import MPI
 import mpishard as ms
 
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
-records = []
-handler = logging.Handler()
-handler.emit = lambda r: records.append(r.getMessage())
-log = logging.getLogger("mpishard")
+""" + MALLINFO_PROBE + """log = logging.getLogger("mpishard")
 log.addHandler(handler)
 log.setLevel(logging.INFO)
 engines = [ms.make_engine(ms.MLP([4, 4]), comm=MPI.COMM_SELF, host_heap=json.loads(sys.argv[1]))
