@@ -86,8 +86,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         """The mpi4py communicator of `group` (None: this Comm's own group), looked up once
         per spelling of the group (every collective call starts here). After close() or a
         timeout it raises CommUnusable (watchdog.py)."""
-        if self.watchdog.unusable is not None:
-            raise CommUnusable(self.watchdog.unusable)
+        self.watchdog.check_usable()
         key = self.default_group if group is None else group
         try:
             return self._by_group[key]
