@@ -10,6 +10,8 @@
 - no buffer protocol, so an unstaged device array handed to mpi4py raises; in CUDA-aware mode
   `__cuda_array_interface__` exposes the memory (host memory, which MPI reads and writes on
   this machine exactly as a CUDA-aware MPI would device memory);
+- only cupy's dtypes exist (bool, integers, float16/32/64, complex): an array of any other
+  (ml_dtypes.bfloat16, float128, strings, objects) raises TypeError, as cupy refuses it;
 - every host<->device copy is counted (`module.copies`): `xp.asarray(host)` (to_device),
   `d.get()` / `xp.asnumpy(d)` / `float(d)` (to_host), `d.set(host)` (to_device).
 """
@@ -19,6 +21,8 @@ import operator
 import types
 
 import numpy as np
+
+CUPY_DTYPES = frozenset(np.dtype(c) for c in "?bhilqBHILQefdFD")
 
 
 class CopyCounter:
@@ -61,6 +65,8 @@ class DeviceArray:
 
     def __init__(self, data, module, base=None):
         assert isinstance(data, np.ndarray), type(data)
+        if data.dtype not in CUPY_DTYPES:
+            raise TypeError(f"Unsupported dtype {data.dtype} (cupy has no such dtype)")
         self._data, self._module, self._base = data, module, base
 
     # -- what cupy refuses -------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""bfloat16 as uint16 words (parallel/bf16.py): the conversions equal ml_dtypes bit for bit.
+
+Everywhere (numpy and the strict device double, tests/device_double.py): the xp-op conversions
+against ml_dtypes.bfloat16 on
+- all 65536 bf16 words -> float32;
+- float32 -> words on every float32 a bf16 word widens to (exact), every exact tie between two
+  neighbours (low half 0x8000: ties to even, both directions of the sign), one bit either side
+  of each tie, 2**20 random bit patterns, subnormals, the largest finite float32s (which round
+  to inf), +-inf, and NaNs with assorted payloads (squashed to 0x7FC0 / 0xFFC0 by sign);
+- float64 -> words (ml_dtypes goes through float32; so do the words).
+On real cupy with a GPU (skipped cleanly without one): the ElementwiseKernels against the same
+bit arithmetic as cupy array ops, bit for bit, on all those patterns, and on all 2**32 float32
+bit patterns in chunks (kernel against xp ops, both on the GPU); and against ml_dtypes.
+"""
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from device_double import DeviceModule
+
+from mpishard.comm.gpu import try_import_cupy
+from mpishard.parallel import bf16
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+WORDS = np.arange(1 << 16, dtype=np.uint16)
+
+
+def float32_patterns(seed=0) -> np.ndarray:
+    """Bit patterns (uint32) of the float32s listed in the module docstring."""
+    high = WORDS.astype(np.uint32) << 16
+    rng = np.random.default_rng(seed)
+    special = np.array([0x00000001, 0x00007FFF, 0x00008000, 0x00008001, 0x00018000, 0x0000FFFF,
+                        0x007FFFFF, 0x00800000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000,
+                        0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0x7FFFFFFF, 0x3F808000, 0x3F818000],
+                       dtype=np.uint32)
+    return np.concatenate([high, high | 0x8000, high | 0x7FFF, high | 0x8001,
+                           rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint32),
+                           rng.integers(0, 1 << 23, 4096, dtype=np.uint32),    # subnormals
+                           special, special | 0x80000000])
+
+
+def host_words(x: np.ndarray) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)       # numpy: "invalid value" on NaN
+        return x.astype(BF16).view(np.uint16)
+
+
+def modules():
+    return [("numpy", np), ("device double", DeviceModule())]
+
+
+def on(xp, a):
+    return xp.asarray(a) if xp is not np else a
+
+
+def back(xp, a):
+    return xp.asnumpy(a) if xp is not np else a
+
+
+@pytest.mark.parametrize("name,xp", modules(), ids=lambda v: v if isinstance(v, str) else "")
+def test_xp_ops_equal_ml_dtypes(name, xp):
+    widened = back(xp, bf16.to_float32(xp, on(xp, WORDS)))
+    assert widened.dtype == np.float32
+    assert np.array_equal(widened.view(np.uint32), WORDS.view(BF16).astype(np.float32)
+                          .view(np.uint32)), f"{name}: words -> float32"
+    x = float32_patterns().view(np.float32)
+    got = back(xp, bf16.to_words(xp, on(xp, x)))
+    want = host_words(x)
+    bad = np.flatnonzero(got != want)
+    print(f"{name}: float32 -> bf16 words on {x.size} patterns: {bad.size} differ")
+    assert got.dtype == np.uint16 and bad.size == 0, [hex(v) for v in x.view(np.uint32)[bad[:5]]]
+    assert set(np.unique(want[np.isnan(x)])) == {0x7FC0, 0xFFC0}        # NaNs squashed by sign
+    rng = np.random.default_rng(1)
+    x64 = rng.normal(size=1 << 16) * np.exp2(rng.integers(-140, 130, 1 << 16))
+    x64[:4] = [1 + 2.0 ** -8 + 2.0 ** -30, -(1 + 2.0 ** -8 + 2.0 ** -30), 2.0 ** -133, 1e39]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)       # 1e39: float64 -> float32 inf
+        got64 = back(xp, bf16.to_words(xp, on(xp, x64)))
+    assert np.array_equal(got64, host_words(x64))
+
+
+def test_device_double_refuses_ml_dtypes_bfloat16():
+    """cupy has no bfloat16 dtype: the double refuses it too, so the device path must use the
+    words (a bf16 array on the double would hide a path that fails on cupy)."""
+    xp = DeviceModule()
+    with pytest.raises(TypeError, match="bfloat16"):
+        xp.asarray(np.ones(3, dtype=BF16))
+    with pytest.raises(TypeError, match="bfloat16"):
+        xp.zeros(3, dtype=BF16)
+    with pytest.raises(TypeError, match="bfloat16"):
+        xp.ones(3, dtype=np.float32).astype(BF16)
+
+
+def gpu_cupy():
+    cupy = try_import_cupy()
+    try:
+        if cupy is None or cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError("no device")
+    except Exception:
+        pytest.skip("cupy with a CUDA device is not available here")
+    return cupy
+
+
+def test_kernels_equal_xp_ops_on_gpu():
+    cp = gpu_cupy()
+    words = cp.asarray(WORDS)
+    kernel, ops = bf16.to_float32(cp, words), bf16.float32_by_ops(cp, words)
+    assert kernel.dtype == np.float32 and bool((kernel.view(cp.uint32) == ops.view(cp.uint32))
+                                               .all())
+    assert np.array_equal(cp.asnumpy(kernel).view(np.uint32),
+                          WORDS.view(BF16).astype(np.float32).view(np.uint32))
+    x = float32_patterns().view(np.float32)
+    got = bf16.to_words(cp, cp.asarray(x))
+    assert got.dtype == np.uint16
+    assert bool((got == bf16.words_by_ops(cp, cp.asarray(x))).all())
+    assert np.array_equal(cp.asnumpy(got), host_words(x))
+    strided = cp.asarray(x[:1 << 16].reshape(256, 256)).T           # non-contiguous input
+    assert np.array_equal(cp.asnumpy(bf16.to_words(cp, strided)), host_words(x[:1 << 16]
+                                                                             .reshape(256, 256).T))
+    chunk, differ = 1 << 27, 0                                        # all 2**32 float32s
+    for start in range(0, 1 << 32, chunk):
+        u = cp.arange(start, start + chunk, dtype=cp.uint64).astype(cp.uint32)
+        f = u.view(cp.float32)
+        differ += int((bf16.to_words(cp, f) != bf16.words_by_ops(cp, f)).sum())
+    print(f"kernel vs xp ops on all 2**32 float32 patterns: {differ} differ")
+    assert differ == 0
