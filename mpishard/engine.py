@@ -30,6 +30,7 @@ from .comm.watchdog import DEFAULT_TIMEOUT
 from .nn.losses import get_loss
 from .parallel.compose import compose
 from .parallel.context_parallel import shard_sequence
+from .parallel.decode import generate as generate_ids
 from .parallel.precision import Precision
 from .parallel.tracing import trace_engine
 
@@ -247,8 +248,7 @@ class MeshEngine(ShardedEngine):
     def forward(self, x, mb: int = 0):
         """Forward this rank's rows, recording activations for `backward`."""
         self._require_loaded()
-        if x is not None:
-            x = self._input(x)
+        x = None if x is None else self._input(x)
         self._drop_tape(mb)          # a forward that never got its backward is forgotten
         return self.runner.forward(x, mb=mb, record=True)
 
@@ -261,9 +261,10 @@ class MeshEngine(ShardedEngine):
     def predict(self, x):
         """Forward without an activation tape (inference)."""
         self._require_loaded()
-        if x is not None:
-            x = self._input(x)
+        x = None if x is None else self._input(x)
         return self.runner.forward(x, mb=-1, record=False)
+
+    generate = generate_ids      # generate(prompts, max_new_tokens, ...): parallel/decode.py
 
     def zero_grad(self) -> None:
         self.store.zero_grads()
@@ -305,8 +306,7 @@ class MeshEngine(ShardedEngine):
         """
         self._require_loaded()
         loss = self.output.loss(get_loss(loss))   # GPT under tp: vocab-parallel cross-entropy
-        if x is not None:
-            x = self._input(x)
+        x = None if x is None else self._input(x)
         if t is not None:
             t = self._to_device(t)             # float targets in the engine dtype, labels as is
             # check the targets on every rank before any communication (under pp the loss

@@ -44,9 +44,10 @@ def _t(a):
     return a.swapaxes(-1, -2)
 
 
-def _masked_scores_t(q, k, offset):
+def _masked_scores_t(q, k, offset, visible=None):
     """The scores transposed, keys down and queries across (B, H, Tk, Tq):
-    s^T = 'bhsd,bhtd->bhst' (k, q / sqrt(Dh)), -inf where the causal mask hides the key.
+    s^T = 'bhsd,bhtd->bhst' (k, q / sqrt(Dh)), -inf where the causal mask hides the key and,
+    when `visible` (bool, broadcastable to (B, H, Tq, Tk)) is given, where it is False.
 
     Why transposed: the softmax then reduces over axis -2 (whole contiguous rows at a time)
     instead of along a short last axis, and both GEMMs of the forward are plain or
@@ -61,6 +62,8 @@ def _masked_scores_t(q, k, offset):
         flat = s.reshape(s.shape[:-2] + (-1,))          # the add runs in long contiguous loops
         flat += hide.astype(s.dtype).reshape(-1)
         s = flat.reshape(s.shape)                       # (a view of s, or of a copy of it)
+    if visible is not None:                 # e.g. a KV cache's padding mask (kv_cache.py)
+        s = s + xp.where(_t(visible), 0.0, -xp.inf).astype(s.dtype)
     return s
 
 
@@ -81,17 +84,19 @@ def _max_over_keys(s):
     return m[..., :1, :]
 
 
-def attention_block(q, k, v, offset=None, keep_probs=False):
+def attention_block(q, k, v, offset=None, keep_probs=False, visible=None):
     """One block: (out (B, H, Tq, Dh) normalised within the block, lse (B, H, Tq)).
 
-    offset None: every query sees every key; an int: the causal mask of causal_mask. A row
+    offset None: every query sees every key; an int: the causal mask of causal_mask.
+    visible: None, or a bool mask broadcastable to (B, H, Tq, Tk), False hiding a key from a
+    query (with offset, a key must pass both; forward only: the backward takes no mask). A row
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
     keep_probs: also return the probabilities p^T (B, H, Tk, Tq), for a backward that keeps
     them instead of recomputing the scores (one (B, H, T, T) array more per layer on the tape).
     """
     xp = array_module(q)
-    p = _masked_scores_t(q, k, offset)                       # s^T, then p^T in place
+    p = _masked_scores_t(q, k, offset, visible)              # s^T, then p^T in place
     m = _finite_or_zero(xp, _max_over_keys(p))               # per query max: exp(s - m) <= 1
     p -= m
     xp.exp(p, out=p)                                         # unnormalised probabilities

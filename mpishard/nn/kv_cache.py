@@ -1,44 +1,57 @@
-"""A KV cache for incremental decoding of a GPT: keys and values of the positions seen so far.
+"""A KV cache for incremental decoding: keys and values of the positions seen so far, per row.
 
     cache = KVCache(capacity=model.seq_len)
+    cache.extend(real)                    # (B, t) bool: which new tokens are real (optional)
     with caching(chunks, cache):          # every unit of this rank's stage(s)
-        logits = forward(new_tokens)      # (B, t) -> (B, t, V): only the t new positions
+        logits = forward(new_tokens)      # (B, t) -> (B, t, V): only the t new slots
     cache.advance(t)
 
-Each attention unit (CausalSelfAttention) keeps, in the cache under its own key, buffers k, v of
-shape (B, H_local, capacity, Dh) for the heads it computes (all heads on one device, H/tp under
-tp); a pipeline stage's cache holds only its own blocks. A forward over t new tokens writes
-their k, v at positions [length, length + t) and attends the t queries to every cached key
-with the causal mask shifted by `length` (attention.attention_block with offset=length):
+Each attention unit keeps, in the cache under its own key, buffers k, v of shape
+(B, Hkv, capacity, Dh) for the kv heads it computes (all on one device, its share under tp); a
+pipeline stage's cache holds only its own blocks, a data-parallel rank only its own rows. A
+forward over t new tokens writes their k, v at slots [length, length + t) and attends the t
+queries to the cached keys:
 
-    out = softmax(q k[:, :, :length+t]^T / sqrt(Dh), query i sees key j <= length + i) v[...]
+    out = softmax(q k[:, :, :length+t]^T / sqrt(Dh) + mask) v[:, :, :length+t]
+    mask[b, i, j] = 0 if j <= length + i (causal by slot) and slot j of row b is real, else -inf
 
-so the prompt goes through in one pass (prefill, t = its length) and each new token in a pass
-of t = 1, with the same numbers as recomputing the whole context. The embeddings' positions
-move with it: inside `caching`, their `token_positions(t)` is `cache.positions(t)` =
-length .. length + t - 1.
+so a prompt goes through in one pass (prefill) and each new token in a pass of t = 1, with the
+same numbers as recomputing the whole context. Rows of different lengths are left-padded: the
+padding slots are never real (`extend`'s False), so no real query sees them, and a padding
+query sees no key (its output is 0 and unused). Grouped-query attention: with Hkv < Hq kv heads
+query head h reads kv head h // (Hq / Hkv) (HF's repeat_kv), computed without repeating the
+buffers (the g = Hq / Hkv query heads of a kv head ride along the query axis).
 
-The cache holds at most `capacity` (= seq_len) positions: the model has no position beyond.
-What to do when it is full is the caller's choice (cli/generate.py recomputes the cropped
-window: reset, then a prefill of the last tokens). Units that cannot decode incrementally
-(ring/Ulysses attention under cp, the sequence-parallel embedding) have no cache hooks; the
-layout check for that is parallel/gpt.check_decode.
+Positions: a row's real tokens are numbered 0, 1, ... from its first real token (transformers'
+cumsum(attention_mask) - 1); a padding slot gets the position of the real token before it
+(clipped to 0: unused). Inside `caching`, the units' `token_positions(t)` is
+`cache.positions(t)`: the (B, t) integer array of the new tokens after an `extend`, or the slice
+length .. length + t - 1 when no rows were declared (one unpadded batch).
+
+The cache holds at most `capacity` (= seq_len) slots: the model has no position beyond. What to
+do when it is full is the caller's choice (parallel/decode.py recomputes the cropped window:
+reset, then a prefill of the last tokens). Units that cannot decode incrementally (ring/Ulysses
+attention under cp, the sequence-parallel embedding) have no cache hooks; the layout check for
+that is parallel/gpt.check_decode.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-from .attention import attention_block
+from .attention import attention_block, causal_mask
 from .functional import array_module
 
 
 class KVCache:
-    """Cached keys/values per attention unit and the number of positions they hold."""
+    """Cached keys/values per attention unit, the slots they fill and which slots are real."""
 
     def __init__(self, capacity: int):
         self.capacity = int(capacity)
         self.length = 0
-        self.buffers: dict = {}          # attention unit -> (k, v), each (B, H, capacity, Dh)
+        self.buffers: dict = {}          # attention unit -> (k, v), each (B, Hkv, capacity, Dh)
+        self.real = None                 # (B, capacity) bool once rows are declared (extend)
+        self.seen = None                 # (B,) real tokens per row so far
+        self.new_positions = None        # (B, t) positions of the slots being filled
 
     def __repr__(self):
         return f"KVCache({self.length}/{self.capacity} positions, {len(self.buffers)} layers)"
@@ -46,34 +59,74 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position (the buffers are kept for reuse)."""
         self.length = 0
+        self.real = self.seen = self.new_positions = None
 
-    def positions(self, t: int) -> slice:
-        """The positions of t new tokens: length .. length + t - 1 (ValueError past capacity)."""
+    def _check_room(self, t: int) -> None:
         if self.length + t > self.capacity:
             raise ValueError(f"KV cache: {t} new positions after {self.length} exceed the "
                              f"model's {self.capacity} (reset it and prefill a shorter window)")
+
+    def extend(self, real) -> None:
+        """Declare the next forward's t new slots per row: real (B, t) bool (an xp array),
+        False for left padding. Sets their positions (module docstring)."""
+        xp = array_module(real)
+        b, t = real.shape
+        self._check_room(t)
+        if self.real is None:
+            self.real = xp.zeros((b, self.capacity), dtype=bool)
+            self.seen = xp.zeros(b, dtype=xp.int64)
+        if self.real.shape[0] != b:
+            raise ValueError(f"KV cache: {b} rows after {self.real.shape[0]} (reset it first)")
+        self.real[:, self.length:self.length + t] = real
+        count = self.seen[:, None] + xp.cumsum(real, axis=1)       # real tokens up to each slot
+        self.new_positions = xp.maximum(count - 1, 0)
+        self.seen = count[:, -1]
+
+    def positions(self, t: int):
+        """The positions of t new tokens: the (B, t) array declared by `extend`, else the
+        slice length .. length + t - 1 (ValueError past capacity)."""
+        self._check_room(t)
+        if self.new_positions is not None:
+            if self.new_positions.shape[1] != t:
+                raise ValueError(f"KV cache: a forward of {t} tokens after extend() declared "
+                                 f"{self.new_positions.shape[1]}")
+            return self.new_positions
         return slice(self.length, self.length + t)
 
     def attend(self, unit, q, k, v):
-        """q, k, v (B, H, t, Dh) of t new positions -> their attention output (B, H, t, Dh)
-        over the cached keys and these; k, v are stored for the next calls."""
-        where = self.positions(k.shape[2])
+        """q (B, Hq, t, Dh), k, v (B, Hkv, t, Dh) of t new slots -> their attention output
+        (B, Hq, t, Dh) over the cached keys and these; k, v are stored for the next calls."""
+        xp = array_module(k)
+        b, hq, t, dh = q.shape
+        hkv = k.shape[1]
+        if hq % hkv:
+            raise ValueError(f"KV cache: {hq} query heads do not divide into {hkv} kv heads")
+        self._check_room(t)
         kb, vb = self.buffers.get(unit, (None, None))
-        shape = k.shape[:2] + (self.capacity, k.shape[3])
+        shape = (b, hkv, self.capacity, dh)
         if kb is None or kb.shape != shape or kb.dtype != k.dtype:
-            xp = array_module(k)
+            if self.length:
+                raise ValueError(f"KV cache: keys of shape {tuple(k.shape)} after "
+                                 f"{self.length} cached positions of {kb.shape}")
             kb, vb = xp.zeros(shape, dtype=k.dtype), xp.zeros(shape, dtype=v.dtype)
             self.buffers[unit] = (kb, vb)
-        kb[:, :, where] = k                                         # append
-        vb[:, :, where] = v
-        end = where.stop
-        out, _ = attention_block(q, kb[:, :, :end], vb[:, :, :end], offset=self.length)
-        return out
+        end = self.length + t
+        kb[:, :, self.length:end] = k                                # append
+        vb[:, :, self.length:end] = v
+        g = hq // hkv                    # query heads j*g .. j*g+g-1 read kv head j
+        visible = causal_mask(xp, t, end, self.length)              # (t, end) by slot
+        if self.real is not None:
+            visible = visible[None] & self.real[:, None, :end]       # (B, t, end)
+        visible = xp.concatenate([visible] * g, axis=-2)[..., None, :, :]   # (., 1, g t, end)
+        out, _ = attention_block(q.reshape(b, hkv, g * t, dh), kb[:, :, :end], vb[:, :, :end],
+                                 visible=visible)
+        return out.reshape(b, hq, t, dh)
 
     def advance(self, t: int) -> None:
         """After a forward of t new tokens through every unit: they are cached now."""
-        self.positions(t)
+        self._check_room(t)
         self.length += int(t)
+        self.new_positions = None
 
 
 def cache_units(units):
@@ -96,7 +149,7 @@ def cache_units(units):
 @contextmanager
 def caching(chunks, cache: KVCache):
     """Within: the units of `chunks` (lists of units) decode against `cache` (attention reads
-    and appends it, embeddings take positions from it); restored afterwards."""
+    and appends it, units with positions take them from it); restored afterwards."""
     attention, embeddings = cache_units([u for chunk in chunks for u in chunk])
     saved = [(u, u.token_positions) for u in embeddings]
     for u in attention:

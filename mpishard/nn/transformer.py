@@ -93,16 +93,24 @@ def leading_positions(t: int):
 
 
 def position_rows(pos, where):
-    """Rows `where` of a positions table: a slice, or a tuple of slices (cp: a rank's two
-    chunks) taken in order. Slices, not index arrays: no host index meets a device table."""
+    """Rows `where` of a positions table, in the three forms of `token_positions(t)`: a slice
+    -> (t, D); a tuple of slices (cp: a rank's two chunks) taken in order -> (t, D); an integer
+    array (B, t) of per-row positions (batched decoding with left padding, nn/kv_cache.py)
+    -> (B, t, D). Slices stay slices, so no host index meets a device table."""
     if isinstance(where, slice):
         return pos[where]
-    return nn.array_module(pos).concatenate([pos[s] for s in where])
+    if isinstance(where, tuple):
+        return nn.array_module(pos).concatenate([pos[s] for s in where])
+    return nn.embedding_forward(pos, where)                  # 'bt -> btd': pos[where]
 
 
-def add_position_grads(dpos, where, g):
-    """Undo position_rows: add g (t, D), row by row, into the rows `where` of dpos."""
-    start = 0
+def add_position_grads(dpos, where, dy):
+    """Undo position_rows: add dy (B, t, D) into the rows `where` of dpos (slices: the batch
+    sum row by row; a (B, t) array: a scatter-add of every row's)."""
+    if not isinstance(where, (slice, tuple)):
+        dpos += nn.embedding_backward(dy, where, dpos.shape[0])
+        return
+    g, start = dy.sum(axis=0), 0
     for s in ([where] if isinstance(where, slice) else where):
         stop = start + (s.stop - (s.start or 0))             # contiguous, step 1
         dpos[s] += g[start:stop]
@@ -113,8 +121,8 @@ class Embedding(Layer):
     """tokens (B, T) ints -> h = embed/tokens[tokens] + embed/positions[:T]  (B, T, D).
 
     token_positions(t): the global positions of the t tokens this rank holds (default 0..t-1;
-    context parallelism gives its two chunks'). The tokens need no gradient: backward
-    returns None."""
+    context parallelism gives its two chunks'; a KV cache per-row (B, t) positions, see
+    position_rows). The tokens need no gradient: backward returns None."""
 
     def __init__(self, access, tokens="embed/tokens", positions="embed/positions",
                  token_positions=leading_positions):
@@ -140,7 +148,7 @@ class Embedding(Layer):
         ids, n_tokens, n_positions = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
-        add_position_grads(dpos, self.token_positions(ids.shape[1]), dy.sum(axis=0))  # undoes +
+        add_position_grads(dpos, self.token_positions(ids.shape[1]), dy)   # undoes + positions
         self.access.add_grad(self.tokens, nn.embedding_backward(dy, ids, n_tokens))  # scatter
         self.access.add_grad(self.positions, dpos)
         return None
