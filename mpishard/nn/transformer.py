@@ -92,16 +92,19 @@ def leading_positions(t: int):
     return slice(0, t)
 
 
-def position_rows(pos, where):
+def position_rows(pos, where, lo=0, n=None):
     """Rows `where` of a positions table, in the three forms of `token_positions(t)`: a slice
     -> (t, D); a tuple of slices (cp: a rank's two chunks) taken in order -> (t, D); an integer
     array (B, t) of per-row positions (batched decoding with left padding, nn/kv_cache.py)
-    -> (B, t, D). Slices stay slices, so no host index meets a device table."""
+    -> (B, t, D). lo, n: only tokens lo .. lo + n - 1 of the t (the token axis is -2 in every
+    form). Slices stay slices, so no host index meets a device table."""
     if isinstance(where, slice):
-        return pos[where]
-    if isinstance(where, tuple):
-        return nn.array_module(pos).concatenate([pos[s] for s in where])
-    return nn.embedding_forward(pos, where)                  # 'bt -> btd': pos[where]
+        rows = pos[where]
+    elif isinstance(where, tuple):
+        rows = nn.array_module(pos).concatenate([pos[s] for s in where])
+    else:
+        rows = nn.embedding_forward(pos, where)              # 'bt -> btd': pos[where]
+    return rows if lo == 0 and n is None else rows[..., lo:None if n is None else lo + n, :]
 
 
 def add_position_grads(dpos, where, dy):
