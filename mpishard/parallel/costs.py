@@ -36,7 +36,7 @@ from typing import ClassVar
 from ..comm.mesh import Layout, coordinates
 from ..validate import check_number
 from . import (context_parallel, data_parallel, expert_parallel, fsdp, gpt_tensor_parallel,
-               pipeline, tensor_parallel)
+               pipeline, tensor_parallel, tied)
 from .compose import plan_params
 from .placement import local_shape
 
@@ -44,7 +44,7 @@ from .placement import local_shape
 # MLP's, a GPT's with sequence_parallel and the vocab-parallel ends), cp, then the pp stages,
 # then fsdp and dp (and ep for MoE models).
 STRATEGY_COSTS = (tensor_parallel, gpt_tensor_parallel, context_parallel, pipeline, fsdp,
-                  data_parallel, expert_parallel)
+                  data_parallel, expert_parallel, tied)
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 PHASES = ("train_step", "optimizer")
 
@@ -109,7 +109,7 @@ def rank_view(model, layout, rank: int, itemsize: int = 8, batch=None) -> RankVi
     microbatches = check_fit(model, layout, batch)
     coords = coordinates(layout, rank)
     params = {name: info for name, info in plan_params(model, layout).items()
-              if info.placement.stage == coords["pp"] and info.placement.held_at(coords)}
+              if coords["pp"] in info.placement.stages and info.placement.held_at(coords)}
     sizes = layout.sizes
     # ZeRO-1/2 gradients are owned slices (with fsdp=1 the added split changes no shape)
     grad_placements, _ = fsdp.gradient_layout({n: i.placement for n, i in params.items()})

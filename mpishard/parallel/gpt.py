@@ -11,8 +11,10 @@ split comes first in its placement, then fsdp's; `units` builds the tp units.
 Context parallelism (cp, ring or Ulysses) is context_parallel.py: the attention unit and the
 embedding's token positions (`context`), parameters replicated on cp.
 
-Not yet: ep raises a ValueError; so does `tied=True` with pp > 1 (the embedding on the
-first stage and the head on the last would share one array across stages).
+A tied GPT (tied=True) under pp holds embed/tokens on the first stage and a copy on the
+last (its placement's tied_stages), for TiedHead; tied.py sums their gradients (Megatron).
+
+Not yet: ep raises a ValueError.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..nn.transformer import gpt_units
 from . import placement as pl
 from .context_parallel import check_cp
 from .gpt_tensor_parallel import check_gpt_tp, gpt_tp_shards
+from .tied import tied_stages
 
 UNSUPPORTED_AXES = ("ep",)
 
@@ -30,10 +33,6 @@ def check_gpt_layout(model, layout) -> None:
         if layout.sizes.get(axis, 1) > 1:
             raise ValueError(f"layout {layout.text!r}: {axis}={layout.sizes[axis]} is not yet "
                              f"supported for GPT models (dp, fsdp, tp and pp are)")
-    if model.tied and layout.size("pp") > 1:
-        raise ValueError(f"layout {layout.text!r}: a tied GPT (tied=True) with pp="
-                         f"{layout.size('pp')} is not supported: the token embedding (first "
-                         f"stage) and the head (last stage) would share one array")
     check_gpt_tp(model, layout)
     check_cp(model, layout)
 
@@ -60,16 +59,26 @@ def gpt_param_stages(model, vstages: list) -> dict:
     return where
 
 
-def plan_gpt_params(model, layout, vstages: list) -> dict:
-    """name -> ParamInfo(full_shape, Placement) for every GPT parameter (see plan_params)."""
+def plan_gpt_params(model, layout, vstages: list, tp_shards=gpt_tp_shards) -> dict:
+    """name -> ParamInfo(full_shape, Placement) for every GPT parameter (see plan_params).
+    tp_shards: name -> its tp steps (another transformer spec passes its own table); a tied
+    model's embed/tokens also lives on the head's stage (tied.py)."""
     check_gpt_layout(model, layout)
+    return plan_transformer_params(model, layout, vstages, tp_shards)
+
+
+def plan_transformer_params(model, layout, vstages: list, tp_shards) -> dict:
+    """The plan of any spec with the GPT's spec API (embed/*, block specs, head), checks done:
+    tp steps, then fsdp's (zero=3), on the stage of gpt_param_stages (tied copies added)."""
     pp = layout.size("pp")
     zero3 = layout.size("fsdp") > 1 and layout.option("zero", 3) == 3
     fsdp = (pl.Shard("fsdp", 0, pad=True),) if zero3 else ()
     tp = layout.size("tp") > 1
     stages = gpt_param_stages(model, vstages)
+    head = vstages[-1] % pp
     return {name: pl.ParamInfo(name, tuple(shape), pl.Placement(
-                (gpt_tp_shards(name) if tp else ()) + fsdp, stage=stages[name] % pp))
+                (tp_shards(name) if tp else ()) + fsdp, stage=stages[name] % pp,
+                tied_stages=tied_stages(model, name, stages[name] % pp, head)))
             for name, shape in model.param_shapes().items()}
 
 

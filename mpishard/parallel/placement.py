@@ -3,7 +3,8 @@
 A `Placement` is an ordered tuple of `Shard(axis, dim, pad)` steps, applied one after the other
 to the full array: "split dimension `dim` into mesh.size(axis) blocks and keep block
 coords[axis]". Every axis not named is replicated. `stage` is the pipeline stage (pp
-coordinate) that owns the parameter.
+coordinate) that owns the parameter; `tied_stages` names other stages holding a copy of the
+same blocks (a tied embedding under pp: parallel/tied.py keeps the copies equal).
 
     Megatron column W0 under dp=2,tp=2:   (Shard('tp', 1),)            replicated on dp
     Megatron row W1:                      (Shard('tp', 0),)
@@ -51,6 +52,14 @@ class Placement:
     # lives on one ep rank). Such an axis counts as sharded, not replicated; gather_params
     # broadcasts from the owner.
     owner: dict = field(default_factory=dict, hash=False)
+    # other pp stages holding a copy of the same blocks (a tied embedding: on the first stage
+    # for the embedding, on the last for the head; parallel/tied.py sums their gradients)
+    tied_stages: tuple = ()
+
+    @property
+    def stages(self) -> tuple:
+        """The pp stages holding this parameter: `stage`, then any tied copies."""
+        return (self.stage,) + self.tied_stages
 
     def sharded_axes(self) -> tuple:
         return tuple(s.axis for s in self.shards) + tuple(self.owner)
@@ -66,7 +75,9 @@ class Placement:
         parts = [f"Shard({s.axis}, dim={s.dim}{', pad' if s.pad else ''}"
                  f"{f', blocks={s.blocks}' if s.blocks > 1 else ''})" for s in self.shards]
         parts += [f"Owner({a}={c})" for a, c in self.owner.items()]
-        return "[" + ", ".join(parts or ["Replicate"]) + f"] stage {self.stage}"
+        stages = "stages " + "+".join(map(str, self.stages)) if self.tied_stages else \
+            f"stage {self.stage}"
+        return "[" + ", ".join(parts or ["Replicate"]) + f"] {stages}"
 
 
 def _step(length: int, n: int, pad: bool, what: str = "") -> int:

@@ -104,8 +104,10 @@ GPT_CASES = [  # (ranks, layout, tied): a batch row is one sequence of seq_len t
     (2, "fsdp=2,zero=3", True),
     (2, "fsdp=2,zero=3,prefetch=1,recompute=1", False),
     (2, "pp=2", False),
+    (2, "pp=2", True),
     (2, "pp=2,schedule=gpipe,microbatches=4,recompute=1", False),
     (2, "pp=2,schedule=interleaved", False),
+    (2, "pp=2,schedule=interleaved", True),
     (4, "dp=2,pp=2", False),
     (4, "fsdp=2,pp=2,zero=3,microbatches=4", False),
     (4, "fsdp=4,zero=2", False),
@@ -125,9 +127,8 @@ def test_gpt_comm_bytes_match_the_plan(n, layout, tied):
 
 
 def both_heads(cases):
-    """Each (ranks, layout) untied and tied (a tied GPT refuses pp)."""
-    return [(n, lay, tied) for n, lay in cases for tied in (False, True)
-            if not (tied and "pp=" in lay)]
+    """Each (ranks, layout) untied and tied."""
+    return [(n, lay, tied) for n, lay in cases for tied in (False, True)]
 
 
 GPT_TP_CP_CASES = both_heads([  # (ranks, layout): vocab 12, 4 heads, so tp and Ulysses divide

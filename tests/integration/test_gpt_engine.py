@@ -78,10 +78,12 @@ def test_unsupported_axes_are_refused(layout, match):
         plan_params(make_gpt(), ms.parse_layout(layout))
 
 
-def test_tied_with_pipeline_is_refused():
-    with pytest.raises(ValueError, match="tied GPT .* with pp=2"):
-        plan_params(make_gpt(2, tied=True), ms.parse_layout("pp=2"))
-    plan_params(make_gpt(2, tied=True), ms.parse_layout("fsdp=2"))  # fine without pp
+def test_tied_with_pipeline_copies_the_embedding_to_the_last_stage():
+    """(parallel/tied.py; test_tied_pp.py runs it.)"""
+    plan = plan_params(make_gpt(2, tied=True), ms.parse_layout("pp=2"))
+    assert plan["embed/tokens"].placement.stages == (0, 1)
+    assert plan_params(make_gpt(2, tied=True), ms.parse_layout("fsdp=2"))[
+        "embed/tokens"].placement.stages == (0,)
 
 
 def test_pipeline_places_embedding_first_and_head_last():
