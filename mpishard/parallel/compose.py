@@ -9,7 +9,8 @@ builds this rank's part of it in the order the strategies stack:
 2. store: this rank's parameter and gradient blocks (ZeRO-1/2 shard gradients on fsdp even
    where parameters are replicated: fsdp.gradient_layout).
 3. gradient sync: bucketed all_reduce(avg) over the data axes a gradient is replicated on
-   (data_parallel.GradientSync); fsdp averages its own axis inside its access policy.
+   (data_parallel.GradientSync); fsdp averages its own axis inside its access policy; a tied
+   embedding's copies on the first and last pp stage sum their gradients (tied.py).
 4. access policy: local blocks, or FSDP's gather-before-use / reduce-scatter-after.
 5. layers of this rank's stage(s): tp pairs as CopyToTP + column Linear, row Linear +
    ReduceFromTP; plain Linear otherwise; the MoE layer under ep; a GPT's Embedding, Blocks
@@ -40,6 +41,7 @@ from .stages import assign_stages
 from .store import ParamStore
 from .tensor_parallel import (ColumnParallelLinear, CopyToTP, RowParallelLinear, check_tp,
                               tp_role, tp_shards)
+from .tied import tie_gradients
 from .vocab_parallel import ReplicatedOutput
 
 
@@ -134,6 +136,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
     overlap_possible = not (fsdp or moe or pp > 1 or getattr(model, "tied", False))
     grad_sync = GradientSync(store, sync_comm, exempt, overlap_possible,  # 3. data axes
                              bucket_mb=layout.option("bucket_mb", DEFAULT_BUCKET_MB))
+    grad_sync = tie_gradients(grad_sync, plan, comm.group("pp"), mesh.coords["pp"])  # tied
     access = (FSDPAccess(store, sync_comm.group("fsdp"), grad_sync.on_grad_ready) if fsdp
               else LocalAccess(store, grad_sync.on_grad_ready))     # 4. fsdp or local
     access = precision.wrap_access(access)      # 16-bit parameters: fp32 math (precision.py)

@@ -29,7 +29,7 @@ class ParamStore:
         self.full_shapes = {n: info.full_shape for n, info in plan.items()}
         self.grad_placements = grad_placements
         stage = coords.get("pp", 0)
-        self.local_names = [n for n, info in plan.items() if info.placement.stage == stage
+        self.local_names = [n for n, info in plan.items() if stage in info.placement.stages
                             and info.placement.held_at(coords)]
         self.params: dict = {}
         self.grads: dict = {}
@@ -52,10 +52,11 @@ class ParamStore:
     def replication(self, name) -> int:
         """Number of ranks holding an identical copy of this rank's gradient (and optimizer)
         block of `name`: the product of the mesh axes it is replicated on, pp excluded (a
-        parameter lives on one stage). Norms divide each rank's local sum of squares by it, so
-        a replicated block is counted once and a sharded one summed over its shards."""
+        parameter lives on one stage), times its stages (tied copies: parallel/tied.py). Norms
+        divide each rank's local sum of squares by it, so a replicated block is counted once
+        and a sharded one summed over its shards."""
         placement = self.grad_placements[name]
-        r = 1
+        r = len(placement.stages)
         for axis, size in self.layout.sizes.items():
             if axis != "pp" and placement.is_replicated_on(axis):
                 r *= size
