@@ -31,6 +31,7 @@ import shutil
 import numpy as np
 
 from ..comm.objects import agree, gather_json, scatter_json
+from ..parallel.precision import widen
 from .format import (FORMAT, INDEX, VERSION, CheckpointError, check_json, json_default,
                      model_spec, run_captured, sha256_file)
 
@@ -79,7 +80,7 @@ def _blocks(engine, optimizer):
         for region, local in _pieces(engine, name, "param"):
             block = engine.params[name][local]
             if block.dtype != engine.dtype:   # 16-bit (mixed precision): saved exactly in fp32
-                block = block.astype(engine.dtype)
+                block = widen(block, engine.dtype, engine.xp)
             out.append(("param", name, "", region, block, {}))
     if optimizer is not None:
         for name, *_ in engine.optimizer_shards():

@@ -28,11 +28,22 @@ param_dtype bits unchanged).
 
 Non-reducing calls (all_gather, all_to_all) move 16-bit arrays as their raw 2-byte words
 (viewed as float16, which MPI moves without arithmetic), so bfloat16 needs no MPI type.
+
+On a device (cupy, or the test suite's stand-in for it) there is no bfloat16 dtype: a bf16
+array is held, and sent, as its uint16 words, converted to and from fp32 by bf16.py's kernels
+(bit for bit what ml_dtypes does on the host, so a device run equals the host's). `held` says
+which dtype an array of a precision dtype has on `xp`; `narrow` (fp32 -> 16 bits, rounding),
+`widen` (16 bits -> fp32, exact) and `assign` are the only casts the store, the optimizer's
+masters and the checkpoint writer make. `precision.param` and `.comm` stay the logical dtypes
+(ml_dtypes.bfloat16 names a bf16 run on any device); a uint16 array here is always bf16 words.
 """
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
+from . import bf16
+from . import placement as pl
 
 LOW = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 WIRE = np.dtype(np.float16)          # how 2-byte floats travel through non-reducing MPI calls
@@ -81,16 +92,50 @@ class Precision:
 
     def wrap_access(self, access):
         """The access policy the layers use: casting when parameters are stored in 16 bits."""
-        return CastingAccess(access, self.compute) if self.param != self.compute else access
+        if self.param == self.compute:
+            return access
+        return CastingAccess(access, self.compute, access.store.xp)
 
     def __repr__(self):
         return (f"Precision(compute={self.compute.name}, param={self.param.name}, "
                 f"comm={self.comm.name})")
 
 
+def held(dtype, xp) -> np.dtype:
+    """The dtype an array of `dtype` has on `xp`: bfloat16 off the host as uint16 words."""
+    dtype = np.dtype(dtype)
+    return bf16.WORD if dtype == LOW["bfloat16"] and xp is not np else dtype
+
+
+def narrow(x, dtype, xp):
+    """x (a float array on xp) rounded to `dtype`, as held on xp."""
+    if held(dtype, xp) == bf16.WORD:
+        return x if x.dtype == bf16.WORD else bf16.to_words(xp, x)
+    return x.astype(dtype, copy=False)
+
+
+def widen(a, compute, xp):
+    """A held array (16-bit or not) in the compute dtype: exact."""
+    if a.dtype == bf16.WORD:
+        return bf16.to_float32(xp, a).astype(compute, copy=False)
+    return a.astype(compute, copy=False)
+
+
+def assign(param, x, xp) -> None:
+    """param[...] = x rounded to param's dtype (bf16 words: through the conversion)."""
+    param[...] = bf16.to_words(xp, x) if param.dtype == bf16.WORD else x
+
+
+def shard_held(full, placement, sizes, coords, xp, dtype, compute):
+    """placement.shard_array as held on xp: a bf16 block on a device is cut in the compute
+    dtype (from float64: through float32, as ml_dtypes rounds) and narrowed to words."""
+    cut = compute if held(dtype, xp) == bf16.WORD else dtype
+    return narrow(pl.shard_array(full, placement, sizes, coords, xp, cut), dtype, xp)
+
+
 def to_wire(a):
-    """A 2-byte float array as raw float16 words (a view); other arrays as they are."""
-    return a.view(WIRE) if a.dtype in LOW.values() else a
+    """A 16-bit float array (bf16 words too) as raw float16 words (a view); others as they are."""
+    return a.view(WIRE) if a.dtype in LOW.values() or a.dtype == bf16.WORD else a
 
 
 class CastingAccess:
@@ -99,12 +144,12 @@ class CastingAccess:
     compute-dtype gradient on (the store's gradients are in the compute dtype). Everything
     else (release, owned, on_load, finish_grads, ...) is the wrapped policy's."""
 
-    def __init__(self, inner, compute):
-        self.inner, self.compute = inner, np.dtype(compute)
+    def __init__(self, inner, compute, xp=np):
+        self.inner, self.compute, self.xp = inner, np.dtype(compute), xp
 
     def get(self, name, mb=0):
         w = self.inner.get(name, mb)
-        return w if w.dtype == self.compute else w.astype(self.compute)    # forward: cast up
+        return w if w.dtype == self.compute else widen(w, self.compute, self.xp)  # cast up
 
     def add_grad(self, name, g) -> None:
         self.inner.add_grad(name, g)           # adjoint of the cast: the fp32 gradient as is
@@ -161,9 +206,10 @@ class LowPrecisionComm:
     def sum_chunks(self, chunks, group=None):
         """chunks (n, k) in the compute dtype, row j for rank j -> (k,) fp32: sum over ranks r
         of c(rank r's row for this rank), in rank order (all_to_all in comm_dtype)."""
-        low = chunks.astype(self.comm_dtype)
+        xp = self.inner.xp
+        low = narrow(chunks, self.comm_dtype, xp)
         got = self.inner.all_to_all(to_wire(low), axis=0, group=group)      # (n, k) words
-        return got.view(self.comm_dtype).astype(self.compute).sum(axis=0)
+        return widen(got.view(held(self.comm_dtype, xp)), self.compute, xp).sum(axis=0)
 
     def reduce_scatter(self, arr, op="sum", axis=0, group=None):
         """reduce_scatter(sum|avg) along `axis` with the sum in fp32 (the wire in comm_dtype).
@@ -199,9 +245,9 @@ class LowPrecisionComm:
         mine = self.sum_chunks(chunks.reshape(n, k), group)
         if op == "avg":
             mine /= n
-        words = self.inner.all_gather(to_wire(mine.astype(self.comm_dtype)), axis=0,
+        words = self.inner.all_gather(to_wire(narrow(mine, self.comm_dtype, xp)), axis=0,
                                       group=group)
-        full = words.view(self.comm_dtype)[:flat.size].astype(self.compute)
+        full = widen(words.view(held(self.comm_dtype, xp))[:flat.size], self.compute, xp)
         if out is None:
             out = xp.empty_like(a)
         out.reshape(-1)[...] = full

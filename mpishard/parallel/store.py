@@ -11,6 +11,7 @@ policy, gradient sync, optimizers, checkpoints) is handed this store, not the en
 from __future__ import annotations
 
 from . import placement as pl
+from .precision import shard_held, widen
 
 
 class ParamStore:
@@ -39,8 +40,9 @@ class ParamStore:
         (arrays or lazily loaded arrays) and allocate zeroed gradient blocks."""
         sizes = self.layout.sizes
         for name in self.local_names:
-            self.params[name] = pl.shard_array(params[name], self.placements[name], sizes,
-                                               self.coords, self.xp, self.dtype)
+            # as precision.held says (bfloat16 on a device: uint16 words)
+            self.params[name] = shard_held(params[name], self.placements[name], sizes,
+                                           self.coords, self.xp, self.dtype, self.grad_dtype)
             self.grads[name] = self.xp.zeros(
                 pl.local_shape(self.full_shapes[name], self.grad_placements[name], sizes),
                 dtype=self.grad_dtype)
@@ -93,7 +95,7 @@ class ParamStore:
         # 16-bit parameters (mixed precision) are gathered cast to the gradients' dtype: exact,
         # and a dtype every MPI call moves
         if self.dtype != self.grad_dtype:
-            local = {n: a.astype(self.grad_dtype, copy=False) for n, a in local.items()}
+            local = {n: widen(a, self.grad_dtype, self.xp) for n, a in local.items()}
         for name, info in self.plan.items():
             full = None
             if info.placement.stage == stage:

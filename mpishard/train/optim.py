@@ -43,6 +43,7 @@ import weakref
 
 import numpy as np
 
+from ..parallel.precision import assign, widen
 from ..validate import check_number
 
 log = logging.getLogger("mpishard")
@@ -138,7 +139,7 @@ class Optimizer:
             else:                    # 16-bit parameters (mixed precision): an fp32 master copy
                 master = self.master(name, param)
                 self.update(name, master, grad)
-                param[...] = master                   # rounded to the stored dtype
+                assign(param, master, self.xp)        # rounded to the stored dtype
         self.after_step()
         if self.comm_stats.tracer is not None:
             self.comm_stats.tracer.span("optimizer step", "compute", t0)
@@ -148,7 +149,7 @@ class Optimizer:
         memory_report counts it and checkpoints save it), made from the block on first use."""
         entry = self.state.setdefault(name, {"step": 0})
         if "master" not in entry:
-            entry["master"] = param.astype(self.dtype)
+            entry["master"] = widen(param, self.dtype, self.xp)
         return entry["master"]
 
     def update(self, name, param, grad) -> None:
