@@ -1,173 +1,244 @@
-"""Sample text from a GPT checkpoint: `python -m mpishard generate`.
+"""Sample text: `python -m mpishard generate` (a checkpoint of ours, or a Hugging Face directory).
 
     python -m mpishard generate --checkpoint ckpt --prompt "def " --max-new-tokens 200 \\
-        --temperature 0.8 --top-k 40 --seed 0
-    mpiexec -n 2 python -m mpi4py -m mpishard generate --checkpoint ckpt --layout dp=2 ...
+        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0
+    mpiexec -n 4 python -m mpi4py -m mpishard generate --hf ./gpt2 --layout tp=2,pp=2 \\
+        --prompt "Hello" --prompt "The capital of France is" --temperature 0
+    python -m mpishard generate --checkpoint ckpt --prompts prompts.txt   # a prompt per line
 
-Every rank rebuilds the GPT from the checkpoint's index, makes the engine for `--layout` (any
-layout whose engine has `predict`; default dp over all ranks, single on one) and loads its
-shard. Tokens are bytes (vocab 256, train/text.py): the prompt is encoded as UTF-8, and each
-new byte is drawn from the logits of the last position, the context cropped to the model's
-last seq_len bytes.
+Every rank builds the model (from the checkpoint's index, or config.json with --hf), makes the
+engine for `--layout` (default dp over all ranks, single on one) and loads its shard (--hf:
+ms.hf.load_into, each rank reading only its slices). The prompts are encoded with the
+tokenizer: bytes (vocab 256, UTF-8) for our checkpoints, the directory's tokenizer.json with
+--hf, or `--tokenizer DIR|bytes`. All prompts are generated together by `engine.generate`
+(parallel/decode.py: one forward per step for the whole batch, left padding, a KV cache where
+the layout allows it, otherwise the context recomputed every step; `--no-kv-cache` forces
+that), and every rank draws the same ids. Rank 0 prints: with one prompt the text as it comes,
+with several each prompt's text and completion after a `--- prompt i ---` line.
 
-With a KV cache (nn/kv_cache.py; the default where parallel.gpt.check_decode allows it: not
-under cp or sequence_parallel) the prompt goes through the model once (prefill) and then each
-new byte alone, attending to the cached keys and values of the earlier positions: each rank
-caches its own heads under tp and its own blocks under pp (the byte goes down the stages).
-When the cache is full (seq_len positions), the cropped window is recomputed: the cache is
-reset and the last `refill` bytes prefilled (default seq_len: the same logits as recomputing
-the whole cropped context every byte; smaller refills are cheaper, the model then sees a
-shorter context right after each refill). `--no-kv-cache` (and cp, sequence_parallel)
-recomputes the whole cropped context for every byte. Under data-parallel axes every
-data-parallel rank is fed the same context row, so the logits are those of a one-row batch
-on one device. `gather_batch` gives
-every rank the same logits and every rank draws from its own generator seeded with --seed, so
-all ranks pick the same byte without communicating; rank 0 prints the text as it comes
-(decoded as UTF-8 with errors="replace").
-
---temperature 0 is greedy (argmax); --top-k K keeps the K largest logits (0: all).
+--temperature 0 is greedy (argmax); --top-k K keeps the K largest logits (0: all); --top-p P
+keeps the smallest set of most likely tokens whose probability reaches P (1: all), as
+transformers does. `--eos ID` (repeatable) ends a prompt's completion at that id (included);
+with --hf the default is config.json's eos_token_id.
 """
 from __future__ import annotations
 
 import codecs
+import json
+import os
 import sys
 
 import numpy as np
 
-from ..nn.kv_cache import KVCache, caching
-from ..parallel.gpt import check_decode
+from .. import hf
+from ..engine import make_engine
+from ..parallel.decode import Decoder
 from ..validate import check_number
-from .infer import (add_checkpoint_arguments, add_compute_arguments, checkpoint_engine,
-                    open_checkpoint)
-from .usage import (UsageError, agreed, check_flags, checked_layout, default_layout,
-                    world_comm)
+from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
+from .usage import (CUDA_AWARE, UsageError, agreed, check_flags, checked_layout,
+                    default_layout, world_comm)
 
 DEFAULT_NEW_TOKENS = 200
+BYTES = "bytes"
 
 
 def add_generate_arguments(p):
-    add_checkpoint_arguments(p, "a GPT checkpoint directory, e.g. from train --model gpt")
-    p.add_argument("--prompt", default="\n", help="the text to continue (UTF-8; default a "
-                   "newline)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a GPT or Llama checkpoint "
+                        "directory, e.g. from train --model gpt (any layout and world size)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory "
+                        "(config.json + safetensors, GPT-2 or Llama): no conversion step")
+    p.add_argument("--layout", help="mesh layout, e.g. dp=2 or tp=2,pp=2 (default: dp over "
+                   "all ranks, single on one)")
+    p.add_argument("--prompt", action="append", help="a text to continue (UTF-8; repeatable: "
+                   "the prompts are generated as one batch; default a newline)")
+    p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line (empty "
+                   "lines skipped); with --prompt, these come after")
+    p.add_argument("--tokenizer", metavar="DIR|bytes", help="a directory with tokenizer.json "
+                   "or `bytes` (default: the --hf directory's, bytes for a checkpoint)")
     p.add_argument("--max-new-tokens", "--tokens", dest="max_new_tokens", type=int,
                    default=DEFAULT_NEW_TOKENS, metavar="N",
-                   help=f"bytes to generate (default {DEFAULT_NEW_TOKENS})")
+                   help=f"tokens to generate per prompt (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="divide the logits by this (default 1; 0: greedy)")
     p.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="sample among the K most likely bytes (default 0: all)")
+                   help="sample among the K most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the most likely tokens whose probability reaches P "
+                   "(nucleus; default 1: all)")
+    p.add_argument("--eos", type=int, action="append", metavar="ID",
+                   help="end a completion at this token id (repeatable; default with --hf: "
+                   "config.json's eos_token_id)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (0)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context "
-                   "for every byte instead of decoding with a KV cache")
+                   "every step instead of decoding with a KV cache")
     add_compute_arguments(p)
     return p
 
 
-# -- sampling (the same on every rank) ----------------------------------------------------------
-def next_token(logits, rng, temperature: float, top_k: int) -> int:
-    """One token id from the float64 logits (V,) of the last position."""
-    if temperature == 0.0:
-        return int(np.argmax(logits))
-    z = logits / temperature
-    if 0 < top_k < z.shape[0]:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
-    return int(rng.choice(z.shape[0], p=p / p.sum()))
+# -- library helpers (tests use them) -----------------------------------------------------------
+def generate_tokens(engine, prompt: list, n_new: int, *, temperature=1.0, top_k=0, top_p=1.0,
+                    seed=0, on_token=None, kv_cache=True, refill=None) -> list:
+    """Collective: `n_new` ids continuing one `prompt` (engine.generate of a batch of one);
+    on_token(id) is called with each id as it is drawn."""
+    show = None if on_token is None else (lambda row, token: on_token(token))
+    return engine.generate([prompt], n_new, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, kv_cache=kv_cache, refill=refill,
+                           on_token=show)[0]
 
 
 def last_logits(engine, tokens: list, cache=None):
-    """Collective: the float64 logits (V,) after `tokens`, on every rank. cache None: the
-    tokens are the whole context (recomputed); a KVCache: they are the new positions after
-    the cached ones, and are cached too."""
-    row = np.asarray(tokens, dtype=np.int64)[None, :]
-    x = engine.shard_batch(np.repeat(row, engine.data_parallel_size, axis=0))  # a row per dp rank
+    """Collective: the float64 logits (V,) after `tokens` (one row), on every rank. cache
+    None: the tokens are the whole context (recomputed); a KVCache: they are the new positions
+    after the cached ones, and are cached too."""
+    decoder, v = Decoder.of(engine), engine.model.vocab_size
+    ids = np.repeat(np.asarray(tokens, dtype=np.int64)[None, :], decoder.rows, axis=0)
     if cache is None:
-        y = engine.predict(x)
-    else:
-        with caching(engine.chunks, cache):
-            y = engine.predict(x)
-        cache.advance(len(tokens))
-    y = None if y is None else engine.xp.ascontiguousarray(y[:, -1:])   # the last position
-    return engine.backend.to_host(engine.gather_batch(y))[0, -1].astype(np.float64)
+        return decoder.recomputed_step(ids, np.full(decoder.rows, len(tokens) - 1), v)[0]
+    return decoder.cached_step(ids, np.ones(ids.shape, dtype=bool), cache, v)[0]
 
 
-def generate_tokens(engine, prompt: list, n_new: int, *, temperature=1.0, top_k=0, seed=0,
-                    on_token=None, kv_cache=True, refill=None) -> list:
-    """Collective: `n_new` token ids continuing `prompt` (a list of ids), the same list on
-    every rank; `on_token(id)` is called with each new id as it is drawn. kv_cache: decode
-    with a KVCache where the layout allows it; refill: the tokens prefilled when it is full
-    (default seq_len, see the module docstring)."""
-    seq_len = engine.model.seq_len
-    refill = seq_len if refill is None else int(refill)
-    if not 1 <= refill <= seq_len:
-        raise ValueError(f"refill={refill} must lie in [1, seq_len={seq_len}]")
-    cache = KVCache(seq_len) if kv_cache and decode_supported(engine.layout) else None
-    rng = np.random.default_rng(seed)
-    tokens = list(prompt)
-    pending = tokens[-seq_len:]                  # the prefill
-    for _ in range(n_new):
-        if cache is None:
-            logits = last_logits(engine, tokens[-seq_len:])
-        else:
-            if cache.length + len(pending) > seq_len:     # full: recompute the cropped window
-                cache.reset()
-                pending = tokens[-refill:]
-            logits = last_logits(engine, pending, cache)
-        tokens.append(next_token(logits, rng, temperature, top_k))
-        pending = tokens[-1:]
-        if on_token is not None:
-            on_token(tokens[-1])
-    return tokens[len(prompt):]
+# -- text <-> ids -------------------------------------------------------------------------------
+class Text:
+    """encode(str) -> ids and an incremental decode(ids so far) -> the new printable text, for
+    bytes (UTF-8, vocab 256) or a tokenizers.Tokenizer."""
+
+    def __init__(self, tokenizer=None):
+        self.tok = tokenizer
+        self.vocab = 256 if tokenizer is None else tokenizer.get_vocab_size()
+        self.reset()
+
+    def reset(self):
+        self.bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.shown = ""
+
+    def encode(self, text: str) -> list:
+        return list(text.encode("utf-8")) if self.tok is None else self.tok.encode(text).ids
+
+    def whole(self, ids: list) -> str:
+        """The text of `ids` at once."""
+        if self.tok is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self.tok.decode(ids)
+
+    def decode(self, ids: list, final=False) -> str:
+        """The text of `ids` not returned before (ids: all new ids so far, in order)."""
+        if self.tok is None:
+            return self.bytes.decode(bytes(ids[-1:]) if ids else b"", final=final)
+        text = self.tok.decode(ids)
+        if not final:                        # a split multi-byte character: wait for it
+            text = text.rstrip("\ufffd")
+        new = text[len(self.shown):] if text.startswith(self.shown) else text
+        self.shown = text
+        return new
 
 
-def decode_supported(layout) -> bool:
-    """Whether the GPT units of `layout` decode with a KV cache (parallel.gpt.check_decode)."""
+def read_prompts(args) -> list:
+    prompts = list(args.prompt or [])
+    if args.prompts is not None:
+        try:
+            with open(args.prompts, encoding="utf-8") as f:
+                prompts += [line.rstrip("\r\n") for line in f if line.strip("\r\n")]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--prompts {args.prompts}: {exc}") from None
+    if not prompts and args.prompts is not None:
+        raise UsageError(f"--prompts {args.prompts}: no prompt in the file")
+    if any(p == "" for p in prompts):
+        raise UsageError("--prompt is empty; give at least one character")
+    return prompts or ["\n"]
+
+
+def open_tokenizer(args):
+    """Text for --tokenizer, else the --hf directory's tokenizer.json, else bytes."""
+    where = args.tokenizer or args.hf
+    if where is None or where == BYTES:
+        return Text()
+    tok = hf.tokenizer(where)
+    if tok is None:
+        raise UsageError(f"{'--tokenizer' if args.tokenizer else '--hf'} {where}: no "
+                         f"tokenizer.json (give --tokenizer DIR or --tokenizer bytes)")
+    return Text(tok)
+
+
+def hf_eos(path) -> list:
+    """config.json's eos_token_id of a Hugging Face directory, as a list (none: [])."""
     try:
-        check_decode(layout)
-    except ValueError:
-        return False
-    return True
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 # -- the command --------------------------------------------------------------------------------
+def hf_engine(args, layout, comm):
+    """The engine of --hf DIR's model on `layout` (--dtype, default float32), each rank
+    reading its slices."""
+    try:
+        model = hf.read_model(args.hf)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--hf {args.hf}: {exc}") from None
+    engine = make_engine(model, layout, dtype=np.dtype(args.dtype or "float32"), comm=comm, device=args.device,
+                         cuda_aware=CUDA_AWARE[args.cuda_aware], timeout=args.timeout)
+    hf.load_into(engine, args.hf)
+    return engine
+
+
 def build_generator(args, comm):
-    """Validate (the same on every rank), open the checkpoint, make the engine and load it;
-    returns (engine, prompt token ids). UsageError/ValueError/TypeError before any collective
-    except those inside make_engine."""
+    """Validate (the same on every rank), open the model, make the engine and load it;
+    returns (engine, Text, prompt id lists, eos ids). UsageError/ValueError/TypeError before
+    any collective except those inside make_engine and load_into."""
     size = comm.Get_size()
     layout = checked_layout(args.layout or default_layout(size), size)
     check_flags(args, ("max_new_tokens", "top_k", "seed"), low=0)
     check_number("--temperature", args.temperature, low=0, error=UsageError)
-    prompt = list(args.prompt.encode("utf-8"))
-    if not prompt:
-        raise UsageError("--prompt is empty; give at least one character")
-    ckpt, model = open_checkpoint(args.checkpoint)
-    if getattr(model, "kind", None) != "gpt":
-        raise UsageError(f"--checkpoint {args.checkpoint} holds {ckpt.model_spec.get('class')}, "
-                         f"not a GPT; generate samples from GPT checkpoints")
+    check_number("--top-p", args.top_p, low=0, low_open=True, error=UsageError)
+    if args.top_p > 1:
+        raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p:g}")
+    text = open_tokenizer(args)
+    prompts = [text.encode(p) for p in read_prompts(args)]
+    if args.hf is not None:
+        eos = args.eos or hf_eos(args.hf)
+        engine = hf_engine(args, layout, comm)
+        model = engine.model
+    else:
+        ckpt, model = open_checkpoint(args.checkpoint)
+        if getattr(model, "kind", None) not in ("gpt", "llama"):
+            raise UsageError(f"--checkpoint {args.checkpoint} holds "
+                             f"{ckpt.model_spec.get('class')}, not a GPT or Llama; generate "
+                             f"samples from language models")
+        eos = args.eos or []
     if args.top_k > model.vocab_size:
         raise UsageError(f"--top-k {args.top_k} exceeds the vocabulary of {model.vocab_size}")
-    return checkpoint_engine(ckpt, model, layout, args, comm), prompt
+    if text.vocab > model.vocab_size:
+        raise UsageError(f"the tokenizer's {text.vocab} ids exceed the model's vocabulary of "
+                         f"{model.vocab_size}")
+    if args.hf is None:
+        engine = checkpoint_engine(ckpt, model, layout, args, comm)
+    return engine, text, prompts, eos
 
 
 def run_generate(args) -> int:
     comm = world_comm()
-    engine, prompt = agreed(comm, lambda: build_generator(args, comm))
-    printing = comm.Get_rank() == 0
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    engine, text, prompts, eos = agreed(comm, lambda: build_generator(args, comm))
+    shown = read_prompts(args) if comm.Get_rank() == 0 else None   # rank 0 prints
+    stream = shown is not None and len(prompts) == 1
+    new = []
 
-    def show(token):
-        if printing:
-            sys.stdout.write(decoder.decode(bytes([token])))
-            sys.stdout.flush()
-
-    if printing:
-        sys.stdout.write(args.prompt)
-    generate_tokens(engine, prompt, args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, seed=args.seed, on_token=show,
-                    kv_cache=not args.no_kv_cache)
-    if printing:
-        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    def show(row, token):
+        new.append(token)
+        sys.stdout.write(text.decode(new))
         sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(shown[0])
+    out = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos=eos or None,
+                          kv_cache=not args.no_kv_cache, on_token=show if stream else None)
+    if stream:
+        sys.stdout.write(text.decode(new, final=True) + "\n")
+    elif shown is not None:
+        for i, (prompt, ids) in enumerate(zip(shown, out)):
+            sys.stdout.write(f"--- prompt {i} ---\n{prompt}{text.whole(ids)}\n")
+    sys.stdout.flush()
     return 0
