@@ -21,6 +21,9 @@ byte: window i predicts bytes i*seq_len+1 ... (i+1)*seq_len):
 `Windows` stands in for the (N, S) arrays a `Dataset` holds: `len`, `shape` and indexing with
 row indices, so `DistributedBatcher` takes this rank's rows of each batch (as
 `engine.shard_batch` would cut them) and only those windows are materialised, as int64 ids.
+`windows_dataset` builds the data set from two token spans; tokens.py feeds it the tokens of a
+real tokenizer (in memory) or of a token file (memory-mapped), with the same split rule
+(`split_point`) and windows, so the same tokens give the same batches whichever way they came.
 """
 from __future__ import annotations
 
@@ -67,23 +70,38 @@ def corpus_files(corpus=None) -> list:
     return files
 
 
-def read_corpus(corpus=None, max_bytes=DEFAULT_CORPUS_BYTES) -> tuple:
-    """(tokens, info): the bytes of corpus_files(corpus) concatenated and cut at max_bytes, as
-    a uint8 array, and {source, files, bytes, sha256} describing them."""
+def documents(files, max_bytes=None):
+    """Yield the bytes of each file of `files` in order (one document each), the last one cut
+    so that they total at most max_bytes (None: every file whole); one file in memory at a
+    time."""
+    total = 0
+    for path in files:
+        if max_bytes is not None and total >= max_bytes:
+            return
+        with open(path, "rb") as f:
+            chunk = f.read(-1 if max_bytes is None else max_bytes - total)
+        total += len(chunk)
+        yield chunk
+
+
+def corpus_info(corpus, files: int, size: int, sha256: str) -> dict:
+    """{source, files, bytes, sha256}: what a run says it trained on."""
+    return {"source": "python-stdlib" if corpus is None else str(corpus), "files": files,
+            "bytes": size, "sha256": sha256}
+
+
+def check_max_bytes(max_bytes):
     if isinstance(max_bytes, bool) or int(max_bytes) != max_bytes or max_bytes < 1:
         raise ValueError(f"corpus max_bytes must be a positive integer, got {max_bytes!r}")
-    chunks, total, used = [], 0, 0
-    for path in corpus_files(corpus):
-        if total >= max_bytes:
-            break
-        with open(path, "rb") as f:
-            chunk = f.read(max_bytes - total)
-        chunks.append(chunk)
-        total += len(chunk)
-        used += 1
+
+
+def read_corpus(corpus=None, max_bytes=DEFAULT_CORPUS_BYTES) -> tuple:
+    """(tokens, info): the bytes of corpus_files(corpus) concatenated and cut at max_bytes, as
+    a uint8 array, and corpus_info describing them."""
+    check_max_bytes(max_bytes)
+    chunks = list(documents(corpus_files(corpus), max_bytes))
     data = b"".join(chunks)
-    info = {"source": "python-stdlib" if corpus is None else str(corpus), "files": used,
-            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    info = corpus_info(corpus, len(chunks), len(data), hashlib.sha256(data).hexdigest())
     return np.frombuffer(data, dtype=np.uint8), info
 
 
@@ -93,8 +111,7 @@ def read_text(corpus=None, max_bytes=DEFAULT_CORPUS_BYTES) -> tuple:
     seed = synthetic_seed(corpus)
     if seed is None:
         return read_corpus(corpus, max_bytes)
-    if isinstance(max_bytes, bool) or int(max_bytes) != max_bytes or max_bytes < 1:
-        raise ValueError(f"corpus max_bytes must be a positive integer, got {max_bytes!r}")
+    check_max_bytes(max_bytes)
     return synthetic_corpus(seed, max_bytes)
 
 
@@ -142,26 +159,35 @@ class Windows:
                 f"{', targets' if self.shift else ''})")
 
 
+def split_point(n_tokens: int, val_fraction=DEFAULT_VAL_FRACTION) -> int:
+    """Where the validation split starts: the last ceil(n_tokens * val_fraction) tokens are
+    validation (ValueError unless 0 < val_fraction < 1)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"validation fraction must lie in (0, 1), got {val_fraction}")
+    return n_tokens - int(math.ceil(n_tokens * val_fraction))
+
+
+def window_count(length: int, seq_len: int, stride: int, name: str, n_tokens=None) -> int:
+    """How many windows of seq_len + 1 tokens, starting every `stride`, fit in `length`
+    tokens (ValueError naming split `name` when not one does)."""
+    count = (length - 1 - seq_len) // stride + 1 if length > seq_len else 0
+    if count < 1:
+        of = "" if n_tokens is None else f" of its {n_tokens}"
+        raise ValueError(f"seq_len={seq_len} does not fit the {name} split of the corpus: "
+                         f"{length}{of} tokens, a window needs seq_len + 1 = {seq_len + 1}")
+    return count
+
+
 def split_windows(n_tokens: int, seq_len: int, val_fraction=DEFAULT_VAL_FRACTION,
                   train_stride=None) -> dict:
     """{'train': (start, count), 'val': (start, count)}: window starts and counts of each split
-    of a corpus of n_tokens bytes (validation: the last val_fraction of the bytes; its windows
-    start every seq_len bytes, the training ones every train_stride, default seq_len).
-    ValueError when a split cannot hold one window of seq_len + 1 bytes."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"validation fraction must lie in (0, 1), got {val_fraction}")
-    cut = n_tokens - int(math.ceil(n_tokens * val_fraction))
-    spans = {"train": (0, cut), "val": (cut, n_tokens - cut)}
-    out = {}
-    strides = {"train": train_stride or seq_len, "val": seq_len}
-    for name, (start, length) in spans.items():
-        count = (length - 1 - seq_len) // strides[name] + 1 if length > seq_len else 0
-        if count < 1:
-            raise ValueError(f"seq_len={seq_len} does not fit the {name} split of the corpus: "
-                             f"{length} of its {n_tokens} bytes, a window needs seq_len + 1 = "
-                             f"{seq_len + 1}")
-        out[name] = (start, count)
-    return out
+    of a corpus of n_tokens tokens (validation: the last val_fraction of them, split_point; its
+    windows start every seq_len tokens, the training ones every train_stride, default
+    seq_len). ValueError when a split cannot hold one window of seq_len + 1 tokens."""
+    cut = split_point(n_tokens, val_fraction)
+    spans = {"train": (0, cut, train_stride or seq_len), "val": (cut, n_tokens - cut, seq_len)}
+    return {name: (start, window_count(length, seq_len, stride, name, n_tokens))
+            for name, (start, length, stride) in spans.items()}
 
 
 @dataclass(repr=False)
@@ -179,6 +205,23 @@ class TextDataset(Dataset):
         return self.x_train.seq_len
 
 
+def windows_dataset(name: str, train: tuple, val: tuple, seq_len: int, vocab_size: int,
+                    info: dict, train_stride=None) -> TextDataset:
+    """The TextDataset of two spans (tokens, start, length): training windows every
+    train_stride (default seq_len) tokens of `train`, validation windows every seq_len tokens
+    of `val`; `info` (the corpus' description) gains the window and token counts. `tokens` is
+    anything indexed by integer arrays: an in-memory array, or a tokens.TokenFile."""
+    (a, s0, len0), (b, s1, len1) = train, val
+    n0 = window_count(len0, seq_len, train_stride or seq_len, "train")
+    n1 = window_count(len1, seq_len, seq_len, "val")
+    info = dict(info, train_windows=n0, val_windows=n1, train_tokens=len0, val_tokens=len1,
+                train_stride=train_stride or seq_len)
+    x_train, t_train = (Windows(a, s0, n0, seq_len, shift, train_stride) for shift in (0, 1))
+    x_val, t_val = (Windows(b, s1, n1, seq_len, shift) for shift in (0, 1))
+    return TextDataset(name, x_train, t_train, x_val, t_val, "language", vocab_size,
+                       corpus=info)
+
+
 def text_dataset(seq_len: int, corpus=None, max_bytes=DEFAULT_CORPUS_BYTES,
                  val_fraction=DEFAULT_VAL_FRACTION, train_stride=None) -> TextDataset:
     """The byte-level data set of `corpus` (see read_corpus, or synthetic_corpus for
@@ -186,15 +229,10 @@ def text_dataset(seq_len: int, corpus=None, max_bytes=DEFAULT_CORPUS_BYTES,
     every train_stride bytes (default seq_len; 1: at every offset, so the shuffled batches
     see random offsets, as sampling `randint(len - seq_len)` per row does)."""
     tokens, info = read_text(corpus, max_bytes)
-    splits = split_windows(len(tokens), seq_len, val_fraction, train_stride)
-    (s0, n0), (s1, n1) = splits["train"], splits["val"]
-    info.update(train_windows=n0, val_windows=n1, train_bytes=s1, val_bytes=len(tokens) - s1,
-                train_stride=train_stride or seq_len)
-    x_train, t_train = (Windows(tokens, s0, n0, seq_len, shift, train_stride)
-                        for shift in (0, 1))
-    x_val, t_val = (Windows(tokens, s1, n1, seq_len, shift) for shift in (0, 1))
-    return TextDataset("text", x_train, t_train, x_val, t_val, "language", BYTE_VOCAB,
-                       corpus=info)
+    cut = split_point(len(tokens), val_fraction)
+    info.update(train_bytes=cut, val_bytes=len(tokens) - cut)
+    return windows_dataset("text", (tokens, 0, cut), (tokens, cut, len(tokens) - cut), seq_len,
+                           BYTE_VOCAB, info, train_stride)
 
 
 # -- evaluation ----------------------------------------------------------------------------------
@@ -226,6 +264,7 @@ def language_metrics(loss_nats: float, tokens: int, seconds: float) -> dict:
 
 
 __all__ = ["BYTE_VOCAB", "DEFAULT_CORPUS_BYTES", "DEFAULT_VAL_FRACTION", "TextDataset",
-           "Windows", "corpus_files", "language_metrics", "read_corpus", "read_text",
-           "sequence_cut",
-           "split_windows", "stdlib_files", "text_dataset", "window_loss"]
+           "Windows", "check_max_bytes", "corpus_files", "corpus_info", "documents",
+           "language_metrics", "read_corpus", "read_text", "sequence_cut", "split_point",
+           "split_windows", "stdlib_files", "text_dataset", "window_count", "window_loss",
+           "windows_dataset"]
