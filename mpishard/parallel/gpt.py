@@ -23,6 +23,7 @@ from . import placement as pl
 from .context_parallel import check_cp
 from .gpt_tensor_parallel import check_gpt_tp, gpt_tp_shards
 from .tied import tied_stages
+from .vocab_parallel import VOCAB_TP_SHARDS
 
 UNSUPPORTED_AXES = ("ep",)
 
@@ -69,7 +70,9 @@ def plan_gpt_params(model, layout, vstages: list, tp_shards=gpt_tp_shards) -> di
 
 def plan_transformer_params(model, layout, vstages: list, tp_shards) -> dict:
     """The plan of any spec with the GPT's spec API (embed/*, block specs, head), checks done:
-    tp steps, then fsdp's (zero=3), on the stage of gpt_param_stages (tied copies added)."""
+    tp steps (the vocabulary's padded split for embed/tokens and head/weights, whatever the
+    table says: vocab_parallel.py), then fsdp's (zero=3), on the stage of gpt_param_stages
+    (tied copies added)."""
     pp = layout.size("pp")
     zero3 = layout.size("fsdp") > 1 and layout.option("zero", 3) == 3
     fsdp = (pl.Shard("fsdp", 0, pad=True),) if zero3 else ()
@@ -77,7 +80,8 @@ def plan_transformer_params(model, layout, vstages: list, tp_shards) -> dict:
     stages = gpt_param_stages(model, vstages)
     head = vstages[-1] % pp
     return {name: pl.ParamInfo(name, tuple(shape), pl.Placement(
-                (tp_shards(name) if tp else ()) + fsdp, stage=stages[name] % pp,
+                (VOCAB_TP_SHARDS.get(name) or tp_shards(name) if tp else ()) + fsdp,
+                stage=stages[name] % pp,
                 tied_stages=tied_stages(model, name, stages[name] % pp, head)))
             for name, shape in model.param_shapes().items()}
 

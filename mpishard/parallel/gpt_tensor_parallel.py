@@ -1,16 +1,17 @@
 """A GPT under `tp` (Megatron) and `tp=N,sequence_parallel=1`: placements and units.
 
 With t = tp ranks, tp rank r computes heads r*H/t:(r+1)*H/t and holds (the contract's q|k|v
-layout makes the qkv split blocked, placement.Shard(..., blocks=3)):
+layout makes the qkv split blocked, placement.Shard(..., blocks=3); v = ceil(V/t), the
+vocabulary padded to a multiple of t: vocab_parallel.py):
 
-    embed/tokens      (V, D)   rows r*V/t...           Shard('tp', 0)   vocab-parallel
+    embed/tokens      (V, D)   rows r*v...             Shard('tp', 0, pad)   vocab-parallel
     embed/positions   (S, D)   replicated
     attn/qkv/weights  (D, 3D)  [q_r | k_r | v_r]       Shard('tp', 1, blocks=3)  column
     attn/qkv/bias     (3D,)    [q_r | k_r | v_r]       Shard('tp', 0, blocks=3)
     attn/proj/weights (D, D)   rows of its heads       Shard('tp', 0)   row
     mlp/fc/weights    (D, F)   columns r*F/t...        Shard('tp', 1)   column (bias dim 0)
     mlp/proj/weights  (F, D)   rows r*F/t...           Shard('tp', 0)   row
-    head/weights      (D, V)   columns r*V/t...        Shard('tp', 1)   vocab-parallel head
+    head/weights      (D, V)   columns r*v...          Shard('tp', 1, pad)   vocab-parallel
     LayerNorms, row biases     replicated
 
 Units per block: Residual[LayerNorm, f, qkv column, CausalSelfAttention(H/t), proj row + g],
@@ -30,19 +31,18 @@ from .placement import Shard
 from .sequence_parallel import (GatherFromSP, SequenceParallelGrads, SequenceParallelRowLinear,
                                 operator_comm, split_grads_comm)
 from .tensor_parallel import ColumnParallelLinear, CopyToTP, RowParallelLinear
-from .vocab_parallel import (ReplicatedOutput, VocabParallelEmbedding, VocabParallelOutput,
-                             embedding_comm, loss_comm)
+from .vocab_parallel import (VOCAB_TP_SHARDS, ReplicatedOutput, VocabParallelEmbedding,
+                             VocabParallelOutput, embedding_comm, loss_comm)
 
 # parameter name suffix -> its split on the tp axis (anything else is replicated on tp)
 TP_SHARDS = {
-    "embed/tokens": (Shard("tp", 0),),
+    **VOCAB_TP_SHARDS,
     "attn/qkv/weights": (Shard("tp", 1, blocks=3),),
     "attn/qkv/bias": (Shard("tp", 0, blocks=3),),
     "attn/proj/weights": (Shard("tp", 0),),
     "mlp/fc/weights": (Shard("tp", 1),),
     "mlp/fc/bias": (Shard("tp", 0),),
     "mlp/proj/weights": (Shard("tp", 0),),
-    "head/weights": (Shard("tp", 1),),
 }
 
 
@@ -55,13 +55,12 @@ def gpt_tp_shards(name: str) -> tuple:
 
 
 def check_gpt_tp(model, layout) -> None:
-    """tp must divide the heads, d_ff and the vocabulary (the same ValueError on every rank,
-    before any communication)."""
+    """tp must divide the heads and d_ff (the same ValueError on every rank, before any
+    communication); the vocabulary is padded instead (vocab_parallel.py)."""
     tp = layout.size("tp")
     if tp == 1:
         return
-    for what, n in (("n_heads", model.n_heads), ("d_ff", model.d_ff),
-                    ("vocab_size", model.vocab_size)):
+    for what, n in (("n_heads", model.n_heads), ("d_ff", model.d_ff)):
         if n % tp:
             raise ValueError(f"layout {layout.text!r}: tp={tp} does not divide the GPT's "
                              f"{what}={n} (Megatron splits it over the tp ranks)")

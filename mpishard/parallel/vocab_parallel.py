@@ -1,8 +1,8 @@
 """Vocab-parallel embedding, head and cross-entropy (Megatron), for a GPT under tp.
 
-With t = tp ranks and v = V / t, tp rank r holds rows r*v:(r+1)*v of `embed/tokens` (V, D)
-and columns r*v:(r+1)*v of `head/weights` (D, V) (a tied head: the same embed/tokens rows,
-transposed). No rank ever holds the full (B, T, V) logits in training:
+With t = tp ranks and v = ceil(V / t), tp rank r holds rows r*v:(r+1)*v of `embed/tokens`
+(V, D) and columns r*v:(r+1)*v of `head/weights` (D, V) (a tied head: the same embed/tokens
+rows, transposed). No rank ever holds the full (B, T, V) logits in training:
 
     embedding   partial = rows of the ids in [r v, (r+1) v), zeros for the others   (B, T, D)
                 h = all-reduce(sum) over tp (partial) + positions[:T]
@@ -16,10 +16,23 @@ transposed). No rank ever holds the full (B, T, V) logits in training:
                 loss = mean(log se - tgt);  dL/dlogits_local = (softmax_local - onehot_local)
                 / (B T), computed from the reduced m and se with no further communication.
 
+Vocabulary padding. A V that t does not divide (GPT-2's 50,257) is padded to t v inside the
+placements (`VOCAB_TP_SHARDS`: padded Shard steps, placement.py): the last ranks' blocks end in
+zero rows of embed/tokens and zero columns of head/weights, which shard_array fills in on load
+and gather_array / checkpoints trim, so model.vocab_size, gather_params, gather_grads and
+checkpoints stay V. No id reaches a padded row, so its embedding gradient is zero; the loss
+masks the padded logits to -inf (exp 0: they change neither m, se nor any other gradient, and
+their own is 0), so the padded head columns get zero gradient too; zero gradients and zero
+parameters stay zero under SGD and AdamW (decay of 0 is 0, m = v = 0 gives no step). The
+multiple is t itself, not Megatron's 128 t: the rows pad for divisibility only (numpy/cupy
+matmuls gain nothing from a 128-wide block here), and it keeps test models tiny (V = 97 at
+tp = 4 pads 3 rows, not 415).
+
 `VocabParallelOutput` is the seam to the engine: `loss(loss)` swaps the user's CrossEntropy
 for the vocab-parallel one over this rank's tp Comm (other losses are refused), and
-`gather(y)` all-gathers the vocab shards so `gather_batch(predict(x))` is (B, T, V) on every
-rank. `ReplicatedOutput` is the same seam when the output is whole on every rank.
+`gather(y)` all-gathers the vocab shards, less the padding, so `gather_batch(predict(x))` is
+(B, T, V) on every rank. `ReplicatedOutput` is the same seam when the output is whole on every
+rank.
 """
 from __future__ import annotations
 
@@ -27,6 +40,17 @@ from ..nn import functional as nn
 from ..nn.layers import Layer
 from ..nn.losses import CrossEntropy, Loss
 from ..nn.transformer import leading_positions, position_rows
+from .placement import Shard
+
+# the vocabulary's tp split, padded to a multiple of tp (the module docstring); any
+# transformer plan's table (gpt.plan_transformer_params) takes these for these names
+VOCAB_TP_SHARDS = {"embed/tokens": (Shard("tp", 0, pad=True),),
+                   "head/weights": (Shard("tp", 1, pad=True),)}
+
+
+def vocab_width(vocab: int, n: int) -> int:
+    """v: columns of the logits (rows of embed/tokens) per tp rank, padding included."""
+    return -(-vocab // n)
 
 
 class VocabParallelEmbedding(Layer):
@@ -109,13 +133,18 @@ class VocabParallelCrossEntropy(Loss):
                              f"tp={n}")
 
     def __call__(self, y, t):
-        """(global token-mean loss, dL/dy_local); y: this rank's (B, T, v) vocab shard."""
+        """(global token-mean loss, dL/dy_local); y: this rank's (B, T, v) vocab shard, the
+        padded columns (global index >= V) masked to -inf."""
         n, v = self.tp.size(), y.shape[-1]
-        if v * n != self.vocab or y.ndim != 3:
-            raise ValueError(f"vocab-parallel cross_entropy expects (B, T, {self.vocab // n}) "
-                             f"logits on each of tp={n} ranks, got {tuple(y.shape)}")
+        if v != vocab_width(self.vocab, n) or y.ndim != 3:
+            raise ValueError(f"vocab-parallel cross_entropy expects (B, T, "
+                             f"{vocab_width(self.vocab, n)}) logits on each of tp={n} ranks, "
+                             f"got {tuple(y.shape)}")
         self.seen_shapes.append(tuple(y.shape))
         xp = nn.array_module(y)
+        real = self.vocab - self.tp.rank() * v                      # this rank's real columns
+        if real < v:                                                # padding: exp(-inf) = 0
+            y = xp.where(xp.arange(v) < real, y, -xp.inf)
         m = self.tp.all_reduce(y.max(axis=-1), op="max")            # global row max (B, T)
         z = y - m[..., None]
         e = xp.exp(z)
@@ -148,9 +177,10 @@ class VocabParallelOutput:
         return VocabParallelCrossEntropy(self.tp, self.vocab, self.sp)
 
     def gather(self, y):
-        """(B, T, v) vocab shards -> (B, T, V): all-gather along the last axis (adjoint: a
-        reduce-scatter; used only for outputs, which need no gradient)."""
-        return None if y is None else self.tp.all_gather(y, axis=-1)
+        """(B, T, v) vocab shards -> (B, T, V): all-gather along the last axis, the padded
+        columns dropped (adjoint: a reduce-scatter; used only for outputs, which need no
+        gradient)."""
+        return None if y is None else self.tp.all_gather(y, axis=-1)[..., :self.vocab]
 
 
 class ReplicatedOutput:

@@ -166,7 +166,8 @@ def test_plan_and_inspect_know_gpt(capsys):
     out = capsys.readouterr().out
     print(out)
     assert "GPT(vocab_size=13, seq_len=8, d_model=16" in out and "fsdp=4,zero=3" in out
-    assert "dp=2,tp=2: layout 'dp=2,tp=2': tp=2 does not divide the GPT's vocab_size=13" in out
+    assert "fsdp=2,tp=2,zero=3 " in out and "vocab_size=13 (" not in out   # V padded on tp
+    assert "tp=4: layout 'tp=4': tp=4 does not divide the GPT's n_heads=2" in out
     assert cli.main(["plan", "--model", "gpt:d_model=16,n_heads=4,n_layers=2,seq_len=8,vocab=16",
                      "--world-size", "4", "--batch", "8", "--sort", "layout", "--top", "99"]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,174 @@
+"""A vocabulary tp does not divide (parallel/vocab_parallel.py): padded to a multiple of tp
+inside the placements, never seen outside. Every layout against single in float64 (rtol 1e-9:
+logits, loss, every gradient), padded rows and columns zero and staying zero under AdamW with
+weight decay, (B, T, V) outputs whose argmax is a real id, checkpoints of V rows.
+
+MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
+tests/parallel/test_vocab_padding.py` for N in 2 and 4 (a k-rank layout runs on group_comm(k)).
+"""
+import numpy as np
+import pytest
+
+import mpishard as ms
+from conftest import assert_close, assert_dicts_close, group_comm, single_reference
+from mpishard.parallel import placement as pl
+from mpishard.parallel.compose import plan_params
+from mpishard.parallel.costs import rank_memory
+from test_gpt_engine import make_case
+
+CE = ms.losses.CrossEntropy()
+
+
+def make_gpt(vocab, tied=False, n_layers=2):
+    return ms.GPT(vocab_size=vocab, seq_len=8, d_model=16, n_heads=4, n_layers=n_layers,
+                  d_ff=32, tied=tied)
+
+
+# -- serial: the plan ---------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab,tp,rows", [(13, 2, 7), (13, 4, 4), (97, 4, 25), (5, 4, 2),
+                                           (16, 4, 4)])
+def test_plan_pads_the_vocabulary_to_a_multiple_of_tp(vocab, tp, rows):
+    """Every rank holds ceil(V/tp) rows of embed/tokens and columns of head/weights; the
+    last ones end in padding (with V=5, tp=4 the last rank holds padding only)."""
+    model = make_gpt(vocab)
+    layout = ms.parse_layout(f"tp={tp}")
+    plan = plan_params(model, layout)
+    assert plan["embed/tokens"].full_shape == (vocab, 16)            # the real V outside
+    assert rank_memory(model, layout, 0)["shapes"]["embed/tokens"] == (rows, 16)
+    assert rank_memory(model, layout, tp - 1)["shapes"]["head/weights"] == (16, rows)
+    full = np.arange(vocab * 3, dtype=float).reshape(vocab, 3)
+    placement = pl.Placement((pl.Shard("tp", 0, pad=True),))
+    blocks = [pl.shard_array(full, placement, {"tp": tp}, {"tp": r}) for r in range(tp)]
+    stacked = np.concatenate(blocks)
+    assert stacked.shape == (rows * tp, 3)
+    assert np.array_equal(stacked[:vocab], full) and not stacked[vocab:].any()
+
+
+def test_tp_no_longer_refuses_a_vocabulary_it_does_not_divide():
+    plan_params(make_gpt(13), ms.parse_layout("tp=4"))
+    plan_params(make_gpt(13, tied=True), ms.parse_layout("tp=2,pp=2"))
+
+
+# -- every layout against single ----------------------------------------------------------------
+def padded_block_is_zero(engine, name, vocab) -> bool:
+    """Whether this rank's padded rows (embed/tokens) or columns (head/weights) of `name`, in
+    the parameter and its gradient, are all zero (true where it holds no padding)."""
+    if name not in engine.params:
+        return True
+    tp = engine.layout.size("tp")
+    dim = 0 if name == "embed/tokens" else 1
+    for arr, placements in ((engine.params[name], engine.placements),
+                            (engine.grads[name], engine.grad_placements)):
+        arr = np.asarray(arr)
+        if placements[name].shards[-1].axis == "fsdp" and engine.layout.size("fsdp") > 1:
+            continue                 # (fsdp slices of the block: checked through gather below)
+        v = arr.shape[dim]
+        real = vocab - engine.mesh.coords["tp"] * v
+        pad = arr.take(np.arange(max(real, 0), v), axis=dim)
+        if v * tp < vocab or pad.any():
+            return False
+    return True
+
+
+def check_against_single(comm, layout, vocab, tied=False, n_layers=2):
+    model = make_gpt(vocab, tied, n_layers)
+    params, x, t = make_case(model)
+    ref, ref_loss, ref_grads = single_reference(model, params, x, t, CE)
+    engine = ms.make_engine(model, layout, comm=comm)
+    engine.load_checkpoint(params)
+    what = f"GPT V={vocab} {layout} tied={tied}"
+    value, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), CE)
+    assert_close(value, ref_loss, what=f"{what} loss")
+    assert_dicts_close(engine.gather_grads(grads), ref_grads, what=what)
+    y = engine.gather_batch(engine.predict(engine.shard_batch(x)))
+    assert y.shape == (8, 8, vocab)
+    assert_close(y, ref.predict(x), what=f"{what} logits")
+    assert np.array_equal(y.argmax(-1), ref.predict(x).argmax(-1))
+    assert_dicts_close(engine.gather_params(), params, rtol=0, what=f"{what} params round trip")
+    for name in ("embed/tokens", "head/weights"):
+        assert padded_block_is_zero(engine, name, vocab), f"{what}: {name} padding not zero"
+
+
+LAYOUTS = [  # (ranks, layout, vocab, case)
+    (2, "tp=2", 13, {}), (2, "tp=2", 13, {"tied": True}), (2, "tp=2", 97, {}),
+    (2, "tp=2,sequence_parallel=1", 13, {}), (2, "tp=2,sequence_parallel=1", 13, {"tied": True}),
+    (4, "tp=4", 13, {}), (4, "tp=4", 5, {"tied": True}), (4, "tp=4", 50, {}),
+    (4, "tp=4,sequence_parallel=1", 97, {"tied": True}),
+    (4, "dp=2,tp=2", 13, {"tied": True}), (4, "tp=2,pp=2", 13, {}),
+    (4, "tp=2,pp=2", 13, {"tied": True}), (4, "tp=2,pp=2,schedule=interleaved", 13,
+                                             {"tied": True, "n_layers": 4}),
+    (4, "fsdp=2,tp=2,zero=3", 13, {}), (4, "fsdp=2,tp=2,zero=3", 13, {"tied": True}),
+    (4, "fsdp=2,tp=2,zero=1", 13, {"tied": True}),
+    (4, "fsdp=2,tp=2,zero=2,sequence_parallel=1", 97, {})]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ranks,layout,vocab,kw", LAYOUTS,
+                         ids=[f"{lay}-V{v}-{kw}" for _, lay, v, kw in LAYOUTS])
+def test_layouts_equal_single(ranks, layout, vocab, kw):
+    check_against_single(group_comm(ranks), layout, vocab, **kw)
+
+
+# -- training: the padding stays zero -----------------------------------------------------------
+TRAINED = [(2, "tp=2", False), (2, "tp=2", True), (4, "tp=4", True),
+           (4, "fsdp=2,tp=2,zero=1", False), (4, "tp=2,pp=2", True)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ranks,layout,tied", TRAINED,
+                         ids=[f"{lay}-tied={tied}" for _, lay, tied in TRAINED])
+def test_adamw_with_weight_decay_leaves_the_padding_zero(ranks, layout, tied):
+    """15 AdamW steps (weight decay 0.1, clipped): losses and parameters equal single's at
+    rtol 1e-9, and the padded rows/columns of the parameters and gradients are still 0."""
+    comm = group_comm(ranks)
+    vocab = 13
+    model = make_gpt(vocab, tied)
+    params = model.init(seed=4)
+    data = np.random.default_rng(4).integers(0, vocab, (15, 4, 9))
+    curves, finals = [], []
+    for c in (None, comm):
+        engine = ms.SingleDevice(model) if c is None else ms.make_engine(model, layout, comm=c)
+        engine.load_checkpoint(params)
+        opt = ms.optim.AdamW(engine, lr=1e-2, weight_decay=0.1)
+        losses = []
+        for batch in data:
+            x, t = batch[:, :-1], batch[:, 1:]
+            value, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), CE)
+            ms.optim.clip_grad_norm(engine, grads, max_norm=0.5)
+            opt.step(grads)
+            losses.append(value)
+        curves.append(np.array(losses))
+        finals.append(engine.gather_params())
+    assert_close(curves[1], curves[0], what=f"{layout} losses")
+    assert_dicts_close(finals[1], finals[0], what=f"{layout} params")
+    for name in ("embed/tokens", "head/weights"):
+        assert padded_block_is_zero(engine, name, vocab), f"{layout}: {name} padding moved"
+
+
+# -- checkpoints: V rows on disk, padded again on load ------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_checkpoint_holds_the_real_vocabulary(tmp_path_factory):
+    comm = group_comm(2)
+    model = make_gpt(13)
+    params, x, t = make_case(model)
+    engine = ms.make_engine(model, "tp=2", comm=comm)
+    engine.load_checkpoint(params)
+    opt = ms.optim.AdamW(engine, lr=1e-2, weight_decay=0.1)
+    opt.step(engine.train_step(x, t, CE)[1])
+    path = comm.bcast(str(tmp_path_factory.mktemp("vocab_pad")) if comm.rank == 0 else None)
+    ms.checkpoint.save(f"{path}/ckpt", engine, opt)
+    saved = ms.checkpoint.load(f"{path}/ckpt")
+    assert saved["embed/tokens"].shape == (13, 16) and saved["head/weights"].shape == (16, 13)
+    single = ms.SingleDevice(model)
+    single_opt = ms.optim.AdamW(single, lr=1e-2, weight_decay=0.1)
+    ms.checkpoint.restore(f"{path}/ckpt", single, single_opt)
+    assert_dicts_close(single.gather_params(), engine.gather_params(), rtol=0,
+                       what="tp=2 -> single")
+    again = ms.make_engine(model, "tp=2", comm=comm)
+    again.load_checkpoint(model.init(1))
+    opt2 = ms.optim.AdamW(again, lr=1e-2, weight_decay=0.1)
+    ms.checkpoint.restore(f"{path}/ckpt", again, opt2)
+    for c, o in ((again, opt2), (single, single_opt)):
+        o.step(c.train_step(c.shard_batch(x), c.shard_batch(t), CE)[1])
+    assert_dicts_close(again.gather_params(), single.gather_params(), what="a step after")
+    assert padded_block_is_zero(again, "embed/tokens", 13)
