@@ -88,10 +88,10 @@ def _blocks(engine, optimizer):
             if not state:
                 continue
             scalars = {k: (v.item() if hasattr(v, "item") else v) for k, v in state.items()
-                       if np.ndim(v) == 0}
+                       if getattr(v, "ndim", 0) == 0}
             for region, local in _pieces(engine, name, "optimizer"):
                 for key, arr in sorted(state.items()):
-                    if np.ndim(arr) > 0:
+                    if getattr(arr, "ndim", 0) > 0:    # no np. call on a device array
                         out.append(("optim", name, key, region, arr[local], scalars))
     return [b for b in out if _volume(b[3]) > 0]
 

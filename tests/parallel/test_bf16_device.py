@@ -17,6 +17,9 @@ differ in the last bit of 82 of 256 entries).
 The low-precision all_reduce on the device follows precision.py's rule, checked against its
 definition computed on the host: c(sum_r c(x_r)) with the sum in fp32, in rank order.
 
+A checkpoint saved by a device bf16 engine (words widened to fp32 on the way out) restores
+into a host bf16 engine and into a device one with the same bits and fp32 masters.
+
 MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
 tests/parallel/test_bf16_device.py` for N in 1, 2, 4.
 """
@@ -25,8 +28,11 @@ import numpy as np
 import pytest
 from conftest import group_comm, world
 from device_double import DeviceModule
+from mpi4py import MPI
 
 import mpishard as ms
+from mpishard.checkpoint.restorer import restore
+from mpishard.checkpoint.writer import save
 from mpishard.comm.backend import Backend
 from mpishard.parallel.bf16 import WORD
 from mpishard.parallel.precision import LowPrecisionComm
@@ -118,3 +124,29 @@ def test_device_low_all_reduce_is_fp32_sum_of_rounded_values(mode):
     assert got.dtype == F32 and np.array_equal(got, want)
     k = -(-xs[0].size // n)                     # elements per chunk (zero-padded)
     assert sent == (2 * (n - 1) * k * 2 if n > 1 else 0)      # all_to_all + all_gather, 2 B
+
+
+def test_device_bf16_checkpoint_round_trip(tmp_path):
+    def engine(device):
+        e = ms.make_engine(MLP, comm=MPI.COMM_SELF, device=device, dtype=np.float32,
+                           param_dtype="bfloat16", comm_dtype="bfloat16")
+        e.load_checkpoint(MLP.init(seed=1))
+        return e, ms.optim.AdamW(e, lr=1e-2)
+
+    def device():
+        return Backend("gpu", MPI.COMM_SELF, cuda_aware=False, array_module=DeviceModule())
+    e, opt = engine(device())
+    for x, t in batches(MLP, steps=2):
+        e.train_step(e.shard_batch(x), e.shard_batch(t), ms.losses.MSE())
+        opt.step()
+    save(str(tmp_path / "ck"), e, opt, step=2)
+    words = {n: e.backend.to_host(p) for n, p in e.params.items()}
+    masters = {n: e.backend.to_host(s["master"]) for n, s in opt.state.items()}
+    for where in ("cpu", device()):
+        e2, opt2 = engine(where)
+        assert restore(str(tmp_path / "ck"), e2, opt2) == 2
+        for n in words:
+            got = e2.backend.to_host(e2.params[n])
+            assert np.array_equal(got if where != "cpu" else got.view(WORD), words[n]), n
+            master = e2.backend.to_host(opt2.state[n]["master"])
+            assert np.array_equal(master.view(np.uint32), masters[n].view(np.uint32)), n
