@@ -49,35 +49,82 @@ class BlockSpec:
         return f"block_{self.index}"
 
 
-def _positive_int(what, v) -> int:
+def _positive_int(what, v, who="GPT") -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"GPT {what} must be a positive integer, got {v!r}")
+        raise ValueError(f"{who} {what} must be a positive integer, got {v!r}")
     return int(v)
 
 
-class GPT(ParamSpec):
+class DecoderSpec(ParamSpec):
+    """What every decoder spec (GPT, llama.Llama) shares: blocks between an embedding and a
+    head (`embed_param_shapes`, `block_param_shapes(i)`, `head_param_shapes`), token ids in,
+    (B, T, vocab_size) logits out."""
+
+    def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied):
+        """The sizes every decoder has, checked (ValueError naming the spec's class)."""
+        who = type(self).__name__
+        self.vocab_size = _positive_int("vocab_size", vocab_size, who)
+        self.seq_len = _positive_int("seq_len", seq_len, who)
+        self.d_model = _positive_int("d_model", d_model, who)
+        self.n_heads = _positive_int("n_heads", n_heads, who)
+        self.n_layers = _positive_int("n_layers", n_layers, who)
+        self.d_ff = 4 * self.d_model if d_ff is None else _positive_int("d_ff", d_ff, who)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"{who} d_model={self.d_model} does not divide into "
+                             f"n_heads={self.n_heads} heads")
+        if not isinstance(tied, (bool, np.bool_)):
+            raise ValueError(f"{who} tied must be True or False, got {tied!r}")
+        self.tied = bool(tied)
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def layers(self) -> list:
+        """The blocks, as a pipeline balances and places them (stages.assign_stages)."""
+        return [BlockSpec(i, self.block_param_shapes(i)) for i in range(self.n_layers)]
+
+    def param_shapes(self) -> dict:
+        shapes = self.embed_param_shapes()
+        for i in range(self.n_layers):
+            shapes.update(self.block_param_shapes(i))
+        shapes.update(self.head_param_shapes())
+        return shapes
+
+    # -- what the engine feeds and gets back ---------------------------------------------------
+    def check_input(self, x, dtype=None):
+        """The array to feed for token ids `x` (B, T) on the device: `x` itself, integers kept
+        as integers (`dtype`, the engine's float type, applies to activations only).
+        TypeError for non-integer ids, ValueError for a wrong shape or an id out of range."""
+        if x.dtype.kind not in "iu":
+            raise TypeError(f"{type(self).__name__} input must be integer token ids, got dtype "
+                            f"{x.dtype}")
+        if x.ndim != 2 or not 1 <= x.shape[1] <= self.seq_len:
+            raise ValueError(f"input has shape {tuple(x.shape)}, expected token ids (batch, T) "
+                             f"with 1 <= T <= seq_len={self.seq_len} for {self!r}")
+        if x.size and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got "
+                             f"[{int(x.min())}, {int(x.max())}]")
+        return x
+
+    def output_shape(self, lead_shape) -> tuple:
+        """Shape of the logits for a batch whose inputs (or targets) have leading dims
+        `lead_shape` = (B, T, ...): (B, T, vocab_size)."""
+        if len(lead_shape) < 2 or not 1 <= lead_shape[1] <= self.seq_len:
+            raise ValueError(f"{type(self).__name__} outputs (batch, T, {self.vocab_size}) "
+                             f"logits with T <= seq_len={self.seq_len}: inputs and targets "
+                             f"need (batch, T) leading dims, got shape {tuple(lead_shape)}")
+        return (lead_shape[0], lead_shape[1], self.vocab_size)
+
+
+class GPT(DecoderSpec):
     """A decoder-only transformer spec (GPT-2 style); see the module docstring."""
 
     kind = "gpt"
 
     def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff=None,
                  tied=False):
-        self.vocab_size = _positive_int("vocab_size", vocab_size)
-        self.seq_len = _positive_int("seq_len", seq_len)
-        self.d_model = _positive_int("d_model", d_model)
-        self.n_heads = _positive_int("n_heads", n_heads)
-        self.n_layers = _positive_int("n_layers", n_layers)
-        self.d_ff = 4 * self.d_model if d_ff is None else _positive_int("d_ff", d_ff)
-        if self.d_model % self.n_heads:
-            raise ValueError(f"GPT d_model={self.d_model} does not divide into "
-                             f"n_heads={self.n_heads} heads")
-        if not isinstance(tied, (bool, np.bool_)):
-            raise ValueError(f"GPT tied must be True or False, got {tied!r}")
-        self.tied = bool(tied)
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
+        super().__init__(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied)
 
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:
@@ -100,17 +147,6 @@ class GPT(ParamSpec):
             shapes["head/weights"] = (self.d_model, self.vocab_size)
         return shapes
 
-    def layers(self) -> list:
-        """The blocks, as a pipeline balances and places them (stages.assign_stages)."""
-        return [BlockSpec(i, self.block_param_shapes(i)) for i in range(self.n_layers)]
-
-    def param_shapes(self) -> dict:
-        shapes = self.embed_param_shapes()
-        for i in range(self.n_layers):
-            shapes.update(self.block_param_shapes(i))
-        shapes.update(self.head_param_shapes())
-        return shapes
-
     def init(self, seed: int = 0) -> dict:
         """Full checkpoint, float64, the same on every rank for the same seed (GPT-2 init)."""
         rng = np.random.default_rng(seed)
@@ -125,30 +161,6 @@ class GPT(ParamSpec):
                 std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else INIT_STD
                 params[name] = rng.normal(0.0, std, shape)
         return params
-
-    # -- what the engine feeds and gets back ---------------------------------------------------
-    def check_input(self, x, dtype=None):
-        """The array to feed for token ids `x` (B, T) on the device: `x` itself, integers kept
-        as integers (`dtype`, the engine's float type, applies to activations only).
-        TypeError for non-integer ids, ValueError for a wrong shape or an id out of range."""
-        if x.dtype.kind not in "iu":
-            raise TypeError(f"GPT input must be integer token ids, got dtype {x.dtype}")
-        if x.ndim != 2 or not 1 <= x.shape[1] <= self.seq_len:
-            raise ValueError(f"input has shape {tuple(x.shape)}, expected token ids (batch, T) "
-                             f"with 1 <= T <= seq_len={self.seq_len} for {self!r}")
-        if x.size and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got "
-                             f"[{int(x.min())}, {int(x.max())}]")
-        return x
-
-    def output_shape(self, lead_shape) -> tuple:
-        """Shape of the logits for a batch whose inputs (or targets) have leading dims
-        `lead_shape` = (B, T, ...): (B, T, vocab_size)."""
-        if len(lead_shape) < 2 or not 1 <= lead_shape[1] <= self.seq_len:
-            raise ValueError(f"GPT outputs (batch, T, {self.vocab_size}) logits with T <= "
-                             f"seq_len={self.seq_len}: inputs and targets need (batch, T) "
-                             f"leading dims, got shape {tuple(lead_shape)}")
-        return (lead_shape[0], lead_shape[1], self.vocab_size)
 
     def __repr__(self) -> str:
         return (f"GPT(vocab_size={self.vocab_size}, seq_len={self.seq_len}, "

@@ -21,9 +21,10 @@ import numpy as np
 
 from .functional import check_activation
 from .gpt import GPT
+from .llama import Llama
 from .params import ParamSpec
 
-__all__ = ["GPT", "LinearSpec", "MLP", "MoE"]
+__all__ = ["GPT", "Llama", "LinearSpec", "MLP", "MoE"]
 
 
 @dataclass(frozen=True)

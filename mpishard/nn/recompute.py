@@ -21,6 +21,7 @@ Layout option `recompute=`:
 from __future__ import annotations
 
 from .layers import Composite, Layer
+from .llama_layers import LlamaBlock
 from .transformer import Block
 
 MODES = ("0", "1", "attn")
@@ -65,11 +66,11 @@ def recompute_chunks(model, chunks: list, mode, layout_text: str = "") -> list:
         raise ValueError(f"layout {layout_text!r}: recompute={mode!r} not one of {list(MODES)}")
     if mode == "0":
         return chunks
-    if getattr(model, "kind", "mlp") != "gpt":
+    if getattr(model, "kind", "mlp") not in ("gpt", "llama"):
         raise ValueError(f"layout {layout_text!r}: recompute={mode} recomputes transformer "
-                         f"blocks; {model!r} has none (use an ms.GPT model)")
+                         f"blocks; {model!r} has none (use an ms.GPT or ms.Llama model)")
     if mode == "1":
-        return [[Recompute(u) if isinstance(u, Block) else u for u in chunk]
+        return [[Recompute(u) if isinstance(u, (Block, LlamaBlock)) else u for u in chunk]
                 for chunk in chunks]
     for chunk in chunks:
         for unit in chunk:

@@ -35,6 +35,7 @@ from .expert_parallel import build_moe_chunks, plan_moe_params
 from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
 from .gpt_tensor_parallel import gpt_units_and_output
+from .llama import llama_units_and_output, plan_llama_params
 from .pipeline import PipelineRunner
 from .precision import Precision
 from .stages import assign_stages
@@ -59,8 +60,15 @@ def uses_moe(model, layout) -> bool:
     return getattr(model, "kind", "mlp") == "moe" or layout.size("ep") > 1
 
 
+# a transformer spec's kind -> (its plan, its (units builder, output seam)); gpt.gpt_chunks
+# builds either one's pipeline chunks
+TRANSFORMERS = {"gpt": (plan_gpt_params, gpt_units_and_output),
+                "llama": (plan_llama_params, llama_units_and_output)}
+
+
 def is_gpt(model) -> bool:
-    return getattr(model, "kind", "mlp") == "gpt"
+    """A transformer spec (ms.GPT or ms.Llama): token ids in, (B, T, V) logits out."""
+    return getattr(model, "kind", "mlp") in TRANSFORMERS
 
 
 def plan_params(model, layout) -> dict:
@@ -71,10 +79,10 @@ def plan_params(model, layout) -> dict:
     does not fit the model.
     """
     if is_gpt(model):
-        return plan_gpt_params(model, layout, layer_stages(model, layout))
+        return TRANSFORMERS[model.kind][0](model, layout, layer_stages(model, layout))
     if layout.size("cp") > 1:
         raise ValueError(f"layout {layout.text!r}: cp={layout.size('cp')} splits a sequence; "
-                         f"only ms.GPT models have one")
+                         f"only ms.GPT and ms.Llama models have one")
     if uses_moe(model, layout):
         return plan_moe_params(model, layout)
     tp, pp, fsdp = layout.size("tp"), layout.size("pp"), layout.size("fsdp")
@@ -145,7 +153,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
     if moe:                                                         # 5. layers (ep, tp)
         chunks = build_moe_chunks(model, access, comm, stats)
     elif is_gpt(model):               # tp: vocab-parallel logits, loss and gather_batch
-        units, output = gpt_units_and_output(model, layout, comm)
+        units, output = TRANSFORMERS[model.kind][1](model, layout, comm)
         output = sequence_output(output, layout, comm.group("cp"))   # cp: chunks in order
         chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access,
                             units, context_units(model, layout, comm.group("cp")))

@@ -1,0 +1,104 @@
+"""The Llama spec: a Llama-shaped decoder's sizes and parameter names. No weights live here.
+
+`Llama(vocab_size, seq_len, d_model, n_heads, n_layers, n_kv_heads=None, d_ff=None,
+rope_theta=10000.0, norm_eps=1e-5, tied=False)`, with D = d_model, H = n_heads,
+K = n_kv_heads (default H; H % K == 0), Dh = D / H, F = d_ff (default 4 D), V = vocab_size,
+has the parameters (names and shapes are a contract, in this order; weights are (in, out),
+the transpose of Hugging Face's nn.Linear weights)
+
+    embed/tokens (V, D)                             HF model.embed_tokens.weight
+    block_{i}/ln_1/scale (D,)                       HF input_layernorm.weight
+    block_{i}/attn/q/weights (D, H Dh)              HF self_attn.q_proj.weight^T
+    block_{i}/attn/k/weights (D, K Dh)              HF self_attn.k_proj.weight^T
+    block_{i}/attn/v/weights (D, K Dh)              HF self_attn.v_proj.weight^T
+    block_{i}/attn/proj/weights (H Dh, D)           HF self_attn.o_proj.weight^T
+    block_{i}/ln_2/scale (D,)                       HF post_attention_layernorm.weight
+    block_{i}/mlp/gate/weights (D, F)               HF mlp.gate_proj.weight^T
+    block_{i}/mlp/up/weights (D, F)                 HF mlp.up_proj.weight^T
+    block_{i}/mlp/down/weights (F, D)               HF mlp.down_proj.weight^T
+    ln_f/scale (D,)                                 HF model.norm.weight
+    head/weights (D, V)                             HF lm_head.weight^T (absent when tied)
+
+Forward on integer tokens (B, T), T <= S = seq_len (Hugging Face's LlamaForCausalLM, no
+biases): h = rows of embed/tokens; each block is h += proj(attn(rms_1(h))), then
+h += down(silu(rms_2(h) gate) * (rms_2(h) up)). RMSNorm y = x rsqrt(mean(x^2) + eps) scale.
+Attention: q = x Wq, k = x Wk, v = x Wv cut into heads of Dh columns, rotary positions on q
+and k (rotate-half: inv_freq = 1 / theta^(arange(0, Dh, 2) / Dh), angle = pos inv_freq,
+cos/sin = cat(angle, angle), q' = q cos + rotate_half(q) sin, rotate_half(x) = cat(-x2, x1)),
+query head h attends with kv head h // (H / K) (grouped-query attention), causal
+softmax(q' k'^T / sqrt(Dh)) v, heads concatenated in order. Logits = rms_f(h) head/weights
+(or rms_f(h) embed/tokens^T when tied), shape (B, T, V). The units are in llama_layers.py.
+
+`init(seed)` is Hugging Face's LlamaPreTrainedModel init: N(0, 0.02) for every weight and the
+embedding, RMSNorm scales 1; float64 numpy, the same on every rank for a seed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .gpt import DecoderSpec, _positive_int
+
+INIT_STD = 0.02
+
+
+def _positive_float(what, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(v) or v <= 0:
+        raise ValueError(f"Llama {what} must be a positive number, got {v!r}")
+    return float(v)
+
+
+class Llama(DecoderSpec):
+    """A Llama-shaped decoder spec (RMSNorm, rotary, SwiGLU, GQA); see the module docstring.
+    The sizes' checks, d_head, layers, param_shapes, check_input, output_shape:
+    gpt.DecoderSpec's."""
+
+    kind = "llama"
+
+    def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, n_kv_heads=None,
+                 d_ff=None, rope_theta=10000.0, norm_eps=1e-5, tied=False):
+        super().__init__(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied)
+        self.n_kv_heads = self.n_heads if n_kv_heads is None else \
+            _positive_int("n_kv_heads", n_kv_heads, "Llama")
+        self.rope_theta = _positive_float("rope_theta", rope_theta)
+        self.norm_eps = _positive_float("norm_eps", norm_eps)
+        if self.d_head % 2:
+            raise ValueError(f"Llama head size d_model/n_heads={self.d_head} must be even "
+                             f"(rotary embeddings rotate pairs of columns)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"Llama n_heads={self.n_heads} does not divide into "
+                             f"n_kv_heads={self.n_kv_heads} groups")
+
+    # -- parameters ----------------------------------------------------------------------------
+    def block_param_shapes(self, i: int) -> dict:
+        d, f, p = self.d_model, self.d_ff, f"block_{i}"
+        q, kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        return {f"{p}/ln_1/scale": (d,),
+                f"{p}/attn/q/weights": (d, q), f"{p}/attn/k/weights": (d, kv),
+                f"{p}/attn/v/weights": (d, kv), f"{p}/attn/proj/weights": (q, d),
+                f"{p}/ln_2/scale": (d,),
+                f"{p}/mlp/gate/weights": (d, f), f"{p}/mlp/up/weights": (d, f),
+                f"{p}/mlp/down/weights": (f, d)}
+
+    def embed_param_shapes(self) -> dict:
+        return {"embed/tokens": (self.vocab_size, self.d_model)}
+
+    def head_param_shapes(self) -> dict:
+        """ln_f and the head (the tied head reuses embed/tokens and adds nothing)."""
+        shapes = {"ln_f/scale": (self.d_model,)}
+        if not self.tied:
+            shapes["head/weights"] = (self.d_model, self.vocab_size)
+        return shapes
+
+    def init(self, seed: int = 0) -> dict:
+        """Full checkpoint, float64, the same on every rank for the same seed (HF's init)."""
+        rng = np.random.default_rng(seed)
+        return {name: np.ones(shape) if name.endswith("/scale") else
+                rng.normal(0.0, INIT_STD, shape)
+                for name, shape in self.param_shapes().items()}
+
+    def __repr__(self) -> str:
+        return (f"Llama(vocab_size={self.vocab_size}, seq_len={self.seq_len}, "
+                f"d_model={self.d_model}, n_heads={self.n_heads}, n_layers={self.n_layers}, "
+                f"n_kv_heads={self.n_kv_heads}, d_ff={self.d_ff}, "
+                f"rope_theta={self.rope_theta}, norm_eps={self.norm_eps}, tied={self.tied})")

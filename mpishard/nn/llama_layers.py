@@ -1,0 +1,364 @@
+"""Llama layers: the units an engine stacks into pipeline stages (spec: llama.py).
+
+    TokenEmbedding   tokens (B, T) ints -> h (B, T, D)        embed/tokens (no positions)
+    LlamaBlock i     h -> h                                   block_{i}/...
+      Residual[RMSNorm ln_1, Fused(q, k, v), Rotary, GroupedQueryAttention, attn proj]
+      Residual[RMSNorm ln_2, Fused(gate, up), SwiGLU, mlp down]
+    LlamaHead        h -> logits (B, T, V)                    ln_f, head/weights or tied
+
+Between Fused(q, k, v) and the attention core the activation is (B, T, (Hq + 2 Hkv) Dh):
+the q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this rank
+computes, all of them without tp). Rotary turns q and k in place of position; the core
+serves query head i from kv head kv_heads[i] (HF's repeat_kv: i // (Hq / Hkv)). Under
+context parallelism the core is RepeatKV (q | k, v repeated to every query head) followed by
+cp's ring or Ulysses unit, which take a GPT's (B, T, 3 Hq Dh).
+
+Like nn.transformer's units, every unit reaches its parameters through the access policy and
+keeps what its backward needs on its tape per microbatch. Tensor parallelism passes the same
+`linear(access, w_name, b_name, role)` factory as the GPT's Block (transformer.plain_linear
+or gpt_tensor_parallel.tp_linear); `Fused` takes the column layers of several projections
+that read the same input and concatenates their outputs.
+"""
+from __future__ import annotations
+
+from . import attention as att
+from . import functional as nn
+from .layers import Composite, Layer, Linear, Residual
+from .transformer import TiedHead, leading_positions, plain_linear
+
+
+class RMSNorm(Layer):
+    """y = x rsqrt(mean(x^2) + eps) scale over the last dim (HF LlamaRMSNorm): x -> y.
+
+    backward  dscale = sum over rows of dy * n,  n = x r,  r = rsqrt(mean(x^2) + eps)
+              dx = r (g - n mean(g n)),  g = dy * scale
+    """
+
+    def __init__(self, access, prefix, eps):
+        super().__init__()
+        self.access, self.eps = access, float(eps)
+        self.scale = f"{prefix}/scale"
+        self.param_names = (self.scale,)
+
+    def __repr__(self):
+        return f"RMSNorm({self.scale.rsplit('/', 1)[0]})"
+
+    def forward(self, x, mb=0, record=True):
+        xp = nn.array_module(x)
+        scale = self.access.get(self.scale, mb)
+        r = 1.0 / xp.sqrt(xp.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1] + self.eps)
+        n = x * r                                                 # x rsqrt(mean x^2 + eps)
+        y = n * scale
+        self.access.release(self.scale, mb)
+        self.save(mb, record, (n, r))
+        return y
+
+    def backward(self, dy, mb=0):
+        n, r = self.pop(mb)
+        d = dy.shape[-1]
+        scale = self.access.get(self.scale, mb)
+        g = dy * scale                                            # undoes * scale (in n)
+        dx = g - n * (nn.array_module(g).einsum("...d,...d->...", g, n)[..., None] / d)
+        dx *= r                                                   # undoes the normalisation
+        self.access.release(self.scale, mb)
+        self.access.add_grad(self.scale, nn.column_sums((dy * n).reshape(-1, d)))
+        return dx
+
+
+class TokenEmbedding(Layer):
+    """tokens (B, T) ints -> h = embed/tokens[tokens] (B, T, D); no gradient for the ids."""
+
+    def __init__(self, access, tokens="embed/tokens"):
+        super().__init__()
+        self.access, self.tokens = access, tokens
+        self.param_names = (tokens,)
+
+    def __repr__(self):
+        return "TokenEmbedding"
+
+    def forward(self, ids, mb=0, record=True):
+        table = self.access.get(self.tokens, mb)
+        h = nn.embedding_forward(table, ids)                     # rows of the ids
+        self.access.release(self.tokens, mb)
+        self.save(mb, record, (ids, table.shape[0]))
+        return h
+
+    def backward(self, dy, mb=0):
+        ids, rows = self.pop(mb)
+        self.access.add_grad(self.tokens, nn.embedding_backward(dy, ids, rows))   # scatter-add
+        return None
+
+
+class Fused(Composite):
+    """Several projections of the same input side by side: y = cat(x W_1, x W_2, ...) along the
+    last dim; dx = sum_i dy_i W_i^T (each Linear's backward on its columns of dy). `linears`:
+    Linear units (column-parallel ones under tp); zero-bubble B/W splits go to each."""
+
+    def forward(self, x, mb=0, record=True):
+        ys = [u.forward(x, mb, record) for u in self.units]
+        self.save(mb, record, [y.shape[-1] for y in ys])
+        return nn.array_module(x).concatenate(ys, axis=-1)
+
+    def _parts(self, dy, mb):
+        widths, start, parts = self.pop(mb), 0, []
+        for w in widths:
+            parts.append(dy[..., start:start + w])               # undoes the concatenation
+            start += w
+        return parts
+
+    def backward(self, dy, mb=0):
+        parts = self._parts(dy, mb)
+        return sum(u.backward(p, mb) for u, p in zip(self.units, parts))   # x fed each one
+
+    def backward_input(self, dy, mb=0):
+        parts = self._parts(dy, mb)
+        return sum(u.backward_input(p, mb) for u, p in zip(self.units, parts))
+
+
+def fused_column(linear, access, w_names) -> list:
+    """The units of projections `w_names` read from one input, as `linear` (Block's factory)
+    builds a column layer: its communication units in front (once), then Fused Linears."""
+    parts = [linear(access, w, None, "column") for w in w_names]
+    return parts[0][:-1] + [Fused([p[-1] for p in parts])]
+
+
+def rope_angles(xp, positions, d_head: int, theta: float):
+    """(cos, sin) of HF's rotary embedding for `positions` (a slice, a tuple of slices, or an
+    integer array (B, t)), each (t, 1, Dh) or (B, t, 1, Dh) to broadcast against (B, t, heads,
+    Dh): angle = pos / theta^(arange(0, Dh, 2) / Dh), cos/sin = cat(angle, angle), float64."""
+    if isinstance(positions, slice):
+        positions = (positions,)
+    if isinstance(positions, tuple):
+        pos = xp.concatenate([xp.arange(s.start or 0, s.stop) for s in positions])
+    else:
+        pos = xp.asarray(positions)
+    inv_freq = 1.0 / theta ** (xp.arange(0, d_head, 2, dtype=xp.float64) / d_head)
+    angles = pos.astype(xp.float64)[..., None] * inv_freq           # (..., t, Dh/2)
+    angles = xp.concatenate([angles, angles], axis=-1)[..., None, :]  # (..., t, 1, Dh)
+    return xp.cos(angles), xp.sin(angles)
+
+
+def rotate_half(x):
+    """cat(-x2, x1) along the last dim (x1, x2 its halves); its transpose is -rotate_half."""
+    h = x.shape[-1] // 2
+    return nn.array_module(x).concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+class Rotary(Layer):
+    """(B, T, (Hq + 2 Hkv) Dh) q | k | v -> the same with q and k rotated by position:
+    x' = x cos + rotate_half(x) sin (HF's apply_rotary_pos_emb); v passes through. No
+    parameters. token_positions(t): the global positions of the t tokens (a slice, cp's tuple
+    of slices, or a (B, t) array while decoding; kv_cache.caching sets it). The angles are
+    taken in float64 and cast to the activations' dtype (HF takes them in float32).
+
+    backward  dx = dx' cos - rotate_half(dx' sin)   (rotate_half^T = -rotate_half)
+    """
+
+    def __init__(self, n_q, n_kv, d_head, theta, token_positions=leading_positions):
+        super().__init__()
+        self.n_rot, self.heads = n_q + n_kv, n_q + 2 * n_kv       # q and k rotate, v not
+        self.d_head, self.theta = d_head, float(theta)
+        self.token_positions = token_positions
+
+    def __repr__(self):
+        return f"Rotary(heads={self.n_rot}, theta={self.theta:g})"
+
+    def _heads(self, a):
+        return a.reshape(a.shape[:2] + (self.heads, self.d_head))   # (B, T, heads, Dh)
+
+    def forward(self, a, mb=0, record=True):
+        xp = nn.array_module(a)
+        cos, sin = rope_angles(xp, self.token_positions(a.shape[1]), self.d_head, self.theta)
+        cos, sin = cos.astype(a.dtype, copy=False), sin.astype(a.dtype, copy=False)
+        y = self._heads(a).copy()
+        x = y[:, :, :self.n_rot]
+        y[:, :, :self.n_rot] = x * cos + rotate_half(x) * sin
+        self.save(mb, record, (cos, sin))
+        return y.reshape(a.shape)
+
+    def backward(self, dy, mb=0):
+        cos, sin = self.pop(mb)
+        dx = self._heads(dy).copy()
+        g = dx[:, :, :self.n_rot]
+        dx[:, :, :self.n_rot] = g * cos - rotate_half(g * sin)   # undoes the rotation
+        return dx.reshape(dy.shape)
+
+
+def split_qkv(a, n_q, n_kv):
+    """(B, T, (Hq + 2 Hkv) Dh) -> q (B, Hq, T, Dh), k and v (B, Hkv, T, Dh) (views)."""
+    b, t, width = a.shape
+    heads = a.reshape(b, t, n_q + 2 * n_kv, width // (n_q + 2 * n_kv)).transpose(0, 2, 1, 3)
+    return heads[:, :n_q], heads[:, n_q:n_q + n_kv], heads[:, n_q + n_kv:]
+
+
+def merge_qkv(dq, dk, dv):
+    """Undo split_qkv: (B, Hq, T, Dh), (B, Hkv, T, Dh) x 2 -> (B, T, (Hq + 2 Hkv) Dh)."""
+    xp = nn.array_module(dq)
+    return xp.concatenate([att.merge_heads(g) for g in (dq, dk, dv)], axis=-1)
+
+
+class KVHeads:
+    """Which kv head serves each query head: kv_heads[i] for local query head i (default the
+    uniform i // (Hq / Hkv), HF's repeat_kv)."""
+
+    def __init__(self, n_q, n_kv, kv_heads=None):
+        self.n_q, self.n_kv = n_q, n_kv
+        uniform = tuple(i // (n_q // n_kv) for i in range(n_q)) if n_q % n_kv == 0 else None
+        self.kv_heads = uniform if kv_heads is None else tuple(kv_heads)
+        self.uniform = self.kv_heads == uniform
+
+    def repeat(self, k):
+        """(B, Hkv, T, Dh) -> (B, Hq, T, Dh): head i is k's head kv_heads[i]."""
+        xp = nn.array_module(k)
+        if self.uniform:
+            return xp.repeat(k, self.n_q // self.n_kv, axis=1)
+        return k[:, list(self.kv_heads)]
+
+    def repeat_backward(self, dk_rep):
+        """Undo repeat: each kv head's gradient is the sum over the query heads it served."""
+        xp = nn.array_module(dk_rep)
+        b, _, t, d = dk_rep.shape
+        if self.uniform:
+            return dk_rep.reshape(b, self.n_kv, self.n_q // self.n_kv, t, d).sum(axis=2)
+        dk = xp.zeros((b, self.n_kv, t, d), dtype=dk_rep.dtype)
+        for i, j in enumerate(self.kv_heads):
+            dk[:, j] += dk_rep[:, i]
+        return dk
+
+
+class GroupedQueryAttention(Layer):
+    """(B, T, (Hq + 2 Hkv) Dh) q | k | v -> (B, T, Hq Dh): causal softmax attention, query
+    head i against kv head kv_heads[i] (heads: a KVHeads). No parameters. `cache`: a
+    kv_cache.KVCache while decoding; it gets the un-repeated k, v (B, Hkv, t, Dh) when the
+    grouping is uniform (repeated ones otherwise: tp with replicated kv heads)."""
+
+    attention_core = True      # what recompute=attn wraps
+
+    def __init__(self, heads):
+        super().__init__()
+        self.heads = heads
+        self.cache = None
+
+    def __repr__(self):
+        return f"GroupedQueryAttention(q={self.heads.n_q}, kv={self.heads.n_kv})"
+
+    def forward(self, a, mb=0, record=True):
+        h = self.heads
+        q, k, v = split_qkv(a, h.n_q, h.n_kv)
+        if self.cache is not None:                                # decoding: no tape
+            assert not record, "a KV-cached forward is inference only"
+            if not h.uniform:
+                k, v = h.repeat(k), h.repeat(v)
+            return att.merge_heads(self.cache.attend(self, q, k, v))
+        k, v = h.repeat(k), h.repeat(v)                           # (B, Hq, T, Dh)
+        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True)
+        self.save(mb, record, (q, k, v, out, p))
+        return att.merge_heads(out)                               # heads concatenated
+
+    def backward(self, dy, mb=0):
+        q, k, v, out, p = self.pop(mb)
+        dout = att.merge_heads_backward(dy, self.heads.n_q)       # undoes merge_heads
+        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, None, probs=p)
+        return merge_qkv(dq, self.heads.repeat_backward(dk),     # undoes repeat and
+                         self.heads.repeat_backward(dv))          # split_qkv
+
+
+class RepeatKV(Layer):
+    """(B, T, (Hq + 2 Hkv) Dh) -> (B, T, 3 Hq Dh): q | k, v repeated to every query head, the
+    input a GPT attention unit (cp's ring or Ulysses) takes. heads: a KVHeads."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.heads = heads
+
+    def __repr__(self):
+        return f"RepeatKV(q={self.heads.n_q}, kv={self.heads.n_kv})"
+
+    def forward(self, a, mb=0, record=True):
+        q, k, v = split_qkv(a, self.heads.n_q, self.heads.n_kv)
+        return merge_qkv(q, self.heads.repeat(k), self.heads.repeat(v))
+
+    def backward(self, dy, mb=0):
+        q, k, v = split_qkv(dy, self.heads.n_q, self.heads.n_q)
+        return merge_qkv(q, self.heads.repeat_backward(k), self.heads.repeat_backward(v))
+
+
+class SwiGLU(Layer):
+    """(B, T, 2 F) gate | up -> silu(gate) * up (B, T, F); silu(g) = g sigmoid(g).
+
+    backward  dgate = dy up s (1 + g (1 - s)),  s = sigmoid(g);  dup = dy silu(g)
+    """
+
+    def __repr__(self):
+        return "SwiGLU"
+
+    def forward(self, a, mb=0, record=True):
+        f = a.shape[-1] // 2
+        g, u = a[..., :f], a[..., f:]
+        s, _ = nn.sigmoid_forward(g)
+        silu = g * s
+        self.save(mb, record, (g, u, s, silu))
+        return silu * u
+
+    def backward(self, dy, mb=0):
+        g, u, s, silu = self.pop(mb)
+        dgate = dy * u * (s * (1.0 + g * (1.0 - s)))              # undoes silu(g) * up in g
+        return nn.array_module(dy).concatenate([dgate, dy * silu], axis=-1)   # ... in up
+
+
+class LlamaBlock(Composite):
+    """Llama block i: h + attn(rms_1(h)), then h + mlp(rms_2(h)).
+
+    n_q, kv_heads: a KVHeads for the heads this rank computes; linear: as transformer.Block's;
+    attention(n_q): cp's attention unit (None: GroupedQueryAttention); token_positions: the
+    rotary's."""
+
+    def __init__(self, model, access, index, heads, linear=plain_linear, attention=None,
+                 token_positions=leading_positions):
+        p, eps = f"block_{index}", model.norm_eps
+        core = [GroupedQueryAttention(heads)] if attention is None else \
+            [RepeatKV(heads), attention(heads.n_q)]
+        attn = Residual([RMSNorm(access, f"{p}/ln_1", eps),
+                         *fused_column(linear, access, [f"{p}/attn/{w}/weights" for w in "qkv"]),
+                         Rotary(heads.n_q, heads.n_kv, model.d_head, model.rope_theta,
+                                token_positions),
+                         *core,
+                         *linear(access, f"{p}/attn/proj/weights", None, "row")])
+        mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps),
+                        *fused_column(linear, access, [f"{p}/mlp/gate/weights",
+                                                       f"{p}/mlp/up/weights"]),
+                        SwiGLU(),
+                        *linear(access, f"{p}/mlp/down/weights", None, "row")])
+        super().__init__([attn, mlp])
+        self.index = index
+
+    def __repr__(self):
+        return f"LlamaBlock({self.index})"
+
+
+class LlamaHead(Composite):
+    """rms_f, then the head: logits = rms_f(h) head/weights, or rms_f(h) embed/tokens^T when
+    tied. head: replacement head units (e.g. a vocab-parallel head)."""
+
+    def __init__(self, model, access, head=None):
+        if head is None:
+            head = [TiedHead(access)] if model.tied else [Linear(access, "head/weights")]
+        super().__init__([RMSNorm(access, "ln_f", model.norm_eps), *head])
+
+    def __repr__(self):
+        return "LlamaHead"
+
+
+def llama_units(model, access, blocks, first: bool, last: bool, attention=None,
+                token_positions=leading_positions, linear=plain_linear, heads=None,
+                embedding=None, head=None) -> list:
+    """The units of a pipeline chunk holding `blocks` (block indices), the embedding in front
+    on the first chunk, rms_f + head behind on the last. attention, token_positions: cp's
+    (context_parallel.context_units); linear, heads (a KVHeads), embedding, head: tp's."""
+    heads = heads or KVHeads(model.n_heads, model.n_kv_heads)
+    units = [embedding or TokenEmbedding(access)] if first else []
+    units += [LlamaBlock(model, access, i, heads, linear, attention, token_positions)
+              for i in blocks]
+    if last:
+        units.append(LlamaHead(model, access, head))
+    return units
