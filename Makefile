@@ -7,6 +7,8 @@
 #   make test-slurm    a throwaway one-node Slurm runs examples/hpc/train.slurm, then a scancel
 #   make test-hosts    one job over two network-namespace "hosts" over TCP (root; else SKIPPED)
 #   make soak          a long dp=2 run with checkpoints: memory flat, no request or fd leaked
+#   make gpu-wheels    download the wheels the GPU check carries into .gpu-wheels (here, online)
+#   make gpu-check     on a GPU node: the whole GPU check, 8 minutes (GPU=standin: the CPU stand-in)
 #
 # Every variable below can be overridden on the command line, for example
 #   make test MPIEXEC=mpiexec MPIEXEC_FLAGS="-f hostfiles/localhost-mpich"
@@ -90,6 +92,7 @@ STAMP     = $(VENV)/.installed
 MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
+.PHONY: gpu-check gpu-wheels
 .PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-serialized test-newpy test-slurm test-hosts soak bench lint clean
 
 help:
@@ -104,6 +107,7 @@ help:
 	@echo "make test-slurm       a throwaway 1-node Slurm: sbatch examples/hpc/train.slurm, then scancel a long job (root; SKIPPED otherwise)"
 	@echo "make test-hosts       one job over two network-namespace hosts over TCP: bandwidth, dp=2,tp=2 == one host (root; SKIPPED otherwise)"
 	@echo "make soak             benchmarks/soak.py on $(SOAK_NP) ranks (SOAK_ARGS): RSS growth, pending requests, fds"
+	@echo "make gpu-wheels       the wheels the GPU check carries, into $(GPU_WHEELS); make gpu-check [GPU=standin]: docs/gpus.md"
 	@echo "make bench            benchmarks/run_all.py"
 	@echo "make lint             ruff check"
 	@echo "make clean            remove $(VENV), build artefacts, caches and demo outputs"
@@ -196,6 +200,25 @@ test-hosts: $(STAMP)
 soak: $(STAMP)
 	@echo "==> soak: $(SOAK_NP) ranks: benchmarks/soak.py $(SOAK_ARGS)"
 	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(SOAK_NP) $(PY) -m mpi4py benchmarks/soak.py $(SOAK_ARGS)
+
+# --- the GPU check (docs/gpus.md, "GPU check"; `make test` runs GPU=standin: tests/gpu) ------
+# gpu-check needs no venv: on a bare GPU node it runs under the image's python3 and installs
+# the wheels that `make gpu-wheels` put in GPU_WHEELS; GPU=standin runs it here on the CPU
+# stand-in (tests/device_double.py) with the venv's Python and MPI, tiny sizes.
+GPU           ?= gpu
+GPU_WHEELS    ?= .gpu-wheels
+GPU_CHECK_OUT ?= gpu-check-out
+GPU_WHEEL_PINS = mpich==5.0.2 mpi4py==4.1.2 pytest-mpi==0.6 threadpoolctl==3.8.0
+gpu-check: $(if $(filter standin,$(GPU)),$(STAMP))
+	GPU_CHECK=$(GPU) GPU_WHEELS=$(GPU_WHEELS) GPU_CHECK_OUT=$(GPU_CHECK_OUT) \
+	    PYTHON=$(if $(filter standin,$(GPU)),$(PY),python3) bash benchmarks/gpu_check.sh
+
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	@du -cb $(GPU_WHEELS)/*.whl | tail -1 | awk '{ print "==> gpu-wheels: " $$1 " bytes in $(GPU_WHEELS)"; \
+	    if ($$1 > 64 * 1048576) { print "over 64 MiB"; exit 1 } }'
 
 # --- benchmarks and lint ---------------------------------------------------------------
 bench: $(STAMP)

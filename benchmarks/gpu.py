@@ -1,0 +1,257 @@
+"""GPU benchmark: GPT step MFU, the ratio to PyTorch on the same GPU, all-reduce bandwidth.
+
+    mpiexec -n 1 python -m mpi4py benchmarks/gpu.py step [--budget 240]
+    mpiexec -n 2 python -m mpi4py benchmarks/gpu.py allreduce [--budget 60]
+    ... --standin     the same code on the CPU stand-in (tests/device_double.py), tiny sizes
+
+step (one rank): the model is ms.GPT(vocab 50304, seq_len 1024, d_model 768, 12 heads,
+12 layers), batch 8, halved (batch, then seq_len) until a step fits the GPU's memory.
+- `matmul_peak`: cupy's own matmul GFLOP/s on square float32 and float16 operands (2 n^3
+  per product), the ceiling a step built from cupy matmuls can reach on this GPU;
+- `step`: our train_step (forward, cross-entropy, backward) at dtype float32 with
+  param_dtype None, "float16", "bfloat16" (16-bit storage and communication, float32 compute:
+  parallel/precision.py), against PyTorch's GPT from benchmarks/gpt.py (`torch_gpt`, the same
+  weights and batch) on the same GPU in float32 (`torch_fp32`) and under autocast to the
+  16-bit type (`torch_autocast`, which computes its matmuls in 16 bits where ours do not).
+  Model FLOPs per step are gpt.py's model_flops; MFU = FLOPs / time / peak, against the
+  measured cupy peak (float32 for ours) and the datasheet peak (DATASHEET, dense, no
+  sparsity; None for a GPU not in the table). Ours and torch's samples alternate, and the
+  ratio ours/torch is of medians measured in this one run.
+allreduce (two ranks sharing the GPU): `engine.all_reduce(a, out=out)` on float32 device
+arrays of 1, 16 and 64 MiB, staged through the host and, only where the MPI library says it
+is CUDA-aware (comm/gpu.py query_cuda_support), directly; bus bandwidth
+2 (n-1)/n bytes / time, the slowest rank's median.
+
+Every measurement prints one line `BENCH {json}` as it finishes; when `--budget` seconds are
+spent the rest is skipped with a `BENCH {"skipped": ...}` line, so a cut-off run still says
+what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+import mpishard as ms
+from _common import mpi_sync, sample_times
+from gpt import model_flops, torch_gpt
+
+HERE = Path(__file__).resolve().parent
+DATASHEET = {  # dense TFLOP/s: (float32 non-tensor, float16/bfloat16 tensor core), SXM parts
+    "H100": (67.0, 989.4), "H200": (67.0, 989.4), "A100": (19.5, 312.0), "L40S": (91.6, 362.1)}
+FULL = dict(vocab_size=50304, seq_len=1024, d_model=768, n_heads=12, n_layers=12, batch=8)
+TINY = dict(vocab_size=32, seq_len=16, d_model=32, n_heads=4, n_layers=2, batch=2)
+
+
+def emit(**rec):
+    print("BENCH " + json.dumps(rec), flush=True)
+
+
+class Device:
+    """What differs between cupy and the stand-in: the array module, sync, the torch device."""
+
+    def __init__(self, standin):
+        self.standin = standin
+        if standin:
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from device_double import DeviceModule
+            self.xp, self.torch_device, self.name = DeviceModule(), "cpu", "stand-in (CPU)"
+        else:
+            import cupy
+            self.xp, self.torch_device = cupy, "cuda"
+            self.name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+    def backend(self, comm, cuda_aware=False):
+        from mpishard.comm.backend import Backend
+        if self.standin:
+            return Backend("gpu", comm, cuda_aware=cuda_aware, array_module=type(self.xp)(
+                cuda_aware=cuda_aware))
+        return Backend("gpu", comm, cuda_aware=cuda_aware)
+
+    def sync(self):
+        if not self.standin:
+            self.xp.cuda.Device().synchronize()
+
+    def release(self):
+        """Hand the memory pools back between measurements (cupy's and torch's caches)."""
+        if not self.standin:
+            self.xp.get_default_memory_pool().free_all_blocks()
+            import torch
+            torch.cuda.empty_cache()
+
+    def datasheet(self):
+        return next((v for k, v in DATASHEET.items() if k in self.name), None)
+
+
+def timed(dev, fns, samples, warmup=2):
+    """Median seconds of each callable, alternating sample by sample, the device synchronised
+    around every sample."""
+    def sync(dt):
+        dev.sync()
+        return dt
+    return [float(np.median(t)) for t in sample_times(fns, samples, warmup, sync)]
+
+
+def matmul_peak(dev, n, dtype):
+    xp = dev.xp
+    a = xp.asarray(np.random.default_rng(0).standard_normal((n, n)).astype(dtype))
+    b = xp.asarray(np.random.default_rng(1).standard_normal((n, n)).astype(dtype))
+    (t,) = timed(dev, [lambda: xp.matmul(a, b)], samples=10, warmup=3)
+    return 2.0 * n ** 3 / t / 1e9
+
+
+def fitting_problem(dev, cfg):
+    """(model, params, x, t, engine factory) at the largest size whose step fits."""
+    cfg = dict(cfg)
+    while True:
+        batch = cfg["batch"]
+        spec = {k: v for k, v in cfg.items() if k != "batch"}
+        model = ms.GPT(**spec)
+        rng = np.random.default_rng(1)
+        x = rng.integers(0, model.vocab_size, (batch, model.seq_len))
+        t = rng.integers(0, model.vocab_size, (batch, model.seq_len))
+        params = model.init(seed=0)
+        try:
+            engine = our_engine(dev, model, params, None)
+            engine.train_step(engine.shard_batch(x), engine.shard_batch(t),
+                              ms.losses.CrossEntropy())
+            dev.sync()
+            return model, params, x, t, batch
+        except Exception as exc:                    # cupy's OutOfMemoryError among them
+            if "memory" not in str(exc).lower() or (batch == 1 and cfg["seq_len"] <= 128):
+                raise
+            emit(part="step", note=f"out of memory at batch {batch} seq {cfg['seq_len']}")
+            if batch > 1:
+                cfg["batch"] = batch // 2
+            else:
+                cfg["seq_len"] //= 2
+        finally:
+            engine = None
+            dev.release()
+
+
+def our_engine(dev, model, params, param_dtype):
+    engine = ms.make_engine(model, "single", dtype=np.float32, comm=MPI.COMM_SELF,
+                            device=dev.backend(MPI.COMM_SELF), param_dtype=param_dtype,
+                            report_errors=False)
+    engine.load_checkpoint(params)
+    return engine
+
+
+def torch_closure(torch, dev, model, params, x, t, autocast):
+    net, _ = torch_gpt(torch, model, params)
+    net = net.to(dev.torch_device)
+    ce = torch.nn.CrossEntropyLoss()
+    xt = torch.from_numpy(x).to(dev.torch_device)
+    tt = torch.from_numpy(t).reshape(-1).to(dev.torch_device)
+
+    def step():
+        net.zero_grad()
+        with torch.autocast(dev.torch_device, dtype=autocast, enabled=autocast is not None):
+            loss = ce(net(xt).reshape(-1, model.vocab_size), tt)
+        loss.backward()
+    return step
+
+
+def run_step(dev, budget, samples):
+    t_end = time.perf_counter() + budget
+    sheet = dev.datasheet()
+    peak = {}
+    for dtype in ("float32", "float16"):
+        n = 64 if dev.standin else 8192
+        peak[dtype] = matmul_peak(dev, n, dtype)
+        emit(part="matmul_peak", dtype=dtype, n=n, gflops=round(peak[dtype], 1),
+             datasheet_tflops=None if sheet is None else sheet[dtype == "float16"])
+    model, params, x, t, batch = fitting_problem(dev, TINY if dev.standin else FULL)
+    flops = model_flops(model, batch)
+    emit(part="step_size", batch=batch, seq_len=model.seq_len, d_model=model.d_model,
+         n_layers=model.n_layers, vocab=model.vocab_size, gflop_per_step=round(flops / 1e9, 1))
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    ce = ms.losses.CrossEntropy()
+    for param_dtype in (None, "float16", "bfloat16"):
+        if time.perf_counter() > t_end:
+            emit(part="step", skipped=f"param_dtype {param_dtype}: budget {budget} s spent")
+            continue
+        rec = dict(part="step", param_dtype=param_dtype or "float32")
+        try:
+            engine = our_engine(dev, model, params, param_dtype)
+            xd, td = engine.shard_batch(x), engine.shard_batch(t)
+            fns = [lambda: engine.train_step(xd, td, ce)]
+            if torch is not None:
+                low = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+                fns += [torch_closure(torch, dev, model, params, x, t, None),
+                        torch_closure(torch, dev, model, params, x, t, low[param_dtype])]
+            times = timed(dev, fns, samples)
+            rec.update(ours_s=round(times[0], 5), ours_tflops=round(flops / times[0] / 1e12, 3),
+                       mfu_vs_cupy_fp32=round(flops / times[0] / 1e9 / peak["float32"], 4))
+            if sheet is not None:
+                rec["mfu_vs_datasheet_fp32"] = round(flops / times[0] / 1e12 / sheet[0], 4)
+            if torch is not None:
+                rec.update(torch_fp32_s=round(times[1], 5), torch_autocast_s=round(times[2], 5),
+                           ratio_ours_over_torch_fp32=round(times[0] / times[1], 3),
+                           ratio_ours_over_torch_autocast=round(times[0] / times[2], 3))
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            engine = fns = None
+            dev.release()
+        emit(**rec)
+    return 0
+
+
+def run_allreduce(dev, budget, samples):
+    comm = MPI.COMM_WORLD
+    t_end = time.perf_counter() + budget
+    from mpishard.comm.gpu import query_cuda_support
+    aware, why = (True, "stand-in: exercised") if dev.standin else query_cuda_support()
+    if comm.Get_rank() == 0:
+        emit(part="allreduce_env", cuda_aware=aware, why=why, ranks=comm.Get_size())
+    sync = mpi_sync(comm)
+    sizes = [1 << 16] if dev.standin else [1 << 20, 16 << 20, 64 << 20]
+    for mode in ("staged", "cuda_aware") if aware else ("staged",):
+        engine = ms.make_engine(ms.MLP([2, 2]), f"dp={comm.Get_size()}", dtype=np.float32,
+                                comm=comm, device=dev.backend(comm, mode == "cuda_aware"),
+                                report_errors=False)
+        xp = engine.xp
+        for nbytes in sizes:
+            if comm.allreduce(time.perf_counter() > t_end, op=MPI.LOR):
+                if comm.Get_rank() == 0:
+                    emit(part="allreduce", mode=mode, bytes=nbytes, skipped="budget spent")
+                continue
+            a = xp.asarray(np.ones(nbytes // 4, np.float32))
+            out = xp.empty_like(a)
+
+            def one():
+                engine.all_reduce(a, out=out)
+                dev.sync()
+            times = [float(np.median(s)) for s in sample_times([one], samples, 2, sync)]
+            n = comm.Get_size()
+            if comm.Get_rank() == 0:
+                emit(part="allreduce", mode=mode, bytes=nbytes, seconds=round(times[0], 6),
+                     busbw_gbs=round(2 * (n - 1) / n * nbytes / times[0] / 1e9, 3),
+                     correct=bool(float(out[0]) == n))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["step", "allreduce"])
+    p.add_argument("--standin", action="store_true", help="CPU stand-in, tiny sizes")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds, then skip the rest")
+    p.add_argument("--samples", type=int, default=5)
+    args = p.parse_args(argv)
+    dev = Device(args.standin)
+    run = run_step if args.what == "step" else run_allreduce
+    return run(dev, args.budget, args.samples)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""The whole GPU check in one time-boxed run: wheels, environment, reference tests, benchmark.
+
+    python3 benchmarks/gpu_check.py                 # on a GPU node (make gpu-check)
+    GPU_CHECK=standin python3 benchmarks/gpu_check.py   # the CPU stand-in (make test runs it)
+
+Environment: GPU_CHECK (gpu, the default, or standin), GPU_CHECK_OUT (the output folder,
+default gpu-check-out), GPU_WHEELS (default .gpu-wheels), GPU_CHECK_BUDGET (seconds for the
+whole check, default 480). The parts, each with its own budget (a share of the whole, never
+past its end), each printing as it runs and written to $GPU_CHECK_OUT/gpu_check.json as it
+ends, so a cut-off run still says what it did; a failing part does not stop the later ones:
+
+wheels       the carried wheels (make gpu-wheels: mpich, mpi4py, pytest-mpi, threadpoolctl;
+             at most 64 MiB) installed offline with `pip install --no-index --no-deps --prefix`
+             into a scratch folder (--prefix, not --target: --target drops the mpich wheel's
+             lib/libmpi.so.12), which then leads PYTHONPATH, PATH and LD_LIBRARY_PATH; skipped
+             when the folder is missing or its mpi4py is not for this Python (then the MPI
+             already installed is used, if any)
+environment  nvidia-smi, the versions of Python, numpy, cupy, torch and mpi4py, the MPI
+             library mpi4py loads under mpiexec, and mpishard's CUDA-awareness answer
+reference-1, reference-2   benchmarks/gpu_reference.py at 1 and 2 ranks: MLP, MoE and GPT
+             layouts on device arrays equal numpy's single device (float64, rtol 1e-9)
+bf16-cupy    tests/parallel/test_bf16_cupy.py, serial and at 2 ranks (skipped if absent)
+bench-step, bench-allreduce   benchmarks/gpu.py step (1 rank) and allreduce (2 ranks)
+
+Exit status 0 when no part failed. The log of everything printed is gpu_check.log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_WHEEL_BYTES = 64 << 20
+SHARES = [("wheels", 30), ("environment", 40), ("reference-1", 70), ("reference-2", 90),
+          ("bf16-cupy", 45), ("bench-step", 165), ("bench-allreduce", 40)]   # seconds of 480
+ENV_PROBE = """
+import platform, numpy, mpi4py
+from mpi4py import MPI
+from mpishard.comm.gpu import query_cuda_support
+print("python", platform.python_version(), "numpy", numpy.__version__, "mpi4py",
+      mpi4py.__version__, "from", mpi4py.__file__)
+print("MPI", MPI.Get_library_version().splitlines()[0].strip())
+print("cuda_aware", *query_cuda_support())
+for name in ("cupy", "torch"):
+    try:
+        print(name, __import__(name).__version__)
+    except Exception as exc:
+        print(name, "not importable:", type(exc).__name__, exc)
+"""
+
+
+class Check:
+    """The output folder, the log, the JSON, the environment the parts run in."""
+
+    def __init__(self, standin, out, wheels, budget):
+        self.standin, self.wheels, self.out = standin, Path(wheels), Path(out)
+        self.site = None                      # the wheels' install prefix, removed at the end
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.out / "gpu_check.log", "w")
+        self.t_end = time.monotonic() + budget
+        self.scale = budget / sum(s for _, s in SHARES)
+        self.result = {"mode": "standin" if standin else "gpu", "budget_s": budget, "parts": {}}
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                        PYTHONPATH=os.pathsep.join(filter(None, [
+                            str(ROOT), os.environ.get("PYTHONPATH", "")])))
+        self.mpiexec = (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+                        or shutil.which("mpiexec"))
+
+    def say(self, line):
+        print(line, flush=True)
+        self.log.write(line + "\n")
+        self.log.flush()
+
+    def save(self):
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.result, indent=1) + "\n")
+        tmp.replace(self.out / "gpu_check.json")
+
+    def run(self, cmd, budget, env=None):
+        """(rc, output lines) of cmd, its lines echoed as they come; its process group is
+        killed at `budget` seconds (rc 124)."""
+        self.say("$ " + " ".join(map(str, cmd)))
+        proc = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env=env or self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        lines = []
+
+        def pump():
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                self.say("  " + lines[-1])
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=max(budget, 1))
+        except subprocess.TimeoutExpired:
+            for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+            rc = 124
+            self.say(f"  (killed after {budget:.0f} s)")
+        reader.join(timeout=5)
+        return rc, lines
+
+    def mpi(self, n, *args):
+        if self.mpiexec is None:
+            raise RuntimeError("no mpiexec: no wheels installed and none on PATH")
+        return [self.mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
+
+    def part(self, name, share, fn):
+        budget = min(share * self.scale, self.t_end - time.monotonic())
+        rec = self.result["parts"].setdefault(name, {})
+        if budget < 3:
+            rec.update(status="skipped", why="the check's budget is spent")
+        else:
+            self.say(f"==> {name} (budget {budget:.0f} s)")
+            t0 = time.monotonic()
+            try:
+                rec.update(fn(budget))
+                rec.setdefault("status", "passed")
+            except Exception as exc:            # reported; the later parts still run
+                rec.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+            rec["seconds"] = round(time.monotonic() - t0, 1)
+        self.say(f"==> {name}: {rec['status']} {rec.get('why', rec.get('error', ''))}")
+        self.save()
+
+
+def part_wheels(check, budget):
+    wheels = sorted(check.wheels.glob("*.whl")) if check.wheels.is_dir() else []
+    size = sum(w.stat().st_size for w in wheels)
+    rec = {"wheels": [w.name for w in wheels], "bytes": size}
+    if size > MAX_WHEEL_BYTES:
+        raise ValueError(f"{check.wheels} holds {size} bytes, over {MAX_WHEEL_BYTES}")
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    if not any(w.name.startswith("mpi4py-") and f"-{tag}-" in w.name for w in wheels):
+        return dict(rec, status="skipped", why=f"no {tag} mpi4py wheel in {check.wheels} "
+                    f"(make gpu-wheels); using the installed MPI: {check.mpiexec}")
+    site = check.site = Path(tempfile.mkdtemp(prefix="mpishard-gpu-site-"))
+    rc, _ = check.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                       "--no-warn-script-location", "--prefix", site, *wheels], budget)
+    if rc:
+        raise RuntimeError(f"pip install exited {rc}")
+    purelib = next(site.glob("lib/python*/site-packages"))
+    env = check.env
+    env["PYTHONPATH"] = os.pathsep.join([str(purelib), env["PYTHONPATH"]])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        filter(None, [str(site / "lib"), env.get("LD_LIBRARY_PATH", "")]))
+    env["PATH"] = os.pathsep.join([str(site / "bin"), env.get("PATH", "")])
+    check.mpiexec = str(site / "bin" / "mpiexec")
+    return dict(rec, prefix=str(site))
+
+
+IMAGE_PROBE = "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+
+
+def part_environment(check, budget):
+    rec = {}
+    if not check.standin:      # the image's own mpi4py, no launcher: does it load an MPI?
+        _, rec["image_mpi4py"] = check.run([sys.executable, "-c", IMAGE_PROBE], 10,
+                                           env=dict(os.environ, PYTHONPATH=""))
+    if shutil.which("nvidia-smi"):
+        _, rec["nvidia_smi"] = check.run(["nvidia-smi", "--query-gpu=name,memory.total,"
+                                          "driver_version", "--format=csv,noheader"], 10)
+    rc, lines = check.run(check.mpi(1, "-c", ENV_PROBE), budget - 20)
+    rec["facts"] = lines
+    if rc:
+        raise RuntimeError(f"the probe exited {rc}")
+    return rec
+
+
+def part_reference(n):
+    def fn(check, budget):
+        args = ["benchmarks/gpu_reference.py"] + (["--standin"] if check.standin else [])
+        rc, lines = check.run(check.mpi(n, *args), budget)
+        cases = [line.split(" ", 4)[1:] for line in lines if line.startswith("REF ")]
+        rec = {"cases": [" ".join(c) for c in cases]}
+        if rc or not cases or any(c[2] != "ok" for c in cases):
+            raise RuntimeError(f"exit {rc}; {sum(c[2] != 'ok' for c in cases)} of "
+                               f"{len(cases)} cases failed: {rec['cases']}")
+        return rec
+    return fn
+
+
+def part_bf16(check, budget):
+    test = "tests/parallel/test_bf16_cupy.py"
+    if not (ROOT / test).exists():
+        return {"status": "skipped", "why": f"{test} does not exist"}
+    rc1, lines1 = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             test], budget / 2)
+    rc2, lines2 = check.run(check.mpi(2, "-m", "pytest", "-q", "--with-mpi", "-p",
+                                      "no:cacheprovider", test), budget / 2)
+    rec = {"serial": lines1[-1:], "ranks2": lines2[-1:]}
+    if rc1 not in (0, 5) or rc2 not in (0, 5):      # 5: no test collected at that size
+        raise RuntimeError(f"pytest exited {rc1} (serial), {rc2} (2 ranks)")
+    return rec
+
+
+def part_bench(what, n):
+    def fn(check, budget):
+        args = ["benchmarks/gpu.py", what, "--budget", max(budget - 30, 5)]
+        args += ["--standin", "--samples", "2"] if check.standin else []
+        rc, lines = check.run(check.mpi(n, *args), budget)
+        recs = [json.loads(line[6:]) for line in lines if line.startswith("BENCH ")]
+        if rc or not recs or any("error" in r for r in recs):
+            raise RuntimeError(f"exit {rc}; {len(recs)} measurements: "
+                               f"{[r['error'] for r in recs if 'error' in r]}")
+        return {"measurements": recs}
+    return fn
+
+
+def main() -> int:
+    standin = os.environ.get("GPU_CHECK", "gpu") == "standin"
+    check = Check(standin, os.environ.get("GPU_CHECK_OUT", "gpu-check-out"),
+                  os.environ.get("GPU_WHEELS", ROOT / ".gpu-wheels"),
+                  float(os.environ.get("GPU_CHECK_BUDGET", 480)))
+    fns = {"wheels": part_wheels, "environment": part_environment,
+           "reference-1": part_reference(1), "reference-2": part_reference(2),
+           "bf16-cupy": part_bf16, "bench-step": part_bench("step", 1),
+           "bench-allreduce": part_bench("allreduce", 2)}
+    t0 = time.monotonic()
+    try:
+        for name, share in SHARES:
+            check.part(name, share, lambda budget, fn=fns[name]: fn(check, budget))
+    finally:
+        if check.site is not None:
+            shutil.rmtree(check.site, ignore_errors=True)
+    parts = check.result["parts"]
+    failed = [k for k, v in parts.items() if v["status"] == "failed"]
+    check.result.update(seconds=round(time.monotonic() - t0, 1), failed=failed)
+    check.save()
+    check.say(f"==> gpu-check ({check.result['mode']}): "
+              + ", ".join(f"{k} {v['status']}" for k, v in parts.items())
+              + f"; {check.result['seconds']} s; JSON and log in {check.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
