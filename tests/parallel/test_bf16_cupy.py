@@ -10,7 +10,10 @@ against ml_dtypes.bfloat16 on
 - float64 -> words (ml_dtypes goes through float32; so do the words).
 On real cupy with a GPU (skipped cleanly without one): the ElementwiseKernels against the same
 bit arithmetic as cupy array ops, bit for bit, on all those patterns, and on all 2**32 float32
-bit patterns in chunks (kernel against xp ops, both on the GPU); and against ml_dtypes.
+bit patterns in chunks (kernel against xp ops, both on the GPU); and against ml_dtypes. An
+engine with param_dtype=comm_dtype="bfloat16" on the GPU holds cupy uint16 words: after
+loading, the host's ml_dtypes rounding of the checkpoint; after AdamW steps, the rounding of
+its fp32 masters; gather_params widens them exactly.
 """
 import warnings
 
@@ -18,7 +21,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from device_double import DeviceModule
+from mpi4py import MPI
 
+import mpishard as ms
 from mpishard.comm.gpu import try_import_cupy
 from mpishard.parallel import bf16
 
@@ -125,3 +130,28 @@ def test_kernels_equal_xp_ops_on_gpu():
         differ += int((bf16.to_words(cp, f) != bf16.words_by_ops(cp, f)).sum())
     print(f"kernel vs xp ops on all 2**32 float32 patterns: {differ} differ")
     assert differ == 0
+
+
+def test_engine_holds_bf16_words_on_gpu():
+    cp = gpu_cupy()
+    model = ms.MLP(dims=[64, 128, 32], activation="gelu")
+    params = model.init(seed=0)
+    e = ms.make_engine(model, comm=MPI.COMM_SELF, device="gpu", dtype=np.float32,
+                       param_dtype="bfloat16", comm_dtype="bfloat16")
+    e.load_checkpoint(params)
+    for n, p in params.items():
+        assert isinstance(e.params[n], cp.ndarray) and e.params[n].dtype == np.uint16, n
+        assert np.array_equal(cp.asnumpy(e.params[n]), host_words(p)), n
+    opt = ms.optim.AdamW(e, lr=1e-2)
+    rng = np.random.default_rng(0)
+    losses, x, t = [], rng.normal(size=(16, 64)), rng.normal(size=(16, 32))
+    for _ in range(3):
+        losses.append(e.train_step(e.shard_batch(x), e.shard_batch(t), ms.losses.MSE())[0])
+        opt.step()
+    print(f"bf16 MLP on the GPU: losses {losses}")
+    full = e.gather_params()
+    for n in params:
+        words = cp.asnumpy(e.params[n])
+        assert np.array_equal(words, host_words(cp.asnumpy(opt.state[n]["master"]))), n
+        assert np.array_equal(cp.asnumpy(full[n]), words.view(BF16).astype(np.float32)), n
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
