@@ -39,7 +39,7 @@ from __future__ import annotations
 from ..nn import functional as nn
 from ..nn.layers import Layer
 from ..nn.losses import CrossEntropy, Loss
-from ..nn.transformer import leading_positions, position_rows
+from ..nn.transformer import add_position_grads, leading_positions, position_rows
 from .placement import Shard
 
 # the vocabulary's tp split, padded to a multiple of tp (the module docstring); any
@@ -90,7 +90,7 @@ class VocabParallelEmbedding(Layer):
             lo = self.tp.rank() * h.shape[1]
         else:                            # all-reduce(sum) forward / identity backward
             h, lo = self.tp.all_reduce(partial, op="sum"), 0
-        h = h + position_rows(pos, self.token_positions(t))[lo:lo + h.shape[1]]  # + positions
+        h = h + position_rows(pos, self.token_positions(t), lo, h.shape[1])   # + positions
         self.access.release(self.tokens, mb)
         self.access.release(self.positions, mb)
         self.save(mb, record, (local, inside, table.shape[0], pos.shape[0], lo, t))
@@ -100,9 +100,11 @@ class VocabParallelEmbedding(Layer):
         local, inside, rows, n_positions, lo, t = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
-        mine = position_rows(xp.arange(n_positions), self.token_positions(t))  # on the device
-        where = mine[lo:lo + dy.shape[1]]
-        dpos[where] = dy.sum(axis=0)                               # undoes + positions
+        part = dy
+        if self.sp:              # this rank's tokens lo .. lo + n - 1 of the t; the rest add 0
+            part = xp.zeros(dy.shape[:1] + (t,) + dy.shape[2:], dtype=dy.dtype)
+            part[:, lo:lo + dy.shape[1]] = dy
+        add_position_grads(dpos, self.token_positions(t), part)    # undoes + positions
         if self.sp:
             dy = self.tp.all_gather(dy, axis=1)                    # undoes the reduce-scatter
         # the all-reduce's adjoint is the identity: dy is dL/dpartial on every rank

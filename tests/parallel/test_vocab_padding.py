@@ -172,3 +172,44 @@ def test_checkpoint_holds_the_real_vocabulary(tmp_path_factory):
         o.step(c.train_step(c.shard_batch(x), c.shard_batch(t), CE)[1])
     assert_dicts_close(again.gather_params(), single.gather_params(), what="a step after")
     assert padded_block_is_zero(again, "embed/tokens", 13)
+
+
+# -- generation: never a padded id --------------------------------------------------------------
+GENERATED = [(2, "tp=2", False), (2, "tp=2", True), (4, "tp=4", True), (4, "tp=2,pp=2", True),
+             (4, "dp=2,tp=2", False)]
+
+
+def negative_logits(model, seed=6) -> dict:
+    """Parameters whose real logits are all < 0 (ln_f maps every h to its shift s and the
+    head's columns are -|r_v| s): a padded logit left at 0 would win every argmax."""
+    params = model.init(seed=seed)
+    rng = np.random.default_rng(seed)
+    s = rng.normal(size=model.d_model)
+    head = -s[:, None] * (0.5 + rng.random(model.vocab_size))[None, :]       # (D, V)
+    params["ln_f/scale"], params["ln_f/shift"] = np.zeros_like(s), s
+    params["embed/tokens" if model.tied else "head/weights"] = head.T if model.tied else head
+    return params
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ranks,layout,tied", GENERATED,
+                         ids=[f"{lay}-tied={tied}" for _, lay, tied in GENERATED])
+def test_greedy_generation_equals_single(ranks, layout, tied):
+    """Greedy batched decoding (KV cache, prompts of different lengths: per-row positions
+    through the vocab-parallel embedding) gives single's ids; with every real logit < 0 the
+    outputs are (B, T, V), every one negative, and no generated id is a padded one."""
+    model = make_gpt(13, tied, n_layers=2)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    engine = ms.make_engine(model, layout, comm=group_comm(ranks))
+    single = ms.SingleDevice(model)
+    for params in (make_case(model)[0], negative_logits(model)):
+        for e in (single, engine):
+            e.load_checkpoint(params)
+        want = single.generate(prompts, 6, temperature=0)
+        got = engine.generate(prompts, 6, temperature=0)
+        print(f"{layout} tied={tied}: {got}")
+        assert got == want
+        assert all(0 <= i < 13 for row in got for i in row)
+    x = np.array([[1, 2, 3, 4]] * 4)
+    y = engine.gather_batch(engine.predict(engine.shard_batch(x)))
+    assert y.shape == (4, 4, 13) and float(y.max()) < 0
