@@ -6,7 +6,7 @@
     engine.load_checkpoint(model.init(seed=0))
     loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), ms.losses.MSE())
 """
-from . import checkpoint, nn
+from . import checkpoint, hf, nn
 from .comm.collectives import CollectiveMismatchError, CollectiveTimeout, Future
 from .comm.mesh import CommUnusable, DeviceMesh, Layout, parse_layout
 from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
@@ -21,5 +21,5 @@ __all__ = ["GPT", "Llama", "MLP", "MoE", "ShardedEngine", "MeshEngine", "SingleD
            "Layout", "CollectiveMismatchError", "CollectiveTimeout", "CommUnusable", "Future",
            "make_engine",
            "parse_layout",
-           "losses", "nn", "checkpoint", "data", "optim", "trainer",
+           "losses", "nn", "checkpoint", "hf", "data", "optim", "trainer",
            "__version__"]

@@ -1,0 +1,192 @@
+"""Hugging Face directories in and out: `read_model`, `load`, `load_into`, `save`.
+
+    model = ms.hf.read_model("gpt2")            # the spec alone (no tensor data read)
+    model, params = ms.hf.load("gpt2")          # plus every tensor, under our names, numpy
+    engine = ms.make_engine(model, "tp=2,pp=2")
+    ms.hf.load_into(engine, "gpt2")             # collective: each rank reads only its slices
+    ms.hf.save("out", model, engine.gather_params())     # config.json + model.safetensors
+
+The architecture modules (gpt2.py, llama.py) each keep ONE name map, {our name: (file key,
+transposed)}; everything here goes through it, so load, load_into and save cannot disagree.
+A file key the map does not name (and the architecture does not ignore) is an error, as is a
+missing one: a converter that skips a tensor produces garbage silently.
+
+`load_into` hands the engine a mapping of lazily read tensors (files.SafeTensor), exactly as
+`engine.load_checkpoint(ms.checkpoint.load(ckpt))` hands it LazyArrays: the engine's store
+slices each parameter by its placement (any layout, vocabulary padding included) and only those
+slices are read from the file, through safetensors' get_slice.
+
+The source's dtype and config are remembered on the spec (`model._hf_source`), so `save` writes
+what was read (a save -> load round trip is bit-exact) and keeps the fields mpishard does not
+model (token ids, dropout, task parameters); a spec built in code saves float32.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+
+from ..checkpoint.format import model_spec, run_captured, spec_text
+from ..comm.objects import agree
+from . import gpt2, llama
+from .files import CONFIG, INDEX, SINGLE, HFDir
+
+ARCHITECTURES = {m.ARCHITECTURE: m for m in (gpt2, llama)}
+DTYPE_NAMES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
+               "bfloat16": ml_dtypes.bfloat16}
+# never copied from the source config: they describe the file, not the model
+FILE_FIELDS = ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version",
+               "_name_or_path")
+
+
+def architecture(cfg: dict):
+    """The architecture module of a config.json: from `architectures`, else `model_type`."""
+    names = cfg.get("architectures")
+    if names is not None:
+        known = [n for n in (names if isinstance(names, list) else [names])
+                 if n in ARCHITECTURES]
+        if len(known) != 1:
+            raise ValueError(f"config.json architectures={names!r}: mpishard reads "
+                             f"{' and '.join(ARCHITECTURES)}")
+        return ARCHITECTURES[known[0]]
+    by_type = {m.MODEL_TYPE: m for m in ARCHITECTURES.values()}
+    if cfg.get("model_type") not in by_type:
+        raise ValueError(f"config.json model_type={cfg.get('model_type')!r} (no architectures "
+                         f"field): mpishard reads {', '.join(by_type)}")
+    return by_type[cfg["model_type"]]
+
+
+def _spec(d: HFDir):
+    arch = architecture(d.config)
+    return arch, arch.from_config(d.config)
+
+
+def read_model(path):
+    """The ms.GPT / ms.Llama spec of Hugging Face directory `path` (config.json and the
+    safetensors headers read, for the dtype `save` keeps; no tensor data)."""
+    d = HFDir(path)
+    arch, model = _spec(d)
+    with d.tensors() as files:
+        tensors = _tensors(arch, model, files, d.path)
+    _remember(model, d.config, tensors)
+    return model
+
+
+def _tensors(arch, model, files: dict, where) -> dict:
+    """{our name: SafeTensor in our orientation}; ValueError for a missing or unknown key."""
+    names = arch.name_map(model, files)
+    missing = sorted(k for k, _ in names.values() if k not in files)
+    if missing:
+        raise ValueError(f"{where}: {arch.ARCHITECTURE} tensors missing for {model!r}: "
+                         f"{missing[:6]}")
+    used = {k for k, _ in names.values()}
+    unknown = sorted(k for k in files if k not in used and not arch.ignored(k, model))
+    if unknown:
+        raise ValueError(f"{where}: tensors mpishard's {arch.ARCHITECTURE} does not have "
+                         f"(not loaded silently): {unknown[:6]}")
+    out = {ours: files[k].T() if t else files[k] for ours, (k, t) in names.items()}
+    model.check_params(out)           # shapes against the config's sizes
+    return out
+
+
+def _remember(model, cfg: dict, tensors: dict) -> None:
+    """Keep the source config and its floating dtype on the spec, for `save`."""
+    kinds = {np.dtype(t.dtype) for t in tensors.values()}
+    if len(kinds) != 1:
+        raise ValueError(f"the tensors have several dtypes {sorted(map(str, kinds))}; "
+                         f"mpishard loads one")
+    model._hf_source = {"config": dict(cfg), "dtype": kinds.pop()}
+
+
+def load(path):
+    """(spec, {our name: numpy array in the file's dtype}) of Hugging Face directory `path`."""
+    d = HFDir(path)
+    arch, model = _spec(d)
+    with d.tensors() as files:
+        tensors = _tensors(arch, model, files, d.path)
+        _remember(model, d.config, tensors)
+        params = {n: np.asarray(t) for n, t in tensors.items()}
+    return model, params
+
+
+def load_into(engine, path) -> int:
+    """Collective: fill `engine` from directory `path`, each rank reading only the slices its
+    placements hold; returns the bytes this rank read. The engine's model must be the one the
+    directory holds (build it with `read_model(path)`); every rank raises the same ValueError
+    otherwise, or for a bad directory, before any tensor is read."""
+    counter = {"bytes": 0}
+
+    def check():
+        d = HFDir(path)
+        arch, model = _spec(d)
+        if model_spec(model) != model_spec(engine.model):
+            raise ValueError(f"{d.path} holds {spec_text(model_spec(model))}, the engine "
+                             f"runs {engine.model!r}")
+        return d, arch
+
+    found, err = run_captured(check)
+    agree(engine.comm, err, ValueError, "hf load_into")
+    d, arch = found
+    with d.tensors(counter) as files:
+        tensors = _tensors(arch, engine.model, files, d.path)
+        _remember(engine.model, d.config, tensors)
+        engine.load_checkpoint(tensors)
+    return counter["bytes"]
+
+
+def _dtype(model, dtype) -> np.dtype:
+    if dtype is None:
+        source = getattr(model, "_hf_source", None)
+        return np.dtype(source["dtype"] if source else np.float32)
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+        return np.dtype(DTYPE_NAMES[dtype])
+    dt = np.dtype(dtype)
+    if dt not in [np.dtype(v) for v in DTYPE_NAMES.values()]:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dt}")
+    return dt
+
+
+def _host(a) -> np.ndarray:
+    """A numpy copy of `a` (numpy, a cupy array, or a lazily read array)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def save(path, model, params, dtype=None) -> str:
+    """Write Hugging Face directory `path`: config.json and model.safetensors in `dtype` (the
+    source file's when None and the model came from one, else float32; 'bfloat16' via
+    ml_dtypes) that transformers' AutoModelForCausalLM.from_pretrained loads. Returns path."""
+    from safetensors.numpy import save_file
+
+    by_kind = {m.KIND: m for m in ARCHITECTURES.values()}
+    arch = by_kind.get(getattr(model, "kind", None))
+    if arch is None:
+        raise ValueError(f"only GPT and Llama models save as Hugging Face directories, got "
+                         f"{model!r}")
+    model.check_params(params)
+    dt = _dtype(model, dtype)
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, INDEX)):
+        raise ValueError(f"{path} holds a sharded model ({INDEX}); save to an empty directory")
+    source = getattr(model, "_hf_source", None)
+    cfg = {k: v for k, v in (source["config"] if source else arch.fresh_config()).items()
+           if k not in FILE_FIELDS and k not in arch.SIZE_FIELDS}
+    cfg.update(arch.to_config(model))
+    name = next(k for k, v in DTYPE_NAMES.items() if np.dtype(v) == dt)
+    cfg.update({"architectures": [arch.ARCHITECTURE], "model_type": arch.MODEL_TYPE,
+                "dtype": name, "torch_dtype": name})
+    tensors = {}
+    for ours, (key, transposed) in arch.name_map(model).items():
+        a = _host(params[ours])
+        tensors[key] = np.ascontiguousarray((a.T if transposed else a).astype(dt, copy=False))
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, f".{SINGLE}.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, SINGLE))
+    with open(os.path.join(path, CONFIG), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return path

@@ -1,0 +1,154 @@
+"""A Hugging Face model directory on disk: config.json and its safetensors, read lazily.
+
+    d = HFDir("gpt2")                     # config.json parsed; nothing else read yet
+    with d.tensors() as t:                # {file key: SafeTensor}, every file opened once
+        t["transformer.wte.weight"][0:10, :]     # reads these 10 rows only
+
+The weights are one `model.safetensors`, or several files named by the `weight_map` of
+`model.safetensors.index.json` (what `save_pretrained(max_shard_size=...)` writes). They are
+opened with the safetensors library's numpy API (`safe_open(..., framework="np")`, then
+`get_slice`), which maps the file and copies only the region sliced: never pickle, never
+torch.load. bfloat16 tensors come back as ml_dtypes.bfloat16 arrays.
+
+A `SafeTensor` is a lazily read array in OUR orientation: `transposed=True` presents a
+PyTorch nn.Linear weight (out, in) as (in, out), so `t[a:b, c:d]` reads the file's
+`[c:d, a:b]` and returns its transpose. It has `.shape`, `.dtype` and step-1 slicing, which is
+what placement.shard_array asks of an array (the same path a checkpoint's LazyArray takes), and
+adds the bytes it read to `counter["bytes"]` so a test can check what a rank read.
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+
+import ml_dtypes
+import numpy as np
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# safetensors' dtype names -> numpy's (the floats a model is stored in, and integer buffers)
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "I64": np.int64, "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def _read_json(path, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the {what} {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"the {what} {path} is not a JSON object")
+    return data
+
+
+class HFDir:
+    """A Hugging Face directory: `config` (the parsed config.json) and `files` (the
+    safetensors files, in order) with `weight_map` (file key -> file name)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise ValueError(f"{self.path} is not a directory (a Hugging Face model directory "
+                             f"holds {CONFIG} and {SINGLE})")
+        self.config = _read_json(os.path.join(self.path, CONFIG), "model config")
+        index = os.path.join(self.path, INDEX)
+        if os.path.isfile(index):
+            wm = _read_json(index, "safetensors index").get("weight_map")
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise ValueError(f"{index} has no weight_map of key -> file name")
+            self.weight_map = dict(wm)
+        elif os.path.isfile(os.path.join(self.path, SINGLE)):
+            self.weight_map = None          # filled from the file's header on first open
+        else:
+            raise ValueError(f"{self.path} has neither {SINGLE} nor {INDEX} (only safetensors "
+                             f"weights are read: no pickle, no pytorch_model.bin)")
+        self.files = sorted(set(self.weight_map.values())) if self.weight_map else [SINGLE]
+        for name in self.files:
+            if os.path.basename(name) != name or not os.path.isfile(
+                    os.path.join(self.path, name)):
+                raise ValueError(f"{self.path}: safetensors file {name!r} is missing")
+
+    @contextmanager
+    def tensors(self, counter=None):
+        """{file key: SafeTensor (file orientation)} over every file, open for the block."""
+        from safetensors import safe_open
+
+        counter = {"bytes": 0} if counter is None else counter
+        handles, out = [], {}
+        try:
+            for name in self.files:
+                h = safe_open(os.path.join(self.path, name), framework="np")
+                handles.append(h.__enter__())
+                for key in h.keys():
+                    if self.weight_map is None or self.weight_map.get(key) == name:
+                        out[key] = SafeTensor(h, key, counter)
+            missing = sorted(set(self.weight_map or ()) - set(out))
+            if missing:
+                raise ValueError(f"{self.path}: the index names tensors its files lack: "
+                                 f"{missing[:5]}")
+            yield out
+        finally:
+            for h in handles:
+                h.__exit__(None, None, None)
+
+
+class SafeTensor:
+    """One tensor of an open safetensors file, read only where sliced (see the module doc)."""
+
+    def __init__(self, handle, key, counter, transposed=False):
+        self._handle, self.key, self.counter = handle, key, counter
+        self._slice = handle.get_slice(key)
+        shape = tuple(int(n) for n in self._slice.get_shape())
+        self.file_shape = shape
+        self.transposed = bool(transposed)
+        if self.transposed and len(shape) != 2:
+            raise ValueError(f"{key} has shape {shape}, expected a 2-d weight")
+        self.shape = shape[::-1] if self.transposed else shape
+
+    def T(self) -> "SafeTensor":
+        """The same tensor seen transposed (an nn.Linear weight in our (in, out) order)."""
+        return SafeTensor(self._handle, self.key, self.counter, not self.transposed)
+
+    ndim = property(lambda self: len(self.shape))
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The header's dtype as numpy's (ml_dtypes.bfloat16 for BF16); nothing is read."""
+        name = self._slice.get_dtype()
+        if name not in DTYPES:
+            raise ValueError(f"{self.key} has dtype {name}, which mpishard does not read")
+        return np.dtype(DTYPES[name])
+
+    def __repr__(self):
+        return f"SafeTensor({self.key!r}, shape={self.shape}{', transposed' * self.transposed})"
+
+    def _region(self, key) -> tuple:
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            i = key.index(Ellipsis)
+            key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
+        key = key + (slice(None),) * (self.ndim - len(key))
+        if len(key) != self.ndim or not all(isinstance(k, slice) for k in key):
+            raise TypeError(f"{self.key}: only slices index a SafeTensor, got {key!r}")
+        out = []
+        for k, n in zip(key, self.shape):
+            r = range(*k.indices(n))
+            if r.step != 1:
+                raise TypeError(f"{self.key}: only step-1 slices, got {k!r}")
+            out.append(slice(r.start, max(r.start, r.stop)))
+        return tuple(out)
+
+    def __getitem__(self, key):
+        region = self._region(key)
+        if self.transposed:
+            region = region[::-1]
+        a = self._slice[region] if self.ndim else self._handle.get_tensor(self.key)
+        self.counter["bytes"] += int(a.nbytes)
+        return a.T if self.transposed else a
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.ascontiguousarray(self[...])
+        return a if dtype is None else a.astype(dtype)
