@@ -23,6 +23,12 @@ def make_gpt(vocab=16):
                   tied=True)
 
 
+def make_llama(vocab=16):
+    """The same rule with no Llama-specific code: a tied ms.Llama (GQA, 2 kv heads)."""
+    return ms.Llama(vocab_size=vocab, seq_len=8, d_model=16, n_heads=4, n_layers=4,
+                    n_kv_heads=2, d_ff=24, tied=True)
+
+
 # -- serial: the plan -------------------------------------------------------------------------
 @pytest.mark.parametrize("layout,stages", [
     ("pp=2", (0, 1)), ("pp=4", (0, 3)), ("pp=2,schedule=interleaved", (0, 1)),
@@ -60,13 +66,13 @@ def copies_equal(engine, name="embed/tokens") -> bool:
     return bool(comm.broadcast(same, root=0, group="pp")[0])
 
 
-def check_against_single(comm, layout, vocab=16):
-    model = make_gpt(vocab)
+def check_against_single(comm, layout, make=make_gpt):
+    model = make()
     params, x, t = make_case(model)
     ref, ref_loss, ref_grads = single_reference(model, params, x, t, CE)
     engine = ms.make_engine(model, layout, comm=comm)
     engine.load_checkpoint(params)
-    what = f"tied GPT {layout}"
+    what = f"tied {type(model).__name__} {layout}"
     value, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), CE)
     assert_close(value, ref_loss, what=f"{what} loss")
     assert_dicts_close(engine.gather_grads(grads), ref_grads, what=what)
@@ -92,6 +98,15 @@ LAYOUTS = [  # (ranks, layout)
 @pytest.mark.parametrize("ranks,layout", LAYOUTS, ids=[lay for _, lay in LAYOUTS])
 def test_layouts_equal_single(ranks, layout):
     check_against_single(group_comm(ranks), layout)
+
+
+LLAMA_LAYOUTS = [(2, "pp=2"), (4, "pp=4"), (4, "tp=2,pp=2"), (4, "fsdp=2,pp=2,zero=3")]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ranks,layout", LLAMA_LAYOUTS, ids=[lay for _, lay in LLAMA_LAYOUTS])
+def test_llama_layouts_equal_single(ranks, layout):
+    check_against_single(group_comm(ranks), layout, make_llama)
 
 
 # -- training: the copies never drift ------------------------------------------------------------

@@ -24,6 +24,12 @@ def make_gpt(vocab, tied=False, n_layers=2):
                   d_ff=32, tied=tied)
 
 
+def make_llama(vocab, tied=False, n_layers=2):
+    """The same padding with no Llama-specific code (GQA: 2 kv heads, split at tp=2)."""
+    return ms.Llama(vocab_size=vocab, seq_len=8, d_model=16, n_heads=4, n_layers=n_layers,
+                    n_kv_heads=2, d_ff=24, tied=tied)
+
+
 # -- serial: the plan ---------------------------------------------------------------------------
 @pytest.mark.parametrize("vocab,tp,rows", [(13, 2, 7), (13, 4, 4), (97, 4, 25), (5, 4, 2),
                                            (16, 4, 4)])
@@ -70,13 +76,13 @@ def padded_block_is_zero(engine, name, vocab) -> bool:
     return True
 
 
-def check_against_single(comm, layout, vocab, tied=False, n_layers=2):
-    model = make_gpt(vocab, tied, n_layers)
+def check_against_single(comm, layout, vocab, tied=False, n_layers=2, make=make_gpt):
+    model = make(vocab, tied, n_layers)
     params, x, t = make_case(model)
     ref, ref_loss, ref_grads = single_reference(model, params, x, t, CE)
     engine = ms.make_engine(model, layout, comm=comm)
     engine.load_checkpoint(params)
-    what = f"GPT V={vocab} {layout} tied={tied}"
+    what = f"{type(model).__name__} V={vocab} {layout} tied={tied}"
     value, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), CE)
     assert_close(value, ref_loss, what=f"{what} loss")
     assert_dicts_close(engine.gather_grads(grads), ref_grads, what=what)
@@ -99,12 +105,17 @@ LAYOUTS = [  # (ranks, layout, vocab, case)
                                              {"tied": True, "n_layers": 4}),
     (4, "fsdp=2,tp=2,zero=3", 13, {}), (4, "fsdp=2,tp=2,zero=3", 13, {"tied": True}),
     (4, "fsdp=2,tp=2,zero=1", 13, {"tied": True}),
-    (4, "fsdp=2,tp=2,zero=2,sequence_parallel=1", 97, {})]
+    (4, "fsdp=2,tp=2,zero=2,sequence_parallel=1", 97, {}),
+    (2, "tp=2", 13, {"make": make_llama}), (2, "tp=2", 13, {"make": make_llama, "tied": True}),
+    (4, "tp=4", 13, {"make": make_llama, "tied": True}),
+    (4, "tp=2,pp=2", 97, {"make": make_llama, "tied": True}),
+    (4, "fsdp=2,tp=2,zero=3", 13, {"make": make_llama})]
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("ranks,layout,vocab,kw", LAYOUTS,
-                         ids=[f"{lay}-V{v}-{kw}" for _, lay, v, kw in LAYOUTS])
+                         ids=[f"{lay}-V{v}-{kw.get('make', make_gpt).__name__[5:]}"
+                              f"{'-tied' if kw.get('tied') else ''}" for _, lay, v, kw in LAYOUTS])
 def test_layouts_equal_single(ranks, layout, vocab, kw):
     check_against_single(group_comm(ranks), layout, vocab, **kw)
 
