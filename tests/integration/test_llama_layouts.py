@@ -19,7 +19,7 @@ import mpishard as ms
 from conftest import assert_close, assert_dicts_close, group_comm, single_reference
 from mpishard.nn.recompute import Recompute
 from mpishard.parallel.compose import plan_params
-from test_gpt_nn import perturbed
+from test_gpt_engine import make_case
 
 CE = ms.losses.CrossEntropy()
 
@@ -27,14 +27,6 @@ CE = ms.losses.CrossEntropy()
 def make_llama(n_layers=2, tied=False, n_kv_heads=2, vocab=13):
     return ms.Llama(vocab_size=vocab, seq_len=8, d_model=16, n_heads=4, n_layers=n_layers,
                     n_kv_heads=n_kv_heads, d_ff=24, rope_theta=500.0, tied=tied)
-
-
-def make_case(model, rows=8, T=8, seed=0):
-    rng = np.random.default_rng(seed)
-    params = perturbed(model, seed, rng)
-    x = rng.integers(0, model.vocab_size, (rows, T))
-    t = rng.integers(0, model.vocab_size, (rows, T))
-    return params, x, t
 
 
 def compare_with_single(comm, layout, model, T=8, rows=8):

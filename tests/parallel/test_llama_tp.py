@@ -1,0 +1,71 @@
+"""ms.Llama under tensor parallelism (tp) and sequence parallelism: every layout against single
+in float64 (rtol 1e-9): loss, every gathered gradient, gathered logits and parameters. kv
+heads split over tp when n_kv_heads % tp == 0 and replicated (gradients summed over tp)
+otherwise; an odd vocabulary (padded to a multiple of tp by the placements); tied and untied.
+
+MPI tests:
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_llama_tp.py`
+for N in 1, 2, 4 (a k-rank layout runs on `group_comm(k)`).
+"""
+import pytest
+
+import mpishard as ms
+from conftest import group_comm
+from mpishard.parallel.compose import plan_params
+from mpishard.parallel.llama_tensor_parallel import local_heads
+from test_llama_layouts import compare_with_single, make_llama
+
+
+# -- serial: placements and head grouping ----------------------------------------------------------
+@pytest.mark.parametrize("kv,tp,split", [(2, 2, True), (4, 4, True), (2, 4, False),
+                                         (1, 2, False)])
+def test_kv_weights_split_only_when_tp_divides_the_kv_heads(kv, tp, split):
+    plan = plan_params(make_llama(n_kv_heads=kv), ms.parse_layout(f"tp={tp}"))
+    shards = {n: info.placement.shards for n, info in plan.items()}
+    assert bool(shards["block_0/attn/k/weights"]) == split == bool(shards["block_1/attn/v/weights"])
+    assert shards["block_0/attn/q/weights"][0].dim == 1
+    assert shards["block_0/attn/proj/weights"][0].dim == 0
+    assert shards["block_0/mlp/down/weights"][0].dim == 0
+    assert [s.dim for s in shards["block_0/mlp/gate/weights"]] == [1]
+    assert shards["block_0/ln_1/scale"] == () and shards["ln_f/scale"] == ()
+
+
+def test_each_query_head_keeps_its_kv_head_under_tp():
+    """H=4, K=2 at tp=4 (replicated kv): rank r's one query head r uses kv head r // 2; at
+    tp=2 (split) rank r's heads 2r, 2r+1 use its one local kv head."""
+    model = make_llama(n_kv_heads=2)
+    assert [local_heads(model, 4, r).kv_heads for r in range(4)] == [(0,), (0,), (1,), (1,)]
+    assert [local_heads(model, 2, r).kv_heads for r in range(2)] == [(0, 0), (0, 0)]
+    assert local_heads(model, 2, 1).n_kv == 1 and local_heads(model, 4, 3).n_kv == 2
+
+
+def test_tp_must_divide_heads_and_d_ff():
+    with pytest.raises(ValueError, match="n_heads=4"):
+        plan_params(make_llama(), ms.parse_layout("tp=8"))
+
+
+# -- every layout against single -------------------------------------------------------------------
+TWO = [("tp=2", {}), ("tp=2", {"n_kv_heads": 1}), ("tp=2", {"tied": True, "vocab": 16}),
+       ("tp=2", {"vocab": 16, "n_kv_heads": 4}),
+       ("tp=2,sequence_parallel=1", {}), ("tp=2,sequence_parallel=1", {"n_kv_heads": 1,
+                                                                       "tied": True}),
+       ("tp=2,recompute=1", {"n_kv_heads": 1})]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout,kw", TWO, ids=[f"{lay}-{kw}" for lay, kw in TWO])
+def test_two_rank_tp_layouts_equal_single(layout, kw):
+    compare_with_single(group_comm(2), layout, make_llama(**kw))
+
+
+FOUR = [("tp=4", {}), ("tp=4", {"n_kv_heads": 4, "tied": True}),
+        ("tp=4,sequence_parallel=1", {"n_kv_heads": 1}),
+        ("dp=2,tp=2", {"n_kv_heads": 1}), ("tp=2,pp=2", {"tied": True}),
+        ("tp=2,pp=2,schedule=zb1p", {}), ("tp=2,fsdp=2", {"n_kv_heads": 1}),
+        ("tp=2,fsdp=2,zero=1,sequence_parallel=1", {})]
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout,kw", FOUR, ids=[f"{lay}-{kw}" for lay, kw in FOUR])
+def test_four_rank_tp_layouts_equal_single(layout, kw):
+    compare_with_single(group_comm(4), layout, make_llama(**kw))
