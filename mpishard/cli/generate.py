@@ -197,6 +197,9 @@ def build_generator(args, comm):
         raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p:g}")
     text = open_tokenizer(args)
     prompts = [text.encode(p) for p in read_prompts(args)]
+    empty = [i for i, ids in enumerate(prompts) if not ids]
+    if empty:
+        raise UsageError(f"prompt {empty[0]} encodes to no tokens with this tokenizer")
     if args.hf is not None:
         eos = args.eos or hf_eos(args.hf)
         engine = hf_engine(args, layout, comm)

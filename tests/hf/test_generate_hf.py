@@ -96,6 +96,8 @@ def test_the_cli_prints_transformers_completions(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         shown = r.stdout.split("--- prompt ")[1:]
         assert [s.split(" ---\n", 1)[1].rstrip("\n") for s in shown] == want, r.stdout
-    one = run_mpi(1, *args[:5], "--max-new-tokens", str(NEW), "--temperature", "0",
+    one = run_mpi(1, *args[:7], "--max-new-tokens", str(NEW), "--temperature", "0",
                   "--dtype", "float64", timeout=300)                 # one prompt: streamed
     assert one.returncode == 0 and one.stdout == want[0] + "\n", one.stdout
+    empty = run_mpi(1, *args[:5], "--prompt", "\n", timeout=300)
+    assert empty.returncode == 2 and "prompt 0 encodes to no tokens" in empty.stderr
