@@ -49,8 +49,9 @@ COMMANDS = {
     "infer": ("run a checkpoint over the rows of an .npy file on a layout (python -m mpi4py "
               "-m mpishard infer --checkpoint DIR --input X.npy --output Y.npy ...)",
               add_infer_arguments, run_infer),
-    "generate": ("sample text from a GPT checkpoint on a layout (python -m mpishard generate "
-                 "--checkpoint DIR --prompt TEXT --max-new-tokens N --temperature T --top-k K)",
+    "generate": ("sample text from a GPT/Llama checkpoint or a Hugging Face directory on a "
+                 "layout, prompts batched (python -m mpishard generate --checkpoint DIR|--hf DIR "
+                 "--prompt TEXT ... --max-new-tokens N --temperature T --top-k K --top-p P)",
                  add_generate_arguments, run_generate),
     "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
              "(plan --model DIMS --world-size N --batch B)", add_plan_arguments, run_plan),
