@@ -24,9 +24,11 @@ from test_gpt_engine import make_case
 CE = ms.losses.CrossEntropy()
 
 
-def make_llama(n_layers=2, tied=False, n_kv_heads=2, vocab=13):
-    return ms.Llama(vocab_size=vocab, seq_len=8, d_model=16, n_heads=4, n_layers=n_layers,
-                    n_kv_heads=n_kv_heads, d_ff=24, rope_theta=500.0, tied=tied)
+def make_llama(n_layers=2, tied=False, n_kv_heads=2, vocab=13, n_heads=4, seq_len=8):
+    """d_model = 4 n_heads (Dh = 4)."""
+    return ms.Llama(vocab_size=vocab, seq_len=seq_len, d_model=4 * n_heads, n_heads=n_heads,
+                    n_layers=n_layers, n_kv_heads=n_kv_heads, d_ff=24, rope_theta=500.0,
+                    tied=tied)
 
 
 def compare_with_single(comm, layout, model, T=8, rows=8):

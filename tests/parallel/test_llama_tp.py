@@ -8,6 +8,7 @@ MPI tests:
 for N in 1, 2, 4 (a k-rank layout runs on `group_comm(k)`).
 """
 import pytest
+from mpi4py import MPI
 
 import mpishard as ms
 from conftest import group_comm
@@ -37,6 +38,8 @@ def test_each_query_head_keeps_its_kv_head_under_tp():
     assert [local_heads(model, 4, r).kv_heads for r in range(4)] == [(0,), (0,), (1,), (1,)]
     assert [local_heads(model, 2, r).kv_heads for r in range(2)] == [(0, 0), (0, 0)]
     assert local_heads(model, 2, 1).n_kv == 1 and local_heads(model, 4, 3).n_kv == 2
+    six = make_llama(n_heads=6, n_kv_heads=3)          # a rank's heads span two kv groups
+    assert [local_heads(six, 2, r).kv_heads for r in range(2)] == [(0, 0, 1), (1, 2, 2)]
 
 
 def test_tp_must_divide_heads_and_d_ff():
@@ -45,7 +48,8 @@ def test_tp_must_divide_heads_and_d_ff():
 
 
 # -- every layout against single -------------------------------------------------------------------
-TWO = [("tp=2", {}), ("tp=2", {"n_kv_heads": 1}), ("tp=2", {"tied": True, "vocab": 16}),
+TWO = [("tp=2", {}), ("tp=2", {"n_kv_heads": 1}), ("tp=2", {"n_heads": 6, "n_kv_heads": 3}),
+       ("tp=2", {"tied": True, "vocab": 16}),
        ("tp=2", {"vocab": 16, "n_kv_heads": 4}),
        ("tp=2,sequence_parallel=1", {}), ("tp=2,sequence_parallel=1", {"n_kv_heads": 1,
                                                                        "tied": True}),
@@ -69,3 +73,28 @@ FOUR = [("tp=4", {}), ("tp=4", {"n_kv_heads": 4, "tied": True}),
 @pytest.mark.parametrize("layout,kw", FOUR, ids=[f"{lay}-{kw}" for lay, kw in FOUR])
 def test_four_rank_tp_layouts_equal_single(layout, kw):
     compare_with_single(group_comm(4), layout, make_llama(**kw))
+
+
+GENERATE = [(2, "tp=2", {"n_heads": 6, "n_kv_heads": 3}), (2, "tp=2", {"n_kv_heads": 1}),
+            (4, "tp=4", {}), (4, "tp=2,pp=2", {"tied": True})]
+
+
+@pytest.mark.parametrize("n,layout,kw", GENERATE, ids=[f"{lay}-{kw}" for _, lay, kw in GENERATE])
+@pytest.mark.mpi(min_size=2)
+def test_cached_greedy_generation_under_tp_equals_single(n, layout, kw):
+    """Prompts of different lengths, past seq_len (the cache refills): the KV-cached greedy
+    ids under tp (the cache holds this rank's kv heads, or, grouped unevenly, its query
+    heads' copies) equal single's recomputed ones."""
+    if MPI.COMM_WORLD.Get_size() < n:
+        pytest.skip(f"needs {n} ranks")
+    model = make_llama(seq_len=12, **kw)
+    params = {k: 6 * v for k, v in model.init(4).items()}
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
+    single = ms.SingleDevice(model)
+    single.load_checkpoint(params)
+    want = single.generate(prompts, 10, temperature=0, kv_cache=False)
+    engine = ms.make_engine(model, layout, comm=group_comm(n))
+    engine.load_checkpoint(params)
+    got = engine.generate(prompts, 10, temperature=0)
+    print(f"{layout}: {got}")
+    assert got == want
