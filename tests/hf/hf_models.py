@@ -5,6 +5,10 @@ an odd vocabulary and norm weights (and biases) pushed away from 1 and 0 so a sw
 untransposed tensor cannot pass, saves it with `save_pretrained` and returns (directory, the
 torch model in eval mode). `hf_logits` runs it on token ids; no internet is needed anywhere.
 """
+import json
+import os
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -56,9 +60,83 @@ def _save(model, directory, max_shard_size):
 
 
 def hf_logits(model, x) -> np.ndarray:
-    """transformers' logits of token ids `x` (B, T), as float64 numpy."""
-    with torch.no_grad():
+    """transformers' logits of token ids `x` (B, T), as float64 numpy. A float64 Llama runs
+    with float64_llama: its float32 steps in float64."""
+    with torch.no_grad(), float64_llama(model):
         return model(torch.as_tensor(np.asarray(x))).logits.double().numpy()
+
+
+@contextmanager
+def float64_llama(model):
+    """transformers' LlamaForCausalLM takes three steps in float32 whatever the model's dtype:
+    the rotary angles, RMSNorm (it casts its input to float32) and the eager softmax. For a
+    float64 model they run in float64 here (the same math, rounded like the rest); sdpa
+    attention keeps the model's dtype. Other models and dtypes run as they are."""
+    if type(model).__name__ != "LlamaForCausalLM" or model.dtype != torch.float64:
+        yield
+        return
+    cfg, rotary = model.config, model.model.rotary_emb
+    norm_cls, forward = type(model.model.norm), type(model.model.norm).forward
+    dh = cfg.hidden_size // cfg.num_attention_heads
+    theta = (cfg.rope_parameters or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
+
+    def rope64(x, position_ids):
+        inv = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh)
+        emb = torch.cat([position_ids[..., None].double() * inv] * 2, -1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def rms64(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                              + self.variance_epsilon))
+    attn = cfg._attn_implementation
+    rotary.forward, norm_cls.forward = rope64, rms64
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        del rotary.forward
+        norm_cls.forward = forward
+        model.set_attn_implementation(attn)
+
+
+def our_logits(model, params, x) -> np.ndarray:
+    """mpishard's single-device float64 logits of `params` (any float dtype) on ids `x`."""
+    import mpishard as ms
+
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint({k: np.asarray(v, dtype=np.float64) for k, v in params.items()})
+    return engine.predict(x)
+
+
+def check_save_round_trip(build, tmp_path, tied) -> dict:
+    """build -> ms.hf.load -> ms.hf.save -> transformers' from_pretrained: the same class and
+    dtype, identical logits; ms.hf.load of the saved directory: the same spec and bits.
+    Returns the saved config.json."""
+    import mpishard as ms
+    from transformers import AutoModelForCausalLM
+
+    d, ref = build(tmp_path / "src", tied=tied)
+    model, params = ms.hf.load(d)
+    out = ms.hf.save(tmp_path / "out", model, params)
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert back.dtype == torch.float64 and type(back) is type(ref)
+    x = tokens(ref)
+    assert np.array_equal(hf_logits(back, x), hf_logits(ref, x))
+    again, params2 = ms.hf.load(out)                  # save -> load: bit-exact
+    assert repr(again) == repr(model) and params2.keys() == params.keys()
+    assert all(np.array_equal(params2[k], params[k]) for k in params)
+    with open(os.path.join(out, "config.json")) as f:
+        return json.load(f)
+
+
+def edit_config(directory, **fields):
+    """Overwrite fields of directory/config.json."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(fields)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
 
 
 def tokens(model_or_vocab, rows=3, T=11, seed=5) -> np.ndarray:
