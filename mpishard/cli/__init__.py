@@ -25,6 +25,7 @@ from .infer import add_infer_arguments, run_infer
 from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
 from .schedule import add_schedule_arguments, run_schedule_command
+from .tokenize import add_tokenize_arguments, run_tokenize
 from .trace_summary import add_trace_summary_arguments, run_trace_summary
 from .train import add_train_arguments, parse_train_args, run_train
 from ..comm.watchdog import CollectiveTimeout
@@ -58,6 +59,9 @@ COMMANDS = {
     "bench": ("time training steps of a layout on synthetic data: step time, samples/s, "
               "GFLOP/s, communication (python -m mpi4py -m mpishard bench --layout L ...)",
               add_bench_arguments, run_bench),
+    "tokenize": ("tokenize a corpus into token files for train --dataset tokens:DIR, no MPI "
+                 "(tokenize --tokenizer DIR|bytes --text FILE|DIR|GLOB --out DIR)",
+                 add_tokenize_arguments, run_tokenize),
 }
 # The commands whose processes are ranks of an MPI job: `python -m mpishard` gives them
 # comm/signals.py's SIGTERM/SIGINT handlers, which remove the MPI library's files on the way out.

@@ -15,18 +15,21 @@ import numpy as np
 
 from ..checkpoint import FAILURE_POLICIES, CheckpointError, Checkpointer, is_checkpoint, resume
 from ..nn.functional import ACTIVATIONS
-from ..nn.models import GPT, MLP
+from ..nn.models import MLP
 from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..engine import make_engine
 from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
 from ..train.lr import make_lr_schedule
 from ..train.nonfinite import DEFAULT_MAX_NONFINITE, NONFINITE_POLICIES
 from ..train.npy_data import is_npy_name, load_npy_dataset, npy_task
+from ..train.tokens import is_tokens_name
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
-                          gpt_model_and_data, log_corpus, validate_gpt_args)
+                          validate_gpt_args)
 from .model_flag import joined_gpt_spec
+from .token_options import (TOKEN_DEFAULTS, add_token_arguments, lm_model_and_data,
+                            load_initial_params, log_lm_data, validate_lm_args)
 from .train_config import config_tokens, load_toml
 from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
                             trace_lines, validate_trace_args)
@@ -56,7 +59,7 @@ TRAIN_DEFAULTS = {
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
-    **TRACE_DEFAULTS,
+    **TRACE_DEFAULTS, **TOKEN_DEFAULTS,
 }
 DEFAULT_EPOCHS = 10
 
@@ -81,15 +84,17 @@ def add_train_arguments(p):
           "float32 (float16: dynamic loss scaling); default: --dtype")
     add_device_arguments(m, default=None)
     d = _recording(p.add_argument_group("data"), options)
-    d("--dataset", type=_dataset_name, help=f"{', '.join(DATASETS + (TEXT_DATASET,))} or "
+    d("--dataset", type=_dataset_name, help=f"{', '.join(DATASETS + (TEXT_DATASET,))}, "
       "npy:DIR (memory-mapped DIR/x.npy, y.npy, optional x_test.npy, y_test.npy; needs "
-      "--model); default digits (text with --model gpt: byte windows of --corpus)")
+      "--model) or tokens:DIR (`mpishard tokenize`'s token files, memory-mapped); default "
+      "digits (text with --model gpt or --init-from-hf: windows of --corpus)")
     d("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for regression, "
       "cross_entropy for classes, bce for one output (sigmoid added)")
     d("--n-train", type=int, help="synthetic sets: training rows (default 1024)")
     d("--n-test", type=int, help="synthetic sets: test rows (default 256)")
     d("--seed", type=int, help="data split, shuffling and initialisation (0)")
     add_gpt_arguments(m, d)
+    add_token_arguments(m, d)
     o = _recording(p.add_argument_group("optimisation"), options)
     o("--optimizer", choices=("adamw", "sgd"), help="default adamw")
     o("--lr", type=float, help="peak learning rate (default 1e-3)")
@@ -141,11 +146,13 @@ def add_train_arguments(p):
 
 
 def _dataset_name(text):
-    """--dataset: a built-in name or npy:DIR."""
-    if text in DATASETS + (TEXT_DATASET,) or (is_npy_name(text) and len(text) > 4):
+    """--dataset: a built-in name, npy:DIR or tokens:DIR."""
+    if text in DATASETS + (TEXT_DATASET,) or (is_npy_name(text) and len(text) > 4) or \
+            (is_tokens_name(text) and len(text) > 7):
         return text
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
-                                     f"{', '.join(DATASETS + (TEXT_DATASET,))} or npy:DIR)")
+                                     f"{', '.join(DATASETS + (TEXT_DATASET,))}, npy:DIR or "
+                                     f"tokens:DIR)")
 
 
 def _recording(group, options: dict):
@@ -179,9 +186,11 @@ def parse_train_args(argv, parser=None):
     gpt = joined_gpt_spec(merged["model"], merged.get("gpt")) if merged.get("model") else None
     if gpt is not None:                 # --model gpt:KEY=VALUE,... is --model gpt --gpt ...
         merged.update(model="gpt", gpt=gpt or None)
-    if merged.get("dataset") is None and merged.get("model") == "gpt":
+    language = merged.get("model") == "gpt" or merged.get("init_from_hf") is not None or \
+        is_tokens_name(merged.get("dataset"))
+    if merged.get("dataset") is None and language:
         merged["dataset"] = TEXT_DATASET
-    if merged.get("model") == "gpt" and merged.get("schedule") is None:
+    if language and merged.get("schedule") is None:
         merged.update(GPT_SCHEDULE_DEFAULTS if merged.get("warmup") is None
                       else {"schedule": GPT_SCHEDULE_DEFAULTS["schedule"]})
     for k, v in TRAIN_DEFAULTS.items():
@@ -193,16 +202,17 @@ def parse_train_args(argv, parser=None):
 # -- validation (no MPI; identical on every rank) ----------------------------------------------
 def validate_train_args(args, world_size: int):
     """Check everything that can be checked without communication; returns (layout, dims,
-    loss name), dims being the GPT spec for --model gpt. Raises UsageError (the same on every
-    rank)."""
+    loss name), dims being the model spec of a language model (--model gpt, --init-from-hf)
+    or an MLP's list of dims. Raises UsageError (the same on every rank)."""
     if args.layout is None:
         args.layout = default_layout(world_size)
     layout = checked_layout(args.layout, world_size)
+    gpt = validate_lm_args(args, layout)    # --init-from-hf, tokens:DIR (else None)
     if args.model is None and is_npy_name(args.dataset):
         raise UsageError(f"--dataset {args.dataset} needs --model D_IN,...,D_OUT")
-    if args.model is None:
-        args.model = DATASET_MODELS[args.dataset]
-    gpt = validate_gpt_args(args, layout)              # None: an MLP on a table data set
+    if gpt is None:
+        args.model = args.model or DATASET_MODELS[args.dataset]
+        gpt = validate_gpt_args(args, layout)          # None: an MLP on a table data set
     dims = gpt or parse_dims(args.model)
     _check_numbers(args)
     if args.steps is not None and args.epochs is not None:
@@ -301,8 +311,8 @@ def build_training(args, comm=None):
     ValueError or TypeError before any collective on a bad input."""
     comm = comm or world_comm()
     layout, dims, loss = validate_train_args(args, comm.Get_size())
-    if isinstance(dims, GPT):
-        model, data = gpt_model_and_data(args, dims)
+    if not isinstance(dims, list):                     # a GPT or a Hugging Face model
+        model, data = lm_model_and_data(args, dims)
     elif is_npy_name(args.dataset):
         data = load_npy_dataset(args.dataset, dims[0], dims[-1])
         model = MLP(dims, activation=args.activation)
@@ -318,15 +328,15 @@ def build_training(args, comm=None):
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          param_dtype=args.param_dtype, comm_dtype=args.comm_dtype,
                          timeout=args.timeout, host_heap=HOST_HEAP[args.host_heap])
-    engine.load_checkpoint(model.init(seed=args.seed))
+    load_initial_params(engine, args, model)                # --init-from-hf's weights, or the init
     if args.optimizer == "adamw":
         opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
                     weight_decay=args.weight_decay)
     else:
         opt = SGD(engine, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     log = configure_logging(engine.device_id, getattr(logging, args.log_level))
-    if isinstance(model, GPT):
-        log_corpus(log, data)
+    if not isinstance(dims, list):
+        log_lm_data(log, data)
     trainer = Trainer(engine, opt, data, loss, batch=args.batch, steps=args.steps,
                       epochs=args.epochs, accumulate=args.accumulate, clip=args.clip,
                       eval_every=args.eval_every, log_every=args.log_every, seed=args.seed,

@@ -1,0 +1,238 @@
+"""The train command's real-tokenizer options: `--tokenizer`, `--dataset tokens:DIR` and
+`--init-from-hf DIR` (fine-tuning a Hugging Face model).
+
+    train --model gpt:d_model=128,... --text notes/ --tokenizer ./gpt2     # tokenized in memory
+    mpishard tokenize --tokenizer ./gpt2 --text notes/ --out notes-tok     # or once, to disk,
+    train --model gpt:d_model=128,... --dataset tokens:notes-tok           # then memory-mapped
+    train --init-from-hf ./gpt2 --text notes/ --seq-len 256 --layout dp=2,tp=2   # fine-tune
+
+--tokenizer DIR|FILE|bytes: a model directory's tokenizer.json (ms.hf.tokenizer), a
+tokenizer.json itself, or `bytes` (the default: byte-level, vocabulary 256). The eos token put
+between documents is the directory's tokenizer_config.json eos_token when it names one
+(train/tokenizer.py). With --dataset tokens:DIR the tokens are already made: --tokenizer, and
+the tokenizer of an --init-from-hf directory, must then be the one the file records (its
+sha256), or the run stops naming both.
+
+--init-from-hf DIR: the model is DIR's (ms.hf.read_model: config.json, tensor headers), its
+weights are read by ms.hf.load_into (each rank only its own slices), and the text is
+tokenized with DIR's tokenizer unless --tokenizer says otherwise. --model and --gpt are refused
+with it; --seq-len sets the training windows' length (default the model's seq_len). A GPT of
+--model gpt takes its vocabulary from the tokenizer; an --init-from-hf model keeps its own,
+which must cover the tokenizer's ids. Checks that need no file run in `validate_lm_args`, the
+rest inside train's `agreed` build, so every rank stops with the same error before any
+collective.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..hf import load_into, read_model
+from ..hf import tokenizer as hf_tokenizer
+from ..nn.gpt import GPT
+from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
+from ..train.tokenizer import BYTES, ByteTokenizer, HFTokenizer, same_tokenizer
+from ..train.tokens import is_tokens_name, token_dataset, tokenized_text_dataset
+from .gpt_options import (DEFAULT_GPT_CLIP, TEXT_DATASET, gpt_model_and_data, log_corpus,
+                          validate_gpt_args)
+from .usage import UsageError, check_flags
+
+TOKEN_DEFAULTS = {"tokenizer": None, "init_from_hf": None, "seq_len": None}
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def add_token_arguments(model_group, data_group):
+    """--init-from-hf on the model group, --tokenizer and --seq-len on the data group (each
+    the group's recording add_argument)."""
+    model_group("--init-from-hf", metavar="DIR", help="fine-tune the Hugging Face model in DIR "
+                "(config.json + safetensors; GPT-2 or Llama): its spec and weights, and its "
+                "tokenizer.json unless --tokenizer is given; not with --model/--gpt")
+    data_group("--tokenizer", metavar="DIR|FILE|bytes", help="tokenize --text with a model "
+               "directory's tokenizer.json (or the file itself); bytes: byte-level, vocab 256 "
+               "(default, or DIR's with --init-from-hf)")
+    data_group("--seq-len", type=int, metavar="N", help="with --init-from-hf: the training "
+               "windows' length (default the model's seq_len)")
+
+
+# -- tokenizers (no MPI) -----------------------------------------------------------------------
+def load_tokenizer(text, flag="--tokenizer"):
+    """ByteTokenizer for 'bytes', else an HFTokenizer of DIR/tokenizer.json or of the file
+    (UsageError when there is none or it does not read)."""
+    if text == BYTES:
+        return ByteTokenizer()
+    directory = text if os.path.isdir(text) else os.path.dirname(text)
+    try:
+        if os.path.isdir(text):
+            tok = hf_tokenizer(text)
+        elif os.path.isfile(text):
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(text)
+        else:
+            tok = None
+    except ImportError:
+        raise UsageError(f"{flag} {text} needs the tokenizers library: pip install "
+                         f"tokenizers") from None
+    except Exception as exc:             # tokenizers raises its own Exception type
+        raise UsageError(f"{flag} {text}: not a readable tokenizer.json ({exc})") from None
+    if tok is None:
+        raise UsageError(f"{flag} {text}: no tokenizer.json there (give a model directory, a "
+                         f"tokenizer.json or '{BYTES}')")
+    try:
+        return HFTokenizer(tok, text, _eos_token(directory))
+    except ValueError as exc:
+        raise UsageError(f"{flag} {text}: {exc}") from None
+
+
+def _eos_token(directory):
+    """tokenizer_config.json's eos_token (a string, or a dict with 'content'), else None."""
+    try:
+        with open(os.path.join(directory or ".", TOKENIZER_CONFIG)) as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+
+
+def run_tokenizer(args):
+    """The tokenizer that encodes this run's text: --tokenizer, else the --init-from-hf
+    directory's, else None (the byte-level default)."""
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer)
+    if args.init_from_hf is not None:
+        if hf_tokenizer(args.init_from_hf) is None:
+            raise UsageError(f"--init-from-hf {args.init_from_hf} has no tokenizer.json; give "
+                             f"--tokenizer DIR|FILE|{BYTES}")
+        return load_tokenizer(args.init_from_hf, "--init-from-hf")
+    return None
+
+
+# -- validation (no MPI; identical on every rank) ----------------------------------------------
+def validate_lm_args(args, layout):
+    """The language model of --init-from-hf or --dataset tokens:DIR (after checking the
+    flags), or None for everything else (after refusing --tokenizer / --seq-len where they do
+    not apply). Raises UsageError."""
+    hf, tokens = args.init_from_hf, is_tokens_name(args.dataset)
+    language = hf or tokens or args.model == "gpt" or args.dataset == TEXT_DATASET
+    if args.tokenizer is not None and not language:
+        raise UsageError("--tokenizer applies to a language model (--model gpt, "
+                         "--init-from-hf, --dataset text or tokens:DIR)")
+    if args.seq_len is not None and not hf:
+        raise UsageError("--seq-len applies to --init-from-hf (a --model gpt takes seq_len "
+                         "from --gpt)")
+    if tokens:
+        for name in ("corpus", "corpus_bytes", "val_fraction"):
+            if getattr(args, name) is not None:
+                raise UsageError(f"--{name.replace('_', '-')} applies to --dataset text; "
+                                 f"{args.dataset} holds its own tokens and split")
+    if hf:
+        return _validate_hf(args)
+    if not tokens:
+        return None
+    if args.model not in (None, "gpt"):
+        raise UsageError(f"--dataset {args.dataset} trains --model gpt or --init-from-hf DIR "
+                         f"(got --model {args.model})")
+    args.model = "gpt"                 # validate_gpt_args's checks, as for --dataset text
+    as_text = argparse.Namespace(**{**vars(args), "dataset": TEXT_DATASET})
+    model = validate_gpt_args(as_text, layout)
+    args.clip = as_text.clip
+    return model
+
+
+def _validate_hf(args):
+    """--init-from-hf: no --model/--gpt, a text or tokens: data set, the spec from DIR."""
+    if args.model is not None or args.gpt is not None:
+        given = " and ".join(f for f, v in (("--model", args.model), ("--gpt", args.gpt))
+                             if v is not None)
+        raise UsageError(f"--init-from-hf {args.init_from_hf} takes the model from its "
+                         f"config.json; leave out {given}")
+    if args.dataset != TEXT_DATASET and not is_tokens_name(args.dataset):
+        raise UsageError(f"--init-from-hf trains on --dataset text or tokens:DIR, not "
+                         f"{args.dataset}")
+    if args.loss not in (None, "cross_entropy"):
+        raise UsageError(f"--loss {args.loss} does not fit a language model; its loss is "
+                         f"cross_entropy")
+    check_flags(args, ("corpus_bytes", "train_stride", "seq_len"), low=0, low_open=True)
+    check_flags(args, ("val_fraction",), low=0, high=1, low_open=True)
+    try:
+        model = read_model(args.init_from_hf)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--init-from-hf {args.init_from_hf}: {exc}") from None
+    if args.seq_len is not None and args.seq_len > model.seq_len:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's seq_len "
+                         f"{model.seq_len} (--init-from-hf {args.init_from_hf})")
+    if args.clip is None:
+        args.clip = DEFAULT_GPT_CLIP
+    return model
+
+
+# -- build (inside train's agreed) ----------------------------------------------------------
+def lm_model_and_data(args, spec):
+    """(model, TextDataset) of a language-model run: the byte-level corpus (gpt_options), a
+    corpus tokenized in memory, or a token file; the model is `spec` (--init-from-hf) or a GPT
+    of spec's sizes with the data's vocabulary. UsageError for a tokenizer that does not match
+    the token file or whose ids the model's vocabulary does not cover."""
+    tok = run_tokenizer(args)
+    hf = args.init_from_hf is not None
+    seq_len = args.seq_len or spec.seq_len
+    try:
+        if is_tokens_name(args.dataset):
+            data = token_dataset(args.dataset, seq_len, args.train_stride)
+            made = data.corpus["tokenizer"]
+            if tok is not None and not same_tokenizer(tok.identity(), made):
+                raise UsageError(f"--dataset {args.dataset} was tokenized by {made['name']} "
+                                 f"(sha256 {str(made['sha256'])[:12]}), not by {tok.name} "
+                                 f"(sha256 {str(tok.identity()['sha256'])[:12]}); pass "
+                                 f"--tokenizer naming the file's tokenizer")
+        elif (tok is None or tok.name == BYTES) and not hf:
+            return gpt_model_and_data(args, spec)
+        elif tok is None or tok.name == BYTES:
+            data = text_dataset(seq_len, args.corpus, args.corpus_bytes or DEFAULT_CORPUS_BYTES,
+                                args.val_fraction or DEFAULT_VAL_FRACTION, args.train_stride)
+        else:
+            data = tokenized_text_dataset(seq_len, tok, args.corpus,
+                                          args.corpus_bytes or DEFAULT_CORPUS_BYTES,
+                                          args.val_fraction or DEFAULT_VAL_FRACTION,
+                                          args.train_stride)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, UsageError):
+            raise
+        raise UsageError(f"--{'dataset' if is_tokens_name(args.dataset) else 'text'}: {exc}"
+                         ) from None
+    if not hf:
+        return GPT(vocab_size=data.n_classes, seq_len=spec.seq_len, d_model=spec.d_model,
+                   n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff,
+                   tied=spec.tied), data
+    if data.n_classes > spec.vocab_size:
+        what = data.corpus.get("tokenizer", {}).get("name", BYTES)
+        raise UsageError(f"the tokenizer {what} has {data.n_classes} ids but the model of "
+                         f"--init-from-hf {args.init_from_hf} has a vocabulary of "
+                         f"{spec.vocab_size}; it must cover every id")
+    return spec, data
+
+
+def load_initial_params(engine, args, model) -> None:
+    """Collective: DIR's weights (--init-from-hf, each rank reading only its slices), or the
+    model's seeded init."""
+    if args.init_from_hf is not None:
+        load_into(engine, args.init_from_hf)
+    else:
+        engine.load_checkpoint(model.init(seed=args.seed))
+
+
+def log_lm_data(log, data) -> None:
+    """One line on the data: log_corpus's for bytes, the tokenizer and token counts else."""
+    c = data.corpus
+    if "tokenizer" not in c:
+        return log_corpus(log, data)
+    t = c["tokenizer"]
+    log.info("corpus %s: %d file(s), %d bytes, sha256 %s; tokenizer %s (vocab %d, eos %s, "
+             "sha256 %s): %d train tokens in %d windows, %d validation tokens in %d "
+             "windows of %d+1 tokens", c["source"], c["files"], c["bytes"], c["sha256"][:16],
+             t["name"], data.n_classes, c["eos_id"], str(t["sha256"])[:16], c["train_tokens"],
+             c["train_windows"], c["val_tokens"], c["val_windows"], data.seq_len)
+
+
+__all__ = ["TOKEN_DEFAULTS", "add_token_arguments", "lm_model_and_data", "load_initial_params",
+           "load_tokenizer", "log_lm_data", "run_tokenizer", "validate_lm_args"]
