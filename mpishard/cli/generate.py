@@ -178,8 +178,9 @@ def hf_engine(args, layout, comm):
         model = hf.read_model(args.hf)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--hf {args.hf}: {exc}") from None
-    engine = make_engine(model, layout, dtype=np.dtype(args.dtype or "float32"), comm=comm, device=args.device,
-                         cuda_aware=CUDA_AWARE[args.cuda_aware], timeout=args.timeout)
+    engine = make_engine(model, layout, dtype=np.dtype(args.dtype or "float32"), comm=comm,
+                         device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
+                         timeout=args.timeout)
     hf.load_into(engine, args.hf)
     return engine
 

@@ -8,9 +8,9 @@ Run: `pytest -q tests/hf/test_generate_hf.py` and
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/hf/test_generate_hf.py` for
 N in 2, 4 (a k-rank layout runs on `group_comm(k)`).
 """
-import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 import mpishard as ms
 from conftest import group_comm, run_mpi
@@ -43,7 +43,7 @@ def check(tmp_path, kind, layout="single", comm=None):
     want = transformers_greedy(ref, PROMPTS)
     assert any(len(r) == NEW for r in want), "every row ended at once: a weak comparison"
     engine = ms.make_engine(ms.hf.read_model(d), layout,
-                            comm=comm if comm is not None else __import__("mpi4py").MPI.COMM_SELF)
+                            comm=MPI.COMM_SELF if comm is None else comm)
     ms.hf.load_into(engine, d)
     got = engine.generate(PROMPTS, NEW, temperature=0, eos=EOS)
     assert got == want, f"{kind} {layout}: {got} != transformers' {want}"

@@ -9,9 +9,8 @@ and 4 ranks, for a GPT and a Llama with grouped-query attention. Sampling with a
 the same on every layout. Bad input raises the same ValueError on every rank before any
 communication.
 
-MPI tests:
-`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_generate_batched.py`
-for N in 2, 4 (a k-rank layout runs on `group_comm(k)`).
+MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
+tests/integration/test_generate_batched.py` for N in 2, 4 (a k-rank layout runs on `group_comm(k)`).
 """
 import numpy as np
 import pytest

@@ -1,7 +1,9 @@
-"""Generation with a KV cache (nn/kv_cache.py, cli/generate.py): greedy decoding with the cache
-equals argmax of full recomputation, token for token, and the logits agree in float64 (rtol
-1e-9) at every step, the cache full and refilled included (seq_len 16, 40 new tokens); under
-single, tp=2, pp=2 and dp=2,tp=2 the same; a seeded sampled text is the same on 1 and 2 ranks.
+"""Generation of one prompt with a KV cache (nn/kv_cache.py; cli/generate.py's generate_tokens
+and last_logits, over engine.generate and parallel/decode.Decoder): greedy decoding with the
+cache equals argmax of full recomputation, token for token, and the logits agree in float64
+(rtol 1e-9) at every step, the cache full and refilled included (seq_len 16, 40 new tokens);
+under single, tp=2, pp=2 and dp=2,tp=2 the same; a seeded sampled text is the same on 1 and 2
+ranks. Batches of prompts: test_generate_batched.py.
 
 MPI tests:
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/integration/test_gpt_generate.py`

@@ -33,7 +33,10 @@ def test_top_k_keeps_the_k_largest_and_their_ties():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     p = np.array([0.5, 0.3, 0.15, 0.05])
     z = np.log(p)[None, ::-1]                     # ids 3..0 hold 0.05, 0.15, 0.3, 0.5
-    kept = lambda top_p: (~np.isinf(filter_logits(z, top_p=top_p)[0])).tolist()
+
+    def kept(top_p):
+        return (~np.isinf(filter_logits(z, top_p=top_p)[0])).tolist()
+
     assert kept(0.5) == [False, False, False, True]       # 0.5 alone reaches 0.5
     assert kept(0.51) == [False, False, True, True]       # 0.8
     assert kept(0.79) == [False, False, True, True]
