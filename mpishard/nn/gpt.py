@@ -49,7 +49,7 @@ class BlockSpec:
         return f"block_{self.index}"
 
 
-def _positive_int(what, v, who="GPT") -> int:
+def positive_int(what, v, who="GPT") -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"{who} {what} must be a positive integer, got {v!r}")
     return int(v)
@@ -63,12 +63,12 @@ class DecoderSpec(ParamSpec):
     def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied):
         """The sizes every decoder has, checked (ValueError naming the spec's class)."""
         who = type(self).__name__
-        self.vocab_size = _positive_int("vocab_size", vocab_size, who)
-        self.seq_len = _positive_int("seq_len", seq_len, who)
-        self.d_model = _positive_int("d_model", d_model, who)
-        self.n_heads = _positive_int("n_heads", n_heads, who)
-        self.n_layers = _positive_int("n_layers", n_layers, who)
-        self.d_ff = 4 * self.d_model if d_ff is None else _positive_int("d_ff", d_ff, who)
+        self.vocab_size = positive_int("vocab_size", vocab_size, who)
+        self.seq_len = positive_int("seq_len", seq_len, who)
+        self.d_model = positive_int("d_model", d_model, who)
+        self.n_heads = positive_int("n_heads", n_heads, who)
+        self.n_layers = positive_int("n_layers", n_layers, who)
+        self.d_ff = 4 * self.d_model if d_ff is None else positive_int("d_ff", d_ff, who)
         if self.d_model % self.n_heads:
             raise ValueError(f"{who} d_model={self.d_model} does not divide into "
                              f"n_heads={self.n_heads} heads")

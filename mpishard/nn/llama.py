@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gpt import DecoderSpec, _positive_int
+from .gpt import DecoderSpec, positive_int
 
 INIT_STD = 0.02
 
@@ -59,7 +59,7 @@ class Llama(DecoderSpec):
                  d_ff=None, rope_theta=10000.0, norm_eps=1e-5, tied=False):
         super().__init__(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied)
         self.n_kv_heads = self.n_heads if n_kv_heads is None else \
-            _positive_int("n_kv_heads", n_kv_heads, "Llama")
+            positive_int("n_kv_heads", n_kv_heads, "Llama")
         self.rope_theta = _positive_float("rope_theta", rope_theta)
         self.norm_eps = _positive_float("norm_eps", norm_eps)
         if self.d_head % 2:

@@ -29,7 +29,8 @@ GPT's f/g (gpt_tensor_parallel.tp_linear). The embedding, head and loss are voca
 from __future__ import annotations
 
 from ..nn import functional as nn
-from ..nn.llama_layers import KVHeads, llama_units
+from ..nn.llama_attention import KVHeads
+from ..nn.llama_layers import llama_units
 from ..nn.transformer import TiedHead, leading_positions
 from .gpt_tensor_parallel import sequence_split_params, tp_linear
 from .placement import Shard

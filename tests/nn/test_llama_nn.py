@@ -12,6 +12,7 @@ import torch
 
 import mpishard as ms
 from mpishard.checkpoint.format import model_from_spec, model_spec
+from mpishard.nn import llama_attention as A
 from mpishard.nn import llama_layers as L
 from mpishard.nn.layers import Linear, LocalAccess
 from test_gpt_nn import perturbed
@@ -77,7 +78,7 @@ def test_rotary_turns_q_and_k_at_every_position_form(rng, form):
              "array": np.array([[0, 1, 2, 3], [5, 6, 7, 8]])}[form]
     pos = {"slice": np.arange(3, 7), "chunks": np.array([0, 1, 6, 7]),
            "array": where}[form]
-    unit = L.Rotary(nq, nkv, dh, 500.0, token_positions=lambda n: where)
+    unit = A.Rotary(nq, nkv, dh, 500.0, token_positions=lambda n: where)
 
     def f(x):
         h = x.reshape(b, t, nq + 2 * nkv, dh)
@@ -99,17 +100,17 @@ def t_gqa(a, nq, nkv, kv_heads):
 @pytest.mark.parametrize("nq,nkv,kv_heads", [(4, 2, None), (4, 4, None), (4, 1, None),
                                              (3, 3, [1, 1, 2])])   # tp rank 1 of H=6, K=3
 def test_grouped_query_attention_and_repeat_kv(rng, nq, nkv, kv_heads):
-    heads = L.KVHeads(nq, nkv, kv_heads)
+    heads = A.KVHeads(nq, nkv, kv_heads)
     index = list(heads.kv_heads)
     a = rng.standard_normal((2, 5, (nq + 2 * nkv) * 4))
-    check_unit(L.GroupedQueryAttention(heads), a, lambda x: t_gqa(x, nq, nkv, index), rng,
+    check_unit(A.GroupedQueryAttention(heads), a, lambda x: t_gqa(x, nq, nkv, index), rng,
                what=f"gqa {nq}/{nkv} {kv_heads}")
 
     def rep(x):
         h = x.reshape(2, 5, nq + 2 * nkv, 4)
         parts = [h[:, :, :nq], h[:, :, nq:nq + nkv][:, :, index], h[:, :, nq + nkv:][:, :, index]]
         return torch.cat(parts, 2).reshape(2, 5, 3 * nq * 4)
-    check_unit(L.RepeatKV(heads), a, rep, rng, what="repeat_kv")
+    check_unit(A.RepeatKV(heads), a, rep, rng, what="repeat_kv")
 
 
 def test_swiglu_forward_and_gradients(rng):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import group_comm
-from mpishard.nn.llama_layers import Rotary, rope_angles
+from mpishard.nn.llama_attention import Rotary, rope_angles
 from mpishard.parallel.context_parallel import TokenPositions
 from test_llama_layouts import compare_with_single, make_llama
 
