@@ -6,8 +6,9 @@
 
 Commands live in `COMMANDS`: name -> (help, add_arguments(parser), run(args) -> exit code),
 one file per command in this package: train.py, infer.py, generate.py, bench.py, schedule.py,
-plan.py, inspect.py (model_flag.py: every command's --model/--gpt; gpt_options.py: train's
-text corpus flags). A new command is one file and one entry there.
+plan.py, inspect.py, hf_import.py (import), hf_export.py (export) (model_flag.py: every
+command's --model/--gpt; gpt_options.py: train's text corpus flags). A new command is one file
+and one entry there.
 
 Bad input is a user mistake, not a crash (usage.py): every rank validates the same argv
 before any collective, a command builds inside `agreed(comm, build)`, and `main` turns a
@@ -21,6 +22,8 @@ from mpi4py import MPI
 
 from .bench import add_bench_arguments, run_bench
 from .generate import add_generate_arguments, run_generate
+from .hf_export import add_export_arguments, run_export
+from .hf_import import add_import_arguments, run_import
 from .infer import add_infer_arguments, run_infer
 from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
@@ -56,6 +59,12 @@ COMMANDS = {
                  add_generate_arguments, run_generate),
     "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
              "(plan --model DIMS --world-size N --batch B)", add_plan_arguments, run_plan),
+    "import": ("a Hugging Face GPT-2 or Llama directory into a checkpoint, each rank reading "
+               "its slices (python -m mpi4py -m mpishard import --hf DIR --checkpoint CKPT)",
+               add_import_arguments, run_import),
+    "export": ("a GPT or Llama checkpoint as a Hugging Face directory transformers loads "
+               "(python -m mpishard export --checkpoint CKPT --hf OUT [--dtype bfloat16])",
+               add_export_arguments, run_export),
     "bench": ("time training steps of a layout on synthetic data: step time, samples/s, "
               "GFLOP/s, communication (python -m mpi4py -m mpishard bench --layout L ...)",
               add_bench_arguments, run_bench),
@@ -65,7 +74,7 @@ COMMANDS = {
 }
 # The commands whose processes are ranks of an MPI job: `python -m mpishard` gives them
 # comm/signals.py's SIGTERM/SIGINT handlers, which remove the MPI library's files on the way out.
-MPI_COMMANDS = ("train", "infer", "generate", "bench")
+MPI_COMMANDS = ("train", "infer", "generate", "bench", "import")
 
 
 def build_parser():

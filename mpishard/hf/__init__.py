@@ -6,6 +6,7 @@
     nbytes = ms.hf.load_into(engine, "gpt2")    # collective: each rank reads only its slices
     ms.hf.save("out", model, engine.gather_params(), dtype="bfloat16")
     tok = ms.hf.tokenizer("gpt2")               # tokenizers.Tokenizer or None
+    ms.hf.source(model)       # {"config", "dtype"} it was read from (JSON), for a checkpoint
 
 A directory is `config.json` plus `model.safetensors`, or shards named by
 `model.safetensors.index.json`; tensors are read with the safetensors library's numpy API
@@ -22,7 +23,8 @@ Layering: above the engine, beside train and checkpoint (it uses checkpoint's he
 cli. `transformers` is never imported here (only the tests compare against it); `tokenizers` is
 imported only by `tokenizer()`, `safetensors` only when a directory is read or written.
 """
-from .convert import ARCHITECTURES, load, load_into, read_model, save
+from .convert import ARCHITECTURES, load, load_into, read_model, save, set_source, source
 from .tokenizer import tokenizer
 
-__all__ = ["load", "load_into", "save", "read_model", "tokenizer", "ARCHITECTURES"]
+__all__ = ["load", "load_into", "save", "read_model", "tokenizer", "source", "set_source",
+           "ARCHITECTURES"]

@@ -100,6 +100,27 @@ def _remember(model, cfg: dict, tensors: dict) -> None:
     model._hf_source = {"config": dict(cfg), "dtype": kinds.pop()}
 
 
+def source(model):
+    """JSON of what `model` was read from: {"config": config.json, "dtype": name}, or None
+    for a spec built in code (what `import` keeps in a checkpoint's extra for `export`)."""
+    src = getattr(model, "_hf_source", None)
+    if src is None:
+        return None
+    return {"config": src["config"], "dtype": _dtype_name(np.dtype(src["dtype"]))}
+
+
+def set_source(model, src) -> None:
+    """Give `model` the source `source()` returned, so that `save` writes it back alike."""
+    if not (isinstance(src, dict) and isinstance(src.get("config"), dict)):
+        raise ValueError(f"a Hugging Face source is {{'config': {{...}}, 'dtype': name}}, "
+                         f"got {src!r}")
+    model._hf_source = {"config": dict(src["config"]), "dtype": _dtype(None, src["dtype"])}
+
+
+def _dtype_name(dt) -> str:
+    return next(k for k, v in DTYPE_NAMES.items() if np.dtype(v) == dt)
+
+
 def load(path):
     """(spec, {our name: numpy array in the file's dtype}) of Hugging Face directory `path`."""
     d = HFDir(path)
@@ -175,7 +196,7 @@ def save(path, model, params, dtype=None) -> str:
     cfg = {k: v for k, v in (source["config"] if source else arch.fresh_config()).items()
            if k not in FILE_FIELDS and k not in arch.SIZE_FIELDS}
     cfg.update(arch.to_config(model))
-    name = next(k for k, v in DTYPE_NAMES.items() if np.dtype(v) == dt)
+    name = _dtype_name(dt)
     cfg.update({"architectures": [arch.ARCHITECTURE], "model_type": arch.MODEL_TYPE,
                 "dtype": name, "torch_dtype": name})
     tensors = {}

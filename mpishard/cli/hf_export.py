@@ -1,0 +1,46 @@
+"""`export`: a GPT or Llama checkpoint of ours as a Hugging Face directory.
+
+    python -m mpishard export --checkpoint ckpt --hf out              # then, in transformers:
+    python -m mpishard export --checkpoint ckpt --hf out --dtype bfloat16
+    AutoModelForCausalLM.from_pretrained("out")
+
+One process reads the checkpoint (each array once, whatever layout saved it) and writes
+`config.json` and `model.safetensors` with ms.hf.save. The dtype is --dtype, else the
+source's when the checkpoint came from `import` (its extra["hf"]), else float32; the
+source's config fields (token ids, dropout) are kept. Run it without mpiexec.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import hf
+from ..hf.convert import DTYPE_NAMES
+from .infer import open_checkpoint
+from .usage import UsageError, print_report
+
+
+def add_export_arguments(p):
+    p.add_argument("--checkpoint", metavar="DIR", required=True, help="a GPT or Llama "
+                   "checkpoint (any layout and world size)")
+    p.add_argument("--hf", metavar="OUT", required=True, help="the Hugging Face directory to "
+                   "write (config.json + model.safetensors)")
+    p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), help="the file's dtype "
+                   "(default: the imported source's, else float32)")
+    return p
+
+
+def run_export(args) -> int:
+    ckpt, model = open_checkpoint(args.checkpoint)
+    if getattr(model, "kind", None) not in ("gpt", "llama"):
+        raise UsageError(f"--checkpoint {args.checkpoint} holds "
+                         f"{ckpt.model_spec.get('class')}; only GPT and Llama export to "
+                         f"Hugging Face")
+    source = (ckpt.extra or {}).get("hf")
+    try:
+        if source is not None:
+            hf.set_source(model, source)
+        path = hf.save(args.hf, model, {k: np.asarray(v) for k, v in ckpt.items()},
+                       dtype=args.dtype)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"export: {exc}") from None
+    return print_report(f"exported {args.checkpoint} ({model!r}) to {path}")

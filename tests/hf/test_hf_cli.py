@@ -1,0 +1,72 @@
+"""`import` and `export` (serial tests that start their own jobs): a bfloat16 GPT-2 and a
+float64 Llama go in on 2 ranks (each reading its fsdp or tp slices) and come back out as the
+same bytes and config; transformers loads the export; bad input is one usage line."""
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import mpishard as ms
+from conftest import ROOT, run_mpi, run_python
+from hf_models import gpt2, hf_logits, llama, tokens
+
+transformers = pytest.importorskip("transformers")
+
+
+def export(ckpt, out, *extra):
+    return run_python(["-m", "mpishard", "export", "--checkpoint", ckpt, "--hf", out, *extra],
+                      cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("build,dtype,layout", [
+    (gpt2, torch.bfloat16, None), (llama, torch.float64, "tp=2")])
+def test_import_then_export_gives_back_the_same_files(tmp_path, build, dtype, layout):
+    d, _ = build(tmp_path / "src", dtype=dtype)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    args = ["-m", "mpishard", "import", "--hf", d, "--checkpoint", ckpt]
+    proc = run_mpi(2, *args, *(["--layout", layout] if layout else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"into {ckpt}" in proc.stdout
+    loaded = ms.checkpoint.load(ckpt)
+    model, params = ms.hf.load(d)
+    assert loaded.layout == (layout or "fsdp=2") and repr(loaded.model()) == repr(model)
+    assert all(np.array_equal(np.asarray(loaded[k]).astype(np.float64),
+                              params[k].astype(np.float64)) for k in params)
+    proc = export(ckpt, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    src, got = (load_file(os.path.join(p, "model.safetensors")) for p in (d, out))
+    assert got.keys() == src.keys()
+    assert all(got[k].dtype == src[k].dtype and np.array_equal(
+        got[k].view(np.uint8), src[k].view(np.uint8)) for k in got)
+    cfg = [json.load(open(os.path.join(p, "config.json"))) for p in (d, out)]
+    assert all(cfg[1][k] == cfg[0][k] for k in ("eos_token_id", "bos_token_id", "vocab_size"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    again = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    x = tokens(97)
+    assert np.array_equal(hf_logits(back, x), hf_logits(again, x))
+
+
+def test_export_dtype_and_errors(tmp_path):
+    model = ms.GPT(vocab_size=29, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint(model.init(seed=4))
+    ms.checkpoint.save(tmp_path / "ckpt", engine)
+    proc = export(tmp_path / "ckpt", tmp_path / "out", "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(tmp_path / "out" / "model.safetensors")["transformer.wte.weight"]
+    want = model.init(seed=4)["embed/tokens"].astype(ml_dtypes.bfloat16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    mlp = ms.MLP(dims=[4, 3])
+    engine = ms.SingleDevice(mlp)
+    engine.load_checkpoint(mlp.init())
+    ms.checkpoint.save(tmp_path / "mlp", engine)
+    proc = export(tmp_path / "mlp", tmp_path / "x")
+    assert proc.returncode == 2 and "holds MLP; only GPT and Llama" in proc.stderr
+    proc = run_python(["-m", "mpishard", "import", "--hf", tmp_path / "nowhere",
+                       "--checkpoint", tmp_path / "c"], cwd=ROOT, capture_output=True,
+                      text=True, timeout=120)
+    assert proc.returncode == 2 and "--hf" in proc.stderr and "not a directory" in proc.stderr
