@@ -113,6 +113,14 @@ def test_eos_ends_a_row_and_the_window_is_refilled(kind):
     assert all(len(r) == 10 and all(0 <= t < 16 for t in r) for r in sampled)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_prompt_longer_than_seq_len_starts_from_its_last_window(kind):
+    """The refill rule from the start: a 20-token prompt is prefilled as its last 16."""
+    engine, ref = loaded(kind), loaded(kind)
+    batch = [list(range(16)) + [3, 1, 4, 1], [5]]
+    assert engine.generate(batch, 6, temperature=0) == [recomputed(ref, p, 6) for p in batch]
+
+
 BAD = [
     (dict(prompts=[]), "non-empty list"),
     (dict(prompts=[[1, 2], []]), "prompt 1 must be a non-empty"),
