@@ -81,20 +81,27 @@ class Device:
         """Hand the memory pools back between measurements (cupy's and torch's caches)."""
         if not self.standin:
             self.xp.get_default_memory_pool().free_all_blocks()
-            import torch
-            torch.cuda.empty_cache()
+            try:
+                import torch
+                torch.cuda.empty_cache()
+            except ImportError:
+                pass
 
     def datasheet(self):
         return next((v for k, v in DATASHEET.items() if k in self.name), None)
 
 
 def timed(dev, fns, samples, warmup=2):
-    """Median seconds of each callable, alternating sample by sample, the device synchronised
-    around every sample."""
+    """Median seconds of each callable, alternating sample by sample; the device is
+    synchronised before each sample and inside it (a launch returns before the GPU is done)."""
     def sync(dt):
         dev.sync()
         return dt
-    return [float(np.median(t)) for t in sample_times(fns, samples, warmup, sync)]
+
+    def synced(fn):
+        return lambda: (fn(), dev.sync())
+    return [float(np.median(t)) for t in sample_times([synced(f) for f in fns], samples, warmup,
+                                                      sync)]
 
 
 def matmul_peak(dev, n, dtype):
