@@ -19,7 +19,8 @@ environment  nvidia-smi, the versions of Python, numpy, cupy, torch and mpi4py, 
              library mpi4py loads under mpiexec, and mpishard's CUDA-awareness answer
 reference-1, reference-2   benchmarks/gpu_reference.py at 1 and 2 ranks: MLP, MoE and GPT
              layouts on device arrays equal numpy's single device (float64, rtol 1e-9)
-bf16-cupy    tests/parallel/test_bf16_cupy.py, serial and at 2 ranks (skipped if absent)
+bf16-cupy    tests/parallel/test_bf16_cupy.py, serially and, if it has MPI tests, at 2 ranks
+             (skipped if absent)
 bench-step, bench-allreduce   benchmarks/gpu.py step (1 rank) and allreduce (2 ranks)
 
 Exit status 0 when no part failed. The log of everything printed is gpu_check.log.
@@ -195,11 +196,12 @@ def part_bf16(check, budget):
     test = "tests/parallel/test_bf16_cupy.py"
     if not (ROOT / test).exists():
         return {"status": "skipped", "why": f"{test} does not exist"}
+    ranks2 = "mark.mpi" in (ROOT / test).read_text()     # MPI tests in it: 2 ranks too
     rc1, lines1 = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             test], budget / 2)
-    rc2, lines2 = check.run(check.mpi(2, "-m", "pytest", "-q", "--with-mpi", "-p",
-                                      "no:cacheprovider", test), budget / 2)
-    rec = {"serial": lines1[-1:], "ranks2": lines2[-1:]}
+                             test], budget / 2 if ranks2 else budget)
+    rc2, lines2 = check.run(check.mpi(2, "-m", "pytest", "-q", "--with-mpi", "-m", "mpi", "-p",
+                                      "no:cacheprovider", test), budget / 2) if ranks2 else (0, [])
+    rec = {"serial": lines1[-1:], "ranks2": lines2[-1:] if ranks2 else "no MPI tests in it"}
     if rc1 not in (0, 5) or rc2 not in (0, 5):      # 5: no test collected at that size
         raise RuntimeError(f"pytest exited {rc1} (serial), {rc2} (2 ranks)")
     return rec
