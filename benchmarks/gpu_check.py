@@ -5,9 +5,11 @@
 
 Environment: GPU_CHECK (gpu, the default, or standin), GPU_CHECK_OUT (the output folder,
 default gpu-check-out), GPU_WHEELS (default .gpu-wheels), GPU_CHECK_BUDGET (seconds for the
-whole check, default 480). The parts, each with its own budget (a share of the whole, never
-past its end), each printing as it runs and written to $GPU_CHECK_OUT/gpu_check.json as it
-ends, so a cut-off run still says what it did; a failing part does not stop the later ones:
+whole check, default 480), GPU_CHECK_MPIEXEC_FLAGS (extra mpiexec flags, e.g.
+"-launcher fork -host localhost" where hydra cannot resolve the host name). The parts, each
+with its own budget (a share of the whole, never past its end), each printing as it runs and
+written to $GPU_CHECK_OUT/gpu_check.json as it ends, so a cut-off run still says what it did;
+a failing part does not stop the later ones:
 
 wheels       the carried wheels (make gpu-wheels: mpich, mpi4py, pytest-mpi, threadpoolctl;
              at most 64 MiB) installed offline into a scratch prefix (gpu_wheels.py: pip
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -120,7 +123,8 @@ class Check:
     def mpi(self, n, *args):
         if self.mpiexec is None:
             raise RuntimeError("no mpiexec: no wheels installed and none on PATH")
-        return [self.mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
+        flags = shlex.split(os.environ.get("GPU_CHECK_MPIEXEC_FLAGS", ""))
+        return [self.mpiexec, *flags, "-n", str(n), sys.executable, "-m", "mpi4py", *args]
 
     def part(self, name, share, fn):
         budget = min(share * self.scale, self.t_end - time.monotonic())
