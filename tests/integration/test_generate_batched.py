@@ -147,6 +147,10 @@ def check_bad_input(engine):
 
 def test_bad_input_raises_before_any_communication():
     check_bad_input(loaded("gpt"))
+    mlp = ms.make_engine(ms.MLP([4, 3]), comm=MPI.COMM_SELF)
+    mlp.load_checkpoint(ms.MLP([4, 3]).init(seed=0))
+    with pytest.raises(TypeError, match="needs a language model"):
+        mlp.generate([[1]], 2)
 
 
 # -- MPI ----------------------------------------------------------------------------------------
