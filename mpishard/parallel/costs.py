@@ -36,15 +36,16 @@ from typing import ClassVar
 from ..comm.mesh import Layout, coordinates
 from ..validate import check_number
 from . import (context_parallel, data_parallel, expert_parallel, fsdp, gpt_tensor_parallel,
-               pipeline, tensor_parallel, tied)
+               llama_tensor_parallel, pipeline, tensor_parallel, tied)
 from .compose import plan_params
+from .model_costs import is_gpt
 from .placement import local_shape
 
 # Each exposes memory(view, n_state) and step_comm(view); the order is compose's: tp (an
 # MLP's, a GPT's with sequence_parallel and the vocab-parallel ends), cp, then the pp stages,
 # then fsdp and dp (and ep for MoE models).
-STRATEGY_COSTS = (tensor_parallel, gpt_tensor_parallel, context_parallel, pipeline, fsdp,
-                  data_parallel, expert_parallel, tied)
+STRATEGY_COSTS = (tensor_parallel, gpt_tensor_parallel, llama_tensor_parallel, context_parallel,
+                  pipeline, fsdp, data_parallel, expert_parallel, tied)
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 PHASES = ("train_step", "optimizer")
 
@@ -89,6 +90,8 @@ def check_fit(model, layout, batch=None) -> int:
     """Raise ValueError (the engine's own, where it has one) unless `layout` can train `model`
     on a global batch of `batch` rows; returns the microbatches per step (1 without pp)."""
     plan_params(model, layout)          # tp must divide the hidden sizes, pp <= layers, ...
+    if is_gpt(model) and layout.size("tp") > 1 and layout.option("sequence_parallel", 0):
+        gpt_tensor_parallel.check_sequence_split(model, layout)   # seq_len / cp over tp
     m = pipeline.step_microbatches(layout)   # interleaved: microbatches a multiple of pp
     if batch is not None:
         check_number("batch", batch, low=1, integer=True)

@@ -305,12 +305,13 @@ def step_comm(view) -> dict:
         stage = zero_stage(info.placement, view.layout)
         if stage == 3:
             shard = view.nbytes(view.blocks[name])
-            gathers, adds = param_uses(view.model, view.layout, name)
+            gathers, adds = param_uses(view.model, view.layout, name, view.params)
             step["all_gather"] += m * gathers * (n - 1) * shard
             step["reduce_scatter"] += m * adds * (n - 1) * shard
         else:
             owned = view.nbytes(view.grad_blocks[name])
-            adds = m * param_uses(view.model, view.layout, name)[1] if stage == 2 else 1
+            uses = param_uses(view.model, view.layout, name, view.params)
+            adds = m * uses[1] if stage == 2 else 1
             step["reduce_scatter"] += adds * (n - 1) * owned
             opt["all_gather"] += (n - 1) * owned
     return {"train_step": step, "optimizer": opt}
@@ -329,7 +330,7 @@ def step_calls(view) -> dict:
     limit = bucket_limit(view.layout)
     stage = {name: zero_stage(info.placement, view.layout) for name, info in view.params.items()}
     padded = {name: n * view.nbytes(view.grad_blocks[name]) for name in view.params}
-    gets = sum(m * param_uses(view.model, view.layout, name)[0]
+    gets = sum(m * param_uses(view.model, view.layout, name, view.params)[0]
                for name in view.params if stage[name] == 3)
     streamed = [padded[k] for k in grad_order(view.model, [k for k in stage if stage[k] > 1])]
     held = [padded[k] for k in reversed(list(stage)) if stage[k] == 1]

@@ -36,12 +36,25 @@ from dataclasses import dataclass
 from .tensor_parallel import output_width
 
 
+TRANSFORMER_KINDS = ("gpt", "llama")
+
+
 def is_gpt(model) -> bool:
-    return getattr(model, "kind", "mlp") == "gpt"
+    """A transformer spec (ms.GPT, ms.Llama): blocks between a token embedding and a head,
+    priced alike (a Llama's fused q|k|v and gate|up count as the GPT's qkv and fc)."""
+    return getattr(model, "kind", "mlp") in TRANSFORMER_KINDS
 
 
-def param_uses(model, layout, name: str) -> tuple:
-    """(gets, gradients added) of parameter `name` per microbatch (see the module docstring)."""
+def holds_embedding(names) -> bool:
+    """Whether a rank holding parameters `names` runs the embedding: it lives with block 0
+    (gpt.gpt_param_stages), for every transformer spec."""
+    return "block_0/ln_1/scale" in names
+
+
+def param_uses(model, layout, name: str, held=None) -> tuple:
+    """(gets, gradients added) of parameter `name` per microbatch (see the module docstring).
+    held: the names the rank holds, when they tell its pp stage (a tied GPT's embed/tokens
+    under pp: the embedding's uses on the first stage, the head's on the last, tied.py)."""
     kind = name.rsplit("/", 1)[1]
     gets = 2 if kind in ("weights", "scale") else 1
     grads = 1
@@ -49,7 +62,9 @@ def param_uses(model, layout, name: str) -> tuple:
         gets = 1                                       # no backward get: no dx needed
     if is_gpt(model):
         if name == "embed/tokens" and model.tied:
-            gets, grads = 3, 2                         # embedding, then the tied head
+            embedding, head = (True, True) if held is None else \
+                ("embed/positions" in held, "ln_f/scale" in held)
+            gets, grads = embedding + 2 * head, embedding + head   # embedding; tied head
         if layout.option("recompute") == "1" and name.startswith("block_"):
             gets += 1                                  # the block's forward, once more
     return gets, grads
@@ -65,7 +80,10 @@ def grad_order(model, names) -> list:
         units.setdefault(name.rsplit("/", 1)[0], []).append(name)
     order = [name for unit in reversed(list(units)) for name in units[unit]]
     if is_gpt(model) and model.tied and "embed/tokens" in units.get("embed", ()):
-        order.insert(0, "embed/tokens")
+        if "embed/positions" not in names:             # pp: the last stage's tied copy
+            order.remove("embed/tokens")
+        if "ln_f/scale" in names:
+            order.insert(0, "embed/tokens")
     return order
 
 
@@ -96,7 +114,7 @@ class GPTStage:
 def gpt_stage(view) -> GPTStage:
     """The GPTStage of a RankView's rank."""
     held = {name.split("/", 1)[0] for name in view.params if name.startswith("block_")}
-    return GPTStage(blocks=len(held), first="embed/positions" in view.params,
+    return GPTStage(blocks=len(held), first=holds_embedding(view.params),
                     last="ln_f/scale" in view.params,
                     tokens=view.rows * local_tokens(view.model, view.layout),
                     forwards=2 if view.layout.option("recompute") == "1" else 1)

@@ -216,7 +216,7 @@ def _fsdp_copies(view, ops) -> float:
         full = n * prod(view.grad_blocks[name])
         stage = fsdp.zero_stage(info.placement, view.layout)
         if stage == 3:
-            gets, adds = param_uses(view.model, view.layout, name)
+            gets, adds = param_uses(view.model, view.layout, name, view.params)
             seconds += m * (gets + adds) * op_seconds(ops, "pass", full)
         else:
             seconds += (2 + (m + 2 if stage == 1 else 0)) * op_seconds(ops, "pass", full)

@@ -110,6 +110,8 @@ GPT_CASES = [  # (ranks, layout, tied): a batch row is one sequence of seq_len t
     (2, "pp=2,schedule=interleaved", True),
     (4, "dp=2,pp=2", False),
     (4, "fsdp=2,pp=2,zero=3,microbatches=4", False),
+    (4, "fsdp=2,pp=2,zero=3,microbatches=4", True),
+    (4, "fsdp=2,pp=2,zero=2", True),
     (4, "fsdp=4,zero=2", False),
     (8, "dp=2,fsdp=2,pp=2,zero=3", False),
 ]
