@@ -14,7 +14,8 @@ missing one: a converter that skips a tensor produces garbage silently.
 `load_into` hands the engine a mapping of lazily read tensors (files.SafeTensor), exactly as
 `engine.load_checkpoint(ms.checkpoint.load(ckpt))` hands it LazyArrays: the engine's store
 slices each parameter by its placement (any layout, vocabulary padding included) and only those
-slices are read from the file, through safetensors' get_slice.
+slices are read from the file, through safetensors' get_slice; bfloat16 is handed over as
+float32 (exact), since cupy has no bfloat16 dtype.
 
 The source's dtype and config are remembered on the spec (`model._hf_source`), so `save` writes
 what was read (a save -> load round trip is bit-exact) and keeps the fields mpishard does not
@@ -153,7 +154,7 @@ def load_into(engine, path) -> int:
     with d.tensors(counter) as files:
         tensors = _tensors(arch, engine.model, files, d.path)
         _remember(engine.model, d.config, tensors)
-        engine.load_checkpoint(tensors)
+        engine.load_checkpoint({n: t.widened() for n, t in tensors.items()})
     return counter["bytes"]
 
 

@@ -14,7 +14,8 @@ A `SafeTensor` is a lazily read array in OUR orientation: `transposed=True` pres
 PyTorch nn.Linear weight (out, in) as (in, out), so `t[a:b, c:d]` reads the file's
 `[c:d, a:b]` and returns its transpose. It has `.shape`, `.dtype` and step-1 slicing, which is
 what placement.shard_array asks of an array (the same path a checkpoint's LazyArray takes), and
-adds the bytes it read to `counter["bytes"]` so a test can check what a rank read.
+adds the bytes it read to `counter["bytes"]` so a test can check what a rank read. `widened()`
+reads bfloat16 as float32 (exact), for engines whose array module has no bfloat16 (cupy).
 """
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ class HFDir:
 class SafeTensor:
     """One tensor of an open safetensors file, read only where sliced (see the module doc)."""
 
-    def __init__(self, handle, key, counter, transposed=False):
+    def __init__(self, handle, key, counter, transposed=False, widen=False):
         self._handle, self.key, self.counter = handle, key, counter
+        self.widen = bool(widen)
         self._slice = handle.get_slice(key)
         shape = tuple(int(n) for n in self._slice.get_shape())
         self.file_shape = shape
@@ -110,7 +112,13 @@ class SafeTensor:
 
     def T(self) -> "SafeTensor":
         """The same tensor seen transposed (an nn.Linear weight in our (in, out) order)."""
-        return SafeTensor(self._handle, self.key, self.counter, not self.transposed)
+        return SafeTensor(self._handle, self.key, self.counter, not self.transposed, self.widen)
+
+    def widened(self) -> "SafeTensor":
+        """The same tensor read as float32 when the file holds bfloat16 (exact): what an
+        engine on cupy can take, which has no bfloat16 dtype. Other dtypes as they are."""
+        return SafeTensor(self._handle, self.key, self.counter, self.transposed,
+                          self._slice.get_dtype() == "BF16")
 
     ndim = property(lambda self: len(self.shape))
 
@@ -120,7 +128,7 @@ class SafeTensor:
         name = self._slice.get_dtype()
         if name not in DTYPES:
             raise ValueError(f"{self.key} has dtype {name}, which mpishard does not read")
-        return np.dtype(DTYPES[name])
+        return np.dtype(np.float32 if self.widen else DTYPES[name])
 
     def __repr__(self):
         return f"SafeTensor({self.key!r}, shape={self.shape}{', transposed' * self.transposed})"
@@ -147,6 +155,8 @@ class SafeTensor:
             region = region[::-1]
         a = self._slice[region] if self.ndim else self._handle.get_tensor(self.key)
         self.counter["bytes"] += int(a.nbytes)
+        if self.widen:
+            a = a.astype(np.float32)
         return a.T if self.transposed else a
 
     def __array__(self, dtype=None, copy=None):

@@ -165,3 +165,24 @@ def test_save_refuses_other_models_and_wrong_params(tmp_path):
     del params["ln_f/shift"]
     with pytest.raises(ValueError, match="missing \\['ln_f/shift'\\]"):
         ms.hf.save(tmp_path, model, params)
+
+
+def test_load_into_hands_bfloat16_over_as_float32(tmp_path):
+    """cupy has no bfloat16: load_into widens bfloat16 slices on the host (exactly) and still
+    counts the bytes it read from the file."""
+    d, _ = gpt2(tmp_path, dtype=torch.bfloat16)
+    model = ms.hf.read_model(d)
+    engine = ms.SingleDevice(model, dtype=np.float32)
+    handed, load = set(), engine.load_checkpoint
+
+    def hook(params):                # reads every tensor whole once more, while it is open
+        handed.update((t.dtype, t[...].dtype) for t in params.values())
+        load(params)
+    engine.load_checkpoint = hook
+    nbytes = ms.hf.load_into(engine, d)
+    assert handed == {(np.dtype(np.float32), np.dtype(np.float32))}
+    _, params = ms.hf.load(d)
+    assert nbytes == 2 * sum(a.nbytes for a in params.values())     # 2 bytes an element
+    got = engine.gather_params()
+    assert all(np.array_equal(got[k], params[k].astype(np.float32)) for k in params)
+    assert ms.hf.source(model)["dtype"] == "bfloat16"

@@ -56,10 +56,11 @@ def test_gpt2_on_every_layout(tmp_path, layout, n, tied):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("layout,n", LAYOUTS)
-@pytest.mark.parametrize("tied", [False, True])
-def test_llama_on_every_layout(tmp_path, layout, n, tied):
-    pytest.importorskip("mpishard.nn.llama")
-    check_layout(tmp_path, llama, layout, n, f"llama tied={tied}", tied=tied)
+@pytest.mark.parametrize("tied,kv", [(False, 2), (True, 2), (False, 1)])
+def test_llama_on_every_layout(tmp_path, layout, n, tied, kv):
+    """kv=2 kv heads split over tp=2; kv=1 replicated over tp (its gradients reduced)."""
+    check_layout(tmp_path, llama, layout, n, f"llama tied={tied} kv={kv}", tied=tied,
+                 num_key_value_heads=kv)
 
 
 @pytest.mark.mpi(min_size=2)
