@@ -63,7 +63,7 @@ def param_uses(model, layout, name: str, held=None) -> tuple:
     if is_gpt(model):
         if name == "embed/tokens" and model.tied:
             embedding, head = (True, True) if held is None else \
-                ("embed/positions" in held, "ln_f/scale" in held)
+                (holds_embedding(held), "ln_f/scale" in held)
             gets, grads = embedding + 2 * head, embedding + head   # embedding; tied head
         if layout.option("recompute") == "1" and name.startswith("block_"):
             gets += 1                                  # the block's forward, once more
@@ -80,7 +80,7 @@ def grad_order(model, names) -> list:
         units.setdefault(name.rsplit("/", 1)[0], []).append(name)
     order = [name for unit in reversed(list(units)) for name in units[unit]]
     if is_gpt(model) and model.tied and "embed/tokens" in units.get("embed", ()):
-        if "embed/positions" not in names:             # pp: the last stage's tied copy
+        if not holds_embedding(names):                 # pp: the last stage's tied copy
             order.remove("embed/tokens")
         if "ln_f/scale" in names:
             order.insert(0, "embed/tokens")
