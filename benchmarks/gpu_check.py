@@ -45,8 +45,8 @@ import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
-SHARES = [("wheels", 30), ("environment", 50), ("reference-1", 70), ("reference-2", 90),
-          ("bf16-cupy", 45), ("bench-step", 155), ("bench-allreduce", 40)]   # seconds of 480
+SHARES = [("wheels", 20), ("environment", 35), ("reference-1", 70), ("reference-2", 90),
+          ("bf16-cupy", 80), ("bench-step", 155), ("bench-allreduce", 30)]   # seconds of 480
 ENV_PROBE = """
 import platform, numpy, mpi4py
 from mpi4py import MPI
