@@ -108,12 +108,12 @@ class Fused(Composite):
         return parts
 
     def backward(self, dy, mb=0):
-        parts = self._parts(dy, mb)
-        return sum(u.backward(p, mb) for u, p in zip(self.units, parts))   # x fed each one
+        pairs = reversed(list(zip(self.units, self._parts(dy, mb))))   # last first, as a
+        return sum(u.backward(p, mb) for u, p in pairs)     # Composite: x fed each one
 
     def backward_input(self, dy, mb=0):
-        parts = self._parts(dy, mb)
-        return sum(u.backward_input(p, mb) for u, p in zip(self.units, parts))
+        pairs = reversed(list(zip(self.units, self._parts(dy, mb))))
+        return sum(u.backward_input(p, mb) for u, p in pairs)
 
 
 def fused_column(linear, access, w_names) -> list:

@@ -10,7 +10,8 @@ microbatch (m per train_step; `forwards` = 2 under recompute=1):
                 recomputed forward) one all_reduce each; the vocab-parallel embedding one, the
                 vocab-parallel loss three; sequence_parallel: f and g are an all_gather and a
                 reduce_scatter each (2 blocks (forwards + 1) + the head, + the embedding),
-                and one all_reduce per LayerNorm/position gradient held
+                and one all_reduce per LayerNorm/position gradient held; a Llama with
+                its kv heads replicated on tp one all_reduce per kv weight gradient held
     cp ring     per block c-1 sends per forward, 2c-1 in the backward; Ulysses: two
                 all_to_alls per forward (q|k|v to heads, the output back) and two backward
     pp          a send per virtual stage boundary crossed (activation on, gradient back);
@@ -27,6 +28,7 @@ from ..comm.mesh import AVERAGE_AXES
 from . import fsdp
 from .data_parallel import DEFAULT_BUCKET_MB, plan_buckets, replicated_data_axes
 from .gpt_tensor_parallel import sequence_split_params
+from .llama_tensor_parallel import replicated_kv_params
 from .model_costs import gpt_stage, is_gpt
 from .pipeline import boundary_widths
 from .tensor_parallel import tp_role
@@ -45,6 +47,8 @@ def tp_calls(view) -> Counter:
         return Counter(all_reduce=m * per_mb)
     stage = gpt_stage(view)
     out = Counter(all_reduce=3 * m * stage.last)                      # the vocab-parallel loss
+    kv = sum(1 for n in replicated_kv_params(view.model, t) if n in view.params)
+    out.update(all_reduce=m * kv)                     # a Llama's kv weights replicated on tp
     if view.layout.option("sequence_parallel", 0):
         sp = 2 * stage.blocks * (stage.forwards + 1) + stage.last + stage.first
         split = sum(1 for n in sequence_split_params(view.model) if n in view.params)

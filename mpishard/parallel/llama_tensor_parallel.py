@@ -34,7 +34,7 @@ from ..nn.llama_layers import llama_units
 from ..nn.transformer import TiedHead, leading_positions
 from .gpt_tensor_parallel import sequence_split_params, tp_linear
 from .placement import Shard
-from .sequence_parallel import GatherFromSP, SequenceParallelGrads
+from .sequence_parallel import GatherFromSP, SequenceParallelGrads, split_grads_comm
 from .tensor_parallel import ColumnParallelLinear, CopyToTP
 from .vocab_parallel import VocabParallelEmbedding
 
@@ -60,8 +60,9 @@ def llama_tp_shards(model, t: int):
 
 
 def replicated_kv_params(model, t: int) -> list:
-    """The kv weights replicated on tp (their gradients are summed over tp)."""
-    if kv_split(model, t):
+    """The kv weights replicated on tp (their gradients are summed over tp); none for a
+    model that is not a Llama."""
+    if getattr(model, "kind", "") != "llama" or kv_split(model, t):
         return []
     return [n for n in model.param_shapes() if n.endswith(KV_WEIGHTS)]
 
@@ -132,3 +133,19 @@ class LlamaTensorParallel:
                            heads=local_heads(model, self.n, self.tp.rank()),
                            embedding=VocabParallelTokens(access, self.tp, self.sp),
                            head=head)
+
+
+# -- cost model (no MPI): what a Llama adds to the GPT's tp pricing -----------------------------
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base: replicated kv weights are whole blocks in the placements."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """The all_reduce(sum) over tp of each replicated kv weight's gradient this rank holds,
+    per microbatch (SequenceParallelGrads; everything else a Llama sends under tp is the
+    GPT's f, g, vocab-parallel embedding and loss: gpt_tensor_parallel.step_comm)."""
+    if view.size("tp") == 1:
+        return {}
+    return {"train_step": split_grads_comm(view, replicated_kv_params(view.model,
+                                                                      view.size("tp")))}

@@ -134,7 +134,7 @@ def step_comm(view) -> dict:
     the backward; per row layer, ReduceFromTP's all_reduce of its partial output
     (rows x d_out) in the forward; the replicated odd last layer sends nothing."""
     tp = view.size("tp")
-    if tp == 1 or getattr(view.model, "kind", "mlp") == "gpt":
+    if tp == 1 or getattr(view.model, "kind", "mlp") in ("gpt", "llama"):
         return {}                          # a GPT's tp is gpt_tensor_parallel.step_comm
     n_layers = view.model.n_layers
     sent = 0.0
