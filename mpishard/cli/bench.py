@@ -37,6 +37,7 @@ import numpy as np
 from ..nn.gpt import GPT
 from ..nn.losses import MSE, CrossEntropy
 from ..engine import make_engine
+from ..parallel.model_costs import is_gpt
 from ..train.optim import SGD, AdamW
 from .model_flag import add_model_arguments, model_from_flag
 from .plan import COMM_KINDS, check_fit, step_comm_total
@@ -70,16 +71,19 @@ def model_flops(dims, batch: int) -> int:
 
 
 def gpt_flops(model: GPT, batch: int) -> int:
-    """FLOPs of one training step of a GPT on full sequences, 3 x the forward's matmuls: per
-    layer the q, k, v and output projections (4 d^2 per token), the MLP (2 d d_ff), scores and
-    weighted values (2 T d), and the head (d V); 2 FLOPs per multiply-add."""
+    """FLOPs of one training step of a GPT (or ms.Llama) on full sequences, 3 x the forward's
+    matmuls: per layer its weight matrices (a GPT's q, k, v and output projections 4 d^2 per
+    token and MLP 2 d d_ff; a Llama's q, k, v, o, gate, up, down), scores and weighted values
+    (2 T d), and the head (d V); 2 FLOPs per multiply-add."""
     d, T = model.d_model, model.seq_len
-    per_token = model.n_layers * (4 * d * d + 2 * d * model.d_ff + 2 * T * d) + d * model.vocab_size
+    block = sum(a * b for a, b in (s for s in model.block_param_shapes(0).values()
+                                   if len(s) == 2))
+    per_token = model.n_layers * (block + 2 * T * d) + d * model.vocab_size
     return 3 * 2 * batch * T * per_token
 
 
 def step_flops(model, batch: int) -> int:
-    return gpt_flops(model, batch) if isinstance(model, GPT) else model_flops(model.dims, batch)
+    return gpt_flops(model, batch) if is_gpt(model) else model_flops(model.dims, batch)
 
 
 def build_bench(args, comm):
@@ -98,7 +102,7 @@ def build_bench(args, comm):
     opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
            else SGD(engine, lr=args.lr))
     rng = np.random.default_rng(args.seed)
-    if isinstance(model, GPT):
+    if is_gpt(model):
         x, t = rng.integers(0, model.vocab_size, (2, args.batch, model.seq_len))
     else:
         x = rng.standard_normal((args.batch, model.d_in))
@@ -108,7 +112,7 @@ def build_bench(args, comm):
 
 def measure(engine, opt, x, t, steps: int, warmup: int) -> dict:
     """Collective: warm-up, then `steps` timed steps; numbers combined over ranks (max)."""
-    loss = CrossEntropy() if isinstance(engine.model, GPT) else MSE()
+    loss = CrossEntropy() if is_gpt(engine.model) else MSE()
     sync = (engine.xp.cuda.get_current_stream().synchronize if engine.backend.is_gpu
             else (lambda: None))
 

@@ -3,24 +3,32 @@
     --model 784,512,256,10                                   ms.MLP (with --activation, --no-bias)
     --model gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32   ms.GPT
     --model gpt --gpt d_model=64,n_heads=4,n_layers=2,seq_len=32     the same GPT
+    --model llama:d_model=64,n_heads=4,n_kv_heads=2,n_layers=2,seq_len=32    ms.Llama
 
 Both GPT spellings work in every command (train, plan, inspect, bench); keys given in both
 places must not repeat. GPT keys: vocab (or vocab_size), seq_len, d_model, n_heads, n_layers,
-d_ff (default 4 d_model), tied (0/1); a key left out takes its value from GPT_DEFAULTS. `train`
+d_ff (default 4 d_model), tied (0/1); a key left out takes its value from GPT_DEFAULTS. A
+Llama (`llama:KEY=VALUE,...`) takes the same keys and n_kv_heads (default n_heads),
+rope_theta and norm_eps (numbers; LLAMA_DEFAULTS). `train`
 takes its vocabulary from the data set (256 bytes) and refuses a vocab key. The plan costs
 full-length sequences (T = seq_len) and counts a batch row as one sequence.
 """
 from __future__ import annotations
 
 from ..nn.gpt import GPT
+from ..nn.llama import Llama
 from ..nn.models import MLP
 from .usage import UsageError, parse_dims
 
 GPT_DEFAULTS = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
                 "tied": 0, "vocab": 256}
 GPT_PREFIX = "gpt:"
+LLAMA_DEFAULTS = {**GPT_DEFAULTS, "n_kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5}
+LLAMA_PREFIX = "llama:"
+FLOAT_KEYS = ("rope_theta", "norm_eps")          # numbers; every other key is an integer
 GPT_FLAG_HELP = ("comma-separated MLP dims, e.g. 64,256,256,10, or a GPT: gpt:KEY=VALUE,... or "
-                 "gpt with --gpt KEY=VALUE,... (keys " + ", ".join(GPT_DEFAULTS) + ")")
+                 "gpt with --gpt KEY=VALUE,... (keys " + ", ".join(GPT_DEFAULTS) + "), or a "
+                 "Llama: llama:KEY=VALUE,... (also n_kv_heads, rope_theta, norm_eps)")
 
 
 def joined_gpt_spec(model, gpt=None):
@@ -55,13 +63,15 @@ def parse_gpt_spec(text, defaults=None) -> dict:
             raise UsageError(f"--gpt: {key} is given twice")
         given.add(key)
         try:
-            number = int(value)
+            number = float(value) if key in FLOAT_KEYS else int(value)
         except ValueError:
-            raise UsageError(f"--gpt: {key}={value!r} is not an integer") from None
+            raise UsageError(f"--gpt: {key}={value!r} is not "
+                             f"{'a number' if key in FLOAT_KEYS else 'an integer'}") from None
         if key == "tied" and number not in (0, 1):
             raise UsageError(f"--gpt: tied must be 0 or 1, got {value}")
-        if key != "tied" and number < 1:
-            raise UsageError(f"--gpt: {key} must be a positive integer, got {value}")
+        if key != "tied" and (number <= 0 if key in FLOAT_KEYS else number < 1):
+            raise UsageError(f"--gpt: {key} must be a positive "
+                             f"{'number' if key in FLOAT_KEYS else 'integer'}, got {value}")
         spec[key] = number
     return spec
 
@@ -76,6 +86,12 @@ def gpt_from_spec(spec: dict, vocab_size=None) -> GPT:
 def model_from_flag(text, activation: str = "relu", bias: bool = True, gpt=None):
     """The model spec `--model` (and `--gpt`) name (UsageError for a malformed flag,
     ValueError for sizes the model refuses)."""
+    if str(text).strip().startswith(LLAMA_PREFIX):
+        t = parse_gpt_spec(str(text).strip()[len(LLAMA_PREFIX):], LLAMA_DEFAULTS)
+        return Llama(vocab_size=t["vocab"], seq_len=t["seq_len"], d_model=t["d_model"],
+                     n_heads=t["n_heads"], n_layers=t["n_layers"], n_kv_heads=t["n_kv_heads"],
+                     d_ff=t["d_ff"], rope_theta=t["rope_theta"], norm_eps=t["norm_eps"],
+                     tied=bool(t["tied"]))
     spec = joined_gpt_spec(text, gpt)
     if spec is not None:
         return gpt_from_spec(parse_gpt_spec(spec))

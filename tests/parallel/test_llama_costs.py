@@ -1,7 +1,7 @@
-"""plan/inspect pricing of ms.Llama: the bytes (costs.step_comm) and calls
-(comm_calls.step_calls) of one train_step and AdamW step equal what the engine counts on every
-rank, under tp with kv heads split and replicated (their gradients' all_reduce), sequence
-parallel, cp, pp, fsdp and tied heads.
+"""plan/inspect/bench of ms.Llama (`--model llama:KEY=VALUE,...`) and its pricing: the bytes
+(costs.step_comm) and calls (comm_calls.step_calls) of one train_step and AdamW step equal
+what the engine counts on every rank, under tp with kv heads split and replicated (their
+gradients' all_reduce), sequence parallel, cp, pp, fsdp and tied heads.
 
 MPI tests:
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_llama_costs.py`
@@ -12,6 +12,10 @@ import pytest
 
 import mpishard as ms
 from conftest import group_comm
+from mpishard import cli
+from mpishard.cli.bench import gpt_flops
+from mpishard.cli.model_flag import model_from_flag
+from mpishard.cli.usage import UsageError
 from mpishard.parallel.comm_calls import step_calls
 from mpishard.parallel.costs import rank_view
 from test_llama_layouts import make_llama
@@ -44,3 +48,28 @@ def test_llama_comm_bytes_and_calls_match_the_plan(n, layout, kw):
     want = step_calls(rank_view(model, engine.layout, comm.Get_rank(), 8, BATCH))
     print(f"{layout} {kw} rank {comm.Get_rank()}: calls {got} (plan {want})")
     assert got == want
+
+
+def test_plan_inspect_and_bench_know_llama(capsys):
+    spec = "llama:d_model=16,n_heads=4,n_kv_heads=1,n_layers=2,seq_len=8,vocab=13,rope_theta=500"
+    assert cli.main(["plan", "--model", spec, "--world-size", "4", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Llama(vocab_size=13, seq_len=8, d_model=16, n_heads=4, n_layers=2, n_kv_heads=1" \
+        in out and "rope_theta=500.0" in out and "tp=2" in out
+    assert cli.main(["inspect", "--model", spec, "--layout", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "block_0/attn/k/weights               16x4 -> 16x4 on ranks 0,1" in out
+    assert "block_0/attn/q/weights              16x16 -> 16x8 on ranks 0,1" in out
+    llama = model_from_flag(spec + ",norm_eps=1e-6,d_ff=24,tied=1")
+    assert (llama.norm_eps, llama.d_ff, llama.tied, llama.rope_theta) == (1e-6, 24, True, 500.0)
+    assert gpt_flops(llama, 1) == 3 * 2 * 8 * (2 * (16 * (16 + 4 + 4) + 16 * 16 + 3 * 16 * 24
+                                                    + 2 * 8 * 16) + 16 * 13)
+
+
+@pytest.mark.parametrize("spec,match", [("llama:rope_theta=x", "rope_theta='x' is not a number"),
+                                        ("llama:norm_eps=0", "norm_eps must be a positive number"),
+                                        ("llama:n_kv_heads=1.5", "is not an integer"),
+                                        ("llama:heads=2", "unknown key 'heads'")])
+def test_llama_flag_refuses_bad_keys(spec, match):
+    with pytest.raises(UsageError, match=match):
+        model_from_flag(spec)
