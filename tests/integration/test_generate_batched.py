@@ -169,6 +169,26 @@ def test_batched_generation_on_two_ranks(kind, layout):
                                                                              **SAMPLING)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("layout", ["pp=2,schedule=interleaved", "fsdp=2,zero=1", "tp=2"])
+def test_tied_odd_vocabulary_and_interleaved_stages_on_two_ranks(kind, layout):
+    """Tied 4-block models with V = 17 (padded under tp), virtual pipeline stages: greedy
+    batched ids equal single's."""
+    sizes = dict(vocab_size=17, seq_len=SEQ_LEN, d_model=16, n_heads=4, n_layers=4, d_ff=32,
+                 tied=True)
+    model = ms.GPT(**sizes) if kind == "gpt" else ms.Llama(**sizes, n_kv_heads=2)
+    params = model.init(seed=3)
+    engines = [ms.make_engine(model, lay, comm=c) for lay, c in
+               (("single", MPI.COMM_SELF), (layout, group_comm(2)))]
+    batch = PROMPTS + [[16, 0]]
+    out = []
+    for engine in engines:
+        engine.load_checkpoint(params)
+        out.append(engine.generate(batch, 14, temperature=0))
+    assert out[1] == out[0], f"{kind} {layout}: {out[1]} != single {out[0]}"
+
+
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 @pytest.mark.parametrize("layout", FOUR)
