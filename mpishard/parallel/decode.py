@@ -147,15 +147,16 @@ def generate(engine, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.
 def _cached_logits(decoder, rows, seq_len: int, refill: int):
     """step(vocab) -> logits (B, V) of the rows' latest tokens, with a KV cache."""
     cache = KVCache(seq_len)
-    window = [seq_len]                   # the first prefill: each row's last seq_len tokens
+    window = seq_len                     # the first prefill: each row's last seq_len tokens
 
     def step(vocab):
+        nonlocal window
         if cache.length and cache.length < seq_len:
             ids = np.asarray([[r[-1]] for r in rows], dtype=np.int64)
             return decoder.cached_step(ids, np.ones(ids.shape, dtype=bool), cache, vocab)
         cache.reset()                    # first step, or full: (re)fill the window
-        ids, real = left_padded([r[-window[0]:] for r in rows])
-        window[0] = refill
+        ids, real = left_padded([r[-window:] for r in rows])
+        window = refill
         return decoder.cached_step(ids, real, cache, vocab)
     return step
 
