@@ -137,7 +137,8 @@ def load_into(engine, path) -> int:
     """Collective: fill `engine` from directory `path`, each rank reading only the slices its
     placements hold; returns the bytes this rank read. The engine's model must be the one the
     directory holds (build it with `read_model(path)`); every rank raises the same ValueError
-    otherwise, or for a bad directory, before any tensor is read."""
+    otherwise, or for a bad directory (config, tensor names, shapes, dtypes: headers only),
+    before any tensor is read."""
     counter = {"bytes": 0}
 
     def check():
@@ -146,6 +147,8 @@ def load_into(engine, path) -> int:
         if model_spec(model) != model_spec(engine.model):
             raise ValueError(f"{d.path} holds {spec_text(model_spec(model))}, the engine "
                              f"runs {engine.model!r}")
+        with d.tensors() as files:
+            _remember(model, d.config, _tensors(arch, model, files, d.path))
         return d, arch
 
     found, err = run_captured(check)

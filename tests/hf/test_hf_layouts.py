@@ -72,3 +72,21 @@ def test_a_wrong_engine_model_is_refused_on_every_rank(tmp_path):
     with pytest.raises(ValueError, match="holds GPT\\(.*n_layers=2.*the engine runs"):
         ms.hf.load_into(engine, d)
     engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_file_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """Rank 1's copy lacks a tensor: both ranks raise its error, before any tensor is read."""
+    from safetensors.numpy import load_file, save_file
+
+    comm = group_comm(2)
+    d, _ = gpt2(tmp_path / f"r{comm.Get_rank()}")
+    model = ms.hf.read_model(d)
+    if comm.Get_rank() == 1:
+        f = f"{d}/model.safetensors"
+        save_file({k: v for k, v in load_file(f).items() if k != "transformer.ln_f.bias"}, f,
+                  metadata={"format": "pt"})
+    engine = ms.make_engine(model, "dp=2", comm=comm)
+    with pytest.raises(ValueError, match="missing .*ln_f.bias"):
+        ms.hf.load_into(engine, d)
+    engine.close()
