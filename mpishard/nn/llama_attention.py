@@ -1,6 +1,6 @@
 """Llama attention: rotary positions and grouped-query attention (units of llama_layers.py).
 
-The activation between Fused(q, k, v) and the attention core is (B, T, (Hq + 2 Hkv) Dh): the
+The activation between FusedLinear(q, k, v) and the attention core is (B, T, (Hq + 2 Hkv) Dh): the
 q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this rank computes).
 
     Rotary                 q and k turned by position (HF's rotate-half convention); v as is
@@ -39,12 +39,6 @@ def rope_angles(xp, positions, d_head: int, theta: float):
     return xp.cos(angles), xp.sin(angles)
 
 
-def rotate_half(x):
-    """cat(-x2, x1) along the last dim (x1, x2 its halves); its transpose is -rotate_half."""
-    h = x.shape[-1] // 2
-    return nn.array_module(x).concatenate([-x[..., h:], x[..., :h]], axis=-1)
-
-
 class Rotary(Layer):
     """(B, T, (Hq + 2 Hkv) Dh) q | k | v -> the same with q and k rotated by position:
     x' = x cos + rotate_half(x) sin (HF's apply_rotary_pos_emb); v passes through. No
@@ -53,6 +47,7 @@ class Rotary(Layer):
     taken in float64 and cast to the activations' dtype (HF takes them in float32).
 
     backward  dx = dx' cos - rotate_half(dx' sin)   (rotate_half^T = -rotate_half)
+    Both run half by half: x' = cat(x1 c - x2 s, x2 c + x1 s), c, s the angle's cos and sin.
     """
 
     def __init__(self, n_q, n_kv, d_head, theta, token_positions=leading_positions):
@@ -68,20 +63,24 @@ class Rotary(Layer):
         return a.reshape(a.shape[:2] + (self.heads, self.d_head))   # (B, T, heads, Dh)
 
     def forward(self, a, mb=0, record=True):
-        xp = nn.array_module(a)
+        xp, h = nn.array_module(a), self.d_head // 2
         cos, sin = rope_angles(xp, self.token_positions(a.shape[1]), self.d_head, self.theta)
-        cos, sin = cos.astype(a.dtype, copy=False), sin.astype(a.dtype, copy=False)
+        c = cos[..., :h].astype(a.dtype, copy=False)             # cos/sin = cat(angle, angle):
+        s = sin[..., :h].astype(a.dtype, copy=False)             # one half is enough
+        x = self._heads(a)[:, :, :self.n_rot]
         y = self._heads(a).copy()
-        x = y[:, :, :self.n_rot]
-        y[:, :, :self.n_rot] = x * cos + rotate_half(x) * sin
-        self.save(mb, record, (cos, sin))
+        y[:, :, :self.n_rot, :h] = x[..., :h] * c - x[..., h:] * s   # x cos + rotate_half(x)
+        y[:, :, :self.n_rot, h:] = x[..., h:] * c + x[..., :h] * s   # sin, half by half
+        self.save(mb, record, (c, s))
         return y.reshape(a.shape)
 
     def backward(self, dy, mb=0):
-        cos, sin = self.pop(mb)
+        c, s = self.pop(mb)
+        h = self.d_head // 2
+        g = self._heads(dy)[:, :, :self.n_rot]
         dx = self._heads(dy).copy()
-        g = dx[:, :, :self.n_rot]
-        dx[:, :, :self.n_rot] = g * cos - rotate_half(g * sin)   # undoes the rotation
+        dx[:, :, :self.n_rot, :h] = g[..., :h] * c + g[..., h:] * s     # undoes the rotation
+        dx[:, :, :self.n_rot, h:] = g[..., h:] * c - g[..., :h] * s     # (its transpose)
         return dx.reshape(dy.shape)
 
 

@@ -2,11 +2,11 @@
 
     TokenEmbedding   tokens (B, T) ints -> h (B, T, D)        embed/tokens (no positions)
     LlamaBlock i     h -> h                                   block_{i}/...
-      Residual[RMSNorm ln_1, Fused(q, k, v), Rotary, GroupedQueryAttention, attn proj]
-      Residual[RMSNorm ln_2, Fused(gate, up), SwiGLU, mlp down]
+      Residual[RMSNorm ln_1, FusedLinear(q, k, v), Rotary, GroupedQueryAttention, attn proj]
+      Residual[RMSNorm ln_2, FusedLinear(gate, up), SwiGLU, mlp down]
     LlamaHead        h -> logits (B, T, V)                    ln_f, head/weights or tied
 
-Between Fused(q, k, v) and the attention core the activation is (B, T, (Hq + 2 Hkv) Dh):
+Between FusedLinear(q, k, v) and the attention core the activation is (B, T, (Hq + 2 Hkv) Dh):
 the q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this rank
 computes, all of them without tp). Rotary turns q and k by position; the core serves query
 head i from kv head kv_heads[i] (HF's repeat_kv: i // (Hq / Hkv)). Under context
@@ -17,8 +17,8 @@ llama_attention.py.
 Like nn.transformer's units, every unit reaches its parameters through the access policy and
 keeps what its backward needs on its tape per microbatch. Tensor parallelism passes the same
 `linear(access, w_name, b_name, role)` factory as the GPT's Block (transformer.plain_linear
-or gpt_tensor_parallel.tp_linear); `Fused` takes the column layers of several projections
-that read the same input and concatenates their outputs.
+or gpt_tensor_parallel.tp_linear) for its communication units; `FusedLinear` computes the
+column projections that read the same input as one matmul.
 """
 from __future__ import annotations
 
@@ -90,43 +90,79 @@ class TokenEmbedding(Layer):
         return None
 
 
-class Fused(Composite):
-    """Several projections of the same input side by side: y = cat(x W_1, x W_2, ...) along the
-    last dim; dx = sum_i dy_i W_i^T (each Linear's backward on its columns of dy). `linears`:
-    Linear units (column-parallel ones under tp); zero-bubble B/W splits go to each."""
+class FusedLinear(Layer):
+    """Several projections of the same input side by side, as one matmul on their weights
+    joined along the columns (W = cat(W_1, W_2, ...), each fetched through the access policy):
+
+    forward   y = x W = cat(x W_1, x W_2, ...)   'bd,df->bf'
+    backward  dx = dy W^T  'bf,df->bd';  dW = x^T dy 'bd,bf->df', cut back into dW_i
+              split (zero bubble): backward_input gives dx and keeps (x, dy) in `deferred`,
+              backward_weights adds the dW_i later (last first, as a Composite would)
+
+    Under tp each W_i is this rank's column block (whole heads), so y is [q_r | k_r | v_r]."""
+
+    def __init__(self, access, w_names):
+        super().__init__()
+        self.access, self.param_names = access, tuple(w_names)
+        self.deferred = {}                                      # mb -> (x, dy, widths)
+
+    def __repr__(self):
+        return f"FusedLinear({', '.join(n.rsplit('/', 2)[-2] for n in self.param_names)})"
+
+    def in_flight(self):
+        return self.tape.keys() | self.deferred.keys()
+
+    def clear(self):
+        super().clear()
+        self.deferred.clear()
+
+    def forget(self, mb) -> None:
+        super().forget(mb)
+        self.deferred.pop(mb, None)
+
+    def _joined(self, mb):
+        """W = cat(W_1, W_2, ...) along the columns, and the widths of the W_i."""
+        ws = [self.access.get(n, mb) for n in self.param_names]
+        w = nn.array_module(ws[0]).concatenate(ws, axis=1)
+        for n in self.param_names:
+            self.access.release(n, mb)
+        return w, [x.shape[1] for x in ws]
 
     def forward(self, x, mb=0, record=True):
-        ys = [u.forward(x, mb, record) for u in self.units]
-        self.save(mb, record, [y.shape[-1] for y in ys])
-        return nn.array_module(x).concatenate(ys, axis=-1)
-
-    def _parts(self, dy, mb):
-        widths, start, parts = self.pop(mb), 0, []
-        for w in widths:
-            parts.append(dy[..., start:start + w])               # undoes the concatenation
-            start += w
-        return parts
+        w, widths = self._joined(mb)
+        self.save(mb, record, (x, widths))
+        return nn.linear_forward(x, w)                          # 'bd,df->bf'
 
     def backward(self, dy, mb=0):
-        pairs = reversed(list(zip(self.units, self._parts(dy, mb))))   # last first, as a
-        return sum(u.backward(p, mb) for u, p in pairs)     # Composite: x fed each one
+        dx = self.backward_input(dy, mb)
+        self.backward_weights(mb)
+        return dx
 
     def backward_input(self, dy, mb=0):
-        pairs = reversed(list(zip(self.units, self._parts(dy, mb))))
-        return sum(u.backward_input(p, mb) for u, p in pairs)
+        x, widths = self.pop(mb)
+        w, _ = self._joined(mb)
+        self.deferred[mb] = (x, dy, widths)
+        return nn.linear_backward_input(dy, w, x.shape)          # 'bf,df->bd'
+
+    def backward_weights(self, mb=0) -> None:
+        x, dy, widths = self.deferred.pop(mb)
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        ends = [sum(widths[:i + 1]) for i in range(len(widths))]
+        for name, end, width in reversed(list(zip(self.param_names, ends, widths))):
+            self.access.add_grad(name, nn.einsum("bd,bf->df", x2, dy2[:, end - width:end]))
 
 
 def fused_column(linear, access, w_names) -> list:
     """The units of projections `w_names` read from one input, as `linear` (Block's factory)
-    builds a column layer: its communication units in front (once), then Fused Linears."""
-    parts = [linear(access, w, None, "column") for w in w_names]
-    return parts[0][:-1] + [Fused([p[-1] for p in parts])]
+    builds a column layer: its communication units in front (once), then one FusedLinear."""
+    return linear(access, w_names[0], None, "column")[:-1] + [FusedLinear(access, w_names)]
 
 
 class SwiGLU(Layer):
     """(B, T, 2 F) gate | up -> silu(gate) * up (B, T, F); silu(g) = g sigmoid(g).
 
     backward  dgate = dy up s (1 + g (1 - s)),  s = sigmoid(g);  dup = dy silu(g)
+              (written into the two halves of one (B, T, 2 F) gradient)
     """
 
     def __repr__(self):
@@ -142,8 +178,17 @@ class SwiGLU(Layer):
 
     def backward(self, dy, mb=0):
         g, u, s, silu = self.pop(mb)
-        dgate = dy * u * (s * (1.0 + g * (1.0 - s)))              # undoes silu(g) * up in g
-        return nn.array_module(dy).concatenate([dgate, dy * silu], axis=-1)   # ... in up
+        xp, f = nn.array_module(dy), dy.shape[-1]
+        da = xp.empty(dy.shape[:-1] + (2 * f,), dtype=dy.dtype)
+        dgate, dup = da[..., :f], da[..., f:]
+        xp.multiply(dy, silu, out=dup)                           # undoes silu * up in up
+        slope = 1.0 - s                                          # silu'(g) = s (1 + g (1 - s))
+        slope *= g
+        slope += 1.0
+        slope *= s
+        xp.multiply(dy, u, out=dgate)                            # ... in gate
+        dgate *= slope
+        return da
 
 
 class LlamaBlock(Composite):

@@ -22,8 +22,8 @@ that for the names it is given; with sequence_parallel the RMSNorm scales join t
 GPT's LayerNorms do). The dL/dx of the shared input is summed over tp by f (CopyToTP's
 backward, or GatherFromSP's reduce-scatter) like every column layer's.
 
-Units per block: Residual[RMSNorm, f, Fused(q, k, v column), Rotary, GroupedQueryAttention,
-proj row + g], Residual[RMSNorm, f, Fused(gate, up column), SwiGLU, down row + g], with the
+Units per block: Residual[RMSNorm, f, FusedLinear(q, k, v column), Rotary, GroupedQueryAttention,
+proj row + g], Residual[RMSNorm, f, FusedLinear(gate, up column), SwiGLU, down row + g], with the
 GPT's f/g (gpt_tensor_parallel.tp_linear). The embedding, head and loss are vocab-parallel.
 """
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Llama math, serial: each unit's backward against torch autograd in float64 (RMSNorm,
 rotary with all three position forms, grouped-query attention with uniform and tp-replicated
-kv grouping, RepeatKV, SwiGLU, Fused projections); the whole stack against a torch
-reference written here from the contract text (forward, loss, every gradient) and against
-transformers' LlamaForCausalLM built random-init in float64 (three float32 steps of its
-float64 model patched to float64: the rotary angles, RMSNorm's upcast, and the eager softmax,
-avoided with sdpa attention); the spec's names, shapes, init, errors and checkpoint spec.
+kv grouping, RepeatKV, SwiGLU, FusedLinear projections, whole and split for zero bubble); the
+whole stack against a torch reference written here from the contract text (forward, loss,
+every gradient) and against transformers' LlamaForCausalLM built random-init in float64
+(three float32 steps of its float64 model patched to float64: the rotary angles, RMSNorm's
+upcast, and the eager softmax, avoided with sdpa attention); the spec's names, shapes, init,
+errors and checkpoint spec.
 """
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import mpishard as ms
 from mpishard.checkpoint.format import model_from_spec, model_spec
 from mpishard.nn import llama_attention as A
 from mpishard.nn import llama_layers as L
-from mpishard.nn.layers import Linear, LocalAccess
+from mpishard.nn.layers import LocalAccess
 from test_gpt_nn import perturbed
 
 T64 = torch.float64
@@ -120,11 +121,13 @@ def test_swiglu_forward_and_gradients(rng):
     check_unit(L.SwiGLU(), rng.standard_normal((2, 3, 10)) * 4, f, rng, what="swiglu")
 
 
-def test_fused_projections_concatenate_and_sum_dx(rng):
+@pytest.mark.parametrize("split", [False, True])
+def test_fused_projections_concatenate_and_sum_dx(rng, split):
     store = Store({"a/weights": rng.standard_normal((5, 3)),
                    "b/weights": rng.standard_normal((5, 4))})
-    access = LocalAccess(store)
-    unit = L.Fused([Linear(access, "a/weights"), Linear(access, "b/weights")])
+    unit = L.FusedLinear(LocalAccess(store), ["a/weights", "b/weights"])
+    if split:                                    # zero bubble: dx now, the weights' later
+        unit.backward = lambda dy: (unit.backward_input(dy), unit.backward_weights())[0]
     check_unit(unit, rng.standard_normal((2, 3, 5)), lambda x, a, b: torch.cat([x @ a, x @ b], -1),
                rng, store, "fused")
 
