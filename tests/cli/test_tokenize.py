@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+import mpishard as ms
 from mpishard import cli
 from mpishard.cli.train import build_training, parse_train_args, validate_train_args
 from mpishard.cli.usage import UsageError
@@ -26,19 +27,25 @@ RUN = ["--batch", "8", "--no-progress", "--log-every", "0", "--log-level", "WARN
 TINY = ["--gpt", "d_model=32,n_heads=2,n_layers=1,seq_len=16", "--steps", "3", *RUN]
 
 
-def model_dir(root, vocab=VOCAB, tokenizer=True, n_positions=32, tied=True):
-    """A random-init float64 GPT2LMHeadModel (norms moved off 1 and 0) saved under root/hf,
-    with the BPE of root/corpus as its tokenizer.json: (directory, torch model)."""
+def model_dir(root, vocab=VOCAB, tokenizer=True, arch="gpt2"):
+    """A random-init float64 GPT2LMHeadModel (tied, norms moved off 1 and 0), or a
+    LlamaForCausalLM (GQA, 2 kv heads for 4), seq_len 32, saved under root/hf with the BPE of
+    root/corpus as its tokenizer.json: (directory, torch model)."""
     torch = pytest.importorskip("torch")
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import transformers as tf
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=n_positions, n_embd=32,
-                                       n_layer=2, n_head=4, tie_word_embeddings=tied,
-                                       eos_token_id=0, bos_token_id=0)).double().eval()
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    else:
+        cfg = tf.LlamaConfig(vocab_size=vocab, max_position_embeddings=32, hidden_size=32,
+                             intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2)
+    cls = tf.GPT2LMHeadModel if arch == "gpt2" else tf.LlamaForCausalLM
+    model = cls(cfg).double().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "ln_" in name:
+            if "ln_" in name or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
     path = os.path.join(root, "hf")
     model.save_pretrained(path)
@@ -171,22 +178,32 @@ def torch_loss(model, x, t) -> float:
                                                        torch.as_tensor(t).reshape(-1)))
 
 
+def single_loss(path, x, t) -> float:
+    """mpishard's single-device float64 loss of the weights in `path` on (x, t)."""
+    model, params = ms.hf.load(path)
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint(params)
+    return ms.losses.CrossEntropy().value(engine.predict(x), t)
+
+
 @pytest.mark.mpi(min_size=1)
-def test_init_from_hf_starts_at_transformers_loss_on_every_layout():
-    """--init-from-hf DIR with DIR's tokenizer: the first step's loss is the HF model's
-    cross-entropy on the same global batch (float64, rtol 1e-9), at dp=n, tp=n and
-    dp=2,tp=n/2; the loss then falls."""
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_init_from_hf_starts_at_the_model_loss_on_every_layout(arch):
+    """--init-from-hf DIR with DIR's tokenizer: the first step's loss is the loss of DIR's
+    weights on the same global batch (float64, rtol 1e-9) at dp=n, tp=n and dp=2,tp=n/2:
+    transformers' own for GPT-2, the single-device engine's for Llama (whose float64 equality
+    with transformers tests/hf checks); the loss then falls."""
     comm = world()
     n = comm.Get_size()
     root = shared_dir(comm)
     try:
         if comm.Get_rank() == 0:
             write_corpus(os.path.join(root, "corpus"))
-            model_dir(root)
+            model_dir(root, arch=arch)
         comm.Barrier()
-        from transformers import GPT2LMHeadModel
+        from transformers import AutoModelForCausalLM
 
-        hf = GPT2LMHeadModel.from_pretrained(os.path.join(root, "hf")).double().eval()
+        hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf")).double().eval()
         layouts = [f"dp={n}"] + ([f"tp={n}"] if n > 1 else []) + \
             ([f"dp=2,tp={n // 2}"] if n >= 4 and n % 2 == 0 else [])
         for layout in layouts:
@@ -196,10 +213,12 @@ def test_init_from_hf_starts_at_transformers_loss_on_every_layout():
             trainer = build_training(args, comm)
             idx = trainer.batcher.global_indices(0, 0)
             data = trainer.data
-            want = torch_loss(hf, data.x_train[idx], data.t_train[idx])
+            x, t = data.x_train[idx], data.t_train[idx]
+            want = torch_loss(hf, x, t) if arch == "gpt2" else single_loss(
+                os.path.join(root, "hf"), x, t)
             got = trainer.train_step()
-            assert_close(got, want, RTOL64, what=f"{layout} first loss vs transformers")
-            print(f"{layout}: first loss {got:.12f}, transformers {want:.12f}, relative "
+            assert_close(got, want, RTOL64, what=f"{arch} {layout} first loss")
+            print(f"{arch} {layout}: first loss {got:.12f}, reference {want:.12f}, relative "
                   f"{abs(got - want) / want:.1e}")
             rest = [trainer.train_step() for _ in range(7)]
             assert rest[-1] < got
