@@ -2,18 +2,22 @@
 
     python -m mpishard export --checkpoint ckpt --hf out              # then, in transformers:
     python -m mpishard export --checkpoint ckpt --hf out --dtype bfloat16
+    python -m mpishard export --checkpoint ft-ckpt --hf gpt2-ft --source ./gpt2   # fine-tuned
     AutoModelForCausalLM.from_pretrained("out")
 
 One process reads the checkpoint (each array once, whatever layout saved it) and writes
-`config.json` and `model.safetensors` with ms.hf.save. The dtype is --dtype, else the
-source's when the checkpoint came from `import` (its extra["hf"]), else float32; the
-source's config fields (token ids, dropout) are kept. Run it without mpiexec.
+`config.json` and `model.safetensors` with ms.hf.save. The source is `--source DIR` (the
+Hugging Face directory a `train --init-from-hf DIR` run started from; it must hold the same
+model), else the record `import` keeps in the checkpoint's extra["hf"], else none. The dtype is
+--dtype, else the source's, else float32; the source's config fields (token ids, dropout) are
+kept. Run it without mpiexec.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import hf
+from ..checkpoint.format import model_spec, spec_text
 from ..hf.convert import DTYPE_NAMES
 from .infer import open_checkpoint
 from .usage import UsageError, print_report
@@ -25,8 +29,26 @@ def add_export_arguments(p):
     p.add_argument("--hf", metavar="OUT", required=True, help="the Hugging Face directory to "
                    "write (config.json + model.safetensors)")
     p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), help="the file's dtype "
-                   "(default: the imported source's, else float32)")
+                   "(default: the source's, else float32)")
+    p.add_argument("--source", metavar="DIR", help="the Hugging Face directory the checkpoint "
+                   "was fine-tuned from: its config fields and dtype are kept (default: the "
+                   "checkpoint's import record, if any)")
     return p
+
+
+def source_of(args, ckpt):
+    """The source record: --source DIR's (the same model as the checkpoint's, else
+    UsageError), else the checkpoint's extra["hf"], else None."""
+    if args.source is None:
+        return (ckpt.extra or {}).get("hf")
+    try:
+        model = hf.read_model(args.source)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--source {args.source}: {exc}") from None
+    if model_spec(model) != ckpt.model_spec:
+        raise UsageError(f"--source {args.source} holds {spec_text(model_spec(model))}, the "
+                         f"checkpoint {spec_text(ckpt.model_spec)}")
+    return hf.source(model)
 
 
 def run_export(args) -> int:
@@ -35,7 +57,7 @@ def run_export(args) -> int:
         raise UsageError(f"--checkpoint {args.checkpoint} holds "
                          f"{ckpt.model_spec.get('class')}; only GPT and Llama export to "
                          f"Hugging Face")
-    source = (ckpt.extra or {}).get("hf")
+    source = source_of(args, ckpt)
     try:
         if source is not None:
             hf.set_source(model, source)

@@ -70,3 +70,26 @@ def test_export_dtype_and_errors(tmp_path):
                        "--checkpoint", tmp_path / "c"], cwd=ROOT, capture_output=True,
                       text=True, timeout=120)
     assert proc.returncode == 2 and "--hf" in proc.stderr and "not a directory" in proc.stderr
+
+
+def test_export_takes_the_source_of_a_fine_tuned_checkpoint(tmp_path):
+    """A checkpoint without an import record (as a fine-tune writes) exports with --source's
+    dtype and config fields; a --source of another model is refused."""
+    d, _ = gpt2(tmp_path / "src", dtype=torch.bfloat16)
+    model = ms.hf.read_model(d)
+    engine = ms.SingleDevice(model, dtype=np.float32)
+    ms.hf.load_into(engine, d)
+    ms.checkpoint.save(tmp_path / "ckpt", engine)           # no extra["hf"]
+    proc = export(tmp_path / "ckpt", tmp_path / "plain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = json.load(open(tmp_path / "plain" / "config.json"))
+    assert plain["dtype"] == "float32" and plain["eos_token_id"] is None
+    proc = export(tmp_path / "ckpt", tmp_path / "out", "--source", d)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert (cfg["dtype"], cfg["eos_token_id"], cfg["bos_token_id"]) == ("bfloat16", 1, 0)
+    src, got = (load_file(os.path.join(p, "model.safetensors")) for p in (d, tmp_path / "out"))
+    assert all(np.array_equal(got[k].view(np.uint8), src[k].view(np.uint8)) for k in src)
+    other, _ = gpt2(tmp_path / "other", n_layer=1)
+    proc = export(tmp_path / "ckpt", tmp_path / "x", "--source", other)
+    assert proc.returncode == 2 and "--source" in proc.stderr and "n_layers=1" in proc.stderr
