@@ -90,7 +90,7 @@ class TokenEmbedding(Layer):
         return None
 
 
-class FusedLinear(Layer):
+class FusedLinear(Linear):
     """Several projections of the same input side by side, as one matmul on their weights
     joined along the columns (W = cat(W_1, W_2, ...), each fetched through the access policy):
 
@@ -99,26 +99,15 @@ class FusedLinear(Layer):
               split (zero bubble): backward_input gives dx and keeps (x, dy) in `deferred`,
               backward_weights adds the dW_i later (last first, as a Composite would)
 
-    Under tp each W_i is this rank's column block (whole heads), so y is [q_r | k_r | v_r]."""
+    Under tp each W_i is this rank's column block (whole heads), so y is [q_r | k_r | v_r].
+    The tape, `deferred` and backward are Linear's."""
 
     def __init__(self, access, w_names):
-        super().__init__()
-        self.access, self.param_names = access, tuple(w_names)
-        self.deferred = {}                                      # mb -> (x, dy, widths)
+        super().__init__(access, w_names[0])
+        self.param_names = tuple(w_names)
 
     def __repr__(self):
         return f"FusedLinear({', '.join(n.rsplit('/', 2)[-2] for n in self.param_names)})"
-
-    def in_flight(self):
-        return self.tape.keys() | self.deferred.keys()
-
-    def clear(self):
-        super().clear()
-        self.deferred.clear()
-
-    def forget(self, mb) -> None:
-        super().forget(mb)
-        self.deferred.pop(mb, None)
 
     def _joined(self, mb):
         """W = cat(W_1, W_2, ...) along the columns, and the widths of the W_i."""
@@ -132,11 +121,6 @@ class FusedLinear(Layer):
         w, widths = self._joined(mb)
         self.save(mb, record, (x, widths))
         return nn.linear_forward(x, w)                          # 'bd,df->bf'
-
-    def backward(self, dy, mb=0):
-        dx = self.backward_input(dy, mb)
-        self.backward_weights(mb)
-        return dx
 
     def backward_input(self, dy, mb=0):
         x, widths = self.pop(mb)
