@@ -244,6 +244,18 @@ def test_each_rank_reads_only_the_windows_of_its_rows(tmp_path, corpus, bpe):
     assert np.array_equal(np.concatenate(got_x), full_x)      # the ranks' rows: the batch
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_nothing_of_the_file_stays_mapped(tmp_path, corpus, bpe):
+    """After a batch is read, train.bin is not in the process' mappings: only the copies of
+    the rows read are resident, so a rank's memory does not grow with the file."""
+    write_tokens(str(tmp_path), bpe, corpus)
+    data = token_dataset(f"tokens:{tmp_path}", 16)
+    x = data.x_train[np.array([3, 1])]
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    assert x.shape == (2, 16) and str(tmp_path / "train.bin") not in maps
+
+
 # -- the same global batch on every layout (MPI) -----------------------------------------------
 def lm_trainer(data, layout, comm, steps=6):
     model = ms.GPT(vocab_size=data.n_classes, seq_len=16, d_model=32, n_heads=4, n_layers=2)
