@@ -20,7 +20,8 @@ ours are (in, out), so every projection is transposed (the norms and embedding a
 Refused config fields (they change the math): hidden_act other than silu, head_dim other
 than hidden_size / num_attention_heads, attention_bias, mlp_bias, any rope scaling
 (rope_scaling, or rope_parameters with a rope_type other than default), sliding windows
-(sliding_window, use_sliding_window, layer_types other than full_attention).
+(sliding_window, use_sliding_window, layer_types other than full_attention), interleaved
+rotary pairs (rope_interleaved; HF's Llama rotates halves).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def from_config(cfg: dict):
     only(cfg, a, "mlp_bias", (False,), False)
     only(cfg, a, "sliding_window", (None,))
     only(cfg, a, "use_sliding_window", (False,), False)
+    only(cfg, a, "rope_interleaved", (False,), False)      # SmolLM's configs carry it
     layer_types = cfg.get("layer_types")
     if layer_types is not None and set(layer_types) != {"full_attention"}:
         raise ValueError(f"{a} config.json field layer_types={layer_types!r} is not supported "

@@ -78,6 +78,7 @@ def test_sharded_files_with_an_index(tmp_path):
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
      "rope_type='llama3'"),
     ({"sliding_window": 4}, "sliding_window=4"),
+    ({"rope_interleaved": True}, "rope_interleaved=True"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types="),
 ])
 def test_unsupported_config_fields_are_named(tmp_path, fields, match):
