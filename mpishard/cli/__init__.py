@@ -21,6 +21,7 @@ import sys
 from mpi4py import MPI
 
 from .bench import add_bench_arguments, run_bench
+from .flight import add_flight_arguments, run_flight
 from .generate import add_generate_arguments, run_generate
 from .hf_export import add_export_arguments, run_export
 from .hf_import import add_import_arguments, run_import
@@ -68,6 +69,8 @@ COMMANDS = {
     "bench": ("time training steps of a layout on synthetic data: step time, samples/s, "
               "GFLOP/s, communication (python -m mpi4py -m mpishard bench --layout L ...)",
               add_bench_arguments, run_bench),
+    "flight": ("line up the ranks' flight-recorder dumps and print where they first diverge, "
+               "no MPI needed (flight DIR)", add_flight_arguments, run_flight),
     "tokenize": ("tokenize a corpus into token files for train --dataset tokens:DIR, no MPI "
                  "(tokenize --tokenizer DIR|bytes --text FILE|DIR|GLOB --out DIR)",
                  add_tokenize_arguments, run_tokenize),

@@ -19,6 +19,7 @@ import time
 from mpi4py import MPI
 
 from ..comm.collectives import agree
+from ..comm.flight import dump_all
 from ..comm.mesh import check_world_size, parse_layout
 from ..comm.guard import ABORT_GRACE
 from ..comm.signals import remove_mpi_files
@@ -134,6 +135,7 @@ def abort_job(exc) -> None:
     through the launcher before the abort tears the job down (otherwise a loaded node can end
     the job before the reason is printed)."""
     print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    dump_all(f"{type(exc).__name__}: {exc}")        # the flight recorder (comm/flight.py)
     remove_mpi_files()
     time.sleep(ABORT_GRACE)
     world_comm().Abort(1)

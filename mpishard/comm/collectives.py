@@ -39,6 +39,7 @@ from mpi4py import MPI
 
 from .alltoallv import PrivateComms, VariableExchange
 from .debug import OPS, CollectiveMismatchError, agree, check_signature
+from .flight import FlightRecorder, instrument
 from .gather import Gather
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
 from .reduce_scatter import ScatterReduce
@@ -70,6 +71,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         self.sends_in_flight: list = []    # send Futures kept alive until done (p2p.py)
         self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
         self.watchdog.keep_on_timeout.append(self.private)
+        self.flight = FlightRecorder.shared()   # the last calls, dumped on failure (flight.py)
 
     # -- groups ------------------------------------------------------------------------------
     def group(self, axes) -> "Comm":
@@ -344,3 +346,8 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         with the first failing rank's message (no rank is left waiting in a collective)."""
         comm = self._mpi(group)
         agree(comm, None if ok else message, wait=lambda req: self._wait(req, "agree", comm))
+
+
+instrument(Comm, ("all_reduce", "all_reduce_async", "reduce_scatter", "all_to_all", "all_to_all_v",
+                  "all_gather", "all_gather_async", "broadcast", "barrier", "agree", "send",
+                  "send_async", "receive", "receive_async"))      # the flight recorder's events

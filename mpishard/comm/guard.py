@@ -21,6 +21,7 @@ import time
 
 from mpi4py import MPI
 
+from .flight import dump_all
 from .signals import remove_mpi_files
 
 PERIOD = 0.25         # seconds between two looks at the call in flight (at most)
@@ -79,6 +80,7 @@ class Guard:
         """The call timed out: one line, then MPI_Abort (exit code 1)."""
         self.fired = True
         print(f"mpishard: error: CollectiveTimeout: {message}", file=sys.stderr, flush=True)
+        dump_all(f"CollectiveTimeout: {message}")      # the flight recorder (flight.py)
         remove_mpi_files()                       # MPI_Abort leaves MPI's own files behind
         time.sleep(ABORT_GRACE)
         MPI.COMM_WORLD.Abort(1)

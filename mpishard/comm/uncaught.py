@@ -31,6 +31,7 @@ import traceback
 
 from mpi4py import MPI
 
+from .flight import dump_all
 from .signals import remove_mpi_files
 from .watchdog import abandon
 
@@ -76,6 +77,7 @@ def report(exc_type, exc, tb) -> None:
             or not MPI.Is_initialized() or MPI.Is_finalized()):     # no MPI left to ask
         (_previous or sys.__excepthook__)(exc_type, exc, tb)
         return
+    dump_all(f"{exc_type.__name__}: {_first_line(exc)}")     # the flight recorder (flight.py)
     for stream in (sys.stdout, sys.stderr):      # what the script printed goes out first
         try:
             stream.flush()

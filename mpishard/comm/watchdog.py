@@ -39,6 +39,7 @@ from mpi4py import MPI
 
 from ..validate import check_number
 from .arrivals import Arrivals
+from .flight import dump_all
 from .guard import Guard, thread_multiple
 from .mesh import AXES, CommUnusable, coordinates
 
@@ -296,6 +297,7 @@ class Watchdog:
         self.mesh.keep()                      # never freed: a late message may still come
         for holder in self.keep_on_timeout:   # all_to_all_v's duplicates (Comm)
             holder.keep()
+        dump_all(f"CollectiveTimeout: {message}")       # the flight recorder (flight.py)
         raise CollectiveTimeout(message)
 
     def describe(self, what, comm, late) -> str:

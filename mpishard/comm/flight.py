@@ -1,0 +1,238 @@
+"""The flight recorder: each rank's last N communication calls, dumped when the job goes wrong.
+
+Every call of a Comm's communication entry points (all_reduce, reduce_scatter, all_gather,
+all_to_all(_v), broadcast, barrier, agree, send/receive and their `_async` forms) is one event
+in a ring of the last N (default EVENTS = 256; the environment's MPISHARD_FLIGHT_EVENTS, 0:
+off): the op, the group (its name and COMM_WORLD ranks), the call's sequence number on that
+group (1, 2, ... per process: the k-th collective on a group is the same call on every member
+of a correct program; point-to-point calls count per peer and direction instead), the peer of
+a send/receive, the array's bytes, dtype and shape, the wall-clock enter and exit times (exit
+None: still inside, or it raised) and the step and microbatch (Comm.context). A call made
+inside another recorded call (receive inside receive_async's wrapper) is not recorded twice.
+Recording costs two clock reads and a list store per call (docs/reliability.md has the
+measured overhead); nothing is communicated.
+
+Dumps: `FlightRecorder.dump(reason)` writes DIR/flight-rank<R>.json (the ring, oldest first,
+and the group table) and DIR/flight-rank<R>.stacks.txt (every thread's Python stack, by
+faulthandler), each written to a temporary name and renamed, so a dump cut short by the abort
+is absent rather than torn. DIR is `FlightRecorder.directory` (train --flight-dir; default the
+working directory). It is called by the guard thread on a collective timeout (before the
+abort), by a polled CollectiveTimeout, by the uncaught-exception hook and the CLI's abort, and
+on SIGUSR2 (the rank goes on). A fatal signal (SIGSEGV, SIGABRT, ...) writes the stacks alone
+to DIR/flight-rank<R>.fatal.txt (faulthandler; removed at a clean exit when empty). A rank
+that is not in a bounded wait when the job aborts (asleep, in a loop, past its last
+collective) is killed before it can dump: `python -m mpishard flight DIR` (cli/flight.py)
+reasons from the dumps there are.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import functools
+import inspect
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+from mpi4py import MPI
+
+EVENTS = 256
+ENV = "MPISHARD_FLIGHT_EVENTS"
+# op, group id, sequence number, peer (world rank) or None, bytes, dtype, shape, enter, exit,
+# step, microbatch
+FIELDS = ("op", "group", "seq", "peer", "bytes", "dtype", "shape", "enter", "exit", "step",
+          "microbatch")
+P2P = {"send": "send", "send_async": "send", "receive": "recv", "receive_async": "recv"}
+PEER_ARGS = ("dest_id", "src_id", "target_device_id", "dest", "dst")
+
+
+def file_name(rank: int, kind: str) -> str:
+    """flight-rank<R>.json ('json'), .stacks.txt ('stacks') or .fatal.txt ('fatal')."""
+    return f"flight-rank{rank}." + {"json": "json", "stacks": "stacks.txt",
+                                    "fatal": "fatal.txt"}[kind]
+
+
+class FlightRecorder:
+    """This process's ring of communication events (module docstring); one per process,
+    shared by its engines (`shared()`), so one dump holds them all."""
+
+    SHARED = None
+
+    def __init__(self, size: int = EVENTS, rank: int | None = None):
+        self.size = int(size)
+        self.ring: list = [None] * self.size
+        self.count = 0                      # events recorded (the ring holds the last size)
+        self.depth = 0                      # > 0 inside a recorded call
+        self.seq: dict = {}                 # group id or (group id, direction, peer) -> count
+        self.groups: dict = {}              # id(mpi comm) -> (comm, group id)
+        self.table: list = []               # group id -> {"name", "ranks"}
+        self.rank = MPI.COMM_WORLD.Get_rank() if rank is None else rank
+        self.directory = None               # where dumps go (None: the working directory)
+        self.dumped = None                  # the reason of the first dump
+        self.fatal = None                   # the open fatal-signal file (arm)
+
+    @classmethod
+    def shared(cls):
+        """The process's recorder (made and armed on first use), or None when
+        MPISHARD_FLIGHT_EVENTS is 0."""
+        if cls.SHARED is None:
+            size = int(os.environ.get(ENV, EVENTS))
+            if size <= 0:
+                return None
+            cls.SHARED = cls(size)
+            cls.SHARED.arm()
+        return cls.SHARED
+
+    # -- recording ---------------------------------------------------------------------------
+    def group_id(self, comm, watchdog) -> int:
+        """The id of the group of the mpi4py communicator `comm` in this recorder's table."""
+        found = self.groups.get(id(comm))
+        if found is not None and found[0] is comm:
+            return found[1]
+        mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        ranks = MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world)
+        mine.Free()
+        world.Free()
+        entry = {"name": watchdog.group(comm)[2], "ranks": [int(r) for r in ranks]}
+        gid = next((i for i, e in enumerate(self.table) if e == entry), None)
+        if gid is None:
+            gid = len(self.table)
+            self.table.append(entry)
+        self.groups[id(comm)] = (comm, gid)
+        return gid
+
+    def enter(self, host, op, arr, group, peer) -> list:
+        """Record the start of `op` by the Comm `host` on `group`; returns the event."""
+        comm = host._mpi(group)
+        gid = self.group_id(comm, host.watchdog)
+        if peer is None:
+            key = gid
+        else:
+            peer = self.table[gid]["ranks"][peer] if 0 <= peer < comm.Get_size() else peer
+            key = (gid, P2P[op], peer)
+        seq = self.seq[key] = self.seq.get(key, 0) + 1
+        where = host.watchdog.where
+        shape = getattr(arr, "shape", None)
+        event = [op, gid, seq, peer, int(getattr(arr, "nbytes", 0) or 0),
+                 str(arr.dtype) if shape is not None else None,
+                 list(shape) if shape is not None else None, time.time(), None,
+                 where.get("step"), where.get("microbatch")]
+        self.ring[self.count % self.size] = event
+        self.count += 1
+        return event
+
+    def events(self) -> list:
+        """The ring, oldest first, as dicts."""
+        n = min(self.count, self.size)
+        start = self.count - n
+        return [dict(zip(FIELDS, self.ring[i % self.size])) for i in range(start, self.count)]
+
+    # -- dumps -------------------------------------------------------------------------------
+    def dump(self, reason: str, again: bool = False):
+        """Write the ring and every thread's stack (module docstring); returns the JSON path,
+        or None when it could not be written. After a first dump only `again` writes."""
+        if self.dumped is not None and not again:
+            return None
+        self.dumped = self.dumped or reason
+        directory = self.directory or os.getcwd()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, file_name(self.rank, "json"))
+            record = {"rank": self.rank, "world_size": MPI.COMM_WORLD.Get_size(),
+                      "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
+                      "time": time.time(), "recorded": self.count,
+                      "dropped": max(0, self.count - self.size), "groups": self.table,
+                      "events": self.events()}
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)
+            stacks = os.path.join(directory, file_name(self.rank, "stacks"))
+            with open(stacks + ".tmp", "w") as f:
+                f.write(f"rank {self.rank} (pid {os.getpid()}): {reason}\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+            os.replace(stacks + ".tmp", stacks)
+            return path
+        except OSError:
+            return None
+
+    def arm(self) -> None:
+        """SIGUSR2 (from the main thread only) dumps and goes on; a fatal signal writes the
+        stacks to the fatal file in the working directory (see `redirect`)."""
+        if threading.current_thread() is threading.main_thread():
+            try:
+                signal.signal(signal.SIGUSR2, lambda signum, frame: self.dump("SIGUSR2", True))
+            except ValueError:
+                pass
+        atexit.register(self.close_fatal)
+
+    def redirect(self, directory) -> None:
+        """Dumps (and the fatal-signal stacks) go to `directory` from now on."""
+        self.directory = os.fspath(directory)
+        self.close_fatal()
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            self.fatal = open(os.path.join(self.directory, file_name(self.rank, "fatal")), "w")
+            faulthandler.enable(self.fatal, all_threads=True)
+        except OSError:
+            self.fatal = None
+
+    def close_fatal(self) -> None:
+        """Stop writing fatal-signal stacks to the file; remove it when nothing was written."""
+        if self.fatal is None:
+            return
+        faulthandler.disable()
+        name = self.fatal.name
+        self.fatal.close()
+        self.fatal = None
+        if os.path.exists(name) and os.path.getsize(name) == 0:
+            os.unlink(name)
+
+
+def dump_all(reason: str) -> None:
+    """The process's recorder, if any, dumps (the hooks of the module docstring)."""
+    if FlightRecorder.SHARED is not None:
+        FlightRecorder.SHARED.dump(reason)
+
+
+def recorded(name: str, method):
+    """`method` (a Comm's entry point `name`) recording one event per outermost call."""
+    params = list(inspect.signature(method).parameters)[1:]
+    at = {p: params.index(p) for p in ("arr", "group") if p in params}
+    peers = [(p, params.index(p)) for p in PEER_ARGS if p in params] if name in P2P else []
+
+    def arg(args, kwargs, key, index):
+        if key in kwargs:
+            return kwargs[key]
+        return args[index] if index is not None and index < len(args) else None
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        rec = self.flight
+        if rec is None or rec.depth:
+            return method(self, *args, **kwargs)
+        try:
+            peer = next((v for v in (arg(args, kwargs, p, i) for p, i in peers)
+                         if v is not None), None) if peers else None
+            event = rec.enter(self, name, arg(args, kwargs, "arr", at.get("arr")),
+                              arg(args, kwargs, "group", at.get("group")),
+                              int(peer) if peer is not None else None)
+        except Exception:                  # a bad group or a closed Comm: the call says why
+            return method(self, *args, **kwargs)
+        rec.depth += 1
+        try:
+            out = method(self, *args, **kwargs)
+        finally:
+            rec.depth -= 1
+        event[8] = time.time()
+        return out
+    return call
+
+
+def instrument(cls, names) -> None:
+    """Record the calls of methods `names` of `cls` (collectives.Comm)."""
+    for name in names:
+        setattr(cls, name, recorded(name, getattr(cls, name)))

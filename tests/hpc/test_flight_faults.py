@@ -1,0 +1,89 @@
+"""The flight recorder on injected faults (comm/flight.py, cli/flight.py): real jobs of 2 or 4
+ranks (dp=2 or dp=2,tp=2) with a 2 s engine timeout, whose last rank skips the final world
+all_reduce, sleeps past the timeout in the loss of step 3, or calls a barrier where the others
+call the final all_reduce. The ranks that time out dump their rings into DIR; `mpishard flight
+DIR` must name the faulty rank and the collective the others wait in."""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_mpi
+
+SCRIPT = '''
+import sys, time
+import numpy as np
+from mpi4py import MPI
+import mpishard as ms
+from mpishard.comm.flight import FlightRecorder
+
+mode, directory = sys.argv[1], sys.argv[2]
+comm = MPI.COMM_WORLD
+rank, n = comm.Get_rank(), comm.Get_size()
+faulty = rank == n - 1
+model = ms.MLP([8, 16, 4])
+engine = ms.make_engine(model, "dp=2" if n == 2 else "dp=2,tp=2", comm=comm, timeout=2.0)
+engine.comm.flight.redirect(directory)
+engine.load_checkpoint(model.init(seed=0))
+rng = np.random.default_rng(0)
+x, t = rng.standard_normal((8, 8)), rng.standard_normal((8, 4))
+
+
+class Loss(ms.losses.MSE):
+    step = 0
+
+    def __call__(self, y, target):
+        if mode == "sleep" and faulty and self.step == 3:
+            time.sleep(40)
+        return super().__call__(y, target)
+
+
+loss = Loss()
+for step in range(1, 6):
+    loss.step = step
+    engine.comm.context(step=step)
+    engine.train_step(engine.shard_batch(x), engine.shard_batch(t), loss)
+if not faulty or mode == "sleep":
+    engine.all_reduce(np.ones(3))
+elif mode == "other-op":
+    engine.comm.barrier()
+print(f"rank {rank} finished", flush=True)
+'''
+
+
+def flight(tmp_path, n, mode) -> str:
+    script, directory = tmp_path / "fault.py", tmp_path / "flight"
+    script.write_text(SCRIPT)
+    proc = run_mpi(n, script, mode, directory, timeout=90)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    out = subprocess.run([sys.executable, "-m", "mpishard", "flight", str(directory)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    print(proc.stderr[-2000:], out.stdout, out.stderr)
+    assert out.returncode == 0
+    return out.stdout
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_skipped_collective_is_named(tmp_path, n):
+    out = flight(tmp_path, n, "skip")
+    last = n - 1
+    assert re.search(rf"^  rank {last}: (never entered it|no dump)", out, re.M), out
+    assert re.search(rf"^verdict: rank {last} never entered all_reduce #\d+ \(float64 \(3,\), "
+                     rf"step 5\) on group world; ranks? \[?[\d, ]+\]? waited in it", out, re.M), out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_sleeping_rank_is_named(tmp_path, n):
+    """The sleeper's dp peer waits in step 3's gradient all_reduce on dp: the first divergence."""
+    out = flight(tmp_path, n, "sleep")
+    group = "world" if n == 2 else "dp"
+    assert re.search(rf"^verdict: rank {n - 1} never entered all_reduce #\d+ \(float64 \(\d+,\), "
+                     rf"step 3\) on group {group}; rank \d waited in it", out, re.M), out
+
+
+def test_a_different_op_is_named(tmp_path):
+    """At 4 ranks three call the final all_reduce and rank 3 a barrier: it is the odd one."""
+    out = flight(tmp_path, 4, "other-op")
+    assert re.search(r"^verdict: rank 3 called barrier #\d+ \(step 5\) on group world while "
+                     r"ranks \[0, 1, 2\] called all_reduce \(float64 \(3,\), step 5\)", out, re.M), out
