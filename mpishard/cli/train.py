@@ -25,6 +25,9 @@ from ..train.npy_data import is_npy_name, load_npy_dataset, npy_task
 from ..train.tokens import is_tokens_name
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
+from .cluster_options import (CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
+                              add_metrics_arguments, add_resume_argument, fit_or_preempted,
+                              resume_source, validate_cluster_args)
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
                           validate_gpt_args)
 from .model_flag import joined_gpt_spec
@@ -55,11 +58,11 @@ TRAIN_DEFAULTS = {
     "param_dtype": None, "comm_dtype": None, "timeout": DEFAULT_TIMEOUT, "host_heap": "keep",
     "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
     "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
-    "checkpoint_dir": None, "checkpoint_every": 0, "resume": False, "keep_last": 1,
+    "checkpoint_dir": None, "checkpoint_every": 0, "resume": None, "keep_last": 1,
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
-    **TRACE_DEFAULTS, **TOKEN_DEFAULTS,
+    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **CLUSTER_DEFAULTS,
 }
 DEFAULT_EPOCHS = 10
 
@@ -121,7 +124,8 @@ def add_train_arguments(p):
     r("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
     r("--log-every", type=int, help="log the loss every N steps (50; 0: never)")
     r("--log-level", choices=("DEBUG", "INFO", "WARNING"), help="rank 0 (INFO)")
-    r("--metrics-json", metavar="PATH", help="write the metrics here (rank 0)")
+    r("--metrics-json", metavar="PATH", help="write the end-of-run metrics here (rank 0)")
+    add_metrics_arguments(r)
     r("--no-progress", action="store_true", default=None, help="no progress bar")
     add_trace_arguments(r)
     c = _recording(p.add_argument_group("checkpoints"), options)
@@ -135,9 +139,7 @@ def add_train_arguments(p):
       "default: DIR is the one checkpoint)")
     c("--checkpoint-failures", choices=FAILURE_POLICIES, help="a save that fails mid-run: "
       "stop the run (exit 2, default) or continue training and retry at the next interval")
-    c("--resume", action="store_true", default=None, help="continue from the (newest) "
-      "checkpoint in --checkpoint-dir: parameters, optimizer state, step, data position and "
-      "shuffle (any layout or world size)")
+    add_resume_argument(c)
     p.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file whose "
                    "keys mirror the flags (model = \"64,128,10\", no-progress = true, ...); "
                    "flags given on the command line win")
@@ -289,17 +291,15 @@ def _fitting_loss(args, dims) -> str:
 def _validate_checkpoint_args(args):
     """--checkpoint-dir / --checkpoint-every / --resume (no MPI; the same on every rank)."""
     if args.checkpoint_dir is None:
-        if args.resume or args.checkpoint_every:
-            flag = "--resume" if args.resume else "--checkpoint-every"
-            raise UsageError(f"{flag} needs --checkpoint-dir DIR")
-        return
+        if args.checkpoint_every:
+            raise UsageError("--checkpoint-every needs --checkpoint-dir DIR")
+        return validate_cluster_args(args, False)
     path = os.path.abspath(args.checkpoint_dir)
     if not os.path.isdir(os.path.dirname(path)):
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: directory "
                          f"{os.path.dirname(path)} does not exist")
     complete = is_checkpoint(path)
-    if args.resume and not complete:
-        raise UsageError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no index.json)")
+    validate_cluster_args(args, complete)
     if not complete and os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a "
                          f"checkpoint; refusing to replace it")
@@ -345,12 +345,15 @@ def build_training(args, comm=None):
     if args.schedule != "constant" or args.warmup:
         trainer.schedule = make_lr_schedule(args.schedule, args.lr, trainer.total_steps,
                                             args.warmup, args.min_lr)
+    saver = None
     if args.checkpoint_dir:
-        trainer.callbacks.append(Checkpointer(args.checkpoint_dir, args.checkpoint_every,
-                                              args.keep_last, args.checkpoint_failures))
-        if args.resume:
-            resume(trainer, args.checkpoint_dir)      # collective; the same error everywhere
+        saver = Checkpointer(args.checkpoint_dir, args.checkpoint_every, args.keep_last,
+                             args.checkpoint_failures)
+        trainer.callbacks.append(saver)
+    if resume_source(args):
+        resume(trainer, resume_source(args))      # collective; the same error everywhere
     add_trace_callback(args, trainer)
+    add_cluster_callbacks(args, trainer, saver)   # metrics stream; SIGTERM/SIGUSR1 -> exit 75
     return trainer
 
 
@@ -358,7 +361,9 @@ def run_train(args) -> int:
     comm = world_comm()
     trainer = agreed(comm, lambda: build_training(args, comm))
     try:
-        metrics = trainer.fit(metrics_path=args.metrics_json)
+        metrics = fit_or_preempted(trainer, args)
     except CheckpointError as exc:      # raised on every rank alike (agreed): a clean exit 2
         raise UsageError(str(exc)) from None
+    if metrics is None:                 # stopped by SIGTERM/SIGUSR1 after a checkpoint
+        return PREEMPTED_EXIT
     return print_report(summary_table(metrics) + trace_lines(trainer))

@@ -1,0 +1,116 @@
+"""train's cluster flags: --resume auto|PATH, preemption (exit 75), streamed metrics.
+
+    --resume            the newest checkpoint in --checkpoint-dir (it must exist)
+    --resume auto       that checkpoint if --checkpoint-dir holds one, else start fresh: the same
+                        command line for the first run and every requeued or restarted one
+    --resume PATH       the checkpoint at PATH (saves still go to --checkpoint-dir)
+    --preempt-check-every K   steps between the ranks' agreement on a stop signal (1)
+    --metrics-jsonl FILE / --metrics-csv FILE / --tensorboard DIR   train/metrics.py
+
+With --checkpoint-dir, SIGTERM and SIGUSR1 stop training at the next agreed step boundary
+(train/preemption.py), save a checkpoint and exit PREEMPTED_EXIT = 75 (EX_TEMPFAIL) with one
+line saying why; the batch script turns 75 into a requeue (examples/hpc/). Without a
+checkpoint directory there is nothing to resume from, and the signals keep their meaning
+(comm/signals.py: clean up and exit 128 + signum).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ..checkpoint import is_checkpoint
+from ..train.metrics import CsvSink, JsonlSink, MetricsStream, TensorBoardSink
+from ..train.preemption import PREEMPTED_EXIT, Preempted, Preemption, StopFlag
+from .usage import PROG, UsageError, world_rank
+
+CLUSTER_DEFAULTS = {"metrics_jsonl": None, "metrics_csv": None, "tensorboard": None,
+                    "preempt_check_every": 1}
+AUTO = "auto"
+
+
+def add_resume_argument(add):
+    """--resume [auto|PATH] through `add` (a group's add_argument)."""
+    add("--resume", nargs="?", const=True, metavar="auto|PATH", help="continue from a "
+        "checkpoint: parameters, optimizer state, step, data position and shuffle (any layout "
+        "or world size). Bare: the newest one in --checkpoint-dir; auto: that one if there is "
+        "one, else start fresh (one command line for the first run and every requeue); PATH: "
+        "the checkpoint at PATH")
+    add("--preempt-check-every", type=int, metavar="K", help="with --checkpoint-dir, SIGTERM "
+        "or SIGUSR1 saves a checkpoint at the next step boundary the ranks agree on and exits "
+        f"{PREEMPTED_EXIT} (EX_TEMPFAIL: requeue the job); the ranks agree every K steps (1)")
+
+
+def add_metrics_arguments(add):
+    """--metrics-jsonl, --metrics-csv, --tensorboard through `add`."""
+    add("--metrics-jsonl", metavar="FILE", help="append a record every --log-every steps "
+        "(step, loss, lr, grad norm, samples/s, step time, memory per rank; evaluations), "
+        "flushed; a resumed run drops records past its step and appends. Default with "
+        "--checkpoint-dir DIR: DIR.metrics.jsonl, beside DIR (a save replaces DIR whole)")
+    add("--metrics-csv", metavar="FILE", help="the same records as CSV")
+    add("--tensorboard", metavar="DIR", help="the same records as TensorBoard scalars "
+        "(needs tensorboardX: pip install 'mpishard[tensorboard]')")
+
+
+def validate_cluster_args(args, complete: bool) -> None:
+    """--resume's forms and the metrics paths (no MPI; the same on every rank). `complete`:
+    --checkpoint-dir holds a checkpoint."""
+    if args.checkpoint_dir is None and args.resume in (True, AUTO):
+        raise UsageError(f"--resume{' auto' if args.resume == AUTO else ''} needs "
+                         "--checkpoint-dir DIR")
+    if args.resume is True and not complete:
+        raise UsageError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no index.json)")
+    if isinstance(args.resume, str) and args.resume != AUTO and not is_checkpoint(args.resume):
+        raise UsageError(f"--resume {args.resume}: no checkpoint there (no index.json)")
+    if args.preempt_check_every < 1:
+        raise UsageError(f"--preempt-check-every must be >= 1, got {args.preempt_check_every}")
+    if args.metrics_jsonl is None and args.checkpoint_dir is not None:
+        args.metrics_jsonl = os.path.abspath(args.checkpoint_dir) + ".metrics.jsonl"
+    for flag, path in (("--metrics-jsonl", args.metrics_jsonl),
+                       ("--metrics-csv", args.metrics_csv)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else None
+        if parent and not os.path.isdir(parent):
+            raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+    if args.tensorboard:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise UsageError("--tensorboard needs tensorboardX: pip install "
+                             "'mpishard[tensorboard]' (or tensorboardX)") from None
+
+
+def resume_source(args):
+    """The checkpoint to resume from: --resume PATH, the --checkpoint-dir (bare --resume,
+    or auto when it holds one), or None (start fresh)."""
+    if args.resume is True or (args.resume == AUTO and is_checkpoint(args.checkpoint_dir)):
+        return args.checkpoint_dir
+    if isinstance(args.resume, str) and args.resume != AUTO:
+        return args.resume
+    return None
+
+
+def add_cluster_callbacks(args, trainer, saver) -> None:
+    """The metrics stream (after `saver`, the Checkpointer or None) and, with a checkpoint
+    directory, the preemption handlers and their callback (last, after every other)."""
+    sinks = [cls(path) for cls, path in ((JsonlSink, args.metrics_jsonl),
+                                         (CsvSink, args.metrics_csv),
+                                         (TensorBoardSink, args.tensorboard)) if path]
+    if sinks:
+        trainer.callbacks.append(MetricsStream(sinks, saver))
+    if saver is not None:
+        trainer.callbacks.append(Preemption(StopFlag.install(), saver,
+                                            args.preempt_check_every))
+
+
+def fit_or_preempted(trainer, args):
+    """trainer.fit(); None after an agreed preemption stop (rank 0 printed why)."""
+    try:
+        return trainer.fit(metrics_path=args.metrics_json)
+    except Preempted as stop:
+        if world_rank() == 0:
+            print(f"{PROG}: {stop}", file=sys.stderr, flush=True)
+        return None
+
+
+__all__ = ["AUTO", "CLUSTER_DEFAULTS", "PREEMPTED_EXIT", "add_cluster_callbacks",
+           "add_metrics_arguments", "add_resume_argument", "fit_or_preempted", "resume_source",
+           "validate_cluster_args"]
