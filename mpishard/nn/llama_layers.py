@@ -10,9 +10,8 @@ Between FusedLinear(q, k, v) and the attention core the activation is (B, T, (Hq
 the q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this rank
 computes, all of them without tp). Rotary turns q and k by position; the core serves query
 head i from kv head kv_heads[i] (HF's repeat_kv: i // (Hq / Hkv)). Under context
-parallelism the core is RepeatKV (q | k, v repeated to every query head) followed by cp's
-ring or Ulysses unit, which take a GPT's (B, T, 3 Hq Dh). These attention units are in
-llama_attention.py.
+parallelism the core is cp's ring (its grouped form, parallel/llama.py) or RepeatKV (q | k, v
+repeated to every query head) and Ulysses. These attention units are in llama_attention.py.
 
 Like nn.transformer's units, every unit reaches its parameters through the access policy and
 keeps what its backward needs on its tape per microbatch. Tensor parallelism passes the same
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 from . import functional as nn
 from .layers import Composite, Layer, Linear, Residual
-from .llama_attention import GroupedQueryAttention, KVHeads, RepeatKV, Rotary
+from .llama_attention import GroupedQueryAttention, KVHeads, Rotary
 from .transformer import TiedHead, leading_positions, plain_linear
 
 
@@ -178,15 +177,14 @@ class SwiGLU(Layer):
 class LlamaBlock(Composite):
     """Llama block i: h + attn(rms_1(h)), then h + mlp(rms_2(h)).
 
-    n_q, kv_heads: a KVHeads for the heads this rank computes; linear: as transformer.Block's;
-    attention(n_q): cp's attention unit (None: GroupedQueryAttention); token_positions: the
-    rotary's."""
+    heads: a KVHeads for the heads this rank computes; linear: as transformer.Block's;
+    attention(heads): the attention units under cp (parallel/llama.py: a grouped ring, or
+    RepeatKV and Ulysses; None: GroupedQueryAttention); token_positions: the rotary's."""
 
     def __init__(self, model, access, index, heads, linear=plain_linear, attention=None,
                  token_positions=leading_positions):
         p, eps = f"block_{index}", model.norm_eps
-        core = [GroupedQueryAttention(heads)] if attention is None else \
-            [RepeatKV(heads), attention(heads.n_q)]
+        core = [GroupedQueryAttention(heads)] if attention is None else list(attention(heads))
         attn = Residual([RMSNorm(access, f"{p}/ln_1", eps),
                          *fused_column(linear, access, [f"{p}/attn/{w}/weights" for w in "qkv"]),
                          Rotary(heads.n_q, heads.n_kv, model.d_head, model.rope_theta,

@@ -37,6 +37,7 @@ import numpy as np
 from ..nn import attention as att
 from ..nn.functional import array_module
 from ..nn.layers import Layer
+from .llama_tensor_parallel import kv_width
 from .model_costs import gpt_stage
 
 FUTURE = "future"
@@ -174,7 +175,9 @@ class RingAttention(Layer):
     cp ring block by block (see the module docstring). No parameters.
 
     cp: the Comm of this rank's cp group. `peak_scores`: the largest score block (B, H, n, n)
-    this unit has built, in elements (a measurement for tests and reports).
+    this unit has built, in elements (a measurement for tests and reports). `split`, `merge`,
+    `expand` and `reduce` are where grouped-query attention (parallel/llama.py) differs: its
+    (k, v) travel with their kv heads only and are repeated to the query heads per block.
     """
 
     attention_core = True      # recompute=attn wraps it like CausalSelfAttention
@@ -191,6 +194,18 @@ class RingAttention(Layer):
     def __repr__(self):
         return f"RingAttention(heads={self.n_heads}, cp={self.c})"
 
+    def split(self, a):                                  # -> q, k, v (B, H, 2n, Dh)
+        return att.split_heads(a, self.n_heads)
+
+    def merge(self, dq, dk, dv):                         # undoes split
+        return att.split_heads_backward(dq, dk, dv)
+
+    def expand(self, kv_part):                           # k or v as the query heads read it
+        return kv_part
+
+    def reduce(self, dkv_part):                          # undoes expand on a gradient
+        return dkv_part
+
     def _pairs(self, step, t_local):
         """Block of step `step` comes from rank s = r - step; its visible chunk pairs."""
         n = t_local // 2
@@ -201,7 +216,8 @@ class RingAttention(Layer):
     def _attend(self, q, kv, step, state):
         """Merge this block's visible pairs into the running (out, lse) of each query chunk."""
         for qs, ks, offset in self._pairs(step, q.shape[2]):
-            o, lse = att.attention_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], offset)
+            o, lse = att.attention_block(q[:, :, qs], self.expand(kv[0][:, :, ks]),
+                                         self.expand(kv[1][:, :, ks]), offset)
             b, h, tq, tk = q.shape[0], q.shape[1], qs.stop - qs.start, ks.stop - ks.start
             self.peak_scores = max(self.peak_scores, b * h * tq * tk)   # 'bhtd,bhsd->bhts'
             key = qs.start
@@ -209,7 +225,7 @@ class RingAttention(Layer):
 
     def forward(self, a, mb=0, record=True):
         xp = array_module(a)
-        q, k, v = att.split_heads(a, self.n_heads)       # (B, H, 2n, Dh): chunks r, 2c-1-r
+        q, k, v = self.split(a)                          # (B, H, 2n, Dh): chunks r, 2c-1-r
         if q.shape[2] % 2:
             raise ValueError(f"RingAttention: a cp rank holds two equal chunks, got "
                              f"{q.shape[2]} tokens")
@@ -233,11 +249,12 @@ class RingAttention(Layer):
         dkv = array_module(q).zeros_like(kv)
         for qs, ks, offset in self._pairs(step, q.shape[2]):
             dq_part, dk_part, dv_part = att.attention_block_backward(
-                dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                out[:, :, qs], lse[:, :, qs], offset)    # undoes attention_block + merge
+                dout[:, :, qs], q[:, :, qs], self.expand(kv[0][:, :, ks]),
+                self.expand(kv[1][:, :, ks]), out[:, :, qs], lse[:, :, qs],
+                offset)                                  # undoes attention_block + merge
             dq[:, :, qs] += dq_part
-            dkv[0][:, :, ks] += dk_part
-            dkv[1][:, :, ks] += dv_part
+            dkv[0][:, :, ks] += self.reduce(dk_part)     # (and expand)
+            dkv[1][:, :, ks] += self.reduce(dv_part)
         return dkv
 
     def backward(self, dy, mb=0):
@@ -261,7 +278,7 @@ class RingAttention(Layer):
         dk, dv = arriving.result()                       # this rank's own block, home
         for f in sends:
             f.result()
-        return att.split_heads_backward(dq, dk, dv)      # undoes split_heads
+        return self.merge(dq, dk, dv)                    # undoes split
 
 
 # -- Ulysses ---------------------------------------------------------------------------------------
@@ -340,8 +357,8 @@ def context_units(model, layout, cp) -> dict:
 # -- cost model (no MPI) ---------------------------------------------------------------------------
 def ring_bytes(rows: int, t: int, d_local: int, c: int, itemsize: int) -> dict:
     """Bytes one rank sends per attention layer in a ring train_step on `rows` rows of `t`
-    tokens (d_local = D / tp): the (k, v) block is (2, rows, t/c, d_local); forward c-1 sends,
-    backward c-1 (k, v) sends and c (dk, dv) sends."""
+    tokens (d_local = D / tp, a Llama's kv heads only: kv_width): the (k, v) block is
+    (2, rows, t/c, d_local); forward c-1 sends, backward c-1 (k, v) sends and c (dk, dv)."""
     block = 2 * rows * (t // c) * d_local * itemsize
     return {"forward": (c - 1) * block, "backward": (2 * c - 1) * block}
 
@@ -365,7 +382,8 @@ def step_comm(view) -> dict:
     stage = gpt_stage(view)
     d_local = view.model.d_model // view.size("tp")
     if view.layout.option("cp_kind", "ring") == "ring":
-        ring = ring_bytes(view.rows, view.model.seq_len, d_local, c, view.itemsize)
+        ring = ring_bytes(view.rows, view.model.seq_len, kv_width(view.model, view.size("tp")),
+                          c, view.itemsize)
         per_block = stage.forwards * ring["forward"] + ring["backward"]
         return {"train_step": {"send": stage.blocks * per_block}}
     moved = (c - 1) / c * stage.tokens * d_local * view.itemsize

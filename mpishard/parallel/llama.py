@@ -8,10 +8,19 @@ replicated, cp replicates them and the layout checks are check_gpt_layout's.
 
 Tensor parallelism (tp, sequence_parallel) is llama_tensor_parallel.py: each parameter's tp
 split (`llama_tp_shards`) comes first in its placement, then fsdp's.
+
+Context parallelism: cp's ring (context_parallel.RingAttention) in its grouped form, whose
+(k, v) blocks travel around the ring with the kv heads only (H/K times fewer bytes than
+repeated ones) and are repeated to the query heads per block, their gradients summed back
+over each group (KVHeads.repeat_backward, the adjoint of the repeat) before they travel
+home; Ulysses after RepeatKV (its all_to_all splits the query heads over cp).
 """
 from __future__ import annotations
 
+from ..nn.llama_attention import RepeatKV, merge_qkv, split_qkv
 from ..nn.llama_layers import llama_units
+from ..nn.transformer import leading_positions
+from .context_parallel import RingAttention
 from .gpt import plan_gpt_params
 from .llama_tensor_parallel import LlamaTensorParallel, llama_tp_shards
 from .vocab_parallel import ReplicatedOutput, VocabParallelOutput
@@ -28,6 +37,52 @@ def llama_units_and_output(model, layout, comm):
     """(units builder for gpt.gpt_chunks, the engine's output seam) for this layout; comm: the
     engine's Comm."""
     if layout.size("tp") == 1:
-        return llama_units, ReplicatedOutput()
+        return GroupedContext(llama_units), ReplicatedOutput()
     tp, sp = comm.group("tp"), bool(layout.option("sequence_parallel", 0))
-    return LlamaTensorParallel(tp, sp), VocabParallelOutput(tp, model.vocab_size, sp)
+    return (GroupedContext(LlamaTensorParallel(tp, sp)),
+            VocabParallelOutput(tp, model.vocab_size, sp))
+
+
+class GroupedRingAttention(RingAttention):
+    """Ring attention on (B, T/c, (Hq + 2 Hkv) Dh) q | k | v (heads: a KVHeads): the (k, v)
+    that travel are (2, B, Hkv, 2n, Dh); each block is repeated to the Hq query heads where
+    it is used, and its gradient reduced back over the group before it travels on."""
+
+    def __init__(self, heads, cp):
+        super().__init__(heads.n_q, cp)
+        self.heads = heads
+
+    def __repr__(self):
+        return f"GroupedRingAttention(q={self.heads.n_q}, kv={self.heads.n_kv}, cp={self.c})"
+
+    def split(self, a):
+        return split_qkv(a, self.heads.n_q, self.heads.n_kv)
+
+    def merge(self, dq, dk, dv):
+        return merge_qkv(dq, dk, dv)
+
+    def expand(self, kv_part):
+        return self.heads.repeat(kv_part)
+
+    def reduce(self, dkv_part):
+        return self.heads.repeat_backward(dkv_part)
+
+
+class GroupedContext:
+    """A Llama units builder (llama_units, LlamaTensorParallel) fed cp's attention factory
+    (n_heads -> unit, context_parallel.context_units) as a block's (KVHeads -> units): the
+    grouped ring, or RepeatKV then Ulysses."""
+
+    def __init__(self, build):
+        self.build = build
+
+    def __call__(self, model, access, blocks, first: bool, last: bool, attention=None,
+                 token_positions=leading_positions) -> list:
+        grouped = None
+        if attention is not None:
+            def grouped(heads):
+                unit = attention(heads.n_q)
+                if isinstance(unit, RingAttention):
+                    return [GroupedRingAttention(heads, unit.cp)]
+                return [RepeatKV(heads), unit]
+        return self.build(model, access, blocks, first, last, grouped, token_positions)

@@ -67,6 +67,15 @@ def replicated_kv_params(model, t: int) -> list:
     return [n for n in model.param_shapes() if n.endswith(KV_WEIGHTS)]
 
 
+def kv_width(model, t: int) -> int:
+    """Columns of k (and of v) per tp rank (t ranks): D / t for a model without kv heads of its
+    own (ms.GPT), else its local kv heads x Dh (all K of them when t does not divide K). A cp
+    ring sends this much of each (context_parallel.ring_bytes)."""
+    if getattr(model, "kind", "") != "llama":
+        return model.d_model // t
+    return (model.n_kv_heads // t if kv_split(model, t) else model.n_kv_heads) * model.d_head
+
+
 def local_heads(model, t: int, r: int) -> KVHeads:
     """The query heads of tp rank r and the kv head (local index) each one uses."""
     n_q = model.n_heads // t
