@@ -15,8 +15,9 @@ measured overhead); nothing is communicated.
 Dumps: `FlightRecorder.dump(reason)` writes DIR/flight-rank<R>.json (the ring, oldest first,
 and the group table) and DIR/flight-rank<R>.stacks.txt (every thread's Python stack, by
 faulthandler), each written to a temporary name and renamed, so a dump cut short by the abort
-is absent rather than torn. DIR is `FlightRecorder.directory` (train --flight-dir; default the
-working directory). It is called by the guard thread on a collective timeout (before the
+is absent rather than torn. DIR is set by `redirect` (train --flight-dir, default the checkpoint
+dir or the working directory; a library user calls `engine.comm.flight.redirect(DIR)` or sets
+MPISHARD_FLIGHT_DIR): until then nothing is dumped. It is called by the guard thread on a collective timeout (before the
 abort), by a polled CollectiveTimeout, by the uncaught-exception hook and the CLI's abort, and
 on SIGUSR2 (the rank goes on). A fatal signal (SIGSEGV, SIGABRT, ...) writes the stacks alone
 to DIR/flight-rank<R>.fatal.txt (faulthandler; removed at a clean exit when empty). A rank
@@ -41,6 +42,7 @@ from mpi4py import MPI
 
 EVENTS = 256
 ENV = "MPISHARD_FLIGHT_EVENTS"
+DIR_ENV = "MPISHARD_FLIGHT_DIR"
 # op, group id, sequence number, peer (world rank) or None, bytes, dtype, shape, enter, exit,
 # step, microbatch
 FIELDS = ("op", "group", "seq", "peer", "bytes", "dtype", "shape", "enter", "exit", "step",
@@ -83,7 +85,8 @@ class FlightRecorder:
             if size <= 0:
                 return None
             cls.SHARED = cls(size)
-            cls.SHARED.arm()
+            if os.environ.get(DIR_ENV):
+                cls.SHARED.redirect(os.environ[DIR_ENV])
         return cls.SHARED
 
     # -- recording ---------------------------------------------------------------------------
@@ -133,11 +136,12 @@ class FlightRecorder:
     # -- dumps -------------------------------------------------------------------------------
     def dump(self, reason: str, again: bool = False):
         """Write the ring and every thread's stack (module docstring); returns the JSON path,
-        or None when it could not be written. After a first dump only `again` writes."""
-        if self.dumped is not None and not again:
+        or None when it was not written: no directory set (`redirect`), or after a first dump
+        unless `again`."""
+        if self.dumped is not None and not again or self.directory is None:
             return None
         self.dumped = self.dumped or reason
-        directory = self.directory or os.getcwd()
+        directory = self.directory
         try:
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, file_name(self.rank, "json"))
@@ -159,19 +163,15 @@ class FlightRecorder:
         except OSError:
             return None
 
-    def arm(self) -> None:
-        """SIGUSR2 (from the main thread only) dumps and goes on; a fatal signal writes the
-        stacks to the fatal file in the working directory (see `redirect`)."""
-        if threading.current_thread() is threading.main_thread():
-            try:
-                signal.signal(signal.SIGUSR2, lambda signum, frame: self.dump("SIGUSR2", True))
-            except ValueError:
-                pass
-        atexit.register(self.close_fatal)
-
     def redirect(self, directory) -> None:
-        """Dumps (and the fatal-signal stacks) go to `directory` from now on."""
-        self.directory = os.fspath(directory)
+        """Dumps go to `directory` from now on (none are written before: a library user opts
+        in here or with MPISHARD_FLIGHT_DIR; train always does); SIGUSR2 (when called from the
+        main thread) dumps and goes on; a fatal signal writes the stacks to the fatal file."""
+        if self.directory is None:
+            atexit.register(self.close_fatal)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGUSR2, lambda signum, frame: self.dump("SIGUSR2", True))
+        self.directory = os.path.abspath(os.fspath(directory))
         self.close_fatal()
         try:
             os.makedirs(self.directory, exist_ok=True)

@@ -1,0 +1,110 @@
+"""The flight recorder (comm/flight.py) and its reader (cli/flight.py).
+
+Recording runs at any world size (serial, or under mpiexec -n 2 / 4): every rank's events name
+the op, the group, its sequence number, the array, the step, and a receive is one event; the
+ring keeps the last N. Dumps write the ring and the stacks; SIGUSR2 dumps. The reader's verdicts
+on hand-made dumps cover what the fault-injection jobs (tests/hpc/test_flight_faults.py) cannot
+make deterministic: two ranks calling different ops, and a rank that dumped but never entered.
+"""
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpishard as ms
+from mpishard.cli.flight import verdict
+from mpishard.comm.flight import FlightRecorder
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture
+def engine():
+    model = ms.MLP([4, 8, 2])
+    eng = ms.make_engine(model, f"dp={WORLD.Get_size()}", comm=WORLD)
+    eng.load_checkpoint(model.init(seed=0))
+    eng.comm.flight = FlightRecorder(size=8)
+    yield eng
+    eng.close()
+
+
+def test_events_name_the_op_group_sequence_and_array(engine):
+    comm, rank, n = engine.comm, WORLD.Get_rank(), WORLD.Get_size()
+    comm.context(step=7, microbatch=1)
+    comm.all_reduce(np.ones((2, 3)))
+    comm.barrier()
+    comm.broadcast(np.arange(5, dtype=np.int32) if rank == 0 else None, root=0)
+    if n > 1:
+        fut = comm.send_async(np.zeros(4), dest=(rank + 1) % n)
+        comm.receive((rank - 1) % n)
+        fut.result()
+    events = comm.flight.events()
+    ops = [e["op"] for e in events]
+    assert ops == ["all_reduce", "barrier", "broadcast"] + (["send_async", "receive"] if n > 1
+                                                           else [])
+    assert [e["seq"] for e in events[:3]] == [1, 2, 3]
+    assert events[0]["bytes"] == 48 and events[0]["dtype"] == "float64"
+    assert events[0]["shape"] == [2, 3]
+    assert events[2]["dtype"] == ("int32" if rank == 0 else None)
+    assert all(e["step"] == 7 and e["microbatch"] == 1 and e["exit"] >= e["enter"]
+               for e in events)
+    assert comm.flight.table[events[0]["group"]] == {"name": "world", "ranks": list(range(n))}
+    if n > 1:
+        assert events[3]["peer"] == (rank + 1) % n and events[4]["peer"] == (rank - 1) % n
+        assert events[3]["seq"] == events[4]["seq"] == 1        # per peer and direction
+
+
+def test_the_ring_keeps_the_last_events(engine):
+    comm = engine.comm
+    for _ in range(11):
+        comm.barrier()
+    events = comm.flight.events()
+    assert [e["seq"] for e in events] == list(range(4, 12))
+    assert comm.flight.count == 11
+
+
+def test_dump_writes_ring_and_stacks_once_and_on_sigusr2(engine, tmp_path):
+    rec = engine.comm.flight
+    engine.comm.barrier()
+    assert rec.dump("nowhere to go") is None                  # no directory yet
+    rec.redirect(tmp_path / str(WORLD.Get_rank()))
+    path = rec.dump("first")
+    data = json.load(open(path))
+    assert data["reason"] == "first" and data["events"][0]["op"] == "barrier"
+    assert data["rank"] == WORLD.Get_rank() and data["groups"][0]["name"] == "world"
+    stacks = open(path.replace(".json", ".stacks.txt")).read()
+    assert "first" in stacks and "test_flight.py" in stacks
+    assert rec.dump("second") is None                       # the first reason is kept
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert json.load(open(path))["reason"] == "SIGUSR2"
+    rec.close_fatal()
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def dump(rank, events, size=2, reason="CollectiveTimeout: late ranks: [1]", at=100.0):
+    """A hand-made dump: events (op, seq, exit or None) on the world group of `size` ranks."""
+    return {"rank": rank, "world_size": size, "reason": reason, "time": at,
+            "groups": [{"name": "world", "ranks": list(range(size))}],
+            "events": [{"op": op, "group": 0, "seq": seq, "peer": None, "bytes": 24,
+                        "dtype": "float64" if op == "all_reduce" else None,
+                        "shape": [3] if op == "all_reduce" else None, "enter": 10.0 + seq,
+                        "exit": out, "step": 5, "microbatch": None}
+                       for op, seq, out in events]}
+
+
+def test_the_reader_names_a_different_op_and_a_rank_that_never_entered():
+    tie = verdict({0: dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)]),
+                   1: dump(1, [("barrier", 1, 11.5), ("broadcast", 2, None)])}, 2)
+    assert ("verdict: the ranks disagree at #2 on group world: rank 0 called all_reduce "
+            "(float64 (3,), step 5); rank 1 called broadcast (step 5)") in tie
+    behind = verdict({0: dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)]),
+                      1: dump(1, [("barrier", 1, 11.5)])}, 2)
+    assert ("rank 1: never entered it: outside communication for 88.50 s, since barrier #1 "
+            "(step 5) on group world [0, 1] (see flight-rank1.stacks.txt)") in behind
+    assert ("verdict: rank 1 never entered all_reduce #2 (float64 (3,), step 5) on group "
+            "world; rank 0 waited in it (the timeout's arrival counters: late ranks [1])") in behind
+    agree = verdict({0: dump(0, [("barrier", 1, 11.5)]), 1: dump(1, [("barrier", 1, 11.5)])}, 2)
+    assert "verdict: the dumped ranks' collectives agree everywhere" in agree
