@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from . import fused
 from .functional import array_module
 
 
@@ -96,17 +97,21 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None):
     them instead of recomputing the scores (one (B, H, T, T) array more per layer on the tape).
     """
     xp = array_module(q)
-    p = _masked_scores_t(q, k, offset, visible)              # s^T, then p^T in place
-    m = _finite_or_zero(xp, _max_over_keys(p))               # per query max: exp(s - m) <= 1
-    p -= m
-    xp.exp(p, out=p)                                         # unnormalised probabilities
-    denom = xp.matmul(xp.ones(p.shape[-2], dtype=p.dtype), p)   # sum over keys (B, H, Tq)
-    p *= (1.0 / xp.where(denom > 0, denom, 1.0))[..., None, :]   # normalised: p^T
+    if visible is None and fused.use(xp):                    # the same softmax, one kernel
+        p = _masked_scores_t(q, k, None)
+        lse = fused.causal_softmax_t(xp, p, offset)
+    else:
+        p = _masked_scores_t(q, k, offset, visible)          # s^T, then p^T in place
+        m = _finite_or_zero(xp, _max_over_keys(p))           # per query max: exp(s - m) <= 1
+        p -= m
+        xp.exp(p, out=p)                                     # unnormalised probabilities
+        denom = xp.matmul(xp.ones(p.shape[-2], dtype=p.dtype), p)   # sum over keys (B,H,Tq)
+        p *= (1.0 / xp.where(denom > 0, denom, 1.0))[..., None, :]   # normalised: p^T
+        with np.errstate(divide="ignore"):                   # log 0 = -inf: no key seen
+            lse = m[..., 0, :] + xp.log(denom)
     b, h, tq, dh = q.shape
     out = xp.empty((b, tq, h, dh), dtype=q.dtype).transpose(0, 2, 1, 3)
     xp.matmul(_t(p), v, out=out)                             # 'bhst,bhsd->bhtd' (p, v)
-    with np.errstate(divide="ignore"):                       # log 0 = -inf: no key seen
-        lse = m[..., 0, :] + xp.log(denom)
     return (out, lse, p) if keep_probs else (out, lse)
 
 
@@ -151,8 +156,7 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     ds = xp.matmul(v, dout_t)                                # dp^T / sqrt Dh 'bhsd,bhdt->bhst'
     row = xp.einsum("bthd,bthd->bht", dout.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3))
     row *= scale                                             # sum_d dout * out / sqrt Dh
-    ds -= row[..., None, :]
-    ds *= p                                                  # ds^T / sqrt Dh
+    fused.softmax_grad_t(xp, ds, row, p)                     # ds^T / sqrt Dh = (ds - row) p
     dq = xp.matmul(_t(ds), k, out=dq)                        # 'bhts,bhsd->bhtd' (ds, k)
     dk = xp.matmul(ds, q, out=dk)                            # 'bhst,bhtd->bhsd' (ds^T, q)
     return dq, dk, dv

@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import fused
+
 
 def array_module(a):
     """numpy or cupy, whichever owns `a` (another device array: its `__array_namespace__`)."""
@@ -220,8 +222,11 @@ def gelu_forward(z):
         dy/dz = 0.5 (1 + t) + 0.5 z (1 - t^2) c (1 + 3 0.044715 z^2)
               = 0.5 (1 + t) (1 + z (1 - t) u'),   u' = c (1 + 3 0.044715 z^2)
 
-    Computed chunk by chunk (GELU_CHUNK elements) on numpy, in place on the chunk's buffers."""
+    Computed chunk by chunk (GELU_CHUNK elements) on numpy, in place on the chunk's buffers;
+    on cupy one fused kernel of the same steps (fused.py)."""
     xp = array_module(z)
+    if fused.use(xp):                                        # cupy: the same steps, one kernel
+        return fused.gelu(xp, z)
     zf = z.reshape(-1)
     y, dydz = xp.empty_like(zf), xp.empty_like(zf)
     n = zf.size

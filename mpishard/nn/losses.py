@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fused
 from .functional import array_module
 
 
@@ -105,6 +106,10 @@ class CrossEntropy(Loss):
     def __call__(self, y, t):
         """(value, dy) from one log-softmax."""
         self.check(y, t)
+        xp = array_module(y)
+        if fused.use(xp):                                            # cupy: 4 passes, not ~11
+            value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t)
+            return value, dy.reshape(y.shape)
         lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
         return self._value(lp, t), self._grad(lp, t).reshape(y.shape)
 

@@ -1,0 +1,145 @@
+"""Fused cupy kernels for the memory-bound passes of a GPT step, the same math as xp ops.
+
+On a GPU the GEMMs run near peak and the step's extra time is element-wise passes over big
+arrays: each xp operation is one kernel that reads and writes its whole operand. Per layer at
+B 8, H 12, T 1024 the attention scores p^T (B, H, Tk, Tq) are 400 MB in float32, the GELU
+input (B T, 4 D) 100 MB, and the loss's logits (B T, V) 1.6 GB. Here each of those chains is
+one kernel (`cupy.ElementwiseKernel` / `cupy.ReductionKernel`, built once per process and
+memoised as parallel/bf16.py does, compiled by cupy on first use, without FMA contraction so
+every product and sum rounds as the xp op does):
+
+    causal_softmax_t(p, offset)   p^T (B, H, Tk, Tq) raw scores -> probabilities in place, and
+                                  lse (B, H, Tq): per query column i the keys j <= i + offset
+                                  are visible; m = max of them (0 if none or not finite),
+                                  d = sum exp(s - m), p = exp(s - m) * (1 / d) (0 hidden,
+                                  1 / 1 when d = 0), lse = m + log d.  Three reads of the
+                                  visible half and one write, instead of ~11 full passes
+                                  (mask add, max halvings, subtract, exp, sum, scale).
+    softmax_grad_t(ds, row, p)    ds = (ds - row) p in place (attention backward), one pass.
+    gelu(z)                       (y, dy/dz) of functional.gelu_forward, one pass, not ~15.
+    cross_entropy(y2, t)          (value, dy) of losses.CrossEntropy: row max, sum of
+                                  exp(y - m), then dy = (exp((y - m) - log s) - onehot) / N in
+                                  one pass: 4 passes over the logits instead of ~11.
+
+The sums run in another order than cupy's matmul-with-ones / reduction, so a fused result
+equals the xp-op one to rounding (tests/gpu: rtol 1e-12 in float64), not bit for bit; every
+other operation is the same. `use(xp)`: only on cupy, and only while the environment variable
+MPISHARD_FUSED is not "0" (read at each call, so one process can time both). On numpy and any
+other array module the callers run their xp ops unchanged.
+"""
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_NO_FMA = ("--fmad=false",)
+
+
+def use(xp) -> bool:
+    """Whether the fused kernels run for arrays of `xp`: cupy and MPISHARD_FUSED != "0"."""
+    return getattr(xp, "__name__", "") == "cupy" and os.environ.get("MPISHARD_FUSED") != "0"
+
+
+_SOFTMAX_T = """
+const long long col = i % tq;                      // the query column of p^T
+const long long base = (i / tq) * tk * tq + col;   // p^T[b, h, 0, col]
+long long last = col + offset;                     // keys 0..last are visible
+if (last > tk - 1) last = tk - 1;
+T m = 0;
+if (last >= 0) {
+    m = p[base];
+    for (long long j = 1; j <= last; ++j) { T v = p[base + j * tq]; if (v > m) m = v; }
+    if (!isfinite(m)) m = 0;
+}
+T d = 0;
+for (long long j = 0; j <= last; ++j) d += exp(p[base + j * tq] - m);
+const T inv = (T)1 / (d > 0 ? d : (T)1);
+for (long long j = 0; j < tk; ++j) {
+    const long long at = base + j * tq;
+    p[at] = j <= last ? exp(p[at] - m) * inv : (T)0;
+}
+lse = m + log(d);
+"""
+
+_GELU = """
+T s = z * z;
+T h = s * (T)({a});
+h += (T)({c});
+h *= z;
+h = tanh(h);
+h += (T)1;
+h *= (T)0.5;
+s *= (T)({b});
+s += (T)({c2});
+s *= z;
+s *= (T)1 - h;
+s += (T)1;
+y = z * h;
+dydz = h * s;
+""".format(a=repr(0.044715 * _GELU_C), c=repr(_GELU_C), b=repr(6 * 0.044715 * _GELU_C),
+           c2=repr(2 * _GELU_C))
+
+_CE_GRAD = """
+const long long r = i / c;
+T e = exp((y - m[r]) - logs[r]);
+if (i - r * c == (long long)t[r]) e -= (T)1;
+g = e / n;
+"""
+
+
+@lru_cache(maxsize=None)
+def kernels(cupy) -> dict:
+    """The kernels, by name (kernel code, no state)."""
+    ew = cupy.ElementwiseKernel
+    return {
+        "softmax_t": ew("int64 tk, int64 tq, int64 offset", "raw T p, T lse", _SOFTMAX_T,
+                        "mpishard_causal_softmax_t", options=_NO_FMA),
+        "softmax_grad": ew("T row, T p", "T ds", "ds = (ds - row) * p",
+                           "mpishard_softmax_grad_t", options=_NO_FMA),
+        "gelu": ew("T z", "T y, T dydz", _GELU, "mpishard_gelu_tanh", options=_NO_FMA),
+        "sumexp": cupy.ReductionKernel("T y, T m", "T s", "exp(y - m)", "a + b", "s = a", "0",
+                                       "mpishard_sumexp", options=_NO_FMA),
+        "ce_grad": ew("T y, raw T m, raw T logs, raw I t, int64 c, T n", "T g", _CE_GRAD,
+                      "mpishard_ce_grad", options=_NO_FMA),
+    }
+
+
+def causal_softmax_t(xp, p, offset):
+    """p^T (B, H, Tk, Tq) contiguous raw scores -> probabilities in place; returns lse."""
+    tk, tq = p.shape[-2:]
+    lse = xp.empty(p.shape[:-2] + (tq,), dtype=p.dtype)
+    kernels(xp)["softmax_t"](tk, tq, tk if offset is None else int(offset), p, lse)
+    return lse
+
+
+def softmax_grad_t(xp, ds, row, p):
+    """ds = (ds - row[..., None, :]) * p, in place (xp ops off cupy)."""
+    if use(xp):
+        kernels(xp)["softmax_grad"](row[..., None, :], p, ds)
+        return ds
+    ds -= row[..., None, :]
+    ds *= p
+    return ds
+
+
+def gelu(xp, z):
+    """(y, dy/dz) of the tanh GELU, one pass (cupy only)."""
+    y, dydz = xp.empty_like(z), xp.empty_like(z)
+    kernels(xp)["gelu"](z, y, dydz)
+    return y, dydz
+
+
+def cross_entropy(xp, y2, t):
+    """(value, dy) of the mean softmax cross entropy of logits y2 (N, C) at labels t (cupy)."""
+    n, c = y2.shape
+    y2 = xp.ascontiguousarray(y2)
+    labels = xp.ascontiguousarray(t.reshape(-1))
+    m = y2.max(axis=-1, keepdims=True)
+    logs = xp.log(kernels(xp)["sumexp"](y2, m, axis=-1, keepdims=True))
+    rows = xp.arange(n)
+    value = float(-((y2[rows, labels] - m[:, 0]) - logs[:, 0]).mean())
+    g = xp.empty_like(y2)
+    kernels(xp)["ce_grad"](y2, m, logs, labels, c, y2.dtype.type(n), g)
+    return value, g
