@@ -54,7 +54,7 @@ def from_config(cfg: dict) -> GPT:
     d = ints(need(cfg, a, "n_embd", "hidden_size"), "n_embd")
     inner = cfg.get("n_inner")
     return GPT(vocab_size=ints(need(cfg, a, "vocab_size"), "vocab_size"),
-               seq_len=ints(need(cfg, a, "n_positions", "max_position_embeddings"),
+               seq_len=ints(need(cfg, a, "n_positions", "n_ctx", "max_position_embeddings"),
                             "n_positions"),
                d_model=d, n_heads=ints(need(cfg, a, "n_head", "num_attention_heads"), "n_head"),
                n_layers=ints(need(cfg, a, "n_layer", "num_hidden_layers"), "n_layer"),

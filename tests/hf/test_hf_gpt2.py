@@ -93,8 +93,10 @@ def test_sharded_files_with_an_index(tmp_path):
 
 
 def test_the_original_upload_layout(tmp_path):
-    """The `gpt2` hub files: no `transformer.` prefix, and the causal-mask buffers."""
+    """The `gpt2` hub files: no `transformer.` prefix, and the causal-mask buffers; an old
+    config's n_ctx where n_positions is absent."""
     d, ref = gpt2(tmp_path)
+    edit_config(d, n_positions=None, n_ctx=16)
     f = os.path.join(d, "model.safetensors")
     tensors = {k.removeprefix("transformer."): v for k, v in load_file(f).items()}
     tensors["h.0.attn.bias"] = np.tril(np.ones((16, 16)))[None, None].astype(np.float64)
