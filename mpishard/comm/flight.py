@@ -70,6 +70,8 @@ class FlightRecorder:
         self.depth = 0                      # > 0 inside a recorded call
         self.seq: dict = {}                 # group id or (group id, direction, peer) -> count
         self.groups: dict = {}              # id(mpi comm) -> (comm, group id)
+        self.views: dict = {}               # (view's group, call's group) -> (its Comm's
+                                            # _by_group, group id): one lookup per call
         self.table: list = []               # group id -> {"name", "ranks"}
         self.rank = MPI.COMM_WORLD.Get_rank() if rank is None else rank
         self.directory = None               # where dumps go (None: the working directory)
@@ -108,20 +110,27 @@ class FlightRecorder:
         return gid
 
     def enter(self, host, op, arr, group, peer) -> list:
-        """Record the start of `op` by the Comm `host` on `group`; returns the event."""
-        comm = host._mpi(group)
-        gid = self.group_id(comm, host.watchdog)
+        """Record the start of `op` by the Comm `host` on `group`; returns the event (a list:
+        FIELDS, the dtype kept as numpy's until a dump)."""
+        key = (host.default_group, group)
+        found = self.views.get(key)
+        if found is None or found[0] is not host._by_group:
+            found = self.views[key] = (host._by_group, self.group_id(host._mpi(group),
+                                                                      host.watchdog))
+        gid = found[1]
         if peer is None:
             key = gid
         else:
-            peer = self.table[gid]["ranks"][peer] if 0 <= peer < comm.Get_size() else peer
+            ranks = self.table[gid]["ranks"]
+            peer = ranks[peer] if 0 <= peer < len(ranks) else peer
             key = (gid, P2P[op], peer)
         seq = self.seq[key] = self.seq.get(key, 0) + 1
         where = host.watchdog.where
-        shape = getattr(arr, "shape", None)
-        event = [op, gid, seq, peer, int(getattr(arr, "nbytes", 0) or 0),
-                 str(arr.dtype) if shape is not None else None,
-                 list(shape) if shape is not None else None, time.time(), None,
+        try:
+            nbytes, dtype, shape = arr.nbytes, arr.dtype, arr.shape
+        except AttributeError:              # None (broadcast off root), a list, no array
+            nbytes = dtype = shape = None
+        event = [op, gid, seq, peer, nbytes, dtype, shape, time.time(), None,
                  where.get("step"), where.get("microbatch")]
         self.ring[self.count % self.size] = event
         self.count += 1
@@ -131,7 +140,14 @@ class FlightRecorder:
         """The ring, oldest first, as dicts."""
         n = min(self.count, self.size)
         start = self.count - n
-        return [dict(zip(FIELDS, self.ring[i % self.size])) for i in range(start, self.count)]
+        out = []
+        for i in range(start, self.count):
+            e = dict(zip(FIELDS, self.ring[i % self.size]))
+            e["bytes"] = int(e["bytes"] or 0)
+            e["dtype"] = None if e["dtype"] is None else str(e["dtype"])
+            e["shape"] = None if e["shape"] is None else [int(d) for d in e["shape"]]
+            out.append(e)
+        return out
 
     # -- dumps -------------------------------------------------------------------------------
     def dump(self, reason: str, again: bool = False):
@@ -201,32 +217,36 @@ def dump_all(reason: str) -> None:
 def recorded(name: str, method):
     """`method` (a Comm's entry point `name`) recording one event per outermost call."""
     params = list(inspect.signature(method).parameters)[1:]
-    at = {p: params.index(p) for p in ("arr", "group") if p in params}
+    where = [(p, params.index(p) if p in params else 99) for p in ("arr", "group")]
+    (_, a_at), (_, g_at) = where
     peers = [(p, params.index(p)) for p in PEER_ARGS if p in params] if name in P2P else []
 
-    def arg(args, kwargs, key, index):
-        if key in kwargs:
-            return kwargs[key]
-        return args[index] if index is not None and index < len(args) else None
+    def peer_of(args, kwargs):
+        for p, i in peers:
+            v = kwargs[p] if p in kwargs else args[i] if i < len(args) else None
+            if v is not None:
+                return int(v)
+        return None
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         rec = self.flight
         if rec is None or rec.depth:
             return method(self, *args, **kwargs)
+        n = len(args)
         try:
-            peer = next((v for v in (arg(args, kwargs, p, i) for p, i in peers)
-                         if v is not None), None) if peers else None
-            event = rec.enter(self, name, arg(args, kwargs, "arr", at.get("arr")),
-                              arg(args, kwargs, "group", at.get("group")),
-                              int(peer) if peer is not None else None)
+            event = rec.enter(self, name,
+                              kwargs["arr"] if "arr" in kwargs else args[a_at] if a_at < n
+                              else None,
+                              kwargs["group"] if "group" in kwargs else args[g_at] if g_at < n
+                              else None, peer_of(args, kwargs) if peers else None)
         except Exception:                  # a bad group or a closed Comm: the call says why
             return method(self, *args, **kwargs)
-        rec.depth += 1
+        rec.depth = 1
         try:
             out = method(self, *args, **kwargs)
         finally:
-            rec.depth -= 1
+            rec.depth = 0
         event[8] = time.time()
         return out
     return call
