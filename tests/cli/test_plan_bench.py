@@ -112,6 +112,9 @@ GPT_CASES = [  # (ranks, layout, tied): a batch row is one sequence of seq_len t
     (4, "fsdp=2,pp=2,zero=3,microbatches=4", False),
     (4, "fsdp=2,pp=2,zero=3,microbatches=4", True),
     (4, "fsdp=2,pp=2,zero=2", True),
+    (2, "tp=2", True),                          # vocab 13: padded to 14 over tp
+    (4, "fsdp=2,tp=2,zero=3", False),
+    (4, "tp=2,pp=2,sequence_parallel=1", True),
     (4, "fsdp=4,zero=2", False),
     (8, "dp=2,fsdp=2,pp=2,zero=3", False),
 ]
