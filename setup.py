@@ -66,6 +66,8 @@ setup(
         # Hugging Face interop (`make test-hf`): the tests build GPT-2 and Llama with
         # transformers on CPU torch; ms.hf itself needs only safetensors and tokenizers.
         "hf": ["transformers>=4.45", "tokenizers>=0.19", "safetensors>=0.4", "torch==2.13.0"],
+        # `train --tensorboard DIR`: the metrics stream as TensorBoard scalars.
+        "tensorboard": ["tensorboardX>=2.6"],
         # PyTorch as the peer the benchmarks compare against.
         "bench": ["torch==2.13.0"],
         # GPU arrays (pick the one matching your CUDA major version).

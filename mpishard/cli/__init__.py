@@ -26,6 +26,7 @@ from .generate import add_generate_arguments, run_generate
 from .hf_export import add_export_arguments, run_export
 from .hf_import import add_import_arguments, run_import
 from .infer import add_infer_arguments, run_infer
+from .launch import add_launch_arguments, run_launch
 from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
 from .schedule import add_schedule_arguments, run_schedule_command
@@ -71,6 +72,9 @@ COMMANDS = {
               add_bench_arguments, run_bench),
     "flight": ("line up the ranks' flight-recorder dumps and print where they first diverge, "
                "no MPI needed (flight DIR)", add_flight_arguments, run_flight),
+    "launch": ("run an MPI command under the site's launcher and relaunch it with --resume "
+               "auto when it dies (launch -n N [--max-restarts K] [--launcher CMD] -- train "
+               "...)", add_launch_arguments, run_launch),
     "tokenize": ("tokenize a corpus into token files for train --dataset tokens:DIR, no MPI "
                  "(tokenize --tokenizer DIR|bytes --text FILE|DIR|GLOB --out DIR)",
                  add_tokenize_arguments, run_tokenize),

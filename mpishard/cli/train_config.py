@@ -44,7 +44,7 @@ def config_tokens(parser, config: dict, path="config") -> list:
             known = sorted(a[2:] for a in options if a.startswith("--"))
             raise UsageError(f"config {path}: unknown key {key!r}; known keys: "
                              f"{', '.join(known)}")
-        if action.nargs == 0 or (action.const is True and value is True):   # a switch
+        if action.nargs == 0 or (action.const is True and isinstance(value, bool)):  # switch
             if not isinstance(value, bool):
                 raise UsageError(f"config {path}: {key} must be true or false, got {value!r}")
             tokens += [flag] if value else []

@@ -1,0 +1,174 @@
+"""`python -m mpishard launch -n N [--max-restarts K] [--launcher CMD] -- train ...`: restarts.
+
+A thin supervisor around the site's launcher (this project's torchrun): it runs
+
+    CMD -n N python -m mpi4py -m mpishard train ...         (CMD: mpiexec by default, or srun)
+
+and when the job dies (a rank killed, a node lost, a collective timeout: any exit code but 0
+and 75) relaunches it, at most K times, with `--resume auto` in place of any --resume it had,
+so each restart continues from the newest complete checkpoint of --checkpoint-dir (restarts
+need one). Each restart is logged with its cause: the exit code, the signal that ended the
+launcher or a rank, and the rank when the job's output named it (hydra's "BAD TERMINATION":
+the pid and host of the rank that ended first and why; MPICH's "Abort ... (rank r in comm",
+mpishard's "mpishard: error: ... (rank r)").
+
+Exit code 75 (EX_TEMPFAIL, train/preemption.py) is a job that was asked to stop and saved a
+checkpoint. When the supervisor itself was signalled (SIGTERM, SIGINT or SIGUSR1, which it
+forwards to the launcher, e.g. from a batch script), it exits 75 too and the batch system
+requeues; when it was not (a rank was signalled directly), it relaunches immediately, counted
+as a restart. The launcher runs in its own session: a signal reaches it only through here.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+from .usage import PROG, UsageError
+
+PREEMPTED = 75                            # train/preemption.py PREEMPTED_EXIT (no MPI import)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# What a job's output says about a rank: (pattern, template); the first one found is the cause.
+RANK_PATTERNS = (
+    (re.compile(r"PID (\d+) RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)(?:[\s\S]*EXIT STRING: "
+                r"(.*))?"), "a rank (pid {0} on {1}) ended: exit code {2}, {3}"),  # hydra's
+    (re.compile(r"mpishard: error: (.*) \(rank (\d+)\)"), "rank {1}: {0}"),
+    (re.compile(r"Abort\(\d+\) on node \S+ \(rank (\d+) in comm"),
+     "rank {0} aborted (MPICH: a peer it was communicating with was lost)"))
+
+
+def add_launch_arguments(p):
+    p.add_argument("-n", "--np", type=int, required=True, dest="np", metavar="N",
+                   help="ranks (passed to the launcher as -n N)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="K", help="relaunch a job "
+                   "that died at most K times with --resume auto (3; 0: never); needs "
+                   "train --checkpoint-dir")
+    p.add_argument("--launcher", metavar="CMD", help="the site's launcher, e.g. \"srun "
+                   "--mpi=pmi2\" or \"mpiexec -f hosts\" (default: the mpiexec beside this "
+                   "Python, else on PATH); -n N is appended")
+    p.add_argument("job", nargs="...", metavar="-- COMMAND", help="-- train ... (the "
+                   "mpishard command and its flags)")
+    return p
+
+
+def job_command(args, restart: bool) -> list:
+    """The launcher's argv: CMD -n N python -m mpi4py -m mpishard COMMAND, with --resume auto
+    replacing any --resume on a restart."""
+    launcher = shlex.split(args.launcher) if args.launcher else [_default_mpiexec()]
+    command = list(args.job)
+    if restart:
+        command = without_resume(command) + ["--resume", "auto"]
+    return [*launcher, "-n", str(args.np), sys.executable, "-m", "mpi4py", "-m", "mpishard",
+            *command]
+
+
+def without_resume(command) -> list:
+    """`command` without --resume, --resume=X or --resume X (X not a flag)."""
+    out, skip = [], False
+    for i, token in enumerate(command):
+        if skip:
+            skip = False
+        elif token == "--resume":
+            skip = i + 1 < len(command) and not command[i + 1].startswith("-")
+        elif not token.startswith("--resume="):
+            out.append(token)
+    return out
+
+
+def _default_mpiexec() -> str:
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = shutil.which(beside) or shutil.which("mpiexec")
+    if found is None:
+        raise UsageError("no mpiexec beside this Python or on PATH: give --launcher CMD")
+    return found
+
+
+def cause(rc: int, lines) -> str:
+    """Why a job ended, from its exit code and the last lines of its output."""
+    text = "\n".join(lines)
+    what = f"exit code {rc}"
+    if rc < 0:
+        what += f" (the launcher killed by {signal.Signals(-rc).name})"
+    elif rc > 128 and rc - 128 in signal.valid_signals():
+        what += f" (signal {signal.Signals(rc - 128).name})"
+    for pattern, template in RANK_PATTERNS:
+        found = pattern.search(text)
+        if found:
+            return f"{what}; {template.format(*(g or '?' for g in found.groups()))}"
+    return what
+
+
+def _pump(stream, sink, tail) -> None:
+    """Copy the child's lines to `sink` (ours), keeping the last ones in `tail`."""
+    for line in iter(stream.readline, ""):
+        sink.write(line)
+        sink.flush()
+        tail.append(line.rstrip("\n"))
+    stream.close()
+
+
+def run_once(argv, state) -> tuple:
+    """Run the job once, forwarding signals; returns (exit code, its last output lines)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    state["proc"] = proc
+    tail = collections.deque(maxlen=200)
+    pumps = [threading.Thread(target=_pump, args=(s, out, tail), daemon=True)
+             for s, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for t in pumps:
+        t.start()
+    rc = proc.wait()
+    for t in pumps:
+        t.join()
+    return rc, list(tail)
+
+
+def run_launch(args) -> int:
+    if not args.job or args.job[0] != "--" and args.job[0].startswith("-"):
+        raise UsageError("launch: give the command after --: launch -n N -- train ...")
+    args.job = args.job[1:] if args.job[0] == "--" else args.job
+    if args.np < 1 or args.max_restarts < 0:
+        raise UsageError(f"launch: -n must be >= 1 and --max-restarts >= 0, got -n {args.np} "
+                         f"--max-restarts {args.max_restarts}")
+    if args.max_restarts and not {"--checkpoint-dir", "--config"} & {
+            t.split("=")[0] for t in args.job}:
+        raise UsageError("launch --max-restarts needs train --checkpoint-dir DIR (a restart "
+                         "resumes from it); give one, or --max-restarts 0")
+    state = {"proc": None, "signalled": None}
+
+    def forward(signum, frame):
+        state["signalled"] = state["signalled"] or signum
+        if state["proc"] is not None and state["proc"].poll() is None:
+            state["proc"].send_signal(signum)
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+
+    restarts = 0
+    while True:
+        argv = job_command(args, restart=restarts > 0)
+        _say(f"starting: {shlex.join(argv)}")
+        rc, tail = run_once(argv, state)
+        if rc == 0 or state["signalled"]:
+            if state["signalled"]:
+                _say(f"stopped on {signal.Signals(state['signalled']).name}: exit code {rc}")
+            return rc if rc >= 0 else 128 - rc
+        why = cause(rc, tail) if rc != PREEMPTED else \
+            "exit code 75: a rank was asked to stop and saved a checkpoint"
+        if restarts >= args.max_restarts:
+            _say(f"job ended ({why}); no restart left of {args.max_restarts}")
+            return rc if rc >= 0 else 128 - rc
+        restarts += 1
+        _say(f"job ended ({why}); restart {restarts} of {args.max_restarts} with --resume auto")
+
+
+def _say(text) -> None:
+    print(f"{PROG} launch: {text}", file=sys.stderr, flush=True)
+
+
+__all__ = ["add_launch_arguments", "cause", "job_command", "run_launch", "without_resume"]

@@ -1,0 +1,107 @@
+"""`python -m mpishard launch` (cli/launch.py): a rank SIGKILLed mid-run, one restart with
+--resume auto, and the run ends exactly where an uninterrupted one ends (float64, bit for bit);
+its command line, its causes and its refusals.
+
+Serial tests: the supervisor starts its own `mpiexec -n 2` jobs.
+"""
+import json
+import signal
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT, mpiexec, run_mpi
+from mpishard.cli import main
+from mpishard.cli.launch import cause, job_command, without_resume
+from running_job import RunningJob, train_steps
+
+STEPS, EVERY, KILL_AT = 500, 50, 120
+ARGS = ["--dataset", "synthetic-regression", "--model", "16,64,64,1", "--n-train", "2048",
+        "--batch", "64", "--steps", str(STEPS), "--dtype", "float64", "--log-every", "1",
+        "--no-progress", "--log-level", "WARNING"]
+
+
+def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
+    ref = tmp_path / "reference.json"
+    proc = run_mpi(2, "-m", "mpishard", "train", *ARGS, "--metrics-json", ref, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = json.loads(ref.read_text())
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
+    job = RunningJob([sys.executable, "-m", "mpishard", "launch", "-n", "2", "--max-restarts",
+                      "2", "--launcher", mpiexec(), "--", "train", *ARGS, "--checkpoint-dir",
+                      ckpt, "--checkpoint-every", EVERY, "--metrics-json", metrics],
+                     marker=str(ckpt), cwd=ROOT)
+    seen = job.wait_for_step(tmp_path / "ckpt.metrics.jsonl", KILL_AT)
+    killed = job.signal(signal.SIGKILL, ranks=[1])
+    rc, out = job.finish(timeout=300, killed=True)
+    lines = [s for s in out.splitlines() if s.startswith("mpishard launch:")]
+    print(f"killed rank 1 (pid {killed[0]}) at step {seen}\n" + "\n".join(lines))
+    assert rc == 0, out[-3000:]
+    restarts = [s for s in lines if "job ended" in s]
+    assert len(restarts) == 1 and "restart 1 of 2 with --resume auto" in restarts[0], lines
+    assert f"pid {killed[0]}" in restarts[0] or "aborted" in restarts[0], restarts
+    starts = [s for s in lines if "starting:" in s]
+    assert len(starts) == 2 and starts[1].endswith("--resume auto")
+    assert "--resume" not in starts[0]
+    got = json.loads(metrics.read_text())
+    assert got["loss_history"] == reference["loss_history"]           # bit for bit
+    assert got["final_loss"] == reference["final_loss"]
+    assert train_steps(tmp_path / "ckpt.metrics.jsonl") == list(range(1, STEPS + 1))
+
+
+def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
+    """A batch script's SIGTERM (or USR1) goes to `launch`, which forwards it to the launcher:
+    the ranks save and exit 75, and launch exits 75 without relaunching (requeue the job)."""
+    ckpt = tmp_path / "ckpt"
+    job = RunningJob([sys.executable, "-m", "mpishard", "launch", "-n", "2", "--", "train",
+                      *ARGS, "--checkpoint-dir", ckpt], marker=str(ckpt), cwd=ROOT)
+    seen = job.wait_for_step(tmp_path / "ckpt.metrics.jsonl", 50)
+    job.proc.send_signal(signal.SIGTERM)
+    rc, out = job.finish(timeout=120)
+    lines = [s for s in out.splitlines() if s.startswith("mpishard")]
+    print(f"SIGTERM to launch at step {seen}\n" + "\n".join(lines))
+    assert rc == 75, out[-3000:]
+    assert [s for s in lines if "stopped by SIGTERM" in s], lines
+    assert lines[-1] == "mpishard launch: stopped on SIGTERM: exit code 75"
+    assert len([s for s in lines if "starting:" in s]) == 1
+    assert json.loads((ckpt / "index.json").read_text())["step"] >= seen
+
+
+def test_job_command_adds_mpi4py_and_replaces_resume():
+    args = SimpleNamespace(np=4, launcher="srun --mpi=pmi2",
+                           job=["train", "--resume", "/old", "--checkpoint-dir", "c"])
+    assert job_command(args, restart=False) == [
+        "srun", "--mpi=pmi2", "-n", "4", sys.executable, "-m", "mpi4py", "-m", "mpishard",
+        "train", "--resume", "/old", "--checkpoint-dir", "c"]
+    assert job_command(args, restart=True)[-5:] == ["train", "--checkpoint-dir", "c",
+                                                    "--resume", "auto"]
+    assert without_resume(["train", "--resume", "--steps", "3", "--resume=x"]) == \
+        ["train", "--steps", "3"]
+
+
+def test_cause_names_the_rank_and_signal():
+    hydra = ["=" * 83, "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+             "=   PID 4242 RUNNING AT node7", "=   EXIT CODE: 9", "=   CLEANING UP REMAINING "
+             "PROCESSES", "=" * 83, "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed "
+             "(signal 9)"]                          # MPICH 4's hydra, a rank SIGKILLed
+    assert cause(9, hydra) == "exit code 9; a rank (pid 4242 on node7) ended: exit code 9, " \
+        "Killed (signal 9)"
+    assert cause(143, ["Abort(2753) on node 0 (rank 0 in comm 448): Fatal error"]) == \
+        "exit code 143 (signal SIGTERM); rank 0 aborted (MPICH: a peer it was communicating " \
+        "with was lost)"
+    assert cause(1, ["mpishard: error: CollectiveTimeout: late (rank 3)"]) == \
+        "exit code 1; rank 3: CollectiveTimeout: late"
+    assert cause(137, []) == "exit code 137 (signal SIGKILL)"
+    assert cause(-15, []) == "exit code -15 (the launcher killed by SIGTERM)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "-n", "2", "--", "train", "--steps", "3"], "needs train --checkpoint-dir"),
+    (["launch", "-n", "0", "--max-restarts", "0", "--", "train"], "-n must be >= 1"),
+    (["launch", "-n", "2"], "give the command after --"),
+])
+def test_launch_refuses(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
