@@ -111,7 +111,7 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None):
             lse = m[..., 0, :] + xp.log(denom)
     b, h, tq, dh = q.shape
     out = xp.empty((b, tq, h, dh), dtype=q.dtype).transpose(0, 2, 1, 3)
-    xp.matmul(_t(p), v, out=out)                             # 'bhst,bhsd->bhtd' (p, v)
+    fused.matmul_tn(xp, p, v, out=out)                       # 'bhst,bhsd->bhtd' (p, v)
     return (out, lse, p) if keep_probs else (out, lse)
 
 
@@ -157,7 +157,7 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     row = xp.einsum("bthd,bthd->bht", dout.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3))
     row *= scale                                             # sum_d dout * out / sqrt Dh
     fused.softmax_grad_t(xp, ds, row, p)                     # ds^T / sqrt Dh = (ds - row) p
-    dq = xp.matmul(_t(ds), k, out=dq)                        # 'bhts,bhsd->bhtd' (ds, k)
+    dq = fused.matmul_tn(xp, ds, k, out=dq)                  # 'bhts,bhsd->bhtd' (ds, k)
     dk = xp.matmul(ds, q, out=dk)                            # 'bhst,bhtd->bhsd' (ds^T, q)
     return dq, dk, dv
 

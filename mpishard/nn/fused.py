@@ -16,14 +16,17 @@ every product and sum rounds as the xp op does):
                                   visible half and one write, instead of ~11 full passes
                                   (mask add, max halvings, subtract, exp, sum, scale).
     softmax_grad_t(ds, row, p)    ds = (ds - row) p in place (attention backward), one pass.
+    matmul_tn(a, b)               a^T b of batched matrices without cupy's copy of a^T (the
+                                  attention's p^T v and ds^T k: 2 x 400 MB copies per layer).
     gelu(z)                       (y, dy/dz) of functional.gelu_forward, one pass, not ~15.
     cross_entropy(y2, t)          (value, dy) of losses.CrossEntropy: row max, sum of
                                   exp(y - m), then dy = (exp((y - m) - log s) - onehot) / N in
                                   one pass: 4 passes over the logits instead of ~11.
 
-The sums run in another order than cupy's matmul-with-ones / reduction, so a fused result
-equals the xp-op one to rounding (tests/gpu: rtol 1e-12 in float64), not bit for bit; every
-other operation is the same. `use(xp)`: only on cupy, and only while the environment variable
+The sums run in another order than cupy's matmul-with-ones / reduction (and matmul_tn's GEMM
+is cuBLAS's on the transposed problem), so a fused result equals the xp-op one to rounding
+(tests/nn/test_fused.py: rtol 1e-12 in float64), not bit for bit; every other operation is
+the same. `use(xp)`: only on cupy, and only while the environment variable
 MPISHARD_FUSED is not "0" (read at each call, so one process can time both). On numpy and any
 other array module the callers run their xp ops unchanged.
 """
@@ -122,6 +125,22 @@ def softmax_grad_t(xp, ds, row, p):
     ds -= row[..., None, :]
     ds *= p
     return ds
+
+
+def matmul_tn(xp, a, b, out=None):
+    """'...ji,...jk->...ik' (a^T b over the last two axes), into `out` when given.
+
+    cupy's batched matmul makes every operand C-contiguous first, so xp.matmul(a^T, b) copies
+    the transposed (B, H, T, T) a (a strided 400 MB copy per call at GPT size) before the
+    GEMM. With `use(xp)` it runs as (b^T a)^T instead: a is read as it lies and only the
+    (B, H, T, Dh) b^T and result are copied; the same products, summed in cuBLAS's order."""
+    if not use(xp):
+        return xp.matmul(a.swapaxes(-1, -2), b, out=out)
+    r = xp.matmul(b.swapaxes(-1, -2), a).swapaxes(-1, -2)
+    if out is None:
+        return r
+    out[...] = r
+    return out
 
 
 def gelu(xp, z):
