@@ -150,6 +150,26 @@ def test_adamw_steps_keep_the_copies_equal(ranks, layout):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["pp=2", "fsdp=2,pp=2,zero=1"])
+def test_gradient_accumulation_sums_the_copies_once(layout):
+    """Two accumulated micro-steps (sync=False, then sync=True): the sum over the copies
+    happens at the sync and gives single's accumulated gradient (rtol 1e-9)."""
+    ranks = 2 if layout == "pp=2" else 4
+    model = make_gpt()
+    params, x, t = make_case(model)
+    grads = []
+    for comm in (None, group_comm(ranks)):
+        engine = ms.SingleDevice(model) if comm is None else \
+            ms.make_engine(model, layout, comm=comm)
+        engine.load_checkpoint(params)
+        for i, (xs, ts) in enumerate(((x[:4], t[:4]), (x[4:], t[4:]))):
+            g = engine.train_step(engine.shard_batch(xs), engine.shard_batch(ts), CE,
+                                  accumulate=i > 0, sync=i == 1, grad_scale=0.5)[1]
+        grads.append(engine.gather_grads(g))
+    assert_dicts_close(grads[1], grads[0], what=f"{layout} accumulated")
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("layout", ["pp=2", "pp=2,recompute=1"])
 def test_bfloat16_copies_stay_equal(layout):
     """Mixed precision (bfloat16 parameters and gradient traffic, float32 math and masters):
