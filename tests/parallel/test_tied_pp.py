@@ -6,6 +6,8 @@ steps with clipping, one embed/tokens in gather_params and checkpoints, pp <-> s
 MPI tests: `mpiexec -n N python -m mpi4py -m pytest -m mpi tests/parallel/test_tied_pp.py`
 for N in 2 and 4 (a k-rank layout runs on `group_comm(k)`).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -201,6 +203,9 @@ def test_checkpoints_reshard_between_pp_and_single(tmp_path_factory):
     full = engine.gather_params()
     saved = ms.checkpoint.load(f"{path}/pp")
     assert set(saved.keys()) == set(model.param_shapes())
+    files = sorted(os.listdir(f"{path}/pp"))
+    assert [f for f in files if f.startswith("param.embed.tokens__")] == \
+        ["param.embed.tokens__0-16_0-16.npy"], files            # one block, not one per copy
     single = ms.SingleDevice(model)
     single_opt = ms.optim.AdamW(single, lr=1e-2)
     ms.checkpoint.restore(f"{path}/pp", single, single_opt)
