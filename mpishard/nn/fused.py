@@ -156,7 +156,8 @@ def cross_entropy(xp, y2, t):
     y2 = xp.ascontiguousarray(y2)
     labels = xp.ascontiguousarray(t.reshape(-1))
     m = y2.max(axis=-1, keepdims=True)
-    logs = xp.log(kernels(xp)["sumexp"](y2, m, axis=-1, keepdims=True))
+    logs = xp.log(kernels(xp)["sumexp"](y2, xp.broadcast_to(m, y2.shape), axis=-1,
+                                        keepdims=True))
     rows = xp.arange(n)
     value = float(-((y2[rows, labels] - m[:, 0]) - logs[:, 0]).mean())
     g = xp.empty_like(y2)
