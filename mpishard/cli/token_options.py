@@ -122,10 +122,11 @@ def validate_lm_args(args, layout):
         raise UsageError("--seq-len applies to --init-from-hf (a --model gpt takes seq_len "
                          "from --gpt)")
     if tokens:
-        for name in ("corpus", "corpus_bytes", "val_fraction"):
+        for name, flag in (("corpus", "--text"), ("corpus_bytes", "--corpus-bytes"),
+                           ("val_fraction", "--val-fraction")):
             if getattr(args, name) is not None:
-                raise UsageError(f"--{name.replace('_', '-')} applies to --dataset text; "
-                                 f"{args.dataset} holds its own tokens and split")
+                raise UsageError(f"{flag} applies to --dataset text; {args.dataset} holds its "
+                                 f"own tokens and split")
     if hf:
         return _validate_hf(args)
     if not tokens:

@@ -125,7 +125,7 @@ def test_flag_checks(root, tmp_path):
         (["--model", "64,10", "--dataset", "digits", "--tokenizer", "bytes"],
          "--tokenizer applies to a language model"),
         (["--model", "gpt", "--seq-len", "8"], "--seq-len applies to --init-from-hf"),
-        (["--dataset", tokens, "--text", "x"], "--corpus applies to --dataset text; tokens:"),
+        (["--dataset", tokens, "--text", "x"], "--text applies to --dataset text; tokens:"),
         (["--dataset", tokens, "--val-fraction", "0.2"], "--val-fraction applies to"),
         (["--dataset", tokens, "--model", "64,10"], "trains --model gpt or --init-from-hf"),
         (["--dataset", tokens, "--model", "gpt", "--gpt", "n_heads=3"], "divisible|divide"),
