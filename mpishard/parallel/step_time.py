@@ -185,11 +185,17 @@ def _gpt_elementwise(view, ops, fixed) -> float:
     scores = view.rows / m * model.n_heads / t * local_tokens(model, layout) * model.seq_len
     ring = layout.option("cp_kind", "ring") == "ring" and layout.size("cp") > 1
     steps = layout.size("cp") if ring else 1     # ring: a block of scores per step, merged
-    block = (2 * op_seconds(ops, "layernorm", seq * d) + op_seconds(ops, "gelu", tokens * f / t)
+    if getattr(model, "kind", "gpt") == "llama":  # SwiGLU: sigmoid and 4 products of (T, F);
+        mlp = op_seconds(ops, "sigmoid", tokens * f / t) + \
+            4 * op_seconds(ops, "pass", tokens * f / t)            # rotary on q, k both ways;
+        extra = 2 * 4 * op_seconds(ops, "pass", tokens * d / t)   # RMSNorm ~ LayerNorm, no bias
+    else:
+        mlp = op_seconds(ops, "gelu", tokens * f / t)
+        extra = (2 * sum(op_seconds(ops, "pass", tokens * w / t) for w in (3 * d, f))  # biases
+                 + 2 * 2 * op_seconds(ops, "pass", seq * d))      # row biases: add, gradient
+    block = (2 * op_seconds(ops, "layernorm", seq * d) + mlp + extra
              + steps * op_seconds(ops, "softmax", scores / steps)
              + (steps - 1) * 6 * op_seconds(ops, "pass", tokens * d / t)      # online merges
-             + 2 * sum(op_seconds(ops, "pass", tokens * w / t) for w in (3 * d, f))  # biases
-             + 2 * 2 * op_seconds(ops, "pass", seq * d)      # row biases: add, gradient
              + 2 * 4 * op_seconds(ops, "pass", tokens * d / t)    # q|k|v|out head splits
              + 4 * op_seconds(ops, "pass", seq * d))         # residual adds, both ways
     block *= (2 + (2 if layout.option("recompute") == "1" else 1)) / 3    # a forward is ~1/3

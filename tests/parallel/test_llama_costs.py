@@ -18,8 +18,10 @@ from mpishard.cli.model_flag import model_from_flag
 from mpishard.cli.usage import UsageError
 from mpishard.parallel.comm_calls import step_calls
 from mpishard.parallel.costs import rank_view
+from mpishard.parallel.step_time import elementwise_seconds, train_elementwise_seconds
 from test_llama_layouts import make_llama
 from test_plan_bench import BATCH, check_step_bytes
+from test_step_time import flat
 
 CASES = [(2, "tp=2", {"n_kv_heads": 1}), (2, "tp=2", {"tied": True}),
          (2, "tp=2,sequence_parallel=1", {"n_kv_heads": 1}), (2, "cp=2", {}),
@@ -73,3 +75,20 @@ def test_plan_inspect_and_bench_know_llama(capsys):
 def test_llama_flag_refuses_bad_keys(spec, match):
     with pytest.raises(UsageError, match=match):
         model_from_flag(spec)
+
+
+def test_step_time_prices_swiglu_and_rotary_not_gelu_and_biases():
+    """A Llama block's element-wise work: sigmoid and four products of (T, F) for SwiGLU,
+    rotary passes, no biases and no GELU (the GPT's)."""
+    model = make_llama(n_layers=1)
+    view = rank_view(model, ms.parse_layout("single"), 0, 8, 4)
+    cal = flat()
+    cal["ops"].update(gelu=[[1.0, 1.0]], sigmoid=[[1.0, 3e-9]])
+    tokens, f, d = 4 * 8, model.d_ff, model.d_model
+    base = elementwise_seconds(view, flat())
+    assert elementwise_seconds(view, cal) == pytest.approx(base + tokens * f * 3e-9, rel=1e-12)
+    cal = flat()
+    cal["ops"].update(**{"pass": [[1.0, 1e-9]]})
+    got = train_elementwise_seconds(view, cal)
+    passes = 4 * tokens * f + 2 * 4 * tokens * d + 2 * 4 * tokens * d + 4 * tokens * d
+    assert got == pytest.approx(passes * 1e-9, rel=1e-12)
