@@ -29,6 +29,7 @@ from .infer import add_infer_arguments, run_infer
 from .launch import add_launch_arguments, run_launch
 from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
+from .plot import add_plot_arguments, run_plot
 from .schedule import add_schedule_arguments, run_schedule_command
 from .tokenize import add_tokenize_arguments, run_tokenize
 from .trace_summary import add_trace_summary_arguments, run_trace_summary
@@ -75,6 +76,8 @@ COMMANDS = {
     "launch": ("run an MPI command under the site's launcher and relaunch it with --resume "
                "auto when it dies (launch -n N [--max-restarts K] [--launcher CMD] -- train "
                "...)", add_launch_arguments, run_launch),
+    "plot": ("loss, validation and throughput curves of train --metrics-jsonl files into a "
+             "PNG, no MPI (plot RUN.jsonl [...] --out FILE.png)", add_plot_arguments, run_plot),
     "tokenize": ("tokenize a corpus into token files for train --dataset tokens:DIR, no MPI "
                  "(tokenize --tokenizer DIR|bytes --text FILE|DIR|GLOB --out DIR)",
                  add_tokenize_arguments, run_tokenize),

@@ -122,7 +122,8 @@ class TensorBoardSink:
         self.logdir, self.writer, self._cls = os.fspath(logdir), None, SummaryWriter
 
     def open(self, step: int) -> None:
-        self.writer = self._cls(self.logdir, purge_step=step + 1 if step else None)
+        self.writer = self._cls(self.logdir, purge_step=step + 1 if step else None,
+                                filename_suffix=f".{os.getpid()}.{time.time_ns()}")
 
     def write(self, record: dict) -> None:
         kind = record["kind"]

@@ -61,6 +61,8 @@ def preempt_and_resume(tmp_path, reference, send):
     assert got["final_loss"] == reference["final_loss"]
     assert got["test_loss"] == reference["test_loss"]
     assert train_steps(jsonl) == list(range(1, STEPS + 1))      # no duplicate step, no gap
+    last = json.loads(jsonl.read_text().splitlines()[-2])          # the last train record
+    assert last["step"] == STEPS and len(last["rss_mib"]) == 2      # both ranks' memory
     return step, out
 
 
