@@ -7,6 +7,10 @@ MPI tests:
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_llama_tp.py`
 for N in 1, 2, 4 (a k-rank layout runs on `group_comm(k)`).
 """
+import os
+import shutil
+import tempfile
+
 import pytest
 from mpi4py import MPI
 
@@ -98,3 +102,29 @@ def test_cached_greedy_generation_under_tp_equals_single(n, layout, kw):
     got = engine.generate(prompts, 10, temperature=0)
     print(f"{layout}: {got}")
     assert got == want
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checkpoint_saved_under_tp_reopens_under_other_layouts():
+    """Saved under tp=2 (vocab 13 padded to 14, kv heads replicated), the checkpoint reopens as
+    the same ms.Llama and loads bit for bit under single, cp=2 and fsdp=2."""
+    comm = group_comm(2)
+    model = make_llama(n_kv_heads=1, tied=True)
+    params = {k: v + 0.01 * i for i, (k, v) in enumerate(model.init(seed=7).items())}
+    engine = ms.make_engine(model, "tp=2", comm=comm)
+    engine.load_checkpoint(params)
+    tmp = comm.bcast(tempfile.mkdtemp(prefix="llama-tp-") if comm.Get_rank() == 0 else None)
+    path = os.path.join(tmp, "ck")
+    ms.checkpoint.save(path, engine, step=1)
+    ck = ms.checkpoint.load(path)
+    assert repr(ck.model()) == repr(model)
+    for layout in ("single", "cp=2", "fsdp=2"):
+        other = ms.SingleDevice(ck.model()) if layout == "single" else \
+            ms.make_engine(ck.model(), layout, comm=comm)
+        other.load_checkpoint(ms.checkpoint.load(path))
+        got = other.gather_params()
+        assert set(got) == set(params) and all((got[k] == params[k]).all() for k in params), \
+            layout
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(tmp)
