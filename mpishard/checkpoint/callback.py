@@ -34,6 +34,7 @@ from ..comm.objects import agree
 from ..train.trainer import Callback, TrainState
 from ..validate import check_number
 from .format import INDEX, CheckpointError, run_captured
+from .async_writer import AsyncSave
 from .restorer import restore_state
 from .storage import latest, preflight, prune, step_dir
 from .writer import save
@@ -47,9 +48,12 @@ class Checkpointer(Callback):
     keep_last=1: `path` is the checkpoint, replaced atomically at each save; keep_last=N > 1:
     one folder per save, `path/step-00000500/`, the N newest complete ones kept (storage.py).
     on_failure: 'stop' (raise the save's CheckpointError, on every rank) or 'continue' (log,
-    count in `failures`, retry at the next interval)."""
+    count in `failures`, retry at the next interval). asynchronous: the interval saves write
+    in a background thread and are finished at a later step boundary (async_writer.py); the
+    final save and `save()` (preemption's) are synchronous, after finishing a pending one."""
 
-    def __init__(self, path, every: int = 0, keep_last: int = 1, on_failure: str = "stop"):
+    def __init__(self, path, every: int = 0, keep_last: int = 1, on_failure: str = "stop",
+                 asynchronous: bool = False):
         self.every = check_number("checkpoint every", every, low=0, integer=True)
         self.keep_last = check_number("keep_last", keep_last, low=1, integer=True)
         if on_failure not in FAILURE_POLICIES:
@@ -57,6 +61,7 @@ class Checkpointer(Callback):
                              f"{on_failure!r}")
         self.path, self.on_failure = os.path.abspath(os.fspath(path)), on_failure
         self.last_saved, self.failures = None, 0
+        self.asynchronous, self.pending = bool(asynchronous), None   # pending: an AsyncSave
 
     def on_train_begin(self, trainer) -> None:
         """Collective: refuse a directory of the other retention kind, then make it (step
@@ -83,6 +88,7 @@ class Checkpointer(Callback):
 
     def save(self, trainer) -> None:
         """Collective save (see the module docstring for what happens when it fails)."""
+        self.complete(trainer)
         st = trainer.state
         try:
             save(self.target(st.step), trainer.engine, trainer.optimizer, st.step,
@@ -90,8 +96,34 @@ class Checkpointer(Callback):
         except CheckpointError as e:
             self.failed(trainer, e)
             return
-        self.last_saved = st.step
-        trainer.log.info("saved checkpoint %s at step %d", self.target(st.step), st.step)
+        self.saved(trainer, st.step)
+
+    def save_async(self, trainer) -> None:
+        """Collective: begin an asynchronous save of this step (async_writer.py)."""
+        self.complete(trainer)
+        st = trainer.state
+        try:
+            self.pending = AsyncSave(self.target(st.step), trainer.engine, trainer.optimizer,
+                                     st.step, resume_extra(trainer))
+        except CheckpointError as e:
+            self.failed(trainer, e)
+
+    def complete(self, trainer) -> None:
+        """Collective: finish the pending asynchronous save, if any (waits for its write)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.finish()
+        except CheckpointError as e:
+            self.failed(trainer, e, pending.step)
+            return
+        self.saved(trainer, pending.step)
+
+    def saved(self, trainer, step) -> None:
+        """The save of `step` is complete: log it, prune old ones."""
+        self.last_saved = step
+        trainer.log.info("saved checkpoint %s at step %d", self.target(step), step)
         if self.keep_last > 1 and trainer.rank == 0:
             gone, err = run_captured(prune, self.path, self.keep_last)
             if err:       # nothing is lost: a folder too many stays on disk
@@ -99,12 +131,13 @@ class Checkpointer(Callback):
             elif gone:
                 trainer.log.info("removed %s", ", ".join(map(os.path.basename, gone)))
 
-    def failed(self, trainer, error) -> None:
+    def failed(self, trainer, error, step=None) -> None:
         self.failures += 1
         kept = (f"the last complete checkpoint (step {self.last_saved}) is intact"
                 if self.last_saved is not None else "nothing was saved by this run; what "
                 f"{self.path} held before is intact")
-        text = f"checkpoint save at step {trainer.state.step} failed: {error}; {kept}"
+        step = trainer.state.step if step is None else step
+        text = f"checkpoint save at step {step} failed: {error}; {kept}"
         if self.on_failure == "stop":
             raise CheckpointError(text) from None
         if trainer.rank == 0:
@@ -112,10 +145,13 @@ class Checkpointer(Callback):
                                 "again)", text, self.failures)
 
     def on_step_end(self, trainer) -> None:
+        if self.pending is not None and self.pending.ready():      # collective
+            self.complete(trainer)
         if self.every and trainer.state.step % self.every == 0:
-            self.save(trainer)
+            self.save_async(trainer) if self.asynchronous else self.save(trainer)
 
     def on_train_end(self, trainer, metrics) -> None:
+        self.complete(trainer)
         if self.last_saved != trainer.state.step:
             self.save(trainer)
         metrics["checkpoint_failures"] = self.failures   # written to the metrics JSON after

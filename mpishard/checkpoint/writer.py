@@ -169,19 +169,20 @@ def _write_index(path, tmp, index) -> None:
         shutil.rmtree(old)
 
 
-def _write_blocks(engine, tmp, descs, todo) -> tuple:
-    """Write the blocks `todo` (indices into `descs`) into `tmp`, durably, and hash them.
-    Returns (None or this rank's error message, [(index, file, sha256, bytes), ...])."""
+def write_blocks(rank, tmp, descs, todo, to_host) -> tuple:
+    """Write the blocks `todo` (indices into `descs`) into `tmp`, durably, and hash them
+    (`to_host(arr)`: the host array of a block). No MPI call: async_writer.py runs it in a
+    thread. Returns (None or this rank's error message, [(index, file, sha256, bytes), ...])."""
     written = []
     try:
         for i in todo:
             kind, name, key, region, arr, _ = descs[i]
             fname = _file_name(kind, name, key, region)
             full = os.path.join(tmp, fname)
-            write_block(full, np.ascontiguousarray(engine.backend.to_host(arr)))
+            write_block(full, np.ascontiguousarray(to_host(arr)))
             written.append((i, fname, sha256_file(full), os.path.getsize(full)))
     except Exception as e:
-        return f"rank {engine.comm.rank()}: {type(e).__name__}: {e}", written
+        return f"rank {rank}: {type(e).__name__}: {e}", written
     return None, written
 
 
@@ -190,7 +191,17 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
 
     Each rank writes only the blocks it is the first holder of; rank 0 writes the index last
     and swaps the new directory in (see this module's docstring). `extra` (rank 0's) is any
-    JSON-able dict, e.g. the data position and RNG state. Returns the path."""
+    JSON-able dict, e.g. the data position and RNG state. Returns the path. In three parts:
+    `begin` (who writes what), `write_blocks` (no MPI: async_writer.py runs it in a thread on
+    host copies), `finish` (the verdict, the index, the swap)."""
+    plan = begin(path, engine, optimizer, step, extra)
+    return finish(plan, write_blocks(plan["rank"], plan["tmp"], plan["descs"], plan["todo"],
+                                      engine.backend.to_host))
+
+
+def begin(path, engine, optimizer=None, step=0, extra=None) -> dict:
+    """Collective, the part of `save` before any block is written: checks, the fresh tmp
+    directory, who writes what. Returns the plan `finish` needs (dict)."""
     comm, what = engine.comm, "checkpoint save"
     rank = comm.rank()
     path = os.path.abspath(os.fspath(path))
@@ -225,16 +236,23 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(err)
+    hyper = _optimizer_hyper(optimizer) if optimizer is not None and rank == 0 else None
+    return {"engine": engine, "optimizer": optimizer, "path": path, "tmp": tmp, "rank": rank,
+            "step": step, "extra": extra, "descs": descs, "todo": todo, "owners": owners,
+            "hyper": hyper}
 
-    # 2. write my blocks, durably, and hash them
-    results = gather_json(comm, _write_blocks(engine, tmp, descs, todo), what)
 
-    # 3. rank 0: the index, last, then the swap
+def finish(plan, written) -> str:
+    """Collective, the part of `save` after the blocks are written (`written`: this rank's
+    `write_blocks` result): every rank's verdict, then rank 0 writes the index and swaps."""
+    engine, path, tmp, rank = plan["engine"], plan["path"], plan["tmp"], plan["rank"]
+    comm, what = engine.comm, "checkpoint save"
+    results = gather_json(comm, written, what)
+    err = None
     if rank == 0:
         err = next((e for e, _ in results if e is not None), None)
         if err is None:       # inside run_captured: an error here must reach the other ranks too
-            index, err = run_captured(_make_index, engine, optimizer, step, extra, results,
-                                      owners)
+            index, err = run_captured(_make_index, engine, plan, results)
         if err is None:
             _, err = run_captured(_write_index, path, tmp, index)
         if err is not None:
@@ -243,8 +261,10 @@ def save(path, engine, optimizer=None, step=0, extra=None) -> str:
     return path
 
 
-def _make_index(engine, optimizer, step, extra, results, owners) -> dict:
-    """Rank 0: the index.json dict from every rank's written files and the block owners."""
+def _make_index(engine, plan, results) -> dict:
+    """Rank 0: the index.json dict from every rank's written files and the block owners (the
+    optimizer's hyperparameters as they were at `begin`)."""
+    optimizer, step, extra, owners = (plan[k] for k in ("optimizer", "step", "extra", "owners"))
     files, where = {}, {}
     for rank, (_, written) in enumerate(results):
         for i, fname, sha, nbytes in written:
@@ -264,7 +284,7 @@ def _make_index(engine, optimizer, step, extra, results, owners) -> dict:
     optimizer_entry = None
     if optimizer is not None:
         optimizer_entry = {"type": type(optimizer).__name__,
-                           "hyperparameters": _optimizer_hyper(optimizer), "state": opt_state}
+                           "hyperparameters": plan["hyper"], "state": opt_state}
     return {"format": FORMAT, "version": VERSION, "model": model_spec(engine.model),
             "layout": engine.layout.text, "world_size": engine.num_devices, "step": int(step),
             "extra": extra, "tensors": {n: tensors[n] for n in engine.full_shapes},

@@ -28,6 +28,7 @@ from ..train.trainer import Trainer, configure_logging, summary_table
 from .cluster_options import (CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
                               resume_source, validate_cluster_args)
+from .flight_options import FLIGHT_DEFAULTS, add_flight_arguments, add_flight_callbacks
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
                           validate_gpt_args)
 from .model_flag import joined_gpt_spec
@@ -62,7 +63,7 @@ TRAIN_DEFAULTS = {
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
-    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **CLUSTER_DEFAULTS,
+    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **CLUSTER_DEFAULTS, **FLIGHT_DEFAULTS,
 }
 DEFAULT_EPOCHS = 10
 
@@ -140,6 +141,7 @@ def add_train_arguments(p):
     c("--checkpoint-failures", choices=FAILURE_POLICIES, help="a save that fails mid-run: "
       "stop the run (exit 2, default) or continue training and retry at the next interval")
     add_resume_argument(c)
+    add_flight_arguments(r, c)          # --flight-dir, --checkpoint-async (flight_options.py)
     p.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file whose "
                    "keys mirror the flags (model = \"64,128,10\", no-progress = true, ...); "
                    "flags given on the command line win")
@@ -354,6 +356,7 @@ def build_training(args, comm=None):
         resume(trainer, resume_source(args))      # collective; the same error everywhere
     add_trace_callback(args, trainer)
     add_cluster_callbacks(args, trainer, saver)   # metrics stream; SIGTERM/SIGUSR1 -> exit 75
+    add_flight_callbacks(args, trainer, saver)    # flight dumps, straggler line, async saves
     return trainer
 
 

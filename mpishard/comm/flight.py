@@ -175,6 +175,8 @@ class FlightRecorder:
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
             os.replace(stacks + ".tmp", stacks)
+            if not again:                   # the job is ending: no empty fatal file left
+                self.close_fatal()
             return path
         except OSError:
             return None

@@ -1,0 +1,84 @@
+"""Stragglers: a rank that is consistently the last to arrive at the collectives.
+
+From the flight recorder's events (flight.py): for one collective, no member leaves before the
+last one has arrived, and the members leave at about the same moment, so member r's wait
+w_r = exit_r - enter_r is how long before the last arrival it came: the last to arrive waited
+least. Only durations on each rank's own clock are used (no clocks compared between ranks).
+Per collective that every member of its group completed in the window: the last rank (the
+least wait) and its margin, the second-least wait minus the least (how long after the
+previous member it came).
+
+Rule: a rank stands out when it took part in at least MIN_CALLS collectives of the window with
+one other member or more, was last in at least SHARE of them, and its median margin is at
+least MIN_MARGIN seconds. Then one line, `rank 3 arrived last in 87% of collectives (52 of 60),
+median +41 ms`; nothing when no rank stands out (a balanced job has each member last in about
+1/size of them: with 2 ranks about half). The window is the events recorded since the last
+report that the ring still holds (flight.EVENTS per rank).
+
+`report(comm, recorder, since)` is collective (one gather of control data to rank 0, bounded
+by the engine's timeout: objects.py); the Trainer calls it every --log-every steps
+(cli/flight_options.py).
+"""
+from __future__ import annotations
+
+import statistics
+
+from .objects import gather_json
+
+SHARE = 0.75          # last in at least this fraction of its collectives
+MIN_CALLS = 8         # collectives of the window it took part in, at least
+MIN_MARGIN = 1e-3     # seconds: its median margin, at least
+
+
+def waits(recorder, since: float) -> list:
+    """[group name, group ranks, sequence number, wait] of this rank's collectives on groups
+    of two or more that entered after `since` (wall clock) and completed."""
+    out = []
+    for e in recorder.events():
+        ranks = recorder.table[e["group"]]["ranks"]
+        if e["peer"] is None and e["exit"] is not None and e["enter"] > since and len(ranks) > 1:
+            out.append([recorder.table[e["group"]]["name"], ranks, e["seq"],
+                        e["exit"] - e["enter"]])
+    return out
+
+
+def last_arrivals(per_rank) -> tuple:
+    """From every rank's (COMM_WORLD rank, `waits` list): ({rank: collectives it took part
+    in}, {rank: [margin of each collective it was last in]}), over the collectives every
+    member reported."""
+    calls: dict = {}
+    for rank, rows in per_rank:
+        for name, ranks, seq, wait in rows:
+            calls.setdefault((name, tuple(ranks), seq), {})[rank] = wait
+    taken, last = {}, {}
+    for (_, ranks, _), seen in calls.items():
+        if set(seen) != set(ranks):
+            continue                 # a member's ring no longer holds it, or it is not done
+        order = sorted(seen, key=seen.get)
+        for r in ranks:
+            taken[r] = taken.get(r, 0) + 1
+        last.setdefault(order[0], []).append(seen[order[1]] - seen[order[0]])
+    return taken, last
+
+
+def straggler(per_rank):
+    """The line of the module docstring for the rank that stands out, or None."""
+    taken, last = last_arrivals(per_rank)
+    found = []
+    for rank, margins in last.items():
+        n, share = taken[rank], len(margins) / taken[rank]
+        margin = statistics.median(margins)
+        if n >= MIN_CALLS and share >= SHARE and margin >= MIN_MARGIN:
+            found.append((share, rank, len(margins), n, margin))
+    if not found:
+        return None
+    share, rank, k, n, margin = max(found)
+    return (f"rank {rank} arrived last in {share:.0%} of collectives ({k} of {n}), "
+            f"median +{margin * 1e3:.0f} ms")
+
+
+def report(comm, recorder, since: float):
+    """Collective: the straggler line on rank 0 (None elsewhere, and when none stands out)."""
+    mine = [recorder.rank, waits(recorder, since)] if recorder is not None else [-1, []]
+    gathered = gather_json(comm, mine, "straggler report")
+    return straggler(gathered) if gathered is not None else None
