@@ -131,12 +131,14 @@ def test_every_documented_command_parses():
     assert not bad
 
 
-def test_resume_takes_no_argument_anywhere():
-    """`--resume` continues from --checkpoint-dir; prose must not show it with a directory."""
+def test_resume_shows_no_literal_directory():
+    """`--resume` (from --checkpoint-dir), `--resume auto` or `--resume PATH`: prose must not
+    show it with a literal directory, which reads as the old directory-taking form."""
     for page in PAGES:
         for code in re.findall(r"`([^`\n]+)`", page.read_text()):
             m = re.search(r"--resume\s+(\S+)", code)
-            assert not m or m.group(1).startswith("-"), f"{page.name}: `{code}`"
+            assert not m or m.group(1).startswith("-") or m.group(1) in ("auto", "PATH"), \
+                f"{page.name}: `{code}`"
 
 
 def test_documented_jobs_have_the_ranks_their_layout_needs():
