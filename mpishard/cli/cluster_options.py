@@ -97,18 +97,22 @@ def add_cluster_callbacks(args, trainer, saver) -> None:
     if sinks:
         trainer.callbacks.append(MetricsStream(sinks, saver))
     if saver is not None:
-        trainer.callbacks.append(Preemption(StopFlag.install(), saver,
-                                            args.preempt_check_every))
+        trainer.callbacks.append(Preemption(StopFlag(), saver, args.preempt_check_every))
 
 
 def fit_or_preempted(trainer, args):
-    """trainer.fit(); None after an agreed preemption stop (rank 0 printed why)."""
+    """trainer.fit(); None after an agreed preemption stop (rank 0 printed why). The stop
+    signals' handlers are this run's only while it runs (an in-process caller keeps its own)."""
     try:
         return trainer.fit(metrics_path=args.metrics_json)
     except Preempted as stop:
         if world_rank() == 0:
             print(f"{PROG}: {stop}", file=sys.stderr, flush=True)
         return None
+    finally:
+        for cb in trainer.callbacks:
+            if isinstance(cb, Preemption):
+                cb.flag.restore()
 
 
 __all__ = ["AUTO", "CLUSTER_DEFAULTS", "PREEMPTED_EXIT", "add_cluster_callbacks",

@@ -1,7 +1,6 @@
 """Preemption: SIGTERM/SIGUSR1 become one agreed stop at a step boundary, after a checkpoint.
 
-    flag = StopFlag.install()                      # the handlers only set flag.signum
-    trainer.callbacks += [checkpointer, Preemption(flag, checkpointer, every=1)]
+    trainer.callbacks += [checkpointer, Preemption(StopFlag(), checkpointer, every=1)]
     try:
         trainer.fit()
     except Preempted as stop:                      # raised on every rank alike
@@ -53,20 +52,24 @@ class Preempted(Exception):
 
 class StopFlag:
     """The signal a stop was asked with (0: none). `install` makes SIGTERM and SIGUSR1 set it
-    (main thread only, as Python requires); the handler does nothing else."""
+    (main thread only, as Python requires; the handler does nothing else), `restore` puts the
+    previous handlers back (idempotent)."""
 
-    def __init__(self):
-        self.signum = 0
+    def __init__(self, signals=STOP_SIGNALS):
+        self.signum, self.signals, self.previous = 0, tuple(signals), {}
 
     def _handler(self, signum, frame):
         self.signum = self.signum or signum      # the first signal names the stop
 
-    @classmethod
-    def install(cls, signals=STOP_SIGNALS) -> "StopFlag":
-        flag = cls()
-        for signum in signals:
-            signal.signal(signum, flag._handler)
-        return flag
+    def install(self) -> "StopFlag":
+        for signum in self.signals:
+            self.previous.setdefault(signum, signal.signal(signum, self._handler))
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous.clear()
 
 
 def any_rank(comm, value: int, what: str = "preemption check") -> int:
@@ -79,14 +82,22 @@ def any_rank(comm, value: int, what: str = "preemption check") -> int:
 
 
 class Preemption(Callback):
-    """Trainer callback: every `every` steps, agree on the StopFlag; on a stop, save through
-    `saver` (an object with `save(trainer)` and `last_saved`, the Checkpointer; None: no
-    checkpoint) and raise Preempted on every rank."""
+    """Trainer callback: from the start of `fit` to its end the StopFlag's handlers are
+    installed; every `every` steps the ranks agree on it; on a stop, save through `saver` (an
+    object with `save(trainer)` and `last_saved`, the Checkpointer; None: no checkpoint),
+    restore the handlers and raise Preempted on every rank. A caller that catches other
+    exceptions out of `fit` calls `flag.restore()` itself."""
 
     def __init__(self, flag: StopFlag, saver=None, every: int = 1):
         if int(every) < 1:
             raise ValueError(f"preemption check every must be >= 1 step, got {every}")
         self.flag, self.saver, self.every = flag, saver, int(every)
+
+    def on_train_begin(self, trainer) -> None:
+        self.flag.install()
+
+    def on_train_end(self, trainer, metrics) -> None:
+        self.flag.restore()
 
     def on_step_end(self, trainer) -> None:
         step = trainer.state.step
@@ -100,6 +111,7 @@ class Preemption(Callback):
             if self.saver.last_saved != step:
                 self.saver.save(trainer)             # collective, crash-safe (writer.py)
             saved = self.saver.last_saved == step
+        self.flag.restore()
         raise Preempted(signum, step, saved)
 
 
