@@ -71,8 +71,9 @@ def exactness(emit, timeout):
            str(HERE.parent / "tests" / "nn" / "test_fused.py")]
     t0 = time.perf_counter()
     try:
-        env = {k: v for k, v in os.environ.items()       # its own MPI, not this rank's job
-               if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_"))}
+        env = {k: v for k, v in os.environ.items()       # its own MPI, not this rank's job;
+               if k.startswith(("OMPI_MCA_", "PMIX_MCA_"))     # the site's MCA settings stay
+               or not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_"))}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               cwd=HERE.parent, env=env)
         ok, tail = proc.returncode == 0, (proc.stdout + proc.stderr).strip().splitlines()[-15:]
