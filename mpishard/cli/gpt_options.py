@@ -6,8 +6,10 @@
 `--gpt` keys: d_model, n_heads, n_layers, seq_len, d_ff (default 4 d_model) and tied (0/1);
 a key left out takes its value from DEFAULT_GPT. The vocabulary is the data set's (256 bytes,
 train/text.py). In a --config file, `gpt = "d_model=128,..."` or a `[gpt]` table of the same
-keys. Everything here is checked without MPI and the same on every rank; only the corpus read
-(in `gpt_model_and_data`, inside train's `agreed`) touches files.
+keys. `--model llama:KEY=VALUE,...` trains an ms.Llama the same way (the same keys and
+n_kv_heads, rope_theta, norm_eps; DEFAULT_LLAMA). Everything here is checked without MPI and
+the same on every rank; only the corpus read (in `gpt_model_and_data`, inside train's
+`agreed`) touches files.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from .usage import UsageError, check_flags
 
 TEXT_DATASET = "text"
 DEFAULT_GPT = {k: v for k, v in model_flag.GPT_DEFAULTS.items() if k != "vocab"}
+DEFAULT_LLAMA = {k: v for k, v in model_flag.LLAMA_DEFAULTS.items() if k != "vocab"}
+LANGUAGE_MODELS = ("gpt", "llama")    # --model gpt (or gpt:...) and --model llama:...
 TEXT_FLAGS = ("corpus", "corpus_bytes", "val_fraction", "train_stride")
 # --clip when not given for a GPT: global-norm clipping at 1.0, GPT-2/nanoGPT practice (the
 # GPT of docs/training.md reaches a lower validation loss with it, as PyTorch does on the same
@@ -57,27 +61,28 @@ def gpt_spec_text(table: dict) -> str:
                     if v is not None)
 
 
-def parse_gpt_spec(text) -> dict:
-    """--gpt text -> {key: int} over DEFAULT_GPT (model_flag.parse_gpt_spec's checks); the
-    vocabulary is the data set's, so a vocab key is refused."""
+def parse_gpt_spec(text, llama=False) -> dict:
+    """--gpt text -> {key: int} over DEFAULT_GPT, or DEFAULT_LLAMA for `--model llama:...`
+    (model_flag.parse_gpt_spec's checks); the vocabulary is the data set's, so a vocab key is
+    refused."""
     keys = [item.partition("=")[0].strip() for item in str(text or "").split(",")]
     if {"vocab", "vocab_size"} & set(keys):
         raise UsageError(f"--gpt: train takes the vocabulary from the data set ({BYTE_VOCAB} "
                          f"bytes); leave vocab out")
-    return model_flag.parse_gpt_spec(text, DEFAULT_GPT)
+    return model_flag.parse_gpt_spec(text, DEFAULT_LLAMA if llama else DEFAULT_GPT)
 
 
 def validate_gpt_args(args, layout):
     """For --model gpt or --dataset text: the GPT spec (vocabulary BYTE_VOCAB) after checking
     the flags and that the layout fits it; None for a table data set and an MLP (after
     checking that no text-only flag was given). Raises UsageError; no MPI."""
-    if args.model != "gpt" and args.dataset != TEXT_DATASET:
+    if args.model not in LANGUAGE_MODELS and args.dataset != TEXT_DATASET:
         for name in TEXT_FLAGS + ("gpt",):
             if getattr(args, name) is not None:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError(f"{flag} applies to --model gpt on --dataset text only")
         return None
-    if args.model != "gpt" or args.dataset != TEXT_DATASET:
+    if args.model not in LANGUAGE_MODELS or args.dataset != TEXT_DATASET:
         raise UsageError(f"--dataset text trains --model gpt (got --dataset {args.dataset} "
                          f"and --model {args.model})")
     if args.loss not in (None, "cross_entropy"):
@@ -85,11 +90,12 @@ def validate_gpt_args(args, layout):
                          f"cross_entropy (the mean over every token)")
     check_flags(args, ("corpus_bytes", "train_stride"), low=0, low_open=True)
     check_flags(args, ("val_fraction",), low=0, high=1, low_open=True)
-    spec = parse_gpt_spec(args.gpt)
+    spec = parse_gpt_spec(args.gpt, llama=args.model == "llama")
     try:
-        model = GPT(vocab_size=BYTE_VOCAB, seq_len=spec["seq_len"], d_model=spec["d_model"],
-                    n_heads=spec["n_heads"], n_layers=spec["n_layers"], d_ff=spec["d_ff"],
-                    tied=bool(spec["tied"]))
+        model = model_flag.llama_from_spec(spec, BYTE_VOCAB) if args.model == "llama" else \
+            GPT(vocab_size=BYTE_VOCAB, seq_len=spec["seq_len"], d_model=spec["d_model"],
+                n_heads=spec["n_heads"], n_layers=spec["n_layers"], d_ff=spec["d_ff"],
+                tied=bool(spec["tied"]))
         check_gpt_layout(model, layout)
         assign_stages(model, layout)
     except ValueError as exc:
@@ -108,9 +114,7 @@ def gpt_model_and_data(args, spec: GPT):
                             args.val_fraction or DEFAULT_VAL_FRACTION, args.train_stride)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--text: {exc}") from None
-    model = GPT(vocab_size=data.n_classes, seq_len=spec.seq_len, d_model=spec.d_model,
-                n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff, tied=spec.tied)
-    return model, data
+    return model_flag.with_vocab(spec, data.n_classes), data
 
 
 def log_corpus(log: logging.Logger, data) -> None:
@@ -124,7 +128,8 @@ def log_corpus(log: logging.Logger, data) -> None:
                  "loss", c["best_loss"])
 
 
-__all__ = ["DEFAULT_GPT", "DEFAULT_GPT_CLIP", "GPT_SCHEDULE_DEFAULTS", "TEXT_DATASET",
+__all__ = ["DEFAULT_GPT", "DEFAULT_GPT_CLIP", "DEFAULT_LLAMA", "LANGUAGE_MODELS",
+           "GPT_SCHEDULE_DEFAULTS", "TEXT_DATASET",
            "add_gpt_arguments",
            "gpt_model_and_data", "gpt_spec_text", "log_corpus", "parse_gpt_spec",
            "validate_gpt_args"]

@@ -15,6 +15,8 @@ full-length sequences (T = seq_len) and counts a batch row as one sequence.
 """
 from __future__ import annotations
 
+import inspect
+
 from ..nn.gpt import GPT
 from ..nn.llama import Llama
 from ..nn.models import MLP
@@ -83,15 +85,28 @@ def gpt_from_spec(spec: dict, vocab_size=None) -> GPT:
                d_ff=spec["d_ff"], tied=bool(spec["tied"]))
 
 
+def llama_from_spec(t: dict, vocab_size=None) -> Llama:
+    """ms.Llama of a parse_gpt_spec table over LLAMA_DEFAULTS (vocab_size: instead of the
+    table's vocab)."""
+    return Llama(vocab_size=vocab_size or t["vocab"], seq_len=t["seq_len"],
+                 d_model=t["d_model"], n_heads=t["n_heads"], n_layers=t["n_layers"],
+                 n_kv_heads=t["n_kv_heads"], d_ff=t["d_ff"], rope_theta=t["rope_theta"],
+                 norm_eps=t["norm_eps"], tied=bool(t["tied"]))
+
+
+def with_vocab(spec, vocab_size: int):
+    """The same GPT or Llama spec with another vocabulary (a data set's)."""
+    kw = {k: v for k, v in vars(spec).items()
+          if k in inspect.signature(type(spec)).parameters}
+    return type(spec)(**{**kw, "vocab_size": vocab_size})
+
+
 def model_from_flag(text, activation: str = "relu", bias: bool = True, gpt=None):
     """The model spec `--model` (and `--gpt`) name (UsageError for a malformed flag,
     ValueError for sizes the model refuses)."""
     if str(text).strip().startswith(LLAMA_PREFIX):
-        t = parse_gpt_spec(str(text).strip()[len(LLAMA_PREFIX):], LLAMA_DEFAULTS)
-        return Llama(vocab_size=t["vocab"], seq_len=t["seq_len"], d_model=t["d_model"],
-                     n_heads=t["n_heads"], n_layers=t["n_layers"], n_kv_heads=t["n_kv_heads"],
-                     d_ff=t["d_ff"], rope_theta=t["rope_theta"], norm_eps=t["norm_eps"],
-                     tied=bool(t["tied"]))
+        return llama_from_spec(parse_gpt_spec(str(text).strip()[len(LLAMA_PREFIX):],
+                                              LLAMA_DEFAULTS))
     spec = joined_gpt_spec(text, gpt)
     if spec is not None:
         return gpt_from_spec(parse_gpt_spec(spec))

@@ -30,12 +30,12 @@ import os
 
 from ..hf import load_into, read_model
 from ..hf import tokenizer as hf_tokenizer
-from ..nn.gpt import GPT
 from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.tokenizer import BYTES, ByteTokenizer, HFTokenizer, same_tokenizer
 from ..train.tokens import is_tokens_name, token_dataset, tokenized_text_dataset
-from .gpt_options import (DEFAULT_GPT_CLIP, TEXT_DATASET, gpt_model_and_data, log_corpus,
-                          validate_gpt_args)
+from .gpt_options import (DEFAULT_GPT_CLIP, LANGUAGE_MODELS, TEXT_DATASET, gpt_model_and_data,
+                          log_corpus, validate_gpt_args)
+from .model_flag import with_vocab
 from .usage import UsageError, check_flags
 
 TOKEN_DEFAULTS = {"tokenizer": None, "init_from_hf": None, "seq_len": None}
@@ -114,7 +114,7 @@ def validate_lm_args(args, layout):
     flags), or None for everything else (after refusing --tokenizer / --seq-len where they do
     not apply). Raises UsageError."""
     hf, tokens = args.init_from_hf, is_tokens_name(args.dataset)
-    language = hf or tokens or args.model == "gpt" or args.dataset == TEXT_DATASET
+    language = hf or tokens or args.model in LANGUAGE_MODELS or args.dataset == TEXT_DATASET
     if args.tokenizer is not None and not language:
         raise UsageError("--tokenizer applies to a language model (--model gpt, "
                          "--init-from-hf, --dataset text or tokens:DIR)")
@@ -131,10 +131,10 @@ def validate_lm_args(args, layout):
         return _validate_hf(args)
     if not tokens:
         return None
-    if args.model not in (None, "gpt"):
+    if args.model not in (None, *LANGUAGE_MODELS):
         raise UsageError(f"--dataset {args.dataset} trains --model gpt or --init-from-hf DIR "
                          f"(got --model {args.model})")
-    args.model = "gpt"                 # validate_gpt_args's checks, as for --dataset text
+    args.model = args.model or "gpt"   # validate_gpt_args's checks, as for --dataset text
     as_text = argparse.Namespace(**{**vars(args), "dataset": TEXT_DATASET})
     model = validate_gpt_args(as_text, layout)
     args.clip = as_text.clip
@@ -202,9 +202,7 @@ def lm_model_and_data(args, spec):
         raise UsageError(f"--{'dataset' if is_tokens_name(args.dataset) else 'text'}: {exc}"
                          ) from None
     if not hf:
-        return GPT(vocab_size=data.n_classes, seq_len=spec.seq_len, d_model=spec.d_model,
-                   n_heads=spec.n_heads, n_layers=spec.n_layers, d_ff=spec.d_ff,
-                   tied=spec.tied), data
+        return with_vocab(spec, data.n_classes), data
     if data.n_classes > spec.vocab_size:
         what = data.corpus.get("tokenizer", {}).get("name", BYTES)
         raise UsageError(f"the tokenizer {what} has {data.n_classes} ids but the model of "

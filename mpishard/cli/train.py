@@ -29,9 +29,9 @@ from .cluster_options import (CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_call
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
                               resume_source, validate_cluster_args)
 from .flight_options import FLIGHT_DEFAULTS, add_flight_arguments, add_flight_callbacks
-from .gpt_options import (GPT_SCHEDULE_DEFAULTS, TEXT_DATASET, add_gpt_arguments,
-                          validate_gpt_args)
-from .model_flag import joined_gpt_spec
+from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
+                          add_gpt_arguments, validate_gpt_args)
+from .model_flag import LLAMA_PREFIX, joined_gpt_spec
 from .token_options import (TOKEN_DEFAULTS, add_token_arguments, lm_model_and_data,
                             load_initial_params, log_lm_data, validate_lm_args)
 from .train_config import config_tokens, load_toml
@@ -75,7 +75,9 @@ def add_train_arguments(p):
     m = _recording(p.add_argument_group("model and layout"), options)
     m("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, single on one)")
     m("--model", help="comma-separated layer dims, e.g. 64,128,128,10, or gpt (see --gpt; "
-      "gpt:KEY=VALUE,... is the same as gpt --gpt KEY=VALUE,...; default: by dataset, "
+      "gpt:KEY=VALUE,... is the same as gpt --gpt KEY=VALUE,...), or an ms.Llama: "
+      "llama:KEY=VALUE,... (the --gpt keys and n_kv_heads, rope_theta, norm_eps; default: by "
+      "dataset, "
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
     m("--dtype", choices=("float32", "float64"), help="default float32 for speed (the "
@@ -187,10 +189,15 @@ def parse_train_args(argv, parser=None):
             merged["epochs"] = None
         if cli.epochs is not None and cli.steps is None:
             merged["steps"] = None
-    gpt = joined_gpt_spec(merged["model"], merged.get("gpt")) if merged.get("model") else None
+    llama = str(merged.get("model") or "").strip()
+    if llama.startswith(LLAMA_PREFIX):  # --model llama:KEY=VALUE,... (its keys ride on gpt)
+        merged.update(model="llama", gpt=llama[len(LLAMA_PREFIX):] or None)
+    gpt = joined_gpt_spec(merged["model"], merged.get("gpt")) \
+        if merged.get("model") not in (None, "llama") else None
     if gpt is not None:                 # --model gpt:KEY=VALUE,... is --model gpt --gpt ...
         merged.update(model="gpt", gpt=gpt or None)
-    language = merged.get("model") == "gpt" or merged.get("init_from_hf") is not None or \
+    language = merged.get("model") in LANGUAGE_MODELS or \
+        merged.get("init_from_hf") is not None or \
         is_tokens_name(merged.get("dataset"))
     if merged.get("dataset") is None and language:
         merged["dataset"] = TEXT_DATASET

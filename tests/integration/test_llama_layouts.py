@@ -17,6 +17,7 @@ import pytest
 from mpi4py import MPI
 
 import mpishard as ms
+from mpishard.cli.train import build_training, parse_train_args
 from conftest import assert_close, assert_dicts_close, group_comm, single_reference
 from test_device_double import MODES, device_backend
 from test_device_double_gpt import check_copies, upload
@@ -208,3 +209,34 @@ def test_batched_cached_generation_on_device_arrays():
         got.append(engine.generate(prompts, 12, temperature=0))
     print(got[0])
     assert got[0] == got[1]
+
+
+# -- `train --model llama:...` ---------------------------------------------------------------------
+TRAIN = ["--model", "llama:d_model=16,n_heads=4,n_kv_heads=2,n_layers=2,seq_len=16,rope_theta=500",
+         "--corpus-bytes", "20000", "--batch", "8", "--lr", "0.01", "--no-progress",
+         "--log-every", "0", "--dtype", "float64", "--steps", "4", "--eval-every", "2",
+         "--log-level", "WARNING"]
+_TRAINED = {}
+
+
+def train_run(layout, comm):
+    trainer = build_training(parse_train_args(["--layout", layout, *TRAIN]), comm)
+    assert trainer.engine.model.kind == "llama" and trainer.engine.model.vocab_size == 256
+    return trainer.fit()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n,layout", [(2, "tp=2"), (2, "cp=2"), (4, "dp=2,tp=2"),
+                                      (4, "tp=2,cp=2")])
+def test_train_command_follows_single(n, layout):
+    """`train --model llama:...` on bytes: every step's loss and the validation losses equal
+    single's (float64, rtol 1e-9)."""
+    if MPI.COMM_WORLD.Get_size() < n:
+        pytest.skip(f"needs {n} ranks")
+    if "single" not in _TRAINED:
+        _TRAINED["single"] = train_run("single", MPI.COMM_SELF)
+    ref, got = _TRAINED["single"], train_run(layout, group_comm(n))
+    assert_close(got["loss_history"], ref["loss_history"], what=f"{layout} losses")
+    assert_close([e["test_loss"] for e in got["eval_history"]],
+                 [e["test_loss"] for e in ref["eval_history"]], what=f"{layout} val losses")
+    assert ref["loss_history"][-1] < ref["loss_history"][0]
