@@ -6,14 +6,15 @@ w_r = exit_r - enter_r is how long before the last arrival it came: the last to 
 least. Only durations on each rank's own clock are used (no clocks compared between ranks).
 Per collective that every member of its group completed in the window: the last rank (the
 least wait) and its margin, the second-least wait minus the least (how long after the
-previous member it came).
+previous member it came). A collective has a late rank when that margin is MIN_MARGIN or more
+(back-to-back collectives, where the members arrive together, have none).
 
-Rule: a rank stands out when it took part in at least MIN_CALLS collectives of the window with
-one other member or more, was last in at least SHARE of them, and its median margin is at
-least MIN_MARGIN seconds. Then one line, `rank 3 arrived last in 87% of collectives (52 of 60),
-median +41 ms`; nothing when no rank stands out (a balanced job has each member last in about
-1/size of them: with 2 ranks about half). The window is the events recorded since the last
-report that the ring still holds (flight.EVENTS per rank).
+Rule: a rank stands out when the window holds at least MIN_CALLS collectives with a late rank
+among those it took part in, and it was the late rank in at least SHARE of them. Then one
+line, `rank 3 arrived last in 87% of collectives (52 of 60 with a late rank), median +41 ms`;
+nothing when no rank stands out (in a balanced job the late ranks are spread over the
+members). The window is the events recorded since the last report that the ring still holds
+(flight.EVENTS per rank).
 
 `report(comm, recorder, since)` is collective (one gather of control data to rank 0, bounded
 by the engine's timeout: objects.py); the Trainer calls it every --log-every steps
@@ -25,9 +26,9 @@ import statistics
 
 from .objects import gather_json
 
-SHARE = 0.75          # last in at least this fraction of its collectives
-MIN_CALLS = 8         # collectives of the window it took part in, at least
-MIN_MARGIN = 1e-3     # seconds: its median margin, at least
+SHARE = 0.75          # the late rank of at least this fraction of its collectives with one
+MIN_CALLS = 8         # collectives with a late rank it took part in, at least
+MIN_MARGIN = 1e-3     # seconds after the previous arrival: a collective's rank is late
 
 
 def waits(recorder, since: float) -> list:
@@ -43,9 +44,9 @@ def waits(recorder, since: float) -> list:
 
 
 def last_arrivals(per_rank) -> tuple:
-    """From every rank's (COMM_WORLD rank, `waits` list): ({rank: collectives it took part
-    in}, {rank: [margin of each collective it was last in]}), over the collectives every
-    member reported."""
+    """From every rank's (COMM_WORLD rank, `waits` list): ({rank: collectives with a late
+    rank it took part in}, {rank: [margin of each collective it was the late rank of]}), over
+    the collectives every member reported."""
     calls: dict = {}
     for rank, rows in per_rank:
         for name, ranks, seq, wait in rows:
@@ -55,9 +56,12 @@ def last_arrivals(per_rank) -> tuple:
         if set(seen) != set(ranks):
             continue                 # a member's ring no longer holds it, or it is not done
         order = sorted(seen, key=seen.get)
+        margin = seen[order[1]] - seen[order[0]]
+        if margin < MIN_MARGIN:
+            continue                 # the members arrived together: no late rank
         for r in ranks:
             taken[r] = taken.get(r, 0) + 1
-        last.setdefault(order[0], []).append(seen[order[1]] - seen[order[0]])
+        last.setdefault(order[0], []).append(margin)
     return taken, last
 
 
@@ -67,14 +71,13 @@ def straggler(per_rank):
     found = []
     for rank, margins in last.items():
         n, share = taken[rank], len(margins) / taken[rank]
-        margin = statistics.median(margins)
-        if n >= MIN_CALLS and share >= SHARE and margin >= MIN_MARGIN:
-            found.append((share, rank, len(margins), n, margin))
+        if n >= MIN_CALLS and share >= SHARE:
+            found.append((share, rank, len(margins), n, statistics.median(margins)))
     if not found:
         return None
     share, rank, k, n, margin = max(found)
-    return (f"rank {rank} arrived last in {share:.0%} of collectives ({k} of {n}), "
-            f"median +{margin * 1e3:.0f} ms")
+    return (f"rank {rank} arrived last in {share:.0%} of collectives ({k} of {n} with a late "
+            f"rank), median +{margin * 1e3:.0f} ms")
 
 
 def report(comm, recorder, since: float):

@@ -1,5 +1,6 @@
 """The straggler line (comm/stragglers.py): the rule on hand-made waits, and on real
 collectives where one rank sleeps before each (any world size of 2 or more; serial: skipped)."""
+import re
 import time
 
 import numpy as np
@@ -21,14 +22,20 @@ def rows(waits_of, calls=10, ranks=(0, 1)):
 
 def test_the_rule():
     slow = rows(lambda r, i: 0.0 if r == 1 else 0.040 + 0.001 * i)
-    assert straggler(slow) == "rank 1 arrived last in 100% of collectives (10 of 10), " \
-                              "median +44 ms"
+    assert straggler(slow) == "rank 1 arrived last in 100% of collectives (10 of 10 with a " \
+                              "late rank), median +44 ms"
     assert straggler(rows(lambda r, i: 0.0 if r == i % 2 else 0.04)) is None     # balanced
     assert straggler(rows(lambda r, i: 0.0 if r == 1 else 2e-4)) is None          # too close
     assert straggler(rows(lambda r, i: 0.0 if r == 1 else 0.04, calls=7)) is None  # too few
     mostly = rows(lambda r, i: 0.0 if r == (1 if i < 8 else 0) else 0.02)         # 8 of 10
-    assert straggler(mostly) == "rank 1 arrived last in 80% of collectives (8 of 10), " \
-                                "median +20 ms"
+    assert straggler(mostly) == "rank 1 arrived last in 80% of collectives (8 of 10 with a " \
+                                "late rank), median +20 ms"
+    # a slow loss: late to the gradient all_reduce, with the loss's all_reduce right after it
+    # (arriving together): those do not count
+    pairs = rows(lambda r, i: (0.0 if r == 1 else 0.02) if i % 2 == 0 else 1e-5 * (r + i % 4),
+                 calls=16)
+    assert straggler(pairs) == "rank 1 arrived last in 100% of collectives (8 of 8 with a " \
+                               "late rank), median +20 ms"
     partial = slow[:1] + [(1, slow[1][1][:5])]     # rank 1's ring lost half: those left out
     assert straggler(partial) is None
 
@@ -49,5 +56,41 @@ def test_a_rank_that_sleeps_before_each_collective_is_named(who):
     if rank != 0 or who == "alternate":
         assert line is None
     else:
-        assert line.startswith(f"rank {n - 1} arrived last in 100% of collectives (12 of 12), "
-                               "median +"), line
+        assert line.startswith(f"rank {n - 1} arrived last in 100% of collectives (12 of 12 "
+                               "with a late rank), median +"), line
+
+
+SLOW_LOSS = '''
+import sys, time
+from mpi4py import MPI
+import mpishard as ms
+from mpishard.cli import exit_cleanly, main
+
+if sys.argv[1] == "slow":
+    def slow_on_the_last_rank(self, y, t, call=ms.losses.MSE.__call__):
+        if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
+            time.sleep(0.02)
+        return call(self, y, t)
+    ms.losses.MSE.__call__ = slow_on_the_last_rank
+exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", "24",
+                   "--log-every", "12", "--no-progress", "--flight-dir", sys.argv[2]]))
+'''
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own 2-rank jobs")
+@pytest.mark.parametrize("mode", ["slow", "even"])
+def test_train_logs_the_straggler_line_only_when_a_rank_stands_out(tmp_path, mode):
+    from conftest import run_mpi
+
+    script = tmp_path / "train.py"
+    script.write_text(SLOW_LOSS)
+    proc = run_mpi(2, script, mode, tmp_path / "flight", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-2000:]
+    lines = [ln for ln in out.splitlines() if "arrived last in" in ln]
+    if mode == "slow":
+        assert len(lines) == 2 and all(re.search(r"rank 1 arrived last in \d+% of collectives "
+                                                 r"\(\d+ of \d+ with a late rank\), median "
+                                                 r"\+[12]\d ms", ln) for ln in lines), lines
+    else:
+        assert lines == [], lines
