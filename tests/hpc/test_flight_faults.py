@@ -87,3 +87,40 @@ def test_a_different_op_is_named(tmp_path):
     out = flight(tmp_path, 4, "other-op")
     assert re.search(r"^verdict: rank 3 called barrier #\d+ \(step 5\) on group world while "
                      r"ranks \[0, 1, 2\] called all_reduce \(float64 \(3,\), step 5\)", out, re.M), out
+
+
+CLI_SCRIPT = '''
+import sys, time
+from mpi4py import MPI
+import mpishard as ms
+from mpishard.cli import exit_cleanly, main
+
+
+def stalls_on_rank_1(self, y, t, call=ms.losses.MSE.__call__):
+    if MPI.COMM_WORLD.Get_rank() == 1 and self.calls == 2:
+        time.sleep(60)
+    self.calls += 1
+    return call(self, y, t)
+
+
+ms.losses.MSE.calls = 0
+ms.losses.MSE.__call__ = stalls_on_rank_1
+exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", "5",
+                   "--no-progress", "--timeout", "2", "--flight-dir", sys.argv[1]]))
+'''
+
+
+def test_train_dumps_into_flight_dir_on_a_timeout(tmp_path):
+    """`train --flight-dir DIR` with rank 1 stuck in step 3's loss: rank 0 dumps there before
+    the abort, and `flight` names rank 1 at step 3's gradient all_reduce."""
+    script, directory = tmp_path / "stall.py", tmp_path / "flight"
+    script.write_text(CLI_SCRIPT)
+    proc = run_mpi(2, script, directory, timeout=90)
+    assert proc.returncode != 0
+    assert (directory / "flight-rank0.json").exists()
+    assert "CollectiveTimeout" in (directory / "flight-rank0.stacks.txt").read_text()
+    out = subprocess.run([sys.executable, "-m", "mpishard", "flight", str(directory)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60).stdout
+    print(out)
+    assert re.search(r"^verdict: rank 1 never entered all_reduce #5 \(float32 \(\d+,\), step 3\) "
+                     r"on group world; rank 0 waited in it", out, re.M), out
