@@ -4,9 +4,10 @@
     python -m mpishard flight ck.flight          # after a stall: where the ranks diverged
 
 --flight-dir: where the flight recorder (comm/flight.py) dumps on a timeout, an error,
-SIGUSR2 or a fatal signal. Default: DIR.flight beside --checkpoint-dir DIR (not inside it: a
-checkpoint directory is swapped whole at each save, and the check of a fresh --checkpoint-dir
-refuses one that holds other files), else the working directory.
+SIGUSR2 or a fatal signal. Default: $MPISHARD_FLIGHT_DIR, else DIR.flight beside
+--checkpoint-dir DIR (not inside it: a checkpoint directory is swapped whole at each save, and
+the check of a fresh --checkpoint-dir refuses one that holds other files), else the working
+directory.
 --checkpoint-async: the interval saves are written by a background thread
 (checkpoint/async_writer.py); needs --checkpoint-dir.
 Every --log-every steps, rank 0 logs the straggler line when one rank stands out
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..comm.flight import DIR_ENV
 from ..comm.stragglers import report
 from ..train.trainer import Callback
 from .usage import UsageError
@@ -45,8 +47,11 @@ def validate_flight_args(args) -> None:
 
 
 def flight_dir(args) -> str:
+    """--flight-dir, else $MPISHARD_FLIGHT_DIR, else CKPT.flight, else the working directory."""
     if args.flight_dir is not None:
         return args.flight_dir
+    if os.environ.get(DIR_ENV):
+        return os.environ[DIR_ENV]
     if args.checkpoint_dir is not None:
         return os.path.abspath(args.checkpoint_dir) + ".flight"
     return os.getcwd()
