@@ -15,12 +15,13 @@ measured overhead); nothing is communicated.
 Dumps: `FlightRecorder.dump(reason)` writes DIR/flight-rank<R>.json (the ring, oldest first,
 and the group table) and DIR/flight-rank<R>.stacks.txt (every thread's Python stack, by
 faulthandler), each written to a temporary name and renamed, so a dump cut short by the abort
-is absent rather than torn. DIR is set by `redirect` (train --flight-dir, default the checkpoint
-dir or the working directory; a library user calls `engine.comm.flight.redirect(DIR)` or sets
-MPISHARD_FLIGHT_DIR): until then nothing is dumped. It is called by the guard thread on a collective timeout (before the
+is absent rather than torn. DIR is set by `redirect` (train --flight-dir: cli/flight_options.py;
+a library user calls `engine.comm.flight.redirect(DIR)` or sets MPISHARD_FLIGHT_DIR): until
+then nothing is dumped. It is called by the guard thread on a collective timeout (before the
 abort), by a polled CollectiveTimeout, by the uncaught-exception hook and the CLI's abort, and
-on SIGUSR2 (the rank goes on). A fatal signal (SIGSEGV, SIGABRT, ...) writes the stacks alone
-to DIR/flight-rank<R>.fatal.txt (faulthandler; removed at a clean exit when empty). A rank
+on SIGUSR2 (the rank goes on; the handler is installed by `redirect`). A fatal signal
+(SIGSEGV, SIGABRT, ...) writes the stacks alone to DIR/flight-rank<R>.fatal.txt (faulthandler;
+removed at a clean exit, and at a dump, when empty). A rank
 that is not in a bounded wait when the job aborts (asleep, in a loop, past its last
 collective) is killed before it can dump: `python -m mpishard flight DIR` (cli/flight.py)
 reasons from the dumps there are.

@@ -41,8 +41,8 @@ writer.write_block = patched
 exit_cleanly(main(["train", "--dataset", "synthetic-classification", "--model", "16,32,4",
                    "--layout", "fsdp=2", "--steps", steps, "--batch", "16", "--dtype", "float64",
                    "--no-progress", "--log-every", "0", "--checkpoint-dir", ckpt,
-                   "--checkpoint-every", every, "--keep-last", "3"] + (["--checkpoint-async"] if mode != "sync"
-                                                    else [])))
+                   "--checkpoint-every", every, "--keep-last", "3"]
+                  + (["--checkpoint-async"] if mode != "sync" else [])))
 '''
 
 

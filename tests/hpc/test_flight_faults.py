@@ -86,7 +86,8 @@ def test_a_different_op_is_named(tmp_path):
     """At 4 ranks three call the final all_reduce and rank 3 a barrier: it is the odd one."""
     out = flight(tmp_path, 4, "other-op")
     assert re.search(r"^verdict: rank 3 called barrier #\d+ \(step 5\) on group world while "
-                     r"ranks \[0, 1, 2\] called all_reduce \(float64 \(3,\), step 5\)", out, re.M), out
+                     r"ranks \[0, 1, 2\] called all_reduce \(float64 \(3,\), step 5\)", out,
+                     re.M), out
 
 
 CLI_SCRIPT = '''
