@@ -131,9 +131,12 @@ def verdict(dumps, size) -> str:
              for t, seq, states in [group_divergence(key, by_rank, dumps) or (None,) * 3]
              if t is not None]
     if not found:
+        failed = [r for r, d in sorted(dumps.items())
+                  if not d["reason"].startswith(("CollectiveTimeout", "SIGUSR2"))]
+        why = (f"; {who(failed)} ended on an error: {dumps[failed[0]]['reason']}" if failed
+               else " (the ranks without a dump are the suspects)" if len(dumps) < size else "")
         lines.append("verdict: the dumped ranks' collectives agree everywhere their rings "
-                     "overlap" + (" (the ranks without a dump are the suspects)"
-                                  if len(dumps) < size else ""))
+                     "overlap" + why)
         return "\n".join(lines)
     t, (name, ranks), seq, states = min(found, key=lambda f: f[0])
     stamp = time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"

@@ -108,3 +108,24 @@ def test_the_reader_names_a_different_op_and_a_rank_that_never_entered():
             "world; rank 0 waited in it (the timeout's arrival counters: late ranks [1])") in behind
     agree = verdict({0: dump(0, [("barrier", 1, 11.5)]), 1: dump(1, [("barrier", 1, 11.5)])}, 2)
     assert "verdict: the dumped ranks' collectives agree everywhere" in agree
+
+
+FATAL = '''
+import faulthandler, sys
+from mpishard.comm.flight import FlightRecorder
+rec = FlightRecorder()
+rec.redirect(sys.argv[1])
+faulthandler._sigsegv()
+'''
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own process")
+def test_a_fatal_signal_writes_the_stacks_to_the_flight_dir(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FATAL, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    text = (tmp_path / "flight-rank0.fatal.txt").read_text()
+    assert "Segmentation fault" in text and "<string>" in text, text

@@ -1,7 +1,7 @@
 """The flight recorder on injected faults (comm/flight.py, cli/flight.py): real jobs of 2 or 4
 ranks (dp=2 or dp=2,tp=2) with a 2 s engine timeout, whose last rank skips the final world
-all_reduce, sleeps past the timeout in the loss of step 3, or calls a barrier where the others
-call the final all_reduce. The ranks that time out dump their rings into DIR; `mpishard flight
+all_reduce, sleeps past the timeout in the loss of step 3, raises there, or calls a barrier
+where the others call the final all_reduce. The ranks that time out dump their rings into DIR; `mpishard flight
 DIR` must name the faulty rank and the collective the others wait in."""
 import re
 import subprocess
@@ -36,6 +36,8 @@ class Loss(ms.losses.MSE):
     def __call__(self, y, target):
         if mode == "sleep" and faulty and self.step == 3:
             time.sleep(40)
+        if mode == "raise" and faulty and self.step == 3:
+            raise RuntimeError(f"rank {rank} fails mid-step")
         return super().__call__(y, target)
 
 
@@ -80,6 +82,17 @@ def test_a_sleeping_rank_is_named(tmp_path, n):
     group = "world" if n == 2 else "dp"
     assert re.search(rf"^verdict: rank {n - 1} never entered all_reduce #\d+ \(float64 \(\d+,\), "
                      rf"step 3\) on group {group}; rank \d waited in it", out, re.M), out
+
+
+def test_a_rank_that_raises_dumps_its_ring(tmp_path):
+    """The uncaught-exception hook dumps: the raising rank's reason is its error, and it was
+    outside communication (in its loss) since its last call."""
+    out = flight(tmp_path, 2, "raise")
+    assert re.search(r"^  rank 1: RuntimeError: rank 1 fails mid-step -- outside communication "
+                     r"for [\d.]+ s, since all_reduce #4 \(float64 \(1,\), step 2\) on group "
+                     r"world \[0, 1\] \(see flight-rank1.stacks.txt\)", out, re.M), out
+    assert re.search(r"^verdict: .*rank 1 (ended on an error: RuntimeError: rank 1 fails mid-step"
+                     r"|never entered all_reduce #5)", out, re.M), out
 
 
 def test_a_different_op_is_named(tmp_path):
