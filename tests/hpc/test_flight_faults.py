@@ -1,8 +1,8 @@
 """The flight recorder on injected faults (comm/flight.py, cli/flight.py): real jobs of 2 or 4
 ranks (dp=2 or dp=2,tp=2) with a 2 s engine timeout, whose last rank skips the final world
 all_reduce, sleeps past the timeout in the loss of step 3, raises there, or calls a barrier
-where the others call the final all_reduce. The ranks that time out dump their rings into DIR; `mpishard flight
-DIR` must name the faulty rank and the collective the others wait in."""
+where the others call the final all_reduce. The ranks that time out dump their rings into DIR;
+`mpishard flight DIR` must name the faulty rank and the collective the others wait in."""
 import re
 import subprocess
 import sys
