@@ -5,7 +5,10 @@
     resume(trainer, "ckpt")           # collective: params, optimizer, step, data position
 
 `python -m mpishard train --checkpoint-dir DIR --checkpoint-every N [--keep-last N]
-[--checkpoint-failures stop|continue] [--resume]` is this.
+[--checkpoint-failures stop|continue] [--checkpoint-async] [--resume]` is this. With
+`asynchronous=True` the interval saves are written by a thread while training goes on and
+become the checkpoint at a later step boundary (async_writer.py); a failure is reported then,
+naming the step it was saving.
 
 Before the first step the directory is checked (storage.preflight: writable, room for the
 checkpoints to come), the same CheckpointError on every rank otherwise. A save that fails
