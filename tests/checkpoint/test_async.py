@@ -32,6 +32,8 @@ def patched(path, arr):
     if mode == "slow":
         time.sleep(0.05)
     write_block(path, arr)
+    if mode == "fail" and rank == n - 1 and ".tmp-2" in path:
+        raise OSError(28, "No space left on device")
     if mode == "kill" and rank == n - 1 and ".tmp-4" in path:
         print(f"killed mid-write of {path}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -42,7 +44,8 @@ exit_cleanly(main(["train", "--dataset", "synthetic-classification", "--model", 
                    "--layout", "fsdp=2", "--steps", steps, "--batch", "16", "--dtype", "float64",
                    "--no-progress", "--log-every", "0", "--checkpoint-dir", ckpt,
                    "--checkpoint-every", every, "--keep-last", "3"]
-                  + (["--checkpoint-async"] if mode != "sync" else [])))
+                  + (["--checkpoint-async"] if mode != "sync" else [])
+                  + (["--checkpoint-failures", "continue"] if mode == "fail" else [])))
 '''
 
 
@@ -97,3 +100,16 @@ def test_async_needs_a_checkpoint_dir(capsys):
     assert main(["train", "--dataset", "synthetic-regression", "--steps", "1", "--no-progress",
                  "--checkpoint-async"]) == 2
     assert "--checkpoint-async needs --checkpoint-dir DIR" in capsys.readouterr().err
+
+
+def test_a_failed_async_write_is_one_verdict_and_training_goes_on(tmp_path):
+    """The last rank's write of the step-2 save fails in the thread: the verdict at the save's
+    finish names step 2 and the rank on rank 0, the next saves complete (--checkpoint-failures
+    continue)."""
+    proc, ckpt = job(tmp_path, "fail", "failed", 6, 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-2000:]
+    assert re.search(r"checkpoint save at step 2 failed: rank 1: OSError: \[Errno 28\] No space "
+                     r"left on device", out), out[-2000:]
+    assert sorted(os.listdir(ckpt)) == ["step-00000004", "step-00000006"]
+    assert index(latest(ckpt))["step"] == 6
