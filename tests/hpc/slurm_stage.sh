@@ -14,9 +14,16 @@
 #    (sbatch -N 1 --ntasks-per-node=8, MPISHARD_VENV), waits with a deadline and checks the
 #    job's metrics JSON (8 ranks, layout dp=2,tp=4, test accuracy > 0.9).
 # 4. Submits a long run of the same script (MPISHARD_ARGS="--epochs 100000"), waits until its 8
-#    ranks run, scancels it and checks that no process of the job (ranks, srun, the batch
-#    shell) and no new /dev/shm/mpich_shm_* segment is left.
-# 5. Stops munged, slurmctld and slurmd by their pid files and removes the directory (trap).
+#    ranks train, scancels it (SIGTERM: the ranks save a checkpoint and exit 75, no requeue)
+#    and checks that no process of the job (ranks, srun, the batch shell) and no new,
+#    unmapped /dev/shm/mpich_shm_* segment is left.
+# 5. The preemption cycle: a 2-rank float64 job of the same script (MPISHARD_ARGS: a tiny model,
+#    every step recorded) gets SIGUSR1 mid-run as Slurm's --signal=B:USR1 sends it (`scancel
+#    --signal=USR1 --batch`); the batch shell forwards it, the ranks save and exit 75, the shell
+#    requeues the job, and the requeued job (same id, `--resume auto`) completes: its losses
+#    equal an uninterrupted run's (mpiexec -n 2, same arguments) bit for bit, its metrics JSON
+#    lines hold every step once, its log shows the stop, the requeue and the resume.
+# 6. Stops munged, slurmctld and slurmd by their pid files and removes the directory (trap).
 # Exit 0: passed; 77: skipped (the reason on one line); anything else: failed.
 set -uo pipefail
 
@@ -139,7 +146,12 @@ job_pids() {     # processes that belong to job $1 (SLURM_JOB_ID in their enviro
     done
 }
 job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
-shm_new() { find /dev/shm -maxdepth 1 -name 'mpich_shm_*' -newer "$1" 2>/dev/null; }
+shm_new() {     # MPICH segments created since file $1 that no process maps (jobs beside this
+    local seg   # stage, still running, hold theirs)
+    find /dev/shm -maxdepth 1 -name 'mpich_shm_*' -newer "$1" 2>/dev/null | while read -r seg; do
+        grep -qsF "$seg" /proc/[0-9]*/maps || echo "$seg"
+    done
+}
 submit() {       # extra sbatch options...; prints the job id
     (cd "$TMP/job" && sbatch --parsable -N 1 --ntasks-per-node=8 \
         --export=ALL,MPISHARD_VENV="$VENV" "$@" "$SCRIPT") | cut -d';' -f1
@@ -194,7 +206,12 @@ while :; do
     (( $(date +%s) - t_sub > JOB_DEADLINE )) && { scancel "$job"; fail "long job $job: $ranks of 8 ranks after $JOB_DEADLINE s"; }
     sleep 0.5
 done
-sleep 3                                     # into MPI_Init and training
+# Into training: the metrics stream's file appears at its first step (a SIGTERM inside MPI_Init,
+# before any handler, would kill a rank the default way, leaving its segment).
+while [ ! -e "$TMP/job/ckpt-$job.metrics.jsonl" ]; do
+    (( $(date +%s) - t_sub > JOB_DEADLINE )) && { scancel "$job"; fail "long job $job: not training after $JOB_DEADLINE s"; }
+    sleep 0.2
+done
 before=$(job_pids "$job" | wc -l)
 t1=$(date +%s.%N)
 scancel "$job" || fail "scancel $job failed"
@@ -217,4 +234,56 @@ if [ -n "$leftover" ]; then
     fail "job $job: /dev/shm segments left after scancel: $leftover"
 fi
 say "job $job: $before processes ($ranks ranks) running; scancel to all gone in $t_gone s; no rank, launcher or /dev/shm segment left"
-say "passed: sbatch-to-completion $t_done s, scancel-to-gone $t_gone s"
+# -- 5. preempted, requeued, resumed: bit for bit --------------------------------------------
+# The script's own train arguments, then these (a later option wins): 2 ranks, a tiny float64
+# model, every step recorded. The reference is the same command line under mpiexec, uninterrupted.
+CYCLE_ARGS="--layout dp=2 --dataset synthetic-regression --model 16,32,1 --n-train 2048 --batch 64 --epochs 30 --dtype float64 --log-every 1 --no-progress"
+# shellcheck disable=SC2086
+(cd "$TMP/job" && OMP_NUM_THREADS=1 timeout 300 "$VENV/bin/mpiexec" -n 2 "$VENV/bin/python" -m mpi4py \
+    -m mpishard train --dataset digits --layout dp=2,tp=4 --model 64,128,128,10 --epochs 10 \
+    $CYCLE_ARGS --metrics-json "$TMP/job/reference.json" >"$TMP/job/reference.log" 2>&1) \
+    || fail "the uninterrupted reference run failed: $(tail -n 5 "$TMP/job/reference.log")"
+t_cycle=$(date +%s)
+job=$(MPISHARD_ARGS="$CYCLE_ARGS" submit -N 1 --ntasks-per-node=2 --job-name=mpishard-requeue) \
+    || fail "sbatch (requeue job) failed"
+jsonl="$TMP/job/ckpt-$job.metrics.jsonl"        # the default beside the script's ckpt-$JOB_ID
+last_step() { tail -n 1 "$jsonl" 2>/dev/null | "$VENV/bin/python" -c 'import json, sys
+try: print(json.loads(sys.stdin.read())["step"])
+except Exception: print(0)'; }
+while [ "$(last_step)" -lt 60 ]; do
+    (( $(date +%s) - t_cycle > JOB_DEADLINE )) && { scancel "$job"; fail "requeue job $job: no step 60 after $JOB_DEADLINE s (state $(job_state "$job"))"; }
+    sleep 0.2
+done
+t_sig=$(date +%s.%N)
+scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 --batch $job failed"
+say "job $job: SIGUSR1 to the batch shell at step $(last_step) (as --signal=B:USR1@120 sends it)"
+while :; do
+    state=$(job_state "$job")
+    restarts=$(scontrol show job "$job" 2>/dev/null | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
+    [ "$state" = COMPLETED ] && break
+    case "$state" in FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL)
+        tail -n 30 "$TMP/job/slurm-$job.out"; fail "requeue job $job ended $state" ;; esac
+    (( $(date +%s) - t_cycle > JOB_DEADLINE )) && { scancel "$job"; tail -n 30 "$TMP/job/slurm-$job.out"; fail "requeue job $job not done after $JOB_DEADLINE s (state $state, restarts ${restarts:-?})"; }
+    sleep 0.5
+done
+t_requeued=$(awk -v a="$t_sig" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+out="$TMP/job/slurm-$job.out"
+grep -E 'SIGUSR1|stopped by|scontrol requeue|resumed from' "$out" | sed 's/^/    /'
+[ "${restarts:-0}" = 1 ] || fail "requeue job $job: Restarts=${restarts:-?}, expected 1"
+grep -q 'stopped by SIGUSR1 at step' "$out" || fail "requeue job $job: no 'stopped by SIGUSR1' line"
+grep -q "scontrol requeue $job" "$out" || fail "requeue job $job: the batch shell did not requeue"
+grep -q 'resumed from' "$out" || fail "requeue job $job: the requeued run did not resume"
+"$VENV/bin/python" - "$TMP/job/reference.json" "$TMP/job/metrics-$job.json" "$jsonl" <<'EOF' \
+    || fail "requeue job $job: not equal to the uninterrupted run"
+import json, sys
+ref, got = (json.load(open(p)) for p in sys.argv[1:3])
+steps = [json.loads(s)["step"] for s in open(sys.argv[3]) if '"train"' in s]
+n = len(ref["loss_history"])
+assert got["loss_history"] == ref["loss_history"], "losses differ"      # float64, bit for bit
+assert got["test_loss"] == ref["test_loss"] and got["steps"] == n == ref["steps"]
+assert steps == list(range(1, n + 1)), f"metrics lines: {len(steps)} records, {len(set(steps))} steps"
+print(f"==> test-slurm: requeued run == uninterrupted run: {n} float64 losses bit for bit, "
+      f"final loss {got['final_loss']!r}, {n} metrics records, one per step")
+EOF
+say "job $job: SIGUSR1 -> checkpoint, exit 75, scontrol requeue -> resumed, COMPLETED $t_requeued s after the signal (Restarts=1)"
+say "passed: sbatch-to-completion $t_done s, scancel-to-gone $t_gone s, signal-requeue-resume $t_requeued s"
