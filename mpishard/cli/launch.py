@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from .usage import PROG, UsageError
 
@@ -168,7 +169,7 @@ def run_launch(args) -> int:
 
 
 def _say(text) -> None:
-    print(f"{PROG} launch: {text}", file=sys.stderr, flush=True)
+    print(f"{PROG} launch: {time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
 
 
 __all__ = ["add_launch_arguments", "cause", "job_command", "run_launch", "without_resume"]

@@ -4,6 +4,7 @@ by a crash is dropped, and the --metrics-* flags' checks."""
 import csv
 import json
 import struct
+import sys
 
 import pytest
 
@@ -115,6 +116,13 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
     sink.close()
     assert sorted(event_scalars(tmp_path)) == sorted(first + [("purge", 3, 0.0),
                                                               ("train/loss", 3, 0.125)])
+
+
+def test_tensorboard_without_tensorboardx_is_a_usage_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)         # import raises ImportError
+    assert main([*RUN, "--tensorboard", str(tmp_path / "tb")]) == 2
+    assert "--tensorboard needs tensorboardX: pip install 'mpishard[tensorboard]'" in \
+        capsys.readouterr().err
 
 
 def test_metrics_flag_checks(tmp_path, capsys):
