@@ -15,8 +15,11 @@ step (one rank): the model is ms.GPT(vocab 50304, seq_len 1024, d_model 768, 12 
   16-bit type (`torch_autocast`, which computes its matmuls in 16 bits where ours do not).
   Model FLOPs per step are gpt.py's model_flops; MFU = FLOPs / time / peak, against the
   measured cupy peak (float32 for ours) and the datasheet peak (DATASHEET, dense, no
-  sparsity; None for a GPU not in the table). Ours and torch's samples alternate, and the
-  ratio ours/torch is of medians measured in this one run.
+  sparsity; None for a GPU not in the table). Ours runs with the fused cupy kernels
+  (nn/fused.py, MPISHARD_FUSED unset: `ours_s`) and without (MPISHARD_FUSED=0:
+  `ours_unfused_s`); ours (both) and torch's samples alternate, and each ratio ours/torch is
+  of medians measured in this one run (`speedup_fused` = unfused / fused). A fused step that
+  fails is reported (`error`) and the xp ops are timed in its place.
 allreduce (two ranks sharing the GPU): `engine.all_reduce(a, out=out)` on float32 device
 arrays of 1, 16 and 64 MiB, staged through the host and, only where the MPI library says it
 is CUDA-aware (comm/gpu.py query_cuda_support), directly; bus bandwidth
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -112,13 +116,14 @@ def matmul_peak(dev, n, dtype):
     return 2.0 * n ** 3 / t / 1e9
 
 
-def fitting_problem(dev, cfg):
-    """(model, params, x, t, engine factory) at the largest size whose step fits."""
+def fitting_problem(dev, cfg, make=ms.GPT):
+    """(model, params, x, t, batch) at the largest size whose step fits; make(**cfg) builds
+    the spec (ms.GPT, ms.Llama)."""
     cfg = dict(cfg)
     while True:
         batch = cfg["batch"]
         spec = {k: v for k, v in cfg.items() if k != "batch"}
-        model = ms.GPT(**spec)
+        model = make(**spec)
         rng = np.random.default_rng(1)
         x = rng.integers(0, model.vocab_size, (batch, model.seq_len))
         t = rng.integers(0, model.vocab_size, (batch, model.seq_len))
@@ -150,6 +155,42 @@ def our_engine(dev, model, params, param_dtype):
     return engine
 
 
+def with_fused(on, fn):
+    """fn run with MPISHARD_FUSED unset (the fused kernels) or "0" (nn/fused.py reads it at
+    each call)."""
+    def run():
+        if on:
+            os.environ.pop("MPISHARD_FUSED", None)
+        else:
+            os.environ["MPISHARD_FUSED"] = "0"
+        return fn()
+    return run
+
+
+def ours_pair(dev, engine, x, t, rec):
+    """[fused step, unfused step] of `engine`; a fused step that fails is recorded in rec
+    (its error) and the unfused one timed in its place."""
+    xd, td, ce = engine.shard_batch(x), engine.shard_batch(t), ms.losses.CrossEntropy()
+    fns = [with_fused(on, lambda: engine.train_step(xd, td, ce)) for on in (True, False)]
+    try:
+        fns[0]()
+        dev.sync()
+    except Exception as exc:
+        rec["error"] = f"fused step: {type(exc).__name__}: {exc}"[:2000]
+        fns[0] = fns[1]
+    return fns
+
+
+def ours_figures(rec, times, flops, peak):
+    """Ours fused (times[0]) and unfused (times[1]) into rec."""
+    rec.update(ours_s=round(times[0], 5), ours_unfused_s=round(times[1], 5),
+               speedup_fused=round(times[1] / times[0], 3),
+               ours_tflops=round(flops / times[0] / 1e12, 3),
+               ours_unfused_tflops=round(flops / times[1] / 1e12, 3))
+    if peak is not None:
+        rec["mfu_vs_cupy_fp32"] = round(flops / times[0] / 1e9 / peak, 4)
+
+
 def torch_closure(torch, dev, model, params, x, t, autocast):
     net, _ = torch_gpt(torch, model, params)
     net = net.to(dev.torch_device)
@@ -174,6 +215,8 @@ def run_step(dev, budget, samples):
         peak[dtype] = matmul_peak(dev, n, dtype)
         emit(part="matmul_peak", dtype=dtype, n=n, gflops=round(peak[dtype], 1),
              datasheet_tflops=None if sheet is None else sheet[dtype == "float16"])
+    # sized on the xp ops, so a fused kernel that fails costs only the fused half below
+    os.environ["MPISHARD_FUSED"] = "0"
     model, params, x, t, batch = fitting_problem(dev, TINY if dev.standin else FULL)
     flops = model_flops(model, batch)
     emit(part="step_size", batch=batch, seq_len=model.seq_len, d_model=model.d_model,
@@ -182,7 +225,6 @@ def run_step(dev, budget, samples):
         import torch
     except ImportError:
         torch = None
-    ce = ms.losses.CrossEntropy()
     for param_dtype in (None, "float16", "bfloat16"):
         if time.perf_counter() > t_end:
             emit(part="step", skipped=f"param_dtype {param_dtype}: budget {budget} s spent")
@@ -190,27 +232,27 @@ def run_step(dev, budget, samples):
         rec = dict(part="step", param_dtype=param_dtype or "float32")
         try:
             engine = our_engine(dev, model, params, param_dtype)
-            xd, td = engine.shard_batch(x), engine.shard_batch(t)
-            fns = [lambda: engine.train_step(xd, td, ce)]
+            fns = ours_pair(dev, engine, x, t, rec)
             if torch is not None:
                 low = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
                 fns += [torch_closure(torch, dev, model, params, x, t, None),
                         torch_closure(torch, dev, model, params, x, t, low[param_dtype])]
             times = timed(dev, fns, samples)
-            rec.update(ours_s=round(times[0], 5), ours_tflops=round(flops / times[0] / 1e12, 3),
-                       mfu_vs_cupy_fp32=round(flops / times[0] / 1e9 / peak["float32"], 4))
+            ours_figures(rec, times, flops, peak["float32"])
             if sheet is not None:
                 rec["mfu_vs_datasheet_fp32"] = round(flops / times[0] / 1e12 / sheet[0], 4)
             if torch is not None:
-                rec.update(torch_fp32_s=round(times[1], 5), torch_autocast_s=round(times[2], 5),
-                           ratio_ours_over_torch_fp32=round(times[0] / times[1], 3),
-                           ratio_ours_over_torch_autocast=round(times[0] / times[2], 3))
+                rec.update(torch_fp32_s=round(times[2], 5), torch_autocast_s=round(times[3], 5),
+                           ratio_ours_over_torch_fp32=round(times[0] / times[2], 3),
+                           ratio_unfused_over_torch_fp32=round(times[1] / times[2], 3),
+                           ratio_ours_over_torch_autocast=round(times[0] / times[3], 3))
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             engine = fns = None
             dev.release()
         emit(**rec)
+    os.environ.pop("MPISHARD_FUSED", None)
     return 0
 
 

@@ -19,11 +19,18 @@ wheels       the carried wheels (make gpu-wheels: mpich, mpi4py, pytest-mpi, thr
              already installed is used, if any)
 environment  nvidia-smi, the versions of Python, numpy, cupy, torch and mpi4py, the MPI
              library mpi4py loads under mpiexec, and mpishard's CUDA-awareness answer
-reference-1, reference-2   benchmarks/gpu_reference.py at 1 and 2 ranks: MLP, MoE and GPT
-             layouts on device arrays equal numpy's single device (float64, rtol 1e-9)
-bf16-cupy    tests/parallel/test_bf16_cupy.py, serially and, if it has MPI tests, at 2 ranks
-             (skipped if absent)
-bench-step, bench-allreduce   benchmarks/gpu.py step (1 rank) and allreduce (2 ranks)
+reference-1, reference-2   benchmarks/gpu_reference.py at 1 and 2 ranks: MLP, MoE, GPT
+             and Llama layouts (a tied GPT under pp, padded vocabularies under tp) on device
+             arrays equal numpy's single device (float64, rtol 1e-9); greedy generate's ids
+             equal numpy's; ms.hf.load_into of a bfloat16 directory equals ms.hf.load exactly
+bf16-cupy, fused   tests/parallel/test_bf16_cupy.py and tests/nn/test_fused.py (the fused cupy
+             kernels against the xp ops), serially and, if they have MPI tests, at 2 ranks
+             (skipped if absent); the child keeps the whole environment (the site's
+             OMPI_MCA_/PMIX_MCA_ settings: an Open MPI singleton may need OMPI_MCA_plm)
+bench-step, bench-allreduce   benchmarks/gpu.py step (1 rank: GPT, fused kernels on and off,
+             next to PyTorch's) and allreduce (2 ranks)
+bench-llama  benchmarks/gpu_llama.py (1 rank: a GPT-2-small-sized Llama, fused and not, next
+             to transformers' LlamaForCausalLM)
 
 Exit status 0 when no part failed. The log of everything printed is gpu_check.log.
 """
@@ -45,8 +52,10 @@ import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
-SHARES = [("wheels", 20), ("environment", 35), ("reference-1", 70), ("reference-2", 90),
-          ("bf16-cupy", 80), ("bench-step", 155), ("bench-allreduce", 30)]   # seconds of 480
+SHARES = [("wheels", 15), ("environment", 25), ("reference-1", 50), ("reference-2", 55),
+          ("bf16-cupy", 35), ("fused", 55), ("bench-step", 105), ("bench-llama", 95),
+          ("bench-allreduce", 45)]   # seconds of 480; the H100's first run (17:05 UTC, before
+# fused, Llama, generate, hf) took 2, 9, 8, 4, 15, -, 50, -, 2 s: the rest is a bare node's margin
 ENV_PROBE = """
 import platform, numpy, mpi4py
 from mpi4py import MPI
@@ -196,8 +205,11 @@ def part_reference(n):
     return fn
 
 
-def part_bf16(check, budget):
-    test = "tests/parallel/test_bf16_cupy.py"
+def part_pytest(test):
+    return lambda check, budget: pytest_part(check, budget, test)
+
+
+def pytest_part(check, budget, test):
     if not (ROOT / test).exists():
         return {"status": "skipped", "why": f"{test} does not exist"}
     ranks2 = "mark.mpi" in (ROOT / test).read_text()     # MPI tests in it: 2 ranks too
@@ -211,9 +223,9 @@ def part_bf16(check, budget):
     return rec
 
 
-def part_bench(what, n):
+def part_bench(script, n):
     def fn(check, budget):
-        args = ["benchmarks/gpu.py", what, "--budget", max(budget - 30, 5)]
+        args = [*script, "--budget", max(budget - 30, budget / 2)]
         args += ["--standin", "--samples", "2"] if check.standin else []
         rc, lines = check.run(check.mpi(n, *args), budget)
         recs = [json.loads(line[6:]) for line in lines if line.startswith("BENCH ")]
@@ -232,8 +244,11 @@ def main() -> int:
                   float(os.environ.get("GPU_CHECK_BUDGET", 480)))
     fns = {"wheels": part_wheels, "environment": part_environment,
            "reference-1": part_reference(1), "reference-2": part_reference(2),
-           "bf16-cupy": part_bf16, "bench-step": part_bench("step", 1),
-           "bench-allreduce": part_bench("allreduce", 2)}
+           "bf16-cupy": part_pytest("tests/parallel/test_bf16_cupy.py"),
+           "fused": part_pytest("tests/nn/test_fused.py"),
+           "bench-step": part_bench(["benchmarks/gpu.py", "step"], 1),
+           "bench-llama": part_bench(["benchmarks/gpu_llama.py"], 1),
+           "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2)}
     t0 = time.monotonic()
     try:
         for name, share in SHARES:

@@ -3,8 +3,11 @@
 The same script that `make gpu-check` runs on a GPU node runs here with GPU_CHECK=standin:
 tests/device_double.py in place of cupy, the venv's MPI, tiny sizes. Every part must pass
 (the wheels part may only be skipped, when this Python is not the cp312 the wheels are for),
-its JSON must name every part and the reference cases of both world sizes, the benchmark must
-have measured each of its figures, and no file of the MPI library may be left behind.
+its JSON must name every part and the reference cases of both world sizes (every model and
+layout, generate, hf load_into), the bf16 and fused test files must have passed tests, the
+benchmarks must have measured each of their figures (the GPT step fused and unfused in three
+dtypes, the Llama's next to transformers' with equal losses), and no file of the MPI library
+may be left behind.
 """
 import importlib.util
 import json
@@ -17,11 +20,15 @@ from pathlib import Path
 import leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["wheels", "environment", "reference-1", "reference-2", "bf16-cupy", "bench-step",
-         "bench-allreduce"]
-CASES_2 = {"mlp dp=2", "moe dp=2", "gpt dp=2", "mlp tp=2", "gpt tp=2", "mlp fsdp=2",
-           "gpt fsdp=2", "mlp pp=2,microbatches=2", "gpt pp=2,microbatches=2", "moe ep=2",
-           "gpt cp=2"}
+PARTS = ["wheels", "environment", "reference-1", "reference-2", "bf16-cupy", "fused",
+         "bench-step", "bench-llama", "bench-allreduce"]
+PP = "pp=2,microbatches=2"
+CASES_1 = {"mlp single", "moe single", "gpt single", "llama single", "generate-gpt single",
+           "generate-llama single", "hf-llama single"}
+CASES_2 = {"mlp dp=2", "moe dp=2", "gpt dp=2", "llama dp=2", "mlp tp=2", "gpt tp=2",
+           "llama tp=2", "gpt-pad tp=2", "mlp fsdp=2", "gpt fsdp=2", "llama fsdp=2", f"mlp {PP}",
+           f"gpt {PP}", f"llama {PP}", f"gpt-tied {PP}", "moe ep=2", "gpt cp=2", "llama cp=2",
+           "generate-gpt tp=2", "generate-llama tp=2", "hf-llama tp=2"}
 
 
 def test_gpu_check_standin_passes_every_part(tmp_path):
@@ -51,15 +58,25 @@ def test_gpu_check_standin_passes_every_part(tmp_path):
         assert res["parts"]["wheels"]["status"] == "passed"     # installed and used
     ref1 = {" ".join(c.split()[:2]) for c in res["parts"]["reference-1"]["cases"]}
     ref2 = {" ".join(c.split()[:2]) for c in res["parts"]["reference-2"]["cases"]}
-    assert ref1 == {"mlp single", "moe single", "gpt single"} and ref2 == CASES_2
-    bench = res["parts"]["bench-step"]["measurements"] + \
-        res["parts"]["bench-allreduce"]["measurements"]
+    assert ref1 == CASES_1 and ref2 == CASES_2
+    for name in ("bf16-cupy", "fused"):       # each ran its tests (none may be missing)
+        assert " passed" in res["parts"][name]["serial"][-1], res["parts"][name]
+    bench = [m for name in ("bench-step", "bench-llama", "bench-allreduce")
+             for m in res["parts"][name]["measurements"]]
     steps = {m["param_dtype"]: m for m in bench if m["part"] == "step"}
     assert set(steps) == {"float32", "float16", "bfloat16"}
+    torch = importlib.util.find_spec("torch") is not None
     for m in steps.values():
-        assert m["ours_s"] > 0 and m["mfu_vs_cupy_fp32"] > 0, m
-        assert importlib.util.find_spec("torch") is None or m["ratio_ours_over_torch_fp32"] > 0
+        assert m["ours_s"] > 0 and m["ours_unfused_s"] > 0 and m["mfu_vs_cupy_fp32"] > 0, m
+        assert not torch or min(m["ratio_ours_over_torch_fp32"],
+                                m["ratio_unfused_over_torch_fp32"]) > 0, m
+    (llama,) = [m for m in bench if m["part"] == "llama"]
+    assert llama["ours_s"] > 0 and llama["ours_unfused_s"] > 0, llama
+    if importlib.util.find_spec("transformers") is not None:   # the same model: equal losses
+        assert llama["ratio_ours_over_torch_fp32"] > 0, llama
+        assert abs(llama["loss_ours"] - llama["loss_torch"]) <= 1e-5 * llama["loss_torch"]
     reduces = {m["mode"]: m for m in bench if m["part"] == "allreduce"}
     assert set(reduces) == {"staged", "cuda_aware"}
     assert all(m["correct"] for m in reduces.values())
     assert seconds < 480, f"the stand-in check took {seconds:.0f} s"
+    print(f"the stand-in check took {seconds:.0f} s")
