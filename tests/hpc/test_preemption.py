@@ -93,3 +93,16 @@ def test_resume_auto_starts_fresh_and_bare_resume_still_needs_a_checkpoint(tmp_p
     proc = run_mpi(2, *base, "--resume", "auto", "--steps", "5", timeout=120)
     assert proc.returncode == 0 and f"resumed from {ckpt} at step 3" in proc.stderr
     assert train_steps(tmp_path / "ckpt.metrics.jsonl") == [1, 2, 3, 4, 5]
+    other = tmp_path / "other"                 # --resume PATH: from there, saving to other
+    proc = run_mpi(2, *base[:-1], other, "--resume", ckpt, "--steps", "7", timeout=120)
+    assert proc.returncode == 0 and f"resumed from {ckpt} at step 5" in proc.stderr
+    assert train_steps(tmp_path / "other.metrics.jsonl") == [6, 7]     # its own history
+    assert json.loads((other / "index.json").read_text())["step"] == 7
+
+
+def test_resume_in_a_config_file(tmp_path):
+    from mpishard.cli.train import parse_train_args
+    for text, value in (("resume = true", True), ('resume = "auto"', "auto"),
+                        ("resume = false", None)):
+        (tmp_path / "c.toml").write_text(text + "\n")
+        assert parse_train_args(["--config", str(tmp_path / "c.toml")]).resume == value
