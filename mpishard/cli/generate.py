@@ -171,13 +171,9 @@ def hf_eos(path) -> list:
 
 
 # -- the command --------------------------------------------------------------------------------
-def hf_engine(args, layout, comm):
-    """The engine of --hf DIR's model on `layout` (--dtype, default float32), each rank
+def hf_engine(args, model, layout, comm):
+    """The engine of --hf DIR's `model` on `layout` (--dtype, default float32), each rank
     reading its slices."""
-    try:
-        model = hf.read_model(args.hf)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--hf {args.hf}: {exc}") from None
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype or "float32"), comm=comm,
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          timeout=args.timeout)
@@ -185,10 +181,10 @@ def hf_engine(args, layout, comm):
     return engine
 
 
-def build_generator(args, comm):
-    """Validate (the same on every rank), open the model, make the engine and load it;
-    returns (engine, Text, prompt id lists, eos ids). UsageError/ValueError/TypeError before
-    any collective except those inside make_engine and load_into."""
+def prepare_generator(args, comm):
+    """Validate argv, the tokenizer, the prompts and the model's spec: no collective, so a
+    rank that raises here (a file its node lacks) cannot leave the others waiting inside
+    make_engine. Returns (layout, Text, prompt id lists, eos ids, model, checkpoint or None)."""
     size = comm.Get_size()
     layout = checked_layout(args.layout or default_layout(size), size)
     check_flags(args, ("max_new_tokens", "top_k", "seed"), low=0)
@@ -201,10 +197,13 @@ def build_generator(args, comm):
     empty = [i for i, ids in enumerate(prompts) if not ids]
     if empty:
         raise UsageError(f"prompt {empty[0]} encodes to no tokens with this tokenizer")
+    ckpt = None
     if args.hf is not None:
         eos = args.eos or hf_eos(args.hf)
-        engine = hf_engine(args, layout, comm)
-        model = engine.model
+        try:
+            model = hf.read_model(args.hf)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--hf {args.hf}: {exc}") from None
     else:
         ckpt, model = open_checkpoint(args.checkpoint)
         if getattr(model, "kind", None) not in ("gpt", "llama"):
@@ -217,8 +216,17 @@ def build_generator(args, comm):
     if text.vocab > model.vocab_size:
         raise UsageError(f"the tokenizer's {text.vocab} ids exceed the model's vocabulary of "
                          f"{model.vocab_size}")
-    if args.hf is None:
-        engine = checkpoint_engine(ckpt, model, layout, args, comm)
+    if any(not 0 <= e < model.vocab_size for e in eos):
+        raise UsageError(f"--eos {eos}: ids must lie in [0, {model.vocab_size})")
+    return layout, text, prompts, eos, model, ckpt
+
+
+def build_generator(args, comm):
+    """Collective: prepare_generator agreed on every rank (the same UsageError everywhere),
+    then the engine made and loaded; returns (engine, Text, prompt id lists, eos ids)."""
+    layout, text, prompts, eos, model, ckpt = agreed(comm, lambda: prepare_generator(args, comm))
+    engine = (hf_engine(args, model, layout, comm) if ckpt is None else
+              checkpoint_engine(ckpt, model, layout, args, comm))
     return engine, text, prompts, eos
 
 

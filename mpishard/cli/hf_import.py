@@ -30,15 +30,21 @@ def add_import_arguments(p):
     return p
 
 
+def read_hf_model(path):
+    """ms.hf.read_model(path), its errors as a UsageError naming --hf."""
+    try:
+        return hf.read_model(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--hf {path}: {exc}") from None
+
+
 def build_importer(args, comm):
-    """The engine on --layout, filled from --hf (UsageError before any collective for a bad
-    layout or directory; load_into agrees on its own errors)."""
+    """The engine on --layout, filled from --hf: the same UsageError on every rank for a bad
+    layout, or a directory any rank cannot read (agreed before the engine's collectives, so
+    no rank waits in make_engine for one that raised); load_into agrees on its own errors."""
     size = comm.Get_size()
     layout = checked_layout(args.layout or (f"fsdp={size}" if size > 1 else "single"), size)
-    try:
-        model = hf.read_model(args.hf)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--hf {args.hf}: {exc}") from None
+    model = agreed(comm, lambda: read_hf_model(args.hf))   # before make_engine's collectives
     wide = hf.source(model)["dtype"] == "float64"
     engine = make_engine(model, layout, dtype=np.float64 if wide else np.float32, comm=comm)
     hf.load_into(engine, args.hf)

@@ -93,3 +93,26 @@ def test_export_takes_the_source_of_a_fine_tuned_checkpoint(tmp_path):
     other, _ = gpt2(tmp_path / "other", n_layer=1)
     proc = export(tmp_path / "ckpt", tmp_path / "x", "--source", other)
     assert proc.returncode == 2 and "--source" in proc.stderr and "n_layers=1" in proc.stderr
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_directory_one_rank_lacks_is_one_usage_error_on_every_rank(tmp_path):
+    """generate --hf and import --hf with rank 1 unable to read the directory (a node-local
+    copy missing): every rank raises rank 1's UsageError, none is left inside make_engine."""
+    from mpishard.cli import build_parser
+    from mpishard.cli.generate import build_generator
+    from mpishard.cli.hf_import import build_importer
+    from mpishard.cli.usage import UsageError, agreed
+    from conftest import group_comm
+
+    comm = group_comm(2)
+    d, _ = gpt2(tmp_path / f"r{comm.Get_rank()}", vocab_size=300)    # bytes' 256 fit
+    path = d if comm.Get_rank() == 0 else str(tmp_path / "nowhere")
+    argv = {"generate": ["generate", "--hf", path, "--tokenizer", "bytes", "--prompt", "a",
+                         "--layout", "tp=2"],
+            "import": ["import", "--hf", path, "--checkpoint", str(tmp_path / "c"),
+                       "--layout", "tp=2"]}
+    for verb, build in (("generate", build_generator), ("import", build_importer)):
+        args = build_parser().parse_args(argv[verb])
+        with pytest.raises(UsageError, match="--hf .*nowhere.*not a directory"):
+            agreed(comm, lambda: build(args, comm))
