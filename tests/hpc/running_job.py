@@ -7,7 +7,7 @@
     rc, out = job.finish(timeout=120)
 
 The ranks are found in /proc: python processes whose command line holds `marker` (a path
-unique to the test), with PMI_RANK (hydra, Open MPI's PMIx sets it too) in their environment.
+unique to the test), with their rank in the environment (RANK_VARIABLES).
 Files the MPI library leaves when a rank is SIGKILLed are removed by `finish(killed=True)`.
 """
 import json
@@ -16,6 +16,9 @@ import subprocess
 import time
 
 import leftovers
+
+# The rank in a rank process's environment: MPICH's hydra, Open MPI, PMIx.
+RANK_VARIABLES = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK")
 
 
 class RunningJob:
@@ -49,9 +52,10 @@ class RunningJob:
                     environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
             except OSError:
                 continue
+            rank = next((environ[k] for k in RANK_VARIABLES if k in environ), None)
             if b"mpi4py" in argv and any(self.marker.encode() in a for a in argv) \
-                    and b"PMI_RANK" in environ:
-                found[int(environ[b"PMI_RANK"])] = int(entry)
+                    and rank is not None:
+                found[int(rank)] = int(entry)
         return found
 
     def signal(self, signum, ranks=None) -> list:
