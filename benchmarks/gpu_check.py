@@ -52,10 +52,10 @@ import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
-SHARES = [("wheels", 10), ("environment", 25), ("reference-1", 55), ("reference-2", 50),
-          ("bf16-cupy", 35), ("fused", 50), ("bench-step", 130), ("bench-llama", 95),
+SHARES = [("wheels", 10), ("environment", 40), ("reference-1", 50), ("reference-2", 50),
+          ("bf16-cupy", 35), ("fused", 50), ("bench-step", 125), ("bench-llama", 90),
           ("bench-allreduce", 30)]   # seconds of 480. The H100's first run (17:05 UTC, before
-# fused, Llama, generate, hf) took 2, 9, 8, 4, 15, -, 50, -, 2 s; at GPU_CHECK_BUDGET=300 every
+# fused, Llama, generate, hf) took 2, 9, 8, 4, 15, -, 50, -, 2 s; at GPU_CHECK_BUDGET=360 every
 # part still has about 1.5x its expected time on a bare node (cupy compiles each kernel once)
 ENV_PROBE = """
 import platform, numpy, mpi4py
