@@ -101,31 +101,45 @@ def last_logits(engine, tokens: list, cache=None):
 # -- text <-> ids -------------------------------------------------------------------------------
 class Text:
     """encode(str) -> ids and an incremental decode(ids so far) -> the new printable text, for
-    bytes (UTF-8, vocab 256) or a tokenizers.Tokenizer."""
+    bytes (UTF-8, vocab 256) or a tokenizers.Tokenizer.
+
+    A completion is decoded as the continuation of its prompt (`context`): the text of
+    prompt + ids less the text of the prompt. Decoding the new ids alone would drop a leading
+    space that sentencepiece-style tokenizers (Metaspace: "▁Paris") strip at the start of a
+    text, printing "...France isParis"."""
 
     def __init__(self, tokenizer=None):
         self.tok = tokenizer
         self.vocab = 256 if tokenizer is None else tokenizer.get_vocab_size()
         self.reset()
 
-    def reset(self):
+    def reset(self, context=()):
+        """Start a completion of the prompt ids `context`."""
         self.bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.shown = ""
+        self.context = list(context)
 
     def encode(self, text: str) -> list:
         return list(text.encode("utf-8")) if self.tok is None else self.tok.encode(text).ids
 
-    def whole(self, ids: list) -> str:
-        """The text of `ids` at once."""
+    def _after(self, ids: list, context: list) -> str:
+        """The tokenizer's text of `ids` as they continue `context`."""
+        if not context:
+            return self.tok.decode(ids)
+        head, text = self.tok.decode(context), self.tok.decode(context + list(ids))
+        return text[len(head):] if text.startswith(head) else self.tok.decode(ids)
+
+    def whole(self, ids: list, context=()) -> str:
+        """The text of `ids` at once (continuing the prompt ids `context`)."""
         if self.tok is None:
             return bytes(ids).decode("utf-8", errors="replace")
-        return self.tok.decode(ids)
+        return self._after(ids, list(context))
 
     def decode(self, ids: list, final=False) -> str:
         """The text of `ids` not returned before (ids: all new ids so far, in order)."""
         if self.tok is None:
             return self.bytes.decode(bytes(ids[-1:]) if ids else b"", final=final)
-        text = self.tok.decode(ids)
+        text = self._after(ids, self.context)
         if not final:                        # a split multi-byte character: wait for it
             text = text.rstrip("\ufffd")
         new = text[len(self.shown):] if text.startswith(self.shown) else text
@@ -244,6 +258,7 @@ def run_generate(args) -> int:
 
     if stream:
         sys.stdout.write(shown[0])
+        text.reset(prompts[0])
     out = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos=eos or None,
                           kv_cache=not args.no_kv_cache, on_token=show if stream else None)
@@ -251,6 +266,6 @@ def run_generate(args) -> int:
         sys.stdout.write(text.decode(new, final=True) + "\n")
     elif shown is not None:
         for i, (prompt, ids) in enumerate(zip(shown, out)):
-            sys.stdout.write(f"--- prompt {i} ---\n{prompt}{text.whole(ids)}\n")
+            sys.stdout.write(f"--- prompt {i} ---\n{prompt}{text.whole(ids, prompts[i])}\n")
     sys.stdout.flush()
     return 0
