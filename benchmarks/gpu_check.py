@@ -6,7 +6,8 @@
 Environment: GPU_CHECK (gpu, the default, or standin), GPU_CHECK_OUT (the output folder,
 default gpu-check-out), GPU_WHEELS (default .gpu-wheels), GPU_CHECK_BUDGET (seconds for the
 whole check, default 480), GPU_CHECK_MPIEXEC_FLAGS (extra mpiexec flags, e.g.
-"-launcher fork -host localhost" where hydra cannot resolve the host name). The parts, each
+"-launcher fork -host localhost" where hydra cannot resolve the host name), GPU_CHECK_PARTS
+(a space-separated subset of the parts below, for a rerun; wheels always runs). The parts, each
 with its own budget (a share of the whole, never past its end), each printing as it runs and
 written to $GPU_CHECK_OUT/gpu_check.json as it ends, so a cut-off run still says what it did;
 a failing part does not stop the later ones:
@@ -76,13 +77,13 @@ for name in ("cupy", "torch"):
 class Check:
     """The output folder, the log, the JSON, the environment the parts run in."""
 
-    def __init__(self, standin, out, wheels, budget):
+    def __init__(self, standin, out, wheels, budget, shares=SHARES):
         self.standin, self.wheels, self.out = standin, Path(wheels), Path(out)
         self.site = None                      # the wheels' install prefix, removed at the end
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = open(self.out / "gpu_check.log", "w")
         self.t_end = time.monotonic() + budget
-        self.scale = budget / sum(s for _, s in SHARES)
+        self.scale = budget / sum(s for _, s in shares)
         self.result = {"mode": "standin" if standin else "gpu", "budget_s": budget, "parts": {}}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                         PYTHONPATH=os.pathsep.join(filter(None, [
@@ -241,9 +242,16 @@ def part_bench(script, n):
 
 def main() -> int:
     standin = os.environ.get("GPU_CHECK", "gpu") == "standin"
+    only = os.environ.get("GPU_CHECK_PARTS", "").split()     # a subset, e.g. for a rerun
+    unknown = sorted(set(only) - {name for name, _ in SHARES})
+    if unknown:
+        print(f"GPU_CHECK_PARTS: unknown part(s) {unknown}; parts: "
+              f"{' '.join(name for name, _ in SHARES)}", file=sys.stderr)
+        return 2
+    shares = [(n, s) for n, s in SHARES if not only or n in only or n == "wheels"]
     check = Check(standin, os.environ.get("GPU_CHECK_OUT", "gpu-check-out"),
                   os.environ.get("GPU_WHEELS", ROOT / ".gpu-wheels"),
-                  float(os.environ.get("GPU_CHECK_BUDGET", 480)))
+                  float(os.environ.get("GPU_CHECK_BUDGET", 480)), shares)
     fns = {"wheels": part_wheels, "environment": part_environment,
            "reference-1": part_reference(1), "reference-2": part_reference(2),
            "bf16-cupy": part_pytest("tests/parallel/test_bf16_cupy.py"),
@@ -253,7 +261,7 @@ def main() -> int:
            "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2)}
     t0 = time.monotonic()
     try:
-        for name, share in SHARES:
+        for name, share in shares:
             check.part(name, share, lambda budget, fn=fns[name]: fn(check, budget))
     finally:
         if check.site is not None:
