@@ -1,10 +1,11 @@
 """The flight recorder (comm/flight.py) and its reader (cli/flight.py).
 
-Recording runs at any world size (serial, or under mpiexec -n 2 / 4): every rank's events name
-the op, the group, its sequence number, the array, the step, and a receive is one event; the
-ring keeps the last N. Dumps write the ring and the stacks; SIGUSR2 dumps. The reader's verdicts
-on hand-made dumps cover what the fault-injection jobs (tests/hpc/test_flight_faults.py) cannot
-make deterministic: two ranks calling different ops, and a rank that dumped but never entered.
+Recording runs at any world size (the tests marked mpi, under mpiexec -n 1, 2, 4): every
+rank's events name the op, the group, its sequence number, the array, the step, and a receive
+is one event; the ring keeps the last N. Dumps write the ring and the stacks; SIGUSR2 dumps.
+The reader's verdicts on hand-made dumps (serial) cover what the fault-injection jobs
+(tests/hpc/test_flight_faults.py) cannot make deterministic: two ranks calling different ops,
+and a rank that dumped but never entered. A fatal signal's stacks (serial: its own process).
 """
 import json
 import os
@@ -31,6 +32,7 @@ def engine():
     eng.close()
 
 
+@pytest.mark.mpi(min_size=1)
 def test_events_name_the_op_group_sequence_and_array(engine):
     comm, rank, n = engine.comm, WORLD.Get_rank(), WORLD.Get_size()
     comm.context(step=7, microbatch=1)
@@ -57,6 +59,7 @@ def test_events_name_the_op_group_sequence_and_array(engine):
         assert events[3]["seq"] == events[4]["seq"] == 1        # per peer and direction
 
 
+@pytest.mark.mpi(min_size=1)
 def test_the_ring_keeps_the_last_events(engine):
     comm = engine.comm
     for _ in range(11):
@@ -66,6 +69,7 @@ def test_the_ring_keeps_the_last_events(engine):
     assert comm.flight.count == 11
 
 
+@pytest.mark.mpi(min_size=1)
 def test_dump_writes_ring_and_stacks_once_and_on_sigusr2(engine, tmp_path):
     rec = engine.comm.flight
     engine.comm.barrier()

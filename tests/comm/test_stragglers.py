@@ -1,5 +1,6 @@
 """The straggler line (comm/stragglers.py): the rule on hand-made waits, and on real
-collectives where one rank sleeps before each (any world size of 2 or more; serial: skipped)."""
+collectives where one rank sleeps before each (marked mpi: 2 ranks or more), and in `train`
+(serial: it launches 2-rank jobs)."""
 import re
 import time
 
@@ -40,7 +41,7 @@ def test_the_rule():
     assert straggler(partial) is None
 
 
-@pytest.mark.skipif(WORLD.Get_size() < 2, reason="needs 2 ranks or more")
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("who", ["last", "alternate"])
 def test_a_rank_that_sleeps_before_each_collective_is_named(who):
     model = ms.MLP([4, 8, 2])
