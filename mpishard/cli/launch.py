@@ -13,10 +13,13 @@ the pid and host of the rank that ended first and why; MPICH's "Abort ... (rank 
 mpishard's "mpishard: error: ... (rank r)").
 
 Exit code 75 (EX_TEMPFAIL, train/preemption.py) is a job that was asked to stop and saved a
-checkpoint. When the supervisor itself was signalled (SIGTERM, SIGINT or SIGUSR1, which it
-forwards to the launcher, e.g. from a batch script), it exits 75 too and the batch system
-requeues; when it was not (a rank was signalled directly), it relaunches immediately, counted
-as a restart. The launcher runs in its own session: a signal reaches it only through here.
+checkpoint. Signals to the supervisor (from a batch script, say) end the supervision and go on
+to the launcher, which runs in its own session: the first SIGTERM or SIGUSR1 as SIGUSR1, which
+every launcher passes to every rank (hydra, Open MPI's prterun, srun; prterun answers a SIGTERM
+by killing the job instead), so the ranks checkpoint and exit 75, and the supervisor exits 75
+for the batch system to requeue; SIGINT, or any second signal, as it is (stop now). A job that
+exits 75 without the supervisor having been signalled (a rank was signalled directly) is
+relaunched immediately, counted as a restart.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from .usage import PROG, UsageError
 
 PREEMPTED = 75                            # train/preemption.py PREEMPTED_EXIT (no MPI import)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+CHECKPOINT = (signal.SIGTERM, signal.SIGUSR1)      # reach the ranks as SIGUSR1: checkpoint, 75
 # What a job's output says about a rank: (pattern, template); the first one found is the cause.
 RANK_PATTERNS = (
     (re.compile(r"PID (\d+) RUNNING AT (\S+)\s*=\s*EXIT CODE: (\d+)(?:[\s\S]*EXIT STRING: "
@@ -143,10 +147,11 @@ def run_launch(args) -> int:
                          "resumes from it); give one, or --max-restarts 0")
     state = {"proc": None, "signalled": None}
 
-    def forward(signum, frame):
-        state["signalled"] = state["signalled"] or signum
+    def forward(signum, frame):        # the first SIGTERM/SIGUSR1 goes on as SIGUSR1 (module doc)
+        first, state["signalled"] = state["signalled"] is None, state["signalled"] or signum
         if state["proc"] is not None and state["proc"].poll() is None:
-            state["proc"].send_signal(signum)
+            state["proc"].send_signal(signal.SIGUSR1 if first and signum in CHECKPOINT
+                                      else signum)
     for signum in FORWARDED:
         signal.signal(signum, forward)
 

@@ -57,8 +57,9 @@ def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
 
 
 def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
-    """A batch script's SIGTERM (or USR1) goes to `launch`, which forwards it to the launcher:
-    the ranks save and exit 75, and launch exits 75 without relaunching (requeue the job)."""
+    """A batch script's SIGTERM goes to `launch`, which passes it to the launcher as SIGUSR1
+    (Open MPI's would kill the job on a SIGTERM): the ranks save and exit 75, and launch exits
+    75 without relaunching (requeue the job)."""
     ckpt = tmp_path / "ckpt"
     job = RunningJob([sys.executable, "-m", "mpishard", "launch", "-n", "2", "--launcher",
                       shlex.join(mpiexec_cmd(2)[:-2]), "--", "train",
@@ -69,7 +70,7 @@ def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
     lines = [s for s in out.splitlines() if s.startswith("mpishard")]
     print(f"SIGTERM to launch at step {seen}\n" + "\n".join(lines))
     assert rc == 75, out[-3000:]
-    assert [s for s in lines if "stopped by SIGTERM" in s], lines
+    assert [s for s in lines if "stopped by SIGUSR1" in s], lines     # as launch forwards it
     assert lines[-1].endswith(" stopped on SIGTERM: exit code 75")
     assert len([s for s in lines if "starting:" in s]) == 1
     assert json.loads((ckpt / "index.json").read_text())["step"] >= seen
