@@ -75,14 +75,14 @@ class FlightRecorder:
                                             # _by_group, group id): one lookup per call
         self.table: list = []               # group id -> {"name", "ranks"}
         self.rank = MPI.COMM_WORLD.Get_rank() if rank is None else rank
-        self.directory = None               # where dumps go (None: the working directory)
+        self.directory = None               # where dumps go (None: no dumps; redirect)
         self.dumped = None                  # the reason of the first dump
-        self.fatal = None                   # the open fatal-signal file (arm)
+        self.fatal = None                   # the open fatal-signal file (redirect)
 
     @classmethod
     def shared(cls):
-        """The process's recorder (made and armed on first use), or None when
-        MPISHARD_FLIGHT_EVENTS is 0."""
+        """The process's recorder (made on first use; redirected to MPISHARD_FLIGHT_DIR when
+        that is set), or None when MPISHARD_FLIGHT_EVENTS is 0."""
         if cls.SHARED is None:
             size = int(os.environ.get(ENV, EVENTS))
             if size <= 0:
