@@ -28,8 +28,9 @@ generator seeded with `seed` (nn/sampling.py), so all ranks return the same ids 
 communicating them.
 
 Input errors (no prompts, an empty prompt, ids outside the vocabulary, max_new_tokens < 0,
-sampling options out of range, eos outside the vocabulary) raise the same ValueError on every
-rank before any communication.
+sampling options out of range, eos outside the vocabulary, and when recomputing a window that
+cannot be padded to the cp/sequence_parallel multiple within seq_len) raise the same
+ValueError on every rank before any communication.
 """
 from __future__ import annotations
 
@@ -124,6 +125,8 @@ def generate(engine, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.
         raise ValueError(f"refill={refill} must lie in [1, seq_len={seq_len}]")
     cached = kv_cache and decodes_with_cache(engine.layout)
     decoder = Decoder.of(engine)
+    if not cached:
+        check_windows(rows, max_new_tokens, seq_len, decoder.length_multiple, engine.layout)
     n = len(rows)
     rows += [[0] for _ in range(-n % decoder.rows)]     # dummy rows: a multiple of dp ranks
     step = (_cached_logits(decoder, rows, seq_len, refill) if cached else
@@ -142,6 +145,18 @@ def generate(engine, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.
             if int(ids[i]) in eos:
                 live.remove(i)
     return out
+
+
+def check_windows(rows, max_new_tokens: int, seq_len: int, multiple: int, layout) -> None:
+    """ValueError (no MPI) when a recomputed window would have to be padded past seq_len: the
+    longest window, min(seq_len, longest prompt + max_new_tokens - 1) tokens, rounded up to
+    the multiple that cp / sequence_parallel split, must fit the model's positions."""
+    longest = min(seq_len, max(map(len, rows)) + max_new_tokens - 1)
+    if max_new_tokens and -(-longest // multiple) * multiple > seq_len:
+        raise ValueError(f"generate under {layout.text} recomputes windows of up to {longest} "
+                         f"tokens padded to a multiple of {multiple}, past the model's "
+                         f"seq_len={seq_len}: use a seq_len that divides by {multiple}, "
+                         f"shorter prompts or fewer new tokens")
 
 
 def _cached_logits(decoder, rows, seq_len: int, refill: int):
@@ -196,4 +211,5 @@ def decodes_with_cache(layout) -> bool:
     return True
 
 
-__all__ = ["Decoder", "check_generate", "decodes_with_cache", "generate", "left_padded"]
+__all__ = ["Decoder", "check_generate", "check_windows", "decodes_with_cache", "generate",
+           "left_padded"]

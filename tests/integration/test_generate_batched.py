@@ -222,3 +222,23 @@ def test_bad_input_is_the_same_error_on_every_rank():
     assert len(set(map(tuple, comm.allgather(messages)))) == 1
     assert engine.generate(PROMPTS, 4, temperature=0) == loaded("gpt").generate(
         PROMPTS, 4, temperature=0)                            # the engine still works
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_window_cp_cannot_split_within_seq_len_is_refused_up_front():
+    """cp=2 recomputes windows padded to a multiple of 4: with seq_len 10 a 10-token window
+    cannot be, so a run that would reach one raises the same ValueError on every rank before
+    any communication (instead of after some steps); a run whose windows stay within 8
+    tokens generates single's ids."""
+    comm = group_comm(2)
+    model = ms.GPT(vocab_size=16, seq_len=10, d_model=16, n_heads=4, n_layers=1)
+    engine, ref = ms.make_engine(model, "cp=2", comm=comm), ms.SingleDevice(model)
+    for e in (engine, ref):
+        e.load_checkpoint(model.init(seed=1))
+    engine.reset_comm_stats()
+    with pytest.raises(ValueError, match="windows of up to 10 tokens padded to a multiple "
+                                         "of 4, past the model's seq_len=10"):
+        engine.generate([[1, 2, 3], [4]], 8, temperature=0)
+    assert not any(engine.comm_calls.values()), engine.comm_calls
+    assert engine.generate([[1, 2, 3], [4]], 6, temperature=0) == \
+        ref.generate([[1, 2, 3], [4]], 6, temperature=0)
