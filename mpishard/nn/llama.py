@@ -1,7 +1,8 @@
 """The Llama spec: a Llama-shaped decoder's sizes and parameter names. No weights live here.
 
 `Llama(vocab_size, seq_len, d_model, n_heads, n_layers, n_kv_heads=None, d_ff=None,
-rope_theta=10000.0, norm_eps=1e-5, tied=False)`, with D = d_model, H = n_heads,
+rope_theta=10000.0, norm_eps=1e-5, tied=False, n_experts=None, top_k=2, capacity_factor=None,
+router_aux_loss_coef=0.0)`, with D = d_model, H = n_heads,
 K = n_kv_heads (default H; H % K == 0), Dh = D / H, F = d_ff (default 4 D), V = vocab_size,
 has the parameters (names and shapes are a contract, in this order; weights are (in, out),
 the transpose of Hugging Face's nn.Linear weights)
@@ -28,6 +29,19 @@ cos/sin = cat(angle, angle), q' = q cos + rotate_half(q) sin, rotate_half(x) = c
 query head h attends with kv head h // (H / K) (grouped-query attention), causal
 softmax(q' k'^T / sqrt(Dh)) v, heads concatenated in order. Logits = rms_f(h) head/weights
 (or rms_f(h) embed/tokens^T when tied), shape (B, T, V). The units are in llama_layers.py.
+
+Mixture of experts (Mixtral; n_experts=E set, None = the dense Llama above): each block's
+mlp/* names are replaced by (ours (in, out); HF MixtralSparseMoeBlock, legacy per-expert names)
+
+    block_{i}/moe/router/weights (D, E)             HF block_sparse_moe.gate.weight^T
+    block_{i}/moe/experts/gate/weights (E, D, F)    expert j: HF experts.j.w1.weight^T
+    block_{i}/moe/experts/up/weights (E, D, F)      expert j: HF experts.j.w3.weight^T
+    block_{i}/moe/experts/down/weights (E, F, D)    expert j: HF experts.j.w2.weight^T
+
+and the mlp computes, per token x: p = softmax(x router) over E, the top_k experts by p, their
+weights w = p_top / sum(p_top), y = sum_k w_k (silu(x gate_e) * (x up_e)) down_e (units:
+moe_layers.py). capacity_factor (None: no drops, as HF) drops assignments over
+ceil(cf T k / E) per expert and sequence; router_aux_loss_coef adds HF's load-balancing loss.
 
 `init(seed)` is Hugging Face's LlamaPreTrainedModel init: N(0, 0.02) for every weight and the
 embedding, RMSNorm scales 1; float64 numpy, the same on every rank for a seed.
@@ -56,8 +70,21 @@ class Llama(DecoderSpec):
     kind = "llama"
 
     def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, n_kv_heads=None,
-                 d_ff=None, rope_theta=10000.0, norm_eps=1e-5, tied=False):
+                 d_ff=None, rope_theta=10000.0, norm_eps=1e-5, tied=False, n_experts=None,
+                 top_k=2, capacity_factor=None, router_aux_loss_coef=0.0):
         super().__init__(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied)
+        self.n_experts = None if n_experts is None else \
+            positive_int("n_experts", n_experts, "Llama")
+        self.top_k = positive_int("top_k", top_k, "Llama")
+        if self.n_experts is not None and self.top_k > self.n_experts:
+            raise ValueError(f"Llama top_k={top_k} must lie in [1, n_experts={n_experts}]")
+        self.capacity_factor = None if capacity_factor is None else \
+            _positive_float("capacity_factor", capacity_factor)
+        coef = router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float, np.integer,
+                                                           np.floating)) or not coef >= 0:
+            raise ValueError(f"Llama router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        self.router_aux_loss_coef = float(coef)
         self.n_kv_heads = self.n_heads if n_kv_heads is None else \
             positive_int("n_kv_heads", n_kv_heads, "Llama")
         self.rope_theta = _positive_float("rope_theta", rope_theta)
@@ -76,9 +103,19 @@ class Llama(DecoderSpec):
         return {f"{p}/ln_1/scale": (d,),
                 f"{p}/attn/q/weights": (d, q), f"{p}/attn/k/weights": (d, kv),
                 f"{p}/attn/v/weights": (d, kv), f"{p}/attn/proj/weights": (q, d),
-                f"{p}/ln_2/scale": (d,),
-                f"{p}/mlp/gate/weights": (d, f), f"{p}/mlp/up/weights": (d, f),
-                f"{p}/mlp/down/weights": (f, d)}
+                f"{p}/ln_2/scale": (d,), **self.mlp_param_shapes(i)}
+
+    def mlp_param_shapes(self, i: int) -> dict:
+        """Block i's MLP: the dense SwiGLU's three matrices, or the router and the stacked
+        experts (n_experts set)."""
+        d, f, p = self.d_model, self.d_ff, f"block_{i}"
+        if self.n_experts is None:
+            return {f"{p}/mlp/gate/weights": (d, f), f"{p}/mlp/up/weights": (d, f),
+                    f"{p}/mlp/down/weights": (f, d)}
+        e = self.n_experts
+        return {f"{p}/moe/router/weights": (d, e), f"{p}/moe/experts/gate/weights": (e, d, f),
+                f"{p}/moe/experts/up/weights": (e, d, f),
+                f"{p}/moe/experts/down/weights": (e, f, d)}
 
     def embed_param_shapes(self) -> dict:
         return {"embed/tokens": (self.vocab_size, self.d_model)}
@@ -101,4 +138,8 @@ class Llama(DecoderSpec):
         return (f"Llama(vocab_size={self.vocab_size}, seq_len={self.seq_len}, "
                 f"d_model={self.d_model}, n_heads={self.n_heads}, n_layers={self.n_layers}, "
                 f"n_kv_heads={self.n_kv_heads}, d_ff={self.d_ff}, "
-                f"rope_theta={self.rope_theta}, norm_eps={self.norm_eps}, tied={self.tied})")
+                f"rope_theta={self.rope_theta}, norm_eps={self.norm_eps}, tied={self.tied}"
+                + ("" if self.n_experts is None else
+                   f", n_experts={self.n_experts}, top_k={self.top_k}, "
+                   f"capacity_factor={self.capacity_factor}, "
+                   f"router_aux_loss_coef={self.router_aux_loss_coef}") + ")")
