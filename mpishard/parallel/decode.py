@@ -8,6 +8,8 @@ Every step runs ONE forward for all prompts and draws one token per prompt:
                  (KVCache.extend), so no real token attends to it, and each row's positions
                  count its real tokens from 0 (transformers' cumsum(attention_mask) - 1)
         step     one token per row at slot L + s, attending to its row's cached real slots
+                 (the cache holds the L + max_new_tokens - 1 slots the run fills, at most
+                 seq_len: its buffers are sized by the request, not by the model's positions)
         full     when the next slot would pass seq_len, the window is recomputed: the cache is
                  reset and each row's last `refill` tokens (default seq_len) are prefilled
                  again, left-padded (with refill = seq_len every later step sees exactly the
@@ -129,7 +131,7 @@ def generate(engine, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.
         check_windows(rows, max_new_tokens, seq_len, decoder.length_multiple, engine.layout)
     n = len(rows)
     rows += [[0] for _ in range(-n % decoder.rows)]     # dummy rows: a multiple of dp ranks
-    step = (_cached_logits(decoder, rows, seq_len, refill) if cached else
+    step = (_cached_logits(decoder, rows, seq_len, refill, max_new_tokens) if cached else
             _recomputed_logits(decoder, rows, seq_len))
     rng, out, live = np.random.default_rng(seed), [[] for _ in range(n)], list(range(n))
     for _ in range(max_new_tokens):
@@ -159,14 +161,17 @@ def check_windows(rows, max_new_tokens: int, seq_len: int, multiple: int, layout
                          f"shorter prompts or fewer new tokens")
 
 
-def _cached_logits(decoder, rows, seq_len: int, refill: int):
-    """step(vocab) -> logits (B, V) of the rows' latest tokens, with a KV cache."""
-    cache = KVCache(seq_len)
+def _cached_logits(decoder, rows, seq_len: int, refill: int, max_new_tokens: int):
+    """step(vocab) -> logits (B, V) of the rows' latest tokens, with a KV cache of the slots
+    the run can fill: the first prefill's width + max_new_tokens - 1, at most seq_len (a
+    model with 131,072 positions does not get a cache that long for a 50-token answer)."""
+    width = max(min(len(r), seq_len) for r in rows)
+    cache = KVCache(min(seq_len, width + max(max_new_tokens - 1, 0)))
     window = seq_len                     # the first prefill: each row's last seq_len tokens
 
     def step(vocab):
         nonlocal window
-        if cache.length and cache.length < seq_len:
+        if cache.length and cache.length < cache.capacity:     # capacity < seq_len: never full
             ids = np.asarray([[r[-1]] for r in rows], dtype=np.int64)
             return decoder.cached_step(ids, np.ones(ids.shape, dtype=bool), cache, vocab)
         cache.reset()                    # first step, or full: (re)fill the window

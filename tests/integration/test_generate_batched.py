@@ -242,3 +242,26 @@ def test_a_window_cp_cannot_split_within_seq_len_is_refused_up_front():
     assert not any(engine.comm_calls.values()), engine.comm_calls
     assert engine.generate([[1, 2, 3], [4]], 6, temperature=0) == \
         ref.generate([[1, 2, 3], [4]], 6, temperature=0)
+
+
+def test_the_cache_is_sized_by_the_request_not_the_positions(monkeypatch):
+    """A model with 512 positions and a 14-token answer to 8-token prompts: the cache holds
+    8 + 14 - 1 slots (buffers (B, Hkv, 21, Dh)), and the ids equal the recomputed ones."""
+    import mpishard.parallel.decode as decode
+
+    made = []
+
+    class Recorded(KVCache):
+        def __init__(self, capacity):
+            super().__init__(capacity)
+            made.append(self)
+
+    monkeypatch.setattr(decode, "KVCache", Recorded)
+    model = ms.Llama(vocab_size=16, seq_len=512, d_model=16, n_heads=4, n_layers=2,
+                     n_kv_heads=2, d_ff=32)
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint(model.init(seed=1))
+    got = engine.generate(PROMPTS, 14, temperature=0)
+    assert [c.capacity for c in made] == [8 + 14 - 1]
+    assert {b[0].shape[2] for b in made[0].buffers.values()} == {21}
+    assert got == engine.generate(PROMPTS, 14, temperature=0, kv_cache=False)
