@@ -28,9 +28,10 @@ cumsum(attention_mask) - 1); a padding slot gets the position of the real token 
 `cache.positions(t)`: the (B, t) integer array of the new tokens after an `extend`, or the slice
 length .. length + t - 1 when no rows were declared (one unpadded batch).
 
-The cache holds at most `capacity` (= seq_len) slots: the model has no position beyond. What to
-do when it is full is the caller's choice (parallel/decode.py recomputes the cropped window:
-reset, then a prefill of the last tokens). Units that cannot decode incrementally (ring/Ulysses
+The cache holds at most `capacity` slots, at most seq_len (the model has no position beyond);
+parallel/decode.py sizes it by the request (first prefill + max_new_tokens - 1), so the buffers
+are not seq_len long for a short answer. What to do when it is full is the caller's choice
+(parallel/decode.py recomputes the cropped window: reset, then a prefill of the last tokens). Units that cannot decode incrementally (ring/Ulysses
 attention under cp, the sequence-parallel embedding) have no cache hooks; the layout check for
 that is parallel/gpt.check_decode.
 """
