@@ -20,7 +20,7 @@ from .. import hf
 from ..checkpoint.format import model_spec, spec_text
 from ..hf.convert import DTYPE_NAMES
 from .infer import open_checkpoint
-from .usage import UsageError, print_report
+from .usage import UsageError, print_report, world_comm
 
 
 def add_export_arguments(p):
@@ -52,6 +52,9 @@ def source_of(args, ckpt):
 
 
 def run_export(args) -> int:
+    if world_comm().Get_size() > 1:        # the same on every rank, before any file is touched
+        raise UsageError("export runs as one process (python -m mpishard export ..., without "
+                         "mpiexec): every rank would write the same files at once")
     ckpt, model = open_checkpoint(args.checkpoint)
     if getattr(model, "kind", None) not in ("gpt", "llama"):
         raise UsageError(f"--checkpoint {args.checkpoint} holds "
