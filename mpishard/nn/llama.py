@@ -98,7 +98,7 @@ class Llama(DecoderSpec):
 
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:
-        d, f, p = self.d_model, self.d_ff, f"block_{i}"
+        d, p = self.d_model, f"block_{i}"
         q, kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         return {f"{p}/ln_1/scale": (d,),
                 f"{p}/attn/q/weights": (d, q), f"{p}/attn/k/weights": (d, kv),

@@ -4,6 +4,7 @@
     LlamaBlock i     h -> h                                   block_{i}/...
       Residual[RMSNorm ln_1, FusedLinear(q, k, v), Rotary, GroupedQueryAttention, attn proj]
       Residual[RMSNorm ln_2, FusedLinear(gate, up), SwiGLU, mlp down]
+        (n_experts set: Residual[RMSNorm ln_2, SparseMoE]: moe_layers.py)
     LlamaHead        h -> logits (B, T, V)                    ln_f, head/weights or tied
 
 Between FusedLinear(q, k, v) and the attention core the activation is (B, T, (Hq + 2 Hkv) Dh):
@@ -24,6 +25,7 @@ from __future__ import annotations
 from . import functional as nn
 from .layers import Composite, Layer, Linear, Residual
 from .llama_attention import GroupedQueryAttention, KVHeads, Rotary
+from .moe_layers import SparseMoE
 from .transformer import TiedHead, leading_positions, plain_linear
 
 
@@ -191,11 +193,14 @@ class LlamaBlock(Composite):
                                 token_positions),
                          *core,
                          *linear(access, f"{p}/attn/proj/weights", None, "row")])
-        mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps),
-                        *fused_column(linear, access, [f"{p}/mlp/gate/weights",
-                                                       f"{p}/mlp/up/weights"]),
-                        SwiGLU(),
-                        *linear(access, f"{p}/mlp/down/weights", None, "row")])
+        if model.n_experts is not None:        # Mixtral: experts replicated on tp
+            mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps), SparseMoE(model, access, index)])
+        else:
+            mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps),
+                            *fused_column(linear, access, [f"{p}/mlp/gate/weights",
+                                                           f"{p}/mlp/up/weights"]),
+                            SwiGLU(),
+                            *linear(access, f"{p}/mlp/down/weights", None, "row")])
         super().__init__([attn, mlp])
         self.index = index
 

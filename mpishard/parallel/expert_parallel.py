@@ -17,7 +17,9 @@ The backward runs the same exchanges in reverse, each the adjoint of a forward o
     d rows -> all_to_all_v back to the token owners                (adjoint of dispatch)
     d gate_tj = dy_t . out_tj      -> softmax Jacobian -> d router weights, d x
 
-Top-k selection and capacity are piecewise constant, so they pass no gradient.
+Top-k selection and capacity are piecewise constant, so they pass no gradient. Routing
+(`route`) and the exchanges with their adjoints (`TokenExchange`) are nn/moe_routing.py's,
+shared with the Mixtral blocks (nn/moe_layers.py, parallel/moe_transformer.py).
 
 Gradient scaling. Each rank's loss is the mean over its own rows, and GradientSync averages a
 gradient over the data axes on which it is replicated. The router is replicated on dp and ep:
@@ -40,6 +42,7 @@ import numpy as np
 from ..nn import functional as nn
 from . import placement as pl
 from ..nn.layers import Layer
+from ..nn.moe_routing import TokenExchange, route
 from ..comm.mesh import DATA_AXES
 
 
@@ -77,24 +80,6 @@ def build_moe_chunks(model, access, comm, stats: dict) -> list:
     return [[MoELayer(model, access, comm, stats, need_dx=False)]]
 
 
-# -- routing (local, no communication) ---------------------------------------------------------
-def route(probs_host, top_k: int, n_groups: int, capacity: int):
-    """Top-k experts and capacity keep-mask for b tokens cut into n_groups contiguous groups.
-
-    probs_host: (b, E) numpy. Returns experts (b, k) int64 (best first) and keep (b, k) bool.
-    Queue order inside a group: choice j major, token position minor.
-    """
-    b, n_exp = probs_host.shape
-    experts = np.argsort(-probs_host, axis=1, kind="stable")[:, :top_k]
-    s = b // n_groups
-    queue = experts.reshape(n_groups, s, top_k).transpose(0, 2, 1).reshape(n_groups, -1)
-    onehot = queue[:, :, None] == np.arange(n_exp)                 # (G, k*s, E)
-    position = np.cumsum(onehot, axis=1) - 1                       # place in its expert's queue
-    mine = np.take_along_axis(position, queue[:, :, None], axis=2)[:, :, 0]
-    keep = (mine < capacity).reshape(n_groups, top_k, s).transpose(0, 2, 1).reshape(b, top_k)
-    return experts.astype(np.int64), keep
-
-
 # -- the layer ---------------------------------------------------------------------------------
 class MoELayer(Layer):
     """Router + top-k gating + experts, the experts spread over the ep axis.
@@ -116,6 +101,7 @@ class MoELayer(Layer):
             n for e in self.experts for n in model.expert_param_shapes(e))
         self.data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
         self.data_size = mesh.size(DATA_AXES)
+        self.exchange = TokenExchange(comm, self.ep, model.n_experts, self.xp)
 
     def __repr__(self):
         return f"MoELayer(experts {self.experts[0]}..{self.experts[-1]} of {self.model.n_experts})"
@@ -145,18 +131,10 @@ class MoELayer(Layer):
                 self.access.add_grad(name, g * scale)
         return dx
 
-    # -- exchanges -----------------------------------------------------------------------------
-    def _exchange(self, rows, send_counts, recv_counts):
-        """all_to_all_v over ep (identity when ep=1); both count vectors are known here, so
-        no count exchange. Adjoint: the same call on the gradient with the counts swapped."""
-        if self.ep == 1:
-            return rows, send_counts
-        return self.comm.all_to_all_v(rows, send_counts, group="ep", recv_counts=recv_counts)
-
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x, mb=0, record=True):
         model, xp = self.model, self.xp
-        b, n_exp, k = x.shape[0], model.n_experts, model.top_k
+        b, k = x.shape[0], model.top_k
         n_groups = model.groups // self.data_size if model.groups else 1
         if b % n_groups:
             raise ValueError(f"MoE: {b} local rows do not split into the {n_groups} capacity "
@@ -172,46 +150,16 @@ class MoELayer(Layer):
         gates = xp.take_along_axis(probs, xp.asarray(experts), axis=1)        # (b, k)
         self._record_stats(experts, keep, capacity, n_groups)
 
-        # dispatch: kept assignments (flat id t*k + j) sorted by expert, so each ep rank's
-        # rows are consecutive and, inside them, each local expert's rows
-        kept = np.flatnonzero(keep.ravel())
-        order = kept[np.argsort(experts.ravel()[kept], kind="stable")]
-        per_expert = np.bincount(experts.ravel()[kept], minlength=n_exp).astype(np.int64)
-        send_counts = per_expert.reshape(self.ep, self.n_local).sum(axis=1)
-        send = x[xp.asarray(order // k)]                                      # (n_send, d)
-        if self.ep > 1:
-            # counts per (source rank, local expert): all_to_all / adjoint: not needed (ints)
-            from_src = self.comm.backend.to_host(self.comm.all_to_all(per_expert, group="ep"))
-            from_src = from_src.reshape(self.ep, self.n_local)
-        else:
-            from_src = per_expert.reshape(1, n_exp)
-        recv_counts = from_src.sum(axis=1)               # rows from each source rank
-        recv, _ = self._exchange(send, send_counts, recv_counts)              # dispatch
-
-        # experts: group received rows (source-major) by local expert
-        starts = np.concatenate([[0], np.cumsum(from_src.ravel())[:-1]]).reshape(from_src.shape)
-        perm = np.concatenate([np.arange(starts[p, i], starts[p, i] + from_src[p, i])
-                               for i in range(self.n_local) for p in range(self.ep)] +
-                              [np.zeros(0, dtype=np.int64)]).astype(np.int64)
-        bounds = np.concatenate([[0], np.cumsum(from_src.sum(axis=0))])
-        xe = recv[xp.asarray(perm)]
+        xe, bounds, ctx = self.exchange.dispatch(x, experts, keep)           # dispatch
         outs, caches = [], []
         for i, e in enumerate(self.experts):
             out, cache = self._expert_forward(e, xe[bounds[i]:bounds[i + 1]])
             outs.append(out)
             caches.append(cache)
-        out_recv = xp.empty_like(recv)
-        out_recv[xp.asarray(perm)] = xp.concatenate(outs, axis=0)
-
-        back, _ = self._exchange(out_recv, recv_counts, send_counts)          # combine
-        slots = xp.zeros((b * k, x.shape[1]), dtype=x.dtype)                  # dropped: zero
-        slots[xp.asarray(order)] = back
-        slots = slots.reshape(b, k, x.shape[1])
+        slots = self.exchange.combine(xp.concatenate(outs, axis=0), ctx)      # combine
         y = (gates[:, :, None] * slots).sum(axis=1)                           # 'bk,bkd->bd'
         self.save(mb, record, dict(x=x, probs=probs, experts=experts, gates=gates, slots=slots,
-                                   order=order, send_counts=send_counts,
-                                   recv_counts=recv_counts, perm=perm, bounds=bounds,
-                                   caches=caches))
+                                   ctx=ctx, bounds=bounds, caches=caches))
         return y
 
     def _record_stats(self, experts, keep, capacity, n_groups):
@@ -230,30 +178,20 @@ class MoELayer(Layer):
     # -- backward ------------------------------------------------------------------------------
     def backward(self, dy, mb=0):
         s = self.pop(mb)
-        xp, k = self.xp, self.model.top_k
-        x, probs, gates, slots, order = s["x"], s["probs"], s["gates"], s["slots"], s["order"]
-        b, d = x.shape
+        xp = self.xp
+        x, probs, gates, slots, ctx = s["x"], s["probs"], s["gates"], s["slots"], s["ctx"]
         # mix: y = sum_j gate_j * slot_j
         dgates = (slots * dy[:, None, :]).sum(axis=2)                         # 'bkd,bd->bk'
-        dslots = (gates[:, :, None] * dy[:, None, :]).reshape(b * k, d)       # 'bk,bd->bkd'
-        # adjoint of combine: gradient rows back to the experts (counts swapped)
-        d_recv, _ = self._exchange(dslots[xp.asarray(order)], s["send_counts"],
-                                   s["recv_counts"])
-        perm, bounds = xp.asarray(s["perm"]), s["bounds"]
-        de = d_recv[perm]
+        dslots = gates[:, :, None] * dy[:, None, :]                           # 'bk,bd->bkd'
+        de = self.exchange.combine_backward(dslots, ctx)          # adjoint of combine
+        bounds = s["bounds"]
         dxs = []
         for i, e in enumerate(self.experts):
             dxs.append(self._expert_backward(e, de[bounds[i]:bounds[i + 1]], s["caches"][i],
                                              1.0 / self.ep))
         dx = None
-        if self.need_dx:
-            dx_recv = xp.empty_like(d_recv)
-            dx_recv[perm] = xp.concatenate(dxs, axis=0)
-            # adjoint of dispatch: input-gradient rows back to the token owners
-            dx_back, _ = self._exchange(dx_recv, s["recv_counts"], s["send_counts"])
-            dx_slots = xp.zeros((b * k, d), dtype=x.dtype)
-            dx_slots[xp.asarray(order)] = dx_back
-            dx = dx_slots.reshape(b, k, d).sum(axis=1)                        # undoes x[t] copies
+        if self.need_dx:                                          # adjoint of dispatch
+            dx = self.exchange.dispatch_backward(xp.concatenate(dxs, axis=0), ctx)
         # gate_j = p[expert_j]: scatter into dp, then the softmax Jacobian
         onehot = xp.asarray(s["experts"])[:, :, None] == xp.arange(self.model.n_experts)
         dprobs = (onehot * dgates[:, :, None]).sum(axis=1)                    # (b, E)

@@ -139,8 +139,14 @@ def make_llama(tied=False, n_kv_heads=2, **kw):
     return ms.Llama(**dict(args, **kw))
 
 
-def torch_llama(model, p, tokens):
-    """The contract's math in torch ops (float64): logits (B, T, V)."""
+def t_swiglu_mlp(x, w):
+    return (torch.nn.functional.silu(x @ w["mlp/gate/weights"]) * (x @ w["mlp/up/weights"])
+            ) @ w["mlp/down/weights"]
+
+
+def torch_llama(model, p, tokens, mlp=t_swiglu_mlp):
+    """The contract's math in torch ops (float64): logits (B, T, V); mlp(x, block i's
+    params by their names after block_i/): the block's MLP (a Mixtral's sparse one)."""
     h = p["embed/tokens"][tokens]
     nq, nkv, dh = model.n_heads, model.n_kv_heads, model.d_head
     b, t = tokens.shape
@@ -156,8 +162,7 @@ def torch_llama(model, p, tokens):
                        2).reshape(b, t, -1)
         h = h + t_gqa(torch.cat([qk, v], -1), nq, nkv, index) @ w["attn/proj/weights"]
         x = t_rmsnorm(h, w["ln_2/scale"], model.norm_eps)
-        h = h + (torch.nn.functional.silu(x @ w["mlp/gate/weights"]) * (x @ w["mlp/up/weights"])
-                 ) @ w["mlp/down/weights"]
+        h = h + mlp(x, w)
         del w
     x = t_rmsnorm(h, p["ln_f/scale"], model.norm_eps)
     return x @ (p["embed/tokens"].T if model.tied else p["head/weights"])
@@ -167,19 +172,39 @@ def torch_llama(model, p, tokens):
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
 def test_single_engine_equals_the_torch_reference(rng, tied, n_kv_heads):
     model = make_llama(tied, n_kv_heads)
-    params = perturbed(model, 0, rng)
+    check_single_engine(model, perturbed(model, 0, rng), rng, torch_llama)
+
+
+def check_single_engine(model, params, rng, reference):
+    """The single engine's logits, loss and every gradient equal reference(model, params,
+    tokens)'s (torch, float64) on a (3, 7) batch of an odd length."""
     x, t = rng.integers(0, 13, (3, 7)), rng.integers(0, 13, (3, 7))
     engine = ms.SingleDevice(model)
     engine.load_checkpoint(params)
     value, grads = engine.train_step(x, t, ms.losses.CrossEntropy())
     tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    logits = torch_llama(model, tp, torch.tensor(x))
+    logits = reference(model, tp, torch.tensor(x))
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 13), torch.tensor(t).reshape(-1))
     loss.backward()
     close(engine.predict(x), logits.detach().numpy(), "logits")
     close(value, loss.item(), "loss")
     for k in params:
         close(grads[k], tp[k].grad.numpy(), f"d {k}")
+
+
+def hf_float64(hf, monkeypatch, theta, d_head):
+    """A float64 HF Llama-family model's float32 steps in float64: the rotary angles and
+    RMSNorm's upcast."""
+    def rope64(x, position_ids):                 # HF's angles, in float64 instead of float32
+        inv = 1.0 / theta ** (torch.arange(0, d_head, 2, dtype=T64) / d_head)
+        emb = torch.cat([position_ids[..., None].to(T64) * inv] * 2, -1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    hf.model.rotary_emb.forward = rope64
+
+    def rms64(self, x):                          # HF's RMSNorm casts its input to float32
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                              + self.variance_epsilon))
+    monkeypatch.setattr(type(hf.model.norm), "forward", rms64)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -209,16 +234,7 @@ def test_logits_equal_transformers_llama(rng, tied, monkeypatch):
             state[f"model.layers.{i}.{theirs}"] = v if v.ndim == 1 else v.T
     hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=False)
 
-    def rope64(x, position_ids):                 # HF's angles, in float64 instead of float32
-        inv = 1.0 / 300.0 ** (torch.arange(0, 4, 2, dtype=T64) / 4)
-        emb = torch.cat([position_ids[..., None].to(T64) * inv] * 2, -1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    hf.model.rotary_emb.forward = rope64
-
-    def rms64(self, x):                          # HF's RMSNorm casts its input to float32
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                              + self.variance_epsilon))
-    monkeypatch.setattr(type(hf.model.norm), "forward", rms64)
+    hf_float64(hf, monkeypatch, 300.0, 4)
     x = rng.integers(0, 13, (2, 8))
     with torch.no_grad():
         want = hf(torch.tensor(x)).logits.numpy()

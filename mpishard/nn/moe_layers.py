@@ -1,0 +1,157 @@
+"""The Mixtral block's sparse MLP (HF MixtralSparseMoeBlock): x (B, T, D) -> y (B, T, D).
+
+Per token row x (n = B T rows), with E experts, k = top_k and expert e's stacked weights
+gate_e, up_e (D, F) and down_e (F, D) (spec: llama.py):
+
+    route    logits = x router 'nd,de->ne';  p = softmax(logits) over E (the model dtype)
+             top-k experts by p (capacity drops: moe_routing.route, one group per sequence)
+    gates    w_j = p_top_j / sum_i p_top_i                    (renormalised over the k)
+    experts  out = (silu(x gate_e) * (x up_e)) down_e         on the rows sent to expert e
+    mix      y = sum_j w_j out_j 'nk,nkd->nd'  (a dropped assignment's out_j is zero)
+
+Backward, each step's adjoint beside it (top-k's choice and capacity are piecewise constant
+and pass no gradient; the gradient flows through the softmax weights, as PyTorch's):
+
+    mix      dw_j = dy . out_j;  d out_j = w_j dy
+    gates    dp_top_j = (dw_j - sum_i dw_i w_i) / sum_i p_top_i, scattered to dp (n, E)
+    softmax  dlogits = p (dp - sum_e p_e dp_e);  drouter = x^T dlogits;  dx += dlogits router^T
+    experts  swiglu_expert_backward (below), expert weight gradients scaled by 1/ep
+
+The rows travel to their expert's ep rank and back through a moe_routing.TokenExchange
+(`exchange`; None: every expert local). Each ep rank holds E/ep experts (their stacked
+blocks, dim 0) and receives the rows of every ep rank, so its expert gradients are the sum
+over the ep group's tokens: times 1/ep, GradientSync's average over the other data axes then
+gives the global mean's gradient (as ms.MoE, parallel/expert_parallel.py). `record(index,
+experts, keep, capacity)` (optional) gets each forward's routing for the statistics.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import functional as nn
+from .layers import Layer
+from .moe_routing import TokenExchange, route
+
+
+def swiglu_expert_forward(x, gate, up, down):
+    """out = (silu(x gate) * (x up)) down for rows x (m, D): 'md,df->mf', 'mf,fd->md'."""
+    a, u = nn.einsum("md,df->mf", x, gate), nn.einsum("md,df->mf", x, up)
+    s, _ = nn.sigmoid_forward(a)
+    h = a * s * u                                                    # silu(a) * u
+    return nn.einsum("mf,fd->md", h, down), (x, a, u, s, h)
+
+
+def swiglu_expert_backward(dout, cache, gate, up, down):
+    """dx, dgate, dup, ddown of swiglu_expert_forward (dout (m, D))."""
+    x, a, u, s, h = cache
+    dh = nn.einsum("md,fd->mf", dout, down)                          # undoes h down
+    ddown = nn.einsum("mf,md->fd", h, dout)
+    da = dh * u * s * (1.0 + a * (1.0 - s))                          # silu'(a) = s (1 + a (1 - s))
+    du = dh * a * s                                                  # undoes * (x up)
+    dx = nn.einsum("mf,df->md", da, gate) + nn.einsum("mf,df->md", du, up)
+    return dx, nn.einsum("md,mf->df", x, da), nn.einsum("md,mf->df", x, du), ddown
+
+
+def to_host(a):
+    """numpy of a numpy or cupy array (the routing decision is made on the host)."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def softmax_rows(logits, xp):
+    z = xp.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def renormalised_gates_backward(dgates, gates, top_sum):
+    """d p_top from d w, w = p_top / sum(p_top) (n, k)."""
+    return (dgates - (dgates * gates).sum(axis=1, keepdims=True)) / top_sum
+
+
+class SparseMoE(Layer):
+    """Block `index`'s router + top-k + renormalised gates + SwiGLU experts (module docstring).
+    exchange: a moe_routing.TokenExchange (None: local); record: the statistics callback."""
+
+    def __init__(self, model, access, index, exchange=None, record=None):
+        super().__init__()
+        self.model, self.access, self.index = model, access, index
+        self.exchange, self.record = exchange, record
+        p = f"block_{index}/moe"
+        self.router = f"{p}/router/weights"
+        self.weights = tuple(f"{p}/experts/{w}/weights" for w in ("gate", "up", "down"))
+        self.param_names = (self.router,) + self.weights
+
+    def __repr__(self):
+        return f"SparseMoE({self.index}, E={self.model.n_experts}, k={self.model.top_k})"
+
+    def _exchange(self, xp):
+        return self.exchange or TokenExchange(None, 1, self.model.n_experts, xp)
+
+    def _experts(self, mb):
+        return [self.access.get(n, mb) for n in self.weights]
+
+    def _release(self, mb):
+        for n in self.weights:
+            self.access.release(n, mb)
+
+    def forward(self, x, mb=0, record=True):
+        xp, model = nn.array_module(x), self.model
+        rows = x.reshape(-1, x.shape[-1])                                 # (n, D)
+        n_groups = x.shape[0]                                            # one per sequence
+        capacity = model.top_k * (rows.shape[0] // n_groups) if model.capacity_factor is None \
+            else int(-(-model.capacity_factor * (rows.shape[0] // n_groups) * model.top_k //
+                       model.n_experts))
+        wr = self.access.get(self.router, mb)
+        probs = softmax_rows(nn.einsum("nd,de->ne", rows, wr), xp)       # route
+        self.access.release(self.router, mb)
+        experts, keep = route(to_host(probs), model.top_k, n_groups, capacity)
+        top = xp.take_along_axis(probs, xp.asarray(experts), axis=1)     # (n, k)
+        top_sum = top.sum(axis=1, keepdims=True)
+        gates = top / top_sum                                            # renormalised
+        if self.record is not None:
+            self.record(self.index, experts, keep, capacity)
+        exchange = self._exchange(xp)
+        xe, bounds, ctx = exchange.dispatch(rows, experts, keep)         # dispatch
+        wg, wu, wd = self._experts(mb)
+        outs, caches = [], []
+        for i in range(exchange.n_local):
+            out, cache = swiglu_expert_forward(xe[bounds[i]:bounds[i + 1]], wg[i], wu[i], wd[i])
+            outs.append(out)
+            caches.append(cache)
+        self._release(mb)
+        slots = exchange.combine(xp.concatenate(outs, axis=0), ctx)     # combine (n, k, D)
+        y = xp.einsum("nk,nkd->nd", gates, slots)                        # mix
+        self.save(mb, record, dict(rows=rows, probs=probs, experts=experts, gates=gates,
+                                   top_sum=top_sum, slots=slots, ctx=ctx, bounds=bounds,
+                                   caches=caches))
+        return y.reshape(x.shape)
+
+    def backward(self, dy, mb=0):
+        s = self.pop(mb)
+        xp = nn.array_module(dy)
+        exchange, rows, bounds = self._exchange(xp), s["rows"], s["bounds"]
+        dy2 = dy.reshape(rows.shape)
+        dgates = xp.einsum("nkd,nd->nk", s["slots"], dy2)                 # undoes the mix
+        de = exchange.combine_backward(s["gates"][:, :, None] * dy2[:, None, :], s["ctx"])
+        wg, wu, wd = self._experts(mb)
+        dws = [xp.zeros_like(wg), xp.zeros_like(wu), xp.zeros_like(wd)]
+        dxs = []
+        for i in range(exchange.n_local):
+            dx_i, *dw_i = swiglu_expert_backward(de[bounds[i]:bounds[i + 1]], s["caches"][i],
+                                                 wg[i], wu[i], wd[i])
+            dxs.append(dx_i)
+            for acc, g in zip(dws, dw_i):
+                acc[i] = g
+        self._release(mb)
+        for name, g in zip(self.weights, dws):
+            self.access.add_grad(name, g * (1.0 / exchange.ep))
+        dx = exchange.dispatch_backward(xp.concatenate(dxs, axis=0), s["ctx"])   # adjoint
+        dtop = renormalised_gates_backward(dgates, s["gates"], s["top_sum"])
+        onehot = xp.asarray(s["experts"])[:, :, None] == xp.arange(self.model.n_experts)
+        dprobs = (onehot * dtop[:, :, None]).sum(axis=1)                 # scatter (n, E)
+        probs = s["probs"]
+        dlogits = probs * (dprobs - (probs * dprobs).sum(axis=1, keepdims=True))
+        self.access.add_grad(self.router, nn.einsum("nd,ne->de", rows, dlogits))
+        wr = self.access.get(self.router, mb)
+        dx = dx + nn.einsum("ne,de->nd", dlogits, wr)
+        self.access.release(self.router, mb)
+        return dx.reshape(dy.shape)
