@@ -1,4 +1,4 @@
-"""Hugging Face models in and out: GPT-2 and Llama directories as ms.GPT / ms.Llama.
+"""Hugging Face models in and out: GPT-2, Llama and Mixtral directories as ms.GPT / ms.Llama.
 
     model, params = ms.hf.load("gpt2")          # spec + full params (our names, file dtype)
     model = ms.hf.read_model("gpt2")            # the spec alone (config.json, tensor headers)
@@ -10,13 +10,15 @@
 
 A directory is `config.json` plus `model.safetensors`, or shards named by
 `model.safetensors.index.json`; tensors are read with the safetensors library's numpy API
-(never pickle or torch.load). Supported: `GPT2LMHeadModel` (gpt2.py) and `LlamaForCausalLM`
-(llama.py); another architecture, or a config field whose math mpishard lacks, raises
-ValueError naming it. Each architecture keeps one name map used by every direction:
+(never pickle or torch.load). Supported: `GPT2LMHeadModel` (gpt2.py), `LlamaForCausalLM`
+(llama.py) and `MixtralForCausalLM` (mixtral.py: ms.Llama with n_experts); another
+architecture, or a config field whose math mpishard lacks, raises ValueError naming it.
+Each architecture keeps one name map used by every direction:
   files.py      the directory, lazily sliced safetensors (byte counting)
   fields.py     strict config.json reading
   gpt2.py       GPT-2's fields and name map
   llama.py      Llama's fields and name map
+  mixtral.py    Mixtral's (Llama's plus the experts, per-expert and fused layouts)
   convert.py    read_model, load, load_into, save
   tokenizer.py  tokenizer.json
 Layering: above the engine, beside train and checkpoint (it uses checkpoint's helpers), below

@@ -6,8 +6,10 @@
     ms.hf.load_into(engine, "gpt2")             # collective: each rank reads only its slices
     ms.hf.save("out", model, engine.gather_params())     # config.json + model.safetensors
 
-The architecture modules (gpt2.py, llama.py) each keep ONE name map, {our name: (file key,
-transposed)}; everything here goes through it, so load, load_into and save cannot disagree.
+The architecture modules (gpt2.py, llama.py, mixtral.py) each keep ONE name map, {our name:
+(file key, transposed) or an entry assembled from several file tensors (mixtral.Stacked,
+mixtral.Fused: a Mixtral's experts)}; everything here goes through it, so load, load_into
+and save cannot disagree.
 A file key the map does not name (and the architecture does not ignore) is an error, as is a
 missing one: a converter that skips a tensor produces garbage silently.
 
@@ -31,10 +33,10 @@ import numpy as np
 
 from ..checkpoint.format import model_spec, run_captured, spec_text
 from ..comm.objects import agree
-from . import gpt2, llama
+from . import gpt2, llama, mixtral
 from .files import CONFIG, INDEX, SINGLE, HFDir
 
-ARCHITECTURES = {m.ARCHITECTURE: m for m in (gpt2, llama)}
+ARCHITECTURES = {m.ARCHITECTURE: m for m in (gpt2, llama, mixtral)}
 DTYPE_NAMES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
                "bfloat16": ml_dtypes.bfloat16}
 # never copied from the source config: they describe the file, not the model
@@ -78,18 +80,39 @@ def read_model(path):
 def _tensors(arch, model, files: dict, where) -> dict:
     """{our name: SafeTensor in our orientation}; ValueError for a missing or unknown key."""
     names = arch.name_map(model, files)
-    missing = sorted(k for k, _ in names.values() if k not in files)
+    used = [k for entry in names.values() for k in _keys(entry)]
+    missing = sorted(k for k in used if k not in files)
     if missing:
         raise ValueError(f"{where}: {arch.ARCHITECTURE} tensors missing for {model!r}: "
                          f"{missing[:6]}")
-    used = {k for k, _ in names.values()}
-    unknown = sorted(k for k in files if k not in used and not arch.ignored(k, model))
+    unknown = sorted(k for k in files if k not in set(used) and not arch.ignored(k, model))
     if unknown:
         raise ValueError(f"{where}: tensors mpishard's {arch.ARCHITECTURE} does not have "
                          f"(not loaded silently): {unknown[:6]}")
-    out = {ours: files[k].T() if t else files[k] for ours, (k, t) in names.items()}
+    out = {ours: _view(entry, files) for ours, entry in names.items()}
     model.check_params(out)           # shapes against the config's sizes
     return out
+
+
+def _keys(entry) -> list:
+    """The file keys a name-map entry reads: (key, transposed), or an entry assembled from
+    several tensors (mixtral.Stacked, mixtral.Fused: .keys, .view(files), .write(array))."""
+    return [entry[0]] if isinstance(entry, tuple) else entry.keys
+
+
+def _view(entry, files):
+    """Our tensor of a name-map entry, read lazily from `files`."""
+    if isinstance(entry, tuple):
+        key, transposed = entry
+        return files[key].T() if transposed else files[key]
+    return entry.view(files)
+
+
+def _file_tensors(entry, a) -> dict:
+    """{file key: array} that `save` writes for our array `a` of a name-map entry."""
+    if isinstance(entry, tuple):
+        return {entry[0]: a.T if entry[1] else a}
+    return entry.write(a)
 
 
 def _remember(model, cfg: dict, tensors: dict) -> None:
@@ -186,11 +209,11 @@ def save(path, model, params, dtype=None) -> str:
     ml_dtypes) that transformers' AutoModelForCausalLM.from_pretrained loads. Returns path."""
     from safetensors.numpy import save_file
 
-    by_kind = {m.KIND: m for m in ARCHITECTURES.values()}
-    arch = by_kind.get(getattr(model, "kind", None))
+    by_kind = {(m.KIND, getattr(m, "EXPERTS", False)): m for m in ARCHITECTURES.values()}
+    arch = by_kind.get((getattr(model, "kind", None), bool(getattr(model, "n_experts", None))))
     if arch is None:
-        raise ValueError(f"only GPT and Llama models save as Hugging Face directories, got "
-                         f"{model!r}")
+        raise ValueError(f"only GPT and Llama (Mixtral) models save as Hugging Face "
+                         f"directories, got {model!r}")
     model.check_params(params)
     dt = _dtype(model, dtype)
     path = os.fspath(path)
@@ -204,9 +227,9 @@ def save(path, model, params, dtype=None) -> str:
     cfg.update({"architectures": [arch.ARCHITECTURE], "model_type": arch.MODEL_TYPE,
                 "dtype": name, "torch_dtype": name})
     tensors = {}
-    for ours, (key, transposed) in arch.name_map(model).items():
-        a = _host(params[ours])
-        tensors[key] = np.ascontiguousarray((a.T if transposed else a).astype(dt, copy=False))
+    for ours, entry in arch.name_map(model).items():
+        for key, a in _file_tensors(entry, _host(params[ours])).items():
+            tensors[key] = np.ascontiguousarray(a.astype(dt, copy=False))
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, f".{SINGLE}.tmp")
     save_file(tensors, tmp, metadata={"format": "pt"})

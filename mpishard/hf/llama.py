@@ -53,9 +53,9 @@ def _rope_theta(cfg: dict) -> float:
     return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def from_config(cfg: dict):
-    """The ms.Llama a LlamaForCausalLM config.json describes (ValueError naming a field)."""
-    a = ARCHITECTURE
+def from_config(cfg: dict, a: str = ARCHITECTURE, **experts):
+    """The ms.Llama a LlamaForCausalLM config.json describes (ValueError naming a field).
+    `a` names the architecture in errors; `experts`: mixtral.py's MoE keyword arguments."""
     Llama = getattr(models, "Llama", None)           # nn/llama.py (ms.Llama)
     if Llama is None:
         raise ValueError(f"{a}: this mpishard has no ms.Llama to load it into")
@@ -84,7 +84,7 @@ def from_config(cfg: dict):
                  n_kv_heads=None if kv is None else ints(kv, "num_key_value_heads"),
                  d_ff=ints(need(cfg, a, "intermediate_size"), "intermediate_size"),
                  rope_theta=_rope_theta(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                 tied=bool(cfg.get("tie_word_embeddings", False)))
+                 tied=bool(cfg.get("tie_word_embeddings", False)), **experts)
 
 
 def to_config(model) -> dict:

@@ -7,7 +7,7 @@ torch model in eval mode). `hf_logits` runs it on token ids; no internet is need
 """
 import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ GPT2_SIZES = dict(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 LLAMA_SIZES = dict(vocab_size=97, max_position_embeddings=16, hidden_size=32,
                    intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, rope_theta=500.0, rms_norm_eps=1e-6)
+MIXTRAL_SIZES = dict(LLAMA_SIZES, num_local_experts=4, num_experts_per_tok=2)
 NORMS = ("ln_", "layernorm", "norm.")
 
 
@@ -44,6 +45,35 @@ def llama(directory, tied=False, **kw):
     return _build(LlamaConfig, LlamaForCausalLM, LLAMA_SIZES, directory, tied, **kw)
 
 
+def mixtral(directory, tied=False, fused=False, **kw):
+    """A MixtralForCausalLM (GQA, 4 experts, top-2) saved under `directory`, in the per-expert
+    layout save_pretrained writes, or (fused) rewritten in transformers' fused in-memory one:
+    (directory, model)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    d, model = _build(MixtralConfig, MixtralForCausalLM, MIXTRAL_SIZES, directory, tied, **kw)
+    if fused:
+        _fuse(d, model.config.num_hidden_layers, model.config.num_local_experts)
+    return d, model
+
+
+def _fuse(directory, n_layers, n_experts):
+    """Rewrite directory's per-expert Mixtral tensors as the fused mlp.experts layout."""
+    from safetensors.numpy import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    t = load_file(path)
+    for i in range(n_layers):
+        old, new = f"model.layers.{i}.block_sparse_moe", f"model.layers.{i}.mlp"
+        w = {n: [t.pop(f"{old}.experts.{j}.{n}.weight") for j in range(n_experts)]
+             for n in ("w1", "w2", "w3")}
+        t[f"{new}.gate.weight"] = t.pop(f"{old}.gate.weight")
+        t[f"{new}.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([a, b]) for a, b in zip(w["w1"], w["w3"])])
+        t[f"{new}.experts.down_proj"] = np.stack(w["w2"])
+    save_file(t, path, metadata={"format": "pt"})
+
+
 def _build(config_cls, model_cls, defaults, directory, tied, seed=0, dtype=torch.float64,
            max_shard_size=None, **sizes):
     torch.manual_seed(seed)
@@ -60,8 +90,8 @@ def _save(model, directory, max_shard_size):
 
 
 def hf_logits(model, x) -> np.ndarray:
-    """transformers' logits of token ids `x` (B, T), as float64 numpy. A float64 Llama runs
-    with float64_llama: its float32 steps in float64."""
+    """transformers' logits of token ids `x` (B, T), as float64 numpy. A float64 Llama or
+    Mixtral runs with float64_llama: its float32 steps in float64."""
     with torch.no_grad(), float64_llama(model):
         return model(torch.as_tensor(np.asarray(x))).logits.double().numpy()
 
@@ -71,8 +101,10 @@ def float64_llama(model):
     """transformers' LlamaForCausalLM takes three steps in float32 whatever the model's dtype:
     the rotary angles, RMSNorm (it casts its input to float32) and the eager softmax. For a
     float64 model they run in float64 here (the same math, rounded like the rest); sdpa
-    attention keeps the model's dtype. Other models and dtypes run as they are."""
-    if type(model).__name__ != "LlamaForCausalLM" or model.dtype != torch.float64:
+    attention keeps the model's dtype. A MixtralForCausalLM has the same three and float64_moe's.
+    Other models and dtypes run as they are."""
+    kind = type(model).__name__
+    if kind not in ("LlamaForCausalLM", "MixtralForCausalLM") or model.dtype != torch.float64:
         yield
         return
     cfg, rotary = model.config, model.model.rotary_emb
@@ -92,11 +124,46 @@ def float64_llama(model):
     rotary.forward, norm_cls.forward = rope64, rms64
     model.set_attn_implementation("sdpa")
     try:
-        yield
+        with float64_moe(model) if kind == "MixtralForCausalLM" else nullcontext():
+            yield
     finally:
         del rotary.forward
         norm_cls.forward = forward
         model.set_attn_implementation(attn)
+
+
+@contextmanager
+def float64_moe(model):
+    """A float64 Mixtral's own float32 steps in float64: the router's softmax, and the
+    load-balancing loss's sums (load_balancing_loss_func: the same reductions, float64);
+    the eager experts (the default grouped_mm takes no float64)."""
+    from transformers.models.mixtral import modeling_mixtral as M
+
+    def router64(self, x):
+        logits = torch.nn.functional.linear(x.reshape(-1, self.hidden_dim), self.weight)
+        top, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), index
+
+    def aux64(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        assert attention_mask is None, "float64_moe: no attention mask"
+        probs = torch.softmax(torch.cat(gate_logits, 0), dim=-1)       # (layers x tokens, E)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        counts = torch.nn.functional.one_hot(chosen, num_experts).double().sum((0, 1))
+        n = probs.shape[0]
+        return num_experts * torch.sum(counts / n * probs.sum(0) / n)
+
+    patches = [(M.MixtralTopKRouter, "forward", router64), (M, "load_balancing_loss_func", aux64)]
+    old = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    experts = model.config._experts_implementation
+    for obj, name, new in patches:
+        setattr(obj, name, new)
+    model.set_experts_implementation("eager")
+    try:
+        yield
+    finally:
+        for obj, name, f in old:
+            setattr(obj, name, f)
+        model.set_experts_implementation(experts)
 
 
 def our_logits(model, params, x) -> np.ndarray:

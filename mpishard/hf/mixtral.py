@@ -1,0 +1,173 @@
+"""Mixtral (`MixtralForCausalLM`) <-> ms.Llama(n_experts=E, top_k=k): fields and the name map.
+
+A Mixtral is a Llama whose MLP is a sparse mixture of E SwiGLU experts (nn/llama.py with
+n_experts): router logits x Wr, softmax over E, the top k renormalised over the k, the
+weighted sum of the chosen experts' (silu(x Wg) * (x Wu)) Wd. Attention, norms, embedding and
+head map as in llama.py; the block's MLP maps as (ours (in, out); E experts, F = d_ff):
+
+    block_{i}/moe/router/weights (D, E)        layers.{i}.block_sparse_moe.gate.weight^T (E, D)
+    block_{i}/moe/experts/gate/weights (E, D, F)   expert j: ...experts.{j}.w1.weight^T (F, D)
+    block_{i}/moe/experts/up/weights (E, D, F)     expert j: ...experts.{j}.w3.weight^T (F, D)
+    block_{i}/moe/experts/down/weights (E, F, D)   expert j: ...experts.{j}.w2.weight^T (D, F)
+
+That per-expert layout is what the Hub's Mixtral files hold and what transformers 5.x's
+`save_pretrained` still writes (it converts its fused parameters back on save). Its in-memory
+fused layout is read too, where a file holds it (keys under `layers.{i}.mlp.`):
+
+    mlp.gate.weight (E, D)                   router^T
+    mlp.experts.gate_up_proj (E, 2F, D)      [:, :F] = gate^T per expert, [:, F:] = up^T
+    mlp.experts.down_proj (E, D, F)          down^T per expert
+
+Each of our expert tensors is a lazily read view (`Stacked`, `Fused`): slicing it reads only
+the experts and the region sliced, so `load_into` under ep reads only a rank's experts.
+`save` writes the per-expert layout.
+
+Config: num_local_experts -> n_experts, num_experts_per_tok -> top_k; the auxiliary loss is
+added by transformers only with output_router_logits, so router_aux_loss_coef is the file's
+coefficient when output_router_logits is true and 0 otherwise (save writes it back alike).
+Refused (they change the math): sliding_window other than null, router_jitter_noise > 0,
+and every field llama.py refuses. capacity_factor is mpishard's (no drops: None, as HF).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import llama
+from .fields import ints, need, only
+
+ARCHITECTURE = "MixtralForCausalLM"
+MODEL_TYPE = "mixtral"
+KIND = "llama"
+EXPERTS = True                      # save picks this module for a Llama with n_experts
+SIZE_FIELDS = llama.SIZE_FIELDS + ("num_local_experts", "num_experts_per_tok",
+                                   "output_router_logits", "sliding_window",
+                                   "router_jitter_noise")
+ignored = llama.ignored
+fresh_config = llama.fresh_config
+
+
+def from_config(cfg: dict):
+    """The ms.Llama (with experts) a MixtralForCausalLM config.json describes."""
+    a = ARCHITECTURE
+    only(cfg, a, "sliding_window", (None,))
+    jitter = cfg.get("router_jitter_noise", 0.0)
+    if not isinstance(jitter, (int, float)) or isinstance(jitter, bool) or jitter != 0:
+        raise ValueError(f"{a} config.json field router_jitter_noise={jitter!r} is not "
+                         f"supported by mpishard (supported: 0.0)")
+    n_experts = ints(need(cfg, a, "num_local_experts"), "num_local_experts")
+    top_k = ints(cfg.get("num_experts_per_tok", 2), "num_experts_per_tok")
+    only(cfg, a, "output_router_logits", (False, True), False)
+    coef = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") \
+        else 0.0
+    return llama.from_config(cfg, a, n_experts=n_experts, top_k=top_k,
+                             router_aux_loss_coef=coef)
+
+
+def to_config(model) -> dict:
+    """The MixtralForCausalLM config.json fields of `model`."""
+    out = {k: v for k, v in llama.to_config(model).items() if not k.endswith("_bias")}
+    out.update(num_local_experts=model.n_experts, num_experts_per_tok=model.top_k,
+               output_router_logits=model.router_aux_loss_coef > 0, sliding_window=None,
+               router_jitter_noise=0.0)
+    if model.router_aux_loss_coef > 0:
+        out["router_aux_loss_coef"] = model.router_aux_loss_coef
+    return out
+
+
+def name_map(model, keys=None) -> dict:
+    """{our name: (file key, transposed) or a Stacked/Fused entry}; `keys` (the file's, or
+    None to save) says which layout each layer's experts are in (module docstring)."""
+    out = {n: e for n, e in llama.name_map(model).items() if "/mlp/" not in n}
+    keys = keys or ()
+    for i in range(model.n_layers):
+        ours, theirs = f"block_{i}/moe", f"model.layers.{i}"
+        if f"{theirs}.mlp.experts.gate_up_proj" in keys:
+            f, fused = model.d_ff, f"{theirs}.mlp.experts"
+            out[f"{ours}/router/weights"] = (f"{theirs}.mlp.gate.weight", True)
+            out[f"{ours}/experts/gate/weights"] = Fused(f"{fused}.gate_up_proj", 0, f)
+            out[f"{ours}/experts/up/weights"] = Fused(f"{fused}.gate_up_proj", f, 2 * f)
+            out[f"{ours}/experts/down/weights"] = Fused(f"{fused}.down_proj", 0, model.d_model)
+            continue
+        moe = f"{theirs}.block_sparse_moe"
+        out[f"{ours}/router/weights"] = (f"{moe}.gate.weight", True)
+        for mine, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            out[f"{ours}/experts/{mine}/weights"] = Stacked(
+                [f"{moe}.experts.{j}.{w}.weight" for j in range(model.n_experts)])
+    return out
+
+
+# -- entries whose tensor is assembled from file tensors ----------------------------------------
+class Stacked:
+    """Our (E, a, b) from E file tensors (b, a), one per expert (nn.Linear weights)."""
+
+    def __init__(self, keys):
+        self.keys = list(keys)
+
+    def view(self, files):
+        return StackedView([files[k].T() for k in self.keys])
+
+    def write(self, a) -> dict:
+        return {k: a[j].T for j, k in enumerate(self.keys)}
+
+
+class Fused:
+    """Our (E, a, b) as rows lo:hi of one file tensor (E, rows, a), last two axes swapped."""
+
+    def __init__(self, key, lo, hi):
+        self.keys, self.lo, self.hi = [key], lo, hi
+
+    def view(self, files):
+        return FusedView(files[self.keys[0]], self.lo, self.hi)
+
+
+class _View:
+    """A lazily read (E, a, b) array: .shape, .dtype, step-1 slicing, numpy conversion."""
+
+    ndim = 3
+
+    def _expand(self, key) -> tuple:
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            i = key.index(Ellipsis)
+            key = key[:i] + (slice(None),) * (3 - len(key) + 1) + key[i + 1:]
+        key = key + (slice(None),) * (3 - len(key))
+        if not all(isinstance(k, slice) for k in key):
+            raise TypeError(f"only slices index an expert tensor, got {key!r}")
+        return tuple(slice(*k.indices(n)[:2]) for k, n in zip(key, self.shape))
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.ascontiguousarray(self[...])
+        return a if dtype is None else a.astype(dtype)
+
+
+class StackedView(_View):
+    def __init__(self, parts):
+        self.parts = parts
+        self.shape = (len(parts),) + tuple(parts[0].shape)
+        self.dtype = parts[0].dtype
+
+    def widened(self):
+        return StackedView([p.widened() for p in self.parts])
+
+    def __getitem__(self, key):
+        e, a, b = self._expand(key)
+        rows = [self.parts[j][a, b] for j in range(e.start, max(e.start, e.stop))]
+        if not rows:
+            return np.zeros((0,) + tuple(len(range(*s.indices(n))) for s, n in
+                                         zip((a, b), self.shape[1:])), self.dtype)
+        return np.stack(rows)
+
+
+class FusedView(_View):
+    def __init__(self, tensor, lo, hi):
+        self.tensor, self.lo, self.hi = tensor, lo, hi
+        e, _, d = tensor.shape
+        self.shape, self.dtype = (e, d, hi - lo), tensor.dtype
+
+    def widened(self):
+        return FusedView(self.tensor.widened(), self.lo, self.hi)
+
+    def __getitem__(self, key):
+        e, a, b = self._expand(key)
+        rows = slice(self.lo + b.start, self.lo + max(b.start, b.stop))
+        return self.tensor[e, rows, a].transpose(0, 2, 1)
