@@ -177,15 +177,18 @@ test-serialized: $(STAMP)
 # installs the `hf` extra first; `make test` and `make demo` never need transformers.
 HF_EXTRAS ?= dev,hf
 HF_SIZES  ?= 1 2 4
+# tests/hf, and the unit tests that check our Llama units against torch autograd (skipped by
+# `make test`, whose venv has no torch)
+HF_TESTS  ?= tests/hf $(wildcard tests/nn/test_*llama_nn.py)
 test-hf: $(STAMP)
 	$(PY) -m pip install -q -e '.[$(HF_EXTRAS)]'
-	@echo "==> test-hf: tests/hf serially, then on $(HF_SIZES) ranks, timeout $(TIMEOUT) s each"
+	@echo "==> test-hf: $(HF_TESTS) serially, then on $(HF_SIZES) ranks, timeout $(TIMEOUT) s each"
 	@$(LEFTOVERS) before $(VENV)/.mpi-files-hf
-	@rc=0; $(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" -p no:cacheprovider tests/hf || rc=1; \
+	@rc=0; $(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" -p no:cacheprovider $(HF_TESTS) || rc=1; \
 	for n in $(HF_SIZES); do \
 	    echo "==> test-hf: $$n rank(s)"; \
 	    $(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PY) -m mpi4py -m pytest -q --with-mpi \
-	        -m mpi -p no:cacheprovider tests/hf || rc=1; \
+	        -m mpi -p no:cacheprovider $(HF_TESTS) || rc=1; \
 	done; \
 	$(LEFTOVERS) after $(VENV)/.mpi-files-hf || rc=1; exit $$rc
 
