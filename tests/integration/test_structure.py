@@ -349,6 +349,16 @@ def test_no_file_over_400_lines():
     assert not long, report(f"files over {MAX_LINES} lines", long)
 
 
+def test_test_module_names_are_unique():
+    """pyproject puts every tests/<package>/ folder on sys.path, so two test files with one
+    basename make pytest refuse to collect the second (and with it the whole run)."""
+    seen = {}
+    for path in sorted((PACKAGE.parent / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    twice = [" and ".join(paths) for paths in seen.values() if len(paths) > 1]
+    assert not twice, report("test modules sharing a basename", twice)
+
+
 def test_top_level_holds_only_the_public_face():
     extra = [f"mpishard/{name}" for name in top_level_modules() if name not in TOP_LEVEL_MODULES]
     assert not extra, report(f"top-level modules besides {sorted(TOP_LEVEL_MODULES)}; move them "
