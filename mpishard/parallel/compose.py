@@ -5,7 +5,8 @@ builds this rank's part of it in the order the strategies stack:
 
 1. plan (no MPI): each parameter's Placement: its tp split (tensor_parallel.tp_shards), its pp
    stage (stages.assign_stages) and its fsdp split (padded, dim 0); expert ownership for
-   an ms.MoE (expert_parallel.plan_moe_params). `inspect` and checkpoints use the same plan.
+   an ms.MoE (expert_parallel.plan_moe_params), a Mixtral's experts split over ep
+   (moe_transformer.py). `inspect` and checkpoints use the same plan.
 2. store: this rank's parameter and gradient blocks (ZeRO-1/2 shard gradients on fsdp even
    where parameters are replicated: fsdp.gradient_layout).
 3. gradient sync: bucketed all_reduce(avg) over the data axes a gradient is replicated on
@@ -36,6 +37,7 @@ from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
 from .gpt_tensor_parallel import gpt_units_and_output
 from .llama import llama_units_and_output, plan_llama_params
+from .moe_transformer import attach_experts
 from .pipeline import PipelineRunner
 from .precision import Precision
 from .stages import assign_stages
@@ -150,13 +152,15 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
     access = precision.wrap_access(access)      # 16-bit parameters: fp32 math (precision.py)
     stats: dict = {}
     output = ReplicatedOutput()
-    if moe:                                                         # 5. layers (ep, tp)
-        chunks = build_moe_chunks(model, access, comm, stats)
-    elif is_gpt(model):               # tp: vocab-parallel logits, loss and gather_batch
+    if is_gpt(model):                 # tp: vocab-parallel logits, loss and gather_batch
         units, output = TRANSFORMERS[model.kind][1](model, layout, comm)
         output = sequence_output(output, layout, comm.group("cp"))   # cp: chunks in order
         chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access,
                             units, context_units(model, layout, comm.group("cp")))
+        if getattr(model, "n_experts", None):                       # Mixtral: ep exchange
+            attach_experts(chunks, model, layout, comm, stats)
+    elif moe:                                                       # 5. layers (ep, tp)
+        chunks = build_moe_chunks(model, access, comm, stats)
     else:
         chunks = stage_layers(model, layout, mesh.coords["pp"], access, comm.group("tp"))
     chunks = recompute_chunks(model, chunks, layout.option("recompute"), layout.text)

@@ -9,6 +9,8 @@ replicated, cp replicates them and the layout checks are check_gpt_layout's.
 Tensor parallelism (tp, sequence_parallel) is llama_tensor_parallel.py: each parameter's tp
 split (`llama_tp_shards`) comes first in its placement, then fsdp's.
 
+A Mixtral (n_experts set) adds expert parallelism inside the blocks: moe_transformer.py.
+
 Context parallelism: cp's ring (context_parallel.RingAttention) in its grouped form, whose
 (k, v) blocks travel around the ring with the kv heads only (H/K times fewer bytes than
 repeated ones) and are repeated to the query heads per block, their gradients summed back
@@ -23,14 +25,20 @@ from ..nn.transformer import leading_positions
 from .context_parallel import RingAttention
 from .gpt import plan_gpt_params
 from .llama_tensor_parallel import LlamaTensorParallel, llama_tp_shards
+from .moe_transformer import plan_moe_llama_params
 from .vocab_parallel import ReplicatedOutput, VocabParallelOutput
 
 
 def plan_llama_params(model, layout, vstages: list) -> dict:
     """name -> ParamInfo(full_shape, Placement) for every Llama parameter (the GPT's plan with
     the Llama's tp table)."""
-    return plan_gpt_params(model, layout, vstages,
-                           tp_shards=llama_tp_shards(model, layout.size("tp")))
+    tp_shards = llama_tp_shards(model, layout.size("tp"))
+    if model.n_experts is not None:                 # Mixtral: experts split over ep
+        return plan_moe_llama_params(model, layout, vstages, tp_shards)
+    if layout.size("ep") > 1:
+        raise ValueError(f"layout {layout.text!r}: ep={layout.size('ep')} splits experts; "
+                         f"{model!r} has none (ms.Llama(..., n_experts=E))")
+    return plan_gpt_params(model, layout, vstages, tp_shards=tp_shards)
 
 
 def llama_units_and_output(model, layout, comm):

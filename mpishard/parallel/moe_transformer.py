@@ -1,0 +1,137 @@
+"""A Mixtral (ms.Llama with n_experts) on the mesh: expert parallelism inside the blocks,
+composed with dp, fsdp, tp, pp, cp and sequence parallelism (no MPI here but the groups).
+
+ep is a data axis (as for ms.MoE): the batch's sequences are split over dp x fsdp x ep, and
+an ep group is the ranks that differ only in their ep coordinate (the same dp, fsdp, pp, cp
+and tp coordinates). Each SparseMoE (nn/moe_layers.py) sends its token rows to the ep rank of
+their expert and back with all_to_all_v (nn/moe_routing.TokenExchange, shared with ms.MoE);
+the rest of the block is the Llama's on every axis.
+
+Placements. With E experts and P = ep ranks, each stacked expert tensor
+block_i/moe/experts/{gate,up,down}/weights (E, ., .) is split on dim 0 over ep first
+(Shard('ep', 0): ep rank q holds experts q E/P ... (q+1) E/P - 1), then fsdp's padded dim-0
+split (zero=3) on that block; the router is replicated on ep. Their gradients: an expert's
+block sums the gradients of the tokens of the whole ep group, scaled by 1/P in the layer;
+GradientSync averages it over the data axes it is replicated on (dp, fsdp with zero<3) and
+cp, which with the router's average over dp, fsdp, ep and cp is the single device's gradient
+of the global mean loss.
+
+tp: over the dense parts only. The attention and the vocabulary are Megatron-split as in a
+Llama; the router and the experts are replicated on tp, so a block's tokens reach their experts
+with the ep exchange alone (no all_reduce/reduce-scatter over tp per MoE layer, no F split to
+keep divisible per expert) and ep already shards the experts' memory. Without
+sequence_parallel the tp ranks hold the same tokens and compute the same MoE; with
+sequence_parallel each tp rank routes its own T/tp tokens (no repeated work), and the router's
+and experts' gradients, partial per tp rank, are summed over tp (SequenceParallelGrads, as the
+RMSNorm scales').
+
+cp: each cp rank routes its own T/cp tokens; its ep group is at its cp coordinate.
+pp: each stage's blocks exchange within the stage (the ep group lies inside a pp stage).
+
+Capacity (capacity_factor set) is per sequence (one group of T tokens: the same drops on every
+layout), so it is refused where a sequence is split (cp, sequence_parallel). Routing
+statistics (moe_* in engine.stats) are summed over the ranks holding different tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..comm.mesh import DATA_AXES
+from ..nn.layers import Composite
+from ..nn.moe_layers import SparseMoE
+from ..nn.moe_routing import TokenExchange
+from . import placement as pl
+from .context_parallel import check_cp
+from .gpt import plan_transformer_params
+from .gpt_tensor_parallel import check_gpt_tp
+from .sequence_parallel import SequenceParallelGrads
+
+EXPERT_SHARD = pl.Shard("ep", 0)
+
+
+def check_moe_layout(model, layout) -> None:
+    """The same ValueError on every rank for a layout this Mixtral cannot run."""
+    ep, sp = layout.size("ep"), layout.size("tp") > 1 and layout.option("sequence_parallel", 0)
+    if model.n_experts % ep:
+        raise ValueError(f"layout {layout.text!r}: ep={ep} does not divide n_experts="
+                         f"{model.n_experts}: each ep rank must hold the same number of experts")
+    if model.capacity_factor is not None and (layout.size("cp") > 1 or sp):
+        raise ValueError(f"layout {layout.text!r}: capacity_factor={model.capacity_factor} "
+                         f"counts per whole sequence; cp and sequence_parallel split it "
+                         f"(use capacity_factor=None there)")
+    check_gpt_tp(model, layout)
+    check_cp(model, layout)
+
+
+def plan_moe_llama_params(model, layout, vstages: list, tp_shards) -> dict:
+    """name -> ParamInfo: the Llama's plan with each stacked expert tensor split on dim 0
+    over ep before fsdp's split."""
+    check_moe_layout(model, layout)
+    plan = plan_transformer_params(model, layout, vstages, tp_shards)
+    if layout.size("ep") == 1:
+        return plan
+    for name, info in plan.items():
+        if "/moe/experts/" in name:
+            shards = (EXPERT_SHARD,) + info.placement.shards
+            plan[name] = replace(info, placement=replace(info.placement, shards=shards))
+    return plan
+
+
+def token_axes(layout) -> tuple:
+    """The axes over which ranks hold different tokens: the data axes, cp, and tp under
+    sequence_parallel (those of size > 1)."""
+    sp = layout.size("tp") > 1 and layout.option("sequence_parallel", 0)
+    axes = DATA_AXES + ("cp",) + (("tp",) if sp else ())
+    return tuple(a for a in axes if layout.size(a) > 1)
+
+
+class RoutingStats:
+    """record(index, experts, keep, capacity): block `index`'s assignments routed and kept per
+    expert, summed over the token axes, into `stats` (the last forward of each block here):
+    moe_blocks {index: (routed, kept)}, and over those blocks moe_routed, moe_kept (per
+    expert), moe_dropped, moe_capacity."""
+
+    def __init__(self, comm, axes, n_experts, stats):
+        self.comm, self.axes, self.n, self.stats = comm, axes, n_experts, stats
+
+    def __call__(self, index, experts, keep, capacity):
+        counts = np.concatenate([np.bincount(experts.ravel(), minlength=self.n),
+                                 np.bincount(experts[keep], minlength=self.n)]).astype(np.int64)
+        if self.axes:
+            counts = self.comm.backend.to_host(
+                self.comm.all_reduce(counts, op="sum", group=self.axes))
+        blocks = self.stats.setdefault("moe_blocks", {})
+        blocks[index] = (counts[:self.n].tolist(), counts[self.n:].tolist())
+        routed = np.sum([r for r, _ in blocks.values()], axis=0)
+        kept = np.sum([k for _, k in blocks.values()], axis=0)
+        self.stats.update(moe_routed=routed.tolist(), moe_kept=kept.tolist(),
+                          moe_dropped=int(routed.sum() - kept.sum()), moe_capacity=capacity)
+
+
+def sparse_layers(units):
+    """Every SparseMoE among `units` (nested Composites included)."""
+    for u in units:
+        if isinstance(u, SparseMoE):
+            yield u
+        elif isinstance(u, Composite):
+            yield from sparse_layers(u.units)
+
+
+def attach_experts(chunks, model, layout, comm, stats: dict) -> None:
+    """Give each SparseMoE of this rank's chunks its ep exchange (comm's ep group), its
+    statistics callback and, under sequence_parallel, the sum of its gradients over tp.
+    Makes the statistics' group here, where every rank is at the same line."""
+    axes = token_axes(layout)
+    if axes:
+        comm.mesh.comm(axes)
+    exchange = TokenExchange(comm, layout.size("ep"), model.n_experts, comm.xp)
+    record = RoutingStats(comm, axes, model.n_experts, stats)
+    sp = layout.size("tp") > 1 and layout.option("sequence_parallel", 0)
+    for chunk in chunks:
+        for layer in sparse_layers(chunk):
+            layer.exchange, layer.record = exchange, record
+            if sp:
+                layer.access = SequenceParallelGrads(layer.access, comm.group("tp"),
+                                                     layer.param_names)

@@ -1,0 +1,102 @@
+"""A Mixtral (ms.Llama with n_experts) on the engine: expert parallelism inside the blocks,
+alone and with dp, fsdp (zero 1-3), tp (with and without sequence_parallel), pp, cp and
+recompute, against single in float64 (rtol 1e-9): loss, every gathered gradient, the gathered
+logits and the routing statistics; capacity drops the same assignments on every layout.
+
+MPI tests, for N in 1, 2, 4 (and 8 for the dp=2,ep=2,tp=2 case):
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi \
+    tests/integration/test_moe_llama_layouts.py`
+"""
+import pytest
+
+import mpishard as ms
+from conftest import group_comm
+from mpishard.parallel.compose import plan_params
+from test_llama_layouts import compare_with_single
+
+
+def make_mixtral(n_experts=4, top_k=2, n_layers=2, **kw):
+    """d_model 16, 4 query heads over 2 kv heads, an odd vocabulary, F = 12 per expert."""
+    return ms.Llama(vocab_size=13, seq_len=8, d_model=16, n_heads=4, n_layers=n_layers,
+                    n_kv_heads=2, d_ff=12, rope_theta=500.0, n_experts=n_experts, top_k=top_k,
+                    **kw)
+
+
+def routing(engine):
+    return {k: engine.stats[k] for k in ("moe_routed", "moe_kept", "moe_dropped")}
+
+
+def check(n, layout, **kw):
+    """`layout` on n ranks equals single (compare_with_single), and so do its routing
+    statistics (summed over the ranks holding different tokens)."""
+    T = kw.pop("T", 8)
+    model = make_mixtral(**kw)
+    engine = compare_with_single(group_comm(n), layout, model, T=T)
+    ref = compare_with_single(group_comm(1), "single", model, T=T) if n > 1 else engine
+    if layout.find("pp=") < 0:              # pp: each stage counts its own blocks
+        assert routing(engine) == routing(ref), layout
+    return engine
+
+
+# -- serial ----------------------------------------------------------------------------------------
+def test_experts_split_on_dim_0_over_ep_before_fsdp():
+    plan = plan_params(make_mixtral(), ms.parse_layout("ep=2,fsdp=2,zero=3"))
+    assert str(plan["block_0/moe/experts/gate/weights"].placement) == \
+        "[Shard(ep, dim=0), Shard(fsdp, dim=0, pad)] stage 0"
+    assert str(plan["block_0/moe/router/weights"].placement) == \
+        "[Shard(fsdp, dim=0, pad)] stage 0"
+    plan = plan_params(make_mixtral(), ms.parse_layout("ep=2,tp=2"))
+    assert str(plan["block_1/moe/experts/down/weights"].placement) == \
+        "[Shard(ep, dim=0)] stage 0"
+
+
+@pytest.mark.parametrize("model,layout,match", [
+    (make_mixtral(n_experts=3), "ep=2", "does not divide n_experts=3"),
+    (make_mixtral(capacity_factor=1.0), "cp=2", "capacity_factor=1.0"),
+    (make_mixtral(capacity_factor=1.0), "tp=2,sequence_parallel=1", "sequence_parallel"),
+    (ms.Llama(13, 8, 16, 4, 2), "ep=2", "has none")])
+def test_layouts_that_do_not_fit_are_refused(model, layout, match):
+    with pytest.raises(ValueError, match=match):
+        plan_params(model, ms.parse_layout(layout))
+
+
+# -- every layout against single -------------------------------------------------------------------
+@pytest.mark.mpi(min_size=1)
+def test_single_on_one_rank_routes_as_recorded():
+    engine = check(1, "dp=1", capacity_factor=0.75)
+    assert engine.stats["moe_dropped"] > 0 and sum(engine.stats["moe_routed"]) == 2 * 8 * 8 * 2
+
+
+TWO = [("ep=2", {}), ("ep=2", {"top_k": 1, "T": 5}), ("ep=2", {"capacity_factor": 0.75}),
+       ("ep=2", {"n_experts": 2, "tied": True}), ("ep=2,recompute=1", {})]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout,kw", TWO, ids=[f"{lay}-{kw}" for lay, kw in TWO])
+def test_two_rank_layouts_equal_single(layout, kw):
+    check(2, layout, **kw)
+
+
+FOUR = [("ep=2,dp=2", {}), ("ep=2,dp=2", {"capacity_factor": 0.75}), ("ep=4", {}),
+        ("ep=2,tp=2", {}), ("ep=2,tp=2,sequence_parallel=1", {}),
+        ("ep=2,pp=2,schedule=1f1b,microbatches=2", {}), ("ep=2,pp=2,schedule=zb1p", {}),
+        ("ep=2,fsdp=2,zero=1", {}), ("ep=2,fsdp=2,zero=2", {}), ("ep=2,fsdp=2,zero=3", {}),
+        ("ep=2,cp=2", {}), ("ep=2,cp=2,cp_kind=ulysses", {})]
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout,kw", FOUR, ids=[f"{lay}-{kw}" for lay, kw in FOUR])
+def test_four_rank_layouts_equal_single(layout, kw):
+    check(4, layout, **kw)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_eight_ranks_dp2_ep2_tp2_equal_single():
+    check(8, "dp=2,ep=2,tp=2", n_layers=1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_capacity_drops_equal_single_counts():
+    """check compares the counts with single's; the case must drop."""
+    engine = check(2, "ep=2", capacity_factor=0.5)
+    assert engine.stats["moe_dropped"] > 0
