@@ -8,7 +8,8 @@ softmax); the spec's names, shapes, errors and checkpoint spec.
 """
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")   # the hf extra; `make test-hf` runs this file
 
 import mpishard as ms
 from mpishard.checkpoint.format import model_from_spec, model_spec
