@@ -100,3 +100,28 @@ def test_capacity_drops_equal_single_counts():
     """check compares the counts with single's; the case must drop."""
     engine = check(2, "ep=2", capacity_factor=0.5)
     assert engine.stats["moe_dropped"] > 0
+
+
+# -- KV-cached generation --------------------------------------------------------------------------
+def greedy(engine, params, **kw):
+    engine.load_checkpoint(params)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
+    return engine.generate(prompts, 4, temperature=0.0, **kw)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cached_greedy_generation_equals_recomputation():
+    model = make_mixtral()
+    params = ms.Llama.init(model, 4)
+    engine = ms.make_engine(model, "dp=1", comm=group_comm(1))
+    ids = greedy(engine, params)
+    assert ids == greedy(engine, params, kv_cache=False) and len(ids[0]) == 4
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout,n", [("ep=2", 2), ("dp=2,ep=2", 4), ("ep=2,tp=2", 4)])
+def test_cached_greedy_generation_under_ep_equals_single(layout, n):
+    model = make_mixtral()
+    params = ms.Llama.init(model, 4)
+    want = greedy(ms.SingleDevice(model), params)
+    assert greedy(ms.make_engine(model, layout, comm=group_comm(n)), params) == want
