@@ -359,6 +359,23 @@ def test_test_module_names_are_unique():
     assert not twice, report("test modules sharing a basename", twice)
 
 
+def test_tests_outside_hf_import_torch_only_through_importorskip():
+    """`make test`'s venv has no torch or transformers (the `hf` extra): a test module outside
+    tests/hf that imports them at its top stops pytest collecting the whole suite there."""
+    optional = {"torch", "transformers"}
+    found = []
+    for path in sorted((PACKAGE.parent / "tests").rglob("*.py")):
+        if "hf" in path.relative_to(PACKAGE.parent / "tests").parts[:1]:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] in optional for n in names):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not found, report("top-level torch/transformers imports outside tests/hf (use "
+                             "pytest.importorskip)", found)
+
+
 def test_top_level_holds_only_the_public_face():
     extra = [f"mpishard/{name}" for name in top_level_modules() if name not in TOP_LEVEL_MODULES]
     assert not extra, report(f"top-level modules besides {sorted(TOP_LEVEL_MODULES)}; move them "
