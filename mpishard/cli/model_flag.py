@@ -9,7 +9,8 @@ Both GPT spellings work in every command (train, plan, inspect, bench); keys giv
 places must not repeat. GPT keys: vocab (or vocab_size), seq_len, d_model, n_heads, n_layers,
 d_ff (default 4 d_model), tied (0/1); a key left out takes its value from GPT_DEFAULTS. A
 Llama (`llama:KEY=VALUE,...`) takes the same keys and n_kv_heads (default n_heads),
-rope_theta and norm_eps (numbers; LLAMA_DEFAULTS). `train`
+rope_theta and norm_eps (numbers; LLAMA_DEFAULTS), and for a mixture of experts (Mixtral)
+n_experts, top_k (default 2), capacity_factor and router_aux_loss_coef (numbers). `train`
 takes its vocabulary from the data set (256 bytes) and refuses a vocab key. The plan costs
 full-length sequences (T = seq_len) and counts a batch row as one sequence.
 """
@@ -25,12 +26,16 @@ from .usage import UsageError, parse_dims
 GPT_DEFAULTS = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
                 "tied": 0, "vocab": 256}
 GPT_PREFIX = "gpt:"
-LLAMA_DEFAULTS = {**GPT_DEFAULTS, "n_kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5}
+LLAMA_DEFAULTS = {**GPT_DEFAULTS, "n_kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5,
+                  "n_experts": None, "top_k": 2, "capacity_factor": None,
+                  "router_aux_loss_coef": 0.0}
 LLAMA_PREFIX = "llama:"
-FLOAT_KEYS = ("rope_theta", "norm_eps")          # numbers; every other key is an integer
+# numbers; every other key is an integer (router_aux_loss_coef may be 0)
+FLOAT_KEYS = ("rope_theta", "norm_eps", "capacity_factor", "router_aux_loss_coef")
 GPT_FLAG_HELP = ("comma-separated MLP dims, e.g. 64,256,256,10, or a GPT: gpt:KEY=VALUE,... or "
                  "gpt with --gpt KEY=VALUE,... (keys " + ", ".join(GPT_DEFAULTS) + "), or a "
-                 "Llama: llama:KEY=VALUE,... (also n_kv_heads, rope_theta, norm_eps)")
+                 "Llama: llama:KEY=VALUE,... (also n_kv_heads, rope_theta, norm_eps; experts: "
+                 "n_experts, top_k, capacity_factor, router_aux_loss_coef)")
 
 
 def joined_gpt_spec(model, gpt=None):
@@ -71,7 +76,10 @@ def parse_gpt_spec(text, defaults=None) -> dict:
                              f"{'a number' if key in FLOAT_KEYS else 'an integer'}") from None
         if key == "tied" and number not in (0, 1):
             raise UsageError(f"--gpt: tied must be 0 or 1, got {value}")
-        if key != "tied" and (number <= 0 if key in FLOAT_KEYS else number < 1):
+        if key == "router_aux_loss_coef" and number < 0:
+            raise UsageError(f"--gpt: {key} must be a number >= 0, got {value}")
+        if key not in ("tied", "router_aux_loss_coef") and \
+                (number <= 0 if key in FLOAT_KEYS else number < 1):
             raise UsageError(f"--gpt: {key} must be a positive "
                              f"{'number' if key in FLOAT_KEYS else 'integer'}, got {value}")
         spec[key] = number
@@ -91,7 +99,9 @@ def llama_from_spec(t: dict, vocab_size=None) -> Llama:
     return Llama(vocab_size=vocab_size or t["vocab"], seq_len=t["seq_len"],
                  d_model=t["d_model"], n_heads=t["n_heads"], n_layers=t["n_layers"],
                  n_kv_heads=t["n_kv_heads"], d_ff=t["d_ff"], rope_theta=t["rope_theta"],
-                 norm_eps=t["norm_eps"], tied=bool(t["tied"]))
+                 norm_eps=t["norm_eps"], tied=bool(t["tied"]), n_experts=t["n_experts"],
+                 top_k=t["top_k"], capacity_factor=t["capacity_factor"],
+                 router_aux_loss_coef=t["router_aux_loss_coef"])
 
 
 def with_vocab(spec, vocab_size: int):

@@ -8,6 +8,10 @@ A train record (rank 0 writes it; every rank takes part in the memory gather):
      "samples_per_s": 812.0, "tokens_per_s": 52000.0 (language models), "step_time_s": 0.079,
      "rss_mib": [412.1, 408.9], "time": 1764170000.1}
 
+plus, for a mixture-of-experts model (expert_load.py: the step's tokens per expert),
+{"expert_tokens": [52, 30, 41, 45], "expert_tokens_min": 30, "expert_tokens_max": 52,
+ "expert_imbalance": 1.31, "moe_dropped": 0} (the CSV has all but the list).
+
 `step_time_s` and the rates are over the steps since the previous record (the Trainer's own
 train-step time, callbacks excluded); `grad_norm` is the clipped-to norm, known with --clip only;
 `rss_mib` is every rank's resident set, gathered with one bounded gather (comm/objects.py). An
@@ -27,10 +31,12 @@ import os
 import time
 
 from ..comm.objects import gather_json
+from .expert_load import expert_load
 from .trainer import Callback
 
 CSV_COLUMNS = ("kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
-               "step_time_s", "rss_mib_max", "test_loss", "test_accuracy", "val_bits_per_byte")
+               "step_time_s", "rss_mib_max", "test_loss", "test_accuracy", "val_bits_per_byte",
+               "expert_tokens_min", "expert_tokens_max", "expert_imbalance", "moe_dropped")
 
 
 def rss_mib() -> float:
@@ -170,6 +176,7 @@ class MetricsStream(Callback):
                   "samples_per_s": steps * trainer.batch / seconds if seconds > 0 else 0.0}
         if trainer.data.task == "language":
             record["tokens_per_s"] = record["samples_per_s"] * trainer.data.x_train.shape[1]
+        record.update(expert_load(getattr(trainer.engine, "stats", {})))   # experts' load
         record.update(step_time_s=seconds / steps if steps else 0.0, rss_mib=rss,
                       time=time.time())
         self._write(record, synced=self.saver is not None and self.saver.last_saved == st.step)

@@ -34,6 +34,7 @@ from ..nn.losses import get_loss
 from ..parallel.stages import pipeline_options
 from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
+from .expert_load import expert_text
 from .nonfinite import DEFAULT_MAX_NONFINITE, NonFiniteGuard, quiet
 from .optim import clip_grad_norm
 from .scaler import GradScaler
@@ -275,9 +276,9 @@ class Trainer:
             if self.log_every and st.step % self.log_every == 0:
                 epoch = st.step / self.batcher.steps_per_epoch
                 norm = f" grad_norm {st.grad_norm_history[-1]:.4g}" if self.clip else ""
-                self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %.0f",
+                self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %.0f%s",
                               st.step, self.total_steps, epoch, loss, self.optimizer.lr, norm,
-                              rate)
+                              rate, expert_text(getattr(self.engine, "stats", {})))
             self.nonfinite.end_of_step(loss, st.step, self.log)
             if self.eval_every and st.step % self.eval_every == 0 and \
                     st.step < self.total_steps:
