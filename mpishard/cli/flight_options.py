@@ -74,8 +74,8 @@ class StragglerLine(Callback):
 
 def add_flight_callbacks(args, trainer, saver) -> None:
     """Point the recorder's dumps at --flight-dir, make `saver` (the Checkpointer or None)
-    asynchronous with --checkpoint-async, add the straggler line with --log-every."""
-    validate_flight_args(args)
+    asynchronous with --checkpoint-async, add the straggler line with --log-every (the flags
+    were checked by validate_flight_args, before any collective)."""
     recorder = trainer.engine.comm.flight
     if recorder is not None:
         recorder.redirect(flight_dir(args))

@@ -28,7 +28,8 @@ from ..train.trainer import Trainer, configure_logging, summary_table
 from .cluster_options import (CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
                               resume_source, validate_cluster_args)
-from .flight_options import FLIGHT_DEFAULTS, add_flight_arguments, add_flight_callbacks
+from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_callbacks,
+                             validate_flight_args)
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
                           add_gpt_arguments, validate_gpt_args)
 from .model_flag import LLAMA_PREFIX, joined_gpt_spec
@@ -252,6 +253,7 @@ def validate_train_args(args, world_size: int):
         raise UsageError(f"--batch {args.batch} is larger than --n-train {args.n_train}")
     _validate_checkpoint_args(args)
     validate_trace_args(args)
+    validate_flight_args(args)
     if args.metrics_json:
         parent = os.path.dirname(os.path.abspath(args.metrics_json))
         if not os.path.isdir(parent):
