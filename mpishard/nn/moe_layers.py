@@ -17,6 +17,13 @@ and pass no gradient; the gradient flows through the softmax weights, as PyTorch
     softmax  dlogits = p (dp - sum_e p_e dp_e);  drouter = x^T dlogits;  dx += dlogits router^T
     experts  swiglu_expert_backward (below), expert weight gradients scaled by 1/ep
 
+Load-balancing loss (router_aux_loss_coef = c > 0; HF's load_balancing_loss_func over every
+block's rows concatenated, N of them): aux = E sum_e (C_e / N) (P_e / N), C_e the top-k
+assignments to expert e, P_e the sum of p_e. C is piecewise constant, so d(c aux)/dp_e =
+c E C_e / N^2 on every row: `aux` (optional, parallel/moe_transformer.AuxLoss) collects
+(C, P, n) in forward and gives that row gradient, scaled to the engine's convention, in
+backward, added to dp before the softmax's Jacobian.
+
 The rows travel to their expert's ep rank and back through a moe_routing.TokenExchange
 (`exchange`; None: every expert local). Each ep rank holds E/ep experts (their stacked
 blocks, dim 0) and receives the rows of every ep rank, so its expert gradients are the sum
@@ -71,10 +78,10 @@ class SparseMoE(Layer):
     """Block `index`'s router + top-k + renormalised gates + SwiGLU experts (module docstring).
     exchange: a moe_routing.TokenExchange (None: local); record: the statistics callback."""
 
-    def __init__(self, model, access, index, exchange=None, record=None):
+    def __init__(self, model, access, index, exchange=None, record=None, aux=None):
         super().__init__()
         self.model, self.access, self.index = model, access, index
-        self.exchange, self.record = exchange, record
+        self.exchange, self.record, self.aux = exchange, record, aux
         p = f"block_{index}/moe"
         self.router = f"{p}/router/weights"
         self.weights = tuple(f"{p}/experts/{w}/weights" for w in ("gate", "up", "down"))
@@ -109,6 +116,8 @@ class SparseMoE(Layer):
         gates = top / top_sum                                            # renormalised
         if self.record is not None:
             self.record(self.index, experts, keep, capacity)
+        if self.aux is not None:
+            self.aux.add(mb, self.index, experts, probs)
         exchange = self._exchange(xp)
         xe, bounds, ctx = exchange.dispatch(rows, experts, keep)         # dispatch
         wg, wu, wd = self._experts(mb)
@@ -148,6 +157,8 @@ class SparseMoE(Layer):
         dtop = renormalised_gates_backward(dgates, s["gates"], s["top_sum"])
         onehot = xp.asarray(s["experts"])[:, :, None] == xp.arange(self.model.n_experts)
         dprobs = (onehot * dtop[:, :, None]).sum(axis=1)                 # scatter (n, E)
+        if self.aux is not None:
+            dprobs += self.aux.dprobs(xp, dprobs.dtype)                  # c E C / N^2 (E,)
         probs = s["probs"]
         dlogits = probs * (dprobs - (probs * dprobs).sum(axis=1, keepdims=True))
         self.access.add_grad(self.router, nn.einsum("nd,ne->de", rows, dlogits))

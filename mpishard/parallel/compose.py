@@ -37,7 +37,7 @@ from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
 from .gpt_tensor_parallel import gpt_units_and_output
 from .llama import llama_units_and_output, plan_llama_params
-from .moe_transformer import attach_experts
+from .moe_transformer import AuxLossRunner, attach_experts
 from .pipeline import PipelineRunner
 from .precision import Precision
 from .stages import assign_stages
@@ -151,14 +151,14 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
               else LocalAccess(store, grad_sync.on_grad_ready))     # 4. fsdp or local
     access = precision.wrap_access(access)      # 16-bit parameters: fp32 math (precision.py)
     stats: dict = {}
-    output = ReplicatedOutput()
+    output, aux = ReplicatedOutput(), None
     if is_gpt(model):                 # tp: vocab-parallel logits, loss and gather_batch
         units, output = TRANSFORMERS[model.kind][1](model, layout, comm)
         output = sequence_output(output, layout, comm.group("cp"))   # cp: chunks in order
         chunks = gpt_chunks(model, layer_stages(model, layout), pp, mesh.coords["pp"], access,
                             units, context_units(model, layout, comm.group("cp")))
         if getattr(model, "n_experts", None):                       # Mixtral: ep exchange
-            attach_experts(chunks, model, layout, comm, stats)
+            aux = attach_experts(chunks, model, layout, comm, stats)
     elif moe:                                                       # 5. layers (ep, tp)
         chunks = build_moe_chunks(model, access, comm, stats)
     else:
@@ -178,6 +178,8 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         runner = PipelineRunner(chunks, layout, comm.group("pp"), stats)
     else:
         runner = Sequential(chunks[0])
+        if aux is not None:                   # Mixtral's load-balancing loss (pp=1 only)
+            runner = AuxLossRunner(runner, aux)
     return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter, output)
 
 

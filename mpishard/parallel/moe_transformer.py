@@ -28,6 +28,14 @@ RMSNorm scales').
 cp: each cp rank routes its own T/cp tokens; its ep group is at its cp coordinate.
 pp: each stage's blocks exchange within the stage (the ep group lies inside a pp stage).
 
+Load-balancing loss (router_aux_loss_coef = c > 0, HF's): AuxLoss sums each block's
+(assignments per expert C, probabilities per expert P, rows n) over the blocks and, with one
+all_reduce, over the token axes; c aux = c E sum_e C_e P_e / N^2 joins every rank's loss value
+(so the engine's mean over dp, fsdp, ep and cp adds it once), and each row's dp_e gets
+c E C_e / N^2 times R = dp fsdp ep cp (GradientSync averages over those ranks) times the
+step's grad_scale. C must be whole before any backward, so the loss is refused under pp (its
+1F1B/zero-bubble schedules run a microbatch's backward before the next one's forward).
+
 Capacity (capacity_factor set) is per sequence (one group of T tokens: the same drops on every
 layout), so it is refused where a sequence is split (cp, sequence_parallel). Routing
 statistics (moe_* in engine.stats) are summed over the ranks holding different tokens.
@@ -38,7 +46,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..comm.mesh import DATA_AXES
+from ..comm.mesh import AVERAGE_AXES, DATA_AXES
 from ..nn.layers import Composite
 from ..nn.moe_layers import SparseMoE
 from ..nn.moe_routing import TokenExchange
@@ -61,6 +69,10 @@ def check_moe_layout(model, layout) -> None:
         raise ValueError(f"layout {layout.text!r}: capacity_factor={model.capacity_factor} "
                          f"counts per whole sequence; cp and sequence_parallel split it "
                          f"(use capacity_factor=None there)")
+    if model.router_aux_loss_coef > 0 and layout.size("pp") > 1:
+        raise ValueError(f"layout {layout.text!r}: router_aux_loss_coef needs every block's "
+                         f"routing counts before the first backward; not under pp (use "
+                         f"router_aux_loss_coef=0 or another layout)")
     check_gpt_tp(model, layout)
     check_cp(model, layout)
 
@@ -110,6 +122,66 @@ class RoutingStats:
                           moe_dropped=int(routed.sum() - kept.sum()), moe_capacity=capacity)
 
 
+class AuxLoss:
+    """HF's load-balancing loss over a train_step's rows (module docstring). The blocks call
+    add(mb, index, experts, probs) in forward while `active` and dprobs(xp, dtype) in
+    backward; total() (collective over the token axes) ends the forward's collection."""
+
+    def __init__(self, comm, axes, model, n_average: int):
+        self.comm, self.axes, self.n_average = comm, axes, n_average
+        self.n, self.coef = model.n_experts, model.router_aux_loss_coef
+        self.parts, self.grad, self.scale, self.active = {}, None, 1.0, False
+
+    def add(self, mb, index, experts, probs) -> None:
+        if self.active:
+            self.parts[(mb, index)] = (np.bincount(experts.ravel(), minlength=self.n),
+                                       self.comm.backend.to_host(probs.sum(axis=0)),
+                                       probs.shape[0])
+
+    def total(self) -> float:
+        """c aux over every rank's rows; sets the rows' gradient c E C / N^2 (scaled)."""
+        parts = list(self.parts.values())
+        v = np.concatenate([np.sum([c for c, _, _ in parts], axis=0),
+                            np.sum([p for _, p, _ in parts], axis=0),
+                            [sum(r for _, _, r in parts)]]).astype(np.float64)
+        if self.axes:
+            v = self.comm.backend.to_host(self.comm.all_reduce(v, op="sum", group=self.axes))
+        counts, probs, rows = v[:self.n], v[self.n:2 * self.n], v[-1]
+        self.grad = self.scale * self.n_average * self.coef * self.n * counts / rows ** 2
+        self.parts.clear()
+        self.active = False
+        return self.coef * self.n * float(np.sum(counts / rows * (probs / rows)))
+
+    def dprobs(self, xp, dtype):
+        return xp.asarray(self.grad, dtype=dtype)
+
+
+class AuxLossRunner:
+    """The runner (Sequential: pp=1) with c aux added to each train_step's loss value, the
+    step's grad_scale given to AuxLoss; everything else is the runner's."""
+
+    def __init__(self, runner, aux: AuxLoss):
+        self.runner, self.aux = runner, aux
+
+    def train_step(self, x, t, loss, grad_scale):
+        self.aux.parts.clear()
+        self.aux.scale, self.aux.active = grad_scale, True
+
+        def with_aux(y, target):
+            value, dy = loss(y, target)
+            return value + self.aux.total(), dy
+        return self.runner.train_step(x, t, with_aux, grad_scale)
+
+    def __getattr__(self, attr):              # forward, backward, tracer, ...: the runner's
+        return getattr(self.runner, attr)
+
+    def __setattr__(self, attr, value):
+        if attr in ("runner", "aux"):
+            object.__setattr__(self, attr, value)
+        else:                                  # e.g. a trace's runner.tracer
+            setattr(self.runner, attr, value)
+
+
 def sparse_layers(units):
     """Every SparseMoE among `units` (nested Composites included)."""
     for u in units:
@@ -119,19 +191,23 @@ def sparse_layers(units):
             yield from sparse_layers(u.units)
 
 
-def attach_experts(chunks, model, layout, comm, stats: dict) -> None:
+def attach_experts(chunks, model, layout, comm, stats: dict):
     """Give each SparseMoE of this rank's chunks its ep exchange (comm's ep group), its
-    statistics callback and, under sequence_parallel, the sum of its gradients over tp.
-    Makes the statistics' group here, where every rank is at the same line."""
+    statistics callback, its AuxLoss (router_aux_loss_coef > 0) and, under
+    sequence_parallel, the sum of its gradients over tp. Makes the statistics' group here,
+    where every rank is at the same line. Returns the AuxLoss, or None."""
     axes = token_axes(layout)
     if axes:
         comm.mesh.comm(axes)
     exchange = TokenExchange(comm, layout.size("ep"), model.n_experts, comm.xp)
     record = RoutingStats(comm, axes, model.n_experts, stats)
+    aux = AuxLoss(comm, axes, model, comm.mesh.size(AVERAGE_AXES)) \
+        if model.router_aux_loss_coef > 0 else None
     sp = layout.size("tp") > 1 and layout.option("sequence_parallel", 0)
     for chunk in chunks:
         for layer in sparse_layers(chunk):
-            layer.exchange, layer.record = exchange, record
+            layer.exchange, layer.record, layer.aux = exchange, record, aux
             if sp:
                 layer.access = SequenceParallelGrads(layer.access, comm.group("tp"),
                                                      layer.param_names)
+    return aux

@@ -1,7 +1,8 @@
 """A Mixtral (ms.Llama with n_experts) on the engine: expert parallelism inside the blocks,
 alone and with dp, fsdp (zero 1-3), tp (with and without sequence_parallel), pp, cp and
-recompute, against single in float64 (rtol 1e-9): loss, every gathered gradient, the gathered
-logits and the routing statistics; capacity drops the same assignments on every layout.
+recompute, against single in float64 (rtol 1e-9): loss (with and without the load-balancing
+loss), every gathered gradient, the gathered logits and the routing statistics; capacity
+drops the same assignments on every layout; KV-cached greedy generation under ep.
 
 MPI tests, for N in 1, 2, 4 (and 8 for the dp=2,ep=2,tp=2 case):
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi \
@@ -13,6 +14,9 @@ import mpishard as ms
 from conftest import group_comm
 from mpishard.parallel.compose import plan_params
 from test_llama_layouts import compare_with_single
+
+
+AUX = {"router_aux_loss_coef": 0.3}
 
 
 def make_mixtral(n_experts=4, top_k=2, n_layers=2, **kw):
@@ -54,7 +58,8 @@ def test_experts_split_on_dim_0_over_ep_before_fsdp():
     (make_mixtral(n_experts=3), "ep=2", "does not divide n_experts=3"),
     (make_mixtral(capacity_factor=1.0), "cp=2", "capacity_factor=1.0"),
     (make_mixtral(capacity_factor=1.0), "tp=2,sequence_parallel=1", "sequence_parallel"),
-    (ms.Llama(13, 8, 16, 4, 2), "ep=2", "has none")])
+    (ms.Llama(13, 8, 16, 4, 2), "ep=2", "has none"),
+    (make_mixtral(**AUX), "ep=2,pp=2", "not under pp")])
 def test_layouts_that_do_not_fit_are_refused(model, layout, match):
     with pytest.raises(ValueError, match=match):
         plan_params(model, ms.parse_layout(layout))
@@ -63,12 +68,15 @@ def test_layouts_that_do_not_fit_are_refused(model, layout, match):
 # -- every layout against single -------------------------------------------------------------------
 @pytest.mark.mpi(min_size=1)
 def test_single_on_one_rank_routes_as_recorded():
+    check(1, "dp=1", **AUX)
     engine = check(1, "dp=1", capacity_factor=0.75)
     assert engine.stats["moe_dropped"] > 0 and sum(engine.stats["moe_routed"]) == 2 * 8 * 8 * 2
 
 
 TWO = [("ep=2", {}), ("ep=2", {"top_k": 1, "T": 5}), ("ep=2", {"capacity_factor": 0.75}),
-       ("ep=2", {"n_experts": 2, "tied": True}), ("ep=2,recompute=1", {})]
+       ("ep=2", {"n_experts": 2, "tied": True}), ("ep=2,recompute=1", {}),
+       ("ep=2", AUX), ("ep=2,recompute=1", dict(AUX, top_k=1)), ("dp=2", AUX),
+       ("tp=2,sequence_parallel=1", AUX)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -81,7 +89,9 @@ FOUR = [("ep=2,dp=2", {}), ("ep=2,dp=2", {"capacity_factor": 0.75}), ("ep=4", {}
         ("ep=2,tp=2", {}), ("ep=2,tp=2,sequence_parallel=1", {}),
         ("ep=2,pp=2,schedule=1f1b,microbatches=2", {}), ("ep=2,pp=2,schedule=zb1p", {}),
         ("ep=2,fsdp=2,zero=1", {}), ("ep=2,fsdp=2,zero=2", {}), ("ep=2,fsdp=2,zero=3", {}),
-        ("ep=2,cp=2", {}), ("ep=2,cp=2,cp_kind=ulysses", {})]
+        ("ep=2,cp=2", {}), ("ep=2,cp=2,cp_kind=ulysses", {}),
+        ("ep=2,dp=2", AUX), ("ep=2,tp=2", AUX), ("ep=2,tp=2,sequence_parallel=1", AUX),
+        ("ep=2,fsdp=2,zero=3", AUX), ("ep=2,cp=2", AUX)]
 
 
 @pytest.mark.mpi(min_size=4)

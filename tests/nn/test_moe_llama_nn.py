@@ -204,3 +204,51 @@ def test_mixtral_names_shapes_and_spec_round_trip():
 def test_mixtral_refuses_bad_sizes(kw, match):
     with pytest.raises(ValueError, match=match):
         make_mixtral(**kw)
+
+
+# -- the load-balancing loss -----------------------------------------------------------------------
+def t_aux(router_logits, n_experts, top_k):
+    """HF's load_balancing_loss_func (transformers 5.x, no mask) with float64 sums: the rows
+    of every block concatenated; E sum_e (C_e / N) (P_e / N)."""
+    counts, probs, rows = 0.0, 0.0, 0
+    for logits in router_logits:
+        p = F.softmax(logits, -1)
+        _, idx = torch.topk(p, top_k, -1)
+        counts = counts + F.one_hot(idx.reshape(-1), n_experts).to(T64).sum(0)
+        probs, rows = probs + p.sum(0), rows + p.shape[0]
+    return torch.sum(counts / rows * (probs / rows)) * n_experts
+
+
+def test_aux_reference_is_transformers_load_balancing_loss(rng):
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    logits = tuple(torch.tensor(rng.standard_normal((10, 4))) for _ in range(3))
+    want = mixtral.load_balancing_loss_func(logits, 4, 2).item()   # float32 sums
+    close(t_aux(logits, 4, 2).item(), want, "aux vs HF", rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [2, 1])
+def test_single_engine_loss_with_aux_equals_torch(rng, top_k):
+    """CE + c aux (HF's MixtralForCausalLM loss on our targets) and every gradient."""
+    model = make_mixtral(4, top_k, router_aux_loss_coef=0.3)
+    params = perturbed(model, 2, rng)
+    x, t = rng.integers(0, 13, (3, 7)), rng.integers(0, 13, (3, 7))
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint(params)
+    value, grads = engine.train_step(x, t, ms.losses.CrossEntropy(), grad_scale=0.5)
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    router_logits = []
+
+    def moe(h, w):
+        router_logits.append(h.reshape(-1, 16) @ w["moe/router/weights"])
+        return t_moe(h, w["moe/router/weights"], w["moe/experts/gate/weights"],
+                     w["moe/experts/up/weights"], w["moe/experts/down/weights"], top_k)
+    logits = torch_llama(model, tp, torch.tensor(x), moe)
+    loss = F.cross_entropy(logits.reshape(-1, 13), torch.tensor(t).reshape(-1)) \
+        + 0.3 * t_aux(router_logits, 4, top_k)
+    (0.5 * loss).backward()
+    close(value, loss.item(), "loss + aux")
+    for k in params:
+        close(grads[k], tp[k].grad.numpy(), f"d {k}")
+    plain_engine = ms.SingleDevice(make_mixtral(4, top_k))
+    plain_engine.load_checkpoint(params)
+    assert abs(plain_engine.train_step(x, t, ms.losses.CrossEntropy())[0] - value) > 1e-3
