@@ -19,8 +19,8 @@ tokenized with DIR's tokenizer unless --tokenizer says otherwise. --model and --
 with it; --seq-len sets the training windows' length (default the model's seq_len). A GPT of
 --model gpt takes its vocabulary from the tokenizer; an --init-from-hf model keeps its own,
 which must cover the tokenizer's ids. Checks that need no file run in `validate_lm_args`, the
-rest inside train's `agreed` build, so every rank stops with the same error before any
-collective.
+rest in train's `prepare_training` (no collective; agreed on every rank before the engine is
+made), so every rank stops with the same error, even when only one rank's node lacks a file.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def _validate_hf(args):
     return model
 
 
-# -- build (inside train's agreed) ----------------------------------------------------------
+# -- build (train's prepare_training) -------------------------------------------------------------
 def lm_model_and_data(args, spec):
     """(model, TextDataset) of a language-model run: the byte-level corpus (gpt_options), a
     corpus tokenized in memory, or a token file; the model is `spec` (--init-from-hf) or a GPT
@@ -199,8 +199,8 @@ def lm_model_and_data(args, spec):
     except (OSError, ValueError) as exc:
         if isinstance(exc, UsageError):
             raise
-        raise UsageError(f"--{'dataset' if is_tokens_name(args.dataset) else 'text'}: {exc}"
-                         ) from None
+        flag = "--dataset" if is_tokens_name(args.dataset) else "--text"
+        raise UsageError(str(exc) if str(exc).startswith(flag) else f"{flag}: {exc}") from None
     if not hf:
         return with_vocab(spec, data.n_classes), data
     if data.n_classes > spec.vocab_size:

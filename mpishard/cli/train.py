@@ -2,7 +2,8 @@
 
 Every flag defaults to None in argparse, so "given on the command line" is visible: the
 command line wins over the --config file, which wins over `TRAIN_DEFAULTS`. Validation needs no
-MPI and is the same on every rank; the build runs inside `agreed` (cli/usage.py).
+MPI and is the same on every rank; `prepare_training` (validation and every file read) is
+agreed on every rank before `build_training` makes the engine (cli/usage.py's `agreed`).
 """
 from __future__ import annotations
 
@@ -317,11 +318,12 @@ def _validate_checkpoint_args(args):
 
 
 # -- build and run -----------------------------------------------------------------------------
-def build_training(args, comm=None):
-    """Validate, then build (engine, optimizer, dataset, trainer). Raises UsageError,
-    ValueError or TypeError before any collective on a bad input."""
-    comm = comm or world_comm()
-    layout, dims, loss = validate_train_args(args, comm.Get_size())
+def prepare_training(args, world_size: int):
+    """Everything that can fail without a collective: the flags, and every file read (--text,
+    --tokenizer, tokens:DIR, npy:DIR, --init-from-hf's config and headers). Returns (layout,
+    dims, loss, model, data); a rank that raises here (a copy its node lacks) cannot leave the
+    others waiting inside make_engine, as build_training agrees on it first."""
+    layout, dims, loss = validate_train_args(args, world_size)
     if not isinstance(dims, list):                     # a GPT or a Hugging Face model
         model, data = lm_model_and_data(args, dims)
     elif is_npy_name(args.dataset):
@@ -335,6 +337,15 @@ def build_training(args, comm=None):
     if args.batch > len(data.x_train):
         raise UsageError(f"--batch {args.batch} is larger than the {len(data.x_train)} "
                          f"training rows of {args.dataset}")
+    return layout, dims, loss, model, data
+
+
+def build_training(args, comm=None):
+    """Collective: prepare_training agreed on every rank (the same UsageError everywhere),
+    then (engine, optimizer, trainer) built; returns the Trainer."""
+    comm = comm or world_comm()
+    layout, dims, loss, model, data = agreed(comm, lambda: prepare_training(args,
+                                                                            comm.Get_size()))
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          param_dtype=args.param_dtype, comm_dtype=args.comm_dtype,
