@@ -143,3 +143,12 @@ class Llama(DecoderSpec):
                    f", n_experts={self.n_experts}, top_k={self.top_k}, "
                    f"capacity_factor={self.capacity_factor}, "
                    f"router_aux_loss_coef={self.router_aux_loss_coef}") + ")")
+
+
+def Mixtral(vocab_size, seq_len, d_model, n_heads, n_layers, n_experts, top_k=2, **kw) -> Llama:
+    """ms.Mixtral: the Llama spec with a mixture of experts in every block (n_experts
+    required; the other keywords are Llama's). Returns an ms.Llama (kind "llama")."""
+    if n_experts is None:
+        raise ValueError("Mixtral needs n_experts (ms.Llama without it is the dense model)")
+    return Llama(vocab_size, seq_len, d_model, n_heads, n_layers, n_experts=n_experts,
+                 top_k=top_k, **kw)

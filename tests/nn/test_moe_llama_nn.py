@@ -195,6 +195,11 @@ def test_mixtral_names_shapes_and_spec_round_trip():
     again = model_from_spec(model_spec(model))
     assert repr(again) == repr(model) and again.kind == "llama" and again.n_experts == 4
     assert "moe" not in repr(ms.Llama(13, 8, 16, 4, 2))
+    alias = ms.Mixtral(13, 8, 16, 4, 2, n_experts=4, n_kv_heads=2, d_ff=12, rope_theta=300.0,
+                       capacity_factor=1.5, router_aux_loss_coef=0.02)
+    assert repr(alias) == repr(model) and isinstance(alias, ms.Llama)
+    with pytest.raises(ValueError, match="needs n_experts"):
+        ms.Mixtral(13, 8, 16, 4, 2, n_experts=None)
 
 
 @pytest.mark.parametrize("kw,match", [({"top_k": 5}, "top_k=5"),
