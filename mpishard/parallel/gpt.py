@@ -29,11 +29,13 @@ UNSUPPORTED_AXES = ("ep",)
 
 
 def check_gpt_layout(model, layout) -> None:
-    """Raise the same ValueError on every rank for a layout this GPT cannot run yet."""
+    """Raise the same ValueError on every rank for a layout this GPT (or Llama: the messages
+    name the model's class) cannot run yet."""
     for axis in UNSUPPORTED_AXES:
         if layout.sizes.get(axis, 1) > 1:
             raise ValueError(f"layout {layout.text!r}: {axis}={layout.sizes[axis]} is not yet "
-                             f"supported for GPT models (dp, fsdp, tp and pp are)")
+                             f"supported for {type(model).__name__} models (dp, fsdp, tp and "
+                             f"pp are)")
     check_gpt_tp(model, layout)
     check_cp(model, layout)
 

@@ -62,8 +62,9 @@ def check_gpt_tp(model, layout) -> None:
         return
     for what, n in (("n_heads", model.n_heads), ("d_ff", model.d_ff)):
         if n % tp:
-            raise ValueError(f"layout {layout.text!r}: tp={tp} does not divide the GPT's "
-                             f"{what}={n} (Megatron splits it over the tp ranks)")
+            raise ValueError(f"layout {layout.text!r}: tp={tp} does not divide the "
+                             f"{type(model).__name__}'s {what}={n} (Megatron splits it over "
+                             f"the tp ranks)")
 
 
 def sequence_split_params(model) -> list:

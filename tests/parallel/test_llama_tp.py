@@ -17,6 +17,7 @@ from mpi4py import MPI
 import mpishard as ms
 from conftest import group_comm
 from mpishard.parallel.compose import plan_params
+from mpishard.parallel.gpt import check_gpt_layout
 from mpishard.parallel.llama_tensor_parallel import local_heads
 from test_llama_layouts import compare_with_single, make_llama
 
@@ -47,8 +48,14 @@ def test_each_query_head_keeps_its_kv_head_under_tp():
 
 
 def test_tp_must_divide_heads_and_d_ff():
-    with pytest.raises(ValueError, match="n_heads=4"):
+    """The message names the model's class (a Llama, not "the GPT's")."""
+    with pytest.raises(ValueError, match="tp=8 does not divide the Llama's n_heads=4"):
         plan_params(make_llama(), ms.parse_layout("tp=8"))
+    odd = ms.Llama(vocab_size=13, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=15)
+    with pytest.raises(ValueError, match="tp=2 does not divide the Llama's d_ff=15"):
+        plan_params(odd, ms.parse_layout("tp=2"))
+    with pytest.raises(ValueError, match="ep=2 is not yet supported for Llama models"):
+        check_gpt_layout(make_llama(), ms.parse_layout("ep=2"))
 
 
 # -- every layout against single -------------------------------------------------------------------
