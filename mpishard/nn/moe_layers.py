@@ -157,8 +157,9 @@ class SparseMoE(Layer):
         dtop = renormalised_gates_backward(dgates, s["gates"], s["top_sum"])
         onehot = xp.asarray(s["experts"])[:, :, None] == xp.arange(self.model.n_experts)
         dprobs = (onehot * dtop[:, :, None]).sum(axis=1)                 # scatter (n, E)
-        if self.aux is not None:
-            dprobs += self.aux.dprobs(xp, dprobs.dtype)                  # c E C / N^2 (E,)
+        daux = None if self.aux is None else self.aux.dprobs(xp, dprobs.dtype)
+        if daux is not None:
+            dprobs += daux                                               # c E C / N^2 (E,)
         probs = s["probs"]
         dlogits = probs * (dprobs - (probs * dprobs).sum(axis=1, keepdims=True))
         self.access.add_grad(self.router, nn.einsum("nd,ne->de", rows, dlogits))

@@ -153,7 +153,9 @@ class AuxLoss:
         return self.coef * self.n * float(np.sum(counts / rows * (probs / rows)))
 
     def dprobs(self, xp, dtype):
-        return xp.asarray(self.grad, dtype=dtype)
+        """The rows' dp_e of c aux, or None outside a train_step (engine.forward/backward:
+        no auxiliary loss)."""
+        return None if self.grad is None else xp.asarray(self.grad, dtype=dtype)
 
 
 class AuxLossRunner:
@@ -170,7 +172,10 @@ class AuxLossRunner:
         def with_aux(y, target):
             value, dy = loss(y, target)
             return value + self.aux.total(), dy
-        return self.runner.train_step(x, t, with_aux, grad_scale)
+        try:
+            return self.runner.train_step(x, t, with_aux, grad_scale)
+        finally:
+            self.aux.grad, self.aux.active = None, False
 
     def __getattr__(self, attr):              # forward, backward, tracer, ...: the runner's
         return getattr(self.runner, attr)

@@ -257,3 +257,19 @@ def test_single_engine_loss_with_aux_equals_torch(rng, top_k):
     plain_engine = ms.SingleDevice(make_mixtral(4, top_k))
     plain_engine.load_checkpoint(params)
     assert abs(plain_engine.train_step(x, t, ms.losses.CrossEntropy())[0] - value) > 1e-3
+
+
+def test_forward_backward_outside_train_step_adds_no_aux(rng):
+    """engine.forward/backward (a caller's own loss) carry no auxiliary loss, even after a
+    train_step that had one: the gradients are the model's without it."""
+    model = make_mixtral(4, 2, router_aux_loss_coef=0.3)
+    params = perturbed(model, 3, rng)
+    x, dy = rng.integers(0, 13, (2, 6)), rng.standard_normal((2, 6, 13))
+    got, want = ms.SingleDevice(model), ms.SingleDevice(make_mixtral(4, 2))
+    for engine in (got, want):
+        engine.load_checkpoint(params)
+    got.train_step(x, x, ms.losses.CrossEntropy())
+    grads = [{k: v.copy() for k, v in (e.forward(x), e.backward(dy))[1].items()}
+             for e in (got, want)]
+    for k in params:
+        close(grads[0][k], grads[1][k], f"d {k}", rtol=0)
