@@ -2,15 +2,15 @@
 
     python -m mpishard export --checkpoint ckpt --hf out              # then, in transformers:
     python -m mpishard export --checkpoint ckpt --hf out --dtype bfloat16
-    python -m mpishard export --checkpoint ft-ckpt --hf gpt2-ft --source ./gpt2   # fine-tuned
+    python -m mpishard export --checkpoint old-ft --hf gpt2-ft --source ./gpt2   # no record
     AutoModelForCausalLM.from_pretrained("out")
 
 One process reads the checkpoint (each array once, whatever layout saved it) and writes
 `config.json` and `model.safetensors` with ms.hf.save. The source is `--source DIR` (the
-Hugging Face directory a `train --init-from-hf DIR` run started from; it must hold the same
-model), else the record `import` keeps in the checkpoint's extra["hf"], else none. The dtype is
---dtype, else the source's, else float32; the source's config fields (token ids, dropout) are
-kept. Run it without mpiexec.
+Hugging Face directory the checkpoint's model came from; it must hold the same model), else
+the record `import` and `train --init-from-hf DIR` keep in the checkpoint's extra["hf"], else
+none. The dtype is --dtype, else the source's, else float32; the source's config fields
+(token ids, dropout) are kept. Run it without mpiexec.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def add_export_arguments(p):
                    "(default: the source's, else float32)")
     p.add_argument("--source", metavar="DIR", help="the Hugging Face directory the checkpoint "
                    "was fine-tuned from: its config fields and dtype are kept (default: the "
-                   "checkpoint's import record, if any)")
+                   "checkpoint's record of import or train --init-from-hf, if any)")
     return p
 
 

@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 
-from ..hf import load_into, read_model
+from ..hf import load_into, read_model, source
 from ..hf import tokenizer as hf_tokenizer
 from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.tokenizer import BYTES, ByteTokenizer, HFTokenizer, same_tokenizer
@@ -220,6 +220,14 @@ def load_initial_params(engine, args, model) -> None:
         engine.load_checkpoint(model.init(seed=args.seed))
 
 
+def checkpoint_extra(args, model) -> dict:
+    """What this run's checkpoints keep besides the Trainer's state: with --init-from-hf, the
+    source's config.json and dtype under "hf", as `import` keeps them, so `export` writes the
+    same config fields (token ids) in the same dtype without --source."""
+    record = source(model) if args.init_from_hf is not None else None
+    return {} if record is None else {"hf": record}
+
+
 def log_lm_data(log, data) -> None:
     """One line on the data: log_corpus's for bytes, the tokenizer and token counts else."""
     c = data.corpus
@@ -233,5 +241,6 @@ def log_lm_data(log, data) -> None:
              c["train_windows"], c["val_tokens"], c["val_windows"], data.seq_len)
 
 
-__all__ = ["TOKEN_DEFAULTS", "add_token_arguments", "lm_model_and_data", "load_initial_params",
-           "load_tokenizer", "log_lm_data", "run_tokenizer", "validate_lm_args"]
+__all__ = ["TOKEN_DEFAULTS", "add_token_arguments", "checkpoint_extra", "lm_model_and_data",
+           "load_initial_params", "load_tokenizer", "log_lm_data", "run_tokenizer",
+           "validate_lm_args"]

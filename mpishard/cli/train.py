@@ -34,8 +34,9 @@ from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_c
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
                           add_gpt_arguments, validate_gpt_args)
 from .model_flag import LLAMA_PREFIX, joined_gpt_spec
-from .token_options import (TOKEN_DEFAULTS, add_token_arguments, lm_model_and_data,
-                            load_initial_params, log_lm_data, validate_lm_args)
+from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_extra,
+                            lm_model_and_data, load_initial_params, log_lm_data,
+                            validate_lm_args)
 from .train_config import config_tokens, load_toml
 from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
                             trace_lines, validate_trace_args)
@@ -318,12 +319,12 @@ def _validate_checkpoint_args(args):
 
 
 # -- build and run -----------------------------------------------------------------------------
-def prepare_training(args, world_size: int):
+def prepare_training(args, comm):
     """Everything that can fail without a collective: the flags, and every file read (--text,
     --tokenizer, tokens:DIR, npy:DIR, --init-from-hf's config and headers). Returns (layout,
     dims, loss, model, data); a rank that raises here (a copy its node lacks) cannot leave the
     others waiting inside make_engine, as build_training agrees on it first."""
-    layout, dims, loss = validate_train_args(args, world_size)
+    layout, dims, loss = validate_train_args(args, comm.Get_size())
     if not isinstance(dims, list):                     # a GPT or a Hugging Face model
         model, data = lm_model_and_data(args, dims)
     elif is_npy_name(args.dataset):
@@ -344,8 +345,7 @@ def build_training(args, comm=None):
     """Collective: prepare_training agreed on every rank (the same UsageError everywhere),
     then (engine, optimizer, trainer) built; returns the Trainer."""
     comm = comm or world_comm()
-    layout, dims, loss, model, data = agreed(comm, lambda: prepare_training(args,
-                                                                            comm.Get_size()))
+    layout, dims, loss, model, data = agreed(comm, lambda: prepare_training(args, comm))
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          param_dtype=args.param_dtype, comm_dtype=args.comm_dtype,
@@ -370,7 +370,7 @@ def build_training(args, comm=None):
     saver = None
     if args.checkpoint_dir:
         saver = Checkpointer(args.checkpoint_dir, args.checkpoint_every, args.keep_last,
-                             args.checkpoint_failures)
+                             args.checkpoint_failures, extra=checkpoint_extra(args, model))
         trainer.callbacks.append(saver)
     if resume_source(args):
         resume(trainer, resume_source(args))      # collective; the same error everywhere

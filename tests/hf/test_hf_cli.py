@@ -120,3 +120,31 @@ def test_a_directory_one_rank_lacks_is_one_usage_error_on_every_rank(tmp_path):
         args = build_parser().parse_args(argv[verb])
         with pytest.raises(UsageError, match="--hf .*nowhere.*not a directory"):
             agreed(comm, lambda: build(args, comm))
+
+
+def test_a_fine_tune_keeps_its_source_for_export(tmp_path):
+    """train --init-from-hf DIR keeps DIR's config.json and dtype in its checkpoints'
+    extra["hf"] (as import does): export needs no --source to write bfloat16 with DIR's token
+    ids, and transformers loads the fine-tuned weights."""
+    from mpishard import cli
+
+    d, _ = gpt2(tmp_path / "src", dtype=torch.bfloat16, vocab_size=300)   # bytes' 256 fit
+    (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    ckpt = tmp_path / "ckpt"
+    assert cli.main(["train", "--init-from-hf", d, "--tokenizer", "bytes", "--text",
+                     str(tmp_path / "notes.txt"), "--seq-len", "8", "--batch", "4", "--steps",
+                     "2", "--no-progress", "--log-level", "WARNING", "--checkpoint-dir",
+                     str(ckpt)]) == 0
+    saved = ms.checkpoint.load(ckpt)
+    assert saved.extra["hf"] == ms.hf.source(ms.hf.read_model(d)) and saved.step == 2
+    proc = export(ckpt, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert (cfg["dtype"], cfg["eos_token_id"], cfg["bos_token_id"]) == ("bfloat16", 1, 0)
+    got = load_file(tmp_path / "out" / "model.safetensors")["transformer.wte.weight"]
+    want = np.asarray(saved["embed/tokens"]).astype(ml_dtypes.bfloat16)
+    src = load_file(os.path.join(d, "model.safetensors"))["transformer.wte.weight"]
+    assert got.dtype == src.dtype and np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert not np.array_equal(got.view(np.uint16), src.view(np.uint16))      # it was trained
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.dtype == torch.bfloat16 and back.config.eos_token_id == 1
