@@ -8,6 +8,8 @@ MPI tests, for N in 1, 2, 4 (and 8 for the dp=2,ep=2,tp=2 case):
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi \
     tests/integration/test_moe_llama_layouts.py`
 """
+import os
+
 import pytest
 
 import mpishard as ms
@@ -15,7 +17,7 @@ from conftest import assert_close, assert_dicts_close, group_comm, single_refere
 from mpishard.parallel.compose import plan_params
 from test_device_double import MODES, device_backend
 from test_gpt_engine import make_case
-from test_llama_layouts import CE, compare_with_single
+from test_llama_layouts import CE, adamw_steps, compare_with_single
 
 
 AUX = {"router_aux_loss_coef": 0.3}
@@ -165,3 +167,29 @@ def test_cached_greedy_generation_under_ep_equals_single(layout, n):
     params = ms.Llama.init(model, 4)
     want = greedy(ms.SingleDevice(model), params)
     assert greedy(ms.make_engine(model, layout, comm=group_comm(n)), params) == want
+
+
+# -- training and checkpoints ----------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_adamw_under_ep_follows_single_and_checkpoints_reshard(tmp_path_factory):
+    """Four AdamW steps under ep=2 (with the auxiliary loss) follow single's; the checkpoint
+    written then (experts split over ep) reopens as the same Mixtral and loads bit for bit
+    under single and fsdp=2."""
+    comm = group_comm(2)
+    model = make_mixtral(**AUX)
+    params = model.init(seed=5)
+    ref_losses, _ = adamw_steps(ms.SingleDevice(model), params)
+    engine = ms.make_engine(model, "ep=2", comm=comm)
+    losses, opt = adamw_steps(engine, params)
+    assert ref_losses[-1] < ref_losses[0]
+    assert_close(losses, ref_losses, what="ep=2 AdamW losses")
+    trained = engine.gather_params()
+    tmp = comm.bcast(str(tmp_path_factory.mktemp("mixtral")) if comm.Get_rank() == 0 else None)
+    path = os.path.join(tmp, "ck")
+    ms.checkpoint.save(path, engine, opt, step=4)
+    ck = ms.checkpoint.load(path)
+    assert repr(ck.model()) == repr(model)
+    for other in (ms.SingleDevice(ck.model()), ms.make_engine(ck.model(), "fsdp=2", comm=comm)):
+        other.load_checkpoint(ms.checkpoint.load(path))
+        assert_dicts_close(other.gather_params(), trained, rtol=0, what=f"reload {other}")
+    comm.Barrier()
