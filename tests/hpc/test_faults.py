@@ -194,7 +194,8 @@ def test_the_cli_prints_a_timeout_as_one_line(tmp_path):
     script = tmp_path / "cli_stall.py"
     script.write_text(CLI_SCRIPT)
     t0 = time.time()
-    proc = run_mpi(2, script, TIMEOUT, timeout=TIMEOUT + 60)
+    proc = run_mpi(2, script, TIMEOUT, timeout=TIMEOUT + 60,       # flight records: not in
+                   env={"MPISHARD_FLIGHT_DIR": str(tmp_path)})     # the repository's root
     elapsed = since_fault(proc, t0)
     out = proc.stdout + proc.stderr
     print(f"rc={proc.returncode} after {elapsed:.1f} s\n{out[-3000:]}")
