@@ -19,6 +19,7 @@ microbatch (m per train_step; `forwards` = 2 under recompute=1):
     fsdp        fsdp.step_calls (ZeRO-3's gathers, the gradient and optimizer buckets)
     dp, cp      data_parallel.plan_buckets' buckets over the averaging axes (once per step)
     loss        one all_reduce of the loss over dp, fsdp and cp
+    ep          a Mixtral's exchange and routing statistics: moe_costs.step_calls
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from . import fsdp
 from .data_parallel import DEFAULT_BUCKET_MB, plan_buckets, replicated_data_axes
 from .gpt_tensor_parallel import sequence_split_params
 from .llama_tensor_parallel import replicated_kv_params
-from .model_costs import gpt_stage, is_gpt
+from .model_costs import gpt_stage, is_gpt, tp_sublayers
+from .moe_costs import step_calls as moe_calls
 from .pipeline import boundary_widths
 from .tensor_parallel import tp_role
 
@@ -45,16 +47,16 @@ def tp_calls(view) -> Counter:
         per_mb = sum(1 for spec, role in zip(view.layers, roles)
                      if role == "row" or role == "column" and spec.index > 0)
         return Counter(all_reduce=m * per_mb)
-    stage = gpt_stage(view)
+    stage, units = gpt_stage(view), tp_sublayers(view.model)   # 1: a Mixtral's MLP not on tp
     out = Counter(all_reduce=3 * m * stage.last)                      # the vocab-parallel loss
     kv = sum(1 for n in replicated_kv_params(view.model, t) if n in view.params)
     out.update(all_reduce=m * kv)                     # a Llama's kv weights replicated on tp
     if view.layout.option("sequence_parallel", 0):
-        sp = 2 * stage.blocks * (stage.forwards + 1) + stage.last + stage.first
+        sp = units * stage.blocks * (stage.forwards + 1) + stage.last + stage.first
         split = sum(1 for n in sequence_split_params(view.model) if n in view.params)
         out.update(all_gather=m * sp, reduce_scatter=m * sp, all_reduce=m * split)
     else:
-        out.update(all_reduce=m * (2 * stage.blocks * (1 + stage.forwards) + stage.last
+        out.update(all_reduce=m * (units * stage.blocks * (1 + stage.forwards) + stage.last
                                    + stage.first))
     return out
 
@@ -107,6 +109,6 @@ def step_calls(view) -> dict:
     """{kind: calls} of `view`'s rank in one train_step and optimizer step (module
     docstring)."""
     out = Counter()
-    for part in (tp_calls, cp_calls, pp_calls, fsdp_calls, dp_calls, loss_calls):
+    for part in (tp_calls, cp_calls, pp_calls, fsdp_calls, dp_calls, loss_calls, moe_calls):
         out.update(part(view))
     return {k: v for k, v in out.items() if v}

@@ -36,16 +36,16 @@ from typing import ClassVar
 from ..comm.mesh import Layout, coordinates
 from ..validate import check_number
 from . import (context_parallel, data_parallel, expert_parallel, fsdp, gpt_tensor_parallel,
-               llama_tensor_parallel, pipeline, tensor_parallel, tied)
+               llama_tensor_parallel, moe_costs, pipeline, tensor_parallel, tied)
 from .compose import plan_params
 from .model_costs import is_gpt
 from .placement import local_shape
 
 # Each exposes memory(view, n_state) and step_comm(view); the order is compose's: tp (an
 # MLP's, a GPT's with sequence_parallel and the vocab-parallel ends), cp, then the pp stages,
-# then fsdp and dp (and ep for MoE models).
+# then fsdp and dp (and ep for MoE models; a Mixtral's exchange: moe_costs).
 STRATEGY_COSTS = (tensor_parallel, gpt_tensor_parallel, llama_tensor_parallel, context_parallel,
-                  pipeline, fsdp, data_parallel, expert_parallel, tied)
+                  pipeline, fsdp, data_parallel, expert_parallel, moe_costs, tied)
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 PHASES = ("train_step", "optimizer")
 

@@ -26,7 +26,7 @@ from collections import Counter
 
 from ..nn.transformer import (Block, CausalSelfAttention, FinalNormHead, TiedHead, gpt_units,
                               leading_positions)
-from .model_costs import gpt_stage, is_gpt, local_tokens
+from .model_costs import gpt_stage, is_gpt, local_tokens, tp_sublayers
 from .placement import Shard
 from .sequence_parallel import (GatherFromSP, SequenceParallelGrads, SequenceParallelRowLinear,
                                 operator_comm, split_grads_comm)
@@ -142,18 +142,18 @@ def step_comm(view) -> dict:
     t = view.size("tp")
     if t == 1 or not is_gpt(view.model):
         return {}
-    stage = gpt_stage(view)
+    stage, units = gpt_stage(view), tp_sublayers(view.model)    # a Mixtral's MLP: not on tp
     act = stage.tokens * view.model.d_model * view.itemsize
     sent = Counter()
     if view.layout.option("sequence_parallel", 0):
         check_sequence_split(view.model, view.layout)
-        # per block 2 f + 2 g, each an all-gather and a reduce-scatter (f's forward and g's
+        # per block 2 f + 2 g (1 + 1 in a Mixtral), each an all-gather and a reduce-scatter (f's forward and g's
         # forward again under recompute=1); the head's f once
-        calls = 2 * stage.blocks * (stage.forwards + 1) + stage.last
+        calls = units * stage.blocks * (stage.forwards + 1) + stage.last
         sent.update(operator_comm(view, act, gathers=calls, scatters=calls))
         sent.update(split_grads_comm(view, sequence_split_params(view.model)))
     else:
-        calls = 2 * stage.blocks + stage.last + 2 * stage.blocks * stage.forwards
+        calls = units * stage.blocks + stage.last + units * stage.blocks * stage.forwards
         sent.update(all_reduce=calls * view.all_reduce_bytes("tp", act))
     if stage.first:
         sent.update(embedding_comm(view, stage.tokens))

@@ -45,6 +45,13 @@ def is_gpt(model) -> bool:
     return getattr(model, "kind", "mlp") in TRANSFORMER_KINDS
 
 
+def tp_sublayers(model) -> int:
+    """Sublayers of a block split over tp, each with an f and a g (gpt_tensor_parallel.py):
+    the attention and the MLP, or the attention alone in a Mixtral (its router and experts
+    are replicated on tp: moe_transformer.py)."""
+    return 1 if getattr(model, "n_experts", None) else 2
+
+
 def holds_embedding(names) -> bool:
     """Whether a rank holding parameters `names` runs the embedding: it lives with block 0
     (gpt.gpt_param_stages), for every transformer spec."""

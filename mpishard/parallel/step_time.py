@@ -18,7 +18,9 @@ of the busiest rank (the slowest of `representative_ranks`), where
   scores (ring cp: per step, and the online merges) and the plain passes (biases,
   residuals, head splits); the embedding, ln_f and the
   cross-entropy on the first and last stage; FSDP's copies around its calls (a pass over
-  the full tensor per pack or gathered copy); AdamW over the rank's gradient blocks. Plus the
+  the full tensor per pack or gathered copy); AdamW over the rank's gradient blocks; a
+  Mixtral's experts (moe_costs.py: GEMMs and SwiGLU at the expected k rows per token, its ep
+  exchange and routing statistics as groups of their own). Plus the
   per-call costs (`fixed`): per layer or block and microbatch, per step, per optimizer tensor.
 - step_factor, optimizer_factor: the calibration's factors of the model's kind (mlp or gpt;
   1 without them): the train_step's terms (GEMMs and its element-wise work) times
@@ -60,7 +62,7 @@ from math import log, prod
 
 from ..comm.mesh import AVERAGE_AXES, AXES, rank_of
 from . import (comm_calls, context_parallel, data_parallel, fsdp, gpt_tensor_parallel,
-               pipeline, tensor_parallel)
+               moe_costs, pipeline, tensor_parallel)
 from .costs import rank_view
 from .model_costs import gpt_stage, is_gpt, local_tokens, param_uses
 from .schedules import make_schedule, simulate
@@ -86,9 +88,11 @@ def _loss_bytes(view) -> float:
 
 
 def _gradient_sync_bytes(view) -> dict:
-    """data_parallel's bytes less the loss (a group of its own)."""
+    """data_parallel's bytes less the loss (a group of its own), plus a Mixtral's gradients
+    averaged over ep too."""
     out = _sent(data_parallel)(view)
-    out["all_reduce"] = out.get("all_reduce", 0) - _loss_bytes(view)
+    out["all_reduce"] = out.get("all_reduce", 0) - _loss_bytes(view) \
+        + moe_costs.ep_gradient_bytes(view).get("all_reduce", 0)
     return out
 
 
@@ -97,7 +101,10 @@ GROUPS = ((comm_calls.tp_calls, _sent(tensor_parallel, gpt_tensor_parallel), ("t
           (comm_calls.cp_calls, _sent(context_parallel), ("cp",)),
           (comm_calls.pp_calls, _sent(pipeline), ("pp",)),
           (comm_calls.fsdp_calls, _sent(fsdp), ("fsdp",)),
-          (comm_calls.dp_calls, _gradient_sync_bytes, ("dp", "cp")),
+          (comm_calls.dp_calls, _gradient_sync_bytes, ("dp", "ep", "cp")),
+          (moe_costs.exchange_calls, moe_costs.exchange_bytes, ("ep",)),
+          (moe_costs.tp_partial_calls, moe_costs.tp_partial_bytes, ("tp",)),
+          (moe_costs.stats_calls, moe_costs.stats_bytes, ("dp", "fsdp", "ep", "cp")),
           (comm_calls.loss_calls, lambda view: {"all_reduce": _loss_bytes(view)},
            AVERAGE_AXES))
 
@@ -152,7 +159,7 @@ def gemms(view) -> list:
             heads, tq, tk, blocks = heads // c, model.seq_len, model.seq_len, 1
         per_call = 2 * (view.rows / m) * heads * tq * tk * dh
         out.append((per_call, (2 * forwards + 5) * stage.blocks * blocks * m, "bgemm"))
-    return out
+    return out + moe_costs.expert_gemms(view)       # 3-d expert weights: skipped above
 
 
 def gemm_seconds(view, calibration: dict) -> float:
@@ -185,7 +192,12 @@ def _gpt_elementwise(view, ops, fixed) -> float:
     scores = view.rows / m * model.n_heads / t * local_tokens(model, layout) * model.seq_len
     ring = layout.option("cp_kind", "ring") == "ring" and layout.size("cp") > 1
     steps = layout.size("cp") if ring else 1     # ring: a block of scores per step, merged
-    if getattr(model, "kind", "gpt") == "llama":  # SwiGLU: sigmoid and 4 products of (T, F);
+    if moe_costs.is_moe(model):     # k experts' SwiGLU per token (not split over tp), the mix
+        mlp = op_seconds(ops, "sigmoid", seq * f * model.top_k) + \
+            4 * op_seconds(ops, "pass", seq * f * model.top_k) + \
+            4 * op_seconds(ops, "pass", seq * d * model.top_k)
+        extra = 2 * 4 * op_seconds(ops, "pass", tokens * d / t)
+    elif getattr(model, "kind", "gpt") == "llama":  # SwiGLU: sigmoid, 4 products of (T, F);
         mlp = op_seconds(ops, "sigmoid", tokens * f / t) + \
             4 * op_seconds(ops, "pass", tokens * f / t)            # rotary on q, k both ways;
         extra = 2 * 4 * op_seconds(ops, "pass", tokens * d / t)   # RMSNorm ~ LayerNorm, no bias

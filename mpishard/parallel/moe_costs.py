@@ -1,0 +1,155 @@
+"""What a Mixtral's experts cost one rank (no MPI): the ep exchange's bytes and calls, the
+routing statistics' all_reduce, and the experts' GEMMs, at the expected tokens per expert.
+
+The exchange follows the routing, so the plan prices its expectation under uniform routing:
+each of the n tokens a rank routes per microbatch picks k experts, E/P of them on each of the
+P ep ranks, so of its n k (token, choice) rows n k (P-1)/P travel to other ranks, and as many
+come back from them (every expert gets n k / E rows from each rank: P n k / E in all).
+`engine.comm_bytes` counts exactly that on a balanced batch (tests/parallel/test_moe_costs.py).
+Per block and microbatch, as nn/moe_routing.TokenExchange and moe_transformer.RoutingStats
+run them (each forward: `forwards` = 2 under recompute=1):
+
+    gradients  (once per step) those replicated on ep averaged over it too: ep_gradient_bytes;
+               under sequence_parallel the router's and experts' summed over tp (tp_partial_*)
+    forward    counts all_to_all of E int64 ((P-1)/P x 8 E bytes), dispatch and combine
+               all_to_all_v (n k (P-1)/P rows of D each); routing statistics: one all_reduce of
+               2 E int64 over the token axes (moe_transformer.token_axes), ep or not
+    backward   the adjoints of combine and dispatch (the same rows again)
+
+n is this rank's tokens of a microbatch: rows / m x T / cp, / tp under sequence_parallel
+(without it the tp ranks repeat their group's exchange). The experts' weights are the
+placement's (dim 0 over ep, then fsdp's split), so the base memory already holds E / P
+experts per rank; the dispatch buffers are transient and `memory_report` measures them (the
+activation tapes hold the received rows and the combined slots).
+
+The experts' GEMMs: each local expert runs 3 matrices (gate, up: D x F; down: F x D) on its
+P n k / E expected rows, forward and twice backward (plus a forward under recompute=1).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from .moe_transformer import token_axes
+
+INT_BYTES = 8                    # the counts and the statistics travel as int64
+
+
+def is_moe(model) -> bool:
+    """A Mixtral: an ms.Llama with n_experts (ms.MoE is expert_parallel.py's)."""
+    return bool(getattr(model, "n_experts", None)) and getattr(model, "kind", "") == "llama"
+
+
+def microbatch_tokens(view) -> float:
+    """n: the tokens this rank routes in one microbatch (module docstring)."""
+    sp = view.layout.option("sequence_parallel", 0)
+    tokens = view.rows / view.microbatches * view.model.seq_len / view.size("cp")
+    return tokens / (view.size("tp") if sp else 1)
+
+
+def _counts(view) -> tuple:
+    """(MoE blocks this rank holds, forwards per microbatch, microbatches)."""
+    blocks = len({n.split("/", 1)[0] for n in view.params if "/moe/router/" in n})
+    return blocks, 2 if view.layout.option("recompute") == "1" else 1, view.microbatches
+
+
+def exchange_calls(view) -> Counter:
+    """The ep exchange's all_to_all calls (counts, dispatch, combine; two adjoints)."""
+    if not is_moe(view.model) or view.size("ep") == 1:
+        return Counter()
+    blocks, forwards, m = _counts(view)
+    return Counter(all_to_all=blocks * m * (3 * forwards + 2))
+
+
+def exchange_bytes(view) -> dict:
+    if not exchange_calls(view):
+        return {}
+    model, p = view.model, view.size("ep")
+    blocks, forwards, m = _counts(view)
+    rows = microbatch_tokens(view) * model.top_k * (p - 1) / p
+    counts = (p - 1) / p * INT_BYTES * model.n_experts
+    per_pass = 2 * rows * model.d_model * view.itemsize
+    return {"all_to_all": blocks * m * (forwards * (per_pass + counts) + per_pass)}
+
+
+def stats_calls(view) -> Counter:
+    """The routing statistics' all_reduce over the token axes, one per block and forward."""
+    if not is_moe(view.model) or not token_axes(view.layout):
+        return Counter()
+    blocks, forwards, m = _counts(view)
+    return Counter(all_reduce=blocks * m * forwards)
+
+
+def stats_bytes(view) -> dict:
+    calls = stats_calls(view)
+    if not calls:
+        return {}
+    one = view.all_reduce_bytes(token_axes(view.layout), 2 * INT_BYTES * view.model.n_experts)
+    return {"all_reduce": calls["all_reduce"] * one}
+
+
+def ep_gradient_bytes(view) -> dict:
+    """What ep adds to data_parallel.step_comm's gradient all_reduce (that one averages every
+    gradient over dp and cp): the gradients replicated on ep (all but the experts') are
+    averaged over dp, ep and cp together (GradientSync groups them by those axes)."""
+    if not is_moe(view.model) or view.size("ep") == 1:
+        return {}
+    base = tuple(a for a in ("dp", "cp") if view.size(a) > 1)
+    extra = 0.0
+    for name, info in view.params.items():
+        if info.placement.is_replicated_on("ep"):
+            nbytes = view.nbytes(view.grad_blocks[name])
+            extra += view.all_reduce_bytes(base + ("ep",), nbytes) - \
+                (view.all_reduce_bytes(base, nbytes) if base else 0.0)
+    return {"all_reduce": extra}
+
+
+def _tp_partial(view) -> list:
+    """Under sequence_parallel each tp rank routes its own tokens, so the router's and its
+    experts' gradients are partial sums per tp rank, summed over tp (SequenceParallelGrads:
+    one all_reduce of each local block per microbatch)."""
+    if not is_moe(view.model) or view.size("tp") == 1 or \
+            not view.layout.option("sequence_parallel", 0):
+        return []
+    return [n for n in view.params if "/moe/" in n]
+
+
+def tp_partial_calls(view) -> Counter:
+    names = _tp_partial(view)
+    return Counter(all_reduce=view.microbatches * len(names)) if names else Counter()
+
+
+def tp_partial_bytes(view) -> dict:
+    names = _tp_partial(view)
+    if not names:
+        return {}
+    return {"all_reduce": view.microbatches * sum(
+        view.all_reduce_bytes("tp", view.nbytes(view.blocks[n])) for n in names)}
+
+
+def memory(view, n_state) -> dict:
+    """Nothing beyond the base (module docstring)."""
+    return {}
+
+
+def step_comm(view) -> dict:
+    """{'train_step': {kind: bytes}} of the exchange and the statistics (module docstring)."""
+    out = Counter(exchange_bytes(view))
+    for part in (stats_bytes, ep_gradient_bytes, tp_partial_bytes):
+        out.update(part(view))
+    return {"train_step": dict(out)} if out else {}
+
+
+def step_calls(view) -> Counter:
+    """{kind: calls} of the exchange and the statistics in one train_step."""
+    return exchange_calls(view) + stats_calls(view) + tp_partial_calls(view)
+
+
+def expert_gemms(view) -> list:
+    """(flops per GEMM call, calls per step, 'gemm') of the local experts' matrices."""
+    if not is_moe(view.model):
+        return []
+    model, p = view.model, view.size("ep")
+    blocks, forwards, m = _counts(view)
+    rows = p * microbatch_tokens(view) * model.top_k / model.n_experts
+    flops = 2 * rows * model.d_model * model.d_ff
+    return [(flops, 3 * model.n_experts // p * blocks * m * (forwards + 2), "gemm")]
