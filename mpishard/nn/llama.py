@@ -41,7 +41,9 @@ mlp/* names are replaced by (ours (in, out); HF MixtralSparseMoeBlock, legacy pe
 and the mlp computes, per token x: p = softmax(x router) over E, the top_k experts by p, their
 weights w = p_top / sum(p_top), y = sum_k w_k (silu(x gate_e) * (x up_e)) down_e (units:
 moe_layers.py). capacity_factor (None: no drops, as HF) drops assignments over
-ceil(cf T k / E) per expert and sequence; router_aux_loss_coef adds HF's load-balancing loss.
+ceil(cf t k / E) per expert in each sequence's t tokens of a forward (in KV-cached generation
+the prompt, then each new token, which is never dropped); router_aux_loss_coef adds HF's
+load-balancing loss to train_step's loss.
 
 `init(seed)` is Hugging Face's LlamaPreTrainedModel init: N(0, 0.02) for every weight and the
 embedding, RMSNorm scales 1; float64 numpy, the same on every rank for a seed.

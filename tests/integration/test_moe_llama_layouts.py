@@ -80,7 +80,8 @@ def test_single_on_one_rank_routes_as_recorded():
 TWO = [("ep=2", {}), ("ep=2", {"top_k": 1, "T": 5}), ("ep=2", {"capacity_factor": 0.75}),
        ("ep=2", {"n_experts": 2, "tied": True}), ("ep=2,recompute=1", {}),
        ("ep=2", AUX), ("ep=2,recompute=1", dict(AUX, top_k=1)), ("dp=2", AUX),
-       ("tp=2,sequence_parallel=1", AUX)]
+       ("tp=2,sequence_parallel=1", AUX), ("fsdp=2,zero=3,prefetch=1", {}),
+       ("pp=2,schedule=interleaved", {"n_layers": 4})]
 
 
 @pytest.mark.mpi(min_size=2)
