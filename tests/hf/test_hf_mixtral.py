@@ -3,7 +3,7 @@ experts, top-2, perturbed norms) read by ms.hf in both layouts transformers 5.x 
 per-expert w1/w2/w3 files it writes and its fused gate_up_proj/down_proj): logits equal
 transformers' at rtol 1e-9, serially and under MPI on ep=2, dp=2,ep=2 and ep=2,tp=2 (each rank
 reading only its slices, its experts included); greedy generate equals transformers' for
-prompts of different lengths; save -> from_pretrained gives the same logits bit for bit; the
+prompts of different lengths (single, ep=2, dp=2,ep=2, ep=2,tp=2); save -> from_pretrained gives the same logits bit for bit; the
 load-balancing loss equals transformers' (output_router_logits=True); refused fields.
 
 Run: `pytest -q tests/hf/test_hf_mixtral.py` and
@@ -73,6 +73,42 @@ def test_a_fresh_spec_saves_for_transformers(tmp_path):
     assert repr(ms.hf.read_model(out)) == repr(fresh)
 
 
+def test_the_auxiliary_loss_equals_transformers(tmp_path):
+    """transformers adds coef * load_balancing_loss_func(router logits) to the loss with
+    output_router_logits: our train_step's loss with the file's coefficient equals the
+    cross-entropy plus that, and with coefficient 0 the cross-entropy alone (rtol 1e-12).
+    transformers' own float32 sum agrees with float64_mixtral's to float32 precision."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    coef = 0.25
+    d, ref = mixtral(tmp_path, router_aux_loss_coef=coef, output_router_logits=True)
+    model, params = ms.hf.load(d)
+    assert model.router_aux_loss_coef == coef
+    x = tokens(ref, rows=4, T=12)
+    xin, t = x[:, :-1], x[:, 1:]
+    with torch.no_grad(), float64_llama(ref):
+        out = ref(torch.as_tensor(xin), output_router_logits=True)
+    aux = float(out.aux_loss)
+    with torch.no_grad():
+        assert_close(float(load_balancing_loss_func(out.router_logits, 4, 2)), aux, rtol=1e-5,
+                     what="transformers' float32 aux")
+    assert abs(aux - 2.0) > 1e-3                 # E sum(f p) = k for perfectly even routing
+    ce = float(torch.nn.functional.cross_entropy(out.logits.reshape(-1, 97),
+                                                 torch.as_tensor(t).reshape(-1)))
+    for c, want in ((coef, ce + coef * aux), (0.0, ce)):
+        engine = ms.SingleDevice(ms.Llama(**dict(spec_args(model), router_aux_loss_coef=c)))
+        engine.load_checkpoint({k: np.asarray(v, np.float64) for k, v in params.items()})
+        got, _ = engine.train_step(xin, t, ms.losses.CrossEntropy())
+        assert_close(got, want, rtol=1e-12, what=f"loss, router_aux_loss_coef={c}")
+
+
+def spec_args(model) -> dict:
+    keys = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "n_kv_heads", "d_ff",
+            "rope_theta", "norm_eps", "tied", "n_experts", "top_k", "capacity_factor",
+            "router_aux_loss_coef")
+    return {k: getattr(model, k) for k in keys}
+
+
 def check_greedy(tmp_path, layout="single", comm=None):
     d, ref = mixtral(tmp_path / f"r{0 if comm is None else comm.Get_rank()}")
     with float64_llama(ref):
@@ -121,3 +157,9 @@ def test_load_into_every_layout(tmp_path, layout, n, fused):
 @pytest.mark.mpi(min_size=2)
 def test_greedy_equals_transformers_on_ep2(tmp_path):
     check_greedy(tmp_path, "ep=2", group_comm(2))
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", ["dp=2,ep=2", "ep=2,tp=2"])
+def test_greedy_equals_transformers_on_four_ranks(tmp_path, layout):
+    check_greedy(tmp_path, layout, group_comm(4))
