@@ -15,7 +15,8 @@ plus, for a mixture-of-experts model (expert_load.py: the step's tokens per expe
 `step_time_s` and the rates are over the steps since the previous record (the Trainer's own
 train-step time, callbacks excluded); `grad_norm` is the clipped-to norm, known with --clip only;
 `rss_mib` is every rank's resident set, gathered with one bounded gather (comm/objects.py). An
-evaluation adds {"kind": "eval", "step", "test_loss", "test_accuracy" / "val_bits_per_byte"}.
+evaluation adds {"kind": "eval", "step", "test_loss", "test_accuracy" / "val_bits_per_byte"
+(byte-level text) / "val_bits_per_token" (a tokenizer's ids)}.
 
 Crash safety and resume: each record is flushed as it is written (a crashed run keeps its
 history up to its last record) and fsynced after a step whose checkpoint was saved and at the
@@ -36,7 +37,8 @@ from .trainer import Callback
 
 CSV_COLUMNS = ("kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
                "step_time_s", "rss_mib_max", "test_loss", "test_accuracy", "val_bits_per_byte",
-               "expert_tokens_min", "expert_tokens_max", "expert_imbalance", "moe_dropped")
+               "val_bits_per_token", "expert_tokens_min", "expert_tokens_max",
+               "expert_imbalance", "moe_dropped")
 
 
 def rss_mib() -> float:

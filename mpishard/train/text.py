@@ -41,6 +41,7 @@ from .data import Dataset, eval_chunks
 from .grammar import synthetic_corpus, synthetic_seed
 
 BYTE_VOCAB = 256
+BYTES = "bytes"                  # the byte-level tokenizer's name (tokenizer.py)
 DEFAULT_CORPUS_BYTES = 2_000_000
 DEFAULT_VAL_FRACTION = 0.05
 
@@ -192,9 +193,17 @@ def split_windows(n_tokens: int, seq_len: int, val_fraction=DEFAULT_VAL_FRACTION
 
 @dataclass(repr=False)
 class TextDataset(Dataset):
-    """A Dataset of byte windows (task 'language'); `corpus` describes where they came from."""
+    """A Dataset of token windows (task 'language'): bytes, or a tokenizer's ids (tokens.py);
+    `corpus` describes where they came from (with "tokenizer": {name, sha256} for ids)."""
 
     corpus: dict = field(default_factory=dict)
+
+    @property
+    def unit(self) -> str:
+        """What one term of the loss predicts: 'byte' (byte-level tokens; the loss is nats per
+        byte) or 'token' (a tokenizer's ids: nats per token)."""
+        tok = self.corpus.get("tokenizer")
+        return "byte" if tok is None or tok.get("name") == BYTES else "token"
 
     @property
     def default_loss(self) -> str:
@@ -257,14 +266,19 @@ def window_loss(engine, x, t, chunk: int, loss) -> float:
     return total / n
 
 
-def language_metrics(loss_nats: float, tokens: int, seconds: float) -> dict:
-    """val_loss (nats per byte), val_bits_per_byte and tokens_per_s."""
-    return {"val_loss": loss_nats, "val_bits_per_byte": loss_nats / math.log(2.0),
+def bits_per(unit: str, loss_nats: float) -> dict:
+    """{"val_bits_per_byte" or "val_bits_per_token": the loss in bits} (unit: TextDataset.unit)."""
+    return {f"val_bits_per_{unit}": loss_nats / math.log(2.0)}
+
+
+def language_metrics(loss_nats: float, tokens: int, seconds: float, unit="byte") -> dict:
+    """val_loss (nats per `unit`), val_bits_per_<unit> and tokens_per_s."""
+    return {"val_loss": loss_nats, **bits_per(unit, loss_nats),
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
 
 
-__all__ = ["BYTE_VOCAB", "DEFAULT_CORPUS_BYTES", "DEFAULT_VAL_FRACTION", "TextDataset",
-           "Windows", "check_max_bytes", "corpus_files", "corpus_info", "documents",
+__all__ = ["BYTES", "BYTE_VOCAB", "DEFAULT_CORPUS_BYTES", "DEFAULT_VAL_FRACTION", "TextDataset",
+           "Windows", "bits_per", "check_max_bytes", "corpus_files", "corpus_info", "documents",
            "language_metrics", "read_corpus", "read_text", "sequence_cut", "split_point",
            "split_windows", "stdlib_files", "text_dataset", "window_count", "window_loss",
            "windows_dataset"]

@@ -27,10 +27,9 @@ import hashlib
 
 import numpy as np
 
-from .text import BYTE_VOCAB
+from .text import BYTE_VOCAB, BYTES
 
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-BYTES = "bytes"
 ENCODE_BATCH = 64                   # documents per call to the Rust encoder
 
 

@@ -38,7 +38,7 @@ from .expert_load import expert_text
 from .nonfinite import DEFAULT_MAX_NONFINITE, NonFiniteGuard, quiet
 from .optim import clip_grad_norm
 from .scaler import GradScaler
-from .text import language_metrics, sequence_cut, window_loss
+from .text import bits_per, language_metrics, sequence_cut, window_loss
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
 
@@ -233,8 +233,7 @@ class Trainer:
         chunk = micro * max(1, min(-(-n // micro), 256 // micro))
         if d.task == "language":              # windows of a text corpus: token-mean loss
             value = window_loss(e, d.x_test, d.t_test, chunk, self.loss)
-            return {"step": self.state.step, "test_loss": value,
-                    "val_bits_per_byte": value / math.log(2.0)}
+            return {"step": self.state.step, "test_loss": value, **bits_per(d.unit, value)}
         outs = []
         for idx, real in eval_chunks(n, chunk, e.data_parallel_size, e.data_parallel_rank):
             y = e.backend.to_host(e.gather_batch(e.predict(d.x_test[idx])))
@@ -301,10 +300,11 @@ class Trainer:
         with quiet():
             result = self.evaluate()
         self.state.eval_history.append(result)
-        acc, bpb = result.get("test_accuracy"), result.get("val_bits_per_byte")
+        acc, unit = result.get("test_accuracy"), getattr(self.data, "unit", None)
+        bits = result.get(f"val_bits_per_{unit}")           # a language model: per byte/token
         self.log.info("eval step %d: test loss %.6g%s%s", result["step"], result["test_loss"],
                       "" if acc is None else f", test accuracy {acc:.4f}",
-                      "" if bpb is None else f" nats/byte, {bpb:.4f} bits/byte")
+                      "" if bits is None else f" nats/{unit}, {bits:.4f} bits/{unit}")
         for cb in self.callbacks:
             cb.on_evaluate(self, result)
         return result
@@ -349,10 +349,10 @@ class Trainer:
             "lr_history": list(st.lr_history),
             "eval_history": list(st.eval_history),
         }
-        if self.data.task == "language":      # nats and bits per byte, tokens/s, the corpus
+        if self.data.task == "language":      # nats and bits per byte/token, tokens/s, corpus
             tokens = st.samples * self.data.x_train.shape[1]
-            metrics.update(language_metrics(final["test_loss"], tokens, self.train_time),
-                           corpus=self.data.corpus)
+            metrics.update(language_metrics(final["test_loss"], tokens, self.train_time,
+                                            self.data.unit), corpus=self.data.corpus)
         return metrics
 
 
@@ -381,8 +381,9 @@ def summary_table(metrics: dict) -> str:
             ("test accuracy", "-" if acc is None else f"{100 * acc:.2f}%"),
             ("samples/s", f"{metrics['samples_per_s']:.0f}"),
             ("wall time", f"{metrics['wall_time_s']:.2f} s")]
-    if "val_bits_per_byte" in metrics:                    # a language model (train/text.py)
-        rows[7:8] = [("val bits/byte", f"{metrics['val_bits_per_byte']:.4f}"),
+    unit = next((u for u in ("byte", "token") if f"val_bits_per_{u}" in metrics), None)
+    if unit is not None:                                  # a language model (train/text.py)
+        rows[7:8] = [(f"val bits/{unit}", f"{metrics[f'val_bits_per_{unit}']:.4f}"),
                      ("tokens/s", f"{metrics['tokens_per_s']:.0f}")]
     w0 = max(len(k) for k, _ in rows)
     w1 = max(len(v) for _, v in rows)

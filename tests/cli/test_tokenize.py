@@ -7,6 +7,7 @@ fine-tune whose first loss is transformers' loss of the Hugging Face model on th
     mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/cli/test_tokenize.py
 """
 import json
+import math
 import os
 import shutil
 
@@ -236,16 +237,24 @@ def test_init_from_hf_starts_at_the_model_loss_on_every_layout(arch):
 
 
 def test_tokens_train_on_two_ranks_and_one_error_line(root, tmp_path):
-    """`train --dataset tokens:DIR` under mpiexec -n 2 (dp=2), and a mismatched --tokenizer
-    stopping both ranks with one line."""
+    """`train --dataset tokens:DIR` under mpiexec -n 2 (dp=2), its loss labelled per token (the
+    eval line, the table, the metrics' keys), and a mismatched --tokenizer stopping both ranks
+    with one line."""
     assert tokenize(root, "tok4") == 0
     base = ["-m", "mpishard", "train", "--model", "gpt", "--dataset", f"tokens:{root}/tok4",
             "--layout", "dp=2", *TINY, "--metrics-json", str(tmp_path / "m.json")]
-    r = run_mpi(2, *base, timeout=180)
+    r = run_mpi(2, *base, "--log-level", "INFO", "--metrics-jsonl", str(tmp_path / "m.jsonl"),
+                timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["steps"] == 3 and m["corpus"]["tokenizer"]["sha256"] and m["dataset"].startswith(
         "tokens:")
+    assert m["val_bits_per_token"] == pytest.approx(m["val_loss"] / math.log(2), rel=1e-12)
+    assert "val_bits_per_byte" not in m and "val bits/token" in r.stdout
+    assert f"nats/token, {m['val_bits_per_token']:.4f} bits/token" in r.stderr
+    assert "/byte" not in r.stdout + r.stderr
+    evals = [json.loads(line) for line in open(tmp_path / "m.jsonl") if '"eval"' in line]
+    assert evals[-1]["val_bits_per_token"] == m["val_bits_per_token"]
     r = run_mpi(2, *base, "--tokenizer", "bytes", timeout=180)
     lines = [ln for ln in engine_lines(r.stderr) if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "was tokenized by" in lines[0], r.stderr

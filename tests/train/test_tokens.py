@@ -128,6 +128,7 @@ def test_token_file_holds_the_in_memory_tokens_and_split(tmp_path, corpus, bpe, 
                      (a.t_test, b.t_test)):
         assert got.shape == exp.shape and np.array_equal(got[:], exp[:])
     assert a.corpus["sha256"] == b.corpus["sha256"]
+    assert a.unit == b.unit == "token"          # the loss is per token: bits/token, not byte
 
 
 def test_byte_token_file_equals_the_byte_corpus(tmp_path, corpus):
@@ -136,6 +137,7 @@ def test_byte_token_file_equals_the_byte_corpus(tmp_path, corpus):
     a = token_dataset(f"tokens:{tmp_path / 'tok'}", 32)
     b = text_dataset(32, corpus, max_bytes=9000)
     assert a.corpus["sha256"] == b.corpus["sha256"] and a.corpus["bytes"] == 9000
+    assert a.unit == b.unit == "byte"
     for got, exp in ((a.x_train, b.x_train), (a.t_train, b.t_train), (a.t_test, b.t_test)):
         assert got.shape == exp.shape and np.array_equal(got[:], exp[:])
 
