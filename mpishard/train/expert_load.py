@@ -17,9 +17,10 @@ over every rank holding different tokens (the same numbers on each of them):
                                             picks the same k experts)
     moe_dropped
 
-and `expert_text` into the log line's ` experts min/max 30/52 imbalance 1.31`. Under pp the
-Trainer logs on rank 0, which sees its own stage's blocks. The numbers are the step's last
-micro-batch's (its forward is the last one the blocks ran).
+and `expert_text` those into the log line's ` experts min/max 30/52 imbalance 1.31`. The
+Trainer takes them after each train_step (`trainer.expert_load`, before an evaluation's
+forwards replace the statistics): the step's last micro-batch's. Under pp rank 0 logs, and
+sees its own stage's blocks.
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ def expert_load(stats: dict) -> dict:
             "expert_imbalance": float(worst), "moe_dropped": int(stats.get("moe_dropped", 0))}
 
 
-def expert_text(stats: dict) -> str:
-    """` experts min/max A/B imbalance R[ dropped N]` for the log line, or ''."""
-    load = expert_load(stats)
+def expert_text(load: dict) -> str:
+    """` experts min/max A/B imbalance R[ dropped N]` for the log line of an expert_load()
+    result, or ''."""
     if not load:
         return ""
     dropped = f" dropped {load['moe_dropped']}" if load["moe_dropped"] else ""

@@ -32,7 +32,6 @@ import os
 import time
 
 from ..comm.objects import gather_json
-from .expert_load import expert_load
 from .trainer import Callback
 
 CSV_COLUMNS = ("kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
@@ -178,7 +177,7 @@ class MetricsStream(Callback):
                   "samples_per_s": steps * trainer.batch / seconds if seconds > 0 else 0.0}
         if trainer.data.task == "language":
             record["tokens_per_s"] = record["samples_per_s"] * trainer.data.x_train.shape[1]
-        record.update(expert_load(getattr(trainer.engine, "stats", {})))   # experts' load
+        record.update(getattr(trainer, "expert_load", {}))   # a mixture of experts' load
         record.update(step_time_s=seconds / steps if steps else 0.0, rss_mib=rss,
                       time=time.time())
         self._write(record, synced=self.saver is not None and self.saver.last_saved == st.step)

@@ -34,7 +34,7 @@ from ..nn.losses import get_loss
 from ..parallel.stages import pipeline_options
 from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
-from .expert_load import expert_text
+from .expert_load import expert_load, expert_text
 from .nonfinite import DEFAULT_MAX_NONFINITE, NonFiniteGuard, quiet
 from .optim import clip_grad_norm
 from .scaler import GradScaler
@@ -175,6 +175,7 @@ class Trainer:
         self.log = logger or logging.getLogger("mpishard")
         self.state = TrainState()
         self.train_time = 0.0
+        self.expert_load = {}        # the last step's (expert_load.py); {} for a dense model
         if scaler is None and engine.precision.needs_loss_scaling:
             scaler = GradScaler(engine)
         self.scaler = scaler
@@ -185,7 +186,10 @@ class Trainer:
     def train_step(self) -> float:
         """Run the k micro-steps, clip, update; returns the step's global mean loss."""
         with quiet():                 # a diverging step: the guard reports, numpy stays quiet
-            return self._train_step()
+            loss = self._train_step()
+        # a mixture of experts' load, taken before an evaluation's forwards overwrite it
+        self.expert_load = expert_load(getattr(self.engine, "stats", {}))
+        return loss
 
     def _train_step(self) -> float:
         e, k, st = self.engine, self.accumulate, self.state
@@ -277,7 +281,7 @@ class Trainer:
                 norm = f" grad_norm {st.grad_norm_history[-1]:.4g}" if self.clip else ""
                 self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %.0f%s",
                               st.step, self.total_steps, epoch, loss, self.optimizer.lr, norm,
-                              rate, expert_text(getattr(self.engine, "stats", {})))
+                              rate, expert_text(self.expert_load))
             self.nonfinite.end_of_step(loss, st.step, self.log)
             if self.eval_every and st.step % self.eval_every == 0 and \
                     st.step < self.total_steps:

@@ -1,7 +1,7 @@
 """The expert-load line (train/expert_load.py): its fields from engine.stats, and a real
 `train --model llama:...,n_experts=4` run whose metrics records and log lines carry the
 step's tokens per expert (min/max over experts, every block's assignments adding up to
-blocks x tokens x top_k)."""
+blocks x tokens x top_k: the training step's, not those of the evaluation after it)."""
 import json
 
 import pytest
@@ -15,15 +15,16 @@ MOE = "llama:d_model=16,n_heads=4,n_kv_heads=2,n_layers=2,seq_len=16,n_experts=4
 
 
 def test_fields_of_the_statistics():
-    assert expert_load({}) == {} and expert_text({}) == ""
+    assert expert_load({}) == {} and expert_text(expert_load({})) == ""
     stats = {"moe_blocks": {0: ([6, 2, 4, 4], [6, 2, 4, 4]), 1: ([4, 4, 4, 4], [3, 4, 4, 4])},
              "moe_routed": [10, 6, 8, 8], "moe_kept": [9, 6, 8, 8], "moe_dropped": 1}
-    assert expert_load(stats) == {"expert_tokens": [10, 6, 8, 8], "expert_tokens_min": 6, "expert_tokens_max": 10,
-                                  "expert_imbalance": 1.5, "moe_dropped": 1}
-    assert expert_text(stats) == " experts min/max 6/10 imbalance 1.5 dropped 1"
+    assert expert_load(stats) == {"expert_tokens": [10, 6, 8, 8], "expert_tokens_min": 6,
+                                  "expert_tokens_max": 10, "expert_imbalance": 1.5,
+                                  "moe_dropped": 1}
+    assert expert_text(expert_load(stats)) == " experts min/max 6/10 imbalance 1.5 dropped 1"
     moe = {"moe_routed": [3, 5], "moe_kept": [3, 5], "moe_dropped": 0}     # ms.MoE's
     assert expert_load(moe)["expert_imbalance"] == 1.25
-    assert expert_text(moe) == " experts min/max 3/5 imbalance 1.25"
+    assert expert_text(expert_load(moe)) == " experts min/max 3/5 imbalance 1.25"
 
 
 def test_the_model_flag_takes_the_expert_keys():
@@ -39,7 +40,7 @@ def test_a_mixtral_run_logs_its_expert_load(tmp_path, capfd):
     jsonl = tmp_path / "m.jsonl"
     args = ["train", "--model", MOE, "--corpus-bytes", "20000", "--batch", "8", "--lr", "0.01",
             "--no-progress", "--log-every", "2", "--dtype", "float64", "--steps", "4",
-            "--eval-every", "0", "--metrics-jsonl", str(jsonl)]
+            "--eval-every", "2", "--metrics-jsonl", str(jsonl)]
     assert main(args) == 0
     train = [json.loads(s) for s in jsonl.read_text().splitlines()]
     train = [r for r in train if r["kind"] == "train"]
