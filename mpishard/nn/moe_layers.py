@@ -29,7 +29,9 @@ The rows travel to their expert's ep rank and back through a moe_routing.TokenEx
 blocks, dim 0) and receives the rows of every ep rank, so its expert gradients are the sum
 over the ep group's tokens: times 1/ep, GradientSync's average over the other data axes then
 gives the global mean's gradient (as ms.MoE, parallel/expert_parallel.py). `record(index,
-experts, keep, capacity)` (optional) gets each forward's routing for the statistics.
+experts, keep, capacity)` (optional) gets the routing of each forward that records for a
+backward (training: not predict nor generate; under recompute its second pass) for the
+statistics.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ class SparseMoE(Layer):
         top = xp.take_along_axis(probs, xp.asarray(experts), axis=1)     # (n, k)
         top_sum = top.sum(axis=1, keepdims=True)
         gates = top / top_sum                                            # renormalised
-        if self.record is not None:
+        if self.record is not None and record:          # training forwards (not predict)
             self.record(self.index, experts, keep, capacity)
         if self.aux is not None:
             self.aux.add(mb, self.index, experts, probs)

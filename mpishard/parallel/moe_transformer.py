@@ -101,7 +101,8 @@ def token_axes(layout) -> tuple:
 
 class RoutingStats:
     """record(index, experts, keep, capacity): block `index`'s assignments routed and kept per
-    expert, summed over the token axes, into `stats` (the last forward of each block here):
+    expert, summed over the token axes, into `stats` (the last training forward of each
+    block here, predict's and generate's not counted):
     moe_blocks {index: (routed, kept)}, and over those blocks moe_routed, moe_kept (per
     expert), moe_dropped, moe_capacity."""
 

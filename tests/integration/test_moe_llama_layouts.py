@@ -10,6 +10,7 @@ MPI tests, for N in 1, 2, 4 (and 8 for the dp=2,ep=2,tp=2 case):
 """
 import os
 
+import numpy as np
 import pytest
 
 import mpishard as ms
@@ -75,6 +76,9 @@ def test_single_on_one_rank_routes_as_recorded():
     check(1, "dp=1", **AUX)
     engine = check(1, "dp=1", capacity_factor=0.75)
     assert engine.stats["moe_dropped"] > 0 and sum(engine.stats["moe_routed"]) == 2 * 8 * 8 * 2
+    before = routing(engine)
+    engine.predict(engine.shard_batch(np.zeros((3, 5), dtype=np.int64)))
+    assert routing(engine) == before, "predict counted as a training step's routing"
 
 
 TWO = [("ep=2", {}), ("ep=2", {"top_k": 1, "T": 5}), ("ep=2", {"capacity_factor": 0.75}),
