@@ -51,13 +51,16 @@ class TapeMeter:
 
 
 def buffers(value) -> list:
-    """The distinct array buffers behind a saved value (an array, or tuples of arrays and
-    other things); a view stands for the buffer it lives in."""
+    """The distinct array buffers behind a saved value (an array, or tuples, lists and dicts
+    of arrays and other things: a MoE layer saves a dict); a view stands for the buffer it
+    lives in."""
     out, stack = {}, [value]
     while stack:
         v = stack.pop()
         if isinstance(v, (tuple, list)):
             stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
         elif hasattr(v, "nbytes") and hasattr(v, "ndim"):
             while getattr(v, "base", None) is not None and hasattr(v.base, "nbytes"):
                 v = v.base

@@ -81,3 +81,26 @@ def test_memory_holds_a_rank_s_experts_and_gemms_price_them():
     assert (2 * rows * D * 24, 3 * (E // 2) * 2 * 3, "gemm") in gemms(view)
     single = rank_view(model, ms.parse_layout("single"), 0, 8, BATCH)
     assert (2 * BATCH * T * 2 / E * D * 24, 3 * E * 2 * 3, "gemm") in gemms(single)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_memory_report_counts_the_dispatch_buffers():
+    """The MoE blocks' tapes (received rows, combined slots, the experts' SwiGLU internals,
+    n k rows each on the balanced batch) are in activations_peak: top_k=2 holds at least
+    blocks x n x (2 D + 4 F) x 8 bytes more than top_k=1 on the same tokens."""
+    comm = group_comm(2)
+    peaks = []
+    for k in (1, 2):
+        model, params, x = balanced()
+        model = ms.Llama(**{**{a: getattr(model, a) for a in (
+            "vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "n_kv_heads", "d_ff",
+            "n_experts")}, "top_k": k})
+        engine = ms.make_engine(model, "ep=2", comm=comm)
+        engine.load_checkpoint(params)
+        engine.train_step(engine.shard_batch(x), engine.shard_batch(np.roll(x, -1, 1)),
+                          "cross_entropy")
+        peaks.append(engine.memory_report()["activations_peak"])
+        engine.close()
+    n = BATCH // 2 * T
+    print(f"activations_peak top_k=1 {peaks[0]}, top_k=2 {peaks[1]}")
+    assert peaks[1] - peaks[0] >= 2 * n * (2 * D + 4 * 24) * 8
