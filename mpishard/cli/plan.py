@@ -43,23 +43,28 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(world_size: int, microbatches=None, seq_len=None) -> list:
+def candidate_layouts(world_size: int, microbatches=None, seq_len=None,
+                      n_experts=None) -> list:
     """Every layout over dp, fsdp (zero=1, 2, 3), pp and tp whose sizes multiply to
-    `world_size` (ep is for MoE models and left out). With a GPT's `seq_len`, also cp where
-    it divides seq_len / 2 (ring and Ulysses) and tp with sequence_parallel=1."""
+    `world_size`, and for a Mixtral's `n_experts` ep where it divides them (ms.MoE's ep is
+    left out). With a GPT's `seq_len`, also cp where it divides seq_len / 2 (ring and
+    Ulysses) and tp with sequence_parallel=1."""
     check_number("world size", world_size, low=1, integer=True)
     out = []
-    for dp in _divisors(world_size):
-        for nf in _divisors(world_size // dp):
-            for pp in _divisors(world_size // (dp * nf)):
-                rest = world_size // (dp * nf * pp)
-                cps = [c for c in _divisors(rest) if seq_len and seq_len % (2 * c) == 0] or [1]
-                for cp in cps:
-                    tp = rest // cp
-                    axes = [f"{a}={n}" for a, n in (("dp", dp), ("fsdp", nf), ("pp", pp),
-                                                     ("cp", cp), ("tp", tp)) if n > 1]
-                    out += [",".join(axes + opts) or "single" for opts in
-                            _option_sets(nf, pp, cp, tp, microbatches, seq_len is not None)]
+    for ep in [e for e in _divisors(world_size) if n_experts and n_experts % e == 0] or [1]:
+        for dp in _divisors(world_size // ep):
+            for nf in _divisors(world_size // (ep * dp)):
+                for pp in _divisors(world_size // (ep * dp * nf)):
+                    rest = world_size // (ep * dp * nf * pp)
+                    cps = [c for c in _divisors(rest)
+                           if seq_len and seq_len % (2 * c) == 0] or [1]
+                    for cp in cps:
+                        tp = rest // cp
+                        axes = [f"{a}={n}" for a, n in (("dp", dp), ("fsdp", nf), ("ep", ep),
+                                                         ("pp", pp), ("cp", cp), ("tp", tp))
+                                if n > 1]
+                        out += [",".join(axes + opts) or "single" for opts in _option_sets(
+                            nf, pp, cp, tp, microbatches, seq_len is not None)]
     return out
 
 
@@ -80,7 +85,8 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
     kinds (per kind, of that busiest rank)}; rejected = [(layout, reason)]."""
     itemsize = np.dtype(dtype).itemsize
     rows, rejected = [], []
-    for text in candidate_layouts(world_size, microbatches, getattr(model, "seq_len", None)):
+    for text in candidate_layouts(world_size, microbatches, getattr(model, "seq_len", None),
+                                  getattr(model, "n_experts", None)):
         try:                            # (or one a strategy has no cost model for yet)
             layout = parse_layout(text)
             check_fit(model, layout, batch)

@@ -104,3 +104,18 @@ def test_memory_report_counts_the_dispatch_buffers():
     n = BATCH // 2 * T
     print(f"activations_peak top_k=1 {peaks[0]}, top_k=2 {peaks[1]}")
     assert peaks[1] - peaks[0] >= 2 * n * (2 * D + 4 * 24) * 8
+
+
+def test_plan_lists_expert_parallel_layouts_for_a_mixtral():
+    from mpishard.cli.plan import candidate_layouts, plan_layouts
+
+    model, _, _ = balanced()
+    assert "dp=2,ep=2" in candidate_layouts(4, seq_len=T, n_experts=E)
+    assert not any("ep=" in c for c in candidate_layouts(4, seq_len=T))
+    assert "ep=3" not in ",".join(candidate_layouts(6, seq_len=T, n_experts=E))
+    rows, _ = plan_layouts(model, 4, BATCH)
+    by = {r["layout"]: r for r in rows}
+    n = BATCH // 4 * T                                      # dp=2,ep=2: 4 data ranks
+    assert by["dp=2,ep=2"]["kinds"]["all_to_all"] == \
+        2 * (4 * n * 2 / 2 * D * 4 + 1 / 2 * 8 * E)         # blocks x (4 passes + counts)
+    assert "all_to_all" not in by["dp=4"]["kinds"]
