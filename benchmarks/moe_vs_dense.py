@@ -21,6 +21,16 @@ model; the ratio is the median of the per-step ratios (the first step of each le
 expert load of the MoE's last step is printed (trainer.expert_load, train/expert_load.py).
 The MoE trains with the load-balancing loss (--aux-coef, default 0.01; validation losses are
 the cross-entropy alone).
+
+Measured (2 shared cores, 4 ranks, float32; `--steps 200 --eval-every 25`): the MoE (E=4,
+top-2, F=96: 205,632 parameters, 131,904 active per token) against the dense Llama (F=192:
+131,392), validation loss (nats/byte) moe / dense 5.5586 / 5.5218 at step 0, 3.0963 / 3.0867
+at 25, 2.2592 / 2.2219 at 100, 2.0273 / 2.0023 at 200 (the default 60 steps: 2.6013 /
+2.5720); step time moe 0.130 s, dense 0.066 s, moe / dense 1.98 (median of paired steps;
+2.00 at 60 steps). Expert load of the last step: 1001-1074 assignments per expert over both
+blocks (of 4096), the worst block's busiest expert at 1.80x the mean. At this size the MoE's
+1.56x parameters do not buy a lower loss in 200 steps, and its step pays the routing, the
+four all_to_all_v per block and the experts' per-expert GEMMs of a few hundred rows.
 """
 from __future__ import annotations
 
