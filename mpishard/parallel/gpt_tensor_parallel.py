@@ -147,8 +147,8 @@ def step_comm(view) -> dict:
     sent = Counter()
     if view.layout.option("sequence_parallel", 0):
         check_sequence_split(view.model, view.layout)
-        # per block 2 f + 2 g (1 + 1 in a Mixtral), each an all-gather and a reduce-scatter (f's forward and g's
-        # forward again under recompute=1); the head's f once
+        # per block 2 f + 2 g (1 + 1 in a Mixtral), each an all-gather and a reduce-scatter
+        # (f's forward and g's forward again under recompute=1); the head's f once
         calls = units * stage.blocks * (stage.forwards + 1) + stage.last
         sent.update(operator_comm(view, act, gathers=calls, scatters=calls))
         sent.update(split_grads_comm(view, sequence_split_params(view.model)))

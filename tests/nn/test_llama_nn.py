@@ -10,14 +10,14 @@ errors and checkpoint spec.
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")   # the hf extra; `make test-hf` runs this file
-
 import mpishard as ms
 from mpishard.checkpoint.format import model_from_spec, model_spec
 from mpishard.nn import llama_attention as A
 from mpishard.nn import llama_layers as L
 from mpishard.nn.layers import LocalAccess
 from test_gpt_nn import perturbed
+
+torch = pytest.importorskip("torch")   # the hf extra; `make test-hf` runs this file
 
 T64 = torch.float64
 RTOL = 1e-12

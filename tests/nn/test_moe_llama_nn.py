@@ -9,8 +9,6 @@ softmax); the spec's names, shapes, errors and checkpoint spec.
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")   # the hf extra; `make test-hf` runs this file
-
 import mpishard as ms
 from mpishard.checkpoint.format import model_from_spec, model_spec
 from mpishard.nn.layers import LocalAccess
@@ -18,6 +16,8 @@ from mpishard.nn.moe_layers import SparseMoE
 from test_gpt_nn import perturbed
 from test_llama_nn import (Store, T64, check_single_engine, check_unit, close, hf_float64,
                            torch_llama)
+
+torch = pytest.importorskip("torch")   # the hf extra; `make test-hf` runs this file
 
 F = torch.nn.functional
 

@@ -158,7 +158,8 @@ def test_a_large_vocabulary_is_stored_as_uint32(tmp_path, corpus):
     h = write_tokens(str(tmp_path / "w"), WideTokenizer(), corpus, val_fraction=0.2)
     assert h["dtype"] == "uint32" and h["max_id"] == 69_999
     d = token_dataset(f"tokens:{tmp_path / 'w'}", 8)
-    first = np.frombuffer(next(documents(corpus_files(corpus)))[:8], np.uint8).astype(np.int64) * 271
+    first = np.frombuffer(next(documents(corpus_files(corpus)))[:8], np.uint8)
+    first = first.astype(np.int64) * 271
     assert d.x_train[[0]][0].tolist() == first.tolist() and d.n_classes == 70_000
     assert d.x_train[:].max() > 65536
 
