@@ -153,11 +153,13 @@ class FlightRecorder:
     # -- dumps -------------------------------------------------------------------------------
     def dump(self, reason: str, again: bool = False):
         """Write the ring and every thread's stack (module docstring); returns the JSON path,
-        or None when it was not written: no directory set (`redirect`), or after a first dump
-        unless `again`."""
+        or None when it was not written: no directory set (`redirect`), or after a first
+        failure dump unless `again` (SIGUSR2's look at a live rank: it does not count as the
+        first, so the failure that comes later still dumps)."""
         if self.dumped is not None and not again or self.directory is None:
             return None
-        self.dumped = self.dumped or reason
+        if not again:
+            self.dumped = reason
         directory = self.directory
         try:
             os.makedirs(directory, exist_ok=True)

@@ -88,6 +88,21 @@ def test_dump_writes_ring_and_stacks_once_and_on_sigusr2(engine, tmp_path):
     signal.signal(signal.SIGUSR2, signal.SIG_DFL)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_sigusr2_look_does_not_stop_the_failure_dump(engine, tmp_path):
+    rec = engine.comm.flight
+    rec.redirect(tmp_path / str(WORLD.Get_rank()))
+    engine.comm.barrier()
+    os.kill(os.getpid(), signal.SIGUSR2)                    # a look at a live rank
+    path = os.path.join(rec.directory, f"flight-rank{WORLD.Get_rank()}.json")
+    assert json.load(open(path))["reason"] == "SIGUSR2"
+    assert rec.dump("CollectiveTimeout: later") == path     # the failure still dumps
+    assert json.load(open(path))["reason"] == "CollectiveTimeout: later"
+    assert rec.dump("third") is None
+    rec.close_fatal()
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
 def dump(rank, events, size=2, reason="CollectiveTimeout: late ranks: [1]", at=100.0):
     """A hand-made dump: events (op, seq, exit or None) on the world group of `size` ranks."""
     return {"rank": rank, "world_size": size, "reason": reason, "time": at,
