@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from ..nn.gpt import GPT
-from ..parallel.gpt import check_gpt_layout
+from ..parallel.compose import plan_params
 from ..parallel.stages import assign_stages
 from ..train.text import (BYTE_VOCAB, DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION,
                           text_dataset)
@@ -96,7 +96,7 @@ def validate_gpt_args(args, layout):
             GPT(vocab_size=BYTE_VOCAB, seq_len=spec["seq_len"], d_model=spec["d_model"],
                 n_heads=spec["n_heads"], n_layers=spec["n_layers"], d_ff=spec["d_ff"],
                 tied=bool(spec["tied"]))
-        check_gpt_layout(model, layout)
+        plan_params(model, layout)        # every model kind's layout checks (ep: Mixtral)
         assign_stages(model, layout)
     except ValueError as exc:
         raise UsageError(f"--gpt {gpt_spec_text(spec)}: {exc}") from None

@@ -209,3 +209,17 @@ def test_train_takes_both_gpt_spellings_and_documents_its_dtype(tmp_path):
     assert inspect.signature(ms.make_engine).parameters["dtype"].default == np.float64
     help_text = " ".join(cli.build_parser().commands["train"].format_help().split())
     assert "default float32" in help_text and "make_engine defaults to float64" in help_text
+
+
+def test_train_runs_a_mixtral_under_dp_and_ep(tmp_path):
+    """`train --model llama --gpt ...,n_experts=4` on dp=2,ep=2: the CLI's layout check is the
+    engine's own (compose.plan_params), so ep is accepted for a mixture of experts, and the
+    log line carries the expert load."""
+    out = tmp_path / "m.json"
+    proc = run_mpi(4, "-m", "mpishard", "train", "--model", "llama", "--gpt",
+                   "d_model=16,n_heads=2,n_layers=1,seq_len=16,n_kv_heads=1,n_experts=4,top_k=2",
+                   "--layout", "dp=2,ep=2", "--steps", "2", "--batch", "8", "--log-every", "1",
+                   "--corpus-bytes", "20000", "--no-progress", "--metrics-json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "experts min/max" in proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["layout"] == "dp=2,ep=2"
