@@ -93,9 +93,12 @@ class Checkpointer(Callback):
         return self.path if self.keep_last == 1 else step_dir(self.path, step)
 
     def save(self, trainer) -> None:
-        """Collective save (see the module docstring for what happens when it fails)."""
+        """Collective save (see the module docstring for what happens when it fails); none
+        when the pending asynchronous save it finishes first was of this very step."""
         self.complete(trainer)
         st = trainer.state
+        if self.last_saved == st.step:      # preemption at an async interval step: saved once
+            return
         try:
             save(self.target(st.step), trainer.engine, trainer.optimizer, st.step,
                  {**self.extra, **resume_extra(trainer)})

@@ -40,6 +40,15 @@ def patched(path, arr):
 
 
 writer.write_block = patched
+if mode == "preempt":           # SIGUSR1 as the async save of step 4 begins, before the check
+    from mpishard.checkpoint import async_writer
+    begin = async_writer.begin
+
+    def signalled(path, engine, optimizer, step, extra):
+        if rank == 0 and step == 4:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return begin(path, engine, optimizer, step, extra)
+    async_writer.begin = signalled
 exit_cleanly(main(["train", "--dataset", "synthetic-classification", "--model", "16,32,4",
                    "--layout", "fsdp=2", "--steps", steps, "--batch", "16", "--dtype", "float64",
                    "--no-progress", "--log-every", "0", "--checkpoint-dir", ckpt,
@@ -113,3 +122,14 @@ def test_a_failed_async_write_is_one_verdict_and_training_goes_on(tmp_path):
                      r"left on device", out), out[-2000:]
     assert sorted(os.listdir(ckpt)) == ["step-00000004", "step-00000006"]
     assert index(latest(ckpt))["step"] == 6
+
+
+def test_a_stop_at_an_async_save_step_saves_that_step_once(tmp_path):
+    """SIGUSR1 on rank 0 while the async save of step 4 begins: the preemption check of the
+    same step finishes that save and does not write step 4 a second time; exit 75."""
+    proc, ckpt = job(tmp_path, "preempt", "preempt", 6, 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75, out[-2000:]
+    assert [int(s) for s in re.findall(r"saved checkpoint \S+ at step (\d+)", out)] == [2, 4]
+    assert "stopped by SIGUSR1 at step 4: checkpoint saved at step 4" in out
+    assert index(latest(ckpt))["step"] == 4
