@@ -19,7 +19,9 @@ every launcher passes to every rank (hydra, Open MPI's prterun, srun; prterun an
 by killing the job instead), so the ranks checkpoint and exit 75, and the supervisor exits 75
 for the batch system to requeue; SIGINT, or any second signal, as it is (stop now). A job that
 exits 75 without the supervisor having been signalled (a rank was signalled directly) is
-relaunched immediately, counted as a restart.
+relaunched immediately, counted as a restart. A signal that comes while no job runs (after
+one died, before its restart) starts none: the supervisor exits 75 at once (its checkpoint
+is the newest one there is).
 """
 from __future__ import annotations
 
@@ -128,6 +130,9 @@ def run_once(argv, state) -> tuple:
              for s, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
     for t in pumps:
         t.start()
+    if state["signalled"] and not state["sent"]:   # it came while the job was being started
+        _pass_on(proc, state["signalled"], first=True)
+        state["sent"] = True
     rc = proc.wait()
     for t in pumps:
         t.join()
@@ -145,18 +150,22 @@ def run_launch(args) -> int:
             t.split("=")[0] for t in args.job}:
         raise UsageError("launch --max-restarts needs train --checkpoint-dir DIR (a restart "
                          "resumes from it); give one, or --max-restarts 0")
-    state = {"proc": None, "signalled": None}
+    state = {"proc": None, "signalled": None, "sent": False}
 
     def forward(signum, frame):        # the first SIGTERM/SIGUSR1 goes on as SIGUSR1 (module doc)
         first, state["signalled"] = state["signalled"] is None, state["signalled"] or signum
         if state["proc"] is not None and state["proc"].poll() is None:
-            state["proc"].send_signal(signal.SIGUSR1 if first and signum in CHECKPOINT
-                                      else signum)
+            _pass_on(state["proc"], signum, first)
+            state["sent"] = True
     for signum in FORWARDED:
         signal.signal(signum, forward)
 
     restarts = 0
     while True:
+        if state["signalled"]:         # it came between two runs: start none, requeue
+            _say(f"stopped on {signal.Signals(state['signalled']).name} before a restart: "
+                 f"exit code {PREEMPTED}")
+            return PREEMPTED
         argv = job_command(args, restart=restarts > 0)
         _say(f"starting: {shlex.join(argv)}")
         rc, tail = run_once(argv, state)
@@ -171,6 +180,10 @@ def run_launch(args) -> int:
             return rc if rc >= 0 else 128 - rc
         restarts += 1
         _say(f"job ended ({why}); restart {restarts} of {args.max_restarts} with --resume auto")
+
+
+def _pass_on(proc, signum, first) -> None:
+    proc.send_signal(signal.SIGUSR1 if first and signum in CHECKPOINT else signum)
 
 
 def _say(text) -> None:

@@ -5,6 +5,7 @@ its command line, its causes and its refusals.
 Serial tests: the supervisor starts its own `mpiexec -n 2` jobs.
 """
 import json
+import os
 import shlex
 import signal
 import sys
@@ -112,3 +113,30 @@ def test_cause_names_the_rank_and_signal():
 def test_launch_refuses(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_signal_between_two_runs_starts_no_restart(monkeypatch, capsys):
+    """SIGUSR1 after a job died and before its restart (no job to pass it on to): no restart
+    is started, the supervisor exits 75 (before: the restart ran on, deaf to the signal)."""
+    from mpishard.cli import launch
+
+    runs = []
+
+    def died(argv, state):
+        runs.append(argv)
+        return 9, []
+
+    def cause_then_signal(rc, lines):      # runs between the death and the restart
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return f"exit code {rc}"
+    monkeypatch.setattr(launch, "run_once", died)
+    monkeypatch.setattr(launch, "cause", cause_then_signal)
+    handlers = {s: signal.getsignal(s) for s in launch.FORWARDED}
+    try:
+        rc = main(["launch", "-n", "2", "--launcher", "true", "--", "train",
+                   "--checkpoint-dir", "ckpt"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert (rc, len(runs)) == (75, 1)
+    assert "stopped on SIGUSR1 before a restart: exit code 75" in capsys.readouterr().err
