@@ -101,11 +101,16 @@ def add_cluster_callbacks(args, trainer, saver) -> None:
 
 
 def fit_or_preempted(trainer, args):
-    """trainer.fit(); None after an agreed preemption stop (rank 0 printed why). The stop
-    signals' handlers are this run's only while it runs (an in-process caller keeps its own)."""
+    """trainer.fit(); None after an agreed preemption stop (rank 0 printed why; the metrics
+    sinks, whose on_train_end the stop skipped, synced and closed: a TensorBoard writer's
+    buffered scalars are written). The stop signals' handlers are this run's only while it
+    runs (an in-process caller keeps its own)."""
     try:
         return trainer.fit(metrics_path=args.metrics_json)
     except Preempted as stop:
+        for cb in trainer.callbacks:
+            if isinstance(cb, MetricsStream):
+                cb.on_train_end(trainer, {})
         if world_rank() == 0:
             print(f"{PROG}: {stop}", file=sys.stderr, flush=True)
         return None

@@ -132,3 +132,50 @@ def test_metrics_flag_checks(tmp_path, capsys):
     assert "--resume auto needs --checkpoint-dir DIR" in capsys.readouterr().err
     assert main([*RUN, "--resume", str(tmp_path)]) == 2
     assert "no checkpoint there" in capsys.readouterr().err
+
+
+def test_a_preempted_run_syncs_and_closes_its_sinks(tmp_path):
+    """A stop raises Preempted out of on_step_end, so fit's on_train_end never runs: the CLI's
+    fit_or_preempted still syncs and closes the sinks (a TensorBoard writer buffers its events
+    until then)."""
+    import signal
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import mpishard as ms
+    from mpishard.cli.cluster_options import fit_or_preempted
+    from mpishard.train.data import synthetic_regression
+    from mpishard.train.metrics import MetricsStream
+    from mpishard.train.optim import SGD
+    from mpishard.train.preemption import Preemption, StopFlag
+    from mpishard.train.trainer import Callback, Trainer
+
+    class Sink:
+        calls: list = []
+
+        def open(self, step):
+            self.calls.append("open")
+
+        def write(self, record):
+            self.calls.append(record["step"])
+
+        def sync(self):
+            self.calls.append("sync")
+
+        def close(self):
+            self.calls.append("close")
+
+    class SignalAt3(Callback):
+        def on_step_end(self, trainer):
+            if trainer.state.step == 3:
+                signal.raise_signal(signal.SIGUSR1)
+
+    model = ms.MLP([4, 8, 1])
+    e = ms.SingleDevice(model, dtype=np.float64)
+    e.load_checkpoint(model.init(seed=0))
+    t = Trainer(e, SGD(e, 0.05), synthetic_regression(128, 32, d_in=4, seed=1), batch=16,
+                steps=20, progress=False, log_every=1,
+                callbacks=[SignalAt3(), MetricsStream([Sink()]), Preemption(StopFlag())])
+    assert fit_or_preempted(t, SimpleNamespace(metrics_json=None)) is None
+    assert Sink.calls == ["open", 1, 2, 3, "sync", "close"]
