@@ -14,6 +14,10 @@ their rings still hold; the first k where they differ is that group's divergence
   collective): unknown, and named as such; the timeout lines in the others' reasons name the
   ranks the arrival counters found late.
 
+A member whose ring wrapped (it dropped events) and holds none of the group's calls is not
+compared on that group: its calls there were overwritten by later ones (a middle pipeline
+stage makes twice the sends of the others), which is no sign that it never entered them.
+
 Of all the groups' divergences the earliest (by the first member's enter time at k) is the
 first point; the verdict names the rank(s) at fault and what the others were waiting in.
 """
@@ -80,7 +84,9 @@ def group_divergence(key, by_rank, dumps):
     """The first divergence of group `key` as (time, seq, {rank: state}) or None; a state is
     ('call', event), ('behind', None) or ('no dump', None)."""
     name, ranks = key
-    dumped = [r for r in ranks if r in dumps]
+    evicted = [r for r in ranks if r in dumps and not by_rank.get(r)
+               and dumps[r].get("dropped", 0) > 0]
+    dumped = [r for r in ranks if r in dumps and r not in evicted]
     calls = {r: by_rank.get(r, {}) for r in dumped}
     firsts = [min(c) for c in calls.values() if c]
     lasts = [max(c) for c in calls.values() if c]
@@ -90,6 +96,7 @@ def group_divergence(key, by_rank, dumps):
         states = {r: ("call", calls[r][seq]) if seq in calls[r] else ("behind", None)
                   for r in dumped}
         states.update({r: ("no dump", None) for r in ranks if r not in dumps})
+        states.update({r: ("evicted", None) for r in evicted})
         present = [e for kind, e in states.values() if kind == "call"]
         sigs = {signature(e) for e in present}
         unfinished = any(e["exit"] is None for e in present)
@@ -147,7 +154,8 @@ def verdict(dumps, size) -> str:
         kind, e = states[r]
         text = (f"in {call_text(e)}" + ("" if e["exit"] is None else " (left it)")
                 if kind == "call" else "never entered it: " + describe(r, dumps)
-                if kind == "behind" else "no dump: killed before it could write one")
+                if kind == "behind" else "unknown: its ring no longer holds this group's calls"
+                if kind == "evicted" else "no dump: killed before it could write one")
         lines.append(f"  rank {r}: {text}")
     lines.append("verdict: " + blame(name, ranks, seq, states, calls, dumps))
     return "\n".join(lines)
@@ -168,7 +176,7 @@ def blame(name, ranks, seq, states, calls, dumps) -> str:
                     f"{who(rest)} called {call_text(calls[rest[0]])}")
         return f"the ranks disagree at #{seq} {where}: " + "; ".join(
             f"{who(members)} called {call_text(calls[members[0]])}" for members in ordered)
-    missing = [r for r in ranks if states[r][0] != "call"]
+    missing = [r for r in ranks if states[r][0] in ("behind", "no dump")]
     waiting = [r for r, e in calls.items() if e["exit"] is None]
     op = call_text(next(iter(calls.values())), seq)
     late = sorted({int(x) for r in waiting for m in re.findall(r"late ranks: \[([\d, ]*)\]",

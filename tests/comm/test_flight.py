@@ -129,6 +129,22 @@ def test_the_reader_names_a_different_op_and_a_rank_that_never_entered():
     assert "verdict: the dumped ranks' collectives agree everywhere" in agree
 
 
+def test_a_rank_whose_ring_wrapped_past_a_group_is_not_blamed_for_it():
+    """Rank 1's ring dropped its world calls (overwritten by its sends); both ranks wait in a
+    receive. Before, rank 1 'never entered all_reduce #2': a false verdict."""
+    ring0 = dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, 12.5)])
+    ring1 = dump(1, [])
+    ring1["dropped"] = 300
+    ring1["events"] = [{"op": "send", "group": 0, "seq": k, "peer": 0, "bytes": 24,
+                        "dtype": "float64", "shape": [3], "enter": 20.0 + k, "exit": 20.5 + k,
+                        "step": 6, "microbatch": None} for k in range(1, 4)]
+    text = verdict({0: ring0, 1: ring1}, 2)
+    assert "verdict: the dumped ranks' collectives agree everywhere" in text, text
+    assert "never entered" not in text
+    ring1["dropped"] = 0              # a ring that never wrapped: rank 1 did skip them
+    assert "verdict: rank 1 never entered barrier #1" in verdict({0: ring0, 1: ring1}, 2)
+
+
 FATAL = '''
 import faulthandler, sys
 from mpishard.comm.flight import FlightRecorder
