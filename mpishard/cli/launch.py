@@ -18,10 +18,12 @@ to the launcher, which runs in its own session: the first SIGTERM or SIGUSR1 as 
 every launcher passes to every rank (hydra, Open MPI's prterun, srun; prterun answers a SIGTERM
 by killing the job instead), so the ranks checkpoint and exit 75, and the supervisor exits 75
 for the batch system to requeue; SIGINT, or any second signal, as it is (stop now). A job that
-exits 75 without the supervisor having been signalled (a rank was signalled directly) is
-relaunched immediately, counted as a restart. A signal that comes while no job runs (after
-one died, before its restart) starts none: the supervisor exits 75 at once (its checkpoint
-is the newest one there is).
+exits 75 without the supervisor having been signalled is not relaunched either: its ranks were
+signalled directly (Slurm's `--signal=USR1@T` without `B:`, `scancel --signal=USR1` without
+`--batch`), the scheduler wants the allocation back, and a relaunch in it would run into the
+kill; the supervisor exits 75 for the batch script to requeue. A signal that comes while no
+job runs (after one died, before its restart) starts none: the supervisor exits 75 at once
+(its checkpoint is the newest one there is).
 """
 from __future__ import annotations
 
@@ -173,8 +175,11 @@ def run_launch(args) -> int:
             if state["signalled"]:
                 _say(f"stopped on {signal.Signals(state['signalled']).name}: exit code {rc}")
             return rc if rc >= 0 else 128 - rc
-        why = cause(rc, tail) if rc != PREEMPTED else \
-            "exit code 75: a rank was asked to stop and saved a checkpoint"
+        if rc == PREEMPTED:            # the ranks were signalled directly: requeue, not here
+            _say("job stopped on a signal to its ranks and saved a checkpoint: exit code 75, "
+                 "not restarted (requeue the job)")
+            return PREEMPTED
+        why = cause(rc, tail)
         if restarts >= args.max_restarts:
             _say(f"job ended ({why}); no restart left of {args.max_restarts}")
             return rc if rc >= 0 else 128 - rc

@@ -140,3 +140,21 @@ def test_a_signal_between_two_runs_starts_no_restart(monkeypatch, capsys):
             signal.signal(s, h)
     assert (rc, len(runs)) == (75, 1)
     assert "stopped on SIGUSR1 before a restart: exit code 75" in capsys.readouterr().err
+
+
+def test_a_job_that_saved_on_its_own_signal_is_not_relaunched(monkeypatch, capsys):
+    """Exit 75 with no signal to the supervisor (the scheduler signalled the ranks): no
+    relaunch inside an allocation that is ending; launch exits 75 for the requeue."""
+    from mpishard.cli import launch
+
+    runs = []
+    monkeypatch.setattr(launch, "run_once", lambda argv, state: runs.append(argv) or (75, []))
+    handlers = {s: signal.getsignal(s) for s in launch.FORWARDED}
+    try:
+        rc = main(["launch", "-n", "2", "--launcher", "true", "--", "train",
+                   "--checkpoint-dir", "ckpt"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert (rc, len(runs)) == (75, 1)
+    assert "saved a checkpoint: exit code 75, not restarted" in capsys.readouterr().err
