@@ -34,7 +34,8 @@ from ..comm.flight import file_name
 
 def add_flight_arguments(p) -> None:
     p.add_argument("dir", metavar="DIR", help="the directory of the flight-rank<R>.json dumps "
-                   "(train --flight-dir; default there: the checkpoint dir or the working dir)")
+                   "(train --flight-dir; default there: CKPT.flight beside --checkpoint-dir "
+                   "CKPT, else the working directory)")
 
 
 def load(directory) -> tuple:
