@@ -43,7 +43,7 @@ weights w = p_top / sum(p_top), y = sum_k w_k (silu(x gate_e) * (x up_e)) down_e
 moe_layers.py). capacity_factor (None: no drops, as HF) drops assignments over
 ceil(cf t k / E) per expert in each sequence's t tokens of a forward (in KV-cached generation
 the prompt, then each new token, which is never dropped); router_aux_loss_coef adds HF's
-load-balancing loss to train_step's loss.
+load-balancing loss to train_step's loss (on every layout; under pp with schedule=gpipe only).
 
 `init(seed)` is Hugging Face's LlamaPreTrainedModel init: N(0, 0.02) for every weight and the
 embedding, RMSNorm scales 1; float64 numpy, the same on every rank for a seed.

@@ -37,7 +37,7 @@ from .fsdp import FSDPAccess, gradient_layout
 from .gpt import gpt_chunks, plan_gpt_params
 from .gpt_tensor_parallel import gpt_units_and_output
 from .llama import llama_units_and_output, plan_llama_params
-from .moe_transformer import AuxLossRunner, attach_experts
+from .moe_transformer import AuxLossPipeline, AuxLossRunner, attach_experts
 from .pipeline import PipelineRunner
 from .precision import Precision
 from .stages import assign_stages
@@ -176,9 +176,11 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
             mesh.comm(axis)
         mesh.comm(DATA_AXES)
         runner = PipelineRunner(chunks, layout, comm.group("pp"), stats)
+        if aux is not None:                   # Mixtral's load-balancing loss (gpipe only)
+            runner = AuxLossPipeline(runner, aux)
     else:
         runner = Sequential(chunks[0])
-        if aux is not None:                   # Mixtral's load-balancing loss (pp=1 only)
+        if aux is not None:                   # Mixtral's load-balancing loss
             runner = AuxLossRunner(runner, aux)
     return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter, output)
 

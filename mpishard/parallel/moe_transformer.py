@@ -33,8 +33,11 @@ Load-balancing loss (router_aux_loss_coef = c > 0, HF's): AuxLoss sums each bloc
 all_reduce, over the token axes; c aux = c E sum_e C_e P_e / N^2 joins every rank's loss value
 (so the engine's mean over dp, fsdp, ep and cp adds it once), and each row's dp_e gets
 c E C_e / N^2 times R = dp fsdp ep cp (GradientSync averages over those ranks) times the
-step's grad_scale. C must be whole before any backward, so the loss is refused under pp (its
-1F1B/zero-bubble schedules run a microbatch's backward before the next one's forward).
+step's grad_scale. C must be whole before any backward: under pp only schedule=gpipe (every
+forward of the step, then every backward) allows that, and there AuxLossPipeline ends the
+collection between each rank's last forward and first backward, the all_reduce then over pp
+too (1f1b, interleaved and zb1p run a microbatch's backward before the next one's forward:
+refused).
 
 Capacity (capacity_factor set) is per sequence (one group of T tokens: the same drops on every
 layout), so it is refused where a sequence is split (cp, sequence_parallel). Routing
@@ -55,6 +58,7 @@ from .context_parallel import check_cp
 from .gpt import plan_transformer_params
 from .gpt_tensor_parallel import check_gpt_tp
 from .sequence_parallel import SequenceParallelGrads
+from .stages import pipeline_options
 
 EXPERT_SHARD = pl.Shard("ep", 0)
 
@@ -69,10 +73,12 @@ def check_moe_layout(model, layout) -> None:
         raise ValueError(f"layout {layout.text!r}: capacity_factor={model.capacity_factor} "
                          f"counts per whole sequence; cp and sequence_parallel split it "
                          f"(use capacity_factor=None there)")
-    if model.router_aux_loss_coef > 0 and layout.size("pp") > 1:
+    schedule = pipeline_options(layout)[1] if layout.size("pp") > 1 else "gpipe"
+    if model.router_aux_loss_coef > 0 and schedule != "gpipe":
         raise ValueError(f"layout {layout.text!r}: router_aux_loss_coef needs every block's "
-                         f"routing counts before the first backward; not under pp (use "
-                         f"router_aux_loss_coef=0 or another layout)")
+                         f"routing counts of the step before its first backward; under pp "
+                         f"only schedule=gpipe runs every forward first, not "
+                         f"schedule={schedule} (use schedule=gpipe or router_aux_loss_coef=0)")
     check_gpt_tp(model, layout)
     check_cp(model, layout)
 
@@ -125,13 +131,21 @@ class RoutingStats:
 
 class AuxLoss:
     """HF's load-balancing loss over a train_step's rows (module docstring). The blocks call
-    add(mb, index, experts, probs) in forward while `active` and dprobs(xp, dtype) in
-    backward; total() (collective over the token axes) ends the forward's collection."""
+    add(mb, index, experts, probs) in forward while `active` (begin(grad_scale) to end())
+    and dprobs(xp, dtype) in backward; total() (collective over `axes`: the token axes, and
+    pp under a pipeline) ends the forward's collection."""
 
     def __init__(self, comm, axes, model, n_average: int):
         self.comm, self.axes, self.n_average = comm, axes, n_average
         self.n, self.coef = model.n_experts, model.router_aux_loss_coef
         self.parts, self.grad, self.scale, self.active = {}, None, 1.0, False
+
+    def begin(self, grad_scale) -> None:
+        self.parts.clear()
+        self.scale, self.active = grad_scale, True
+
+    def end(self) -> None:
+        self.grad, self.active = None, False
 
     def add(self, mb, index, experts, probs) -> None:
         if self.active:
@@ -140,7 +154,11 @@ class AuxLoss:
                                        probs.shape[0])
 
     def total(self) -> float:
-        """c aux over every rank's rows; sets the rows' gradient c E C / N^2 (scaled)."""
+        """c aux over every rank's rows; sets the rows' gradient c E C / N^2 (scaled).
+
+        The all_reduce(sum) of (C, P, n) over `axes` makes them the global batch's over every
+        block; it needs no adjoint in backward: C is piecewise constant, and P's adjoint is
+        the row gradient set here, which every block's backward adds to its dp itself."""
         parts = list(self.parts.values())
         v = np.concatenate([np.sum([c for c, _, _ in parts], axis=0),
                             np.sum([p for _, p, _ in parts], axis=0),
@@ -167,8 +185,7 @@ class AuxLossRunner:
         self.runner, self.aux = runner, aux
 
     def train_step(self, x, t, loss, grad_scale):
-        self.aux.parts.clear()
-        self.aux.scale, self.aux.active = grad_scale, True
+        self.aux.begin(grad_scale)
 
         def with_aux(y, target):
             value, dy = loss(y, target)
@@ -176,7 +193,7 @@ class AuxLossRunner:
         try:
             return self.runner.train_step(x, t, with_aux, grad_scale)
         finally:
-            self.aux.grad, self.aux.active = None, False
+            self.aux.end()
 
     def __getattr__(self, attr):              # forward, backward, tracer, ...: the runner's
         return getattr(self.runner, attr)
@@ -186,6 +203,29 @@ class AuxLossRunner:
             object.__setattr__(self, attr, value)
         else:                                  # e.g. a trace's runner.tracer
             setattr(self.runner, attr, value)
+
+
+class AuxLossPipeline(AuxLossRunner):
+    """The PipelineRunner (schedule=gpipe: check_moe_layout) with c aux: its hook ends the
+    collection at the rank's first action that is not a forward (every forward of the step
+    on this stage done; its sends are non-blocking, so every stage reaches the all_reduce,
+    over pp and the token axes, before any waits for a gradient); c aux joins the last
+    stage's loss value (the one the engine broadcasts over pp)."""
+
+    def train_step(self, x, t, loss, grad_scale):
+        values = []
+
+        def hook(action):
+            if action.kind != "F" and self.aux.active:
+                values.append(self.aux.total())
+        self.runner.before_action = hook
+        self.aux.begin(grad_scale)
+        try:
+            value, rows = self.runner.train_step(x, t, loss, grad_scale)
+        finally:
+            self.aux.end()
+        last = self.runner.stage == self.runner.pp - 1
+        return value + (values[0] if last else 0.0), rows
 
 
 def sparse_layers(units):
@@ -199,16 +239,19 @@ def sparse_layers(units):
 
 def attach_experts(chunks, model, layout, comm, stats: dict):
     """Give each SparseMoE of this rank's chunks its ep exchange (comm's ep group), its
-    statistics callback, its AuxLoss (router_aux_loss_coef > 0) and, under
-    sequence_parallel, the sum of its gradients over tp. Makes the statistics' group here,
-    where every rank is at the same line. Returns the AuxLoss, or None."""
+    statistics callback, its AuxLoss (router_aux_loss_coef > 0: over pp too) and, under
+    sequence_parallel, the sum of its gradients over tp. Makes the statistics' and the
+    AuxLoss's groups here, where every rank is at the same line. Returns the AuxLoss, or
+    None."""
     axes = token_axes(layout)
-    if axes:
-        comm.mesh.comm(axes)
+    aux_axes = axes + (("pp",) if layout.size("pp") > 1 else ())
+    aux = AuxLoss(comm, aux_axes, model, comm.mesh.size(AVERAGE_AXES)) \
+        if model.router_aux_loss_coef > 0 else None
+    for group in (axes, aux_axes if aux is not None else ()):
+        if group:
+            comm.mesh.comm(group)
     exchange = TokenExchange(comm, layout.size("ep"), model.n_experts, comm.xp)
     record = RoutingStats(comm, axes, model.n_experts, stats)
-    aux = AuxLoss(comm, axes, model, comm.mesh.size(AVERAGE_AXES)) \
-        if model.router_aux_loss_coef > 0 else None
     sp = layout.size("tp") > 1 and layout.option("sequence_parallel", 0)
     for chunk in chunks:
         for layer in sparse_layers(chunk):

@@ -79,9 +79,8 @@ class PipelineRunner:
         self.schedule = make_schedule(self.schedule_name, self.pp, self.m, self.v)[self.stage]
         self.split = splits_backward(self.schedule)       # zero bubble: B and W separately
         self.tracer = None                                 # a comm.trace.Tracer while tracing
-        self._sends = []
-        self._idle = 0.0
-        self._peak = 0
+        self.before_action = lambda action: None  # train_step calls it first in each action
+        self._sends, self._idle, self._peak = [], 0.0, 0
 
     # -- topology: virtual stage k = chunk * pp + stage -----------------------------------------
     def _k(self, chunk):
@@ -248,6 +247,7 @@ class PipelineRunner:
         for a in self.schedule:
             mb, c, k = a.microbatch, a.chunk, self._k(a.chunk)
             self.comm.context(microbatch=mb)                     # for a CollectiveTimeout
+            self.before_action(a)              # e.g. moe_transformer.AuxLossPipeline's hook
             if a.kind == "W":                                    # weight gradients of B(mb)
                 t0 = time.perf_counter()
                 self._chunk_weights(c, mb)

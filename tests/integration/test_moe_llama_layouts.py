@@ -1,8 +1,9 @@
 """A Mixtral (ms.Llama with n_experts) on the engine: expert parallelism inside the blocks,
 alone and with dp, fsdp (zero 1-3), tp (with and without sequence_parallel), pp, cp and
 recompute, against single in float64 (rtol 1e-9): loss (with and without the load-balancing
-loss), every gathered gradient, the gathered logits and the routing statistics; capacity
-drops the same assignments on every layout; KV-cached greedy generation under ep.
+loss; under pp with schedule=gpipe, the only schedule that allows it), every gathered
+gradient, the gathered logits and the routing statistics; capacity drops the same assignments
+on every layout; KV-cached greedy generation under ep.
 
 MPI tests, for N in 1, 2, 4 (and 8 for the dp=2,ep=2,tp=2 case):
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi \
@@ -64,10 +65,21 @@ def test_experts_split_on_dim_0_over_ep_before_fsdp():
     (make_mixtral(capacity_factor=1.0), "cp=2", "capacity_factor=1.0"),
     (make_mixtral(capacity_factor=1.0), "tp=2,sequence_parallel=1", "sequence_parallel"),
     (ms.Llama(13, 8, 16, 4, 2), "ep=2", "has none"),
-    (make_mixtral(**AUX), "ep=2,pp=2", "not under pp")])
+    (make_mixtral(**AUX), "ep=2,pp=2", "only schedule=gpipe .*not schedule=1f1b"),
+    (make_mixtral(**AUX), "pp=2,schedule=zb1p", "only schedule=gpipe .*not schedule=zb1p"),
+    (make_mixtral(n_layers=4, **AUX), "pp=2,schedule=interleaved",
+     "only schedule=gpipe .*not schedule=interleaved")])
 def test_layouts_that_do_not_fit_are_refused(model, layout, match):
     with pytest.raises(ValueError, match=match):
         plan_params(model, ms.parse_layout(layout))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_aux_under_pp_refused_on_every_rank_before_any_communication():
+    """make_engine raises the same ValueError on both ranks (nothing collective is reached:
+    a rank that went on would hang the test's timeout)."""
+    with pytest.raises(ValueError, match="only schedule=gpipe .*not schedule=1f1b"):
+        ms.make_engine(make_mixtral(**AUX), "pp=2,schedule=1f1b", comm=group_comm(2))
 
 
 # -- every layout against single -------------------------------------------------------------------
@@ -85,7 +97,8 @@ TWO = [("ep=2", {}), ("ep=2", {"top_k": 1, "T": 5}), ("ep=2", {"capacity_factor"
        ("ep=2", {"n_experts": 2, "tied": True}), ("ep=2,recompute=1", {}),
        ("ep=2", AUX), ("ep=2,recompute=1", dict(AUX, top_k=1)), ("dp=2", AUX),
        ("tp=2,sequence_parallel=1", AUX), ("fsdp=2,zero=3,prefetch=1", {}),
-       ("pp=2,schedule=interleaved", {"n_layers": 4})]
+       ("pp=2,schedule=interleaved", {"n_layers": 4}), ("pp=2,schedule=gpipe", AUX),
+       ("pp=2,schedule=gpipe,microbatches=4,recompute=1", dict(AUX, n_layers=3, top_k=1))]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -100,13 +113,39 @@ FOUR = [("ep=2,dp=2", {}), ("ep=2,dp=2", {"capacity_factor": 0.75}), ("ep=4", {}
         ("ep=2,fsdp=2,zero=1", {}), ("ep=2,fsdp=2,zero=2", {}), ("ep=2,fsdp=2,zero=3", {}),
         ("ep=2,cp=2", {}), ("ep=2,cp=2,cp_kind=ulysses", {}),
         ("ep=2,dp=2", AUX), ("ep=2,tp=2", AUX), ("ep=2,tp=2,sequence_parallel=1", AUX),
-        ("ep=2,fsdp=2,zero=3", AUX), ("ep=2,cp=2", AUX)]
+        ("ep=2,fsdp=2,zero=3", AUX), ("ep=2,cp=2", AUX), ("ep=2,pp=2,schedule=gpipe", AUX),
+        ("dp=2,pp=2,schedule=gpipe", AUX)]
 
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("layout,kw", FOUR, ids=[f"{lay}-{kw}" for lay, kw in FOUR])
 def test_four_rank_layouts_equal_single(layout, kw):
     check(4, layout, **kw)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_aux_under_gpipe_follows_grad_scale_and_leaves_no_aux_outside_train_step():
+    """pp=2 (gpipe): train_step(grad_scale=0.5) gives half single's gradients of CE + c aux
+    and the full loss; an engine.forward/backward after it carries no auxiliary gradient
+    (single's forward/backward neither)."""
+    model = make_mixtral(**AUX)
+    params, x, t = make_case(model, 8, 8)
+    ref = ms.SingleDevice(model)
+    ref.load_checkpoint(params)
+    want_loss, want = ref.train_step(x, t, CE, grad_scale=0.5)
+    want = {k: v.copy() for k, v in want.items()}
+    engine = ms.make_engine(model, "pp=2,schedule=gpipe", comm=group_comm(2))
+    engine.load_checkpoint(params)
+    x_local, t_local = engine.shard_batch(x), engine.shard_batch(t)
+    loss, grads = engine.train_step(x_local, t_local, CE, grad_scale=0.5)
+    assert_close(loss, want_loss, what="gpipe aux loss, grad_scale 0.5")
+    assert_dicts_close(engine.gather_grads(grads), want, what="gpipe aux grad_scale 0.5")
+    y_ref = ref.forward(x)
+    ref.backward(CE(y_ref, t)[1])
+    y = engine.forward(x_local)
+    engine.backward(None if y is None else CE(y, t_local)[1])
+    assert_dicts_close(engine.gather_grads(engine.grads), ref.grads,
+                       what="gpipe forward/backward after train_step")
 
 
 @pytest.mark.mpi(min_size=8)
