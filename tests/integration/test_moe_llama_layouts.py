@@ -162,7 +162,7 @@ def test_capacity_drops_equal_single_counts():
 
 # -- the GPU code path -----------------------------------------------------------------------------
 DEVICE = [("single", 1, {}), ("ep=2", 2, AUX), ("ep=2", 2, {"capacity_factor": 0.75}),
-          ("ep=2,tp=2,sequence_parallel=1", 4, AUX)]
+          ("ep=2,tp=2,sequence_parallel=1", 4, AUX), ("pp=2,schedule=gpipe", 2, AUX)]
 
 
 @pytest.mark.mpi(min_size=1)
