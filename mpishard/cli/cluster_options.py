@@ -61,6 +61,11 @@ def validate_cluster_args(args, complete: bool) -> None:
         raise UsageError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no index.json)")
     if isinstance(args.resume, str) and args.resume != AUTO and not is_checkpoint(args.resume):
         raise UsageError(f"--resume {args.resume}: no checkpoint there (no index.json)")
+    if complete and args.resume in (None, False) and world_rank() == 0:
+        print(f"{PROG}: warning: --checkpoint-dir {args.checkpoint_dir} holds a checkpoint; "
+              "without --resume this run starts at step 0, replaces it at its first save and "
+              "starts its metrics file over (--resume auto continues it)", file=sys.stderr,
+              flush=True)
     if args.preempt_check_every < 1:
         raise UsageError(f"--preempt-check-every must be >= 1, got {args.preempt_check_every}")
     if args.metrics_jsonl is None and args.checkpoint_dir is not None:

@@ -106,3 +106,17 @@ def test_resume_in_a_config_file(tmp_path):
                         ("resume = false", None)):
         (tmp_path / "c.toml").write_text(text + "\n")
         assert parse_train_args(["--config", str(tmp_path / "c.toml")]).resume == value
+
+
+def test_a_run_without_resume_over_a_checkpoint_is_warned(tmp_path, capsys):
+    from mpishard.cli import main
+
+    argv = ["train", "--dataset", "synthetic-regression", "--model", "16,8,1", "--steps", "2",
+            "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert main(argv) == 0
+    assert "holds a checkpoint" not in capsys.readouterr().err
+    assert main(argv) == 0
+    assert "holds a checkpoint; without --resume this run starts at step 0" in \
+        capsys.readouterr().err
+    assert main(argv + ["--resume", "auto"]) == 0
+    assert "holds a checkpoint" not in capsys.readouterr().err
