@@ -124,8 +124,11 @@ def _pump(stream, sink, tail) -> None:
 
 def run_once(argv, state) -> tuple:
     """Run the job once, forwarding signals; returns (exit code, its last output lines)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    except OSError as exc:                  # a --launcher that is not there: one line, exit 2
+        raise UsageError(f"launch: cannot run {argv[0]!r}: {exc.strerror}") from None
     state["proc"] = proc
     tail = collections.deque(maxlen=200)
     pumps = [threading.Thread(target=_pump, args=(s, out, tail), daemon=True)
@@ -159,9 +162,16 @@ def run_launch(args) -> int:
         if state["proc"] is not None and state["proc"].poll() is None:
             _pass_on(state["proc"], signum, first)
             state["sent"] = True
-    for signum in FORWARDED:
-        signal.signal(signum, forward)
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    try:
+        return _supervise(args, state)
+    finally:                           # an in-process caller gets its handlers back
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
+
+def _supervise(args, state) -> int:
+    """Run the job and relaunch it (module docstring); returns the exit code."""
     restarts = 0
     while True:
         if state["signalled"]:         # it came between two runs: start none, requeue

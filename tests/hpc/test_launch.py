@@ -109,6 +109,8 @@ def test_cause_names_the_rank_and_signal():
     (["launch", "-n", "2", "--", "train", "--steps", "3"], "needs train --checkpoint-dir"),
     (["launch", "-n", "0", "--max-restarts", "0", "--", "train"], "-n must be >= 1"),
     (["launch", "-n", "2"], "give the command after --"),
+    (["launch", "-n", "2", "--max-restarts", "0", "--launcher", "no-such-launcher-x", "--",
+      "train"], "launch: cannot run 'no-such-launcher-x': No such file or directory"),
 ])
 def test_launch_refuses(argv, message, capsys):
     assert main(argv) == 2
@@ -150,11 +152,8 @@ def test_a_job_that_saved_on_its_own_signal_is_not_relaunched(monkeypatch, capsy
     runs = []
     monkeypatch.setattr(launch, "run_once", lambda argv, state: runs.append(argv) or (75, []))
     handlers = {s: signal.getsignal(s) for s in launch.FORWARDED}
-    try:
-        rc = main(["launch", "-n", "2", "--launcher", "true", "--", "train",
-                   "--checkpoint-dir", "ckpt"])
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    rc = main(["launch", "-n", "2", "--launcher", "true", "--", "train",
+               "--checkpoint-dir", "ckpt"])
+    assert {s: signal.getsignal(s) for s in launch.FORWARDED} == handlers   # given back
     assert (rc, len(runs)) == (75, 1)
     assert "saved a checkpoint: exit code 75, not restarted" in capsys.readouterr().err
