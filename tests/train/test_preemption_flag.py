@@ -1,6 +1,7 @@
 """train/preemption.py in one process: a stop signal raised at a step becomes Preempted at the
 next agreed boundary (every k steps) after the Checkpointer saved that step, the handlers are
-the run's only while it runs, and a signal before training starts stops at the first boundary.
+the run's only while it runs, and a signal caught by a flag installed before training starts
+(its handler set early) stops at the first boundary.
 The multi-rank cases (one rank signalled, all ranks, exit 75, exact resume) are real jobs in
 tests/hpc/test_preemption.py."""
 import signal
@@ -64,3 +65,15 @@ def test_no_signal_trains_to_the_end_and_restores_the_handlers():
     assert t.state.step == 20 and signal.getsignal(signal.SIGTERM) == before
     with pytest.raises(ValueError, match="every must be >= 1"):
         Preemption(StopFlag(), every=0)
+
+
+def test_a_signal_to_an_early_installed_flag_stops_at_the_first_boundary(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    flag = StopFlag().install()                    # before fit: resume, data loading, ...
+    signal.raise_signal(signal.SIGTERM)
+    saver = Checkpointer(tmp_path / "ckpt")
+    t = trainer([saver, Preemption(flag, saver)])
+    with pytest.raises(Preempted) as stop:
+        t.fit()
+    assert (stop.value.signum, stop.value.step, stop.value.saved) == (signal.SIGTERM, 1, True)
+    assert signal.getsignal(signal.SIGTERM) == before
