@@ -21,7 +21,8 @@ then nothing is dumped. It is called by the guard thread on a collective timeout
 abort), by a polled CollectiveTimeout, by the uncaught-exception hook and the CLI's abort, and
 on SIGUSR2 (the rank goes on; the handler is installed by `redirect`). A fatal signal
 (SIGSEGV, SIGABRT, ...) writes the stacks alone to DIR/flight-rank<R>.fatal.txt (faulthandler;
-removed at a clean exit, and at a dump, when empty). A rank
+removed at a clean exit, and at a dump, when empty; DIR too at a clean exit when `redirect`
+made it and it is empty). A rank
 that is not in a bounded wait when the job aborts (asleep, in a loop, past its last
 collective) is killed before it can dump: `python -m mpishard flight DIR` (cli/flight.py)
 reasons from the dumps there are.
@@ -78,6 +79,7 @@ class FlightRecorder:
         self.directory = None               # where dumps go (None: no dumps; redirect)
         self.dumped = None                  # the reason of the first dump
         self.fatal = None                   # the open fatal-signal file (redirect)
+        self.created = False                # whether redirect made the directory
 
     @classmethod
     def shared(cls):
@@ -189,11 +191,12 @@ class FlightRecorder:
         in here or with MPISHARD_FLIGHT_DIR; train always does); SIGUSR2 (when called from the
         main thread) dumps and goes on; a fatal signal writes the stacks to the fatal file."""
         if self.directory is None:
-            atexit.register(self.close_fatal)
+            atexit.register(self.clean_exit)
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGUSR2, lambda signum, frame: self.dump("SIGUSR2", True))
         self.directory = os.path.abspath(os.fspath(directory))
         self.close_fatal()
+        self.created = not os.path.isdir(self.directory)
         try:
             os.makedirs(self.directory, exist_ok=True)
             self.fatal = open(os.path.join(self.directory, file_name(self.rank, "fatal")), "w")
@@ -211,6 +214,17 @@ class FlightRecorder:
         self.fatal = None
         if os.path.exists(name) and os.path.getsize(name) == 0:
             os.unlink(name)
+
+
+    def clean_exit(self) -> None:
+        """At exit: close the fatal file, and remove the directory `redirect` made when
+        nothing was dumped there (no empty CKPT.flight left beside every run)."""
+        self.close_fatal()
+        if self.created and self.directory is not None:
+            try:
+                os.rmdir(self.directory)        # fails, as it should, unless it is empty
+            except OSError:
+                pass
 
 
 def dump_all(reason: str) -> None:

@@ -164,3 +164,25 @@ def test_a_fatal_signal_writes_the_stacks_to_the_flight_dir(tmp_path):
     assert proc.returncode != 0
     text = (tmp_path / "flight-rank0.fatal.txt").read_text()
     assert "Segmentation fault" in text and "<string>" in text, text
+
+
+CLEAN = '''
+import sys
+from mpishard.comm.flight import FlightRecorder
+FlightRecorder().redirect(sys.argv[1])
+FlightRecorder().redirect(sys.argv[2])
+'''
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="starts its own process")
+def test_a_clean_exit_leaves_no_empty_directory_it_made(tmp_path):
+    import subprocess
+    import sys
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    proc = subprocess.run([sys.executable, "-c", CLEAN, str(tmp_path / "made"), str(kept)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["kept"]         # made's gone, the user's stays
+    assert os.listdir(kept) == []                          # no empty fatal file either
