@@ -13,7 +13,8 @@ run them (each forward: `forwards` = 2 under recompute=1):
                under sequence_parallel the router's and experts' summed over tp (tp_partial_*)
     forward    counts all_to_all of E int64 ((P-1)/P x 8 E bytes), dispatch and combine
                all_to_all_v (n k (P-1)/P rows of D each); routing statistics: one all_reduce of
-               2 E int64 over the token axes (moe_transformer.token_axes), ep or not
+               2 E int64 over the token axes (moe_transformer.token_axes), ep or not, in the
+               recording forward only
     backward   the adjoints of combine and dispatch (the same rows again)
 
 n is this rank's tokens of a microbatch: rows / m x T / cp, / tp under sequence_parallel
@@ -72,11 +73,13 @@ def exchange_bytes(view) -> dict:
 
 
 def stats_calls(view) -> Counter:
-    """The routing statistics' all_reduce over the token axes, one per block and forward."""
+    """The routing statistics' all_reduce over the token axes, one per block and microbatch:
+    only the recording forward reduces them (under recompute=1 the untaped first pass does
+    not, nn/moe_layers.SparseMoE.forward)."""
     if not is_moe(view.model) or not token_axes(view.layout):
         return Counter()
-    blocks, forwards, m = _counts(view)
-    return Counter(all_reduce=blocks * m * forwards)
+    blocks, _, m = _counts(view)
+    return Counter(all_reduce=blocks * m)
 
 
 def stats_bytes(view) -> dict:
