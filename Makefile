@@ -62,7 +62,7 @@ SLURM_TIMEOUT ?= 900
 HOSTS_TIMEOUT ?= 600
 # `make soak`: benchmarks/soak.py on SOAK_NP ranks (dp), not part of `make test`.
 SOAK_NP       ?= 2
-SOAK_ARGS     ?= --steps 10000 --checkpoint-every 500
+SOAK_ARGS     ?= --steps 40000 --checkpoint-every 500
 
 # `make demo`: a GPT on the Python standard library's source (read from this interpreter,
 # never downloaded), sized for about 2.5 minutes on 2 shared cores; then SAMPLE_ARGS on one rank.

@@ -14,10 +14,11 @@ One optimizer step with gradient accumulation over k micro-steps (DDP's `no_sync
     # (global_mean(sum of the first k-1 local losses) + loss_{k-1}) / k.
     clip_grad_norm(engine, grads, clip); optimizer.step(grads)
 
-Checkpoints plug in as a callback: `TrainState` holds the step (the data position follows from
-it, see DistributedBatcher.position) and the histories, and `Callback.on_step_end` runs after
-every optimizer step on every rank (the checkpoint package's `Checkpointer` saves there; its
-`resume` restores the engine, the optimizer and `trainer.state` before `fit()`).
+Checkpoints plug in as a callback: `TrainState` (history.py) holds the step (the data position
+follows from it, see DistributedBatcher.position) and the bounded histories, and
+`Callback.on_step_end` runs after every optimizer step on every rank (the checkpoint package's
+`Checkpointer` saves there; its `resume` restores the engine, the optimizer and `trainer.state`
+before `fit()`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -35,8 +35,10 @@ from ..parallel.stages import pipeline_options
 from ..validate import check_number
 from .data import Dataset, DistributedBatcher, eval_chunks
 from .expert_load import expert_load, expert_text
+from .history import TrainState
 from .nonfinite import DEFAULT_MAX_NONFINITE, NonFiniteGuard, quiet
 from .optim import clip_grad_norm
+from .progress import EVAL_NOTICE_S, progress_bar, slow_notice
 from .scaler import GradScaler
 from .text import bits_per, language_metrics, sequence_cut, window_loss
 
@@ -82,27 +84,7 @@ def configure_logging(rank: int, level=logging.INFO, name="mpishard") -> logging
     return logger
 
 
-# -- state and callbacks -----------------------------------------------------------------------
-@dataclass
-class TrainState:
-    """What a resume needs besides parameters and optimizer state: the step (the data
-    position is DistributedBatcher.position(step)) and the histories so far."""
-
-    step: int = 0
-    samples: int = 0
-    loss_history: list = field(default_factory=list)
-    grad_norm_history: list = field(default_factory=list)
-    lr_history: list = field(default_factory=list)
-    eval_history: list = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainState":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-
+# -- callbacks -------------------------------------------------------------------------------
 class Callback:
     """Hooks run on every rank (collectives are allowed: every rank calls them in step)."""
 
@@ -175,6 +157,7 @@ class Trainer:
         self.log = logger or logging.getLogger("mpishard")
         self.state = TrainState()
         self.train_time = 0.0
+        self.eval_notice_s = EVAL_NOTICE_S     # a longer evaluation logs that it still runs
         self.expert_load = {}        # the last step's (expert_load.py); {} for a dense model
         if scaler is None and engine.precision.needs_loss_scaling:
             scaler = GradScaler(engine)
@@ -301,7 +284,8 @@ class Trainer:
         return metrics
 
     def _evaluate_and_log(self) -> dict:
-        with quiet():
+        with quiet(), slow_notice(self.log, f"evaluation at step {self.state.step}",
+                                  self.eval_notice_s):
             result = self.evaluate()
         self.state.eval_history.append(result)
         acc, unit = result.get("test_accuracy"), getattr(self.data, "unit", None)
@@ -316,11 +300,8 @@ class Trainer:
     def _progress_bar(self):
         if not (self.progress and self.rank == 0):
             return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.total_steps, initial=self.state.step, unit="step",
-                    desc=f"train {self.engine.layout.text}", file=sys.stderr, dynamic_ncols=True,
-                    mininterval=0.2)
+        return progress_bar(self.total_steps, self.state.step,
+                            f"train {self.engine.layout.text}", self.log_every)
 
     def metrics(self, final: dict, wall_time: float) -> dict:
         e, st = self.engine, self.state
@@ -352,6 +333,7 @@ class Trainer:
             "grad_norm_history": list(st.grad_norm_history),
             "lr_history": list(st.lr_history),
             "eval_history": list(st.eval_history),
+            "history_first_step": st.first_step(),     # history.py: a bounded recent window
         }
         if self.data.task == "language":      # nats and bits per byte/token, tokens/s, corpus
             tokens = st.samples * self.data.x_train.shape[1]
