@@ -15,7 +15,7 @@ def run() -> None:
     remove_singleton_segment_at_exit(world_comm())
     if sys.argv[1:2] and sys.argv[1] in MPI_COMMANDS:
         install_cleanup_handlers(rank=world_rank())
-    exit_cleanly(main())
+    exit_cleanly(main(exiting=True))
 
 
 if __name__ == "__main__":

@@ -100,8 +100,10 @@ def build_parser():
     return parser
 
 
-def main(argv=None) -> int:
-    """Parse and run a command; returns the exit code (2 after printing a usage error)."""
+def main(argv=None, exiting: bool = False) -> int:
+    """Parse and run a command; returns the exit code (2 after printing a usage error).
+    `exiting`: the process ends with that code (`python -m mpishard`), so a command may keep
+    the signal handlers it installed; an in-process caller (the default) gets its own back."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -114,6 +116,7 @@ def main(argv=None) -> int:
         command = args.command
         if command == "train":              # again, with the --config file under the flags
             args = parse_train_args(argv[argv.index("train") + 1:], parser.commands["train"])
+        args.exiting = exiting
         return COMMANDS[command][2](args)
     except (UsageError, FloatingPointError) as exc:
         # the trainer raises FloatingPointError from the global mean loss, the same float on

@@ -12,15 +12,25 @@ With --checkpoint-dir, SIGTERM and SIGUSR1 stop training at the next agreed step
 line saying why; the batch script turns 75 into a requeue (examples/hpc/). Without a
 checkpoint directory there is nothing to resume from, and the signals keep their meaning
 (comm/signals.py: clean up and exit 128 + signum).
+
+`stop_signals` holds the handlers for the whole command, not only the steps: a signal while
+the data loads, the engine is built or a checkpoint is resumed is recorded, and the ranks
+agree on it once before the first step (`preempted_before_training`): no step is trained, no
+checkpoint written (a resumed run's checkpoint is already there), exit 75 on every rank. A
+second signal during the save or after it changes nothing: the flag is held until the command
+returns, and a process that ends then (`python -m mpishard`) ignores the stop signals from
+there to its exit, MPI_Finalize included; an in-process caller gets its handlers back.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from contextlib import contextmanager
 
 from ..checkpoint import is_checkpoint
 from ..train.metrics import CsvSink, JsonlSink, MetricsStream, TensorBoardSink
-from ..train.preemption import PREEMPTED_EXIT, Preempted, Preemption, StopFlag
+from ..train.preemption import PREEMPTED_EXIT, Preempted, Preemption, StopFlag, any_rank
 from .usage import PROG, UsageError, world_rank
 
 CLUSTER_DEFAULTS = {"metrics_jsonl": None, "metrics_csv": None, "tensorboard": None,
@@ -93,16 +103,58 @@ def resume_source(args):
     return None
 
 
-def add_cluster_callbacks(args, trainer, saver) -> None:
+class HeldFlag(StopFlag):
+    """The command's StopFlag: the Preemption callback's `restore` leaves it installed;
+    `release` gives the previous handlers back."""
+
+    def restore(self) -> None:
+        pass
+
+    def release(self) -> None:
+        StopFlag.restore(self)
+
+
+@contextmanager
+def stop_signals(args):
+    """With --checkpoint-dir, a HeldFlag installed for the block (else None). At its end the
+    previous handlers come back, unless `args.exiting` (the process ends with the command's
+    code): then SIGTERM/SIGUSR1 are ignored to the exit (SIG_IGN also outlives the
+    interpreter's own handler teardown, which runs before MPI_Finalize)."""
+    flag = HeldFlag().install() if args.checkpoint_dir is not None else None
+    try:
+        yield flag
+    finally:
+        if flag is not None and getattr(args, "exiting", False):
+            for signum in flag.signals:
+                signal.signal(signum, signal.SIG_IGN)
+            flag.previous.clear()
+        elif flag is not None:
+            flag.release()
+
+
+def preempted_before_training(trainer, flag, args) -> bool:
+    """Collective when `flag` is not None: did any rank get a stop signal before the first
+    step (data loading, engine build, resume)? One bounded any_rank; on a stop rank 0 prints
+    the Preempted line: saved when the run resumed from --checkpoint-dir, else nothing to save."""
+    signum = any_rank(trainer.engine.comm, flag.signum) if flag is not None else 0
+    if signum and world_rank() == 0:
+        step = trainer.state.step
+        saved = step > 0 and resume_source(args) == args.checkpoint_dir
+        print(f"{PROG}: {Preempted(signum, step, saved)}", file=sys.stderr, flush=True)
+    return bool(signum)
+
+
+def add_cluster_callbacks(args, trainer, saver, flag=None) -> None:
     """The metrics stream (after `saver`, the Checkpointer or None) and, with a checkpoint
-    directory, the preemption handlers and their callback (last, after every other)."""
+    directory, the preemption callback (last, after every other) on `flag` (default: a
+    StopFlag of its own, installed while `fit` runs)."""
     sinks = [cls(path) for cls, path in ((JsonlSink, args.metrics_jsonl),
                                          (CsvSink, args.metrics_csv),
                                          (TensorBoardSink, args.tensorboard)) if path]
     if sinks:
         trainer.callbacks.append(MetricsStream(sinks, saver))
     if saver is not None:
-        trainer.callbacks.append(Preemption(StopFlag(), saver, args.preempt_check_every))
+        trainer.callbacks.append(Preemption(flag or StopFlag(), saver, args.preempt_check_every))
 
 
 def fit_or_preempted(trainer, args):
@@ -125,6 +177,6 @@ def fit_or_preempted(trainer, args):
                 cb.flag.restore()
 
 
-__all__ = ["AUTO", "CLUSTER_DEFAULTS", "PREEMPTED_EXIT", "add_cluster_callbacks",
-           "add_metrics_arguments", "add_resume_argument", "fit_or_preempted", "resume_source",
-           "validate_cluster_args"]
+__all__ = ["AUTO", "CLUSTER_DEFAULTS", "PREEMPTED_EXIT", "HeldFlag", "add_cluster_callbacks",
+           "add_metrics_arguments", "add_resume_argument", "fit_or_preempted",
+           "preempted_before_training", "resume_source", "stop_signals", "validate_cluster_args"]

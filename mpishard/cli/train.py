@@ -28,7 +28,8 @@ from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
 from .cluster_options import (CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
-                              resume_source, validate_cluster_args)
+                              preempted_before_training, resume_source, stop_signals,
+                              validate_cluster_args)
 from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_callbacks,
                              validate_flight_args)
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
@@ -341,9 +342,10 @@ def prepare_training(args, comm):
     return layout, dims, loss, model, data
 
 
-def build_training(args, comm=None):
+def build_training(args, comm=None, flag=None):
     """Collective: prepare_training agreed on every rank (the same UsageError everywhere),
-    then (engine, optimizer, trainer) built; returns the Trainer."""
+    then (engine, optimizer, trainer) built; returns the Trainer (`flag`: the StopFlag the
+    Preemption callback checks, see add_cluster_callbacks)."""
     comm = comm or world_comm()
     layout, dims, loss, model, data = agreed(comm, lambda: prepare_training(args, comm))
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
@@ -375,18 +377,21 @@ def build_training(args, comm=None):
     if resume_source(args):
         resume(trainer, resume_source(args))      # collective; the same error everywhere
     add_trace_callback(args, trainer)
-    add_cluster_callbacks(args, trainer, saver)   # metrics stream; SIGTERM/SIGUSR1 -> exit 75
+    add_cluster_callbacks(args, trainer, saver, flag)  # metrics; SIGTERM/SIGUSR1 -> exit 75
     add_flight_callbacks(args, trainer, saver)    # flight dumps, straggler line, async saves
     return trainer
 
 
 def run_train(args) -> int:
     comm = world_comm()
-    trainer = agreed(comm, lambda: build_training(args, comm))
-    try:
-        metrics = fit_or_preempted(trainer, args)
-    except CheckpointError as exc:      # raised on every rank alike (agreed): a clean exit 2
-        raise UsageError(str(exc)) from None
+    with stop_signals(args) as flag:    # held from here: a signal while building stops too
+        trainer = agreed(comm, lambda: build_training(args, comm, flag))
+        if preempted_before_training(trainer, flag, args):
+            return PREEMPTED_EXIT       # no step trained, agreed on every rank
+        try:
+            metrics = fit_or_preempted(trainer, args)
+        except CheckpointError as exc:  # raised on every rank alike (agreed): a clean exit 2
+            raise UsageError(str(exc)) from None
     if metrics is None:                 # stopped by SIGTERM/SIGUSR1 after a checkpoint
         return PREEMPTED_EXIT
     return print_report(summary_table(metrics) + trace_lines(trainer))

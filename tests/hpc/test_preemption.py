@@ -1,18 +1,25 @@
 """Preemption of a real 2-rank job (train/preemption.py): a signal mid-run -> exit 75 after a
 checkpoint at one agreed step, and `--resume auto` then ends exactly where an uninterrupted
-run ends (float64: every step's loss equal, bit for bit).
+run ends (float64: every step's loss equal, bit for bit). A signal before the first step (the
+engine build, a resume) -> exit 75 with no step trained; more signals during the save or after
+it change no rank's exit code.
 
 Serial tests: each launches its own `mpiexec -n 2 python -m mpi4py -m mpishard train` jobs and
 signals the rank processes directly (no Slurm: tests/hpc/slurm_stage.sh has the batch cycle).
+The jobs that are stopped run through held_train.py, which records every rank's exit code and
+can hold the ranks inside the build while the test signals them.
 """
 import json
+import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from conftest import mpiexec_cmd, run_mpi
-from running_job import RunningJob, train_steps
+from running_job import RunningJob, last_step, train_steps
 
 STEPS = 600
 ARGS = ["--dataset", "synthetic-regression", "--model", "16,64,64,1", "--n-train", "2048",
@@ -20,9 +27,53 @@ ARGS = ["--dataset", "synthetic-regression", "--model", "16,64,64,1", "--n-train
         "--no-progress", "--log-level", "WARNING"]
 
 
-def train_argv(ckpt, metrics, *extra):
-    return [*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", "-m", "mpishard", "train", *ARGS,
+HELD = Path(__file__).with_name("held_train.py")
+
+
+def train_argv(ckpt, metrics, *extra, where=None, hold="-"):
+    """The job's command line; with `where` (a directory) through held_train.py."""
+    runner = ["-m", "mpishard"] if where is None else [HELD, where, hold]
+    return [*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", *runner, "train", *ARGS,
             "--checkpoint-dir", ckpt, "--resume", "auto", "--metrics-json", metrics, *extra]
+
+
+def rank_exits(where, n=2) -> list:
+    """Each rank's exit code as held_train.py wrote it (None: the rank wrote none, killed)."""
+    return [int((where / f"exit.{r}").read_text()) if (where / f"exit.{r}").exists() else None
+            for r in range(n)]
+
+
+def held_job(tmp_path, hold, *extra):
+    """A job held in `hold` (a name in mpishard.cli.train) on every rank; returns (job, where);
+    `(where / "go").touch()` lets it go on."""
+    where = tmp_path / "ranks"
+    where.mkdir()
+    job = RunningJob(train_argv(tmp_path / "ckpt", tmp_path / "metrics.json", *extra,
+                                where=where, hold=hold), marker=str(tmp_path / "ckpt"))
+    deadline = time.monotonic() + 120
+    while not all((where / f"ready.{r}").exists() for r in range(2)):
+        assert job.proc.poll() is None, job.proc.stdout.read()
+        assert time.monotonic() < deadline, "the ranks never reached " + hold
+        time.sleep(0.02)
+    return job, where
+
+
+def keep_signalling(job, signums=(signal.SIGTERM, signal.SIGUSR1)):
+    """Send `signums` to every rank still running until the job ends."""
+    while job.proc.poll() is None:
+        for pid in job.ranks().values():
+            for signum in signums:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.005)
+
+
+def the_stop_line(out) -> str:
+    stops = [s for s in out.splitlines() if "stopped by" in s]
+    assert len(stops) == 1, out[-3000:]
+    return stops[0]
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +89,17 @@ def preempt_and_resume(tmp_path, reference, send):
     line to the end; returns (the stopped step, the first run's output)."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
     jsonl = tmp_path / "ckpt.metrics.jsonl"             # the default beside --checkpoint-dir
-    job = RunningJob(train_argv(ckpt, metrics), marker=str(ckpt))
+    where = tmp_path / "ranks"
+    where.mkdir()
+    job = RunningJob(train_argv(ckpt, metrics, where=where), marker=str(ckpt))
     seen = job.wait_for_step(jsonl, 100)
     send(job)
     rc, out = job.finish(timeout=120)
     print(f"signalled at step {seen}; rc {rc}\n{out[-1500:]}")
-    assert rc == 75, out[-3000:]
-    stops = [s for s in out.splitlines() if "stopped by" in s]
-    assert len(stops) == 1 and "checkpoint saved at step" in stops[0], out[-3000:]
-    step = int(stops[0].split("checkpoint saved at step ")[1].split(";")[0])
+    assert rc == 75 and rank_exits(where) == [75, 75], out[-3000:]
+    stop = the_stop_line(out)
+    assert "checkpoint saved at step" in stop, out[-3000:]
+    step = int(stop.split("checkpoint saved at step ")[1].split(";")[0])
     assert seen <= step < STEPS
     index = json.loads((ckpt / "index.json").read_text())
     assert index["step"] == step
@@ -72,13 +125,44 @@ def test_sigusr1_to_one_rank_stops_the_whole_job(tmp_path, uninterrupted):
                        lambda job: job.signal(signal.SIGUSR1, ranks=[1]))
 
 
-def test_sigterm_to_all_ranks_then_a_second_signal(tmp_path, uninterrupted):
-    """SIGTERM to every rank, then SIGUSR1 while they stop and save: one stop, one intact
-    checkpoint named after the first signal."""
+def test_sigterm_to_all_ranks_then_more_signals(tmp_path, uninterrupted):
+    """SIGTERM to every rank, then SIGTERM and SIGUSR1 again and again while they stop, save
+    and exit: one stop, one intact checkpoint named after the first signal, 75 on every rank."""
     def send(job):
         job.signal(signal.SIGTERM)
-        job.signal(signal.SIGUSR1)
+        keep_signalling(job)
     preempt_and_resume(tmp_path, uninterrupted, send)
+
+
+def test_a_signal_during_the_engine_build_stops_before_the_first_step(tmp_path):
+    """SIGUSR1 to rank 1 alone while every rank is inside make_engine: the ranks agree before
+    the first step, train none, write no checkpoint (nothing to save) and exit 75."""
+    job, where = held_job(tmp_path, "make_engine")
+    job.signal(signal.SIGUSR1, ranks=[1])
+    (where / "go").touch()
+    rc, out = job.finish(timeout=120)
+    assert rc == 75 and rank_exits(where) == [75, 75], out[-3000:]
+    assert "stopped by SIGUSR1 at step 0: no checkpoint at step 0" in the_stop_line(out)
+    assert not (tmp_path / "ckpt" / "index.json").exists()
+    assert last_step(tmp_path / "ckpt.metrics.jsonl") is None        # no step trained
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_signals_while_resuming_stop_at_the_resumed_step(tmp_path):
+    """SIGTERM to every rank inside the resume of a step-3 checkpoint, then signals until the
+    job ends: exit 75 everywhere, the step-3 checkpoint is the one to requeue from."""
+    proc = run_mpi(2, "-m", "mpishard", "train", *ARGS, "--steps", "3",
+                   "--checkpoint-dir", tmp_path / "ckpt", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job, where = held_job(tmp_path, "resume")
+    job.signal(signal.SIGTERM)
+    (where / "go").touch()
+    keep_signalling(job)
+    rc, out = job.finish(timeout=120)
+    assert rc == 75 and rank_exits(where) == [75, 75], out[-3000:]
+    assert "stopped by SIGTERM at step 3: checkpoint saved at step 3" in the_stop_line(out)
+    assert json.loads((tmp_path / "ckpt" / "index.json").read_text())["step"] == 3
+    assert train_steps(tmp_path / "ckpt.metrics.jsonl") == [1, 2, 3]
 
 
 def test_resume_auto_starts_fresh_and_bare_resume_still_needs_a_checkpoint(tmp_path):
@@ -120,3 +204,29 @@ def test_a_run_without_resume_over_a_checkpoint_is_warned(tmp_path, capsys):
         capsys.readouterr().err
     assert main(argv + ["--resume", "auto"]) == 0
     assert "holds a checkpoint" not in capsys.readouterr().err
+
+
+def test_in_process_a_signal_before_training_returns_75_and_gives_the_handlers_back(
+        tmp_path, monkeypatch, capsys):
+    """cli.main in this process: SIGUSR1 raised inside make_engine -> 75, no step, no
+    checkpoint, and this process's own handlers back when main returns."""
+    import mpishard.cli.train as train
+    from mpishard.cli import main
+
+    def build_signalled(*args, **kwargs):
+        signal.raise_signal(signal.SIGUSR1)          # recorded by the command's flag
+        return make_engine(*args, **kwargs)
+    make_engine = train.make_engine
+    monkeypatch.setattr(train, "make_engine", build_signalled)
+    mine = lambda signum, frame: None                # noqa: E731
+    before = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert main(["train", "--dataset", "synthetic-regression", "--model", "16,8,1",
+                     "--steps", "2", "--no-progress", "--checkpoint-dir",
+                     str(tmp_path / "ckpt")]) == 75
+        assert [signal.getsignal(s) for s in before] == [mine, mine]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    assert "stopped by SIGUSR1 at step 0: no checkpoint at step 0" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
