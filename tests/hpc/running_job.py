@@ -74,7 +74,10 @@ class RunningJob:
             if self.proc.poll() is None:
                 self.proc.kill()
             for path in leftovers.left_since(self.before) if killed else ():
-                os.unlink(path)
+                try:                    # hydra's proxy may remove its own file meanwhile
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
         return self.proc.returncode, out
 
 
