@@ -45,9 +45,12 @@ def test_gpu_profile_standin(tmp_path):
         assert r["fused_s"] > 0 and r["unfused_s"] > 0 and r["count"] >= 1
     assert {(r["unit"], r["what"]) for r in units} >= {(u, w) for u in UNITS - {"loss", "adamw"}
                                                         for w in ("forward", "backward")}
-    kernels = {r["which"]: r for r in by["kernels"]}
-    assert set(kernels) == {"ours_fused", "ours_unfused", "torch_fp32"}
-    assert kernels["torch_fp32"]["top"] and all(
-        row["ms_per_step"] >= 0 and row["calls"] >= 1 for row in kernels["torch_fp32"]["top"])
+    if not torch_peer:                     # the kernel profile is torch.profiler's
+        assert [r.get("skipped") for r in by["kernels"]] == ["no torch"]
+    else:
+        kernels = {r["which"]: r for r in by["kernels"]}
+        assert set(kernels) == {"ours_fused", "ours_unfused", "torch_fp32"}
+        assert kernels["torch_fp32"]["top"] and all(
+            row["ms_per_step"] >= 0 and row["calls"] >= 1 for row in kernels["torch_fp32"]["top"])
     log = (tmp_path / "gpu_profile.log").read_text()
     assert log.count("PROFILE ") == len(recs) and "gpu_profile: exit 0" in log
