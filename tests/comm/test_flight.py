@@ -189,8 +189,14 @@ def test_a_clean_exit_leaves_no_empty_directory_it_made(tmp_path):
 
     kept = tmp_path / "kept"
     kept.mkdir()
+    import leftovers
+
+    before = leftovers.mpi_files()
     proc = subprocess.run([sys.executable, "-c", CLEAN, str(tmp_path / "made"), str(kept)],
                           capture_output=True, text=True, timeout=60)
+    for path in leftovers.left_since(before):    # Open MPI: a singleton keeps its segment
+        if os.path.basename(path).startswith("sm_segment."):
+            os.unlink(path)
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["kept"]         # made's gone, the user's stays
     assert os.listdir(kept) == []                          # no empty fatal file either
