@@ -28,6 +28,22 @@ def make_case(model, rows=8, T=8, seed=0):
     return params, x, t
 
 
+def step_against_single(model, layout, comm, what):
+    """One train_step of `model` on `layout` against the single-device reference (loss, every
+    gradient, the gathered logits); returns (engine, params, x, y, reference logits)."""
+    params, x, t = make_case(model)
+    ref, ref_loss, ref_grads = single_reference(model, params, x, t, CE)
+    engine = ms.make_engine(model, layout, comm=comm)
+    engine.load_checkpoint(params)
+    value, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), CE)
+    assert_close(value, ref_loss, what=f"{what} loss")
+    assert_dicts_close(engine.gather_grads(grads), ref_grads, what=what)
+    y = engine.gather_batch(engine.predict(engine.shard_batch(x)))
+    want = ref.predict(x)
+    assert_close(y, want, what=f"{what} logits")
+    return engine, params, x, y, want
+
+
 def check_against_single(comm, layout, n_layers=2, tied=False, T=8, rows=8):
     """train_step (loss, gathered gradients) and gathered predict of `layout` equal single's."""
     model = make_gpt(n_layers, tied)

@@ -16,7 +16,7 @@ from conftest import assert_close, assert_dicts_close, group_comm, single_refere
 from mpishard.parallel.compose import plan_params
 from mpishard.parallel.costs import rank_memory
 from test_device_double import MODES, device_backend
-from test_gpt_engine import make_case
+from test_gpt_engine import make_case, step_against_single
 
 CE = ms.losses.CrossEntropy()
 
@@ -73,16 +73,8 @@ def copies_equal(engine, name="embed/tokens") -> bool:
 
 def check_against_single(comm, layout, make=make_gpt):
     model = make()
-    params, x, t = make_case(model)
-    ref, ref_loss, ref_grads = single_reference(model, params, x, t, CE)
-    engine = ms.make_engine(model, layout, comm=comm)
-    engine.load_checkpoint(params)
     what = f"tied {type(model).__name__} {layout}"
-    value, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), CE)
-    assert_close(value, ref_loss, what=f"{what} loss")
-    assert_dicts_close(engine.gather_grads(grads), ref_grads, what=what)
-    y = engine.gather_batch(engine.predict(engine.shard_batch(x)))
-    assert_close(y, ref.predict(x), what=f"{what} logits")
+    engine, params, _, _, _ = step_against_single(model, layout, comm, what)
     full = engine.gather_params()
     assert set(full) == set(model.param_shapes()), "one embed/tokens, nothing else"
     assert_dicts_close(full, params, rtol=0, what=f"{what} params round trip")
