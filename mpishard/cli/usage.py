@@ -13,7 +13,6 @@ reported once per distinct cause (comm/uncaught.py) and `python -m mpi4py` abort
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from mpi4py import MPI
@@ -22,6 +21,7 @@ from ..comm.collectives import agree
 from ..comm.flight import dump_all
 from ..comm.mesh import check_world_size, parse_layout
 from ..comm.guard import ABORT_GRACE
+from ..comm.lines import write_line
 from ..comm.signals import remove_mpi_files
 from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..validate import check_number
@@ -134,7 +134,7 @@ def abort_job(exc) -> None:
     keep MPI_Finalize (and collective frees) waiting. The line gets ABORT_GRACE to pass
     through the launcher before the abort tears the job down (otherwise a loaded node can end
     the job before the reason is printed)."""
-    print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    write_line(f"{PROG}: error: {type(exc).__name__}: {exc}")     # one write (comm/lines.py)
     dump_all(f"{type(exc).__name__}: {exc}")        # the flight recorder (comm/flight.py)
     remove_mpi_files()
     time.sleep(ABORT_GRACE)

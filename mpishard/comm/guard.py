@@ -15,13 +15,13 @@ MPI_THREAD_MULTIPLE (mpi4py's default); below it the watchdog polls instead.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 from mpi4py import MPI
 
 from .flight import dump_all
+from .lines import write_line
 from .signals import remove_mpi_files
 
 PERIOD = 0.25         # seconds between two looks at the call in flight (at most)
@@ -79,7 +79,7 @@ class Guard:
     def fire(self, message: str) -> None:
         """The call timed out: one line, then MPI_Abort (exit code 1)."""
         self.fired = True
-        print(f"mpishard: error: CollectiveTimeout: {message}", file=sys.stderr, flush=True)
+        write_line(f"mpishard: error: CollectiveTimeout: {message}")     # one write (lines.py)
         dump_all(f"CollectiveTimeout: {message}")      # the flight recorder (flight.py)
         remove_mpi_files()                       # MPI_Abort leaves MPI's own files behind
         time.sleep(ABORT_GRACE)

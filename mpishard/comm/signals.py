@@ -18,9 +18,10 @@ on the node may have been first (FileNotFoundError, ignored). Everything here is
 calls, so it can run inside a signal handler. Without /proc nothing is found.
 
 `install_cleanup_handlers` (the CLI's, once per process of an MPI command) replaces the
-SIGTERM/SIGINT handlers with: remove_mpi_files, one stderr line written with os.write to fd 2
-(a handler that prints could re-enter sys.stderr's buffer), and os._exit(128 + signum), the
-shell's code for "killed by signal". No MPI_Finalize: it is a collective, peers may be stuck
+SIGTERM/SIGINT handlers with: remove_mpi_files, one stderr line written with one os.write to
+fd 2 (comm/lines.py: never run together with another rank's line; a handler that prints could
+re-enter sys.stderr's buffer), and os._exit(128 + signum), the shell's code for "killed by
+signal". No MPI_Finalize: it is a collective, peers may be stuck
 or gone, and a handler must not block. Python runs the handler in the main thread between
 bytecodes, so a rank blocked inside one MPI call runs it only when that call returns; the
 launcher kills it meanwhile, and a segment shared by the node's ranks is unlinked by whichever
@@ -34,6 +35,8 @@ import os
 import signal
 
 from mpi4py import MPI
+
+from .lines import write_line
 
 __all__ = ["install_cleanup_handlers", "mapped_shm_paths", "mpi_shm_paths",
            "launcher_files", "remove_mpi_files", "MPI_SHM_PATTERNS", "SHM_DIR"]
@@ -151,8 +154,8 @@ def install_cleanup_handlers(rank: int | None = None) -> None:
         removed = remove_mpi_files()
         if removed:
             name = signal.Signals(signum).name
-            os.write(2, f"mpishard:{who} received {name}; removed {removed} file(s) of the "
-                        f"MPI library; exiting\n".encode())
+            write_line(f"mpishard:{who} received {name}; removed {removed} file(s) of the "
+                       "MPI library; exiting", 2)
         os._exit(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -32,6 +32,7 @@ import traceback
 from mpi4py import MPI
 
 from .flight import dump_all
+from .lines import write_line
 from .signals import remove_mpi_files
 from .watchdog import abandon
 
@@ -90,8 +91,7 @@ def report(exc_type, exc, tb) -> None:
     except Exception:                            # MPI unusable: say at least this rank's error
         failures = [mine]
     if failures:
-        sys.stderr.write(format_report(failures))
-        sys.stderr.flush()
+        write_line(format_report(failures))      # one write: never mixed with another rank's
     if "mpi4py.run" in sys.modules:              # python -m mpi4py: MPI_Abort comes next
         remove_mpi_files()
 
@@ -143,8 +143,7 @@ def _collect(world, mine) -> list:
         else:
             time.sleep(POLL)
     failures = [reports[r] for r in sorted(reports)]
-    sys.stderr.write(format_report(failures))
-    sys.stderr.flush()
+    write_line(format_report(failures))
     sends = acks + [world.isend(None, dest=r, tag=DONE_TAG) for r in sorted(reports) if r]
     deadline = time.monotonic() + DONE_WAIT
     while not MPI.Request.Testall(sends) and time.monotonic() < deadline:

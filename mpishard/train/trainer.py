@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from ..comm.lines import write_line
 from ..nn.losses import get_loss
 from ..parallel.stages import pipeline_options
 from ..validate import check_number
@@ -47,13 +48,15 @@ LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
 
 # -- logging -----------------------------------------------------------------------------------
 class _TqdmHandler(logging.StreamHandler):
-    """Writes through tqdm so log lines do not tear the progress bar."""
+    """Writes around tqdm's bar so log lines do not tear it; each line is one write
+    (comm/lines.py), so the lines of several ranks never run together."""
 
     def emit(self, record):
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=self.stream)
+            with tqdm.external_write_mode(file=self.stream):
+                write_line(self.format(record), self.stream)
         except Exception:  # pragma: no cover - logging must never raise
             self.handleError(record)
 
