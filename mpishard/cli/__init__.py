@@ -13,9 +13,13 @@ and one entry there.
 Bad input is a user mistake, not a crash (usage.py): every rank validates the same argv
 before any collective, a command builds inside `agreed(comm, build)`, and `main` turns a
 `UsageError` into one line from rank 0, `mpishard: error: ...`, and exit code 2 on every rank.
+A process whose stdout reader went away (`mpishard plan ... | head -1`) ends quietly with
+BROKEN_PIPE_EXIT (`run_and_exit`).
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 from mpi4py import MPI
@@ -37,7 +41,8 @@ from .train import add_train_arguments, parse_train_args, run_train
 from ..comm.watchdog import CollectiveTimeout
 from .usage import PROG, Parser, UsageError, abort_job, world_rank
 
-__all__ = ["COMMANDS", "MPI_COMMANDS", "main", "build_parser", "exit_cleanly", "UsageError"]
+__all__ = ["COMMANDS", "MPI_COMMANDS", "BROKEN_PIPE_EXIT", "main", "build_parser",
+           "exit_cleanly", "run_and_exit", "UsageError"]
 
 
 # -- the command table ---------------------------------------------------------------------------
@@ -139,5 +144,26 @@ def exit_cleanly(code: int) -> None:
     sys.exit(code)
 
 
+# What a shell reports for a writer ended by SIGPIPE (`yes | head -1`); Python ignores the
+# signal and raises BrokenPipeError instead, so the process chooses the same status itself.
+BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
+
+
+def run_and_exit(run) -> None:
+    """exit_cleanly(run()), and quietly with BROKEN_PIPE_EXIT when stdout's reader has gone
+    (`| head -1`): as Python's documentation of SIGPIPE recommends, stdout is pointed at
+    os.devnull so that the interpreter's last flush of what is still buffered cannot fail
+    again with an "Exception ignored" traceback."""
+    try:
+        code = run()
+        sys.stdout.flush()                  # a broken pipe shows here, not at shutdown
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        code = BROKEN_PIPE_EXIT
+    exit_cleanly(code)
+
+
 if __name__ == "__main__":
-    exit_cleanly(main())
+    run_and_exit(main)
