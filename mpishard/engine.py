@@ -25,7 +25,7 @@ from .comm.heap import keep_host_heap
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
 from .comm.signals import remove_singleton_segment_at_exit
 from .comm.threads import pin_blas_threads
-from .comm.uncaught import install as install_error_report
+from .comm import uncaught
 from .comm.watchdog import DEFAULT_TIMEOUT
 from .nn.losses import get_loss
 from .parallel.compose import compose
@@ -114,6 +114,7 @@ class ShardedEngine(ABC):
         were built; twice does nothing; then every call raises CommUnusable. (comm/retired.py:
         an engine never closed keeps them until it is collected.)"""
         self._close(collective=True)
+        uncaught.release(self)            # make_engine's error report, if it installed it
 
     def _close(self, collective: bool) -> None:
         if not self.mesh.closed:
@@ -392,7 +393,8 @@ def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu
     dtype defaults to float64, the exact reference every layout is tested against (the
     `train` command defaults to float32 for speed). report_errors: make an uncaught exception
     end the job with one report per distinct cause (comm/uncaught.py: replaces sys.excepthook,
-    logged once); False keeps Python's hook."""
+    logged once, until every engine that installed it is closed); False keeps Python's hook."""
     if report_errors:                  # first: a bad argument below is reported like the rest
-        install_error_report()
-    return MeshEngine(model, layout, comm=comm, dtype=dtype, device=device, **options)
+        uncaught.install()
+    return uncaught.held_by(MeshEngine(model, layout, comm=comm, dtype=dtype, device=device,
+                                       **options), report_errors)

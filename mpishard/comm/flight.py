@@ -21,8 +21,11 @@ then nothing is dumped. It is called by the guard thread on a collective timeout
 abort), by a polled CollectiveTimeout, by the uncaught-exception hook and the CLI's abort, and
 on SIGUSR2 (the rank goes on; the handler is installed by `redirect`). A fatal signal
 (SIGSEGV, SIGABRT, ...) writes the stacks alone to DIR/flight-rank<R>.fatal.txt (faulthandler;
-removed at a clean exit, and at a dump, when empty; DIR too at a clean exit when `redirect`
-made it and it is empty). A rank
+removed at a clean exit, and at a dump, when empty). A directory `redirect` made holds the
+empty marker MADE: at its clean exit every rank (not only the one that made it: the others'
+fatal files may still be open then) removes DIR when the marker is all that is left in it, so
+a clean run leaves no empty DIR whichever rank exits last, and a directory the user made is
+never removed. A rank
 that is not in a bounded wait when the job aborts (asleep, in a loop, past its last
 collective) is killed before it can dump: `python -m mpishard flight DIR` (cli/flight.py)
 reasons from the dumps there are.
@@ -51,6 +54,7 @@ FIELDS = ("op", "group", "seq", "peer", "bytes", "dtype", "shape", "enter", "exi
           "microbatch")
 P2P = {"send": "send", "send_async": "send", "receive": "recv", "receive_async": "recv"}
 PEER_ARGS = ("dest_id", "src_id", "target_device_id", "dest", "dst")
+MADE = ".mpishard-made"     # in a flight directory that `redirect` made (module docstring)
 
 
 def file_name(rank: int, kind: str) -> str:
@@ -79,7 +83,7 @@ class FlightRecorder:
         self.directory = None               # where dumps go (None: no dumps; redirect)
         self.dumped = None                  # the reason of the first dump
         self.fatal = None                   # the open fatal-signal file (redirect)
-        self.created = False                # whether redirect made the directory
+        self.made: list = []                # the directories this process's redirect made
 
     @classmethod
     def shared(cls):
@@ -196,9 +200,12 @@ class FlightRecorder:
                 signal.signal(signal.SIGUSR2, lambda signum, frame: self.dump("SIGUSR2", True))
         self.directory = os.path.abspath(os.fspath(directory))
         self.close_fatal()
-        self.created = not os.path.isdir(self.directory)
+        created = not os.path.isdir(self.directory)
         try:
             os.makedirs(self.directory, exist_ok=True)
+            if created:                     # every rank's clean exit may remove it (MADE)
+                open(os.path.join(self.directory, MADE), "a").close()
+                self.made.append(self.directory)
             self.fatal = open(os.path.join(self.directory, file_name(self.rank, "fatal")), "w")
             faulthandler.enable(self.fatal, all_threads=True)
         except OSError:
@@ -215,15 +222,17 @@ class FlightRecorder:
         if os.path.exists(name) and os.path.getsize(name) == 0:
             os.unlink(name)
 
-
     def clean_exit(self) -> None:
-        """At exit: close the fatal file, and remove the directory `redirect` made when
-        nothing was dumped there (no empty CKPT.flight left beside every run)."""
+        """At exit: close the fatal file, and remove the directory a `redirect` (this rank's
+        or another's: MADE) made when nothing else is left there (no empty CKPT.flight left
+        beside every run, whichever rank exits last)."""
         self.close_fatal()
-        if self.created and self.directory is not None:
+        for directory in dict.fromkeys(self.made + [self.directory]):
             try:
-                os.rmdir(self.directory)        # fails, as it should, unless it is empty
-            except OSError:
+                if os.listdir(directory) == [MADE]:
+                    os.unlink(os.path.join(directory, MADE))
+                    os.rmdir(directory)         # fails, as it should, if a file came meanwhile
+            except (OSError, TypeError):        # another rank was first, a file is there, None
                 pass
 
 

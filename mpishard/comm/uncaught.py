@@ -4,7 +4,9 @@ Under `python -m mpi4py`, an exception that leaves the script is printed by ever
 (full tracebacks, interleaved on one terminal), then mpi4py's exit handler calls MPI_Abort,
 which leaves the MPI library's files behind. `install()` -- called by `make_engine` unless it
 is given `report_errors=False` -- replaces `sys.excepthook` (process-wide: logged once on the
-"mpishard" logger; `uninstall()` puts the previous hook back) with `report`, which
+"mpishard" logger) with `report`; each engine that installed it calls `release()` when it is
+closed, and the last release puts the previous hook back, so an error after the engines are
+closed is not reported as one of theirs (`uninstall()` puts it back at once). `report`
 
 - exchanges the error with the other failing ranks for at most REPORT_WINDOW seconds: each
   failing rank sends (type, first line of the message, traceback) to rank 0 of COMM_WORLD with
@@ -36,8 +38,8 @@ from .lines import write_line
 from .signals import remove_mpi_files
 from .watchdog import abandon
 
-__all__ = ["install", "uninstall", "installed", "report", "format_report", "rank_ranges",
-           "REPORT_WINDOW"]
+__all__ = ["install", "held_by", "release", "uninstall", "installed", "report", "format_report",
+           "rank_ranges", "REPORT_WINDOW"]
 
 REPORT_WINDOW = 1.0        # seconds rank 0 collects reports; a reporter waits for its ack
 DONE_WAIT = 2.0            # seconds a reporter whose report was acknowledged waits for "done"
@@ -48,11 +50,14 @@ LAUNCHER_FILES = ("/runpy.py", "/mpi4py/run.py", "/mpi4py/__main__.py")
 
 log = logging.getLogger("mpishard")
 _previous = None           # the hook `install` replaced; None while not installed
+_users = 0                 # installs not yet released (engines open that asked for the report)
 
 
 def install() -> None:
-    """Make `report` the process's sys.excepthook (once; logged)."""
-    global _previous
+    """Make `report` the process's sys.excepthook (once; logged); each call is one user,
+    to be given back with `release`."""
+    global _previous, _users
+    _users += 1
     if _previous is not None:
         return
     _previous = sys.excepthook
@@ -61,9 +66,30 @@ def install() -> None:
              "the job's ranks (make_engine(..., report_errors=False) keeps Python's)")
 
 
+def held_by(engine, installed):
+    """`engine`, marked as a user of the report when `installed` (make_engine's), so that its
+    close releases it."""
+    engine.error_report = bool(installed)
+    return engine
+
+
+def release(engine=None) -> None:
+    """One user of `install` is done (`engine` closed: only if it is one; None: a user), the
+    last one puts the previous hook back."""
+    global _users
+    if engine is not None:
+        if not getattr(engine, "error_report", False):
+            return
+        engine.error_report = False
+    _users = max(0, _users - 1)
+    if _users == 0:
+        uninstall()
+
+
 def uninstall() -> None:
-    """Put back the hook `install` replaced."""
-    global _previous
+    """Put back the hook `install` replaced, whoever still uses it."""
+    global _previous, _users
+    _users = 0
     if _previous is not None:
         sys.excepthook, _previous = _previous, None
 

@@ -200,3 +200,21 @@ def test_a_clean_exit_leaves_no_empty_directory_it_made(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["kept"]         # made's gone, the user's stays
     assert os.listdir(kept) == []                          # no empty fatal file either
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="serial: two recorders stand for two ranks")
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_clean_exit_of_every_rank_leaves_no_directory_whichever_exits_last(tmp_path, first):
+    """Rank 0 makes DIR and rank 1 finds it there; then they exit in either order. Rank 1's
+    fatal file is still open when rank 0 exits first: the directory goes with the last rank
+    out, though that rank did not make it. One the user made stays."""
+    for directory in (tmp_path / "made", tmp_path / "kept"):
+        if directory.name == "kept":
+            directory.mkdir()
+        ranks = [FlightRecorder(rank=0), FlightRecorder(rank=1)]
+        for rec in ranks:
+            rec.redirect(directory)
+        ranks[first].clean_exit()
+        assert directory.is_dir()                     # the other rank's fatal file is open
+        ranks[1 - first].clean_exit()
+    assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == []

@@ -45,6 +45,34 @@ def test_make_engine_installs_the_report_unless_told_not_to():
             uncaught.install()
 
 
+def test_closing_the_engines_puts_the_previous_hook_back():
+    """An error raised after the engines are closed is the program's own, reported by the hook
+    that was there before: the last engine's close puts it back, an earlier one's does not."""
+    was = uncaught.installed()
+    uncaught.uninstall()
+
+    def mine(*exc):
+        pass
+
+    before, sys.excepthook = sys.excepthook, mine
+    try:
+        first = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
+        second = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
+        plain = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF, report_errors=False)
+        plain.close()
+        first.close()
+        assert sys.excepthook is uncaught.report
+        second.close()
+        assert sys.excepthook is mine and not uncaught.installed()
+        second.close()                       # twice: nothing more to give back
+        assert sys.excepthook is mine
+    finally:
+        uncaught.uninstall()
+        sys.excepthook = before
+        if was:
+            uncaught.install()
+
+
 def test_after_finalize_python_s_hook_reports(monkeypatch, capsys):
     """Once MPI is finalized the report cannot ask the other ranks: the previous hook prints."""
     calls = []
