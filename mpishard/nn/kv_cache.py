@@ -130,21 +130,23 @@ class KVCache:
         self.new_positions = None
 
 
-def cache_units(units):
-    """(attention units with a `cache` hook, units with `token_positions`) below `units`,
-    looking inside composites (`units`) and wrappers such as Recompute (`inner`)."""
-    attention, embeddings = [], []
+def walk_units(units):
+    """Every unit of `units` and below, looking inside composites (`units`) and wrappers such
+    as Recompute (`inner`)."""
     stack = list(units)
     while stack:
         u = stack.pop()
-        if hasattr(u, "cache"):
-            attention.append(u)
-        if hasattr(u, "token_positions"):
-            embeddings.append(u)
+        yield u
         stack.extend(getattr(u, "units", ()))
         if getattr(u, "inner", None) is not None:
             stack.append(u.inner)
-    return attention, embeddings
+
+
+def cache_units(units):
+    """(attention units with a `cache` hook, units with `token_positions`) below `units`."""
+    every = list(walk_units(units))
+    return ([u for u in every if hasattr(u, "cache")],
+            [u for u in every if hasattr(u, "token_positions")])
 
 
 @contextmanager
@@ -166,4 +168,4 @@ def caching(chunks, cache: KVCache):
             u.token_positions = positions
 
 
-__all__ = ["KVCache", "cache_units", "caching"]
+__all__ = ["KVCache", "cache_units", "caching", "walk_units"]

@@ -31,7 +31,8 @@ over the ep group's tokens: times 1/ep, GradientSync's average over the other da
 gives the global mean's gradient (as ms.MoE, parallel/expert_parallel.py). `record(index,
 experts, keep, capacity)` (optional) gets the routing of each forward that records for a
 backward (training: not predict nor generate; under recompute its second pass) for the
-statistics.
+statistics. `valid` (set by moe_routing.valid_tokens; None: no padding) marks padded tokens,
+which route nowhere and take no capacity (moe_routing's docstring).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import numpy as np
 
 from . import functional as nn
 from .layers import Layer
-from .moe_routing import TokenExchange, route
+from .moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
 
 
 def swiglu_expert_forward(x, gate, up, down):
@@ -61,16 +62,6 @@ def swiglu_expert_backward(dout, cache, gate, up, down):
     return dx, nn.einsum("md,mf->df", x, da), nn.einsum("md,mf->df", x, du), ddown
 
 
-def to_host(a):
-    """numpy of a numpy or cupy array (the routing decision is made on the host)."""
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
-def softmax_rows(logits, xp):
-    z = xp.exp(logits - logits.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
-
-
 def renormalised_gates_backward(dgates, gates, top_sum):
     """d p_top from d w, w = p_top / sum(p_top) (n, k)."""
     return (dgates - (dgates * gates).sum(axis=1, keepdims=True)) / top_sum
@@ -78,7 +69,10 @@ def renormalised_gates_backward(dgates, gates, top_sum):
 
 class SparseMoE(Layer):
     """Block `index`'s router + top-k + renormalised gates + SwiGLU experts (module docstring).
-    exchange: a moe_routing.TokenExchange (None: local); record: the statistics callback."""
+    exchange: a moe_routing.TokenExchange (None: local); record: the statistics callback;
+    valid: the tokens' (B, T) bool mask inside moe_routing.valid_tokens (None: no padding)."""
+
+    valid = None
 
     def __init__(self, model, access, index, exchange=None, record=None, aux=None):
         super().__init__()
@@ -102,25 +96,32 @@ class SparseMoE(Layer):
         for n in self.weights:
             self.access.release(n, mb)
 
+    def _capacity(self, tokens: int) -> int:
+        """Assignments each expert takes from a sequence of `tokens` real tokens."""
+        model = self.model
+        if model.capacity_factor is None:
+            return model.top_k * tokens
+        return int(-(-model.capacity_factor * tokens * model.top_k // model.n_experts))
+
     def forward(self, x, mb=0, record=True):
         xp, model = nn.array_module(x), self.model
+        exchange = self._exchange(xp)
         rows = x.reshape(-1, x.shape[-1])                                 # (n, D)
         n_groups = x.shape[0]                                            # one per sequence
-        capacity = model.top_k * (rows.shape[0] // n_groups) if model.capacity_factor is None \
-            else int(-(-model.capacity_factor * (rows.shape[0] // n_groups) * model.top_k //
-                       model.n_experts))
-        wr = self.access.get(self.router, mb)
-        probs = softmax_rows(nn.einsum("nd,de->ne", rows, wr), xp)       # route
+        valid = token_mask(self.valid, x.shape[:-1], exchange.to_host)  # padding: None
+        capacity = group_capacity(self._capacity, valid, n_groups, rows.shape[0])
+        probs = router_probs(rows, self.access.get(self.router, mb))     # route
         self.access.release(self.router, mb)
-        experts, keep = route(to_host(probs), model.top_k, n_groups, capacity)
+        experts, keep = route(exchange.to_host(probs), model.top_k, n_groups, capacity, valid)
         top = xp.take_along_axis(probs, xp.asarray(experts), axis=1)     # (n, k)
         top_sum = top.sum(axis=1, keepdims=True)
         gates = top / top_sum                                            # renormalised
+        routed, kept, p_real = (experts, keep, probs) if valid is None else \
+            (experts[valid], keep[valid], probs[xp.asarray(valid)])     # padding not counted
         if self.record is not None and record:          # training forwards (not predict)
-            self.record(self.index, experts, keep, capacity)
+            self.record(self.index, routed, kept, int(np.max(capacity)))
         if self.aux is not None:
-            self.aux.add(mb, self.index, experts, probs)
-        exchange = self._exchange(xp)
+            self.aux.add(mb, self.index, routed, p_real)
         xe, bounds, ctx = exchange.dispatch(rows, experts, keep)         # dispatch
         wg, wu, wd = self._experts(mb)
         outs, caches = [], []
@@ -133,7 +134,7 @@ class SparseMoE(Layer):
         y = xp.einsum("nk,nkd->nd", gates, slots)                        # mix
         self.save(mb, record, dict(rows=rows, probs=probs, experts=experts, gates=gates,
                                    top_sum=top_sum, slots=slots, ctx=ctx, bounds=bounds,
-                                   caches=caches))
+                                   caches=caches, valid=valid))
         return y.reshape(x.shape)
 
     def backward(self, dy, mb=0):
@@ -160,8 +161,8 @@ class SparseMoE(Layer):
         onehot = xp.asarray(s["experts"])[:, :, None] == xp.arange(self.model.n_experts)
         dprobs = (onehot * dtop[:, :, None]).sum(axis=1)                 # scatter (n, E)
         daux = None if self.aux is None else self.aux.dprobs(xp, dprobs.dtype)
-        if daux is not None:
-            dprobs += daux                                               # c E C / N^2 (E,)
+        if daux is not None:                                             # c E C / N^2 (E,)
+            dprobs += daux if s["valid"] is None else xp.asarray(s["valid"])[:, None] * daux
         probs = s["probs"]
         dlogits = probs * (dprobs - (probs * dprobs).sum(axis=1, keepdims=True))
         self.access.add_grad(self.router, nn.einsum("nd,ne->de", rows, dlogits))

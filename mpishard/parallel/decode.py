@@ -20,6 +20,13 @@ Every step runs ONE forward for all prompts and draws one token per prompt:
                  taken at each row's last real token (causal: real tokens never see the
                  padding after them)
 
+Padding is no token for the experts either: each forward runs inside
+nn/moe_routing.valid_tokens with its real slots (cached: `real`; recomputed: each row's tokens
+up to its last real one), so a Mixtral's left or right padding takes no expert capacity and a
+prompt's logits and ids do not depend on the other prompts' lengths. (Under cp and
+sequence_parallel, where a recomputed window's tokens are split, capacity_factor is refused,
+so there is no capacity for padding to take and no mask is given.)
+
 Rows: under data-parallel axes (dp, fsdp) the rows are split over the data-parallel ranks, as
 a training batch is (engine.shard_batch), the row count padded to a multiple of the
 data-parallel size with one-token dummy rows; the cache of a rank holds its own rows. A prompt
@@ -43,6 +50,7 @@ import numpy as np
 
 from ..nn.functional import array_module
 from ..nn.kv_cache import KVCache, caching
+from ..nn.moe_routing import valid_tokens
 from ..nn.sampling import check_sampling, sample
 from ..validate import check_number
 from .gpt import check_decode
@@ -73,7 +81,7 @@ class Decoder:
         """ids, real (B, t): new slots (left padding not real) -> logits (B, V) at slot t-1."""
         x, mask = self.shard(ids), self.shard(real)
         cache.extend(mask)
-        with caching(self.chunks, cache):
+        with caching(self.chunks, cache), valid_tokens(self.chunks, mask):
             y = self.predict(x)
         cache.advance(ids.shape[1])
         if y is not None:                                   # the last slot only
@@ -82,7 +90,10 @@ class Decoder:
 
     def recomputed_step(self, ids, last, vocab: int):
         """ids (B, T) right-padded, last (B,) index of each row's last real token -> (B, V)."""
-        y = self.gather(self.predict(self.shard(ids)))
+        real = None if self.length_multiple > 1 else \
+            self.shard(np.arange(ids.shape[1]) <= np.asarray(last)[:, None])
+        with valid_tokens(self.chunks, real):
+            y = self.gather(self.predict(self.shard(ids)))
         return y[np.arange(len(last)), last, :vocab].astype(np.float64)
 
 

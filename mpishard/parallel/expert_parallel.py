@@ -32,8 +32,11 @@ Capacity groups (see ms.MoE): each rank splits its rows into groups/(dp*ep) cont
 and drops, per group and expert, the assignments over capacity *before* dispatching, so
 dropped tokens cost no traffic and `single` with the same `groups` drops exactly the same
 ones. With ep=1 (single, dp) the same layer runs with every expert local and no exchange.
-Per-forward statistics, summed over the data axes, land in engine.stats: moe_routed and
-moe_kept (assignments per expert), moe_dropped, moe_capacity, moe_groups.
+Padding (an evaluation chunk's filler rows, inside nn/moe_routing.valid_tokens) routes to no
+expert and takes no capacity: a group's capacity is that of its real rows. Per-forward
+statistics, summed over the data axes, land in engine.stats: moe_routed and moe_kept
+(assignments per expert, padding not counted), moe_dropped, moe_capacity (the largest
+group's), moe_groups.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import numpy as np
 from ..nn import functional as nn
 from . import placement as pl
 from ..nn.layers import Layer
-from ..nn.moe_routing import TokenExchange, route
+from ..nn.moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
 from ..comm.mesh import DATA_AXES
 
 
@@ -85,8 +88,11 @@ class MoELayer(Layer):
     """Router + top-k gating + experts, the experts spread over the ep axis.
 
     access: the parameter-access policy; comm: the engine's Comm (all_to_all_v over ep, the
-    routing statistics summed over the data axes); stats: the dict the statistics land in.
+    routing statistics summed over the data axes); stats: the dict the statistics land in;
+    valid: the rows' (b,) bool mask inside nn/moe_routing.valid_tokens (None: no padding).
     """
+
+    valid = None
 
     def __init__(self, model, access, comm, stats: dict, need_dx=True):
         super().__init__()
@@ -140,15 +146,14 @@ class MoELayer(Layer):
             raise ValueError(f"MoE: {b} local rows do not split into the {n_groups} capacity "
                              f"groups per rank (groups={model.groups}, {self.data_size} "
                              f"data-parallel ranks)")
-        capacity = model.capacity(b // n_groups)
+        valid = token_mask(self.valid, (b,), self.exchange.to_host)         # padding: None
+        capacity = group_capacity(model.capacity, valid, n_groups, b)
         # route: logits 'bd,de->be', softmax, top-k, capacity
-        wr = self.access.get("router/weights")
-        logits = nn.einsum("bd,de->be", x, wr)
-        z = xp.exp(logits - logits.max(axis=1, keepdims=True))
-        probs = z / z.sum(axis=1, keepdims=True)
-        experts, keep = route(self.comm.backend.to_host(probs), k, n_groups, capacity)
+        probs = router_probs(x, self.access.get("router/weights"))
+        experts, keep = route(self.exchange.to_host(probs), k, n_groups, capacity, valid)
         gates = xp.take_along_axis(probs, xp.asarray(experts), axis=1)        # (b, k)
-        self._record_stats(experts, keep, capacity, n_groups)
+        self._record_stats(*((experts, keep) if valid is None else
+                             (experts[valid], keep[valid])), int(np.max(capacity)), n_groups)
 
         xe, bounds, ctx = self.exchange.dispatch(x, experts, keep)           # dispatch
         outs, caches = [], []

@@ -179,10 +179,24 @@ class AuxLoss:
 
 class AuxLossRunner:
     """The runner (Sequential: pp=1) with c aux added to each train_step's loss value, the
-    step's grad_scale given to AuxLoss; everything else is the runner's."""
+    step's grad_scale given to AuxLoss. forward, backward and the tracer are the runner's."""
 
     def __init__(self, runner, aux: AuxLoss):
         self.runner, self.aux = runner, aux
+
+    @property
+    def tracer(self):
+        return self.runner.tracer
+
+    @tracer.setter
+    def tracer(self, tracer) -> None:        # a trace (parallel/tracing.py) sets it
+        self.runner.tracer = tracer
+
+    def forward(self, x, mb=0, record=True):
+        return self.runner.forward(x, mb=mb, record=record)
+
+    def backward(self, dy, mb=0):
+        return self.runner.backward(dy, mb=mb)
 
     def train_step(self, x, t, loss, grad_scale):
         self.aux.begin(grad_scale)
@@ -195,37 +209,36 @@ class AuxLossRunner:
         finally:
             self.aux.end()
 
-    def __getattr__(self, attr):              # forward, backward, tracer, ...: the runner's
-        return getattr(self.runner, attr)
-
-    def __setattr__(self, attr, value):
-        if attr in ("runner", "aux"):
-            object.__setattr__(self, attr, value)
-        else:                                  # e.g. a trace's runner.tracer
-            setattr(self.runner, attr, value)
-
 
 class AuxLossPipeline(AuxLossRunner):
-    """The PipelineRunner (schedule=gpipe: check_moe_layout) with c aux: its hook ends the
-    collection at the rank's first action that is not a forward (every forward of the step
-    on this stage done; its sends are non-blocking, so every stage reaches the all_reduce,
-    over pp and the token axes, before any waits for a gradient); c aux joins the last
-    stage's loss value (the one the engine broadcasts over pp)."""
+    """The PipelineRunner (schedule=gpipe: check_moe_layout) with c aux. Its before_action
+    hook, set once here, ends the collection at the rank's first action of a step that is not
+    a forward (every forward of the step on this stage done; its sends are non-blocking, so
+    every stage reaches the all_reduce, over pp and the token axes, before any waits for a
+    gradient); c aux joins the last stage's loss value (the one the engine broadcasts over
+    pp). inference_loop is the runner's."""
+
+    def __init__(self, runner, aux: AuxLoss):
+        super().__init__(runner, aux)
+        self.value = 0.0                     # this step's c aux, once the hook has run
+        runner.before_action = self._end_forwards
+
+    def _end_forwards(self, action) -> None:
+        if action.kind != "F" and self.aux.active:
+            self.value = self.aux.total()
+
+    def inference_loop(self, input_stream, output_stream, prepare=None):
+        return self.runner.inference_loop(input_stream, output_stream, prepare=prepare)
 
     def train_step(self, x, t, loss, grad_scale):
-        values = []
-
-        def hook(action):
-            if action.kind != "F" and self.aux.active:
-                values.append(self.aux.total())
-        self.runner.before_action = hook
+        self.value = 0.0
         self.aux.begin(grad_scale)
         try:
             value, rows = self.runner.train_step(x, t, loss, grad_scale)
         finally:
             self.aux.end()
         last = self.runner.stage == self.runner.pp - 1
-        return value + (values[0] if last else 0.0), rows
+        return value + (self.value if last else 0.0), rows
 
 
 def sparse_layers(units):
