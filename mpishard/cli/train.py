@@ -19,10 +19,10 @@ from ..nn.functional import ACTIVATIONS
 from ..nn.models import MLP
 from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..engine import make_engine
-from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES, load_dataset
+from ..train.data import DATASETS, load_dataset
 from ..train.lr import make_lr_schedule
 from ..train.nonfinite import DEFAULT_MAX_NONFINITE, NONFINITE_POLICIES
-from ..train.npy_data import is_npy_name, load_npy_dataset, npy_task
+from ..train.npy_data import is_npy_name, load_npy_dataset
 from ..train.tokens import is_tokens_name
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
@@ -30,11 +30,14 @@ from .cluster_options import (CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_call
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
                               preempted_before_training, resume_source, stop_signals,
                               validate_cluster_args)
+from .dataset_options import dataset_name, fitting_loss
 from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_callbacks,
                              validate_flight_args)
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
                           add_gpt_arguments, validate_gpt_args)
 from .model_flag import LLAMA_PREFIX, joined_gpt_spec
+from .report_options import (REPORT_DEFAULTS, add_report_arguments, log_host_heap,
+                             validate_report_args)
 from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_extra,
                             lm_model_and_data, load_initial_params, log_lm_data,
                             validate_lm_args)
@@ -61,13 +64,13 @@ TRAIN_DEFAULTS = {
     "schedule": "constant", "warmup": 0, "min_lr": 0.0, "batch": 64, "epochs": None,
     "steps": None, "accumulate": 1, "clip": None, "seed": 0, "dtype": "float32",
     "param_dtype": None, "comm_dtype": None, "timeout": DEFAULT_TIMEOUT, "host_heap": "keep",
-    "device": "auto", "cuda_aware": "auto", "eval_every": 0, "log_every": 50, "metrics_json": None,
-    "no_progress": False, "n_train": 1024, "n_test": 256, "log_level": "INFO",
+    "device": "auto", "cuda_aware": "auto", "log_every": 50, "no_progress": False,
+    "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": None, "keep_last": 1,
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
-    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **CLUSTER_DEFAULTS, **FLIGHT_DEFAULTS,
+    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **CLUSTER_DEFAULTS, **FLIGHT_DEFAULTS, **REPORT_DEFAULTS,
 }
 DEFAULT_EPOCHS = 10
 
@@ -94,7 +97,7 @@ def add_train_arguments(p):
           "float32 (float16: dynamic loss scaling); default: --dtype")
     add_device_arguments(m, default=None)
     d = _recording(p.add_argument_group("data"), options)
-    d("--dataset", type=_dataset_name, help=f"{', '.join(DATASETS + (TEXT_DATASET,))}, "
+    d("--dataset", type=dataset_name, help=f"{', '.join(DATASETS + (TEXT_DATASET,))}, "
       "npy:DIR (memory-mapped DIR/x.npy, y.npy, optional x_test.npy, y_test.npy; needs "
       "--model) or tokens:DIR (`mpishard tokenize`'s token files, memory-mapped); default "
       "digits (text with --model gpt or --init-from-hf: windows of --corpus)")
@@ -128,10 +131,9 @@ def add_train_arguments(p):
     o("--max-nonfinite", type=int, metavar="K", help="skip: stop after K non-finite steps in "
       f"a row (default {DEFAULT_MAX_NONFINITE})")
     r = _recording(p.add_argument_group("reporting"), options)
-    r("--eval-every", type=int, help="evaluate every N steps (0: at the end)")
     r("--log-every", type=int, help="log the loss every N steps (50; 0: never)")
     r("--log-level", choices=("DEBUG", "INFO", "WARNING"), help="rank 0 (INFO)")
-    r("--metrics-json", metavar="PATH", help="write the end-of-run metrics here (rank 0)")
+    add_report_arguments(r)             # --eval-every, --eval-batch(es), --metrics-json
     add_metrics_arguments(r)
     r("--no-progress", action="store_true", default=None, help="no progress bar")
     add_trace_arguments(r)
@@ -153,16 +155,6 @@ def add_train_arguments(p):
                    "flags given on the command line win")
     p.config_options = options
     return p
-
-
-def _dataset_name(text):
-    """--dataset: a built-in name, npy:DIR or tokens:DIR."""
-    if text in DATASETS + (TEXT_DATASET,) or (is_npy_name(text) and len(text) > 4) or \
-            (is_tokens_name(text) and len(text) > 7):
-        return text
-    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
-                                     f"{', '.join(DATASETS + (TEXT_DATASET,))}, npy:DIR or "
-                                     f"tokens:DIR)")
 
 
 def _recording(group, options: dict):
@@ -208,6 +200,7 @@ def parse_train_args(argv, parser=None):
     if language and merged.get("schedule") is None:
         merged.update(GPT_SCHEDULE_DEFAULTS if merged.get("warmup") is None
                       else {"schedule": GPT_SCHEDULE_DEFAULTS["schedule"]})
+    merged["host_heap_asked"] = merged.get("host_heap") is not None   # its line's level
     for k, v in TRAIN_DEFAULTS.items():
         if merged.get(k) is None:
             merged[k] = v
@@ -246,7 +239,7 @@ def validate_train_args(args, world_size: int):
                                                 or args.dtype != "float32"):
             raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
                              f"or the --dtype itself), got --dtype {args.dtype}")
-    loss = "cross_entropy" if gpt else _fitting_loss(args, dims)
+    loss = "cross_entropy" if gpt else fitting_loss(args, dims)
     dp = layout.data_parallel_size
     if args.batch % (args.accumulate * dp):
         raise UsageError(f"--batch {args.batch} must divide by --accumulate {args.accumulate} "
@@ -257,18 +250,14 @@ def validate_train_args(args, world_size: int):
     _validate_checkpoint_args(args)
     validate_trace_args(args)
     validate_flight_args(args)
-    if args.metrics_json:
-        parent = os.path.dirname(os.path.abspath(args.metrics_json))
-        if not os.path.isdir(parent):
-            raise UsageError(f"--metrics-json {args.metrics_json}: directory {parent} does "
-                             f"not exist")
+    validate_report_args(args, layout)  # evaluation batches, --metrics-json
     return layout, dims, loss
 
 
 def _check_numbers(args):
     """Every numeric flag within its range (a flag left at None is not checked)."""
-    check_flags(args, ("lr", "weight_decay", "momentum", "min_lr", "warmup", "eval_every",
-                       "log_every", "seed", "checkpoint_every"), low=0)
+    check_flags(args, ("lr", "weight_decay", "momentum", "min_lr", "warmup", "log_every",
+                       "seed", "checkpoint_every"), low=0)
     check_flags(args, ("keep_last",), low=1)
     check_flags(args, ("eps", "batch", "accumulate", "n_train", "n_test", "steps", "epochs",
                        "max_nonfinite"), low=0, low_open=True)
@@ -277,29 +266,6 @@ def _check_numbers(args):
         # a non-finite clip is left to the Trainer, whose message states the whole rule:
         # "clip must be a finite number > 0 (or None)"
         check_flags(args, ("clip",), low=0, low_open=True)
-
-
-def _fitting_loss(args, dims) -> str:
-    """The loss for --dataset and the model's output width: --loss if given and it fits."""
-    if args.dataset == "digits" and (dims[0] != DIGITS_FEATURES or dims[-1] != DIGITS_CLASSES):
-        raise UsageError(f"--model {args.model}: the digits dataset has {DIGITS_FEATURES} "
-                         f"features and {DIGITS_CLASSES} classes, so the model must be "
-                         f"{DIGITS_FEATURES},...,{DIGITS_CLASSES}")
-    # the one loss that fits the dataset (one class output: bce, sigmoid added)
-    if is_npy_name(args.dataset):
-        try:
-            fits = {args.dataset: "cross_entropy" if npy_task(args.dataset) == "classification"
-                    else "mse"}
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-    else:
-        fits = {"synthetic-regression": "mse", "digits": "cross_entropy",
-                "synthetic-classification": "bce" if dims[-1] == 1 else "cross_entropy"}
-    loss = args.loss or fits[args.dataset]
-    if loss != fits[args.dataset]:
-        raise UsageError(f"--loss {loss} does not fit dataset {args.dataset} with {dims[-1]} "
-                         f"output(s); use --loss {fits[args.dataset]}")
-    return loss
 
 
 def _validate_checkpoint_args(args):
@@ -359,11 +325,13 @@ def build_training(args, comm=None, flag=None):
     else:
         opt = SGD(engine, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     log = configure_logging(engine.device_id, getattr(logging, args.log_level))
+    log_host_heap(log, engine, getattr(args, "host_heap_asked", True))
     if not isinstance(dims, list):
         log_lm_data(log, data)
     trainer = Trainer(engine, opt, data, loss, batch=args.batch, steps=args.steps,
                       epochs=args.epochs, accumulate=args.accumulate, clip=args.clip,
-                      eval_every=args.eval_every, log_every=args.log_every, seed=args.seed,
+                      eval_every=args.eval_every, eval_batch=args.eval_batch,
+                      eval_batches=args.eval_batches, log_every=args.log_every, seed=args.seed,
                       progress=not args.no_progress, logger=log,
                       on_nonfinite=args.on_nonfinite, max_nonfinite=args.max_nonfinite)
     if args.schedule != "constant" or args.warmup:

@@ -137,6 +137,19 @@ class VocabParallelCrossEntropy(Loss):
     def __call__(self, y, t):
         """(global token-mean loss, dL/dy_local); y: this rank's (B, T, v) vocab shard, the
         padded columns (global index >= V) masked to -inf."""
+        value, e, se, idx, inside = self._forward(y, t)
+        xp = nn.array_module(y)
+        p = e / se[..., None]                                       # softmax, local columns
+        onehot = (xp.arange(y.shape[-1]) == idx) & inside[..., None]
+        return value, (p - onehot) / t.size                         # d mean / d logits
+
+    def value(self, y, t) -> float:
+        """The global token-mean loss alone: the forward of __call__, no gradient arrays
+        (evaluation)."""
+        return self._forward(y, t)[0]
+
+    def _forward(self, y, t):
+        """(loss, exp(y - m), se, the target's local column, whether it is local)."""
         n, v = self.tp.size(), y.shape[-1]
         if v != vocab_width(self.vocab, n) or y.ndim != 3:
             raise ValueError(f"vocab-parallel cross_entropy expects (B, T, "
@@ -157,9 +170,7 @@ class VocabParallelCrossEntropy(Loss):
         tgt_local = xp.where(inside, xp.take_along_axis(z, idx, axis=-1)[..., 0], 0.0)
         tgt = self.tp.all_reduce(tgt_local, op="sum")               # target logit - m
         value = float((xp.log(se) - tgt).mean())                    # -log softmax[t], mean
-        p = e / se[..., None]                                       # softmax, local columns
-        onehot = (xp.arange(v) == idx) & inside[..., None]
-        return value, (p - onehot) / t.size                         # d mean / d logits
+        return value, e, se, idx, inside
 
 
 class VocabParallelOutput:

@@ -8,9 +8,10 @@ terminal. Otherwise the --log-every lines are the progress (it returns None), an
 twentieth of the run and at the last step.
 
 `slow_notice(log, what, after)` is a context manager: a daemon timer thread that, while the
-block still runs, logs "<what>: still running after N s" once `after` seconds have passed and
-then every `after` seconds, so a long evaluation is not mistaken for a hang. It never touches
-the engine or MPI (a log line from a thread only).
+block still runs, logs "<what>: still running after N s" once `after` seconds have passed, then
+after each wait twice the one before (5, 15, 35, 75 s, ...), so a long evaluation is not
+mistaken for a hang and a very long one adds a line only now and then. It never touches the
+engine or MPI (a log line from a thread only).
 """
 from __future__ import annotations
 
@@ -66,12 +67,15 @@ def _isatty(stream) -> bool:
 
 @contextmanager
 def slow_notice(log, what: str, after: float = EVAL_NOTICE_S):
-    """Log '<what>: still running after N s' every `after` seconds while the block runs."""
+    """Log '<what>: still running after N s' after `after` seconds while the block runs,
+    then after waits that double each time."""
     done, t0 = threading.Event(), time.perf_counter()
 
     def watch():
-        while not done.wait(after):
+        wait = after
+        while not done.wait(wait):
             log.info("%s: still running after %.0f s", what, time.perf_counter() - t0)
+            wait *= 2
 
     thread = threading.Thread(target=watch, name="mpishard-slow-notice", daemon=True)
     thread.start()

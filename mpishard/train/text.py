@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..parallel.context_parallel import shard_sequence
-from .data import Dataset, eval_chunks
+from .data import Dataset
 from .grammar import synthetic_corpus, synthetic_seed
 
 BYTE_VOCAB = 256
@@ -251,34 +251,13 @@ def sequence_cut(engine, arr):
     return shard_sequence(arr, engine.mesh)
 
 
-def window_loss(engine, x, t, chunk: int, loss) -> float:
-    """Collective: the token-mean `loss` of the model over every window of (x, t) (the same
-    float on every rank). Windows go through `predict` in chunks of `chunk` global rows (the
-    last padded; see data.eval_chunks) and `gather_batch` brings each chunk's logits to every
-    rank, where only that chunk's real rows are scored, so no rank holds all the logits."""
-    n, total = len(x), 0.0
-    dp, rank = engine.data_parallel_size, engine.data_parallel_rank
-    for k, (idx, real) in enumerate(eval_chunks(n, chunk, dp, rank)):
-        y = engine.gather_batch(engine.predict(sequence_cut(engine, x[idx])))
-        y = engine.backend.to_host(y)[:real]
-        targets = t[np.arange(k * chunk, k * chunk + real)]
-        total += loss.value(y.astype(np.float64), targets) * real   # every row: seq_len tokens
-    return total / n
-
-
 def bits_per(unit: str, loss_nats: float) -> dict:
     """{"val_bits_per_byte" or "val_bits_per_token": the loss in bits} (unit: TextDataset.unit)."""
     return {f"val_bits_per_{unit}": loss_nats / math.log(2.0)}
 
 
-def language_metrics(loss_nats: float, tokens: int, seconds: float, unit="byte") -> dict:
-    """val_loss (nats per `unit`), val_bits_per_<unit> and tokens_per_s."""
-    return {"val_loss": loss_nats, **bits_per(unit, loss_nats),
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
-
-
 __all__ = ["BYTES", "BYTE_VOCAB", "DEFAULT_CORPUS_BYTES", "DEFAULT_VAL_FRACTION", "TextDataset",
            "Windows", "bits_per", "check_max_bytes", "corpus_files", "corpus_info", "documents",
-           "language_metrics", "read_corpus", "read_text", "sequence_cut", "split_point",
-           "split_windows", "stdlib_files", "text_dataset", "window_count", "window_loss",
+           "read_corpus", "read_text", "sequence_cut", "split_point",
+           "split_windows", "stdlib_files", "text_dataset", "window_count",
            "windows_dataset"]

@@ -1,8 +1,9 @@
 """The training loop: accumulation, clipping, schedules, evaluation, logging, progress, metrics.
 
 The Trainer talks to the engine only through its public API (`data_parallel_size/rank` for
-batching, `train_step`, `global_mean`, `predict`, `gather_batch`, and the optimizer's
-`optimizer_shards`), so every layout plugs in unchanged: single, dp, tp, and pp/fsdp/ep alike.
+batching, `train_step`, `global_mean`, `predict` and `output.loss` for evaluation (evaluate.py),
+and the optimizer's `optimizer_shards`), so every layout plugs in unchanged: single, dp, tp, and
+pp/fsdp/ep alike.
 
 One optimizer step with gradient accumulation over k micro-steps (DDP's `no_sync` idea):
 
@@ -18,7 +19,8 @@ Checkpoints plug in as a callback: `TrainState` (history.py) holds the step (the
 follows from it, see DistributedBatcher.position) and the bounded histories, and
 `Callback.on_step_end` runs after every optimizer step on every rank (the checkpoint package's
 `Checkpointer` saves there; its `resume` restores the engine, the optimizer and `trainer.state`
-before `fit()`).
+before `fit()`). Throughput counts what this Trainer ran: a resumed run's samples/s are its
+own steps over its own time. `fit` records each phase's peak memory (memory.py) into the metrics.
 """
 from __future__ import annotations
 
@@ -34,14 +36,17 @@ from ..comm.lines import write_line
 from ..nn.losses import get_loss
 from ..parallel.stages import pipeline_options
 from ..validate import check_number
-from .data import Dataset, DistributedBatcher, eval_chunks
+from .data import Dataset, DistributedBatcher
+from .evaluate import check_eval_args, evaluate
 from .expert_load import expert_load, expert_text
 from .history import TrainState
+from .memory import PhasePeaks, gather_peaks, peaks_text
 from .nonfinite import DEFAULT_MAX_NONFINITE, NonFiniteGuard, quiet
 from .optim import clip_grad_norm
 from .progress import EVAL_NOTICE_S, progress_bar, slow_notice
 from .scaler import GradScaler
-from .text import bits_per, language_metrics, sequence_cut, window_loss
+from .summary import summary_table
+from .text import bits_per, sequence_cut
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
 
@@ -113,6 +118,9 @@ class Trainer:
     clip : max global gradient norm, or None
     schedule : step -> lr function (lr.cosine_schedule, ...), or None for a constant lr
     eval_every : evaluate on the test split every this many steps (0: only at the end)
+    eval_batch : global rows per evaluation batch (None: the rows of one training micro-step,
+                 batch / accumulate); eval_batches: at most this many batches per evaluation
+                 (None: the whole test split; 0: no evaluation at all)
     log_every : log the loss on rank 0 every this many steps (0: never)
     progress : a tqdm bar on rank 0 (loss, samples/s)
     callbacks : Callback objects (checkpointing, custom metrics)
@@ -125,8 +133,8 @@ class Trainer:
 
     def __init__(self, engine, optimizer, data: Dataset, loss=None, *, batch=64, steps=None,
                  epochs=None, accumulate=1, clip=None, schedule=None, eval_every=0,
-                 log_every=50, seed=0, progress=True, callbacks=(), logger=None,
-                 shuffle=True, scaler=None, on_nonfinite="stop",
+                 eval_batch=None, eval_batches=None, log_every=50, seed=0, progress=True,
+                 callbacks=(), logger=None, shuffle=True, scaler=None, on_nonfinite="stop",
                  max_nonfinite=DEFAULT_MAX_NONFINITE):
         if (steps is None) == (epochs is None):
             raise ValueError(f"give exactly one of steps and epochs (got steps={steps}, "
@@ -149,6 +157,13 @@ class Trainer:
                              f"rows each rank gets per micro-step (batch {batch} / accumulate "
                              f"{accumulate} / {engine.data_parallel_size} data-parallel ranks) "
                              f"of layout {engine.layout.text!r}")
+        self.eval_batch = self.batcher.micro_batch if eval_batch is None else eval_batch
+        check_eval_args(self.eval_batch, eval_batches, engine.data_parallel_size,
+                        engine.layout.text)
+        if eval_batches == 0 and eval_every:
+            raise ValueError(f"eval_every={eval_every} asks for evaluations that "
+                             f"eval_batches=0 turns off")
+        self.eval_batches = eval_batches
         self.batch, self.accumulate, self.clip = int(batch), int(accumulate), clip
         self.total_steps = int(steps) if steps is not None else \
             int(epochs) * self.batcher.steps_per_epoch
@@ -159,7 +174,8 @@ class Trainer:
         self.rank = engine.device_id
         self.log = logger or logging.getLogger("mpishard")
         self.state = TrainState()
-        self.train_time = 0.0
+        self.train_time, self.run_samples = 0.0, 0    # this Trainer's: throughput (resumes)
+        self.memory = PhasePeaks()            # peak memory per phase (memory.py)
         self.eval_notice_s = EVAL_NOTICE_S     # a longer evaluation logs that it still runs
         self.expert_load = {}        # the last step's (expert_load.py); {} for a dense model
         if scaler is None and engine.precision.needs_loss_scaling:
@@ -205,6 +221,7 @@ class Trainer:
         st.loss_history.append(loss)
         st.step += 1
         st.samples += self.batch
+        self.run_samples += self.batch
         return loss
 
     @property
@@ -213,27 +230,14 @@ class Trainer:
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        """Loss (and accuracy for classification) on the test split, the same on every rank.
-
-        The test rows go through `predict` in chunks shaped like the training micro-batches
-        (the last one padded), and `gather_batch` assembles the global outputs."""
-        e, d = self.engine, self.data
-        n = len(d.x_test)
-        micro = self.batcher.micro_batch
-        chunk = micro * max(1, min(-(-n // micro), 256 // micro))
-        if d.task == "language":              # windows of a text corpus: token-mean loss
-            value = window_loss(e, d.x_test, d.t_test, chunk, self.loss)
-            return {"step": self.state.step, "test_loss": value, **bits_per(d.unit, value)}
-        outs = []
-        for idx, real in eval_chunks(n, chunk, e.data_parallel_size, e.data_parallel_rank):
-            y = e.backend.to_host(e.gather_batch(e.predict(d.x_test[idx])))
-            outs.append(y[:real])
-        y = np.concatenate(outs).astype(np.float64)
-        result = {"step": self.state.step, "test_loss": float(self.loss.value(y, d.t_test))}
-        if d.task == "classification":
-            result["test_accuracy"] = float((y.argmax(axis=1) == d.t_test).mean())
-        elif d.task == "binary":
-            result["test_accuracy"] = float(((y >= 0.5) == (d.t_test >= 0.5)).mean())
+        """Loss (and accuracy for classification) on the test split, the same on every rank:
+        evaluate.py's batches of `eval_batch` rows through `predict`, scored with the
+        training loss, at most `eval_batches` of them."""
+        d = self.data
+        result = {"step": self.state.step, **evaluate(self.engine, d, self.loss,
+                                                      self.eval_batch, self.eval_batches)}
+        if d.task == "language":              # windows of a text corpus: bits per byte/token
+            result.update(bits_per(d.unit, result["test_loss"]))
         return result
 
     # -- the loop --------------------------------------------------------------------------------
@@ -248,17 +252,19 @@ class Trainer:
                       _model_text(e), e.num_devices, e.layout.text, self.total_steps,
                       self.batch, self.accumulate, self.batcher.local_rows,
                       self.batcher.steps_per_epoch)
-        threads = e.blas_threads                     # comm/threads.py: what the engine chose
-        self.log.info("BLAS threads per rank: %s (%s)", threads.threads or "as started",
-                      threads.why)
-        self.log.info("host heap: %s", e.host_heap.why)   # comm/heap.py: make_engine's opt-in
+        threads = e.blas_threads        # comm/threads.py: a pool it changed, it logged itself
+        self.log.log(logging.INFO if threads.threads == threads.before else logging.DEBUG,
+                     "BLAS threads per rank: %s (%s)", threads.threads or "as started",
+                     threads.why)
         bar = self._progress_bar()
         t_start = time.perf_counter()
+        self.memory = PhasePeaks()            # the baseline: after start-up and any resume
+        self.memory.switch("train")
         while st.step < self.total_steps:
             t0 = time.perf_counter()
             loss = self.train_step()
             self.train_time += time.perf_counter() - t0
-            rate = st.samples / self.train_time if self.train_time > 0 else 0.0
+            rate = self.samples_per_s
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{rate:.0f}", refresh=False)
                 bar.update(1)
@@ -270,14 +276,17 @@ class Trainer:
                               rate, expert_text(self.expert_load))
             self.nonfinite.end_of_step(loss, st.step, self.log)
             if self.eval_every and st.step % self.eval_every == 0 and \
-                    st.step < self.total_steps:
+                    st.step < self.total_steps and self.eval_batches != 0:
                 self._evaluate_and_log()
             for cb in self.callbacks:
                 cb.on_step_end(self)
         if bar is not None:
             bar.close()
-        final = self._evaluate_and_log()
+        final = self._evaluate_and_log() if self.eval_batches != 0 else {}
+        self.memory.switch(None)
         metrics = self.metrics(final, time.perf_counter() - t_start)
+        metrics.update(gather_peaks(e.comm, self.memory))      # collective
+        self.log.info("%s", peaks_text(metrics))
         for cb in self.callbacks:
             cb.on_train_end(self, metrics)
         if metrics_path and self.rank == 0:
@@ -287,8 +296,8 @@ class Trainer:
         return metrics
 
     def _evaluate_and_log(self) -> dict:
-        with quiet(), slow_notice(self.log, f"evaluation at step {self.state.step}",
-                                  self.eval_notice_s):
+        with quiet(), self.memory.phase("eval"), \
+                slow_notice(self.log, f"evaluation at step {self.state.step}", self.eval_notice_s):
             result = self.evaluate()
         self.state.eval_history.append(result)
         acc, unit = result.get("test_accuracy"), getattr(self.data, "unit", None)
@@ -327,9 +336,9 @@ class Trainer:
             "steps": st.step,
             "epochs": st.step / self.batcher.steps_per_epoch,
             "final_loss": st.loss_history[-1] if st.loss_history else None,
-            "test_loss": final["test_loss"],
+            "test_loss": final.get("test_loss"),
             "test_accuracy": final.get("test_accuracy"),
-            "samples_per_s": st.samples / self.train_time if self.train_time > 0 else 0.0,
+            "samples_per_s": self.samples_per_s,
             "train_time_s": self.train_time,
             "wall_time_s": wall_time,
             "loss_history": list(st.loss_history),
@@ -339,10 +348,17 @@ class Trainer:
             "history_first_step": st.first_step(),     # history.py: a bounded recent window
         }
         if self.data.task == "language":      # nats and bits per byte/token, tokens/s, corpus
-            tokens = st.samples * self.data.x_train.shape[1]
-            metrics.update(language_metrics(final["test_loss"], tokens, self.train_time,
-                                            self.data.unit), corpus=self.data.corpus)
+            unit = self.data.unit
+            metrics.update(val_loss=final.get("test_loss"), corpus=self.data.corpus,
+                           tokens_per_s=self.samples_per_s * self.data.x_train.shape[1],
+                           **{f"val_bits_per_{unit}": final.get(f"val_bits_per_{unit}")})
         return metrics
+
+    @property
+    def samples_per_s(self) -> float:
+        """Rows this Trainer trained per second of its own train steps (after a resume: the
+        steps since, not the checkpoint's)."""
+        return self.run_samples / self.train_time if self.train_time > 0 else 0.0
 
 
 def _pipeline_microbatches(engine) -> int:
@@ -355,30 +371,6 @@ def _pipeline_microbatches(engine) -> int:
 def _model_text(engine) -> str:
     dims = getattr(engine.model, "dims", None)
     return "->".join(map(str, dims)) if dims else repr(engine.model)
-
-
-def summary_table(metrics: dict) -> str:
-    """The end-of-training table (rank 0 prints it)."""
-    acc = metrics.get("test_accuracy")
-    rows = [("layout", metrics["layout"]),
-            ("world size", str(metrics["world_size"])),
-            ("model", metrics.get("model", "")),
-            ("dataset", metrics.get("dataset", "")),
-            ("steps", f"{metrics['steps']} ({metrics.get('epochs', 0):.2f} epochs)"),
-            ("final loss", f"{metrics['final_loss']:.6g}"),
-            ("test loss", f"{metrics['test_loss']:.6g}"),
-            ("test accuracy", "-" if acc is None else f"{100 * acc:.2f}%"),
-            ("samples/s", f"{metrics['samples_per_s']:.0f}"),
-            ("wall time", f"{metrics['wall_time_s']:.2f} s")]
-    unit = next((u for u in ("byte", "token") if f"val_bits_per_{u}" in metrics), None)
-    if unit is not None:                                  # a language model (train/text.py)
-        rows[7:8] = [(f"val bits/{unit}", f"{metrics[f'val_bits_per_{unit}']:.4f}"),
-                     ("tokens/s", f"{metrics['tokens_per_s']:.0f}")]
-    w0 = max(len(k) for k, _ in rows)
-    w1 = max(len(v) for _, v in rows)
-    line = f"+-{'-' * w0}-+-{'-' * w1}-+"
-    body = [f"| {k:<{w0}} | {v:<{w1}} |" for k, v in rows]
-    return "\n".join([line, *body, line])
 
 
 __all__ = ["Callback", "Trainer", "TrainState", "configure_logging", "summary_table"]
