@@ -15,6 +15,7 @@ reader share (constants, CheckpointError, the model-spec JSON) is in format.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tokenize
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ import numpy as np
 
 from ..comm.collectives import Comm
 from ..comm.objects import agree
+from ..train.untrusted import file_in, numeric_dtype, whole_number, whole_numbers
 from .format import (FORMAT, INDEX, VERSION, CheckpointError, model_from_spec, model_spec,
                      run_captured, sha256_file, spec_text)
 from .lazy import LazyArray
@@ -84,6 +86,7 @@ class Checkpoint(Mapping):
             # A save to `path` may swap directories while this opens it: the index and the
             # files checked must come from one directory, so retry when its index changed.
             self._open, self._verified, self._shapes, self._dtypes = {}, set(), {}, {}
+            self._paths = {}
             stamp = None
             try:
                 self.path = _resolve(path)
@@ -128,14 +131,17 @@ class Checkpoint(Mapping):
                                   f"({type(e).__name__}: {e})") from None
 
     def _ints(self, values, what: str) -> tuple:
-        """`values` (a list of JSON numbers from the index) as a tuple of ints; CheckpointError
-        unless every one is an integer (2.0 or true is not: they would index differently)."""
-        if not isinstance(values, list) or any(type(v) is not int for v in values):
-            raise CheckpointError(f"checkpoint {self.path}: {what} must be a list of integers, "
-                                  f"got {values!r}")
-        return tuple(values)
+        """`values` (a list of JSON numbers from the index) as a tuple of ints >= 0;
+        CheckpointError unless every one is such an integer (2.0 or true is not: they would
+        index differently)."""
+        return whole_numbers(values, f"checkpoint {self.path}: {what}", CheckpointError)
 
     def _check_files_unsafe(self) -> None:
+        """The index is untrusted input: every name it gives is a plain file name inside the
+        directory (untrusted.file_in) before any file is looked at, every shape, offset and
+        size a whole number, every dtype numeric, and each block's .npy header describes
+        exactly the bytes of its file, so what a LazyArray allocates is bounded by the bytes
+        on disk."""
         int(self.index.get("step", 0))
         if not isinstance(self.index.get("model", {}), dict):
             raise TypeError("model is not a table")
@@ -146,18 +152,29 @@ class Checkpoint(Mapping):
                 raise TypeError(f"optimizer state of {name!r} is not a table of scalars and "
                                 f"tensors")
         files = self.index.get("files", {})
+        if not isinstance(files, dict):
+            raise TypeError("files is not a table")
+        where = f"checkpoint {self.path}: {INDEX}:"
+        entries = list(self._entries())
+        for name, e in entries:
+            for c in e["chunks"]:
+                file_in(self.path, c["file"], f"{where} chunk {name!r} file", CheckpointError)
+        self._paths = {f: file_in(self.path, f, f"{where} files entry", CheckpointError)
+                       for f in files}
         for fname, info in files.items():
-            full = os.path.join(self.path, fname)
+            full = self._paths[fname]
             if not os.path.isfile(full):
                 raise CheckpointError(f"checkpoint {self.path}: shard file {fname} is missing")
             size = os.path.getsize(full)
             if not isinstance(info["sha256"], str):
                 raise TypeError(f"sha256 of {fname} is not a string")
-            if size != info["bytes"]:
+            if size != whole_number(info["bytes"], f"{where} bytes of {fname!r}",
+                                    CheckpointError):
                 raise CheckpointError(f"checkpoint {self.path}: shard file {fname} has {size} "
                                       f"bytes, the index says {info['bytes']} (truncated?)")
-        for name, e in self._entries():
-            vol, shape, dtype = 0, self._ints(e["shape"], f"{name}'s shape"), np.dtype(e["dtype"])
+        for name, e in entries:
+            vol, shape = 0, self._ints(e["shape"], f"{name}'s shape")
+            dtype = numeric_dtype(e["dtype"], f"{where} {name!r} dtype")
             for c in e["chunks"]:
                 if c["file"] not in files:
                     raise CheckpointError(f"checkpoint {self.path}: {name} names unknown file "
@@ -165,40 +182,47 @@ class Checkpoint(Mapping):
                 block = self.file_shape(c["file"])
                 offset = self._ints(c["offset"], f"the offset of {name}'s chunk {c['file']}")
                 if (len(block) != len(shape) or len(offset) != len(shape)
-                        or any(o < 0 or o + b > n for o, b, n in zip(offset, block, shape))):
+                        or any(o + b > n for o, b, n in zip(offset, block, shape))):
                     raise CheckpointError(f"checkpoint {self.path}: chunk {c['file']} of shape "
                                           f"{block} at offset {offset} does not fit {name} of "
                                           f"shape {shape}")
                 if self._dtypes[c["file"]] != dtype:
                     raise CheckpointError(f"checkpoint {self.path}: chunk {c['file']} holds "
                                           f"{self._dtypes[c['file']]}, {name} is {dtype}")
-                vol += int(np.prod(block, dtype=np.int64))
-            if vol != int(np.prod(e["shape"], dtype=np.int64)):
+                vol += math.prod(block)
+            if vol != math.prod(shape):
                 raise CheckpointError(f"checkpoint {self.path}: the chunks of {name} hold {vol} "
-                                      f"elements, its shape {tuple(e['shape'])} needs "
-                                      f"{int(np.prod(e['shape']))}")
+                                      f"elements, its shape {shape} needs {math.prod(shape)}")
 
     def file_shape(self, fname) -> tuple:
-        """Shape of a block from its .npy header (no data read)."""
+        """Shape of a block from its .npy header (no data read); CheckpointError unless the
+        header's shape and dtype account for exactly the file's bytes after it."""
         if fname not in self._shapes:
-            with open(os.path.join(self.path, fname), "rb") as f:
+            with open(self._paths[fname], "rb") as f:
                 try:
                     fmt = np.lib.format
                     read = (fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0)
                             else fmt.read_array_header_2_0)
                     shape, _, dtype = read(f)
+                    dtype = numeric_dtype(dtype, f"the dtype of {fname}")
                 except (ValueError, SyntaxError, tokenize.TokenError, TypeError,
                         MemoryError) as e:  # a damaged header (numpy parses it as a literal)
                     raise CheckpointError(f"checkpoint {self.path}: {fname} is not a valid "
                                           f".npy file: {e}") from None
-            self._shapes[fname], self._dtypes[fname] = tuple(shape), np.dtype(dtype)
+                data = os.fstat(f.fileno()).st_size - f.tell()
+            shape = tuple(shape)
+            if any(n < 0 for n in shape) or math.prod(shape) * dtype.itemsize != data:
+                raise CheckpointError(f"checkpoint {self.path}: {fname}'s header says {shape} "
+                                      f"{dtype} ({math.prod(shape) * dtype.itemsize} bytes), "
+                                      f"the file holds {data} bytes of data")
+            self._shapes[fname], self._dtypes[fname] = shape, dtype
         return self._shapes[fname]
 
     def verify_file(self, fname) -> None:
         if fname in self._verified:
             return
         want = self.index["files"][fname]["sha256"]
-        got = sha256_file(os.path.join(self.path, fname))
+        got = sha256_file(self._paths[fname])
         if got != want:
             raise CheckpointError(f"checkpoint {self.path}: shard file {fname} is corrupt "
                                   f"(sha256 {got[:16]}..., the index says {want[:16]}...)")
@@ -223,7 +247,7 @@ class Checkpoint(Mapping):
             try:
                 if self.verify_on_open:
                     self.verify_file(fname)
-                self._open[fname] = np.load(os.path.join(self.path, fname), mmap_mode="r",
+                self._open[fname] = np.load(self._paths[fname], mmap_mode="r",
                                             allow_pickle=False)
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint {self.path}: shard file {fname} vanished "

@@ -12,8 +12,9 @@ torch.load. bfloat16 tensors come back as ml_dtypes.bfloat16 arrays.
 
 A `SafeTensor` is a lazily read array in OUR orientation: `transposed=True` presents a
 PyTorch nn.Linear weight (out, in) as (in, out), so `t[a:b, c:d]` reads the file's
-`[c:d, a:b]` and returns its transpose. It has `.shape`, `.dtype` and step-1 slicing, which is
-what placement.shard_array asks of an array (the same path a checkpoint's LazyArray takes), and
+`[c:d, a:b]` and returns its transpose. It has `.shape`, `.dtype` and indexing by ints, slices
+(any step: the span is read, then stepped) and Ellipsis, read by checkpoint.lazy.region_of as
+a checkpoint's LazyArray reads them, which is what placement.shard_array asks of an array; it
 adds the bytes it read to `counter["bytes"]` so a test can check what a rank read. `widened()`
 reads bfloat16 as float32 (exact), for engines whose array module has no bfloat16 (cupy).
 """
@@ -25,6 +26,9 @@ from contextlib import contextmanager
 
 import ml_dtypes
 import numpy as np
+
+from ..checkpoint.lazy import region_of
+from ..train.untrusted import file_in
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -67,9 +71,11 @@ class HFDir:
             raise ValueError(f"{self.path} has neither {SINGLE} nor {INDEX} (only safetensors "
                              f"weights are read: no pickle, no pytorch_model.bin)")
         self.files = sorted(set(self.weight_map.values())) if self.weight_map else [SINGLE]
+        where = {f: k for k, f in sorted((self.weight_map or {}).items(), reverse=True)}
         for name in self.files:
-            if os.path.basename(name) != name or not os.path.isfile(
-                    os.path.join(self.path, name)):
+            what = (f"{INDEX}: weight_map {where[name]!r} file" if self.weight_map
+                    else "the weights file")
+            if not os.path.isfile(file_in(self.path, name, what)):
                 raise ValueError(f"{self.path}: safetensors file {name!r} is missing")
 
     @contextmanager
@@ -81,7 +87,7 @@ class HFDir:
         handles, out = [], {}
         try:
             for name in self.files:
-                h = safe_open(os.path.join(self.path, name), framework="np")
+                h = _open(safe_open, file_in(self.path, name, "safetensors file"))
                 handles.append(h.__enter__())
                 for key in h.keys():
                     if self.weight_map is None or self.weight_map.get(key) == name:
@@ -94,6 +100,18 @@ class HFDir:
         finally:
             for h in handles:
                 h.__exit__(None, None, None)
+
+
+def _open(safe_open, path):
+    """safe_open(path) for numpy; ValueError naming the file when its header is damaged or
+    does not match the file (the library checks the JSON, the dtypes, and that the tensors'
+    offsets tile the data exactly: no tensor reaches past the end of the file)."""
+    try:
+        return safe_open(path, framework="np")
+    except OSError:
+        raise
+    except Exception as e:                # safetensors_rust.SafetensorError is no ValueError
+        raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
 
 
 class SafeTensor:
@@ -133,31 +151,16 @@ class SafeTensor:
     def __repr__(self):
         return f"SafeTensor({self.key!r}, shape={self.shape}{', transposed' * self.transposed})"
 
-    def _region(self, key) -> tuple:
-        key = key if isinstance(key, tuple) else (key,)
-        if any(k is Ellipsis for k in key):
-            i = key.index(Ellipsis)
-            key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
-        key = key + (slice(None),) * (self.ndim - len(key))
-        if len(key) != self.ndim or not all(isinstance(k, slice) for k in key):
-            raise TypeError(f"{self.key}: only slices index a SafeTensor, got {key!r}")
-        out = []
-        for k, n in zip(key, self.shape):
-            r = range(*k.indices(n))
-            if r.step != 1:
-                raise TypeError(f"{self.key}: only step-1 slices, got {k!r}")
-            out.append(slice(r.start, max(r.start, r.stop)))
-        return tuple(out)
-
     def __getitem__(self, key):
-        region = self._region(key)
+        region, post = region_of(key, self.shape, self.key)
+        spans = tuple(slice(a, b) for a, b in region)
         if self.transposed:
-            region = region[::-1]
-        a = self._slice[region] if self.ndim else self._handle.get_tensor(self.key)
+            spans = spans[::-1]
+        a = self._slice[spans] if self.ndim else self._handle.get_tensor(self.key)
         self.counter["bytes"] += int(a.nbytes)
         if self.widen:
             a = a.astype(np.float32)
-        return a.T if self.transposed else a
+        return (a.T if self.transposed else a)[post]
 
     def __array__(self, dtype=None, copy=None):
         a = np.ascontiguousarray(self[...])

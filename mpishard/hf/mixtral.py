@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checkpoint.lazy import region_of
 from . import llama
 from .fields import ints, need, only
 
@@ -121,19 +122,10 @@ class Fused:
 
 
 class _View:
-    """A lazily read (E, a, b) array: .shape, .dtype, step-1 slicing, numpy conversion."""
+    """A lazily read (E, a, b) array: .shape, .dtype, indexing as checkpoint.lazy.region_of
+    reads it (steps honoured), numpy conversion."""
 
     ndim = 3
-
-    def _expand(self, key) -> tuple:
-        key = key if isinstance(key, tuple) else (key,)
-        if any(k is Ellipsis for k in key):
-            i = key.index(Ellipsis)
-            key = key[:i] + (slice(None),) * (3 - len(key) + 1) + key[i + 1:]
-        key = key + (slice(None),) * (3 - len(key))
-        if not all(isinstance(k, slice) for k in key):
-            raise TypeError(f"only slices index an expert tensor, got {key!r}")
-        return tuple(slice(*k.indices(n)[:2]) for k, n in zip(key, self.shape))
 
     def __array__(self, dtype=None, copy=None):
         a = np.ascontiguousarray(self[...])
@@ -150,12 +142,11 @@ class StackedView(_View):
         return StackedView([p.widened() for p in self.parts])
 
     def __getitem__(self, key):
-        e, a, b = self._expand(key)
-        rows = [self.parts[j][a, b] for j in range(e.start, max(e.start, e.stop))]
-        if not rows:
-            return np.zeros((0,) + tuple(len(range(*s.indices(n))) for s, n in
-                                         zip((a, b), self.shape[1:])), self.dtype)
-        return np.stack(rows)
+        region, post = region_of(key, self.shape, f"the experts of {self.parts[0].key}")
+        (e0, e1), (a0, a1), (b0, b1) = region
+        rows = [self.parts[j][a0:a1, b0:b1] for j in range(e0, e1)]
+        out = np.stack(rows) if rows else np.zeros((0, a1 - a0, b1 - b0), self.dtype)
+        return out[post]
 
 
 class FusedView(_View):
@@ -168,6 +159,8 @@ class FusedView(_View):
         return FusedView(self.tensor.widened(), self.lo, self.hi)
 
     def __getitem__(self, key):
-        e, a, b = self._expand(key)
-        rows = slice(self.lo + b.start, self.lo + max(b.start, b.stop))
-        return self.tensor[e, rows, a].transpose(0, 2, 1)
+        region, post = region_of(key, self.shape, f"rows {self.lo}:{self.hi} of "
+                                                   f"{self.tensor.key}")
+        (e0, e1), (a0, a1), (b0, b1) = region
+        block = self.tensor[e0:e1, self.lo + b0:self.lo + b1, a0:a1]
+        return block.transpose(0, 2, 1)[post]

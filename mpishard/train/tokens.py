@@ -32,6 +32,7 @@ import numpy as np
 from .text import (DEFAULT_VAL_FRACTION, check_max_bytes, corpus_files, corpus_info, documents,
                    split_point, windows_dataset)
 from .tokenizer import encode_corpus, encode_documents, token_dtype
+from .untrusted import file_in, whole_number
 
 TOKENS_PREFIX = "tokens:"
 HEADER, TRAIN_FILE, VAL_FILE = "tokens.json", "train.bin", "val.bin"
@@ -76,7 +77,9 @@ class TokenFile:
 
 def read_header(directory: str) -> dict:
     """The checked tokens.json of DIR: format and version, dtype, counts that match the files'
-    sizes, ids below vocab_size (ValueError naming the file and the numbers)."""
+    sizes exactly (so no read passes a file's end), ids below vocab_size, and file names that
+    are plain names inside DIR (untrusted.file_in); ValueError naming the field and the
+    numbers."""
     where = f"dataset tokens:{directory}"
     path = os.path.join(directory, HEADER)
     try:
@@ -94,22 +97,30 @@ def read_header(directory: str) -> dict:
                          f"mpishard reads version {VERSION}")
     try:
         dtype = np.dtype(header["dtype"])
-        vocab, max_id = int(header["vocab_size"]), int(header["max_id"])
-        splits = {k: (header[k]["file"], int(header[k]["count"])) for k in ("train", "val")}
-    except (KeyError, TypeError, ValueError) as exc:
+        vocab = whole_number(header["vocab_size"], "vocab_size", low=1)
+        max_id = whole_number(header["max_id"], "max_id", low=-1)
+        splits = {k: (header[k]["file"], whole_number(header[k]["count"], f"{k}.count"))
+                  for k in ("train", "val")}
+    except (KeyError, TypeError) as exc:
         raise ValueError(f"{where}: {HEADER} lacks or garbles {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{where}: {HEADER} lacks or garbles a field: {exc}") from None
     if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)) or dtype != token_dtype(vocab):
         raise ValueError(f"{where}: dtype {dtype} does not hold a vocabulary of {vocab} ids "
                          f"(uint16 up to 65536 ids, uint32 above)")
     if not -1 <= max_id < vocab:
         raise ValueError(f"{where}: its largest id {max_id} is outside the vocabulary of "
                          f"{vocab}")
+    eos = header.get("eos_id")
+    if eos is not None and (type(eos) is not int or not 0 <= eos < vocab):
+        raise ValueError(f"{where}: {HEADER} field eos_id={eos!r} is not an id below "
+                         f"vocab_size {vocab}")
     for name, (file, count) in splits.items():
-        full = os.path.join(directory, file)
+        full = file_in(directory, file, f"{where}: {HEADER} field {name}.file")
         size = os.path.getsize(full) if os.path.isfile(full) else None
         if size != count * dtype.itemsize:
-            raise ValueError(f"{where}: {file} should hold {count} {dtype} tokens "
-                             f"({count * dtype.itemsize} bytes), "
+            raise ValueError(f"{where}: {HEADER} field {name}.count: {file} should hold "
+                             f"{count} {dtype} tokens ({count * dtype.itemsize} bytes), "
                              + ("it is missing" if size is None else f"it has {size} bytes"))
     return header
 
@@ -122,8 +133,8 @@ def token_dataset(name: str, seq_len: int, train_stride=None):
     directory = tokens_directory(name)
     header = read_header(directory)
     dtype = np.dtype(header["dtype"])
-    files = {k: TokenFile(os.path.join(directory, header[k]["file"]), dtype,
-                          header[k]["count"]) for k in ("train", "val")}
+    files = {k: TokenFile(file_in(directory, header[k]["file"], f"{HEADER} field {k}.file"),
+                          dtype, header[k]["count"]) for k in ("train", "val")}
     info = dict(header["corpus"], tokenizer=header["tokenizer"], eos_id=header["eos_id"],
                 dtype=dtype.name)
     try:
