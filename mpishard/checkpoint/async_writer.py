@@ -32,8 +32,8 @@ class AsyncSave:
     """One save in flight: begun (collective) when made, written by a thread, finished by
     `finish` (collective)."""
 
-    def __init__(self, path, engine, optimizer=None, step=0, extra=None):
-        self.plan = plan = begin(path, engine, optimizer, step, extra)
+    def __init__(self, path, engine, optimizer=None, step=0, extra=None, assets=None):
+        self.plan = plan = begin(path, engine, optimizer, step, extra, assets)
         self.step, self.comm = step, engine.comm
         descs = list(plan["descs"])
         for i in plan["todo"]:             # a host copy the next step cannot change

@@ -53,12 +53,14 @@ class Checkpointer(Callback):
     on_failure: 'stop' (raise the save's CheckpointError, on every rank) or 'continue' (log,
     count in `failures`, retry at the next interval). extra: JSON kept in every checkpoint's
     extra besides the Trainer's (train --init-from-hf: {"hf": ms.hf.source(model)}, which
-    `export` writes back as `import`'s record). asynchronous: the interval saves write
+    `export` writes back as `import`'s record). assets: files every checkpoint carries
+    (writer.save's; train: the tokenizer's files, a data set's standardisation arrays).
+    asynchronous: the interval saves write
     in a background thread and are finished at a later step boundary (async_writer.py); the
     final save and `save()` (preemption's) are synchronous, after finishing a pending one."""
 
     def __init__(self, path, every: int = 0, keep_last: int = 1, on_failure: str = "stop",
-                 asynchronous: bool = False, extra=None):
+                 asynchronous: bool = False, extra=None, assets=None):
         self.every = check_number("checkpoint every", every, low=0, integer=True)
         self.keep_last = check_number("keep_last", keep_last, low=1, integer=True)
         if on_failure not in FAILURE_POLICIES:
@@ -68,6 +70,7 @@ class Checkpointer(Callback):
         self.last_saved, self.failures = None, 0
         self.asynchronous, self.pending = bool(asynchronous), None   # pending: an AsyncSave
         self.extra = dict(extra or {})  # kept besides resume_extra's (train: {"hf": source})
+        self.assets = dict(assets or {})
 
     def on_train_begin(self, trainer) -> None:
         """Collective: refuse a directory of the other retention kind, then make it (step
@@ -101,7 +104,7 @@ class Checkpointer(Callback):
             return
         try:
             save(self.target(st.step), trainer.engine, trainer.optimizer, st.step,
-                 {**self.extra, **resume_extra(trainer)})
+                 {**self.extra, **resume_extra(trainer)}, self.assets)
         except CheckpointError as e:
             self.failed(trainer, e)
             return
@@ -113,7 +116,8 @@ class Checkpointer(Callback):
         st = trainer.state
         try:
             self.pending = AsyncSave(self.target(st.step), trainer.engine, trainer.optimizer,
-                                     st.step, {**self.extra, **resume_extra(trainer)})
+                                     st.step, {**self.extra, **resume_extra(trainer)},
+                                     self.assets)
         except CheckpointError as e:
             self.failed(trainer, e)
 

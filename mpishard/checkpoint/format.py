@@ -2,19 +2,30 @@
 
 The format constants, `CheckpointError`, the JSON of a model spec (`model_spec` /
 `model_from_spec`, `spec_text` for messages), `check_json` (is `extra` JSON? without
-building its text), the file hash, the real (unpadded) slices of a block, and `run_captured`,
-which turns an exception into the message that `comm.objects.agree` hands to every rank.
+building its text), the file hash, the real (unpadded) slices of a block, `run_captured`,
+which turns an exception into the message that `comm.objects.agree` hands to every rank, and
+the assets: files a checkpoint carries beside its blocks (a tokenizer's files, the arrays
+that standardise a data set's inputs), written by rank 0 before the index and listed in its
+`files` with their sha256 like every block (`asset_bytes`, `read_asset`).
 The on-disk layout itself is described in the package docstring (checkpoint/__init__.py).
 """
 from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
+import os
+import re
+
+import numpy as np
 
 from ..nn import models
 
 FORMAT, VERSION, INDEX = "mpishard-checkpoint", 1, "index.json"
+# an asset is a plain file name (no folder, not hidden); blocks are param.* / optim.* (writer)
+ASSET_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+BLOCK_PREFIXES = ("param.", "optim.")
 
 
 class CheckpointError(ValueError):
@@ -94,3 +105,56 @@ def spec_text(spec) -> str:
     """A model spec as a constructor call, for messages: 'MLP(dims=[8, 16, 4], ...)'."""
     args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k not in ("class", "kind"))
     return f"{spec.get('class', '?')}({args})"
+
+
+def check_asset_name(name) -> str:
+    """`name` if it is a plain file name an asset may take (no folder, not hidden, not the
+    index or a block's name), else CheckpointError naming it."""
+    if not (isinstance(name, str) and ASSET_NAME.match(name)) or name == INDEX or \
+            name.startswith(BLOCK_PREFIXES) or name.endswith(".tmp"):
+        raise CheckpointError(f"checkpoint asset name {name!r} is not a plain file name "
+                              f"(letters, digits, '_', '.', '-'; not {INDEX}, param.*, "
+                              f"optim.* or *.tmp)")
+    return name
+
+
+def asset_bytes(value) -> bytes:
+    """The file contents of an asset: bytes as they are, an array as .npy (no pickle)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    arr = np.asarray(value)
+    if arr.dtype.hasobject:
+        raise CheckpointError(f"an asset array holds Python objects ({arr.dtype}); only "
+                              f"numbers are stored (no pickle)")
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def read_asset(ckpt, name) -> bytes:
+    """The bytes of asset `name` of an open checkpoint (reader.Checkpoint: `path`, `index`),
+    checked against the sha256 its index records; CheckpointError when it has none or the
+    file differs."""
+    check_asset_name(name)
+    info = ckpt.index.get("files", {}).get(name)
+    if not isinstance(info, dict):
+        raise CheckpointError(f"checkpoint {ckpt.path} carries no file {name}")
+    try:
+        with open(os.path.join(ckpt.path, name), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {ckpt.path}: cannot read {name}: {e}") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != info.get("sha256"):
+        raise CheckpointError(f"checkpoint {ckpt.path}: {name} is corrupt (sha256 "
+                              f"{got[:16]}..., the index says {str(info.get('sha256'))[:16]}...)")
+    return data
+
+
+def read_asset_array(ckpt, name) -> np.ndarray:
+    """Asset `name` (an .npy written by asset_bytes) as an array, read without pickle."""
+    try:
+        return np.load(io.BytesIO(read_asset(ckpt, name)), allow_pickle=False)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {ckpt.path}: {name} is not an .npy array: {e}"
+                              ) from None

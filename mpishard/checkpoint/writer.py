@@ -32,8 +32,8 @@ import numpy as np
 
 from ..comm.objects import agree, gather_json, scatter_json
 from ..parallel.precision import widen
-from .format import (FORMAT, INDEX, VERSION, CheckpointError, check_json, json_default,
-                     model_spec, run_captured, sha256_file)
+from .format import (FORMAT, INDEX, VERSION, CheckpointError, asset_bytes, check_asset_name,
+                     check_json, json_default, model_spec, run_captured, sha256_file)
 
 
 def _fsync_dir(path) -> None:
@@ -169,6 +169,20 @@ def _write_index(path, tmp, index) -> None:
         shutil.rmtree(old)
 
 
+def _write_assets(tmp, assets) -> list:
+    """Rank 0: write each asset into `tmp` durably; [(file, sha256, bytes)] for the index."""
+    out = []
+    for name, value in sorted(assets.items()):
+        data = asset_bytes(value)
+        full = os.path.join(tmp, name)
+        with open(full, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        out.append((name, sha256_file(full), len(data)))
+    return out
+
+
 def write_blocks(rank, tmp, descs, todo, to_host) -> tuple:
     """Write the blocks `todo` (indices into `descs`) into `tmp`, durably, and hash them
     (`to_host(arr)`: the host array of a block). No MPI call: async_writer.py runs it in a
@@ -186,20 +200,23 @@ def write_blocks(rank, tmp, descs, todo, to_host) -> tuple:
     return None, written
 
 
-def save(path, engine, optimizer=None, step=0, extra=None) -> str:
+def save(path, engine, optimizer=None, step=0, extra=None, assets=None) -> str:
     """Collective: write this engine's parameters (and optimizer state) to directory `path`.
 
     Each rank writes only the blocks it is the first holder of; rank 0 writes the index last
     and swaps the new directory in (see this module's docstring). `extra` (rank 0's) is any
-    JSON-able dict, e.g. the data position and RNG state. Returns the path. In three parts:
+    JSON-able dict, e.g. the data position and RNG state. `assets` (rank 0's) is {plain file
+    name: bytes or array} that the checkpoint carries beside its blocks (a tokenizer's files;
+    an array as .npy), listed in the index's `files` with their sha256. Returns the path. In
+    three parts:
     `begin` (who writes what), `write_blocks` (no MPI: async_writer.py runs it in a thread on
     host copies), `finish` (the verdict, the index, the swap)."""
-    plan = begin(path, engine, optimizer, step, extra)
+    plan = begin(path, engine, optimizer, step, extra, assets)
     return finish(plan, write_blocks(plan["rank"], plan["tmp"], plan["descs"], plan["todo"],
                                       engine.backend.to_host))
 
 
-def begin(path, engine, optimizer=None, step=0, extra=None) -> dict:
+def begin(path, engine, optimizer=None, step=0, extra=None, assets=None) -> dict:
     """Collective, the part of `save` before any block is written: checks, the fresh tmp
     directory, who writes what. Returns the plan `finish` needs (dict)."""
     comm, what = engine.comm, "checkpoint save"
@@ -214,11 +231,15 @@ def begin(path, engine, optimizer=None, step=0, extra=None) -> dict:
         if optimizer is not None and not hasattr(optimizer, "state"):
             raise TypeError(f"optimizer {type(optimizer).__name__} has no .state")
         descs = _blocks(engine, optimizer)
+        assets = {check_asset_name(n): v for n, v in (assets or {}).items()}
     except Exception as e:
         err, descs = f"{type(e).__name__}: {e}", []
     agree(comm, err, CheckpointError, what)
+    carried = []
     if rank == 0:
         _, err = run_captured(_prepare_dirs, path, tmp)
+        if err is None:
+            carried, err = run_captured(_write_assets, tmp, assets)
     agree(comm, err, CheckpointError, what)
 
     # 1. who writes what (control data: names and regions only)
@@ -239,7 +260,7 @@ def begin(path, engine, optimizer=None, step=0, extra=None) -> dict:
     hyper = _optimizer_hyper(optimizer) if optimizer is not None and rank == 0 else None
     return {"engine": engine, "optimizer": optimizer, "path": path, "tmp": tmp, "rank": rank,
             "step": step, "extra": extra, "descs": descs, "todo": todo, "owners": owners,
-            "hyper": hyper}
+            "hyper": hyper, "assets": carried}
 
 
 def finish(plan, written) -> str:
@@ -272,6 +293,10 @@ def _make_index(engine, plan, results) -> dict:
                 raise CheckpointError(f"two blocks map to the file name {fname}")
             files[fname] = {"sha256": sha, "bytes": nbytes}
             where[(rank, i)] = fname
+    for fname, sha, nbytes in plan.get("assets", ()):
+        if fname in files:
+            raise CheckpointError(f"the asset {fname} has the name of a block")
+        files[fname] = {"sha256": sha, "bytes": nbytes}
     tensors, opt_state = {}, {}
     for (kind, name, key, region), (rank, i, d) in sorted(owners.items()):
         chunk = {"file": where[(rank, i)], "offset": [a for a, _ in region]}

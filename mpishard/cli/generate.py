@@ -35,8 +35,8 @@ from ..engine import make_engine
 from ..parallel.decode import Decoder
 from ..validate import check_number
 from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
-from .usage import (CUDA_AWARE, UsageError, agreed, check_flags, checked_layout,
-                    default_layout, world_comm)
+from .usage import (CUDA_AWARE, UsageError, agreed, check_directory, check_flags,
+                    checked_layout, default_layout, world_comm)
 
 DEFAULT_NEW_TOKENS = 200
 BYTES = "bytes"
@@ -206,6 +206,8 @@ def prepare_generator(args, comm):
     check_number("--top-p", args.top_p, low=0, low_open=True, error=UsageError)
     if args.top_p > 1:
         raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p:g}")
+    if args.hf is not None:
+        check_directory("--hf", args.hf)
     text = open_tokenizer(args)
     prompts = [text.encode(p) for p in read_prompts(args)]
     empty = [i for i, ids in enumerate(prompts) if not ids]

@@ -24,6 +24,11 @@ at every position (to sample text use `generate`). Its rows go in batches of `--
     the output `.npy` (memory-mapped, a plain .npy without pickle, written under a temporary
     name and renamed once complete) and prints one line: rows, batches, rows/s.
 
+Raw input: a model trained on standardised features (`--dataset digits`) carries the training
+split's mean and std (extra["standardize"], two .npy files beside its blocks, train/data.py);
+infer applies (x - mean) / std to each batch, as training did, and says so in its line
+(`--no-standardize` for input already standardised).
+
 Memory: a rank touches only its rows of the input; a last-stage rank keeps its share of the
 outputs (rows / dp x d_out) until the stream ends. Bad input (no checkpoint, an input of the
 wrong width, a batch the data axes do not divide, ...) is found inside `agreed` before any
@@ -38,8 +43,10 @@ import numpy as np
 
 from ..checkpoint import CheckpointError
 from ..checkpoint import load as load_checkpoint
+from ..checkpoint.format import read_asset_array
 from ..engine import make_engine
 from ..nn.gpt import GPT
+from ..train.data import standardized
 from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_flags,
                     checked_layout, default_layout, world_comm)
 
@@ -72,6 +79,9 @@ def add_infer_arguments(p):
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                    help=f"rows per batch (default {DEFAULT_BATCH}); must divide by the "
                    "data-parallel size")
+    p.add_argument("--no-standardize", action="store_true", help="feed the input as it is, "
+                   "when it is already standardised (default: a checkpoint trained on "
+                   "standardised features, digits, standardises the raw input as training did)")
     add_compute_arguments(p)
     return p
 
@@ -92,10 +102,11 @@ def batch_spans(rows: int, batch: int) -> list:
     return [(i, min(i + batch, rows)) for i in range(0, rows, batch)]
 
 
-def infer_rows(engine, x, batch: int, out=None) -> int:
+def infer_rows(engine, x, batch: int, out=None, standardize=None) -> int:
     """Collective: run every row of `x` (host array or memmap, (rows, d_in)) through `engine`
     in batches of `batch` rows; where `out` is given (rank 0 in the CLI) write the outputs into
-    it. Every rank passes the same x and batch. Returns the number of batches."""
+    it. standardize: None or (mean, std), applied to each batch of raw features first. Every
+    rank passes the same x and batch. Returns the number of batches."""
     dp = engine.data_parallel_size
     spans = batch_spans(int(x.shape[0]), batch)
     tokens = isinstance(engine.model, GPT)        # token ids stay integers
@@ -103,6 +114,8 @@ def infer_rows(engine, x, batch: int, out=None) -> int:
     def batches():                 # read by stage 0 only under pp; by every rank otherwise
         for start, stop in spans:
             rows = x[start:stop]
+            if standardize is not None:
+                rows = standardized(rows, *standardize)
             short = -len(rows) % dp              # only the last batch can be short
             if short:
                 rows = np.concatenate([rows, np.zeros((short,) + rows.shape[1:], rows.dtype)])
@@ -195,7 +208,27 @@ def build_inference(args, comm):
                          f"logits are gathered over the data axes only: leave cp out")
     x = _open_input(args.input, model)
     _check_output(args.output, args.input)
-    return checkpoint_engine(ckpt, model, layout, args, comm), x
+    scale = None if args.no_standardize else standardization(ckpt, model)
+    return checkpoint_engine(ckpt, model, layout, args, comm), x, scale
+
+
+def standardization(ckpt, model):
+    """(mean, std) the checkpoint's model was trained with (extra["standardize"]), or None;
+    UsageError for a missing or corrupt file or arrays that do not fit the model's input."""
+    files = (ckpt.extra or {}).get("standardize")
+    if files is None:
+        return None
+    try:
+        mean, std = (read_asset_array(ckpt, files[k]) for k in ("mean", "std"))
+    except (CheckpointError, KeyError, TypeError) as exc:
+        raise UsageError(f"--checkpoint {ckpt.path}: its standardisation {files!r}: {exc}"
+                         ) from None
+    d_in = getattr(model, "d_in", None)
+    if any(a.shape != (d_in,) or a.dtype.kind != "f" for a in (mean, std)) or (std <= 0).any():
+        raise UsageError(f"--checkpoint {ckpt.path}: its standardisation has mean "
+                         f"{mean.shape} {mean.dtype} and std {std.shape} {std.dtype}; the model "
+                         f"takes {d_in} features and needs std > 0")
+    return mean, std
 
 
 def open_checkpoint(path):
@@ -224,7 +257,7 @@ def checkpoint_engine(ckpt, model, layout, args, comm):
 
 def run_infer(args) -> int:
     comm = world_comm()
-    engine, x = agreed(comm, lambda: build_inference(args, comm))
+    engine, x, scale = agreed(comm, lambda: build_inference(args, comm))
     rows, path = int(x.shape[0]), os.path.abspath(args.output)
     out = tmp = None
     if comm.Get_rank() == 0:
@@ -232,7 +265,7 @@ def run_infer(args) -> int:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=engine.dtype,
                                         shape=output_shape(engine.model, x))
     t0 = time.perf_counter()
-    n_batches = infer_rows(engine, x, args.batch, out)
+    n_batches = infer_rows(engine, x, args.batch, out, scale)
     if out is not None:
         out.flush()
         del out
@@ -240,5 +273,6 @@ def run_infer(args) -> int:
         seconds = time.perf_counter() - t0
         print(f"infer: {rows} rows in {n_batches} batches of {args.batch} on layout "
               f"{engine.layout.text!r} on {comm.Get_size()} rank(s): {rows / seconds:.0f} rows/s "
-              f"-> {args.output}", flush=True)
+              f"-> {args.output}" + ("" if scale is None else "; the input standardised "
+                                     "with the training split's mean and std"), flush=True)
     return 0

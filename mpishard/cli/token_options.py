@@ -13,6 +13,11 @@ between documents is the directory's tokenizer_config.json eos_token when it nam
 the tokenizer of an --init-from-hf directory, must then be the one the file records (its
 sha256), or the run stops naming both.
 
+The tokenizer travels with the model: the run's checkpoints carry its tokenizer.json and
+companion files (train/data.py's `carried`), or for --dataset tokens:DIR without --tokenizer
+the tokenizer its header names when that is at hand with the recorded sha256 (else only its
+name and sha256, and a warning says so), and byte-level runs record `bytes`.
+
 --init-from-hf DIR: the model is DIR's (ms.hf.read_model: config.json, tensor headers), its
 weights are read by ms.hf.load_into (each rank only its own slices), and the text is
 tokenized with DIR's tokenizer unless --tokenizer says otherwise. --model and --gpt are refused
@@ -31,7 +36,9 @@ import os
 from ..hf import load_into, read_model, source
 from ..hf import tokenizer as hf_tokenizer
 from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
-from ..train.tokenizer import BYTES, ByteTokenizer, HFTokenizer, same_tokenizer
+from ..train.data import carried
+from ..train.tokenizer import (BYTES, ByteTokenizer, HFTokenizer, RecordedTokenizer,
+                               read_tokenizer_files, same_tokenizer)
 from ..train.tokens import is_tokens_name, token_dataset, tokenized_text_dataset
 from .gpt_options import (DEFAULT_GPT_CLIP, LANGUAGE_MODELS, TEXT_DATASET, gpt_model_and_data,
                           log_corpus, validate_gpt_args)
@@ -80,8 +87,8 @@ def load_tokenizer(text, flag="--tokenizer"):
         raise UsageError(f"{flag} {text}: no tokenizer.json there (give a model directory, a "
                          f"tokenizer.json or '{BYTES}')")
     try:
-        return HFTokenizer(tok, text, _eos_token(directory))
-    except ValueError as exc:
+        return HFTokenizer(tok, text, _eos_token(directory), read_tokenizer_files(text))
+    except (OSError, ValueError) as exc:
         raise UsageError(f"{flag} {text}: {exc}") from None
 
 
@@ -93,6 +100,20 @@ def _eos_token(directory):
     except (OSError, ValueError, AttributeError):
         return None
     return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+
+
+def header_tokenizer(made: dict):
+    """The tokenizer a token file's header names ({name, sha256}): ByteTokenizer for bytes,
+    the HFTokenizer at that name when it reads with the same sha256, else a
+    RecordedTokenizer (its identity only: the directory moved or changed)."""
+    if made.get("name") == BYTES:
+        return ByteTokenizer()
+    try:
+        tok = load_tokenizer(str(made.get("name")))
+    except (UsageError, ImportError):
+        tok = None
+    return tok if tok is not None and same_tokenizer(tok.identity(), made) else \
+        RecordedTokenizer(made)
 
 
 def run_tokenizer(args):
@@ -186,16 +207,21 @@ def lm_model_and_data(args, spec):
                                  f"(sha256 {str(made['sha256'])[:12]}), not by {tok.name} "
                                  f"(sha256 {str(tok.identity()['sha256'])[:12]}); pass "
                                  f"--tokenizer naming the file's tokenizer")
+            data.tokenizer = tok or header_tokenizer(made)
         elif (tok is None or tok.name == BYTES) and not hf:
-            return gpt_model_and_data(args, spec)
+            model, data = gpt_model_and_data(args, spec)
+            data.tokenizer = ByteTokenizer()
+            return model, data
         elif tok is None or tok.name == BYTES:
             data = text_dataset(seq_len, args.corpus, args.corpus_bytes or DEFAULT_CORPUS_BYTES,
                                 args.val_fraction or DEFAULT_VAL_FRACTION, args.train_stride)
+            data.tokenizer = ByteTokenizer()
         else:
             data = tokenized_text_dataset(seq_len, tok, args.corpus,
                                           args.corpus_bytes or DEFAULT_CORPUS_BYTES,
                                           args.val_fraction or DEFAULT_VAL_FRACTION,
                                           args.train_stride)
+            data.tokenizer = tok
     except (OSError, ValueError) as exc:
         if isinstance(exc, UsageError):
             raise
@@ -220,12 +246,17 @@ def load_initial_params(engine, args, model) -> None:
         engine.load_checkpoint(model.init(seed=args.seed))
 
 
-def checkpoint_extra(args, model) -> dict:
-    """What this run's checkpoints keep besides the Trainer's state: with --init-from-hf, the
-    source's config.json and dtype under "hf", as `import` keeps them, so `export` writes the
-    same config fields (token ids) in the same dtype without --source."""
+def checkpoint_contents(args, model, data) -> tuple:
+    """(extra, assets): what this run's checkpoints keep besides the Trainer's state. With
+    --init-from-hf, the source's config.json and dtype under "hf", as `import` keeps them, so
+    `export` writes the same config fields (token ids) in the same dtype without --source;
+    and what the data carries (train/data.py's `carried`: the tokenizer and its files, a
+    standardisation's arrays)."""
+    extra, assets = carried(data)
     record = source(model) if args.init_from_hf is not None else None
-    return {} if record is None else {"hf": record}
+    if record is not None:
+        extra["hf"] = record
+    return extra, assets
 
 
 def log_lm_data(log, data) -> None:
@@ -234,6 +265,10 @@ def log_lm_data(log, data) -> None:
     if "tokenizer" not in c:
         return log_corpus(log, data)
     t = c["tokenizer"]
+    if isinstance(data.tokenizer, RecordedTokenizer):
+        log.warning("the tokenizer %s (sha256 %s) that made %s is not at hand: checkpoints "
+                    "record its name only, and generate needs --tokenizer DIR; pass "
+                    "--tokenizer DIR to carry it", t["name"], str(t["sha256"])[:16], c["source"])
     log.info("corpus %s: %d file(s), %d bytes, sha256 %s; tokenizer %s (vocab %d, eos %s, "
              "sha256 %s): %d train tokens in %d windows, %d validation tokens in %d "
              "windows of %d+1 tokens", c["source"], c["files"], c["bytes"], c["sha256"][:16],
@@ -241,6 +276,6 @@ def log_lm_data(log, data) -> None:
              c["train_windows"], c["val_tokens"], c["val_windows"], data.seq_len)
 
 
-__all__ = ["TOKEN_DEFAULTS", "add_token_arguments", "checkpoint_extra", "lm_model_and_data",
+__all__ = ["TOKEN_DEFAULTS", "add_token_arguments", "checkpoint_contents", "lm_model_and_data",
            "load_initial_params", "load_tokenizer", "log_lm_data", "run_tokenizer",
            "validate_lm_args"]

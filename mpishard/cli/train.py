@@ -35,7 +35,8 @@ from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_c
                              validate_flight_args)
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
                           add_gpt_arguments, validate_gpt_args)
-from .model_flag import LLAMA_PREFIX, joined_gpt_spec
+from .model_flag import (LLAMA_PREFIX, check_resumed_model, joined_gpt_spec,
+                         resumed_model_flags)
 from .report_options import (REPORT_DEFAULTS, add_report_arguments, log_host_heap,
                              validate_report_args)
 from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_extra,
@@ -185,6 +186,11 @@ def parse_train_args(argv, parser=None):
             merged["epochs"] = None
         if cli.epochs is not None and cli.steps is None:
             merged["steps"] = None
+    resumed = all(merged.get(k) is None for k in ("model", "gpt", "init_from_hf")) and \
+        resumed_model_flags(merged.get("resume"), merged.get("checkpoint_dir"))
+    for key, value in (resumed or {}).items():   # --resume without --model: the checkpoint's
+        merged[key] = value if merged.get(key) is None else merged[key]
+    merged["model_from_checkpoint"] = bool(resumed)
     llama = str(merged.get("model") or "").strip()
     if llama.startswith(LLAMA_PREFIX):  # --model llama:KEY=VALUE,... (its keys ride on gpt)
         merged.update(model="llama", gpt=llama[len(LLAMA_PREFIX):] or None)
@@ -305,6 +311,10 @@ def prepare_training(args, comm):
     if args.batch > len(data.x_train):
         raise UsageError(f"--batch {args.batch} is larger than the {len(data.x_train)} "
                          f"training rows of {args.dataset}")
+    if resume_source(args) and args.init_from_hf is None and \
+            not getattr(args, "model_from_checkpoint", False):
+        check_resumed_model(model, resume_source(args), args.model if isinstance(dims, list)
+                            else f"{args.model}:{args.gpt or ''}")
     return layout, dims, loss, model, data
 
 

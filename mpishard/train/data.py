@@ -14,10 +14,17 @@ materialising the rest. tp and pp peers get the same rows.
 
 Targets: float (N, d_out) arrays for regression and binary (BCE) sets, int64 labels (N,) for
 CrossEntropy.
+
+What the model sees is not always the raw input: digits' features are standardised with the
+training split's mean and standard deviation, a text's ids come from a tokenizer. A Dataset
+says so (`standardize`, `tokenizer`), and `carried(data)` is what a checkpoint keeps of it,
+so `infer` and `generate` read raw input as training did: the arrays as .npy files and the
+tokenizer's files beside the blocks, named in the index's extra (no pickle).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +32,8 @@ from ..validate import check_number
 
 DATASETS = ("synthetic-regression", "synthetic-classification", "digits")
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10
+# the files of a checkpoint that hold a data set's standardisation (extra["standardize"])
+STANDARDIZE_FILES = {"mean": "standardize.mean.npy", "std": "standardize.std.npy"}
 
 
 @dataclass
@@ -33,6 +42,9 @@ class Dataset:
 
     task: 'regression' (float targets, MSE), 'classification' (int64 labels, CrossEntropy) or
     'binary' (float 0/1 targets of shape (N, 1), BCE on a sigmoid output).
+    standardize: None, or {"mean": (d_in,), "std": (d_in,)} arrays when x_train and x_test
+    are the raw features standardised, (raw - mean) / std. tokenizer: the HFTokenizer whose
+    ids the inputs are (None for numbers and bytes).
     """
 
     name: str
@@ -42,6 +54,8 @@ class Dataset:
     t_test: np.ndarray
     task: str
     n_classes: int = 0
+    standardize: Any = None
+    tokenizer: Any = None
 
     @property
     def d_in(self) -> int:
@@ -119,8 +133,30 @@ def digits(seed=0, test_fraction=0.2):
     mean = x_train.mean(axis=0)
     std = x_train.std(axis=0)
     std[std == 0.0] = 1.0                      # pixels that are blank in every training image
-    return Dataset("digits", (x_train - mean) / std, y_train, (x_test - mean) / std, y_test,
-                   "classification", DIGITS_CLASSES)
+    return Dataset("digits", standardized(x_train, mean, std), y_train,
+                   standardized(x_test, mean, std), y_test, "classification", DIGITS_CLASSES,
+                   standardize={"mean": mean, "std": std})
+
+
+def standardized(x, mean, std) -> np.ndarray:
+    """(x - mean) / std, feature by feature: what a standardised data set feeds the model."""
+    return (np.asarray(x, dtype=np.float64) - mean) / std
+
+
+def carried(data) -> tuple:
+    """(extra, assets): what a checkpoint keeps of `data` so raw input reads as in training.
+    extra["standardize"] names the .npy files of the mean and std (STANDARDIZE_FILES);
+    extra["tokenizer"] is the tokenizer's record (name, sha256, eos id, its file names), its
+    files stored under those names. Both empty for raw numbers and bytes."""
+    extra, assets = {}, {}
+    if data.standardize is not None:
+        extra["standardize"] = dict(STANDARDIZE_FILES)
+        assets.update({STANDARDIZE_FILES[k]: np.asarray(data.standardize[k], np.float64)
+                       for k in STANDARDIZE_FILES})
+    if data.tokenizer is not None:
+        extra["tokenizer"], files = data.tokenizer.carried()
+        assets.update(files)
+    return extra, assets
 
 
 def load_dataset(name, *, d_in=16, d_out=1, n_train=1024, n_test=256, seed=0) -> Dataset:
@@ -219,5 +255,6 @@ def eval_chunks(n_rows: int, chunk: int, dp_size: int, dp_rank: int):
         yield idx[dp_rank * b:(dp_rank + 1) * b], min(chunk, n_rows - start)
 
 
-__all__ = ["DATASETS", "Dataset", "DistributedBatcher", "digits", "eval_chunks", "load_dataset",
-           "synthetic_classification", "synthetic_regression"]
+__all__ = ["DATASETS", "Dataset", "DistributedBatcher", "STANDARDIZE_FILES", "carried", "digits",
+           "eval_chunks", "load_dataset", "standardized", "synthetic_classification",
+           "synthetic_regression"]

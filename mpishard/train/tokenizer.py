@@ -20,10 +20,17 @@ that the tokenizer knows, else none (documents then run into each other).
 Identity: the sha256 of the tokenizer's canonical JSON (`Tokenizer.to_str()`), so the same
 tokenizer read from two copies of a directory is the same tokenizer, and a token file made by
 another one is refused by name. The byte tokenizer's identity is {"name": "bytes"}.
+
+Files: a tokenizer read from a directory keeps the bytes of its tokenizer.json and of the
+companions present beside it (TOKENIZER_FILES: tokenizer_config.json, special_tokens_map.json,
+the chat template), so a checkpoint carries them (`carried()`: the record a checkpoint's
+extra["tokenizer"] keeps, and the files) and `generate` and `export` use the very tokenizer
+the model was trained with.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 
@@ -31,6 +38,10 @@ from .text import BYTE_VOCAB, BYTES
 
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 ENCODE_BATCH = 64                   # documents per call to the Rust encoder
+TOKENIZER_JSON = "tokenizer.json"
+# what a tokenizer is on disk, beside tokenizer.json (what transformers' save_pretrained writes)
+TOKENIZER_FILES = (TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -55,6 +66,10 @@ class ByteTokenizer:
     def encode(self, docs: list) -> list:
         return [np.frombuffer(d, dtype=np.uint8) for d in docs]
 
+    def carried(self) -> tuple:
+        """(record, no files): a checkpoint records that its ids are bytes."""
+        return dict(self.identity(), eos_id=None, files=[]), {}
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab 256)"
 
@@ -63,10 +78,12 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` (from a model directory's tokenizer.json) as a corpus encoder.
 
     name: where it came from (shown, not compared); eos_token: the end-of-text token's text
-    (tokenizer_config.json's eos_token) or None to look for EOS_TOKENS."""
+    (tokenizer_config.json's eos_token) or None to look for EOS_TOKENS; files: {file name:
+    bytes} it was read from (read_tokenizer_files), which a checkpoint carries."""
 
-    def __init__(self, tokenizer, name: str, eos_token=None):
+    def __init__(self, tokenizer, name: str, eos_token=None, files=None):
         self.tokenizer, self.name = tokenizer, str(name)
+        self.files = dict(files or {})
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True),
                               max(vocab.values(), default=-1) + 1)
@@ -81,6 +98,12 @@ class HFTokenizer:
     def identity(self) -> dict:
         return {"name": self.name, "sha256": self.sha256}
 
+    def carried(self) -> tuple:
+        """(record, files): what a checkpoint keeps of this tokenizer, its identity, eos id
+        and file names in extra["tokenizer"], and {file name: bytes} to store beside it."""
+        record = dict(self.identity(), eos_id=self.eos_id, files=sorted(self.files))
+        return record, dict(self.files)
+
     def encode(self, docs: list) -> list:
         texts = [d.decode("utf-8", errors="replace") for d in docs]
         return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)]
@@ -88,6 +111,34 @@ class HFTokenizer:
     def __repr__(self) -> str:
         eos = "none" if self.eos_id is None else self.eos_id
         return f"HFTokenizer({self.name}, vocab {self.vocab_size}, eos {eos})"
+
+
+class RecordedTokenizer:
+    """A tokenizer known by its identity alone (a token file's header naming a tokenizer that
+    is not at hand): a checkpoint records it, without files."""
+
+    def __init__(self, identity: dict, eos_id=None):
+        self.record = dict(identity, eos_id=eos_id, files=[])
+
+    def carried(self) -> tuple:
+        return dict(self.record), {}
+
+
+def read_tokenizer_files(path) -> dict:
+    """{file name: bytes} of a tokenizer on disk: `path` is a directory (its tokenizer.json
+    and the TOKENIZER_FILES beside it) or a tokenizer.json file (kept as tokenizer.json, with
+    the companions of its directory). OSError when there is no tokenizer.json."""
+    path = os.fspath(path)
+    directory, main = (path, os.path.join(path, TOKENIZER_JSON)) if os.path.isdir(path) \
+        else (os.path.dirname(path) or ".", path)
+    with open(main, "rb") as f:
+        files = {TOKENIZER_JSON: f.read()}
+    for name in TOKENIZER_FILES[1:]:
+        full = os.path.join(directory, name)
+        if os.path.isfile(full):
+            with open(full, "rb") as f:
+                files[name] = f.read()
+    return files
 
 
 def same_tokenizer(a: dict, b: dict) -> bool:
@@ -125,5 +176,7 @@ def encode_corpus(tokenizer, docs) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-__all__ = ["BYTES", "ByteTokenizer", "EOS_TOKENS", "HFTokenizer", "encode_corpus",
-           "encode_documents", "same_tokenizer", "token_dtype"]
+__all__ = ["BYTES", "ByteTokenizer", "EOS_TOKENS", "HFTokenizer", "RecordedTokenizer",
+           "TOKENIZER_FILES",
+           "TOKENIZER_JSON", "encode_corpus", "encode_documents", "read_tokenizer_files",
+           "same_tokenizer", "token_dtype"]

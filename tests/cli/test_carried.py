@@ -1,0 +1,173 @@
+"""What a checkpoint carries of its data, and the commands that use it: the tokenizer of a
+train --tokenizer / tokens:DIR run (its files and sha256, which `generate --checkpoint` uses
+by default; bytes refused for a vocabulary that is not bytes') and digits' standardisation
+(the mean and std as .npy files, which `infer` applies to raw features).
+
+    pytest -m "not mpi" tests/cli/test_carried.py
+"""
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import mpishard as ms
+from mpishard import cli
+from mpishard.cli.generate import Text
+from mpishard.train.data import STANDARDIZE_FILES, digits
+
+from conftest import assert_close
+from test_tokens import EOS, VOCAB, train_bpe, write_corpus
+
+RUN = ["--batch", "8", "--no-progress", "--log-every", "0", "--log-level", "WARNING"]
+GPT = ["--model", "gpt", "--gpt", "d_model=32,n_heads=2,n_layers=1,seq_len=16", "--steps", "2"]
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A corpus and a BPE tokenizer directory (tokenizer.json, tokenizer_config.json)."""
+    pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("carried")
+    write_corpus(str(root / "corpus"))
+    (root / "tok").mkdir()
+    train_bpe(str(root / "corpus")).save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    return root
+
+
+def train(root, ckpt, *data):
+    assert cli.main(["train", *GPT, *RUN, "--checkpoint-dir", str(ckpt), *data]) == 0
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def greedy_text(ckpt, tok, prompt, n) -> str:
+    """What generate must print: the checkpoint's greedy continuation of `prompt` under the
+    tokenizer `tok`, decoded by it."""
+    model = ms.checkpoint.load(ckpt).model()
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint(ms.checkpoint.load(ckpt))
+    ids = tok.encode(prompt).ids
+    new = engine.generate([ids], n, temperature=0.0)[0]
+    return prompt + Text(tok).whole(new, ids) + "\n"
+
+
+def test_generate_uses_the_tokenizer_the_checkpoint_carries(root, tmp_path, capsys):
+    """train --tokenizer DIR: the checkpoint holds DIR's tokenizer.json and
+    tokenizer_config.json (their sha256 in the index) and the tokenizer's record; generate
+    --checkpoint encodes and decodes with it (bytes crashed on ids past 255)."""
+    ckpt = tmp_path / "ck"
+    train(root, ckpt, "--text", str(root / "corpus"), "--tokenizer", str(root / "tok"))
+    saved = ms.checkpoint.load(ckpt)
+    assert saved.model().vocab_size == VOCAB
+    record = saved.extra["tokenizer"]
+    tok = ms.hf.tokenizer(root / "tok")
+    assert record["sha256"] == hashlib.sha256(tok.to_str().encode()).hexdigest()
+    assert record["files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert record["eos_id"] == tok.token_to_id(EOS)
+    for name in record["files"]:
+        assert saved.index["files"][name]["sha256"] == sha(root / "tok" / name)
+        assert sha(ckpt / name) == sha(root / "tok" / name)
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", PROMPT,
+                     "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy_text(ckpt, tok, PROMPT, 12)
+
+
+def test_bytes_are_refused_where_the_ids_are_not_bytes(root, tmp_path, capsys):
+    """--tokenizer bytes on the 320-id model: one error line naming both vocabularies; a
+    damaged carried tokenizer.json is refused by its sha256; a byte-level model (vocab 256)
+    still generates with bytes by default."""
+    ckpt = tmp_path / "ck"
+    train(root, ckpt, "--text", str(root / "corpus"), "--tokenizer", str(root / "tok"))
+    capsys.readouterr()
+    gen = ["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--max-new-tokens", "2"]
+    assert cli.main([*gen, "--tokenizer", "bytes"]) == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer bytes: the model's vocabulary has 320 ids, bytes have 256" in err
+    with open(ckpt / "tokenizer.json", "r+b") as f:        # same size, other bytes
+        first = f.read(1)
+        f.seek(0)
+        f.write(b"[" if first != b"[" else b"{")
+    assert cli.main(gen) == 2
+    assert "tokenizer.json is corrupt" in capsys.readouterr().err
+    byte_ckpt = tmp_path / "bytes"
+    train(root, byte_ckpt, "--text", str(root / "corpus"))
+    assert ms.checkpoint.load(byte_ckpt).extra["tokenizer"]["name"] == "bytes"
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(byte_ckpt), "--prompt", "d",
+                     "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("d")
+
+
+def test_a_token_file_run_carries_the_tokenizer_its_header_names(root, tmp_path, capsys):
+    """train --dataset tokens:DIR without --tokenizer: the checkpoint carries the tokenizer
+    the header names (found with the same sha256); when it is gone, the checkpoint records
+    its name only and generate asks for --tokenizer DIR instead of printing garbage."""
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(root / "tok", tok_dir)
+    assert cli.main(["tokenize", "--tokenizer", str(tok_dir), "--text", str(root / "corpus"),
+                     "--out", str(tmp_path / "ids")]) == 0
+    train(root, tmp_path / "ck", "--dataset", f"tokens:{tmp_path / 'ids'}")
+    record = ms.checkpoint.load(tmp_path / "ck").extra["tokenizer"]
+    assert record["files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert sha(tmp_path / "ck" / "tokenizer.json") == sha(tok_dir / "tokenizer.json")
+    shutil.rmtree(tok_dir)
+    train(root, tmp_path / "lost", "--dataset", f"tokens:{tmp_path / 'ids'}")
+    lost = ms.checkpoint.load(tmp_path / "lost").extra["tokenizer"]
+    assert lost["files"] == [] and lost["sha256"] == record["sha256"]
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "lost"), "--prompt", "x"]) == 2
+    assert "does not carry its files; give --tokenizer DIR" in capsys.readouterr().err
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "lost"), "--prompt", PROMPT,
+                     "--tokenizer", str(root / "tok"), "--max-new-tokens", "3"]) == 0
+
+
+def raw_digits(seed=0):
+    """The raw (unstandardised) test features and labels of train's digits split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    _, x_test, _, y_test = train_test_split(x.astype(np.float64), y.astype(np.int64),
+                                            test_size=0.2, random_state=seed, stratify=y)
+    return x_test, y_test
+
+
+def test_infer_standardises_raw_digits_as_training_did(tmp_path, capsys):
+    """A digits checkpoint keeps the training split's mean and std (two .npy files, in the
+    index with their sha256); infer on the raw features gives the trainer's own test
+    accuracy and outputs, and says it standardised; --no-standardize feeds them as they are."""
+    pytest.importorskip("sklearn")
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.json"
+    assert cli.main(["train", "--dataset", "digits", "--steps", "20", "--batch", "64",
+                     "--dtype", "float64", "--no-progress", "--log-level", "WARNING", "--checkpoint-dir", str(ckpt),
+                     "--metrics-json", str(metrics)]) == 0
+    saved = ms.checkpoint.load(ckpt)
+    assert saved.extra["standardize"] == STANDARDIZE_FILES
+    data = digits(0)
+    for key, name in STANDARDIZE_FILES.items():
+        assert name in saved.index["files"]
+        assert np.array_equal(np.load(ckpt / name, allow_pickle=False), data.standardize[key])
+    x, y = raw_digits()
+    np.save(tmp_path / "x.npy", x)
+    capsys.readouterr()
+    assert cli.main(["infer", "--checkpoint", str(ckpt), "--input", str(tmp_path / "x.npy"),
+                     "--output", str(tmp_path / "y.npy"), "--batch", "100"]) == 0
+    assert "the input standardised with the training split's mean and std" in \
+        capsys.readouterr().out
+    out = np.load(tmp_path / "y.npy")
+    want = json.load(open(metrics))["test_accuracy"]
+    assert (out.argmax(axis=1) == y).mean() == want
+    engine = ms.SingleDevice(saved.model())
+    engine.load_checkpoint(saved)
+    assert_close(out, np.asarray(engine.predict(data.x_test)), rtol=1e-12,
+                 what="infer on raw features vs predict on the trainer's standardised ones")
+    assert cli.main(["infer", "--checkpoint", str(ckpt), "--input", str(tmp_path / "x.npy"),
+                     "--output", str(tmp_path / "raw.npy"), "--no-standardize"]) == 0
+    assert not np.array_equal(np.load(tmp_path / "raw.npy"), out)
