@@ -39,7 +39,7 @@ from ..validate import check_number
 from .format import INDEX, CheckpointError, run_captured
 from .async_writer import AsyncSave
 from .restorer import restore_state
-from .storage import latest, preflight, prune, step_dir
+from .storage import latest, preflight, retain, step_dir
 from .writer import save
 
 FAILURE_POLICIES = ("stop", "continue")
@@ -134,11 +134,12 @@ class Checkpointer(Callback):
         self.saved(trainer, pending.step)
 
     def saved(self, trainer, step) -> None:
-        """The save of `step` is complete: log it, prune old ones."""
+        """The save of `step` is complete: log it, prune old ones and remove what crashed
+        saves left (storage.retain; no save of this job is in flight now)."""
         self.last_saved = step
         trainer.log.info("saved checkpoint %s at step %d", self.target(step), step)
         if self.keep_last > 1 and trainer.rank == 0:
-            gone, err = run_captured(prune, self.path, self.keep_last)
+            gone, err = run_captured(retain, self.path, self.keep_last)
             if err:       # nothing is lost: a folder too many stays on disk
                 trainer.log.warning("removing old checkpoints in %s failed: %s", self.path, err)
             elif gone:

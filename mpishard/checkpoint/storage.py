@@ -7,6 +7,18 @@ Retention (`Checkpointer(keep_last=N)`, `train --keep-last N`):
          `save` into `DIR/step-00000500.tmp-500` and renamed into place once its index is
          durable); after a save has completed, the oldest beyond the N newest complete ones
          are deleted. An incomplete folder (no index) never counts and is never the newest.
+         The same pass (`retain`) removes what crashed saves left: every `step-N.tmp-S`
+         (a save that never wrote its index or never renamed the folder into place) and
+         `step-N.old` beside a complete `step-N` (a swap that ended before its cleanup).
+         Each is a full checkpoint's size, and a requeued run may never save at step N
+         again (a preemption save lands at any step). It runs on rank 0 after a save has
+         completed, when no save of the job is in flight: a Checkpointer finishes its
+         pending asynchronous save before it begins another, and a save completes only
+         once every rank's writes have ended (writer.finish gathers them), so no such
+         folder has a live writer, short of a second job writing into the same directory,
+         which retention never supports (each job's pruning would delete the other's).
+         A directory holding only such leftovers (a crash during the first save) holds no
+         checkpoint and nothing foreign (`foreign_entries`): `--resume auto` starts fresh.
 `load(DIR)` / `--resume DIR` / `inspect DIR` open DIR itself when it holds an index (a
 single-directory checkpoint, also those written before retention existed), else the newest
 complete `DIR/step-*` folder (`latest`).
@@ -33,6 +45,7 @@ from ..train.optim import AdamW
 from .format import INDEX, CheckpointError, run_captured
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+CRASHED_SAVE = re.compile(r"^(step-\d+)\.(tmp-\d+|old)$")   # what a crashed save leaves
 HEADROOM = 1 << 16          # index.json and the .npy headers, per checkpoint
 
 
@@ -75,6 +88,45 @@ def prune(path, keep: int) -> list:
     for d in gone:
         shutil.rmtree(d)
     return gone
+
+
+def crashed_saves(path) -> list:
+    """The folders crashed saves left in retention directory `path` (module docstring): every
+    `step-N.tmp-S`, and `step-N.old` when `step-N` is complete (without it, `.old` is the
+    checkpoint of step N, mid-swap, and stays)."""
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        m = CRASHED_SAVE.match(entry)
+        if m and (m.group(2) != "old" or
+                  os.path.isfile(os.path.join(path, m.group(1), INDEX))):
+            found.append(os.path.join(path, entry))
+    return found
+
+
+def retain(path, keep: int) -> list:
+    """The retention pass after a completed save (rank 0, no save in flight): `prune` to the
+    `keep` newest, then remove the folders of crashed saves. Returns the folders removed."""
+    gone = prune(path, keep)
+    for d in crashed_saves(path):
+        shutil.rmtree(d)
+        gone.append(d)
+    return gone
+
+
+def foreign_entries(path) -> list:
+    """The entries of directory `path` that no save wrote: neither step folders nor the
+    leftovers of crashed saves ([] when `path` does not exist). A lone complete `step-N.old`
+    is no leftover but a checkpoint that `latest` does not see: it stays foreign."""
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return []
+    crashed = {os.path.basename(d) for d in crashed_saves(path)}
+    return sorted(e for e in entries if not (STEP_DIR.match(e) or e in crashed))
 
 
 def checkpoint_bytes(engine, optimizer=None) -> int:

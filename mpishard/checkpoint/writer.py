@@ -9,7 +9,9 @@ Crash consistency (save over an existing checkpoint `P`):
   3. rank 0 writes `index.json.tmp`, fsyncs it, `os.replace`s it to `index.json` and fsyncs
      the directory: the index exists only once every block it names is durable;
   4. rank 0 swaps: `P -> P.old`, `P.tmp-<step> -> P`, fsync of the parent, removes `P.old`.
-A crash in 1-3 leaves `P` untouched (the tmp directory has no index: not a checkpoint). A
+A crash in 1-3 leaves `P` untouched (the tmp directory has no index: not a checkpoint; the
+next save into `P` removes it in 1, and under retention, where each step has its own `P`, the
+retention pass after the next completed save removes those of every step: storage.retain). A
 crash between the two renames of 4 leaves the complete old checkpoint at `P.old`: `load`
 reads it from there and the next `save` renames it back first. A crash after leaves `P`
 complete and `P.old` as garbage the next save removes. At no moment is there no complete

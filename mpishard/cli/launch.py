@@ -7,10 +7,18 @@ A thin supervisor around the site's launcher (this project's torchrun): it runs
 and when the job dies (a rank killed, a node lost, a collective timeout: any exit code but 0
 and 75) relaunches it, at most K times, with `--resume auto` in place of any --resume it had,
 so each restart continues from the newest complete checkpoint of --checkpoint-dir (restarts
-need one). Each restart is logged with its cause: the exit code, the signal that ended the
-launcher or a rank, and the rank when the job's output named it (hydra's "BAD TERMINATION":
-the pid and host of the rank that ended first and why; MPICH's "Abort ... (rank r in comm",
-mpishard's "mpishard: error: ... (rank r)").
+need one); a job given `--resume PATH` whose --checkpoint-dir holds no checkpoint yet (it
+died before its first save there) restarts with `--resume PATH` again, not from step 0. Each
+restart is logged in one line with its cause and what it resumes from: the exit code, the
+signal that ended the launcher or a rank, and the rank when the job's output named it (hydra's
+"BAD TERMINATION": the pid and host of the rank that ended first and why; MPICH's "Abort ...
+(rank r in comm", mpishard's "mpishard: error: ... (rank r)").
+
+The job's output is copied as bytes, as it comes, whatever it holds (a rank printing bytes
+that are not UTF-8 must not stop the copy: a pipe nobody reads fills and the job then blocks
+on its next write); when our own output is gone (a closed pipe) the job's is still read and
+dropped. After each job, the MPI library's files its dead ranks left in /dev/shm are removed
+(job_files.py: only files the job's own processes mapped).
 
 Exit code 75 (EX_TEMPFAIL, train/preemption.py) is a job that was asked to stop and saved a
 checkpoint. Signals to the supervisor (from a batch script, say) end the supervision and go on
@@ -38,6 +46,10 @@ import sys
 import threading
 import time
 
+from ..checkpoint import is_checkpoint
+from .cluster_options import AUTO
+from .job_files import JobFiles
+from .train import parse_train_args
 from .usage import PROG, UsageError
 
 PREEMPTED = 75                            # train/preemption.py PREEMPTED_EXIT (no MPI import)
@@ -66,15 +78,32 @@ def add_launch_arguments(p):
     return p
 
 
-def job_command(args, restart: bool) -> list:
-    """The launcher's argv: CMD -n N python -m mpi4py -m mpishard COMMAND, with --resume auto
-    replacing any --resume on a restart."""
+def job_command(args, resume=None) -> list:
+    """The launcher's argv: CMD -n N python -m mpi4py -m mpishard COMMAND, with `--resume
+    RESUME` replacing any --resume when `resume` is given (a restart: `restart_resume`)."""
     launcher = shlex.split(args.launcher) if args.launcher else [_default_mpiexec()]
     command = list(args.job)
-    if restart:
-        command = without_resume(command) + ["--resume", "auto"]
+    if resume is not None:
+        command = without_resume(command) + ["--resume", resume]
     return [*launcher, "-n", str(args.np), sys.executable, "-m", "mpi4py", "-m", "mpishard",
             *command]
+
+
+def restart_resume(job) -> tuple:
+    """What a restart of `job` (train's argv) resumes from, and why, in words: (`auto`, ...)
+    when its --checkpoint-dir holds a checkpoint (the newest one), or when it was given no
+    --resume PATH (a fresh start); (PATH, ...) when it was and the directory holds none yet."""
+    try:
+        args = parse_train_args(job[1:]) if job[:1] == ["train"] else None
+    except (UsageError, SystemExit):      # the job refused its flags too
+        args = None
+    if args is None or args.checkpoint_dir is None:
+        return AUTO, "the newest checkpoint of its --checkpoint-dir, if any"
+    if is_checkpoint(args.checkpoint_dir):
+        return AUTO, f"the newest checkpoint in {args.checkpoint_dir}"
+    if isinstance(args.resume, str) and args.resume != AUTO:
+        return args.resume, f"{args.checkpoint_dir} holds no checkpoint yet"
+    return AUTO, f"{args.checkpoint_dir} holds no checkpoint, so it starts fresh"
 
 
 def without_resume(command) -> list:
@@ -113,23 +142,49 @@ def cause(rc: int, lines) -> str:
     return what
 
 
-def _pump(stream, sink, tail) -> None:
-    """Copy the child's lines to `sink` (ours), keeping the last ones in `tail`."""
-    for line in iter(stream.readline, ""):
-        sink.write(line)
-        sink.flush()
-        tail.append(line.rstrip("\n"))
+def _pump(stream, sink, tail, chunk: int = 1 << 16) -> None:
+    """Copy the child's output (bytes) to `sink` (ours) until its end, keeping the last lines
+    in `tail` (decoded, a bad byte replaced). Whole lines go in one write, so the supervisor's
+    own lines never land inside one; a line without an end is held up to `chunk` bytes, and
+    ended with a newline when the output ends."""
+    held = b""
+    while data := os.read(stream.fileno(), chunk):
+        held += data
+        cut = max(held.rfind(b"\n"), held.rfind(b"\r")) + 1
+        if not cut and len(held) < chunk:
+            continue                     # the rest of the line is still to come
+        cut = cut or len(held)
+        _copy(sink, held[:cut])
+        tail.extend(held[:cut].decode(errors="replace").splitlines())
+        held = held[cut:]
+    if held:                             # ended, so our own lines start on a line of their own
+        _copy(sink, held + b"\n")
+        tail.append(held.decode(errors="replace"))
     stream.close()
+
+
+def _copy(sink, data: bytes) -> None:
+    """Write bytes to `sink` (a text stream: through its binary buffer when it has one); when
+    that fails (our output closed), drop them: the job's pipe is drained all the same."""
+    try:
+        if hasattr(sink, "buffer"):
+            sink.buffer.write(data)
+        else:
+            sink.write(data.decode(errors="replace"))
+        sink.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def run_once(argv, state) -> tuple:
     """Run the job once, forwarding signals; returns (exit code, its last output lines)."""
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
     except OSError as exc:                  # a --launcher that is not there: one line, exit 2
         raise UsageError(f"launch: cannot run {argv[0]!r}: {exc.strerror}") from None
     state["proc"] = proc
+    files = JobFiles(proc.pid).start()
     tail = collections.deque(maxlen=200)
     pumps = [threading.Thread(target=_pump, args=(s, out, tail), daemon=True)
              for s, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
@@ -141,6 +196,10 @@ def run_once(argv, state) -> tuple:
     rc = proc.wait()
     for t in pumps:
         t.join()
+    removed = files.remove()
+    if removed:
+        _say(f"removed {len(removed)} file(s) the ended job's MPI library left: "
+             f"{' '.join(removed)}")
     return rc, list(tail)
 
 
@@ -172,13 +231,13 @@ def run_launch(args) -> int:
 
 def _supervise(args, state) -> int:
     """Run the job and relaunch it (module docstring); returns the exit code."""
-    restarts = 0
+    restarts, resume = 0, None
     while True:
         if state["signalled"]:         # it came between two runs: start none, requeue
             _say(f"stopped on {signal.Signals(state['signalled']).name} before a restart: "
                  f"exit code {PREEMPTED}")
             return PREEMPTED
-        argv = job_command(args, restart=restarts > 0)
+        argv = job_command(args, resume=resume)
         _say(f"starting: {shlex.join(argv)}")
         rc, tail = run_once(argv, state)
         if rc == 0 or state["signalled"]:
@@ -194,7 +253,9 @@ def _supervise(args, state) -> int:
             _say(f"job ended ({why}); no restart left of {args.max_restarts}")
             return rc if rc >= 0 else 128 - rc
         restarts += 1
-        _say(f"job ended ({why}); restart {restarts} of {args.max_restarts} with --resume auto")
+        resume, source = restart_resume(args.job)
+        _say(f"job ended ({why}); restart {restarts} of {args.max_restarts} with --resume "
+             f"{resume}: {source}")
 
 
 def _pass_on(proc, signum, first) -> None:
@@ -205,4 +266,5 @@ def _say(text) -> None:
     print(f"{PROG} launch: {time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
 
 
-__all__ = ["add_launch_arguments", "cause", "job_command", "run_launch", "without_resume"]
+__all__ = ["add_launch_arguments", "cause", "job_command", "restart_resume", "run_launch",
+           "without_resume"]

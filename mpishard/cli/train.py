@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from ..checkpoint import FAILURE_POLICIES, CheckpointError, Checkpointer, is_checkpoint, resume
+from ..checkpoint.storage import foreign_entries
 from ..nn.functional import ACTIVATIONS
 from ..nn.models import MLP
 from ..comm.watchdog import DEFAULT_TIMEOUT
@@ -26,7 +27,7 @@ from ..train.npy_data import is_npy_name, load_npy_dataset
 from ..train.tokens import is_tokens_name
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
-from .cluster_options import (CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
+from .cluster_options import (AUTO, CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
                               preempted_before_training, resume_source, stop_signals,
                               validate_cluster_args)
@@ -286,7 +287,8 @@ def _validate_checkpoint_args(args):
                          f"{os.path.dirname(path)} does not exist")
     complete = is_checkpoint(path)
     validate_cluster_args(args, complete)
-    if not complete and os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    if not complete and os.path.exists(path) and (not os.path.isdir(path) or
+                                                  foreign_entries(path)):  # not a crashed save's
         raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a "
                          f"checkpoint; refusing to replace it")
 
@@ -354,6 +356,9 @@ def build_training(args, comm=None, flag=None):
         trainer.callbacks.append(saver)
     if resume_source(args):
         resume(trainer, resume_source(args))      # collective; the same error everywhere
+    elif args.resume == AUTO:
+        trainer.log.info("--resume auto: no checkpoint in %s; starting fresh",
+                         args.checkpoint_dir)
     add_trace_callback(args, trainer)
     add_cluster_callbacks(args, trainer, saver, flag)  # metrics; SIGTERM/SIGUSR1 -> exit 75
     add_flight_callbacks(args, trainer, saver)    # flight dumps, straggler line, async saves

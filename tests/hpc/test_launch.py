@@ -1,6 +1,7 @@
 """`python -m mpishard launch` (cli/launch.py): a rank SIGKILLed mid-run, one restart with
---resume auto, and the run ends exactly where an uninterrupted one ends (float64, bit for bit);
-its command line, its causes and its refusals.
+--resume auto, and the run ends exactly where an uninterrupted one ends (float64, bit for bit),
+leaving no file of the MPI library behind; a job given --resume PATH that dies before its first
+save restarts from PATH; its command line, its causes and its refusals.
 
 Serial tests: the supervisor starts its own `mpiexec -n 2` jobs.
 """
@@ -8,15 +9,17 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 
+import leftovers
 from conftest import ROOT, mpiexec_cmd, run_mpi
 from mpishard.cli import main
-from mpishard.cli.launch import cause, job_command, without_resume
+from mpishard.cli.launch import cause, job_command, restart_resume, without_resume
 from running_job import RunningJob, train_steps
 
 STEPS, EVERY, KILL_AT = 500, 50, 120
@@ -39,13 +42,25 @@ def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
                      marker=str(ckpt), cwd=ROOT)
     seen = job.wait_for_step(tmp_path / "ckpt.metrics.jsonl", KILL_AT)
     killed, t_kill = job.signal(signal.SIGKILL, ranks=[1]), time.strftime("%H:%M:%S")
-    rc, out = job.finish(timeout=300, killed=True)
+    rc, out = job.finish(timeout=300)
+    left = leftovers.left_since(job.before)
+    for _ in range(30):                 # hydra's proxy may still be removing its own file
+        if not left:
+            break
+        time.sleep(0.1)
+        left = leftovers.left_since(job.before)
+    for path in left:                   # what launch should have removed, for the next tests
+        os.unlink(path)
     lines = [s for s in out.splitlines() if s.startswith("mpishard launch:")]
     print(f"{t_kill} killed rank 1 (pid {killed[0]}) at step {seen}; done "
           f"{time.strftime('%H:%M:%S')}\n" + "\n".join(lines))
     assert rc == 0, out[-3000:]
     restarts = [s for s in lines if "job ended" in s]
-    assert len(restarts) == 1 and "restart 1 of 2 with --resume auto" in restarts[0], lines
+    assert len(restarts) == 1 and restarts[0].endswith(
+        f"restart 1 of 2 with --resume auto: the newest checkpoint in {ckpt}"), lines
+    removed = [s for s in lines if "the ended job's MPI library left" in s]
+    assert len(removed) == 1 and "/dev/shm/" in removed[0], lines   # the dead job's segment
+    assert not left, out[-3000:]
     if "BAD TERMINATION" in out:                       # MPICH's hydra names the pid
         assert f"pid {killed[0]}" in restarts[0], restarts
     starts = [s for s in lines if "starting:" in s]
@@ -55,6 +70,68 @@ def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
     assert got["loss_history"] == reference["loss_history"]           # bit for bit
     assert got["final_loss"] == reference["final_loss"]
     assert train_steps(tmp_path / "ckpt.metrics.jsonl") == list(range(1, STEPS + 1))
+
+
+FIRST_RUN_DIES = """#!/bin/sh
+# the job's first run dies before any save (a lost node, say); the next ones run
+if [ ! -e "$MARK" ]; then
+    touch "$MARK"
+    echo "the first run dies before its first save" >&2
+    exit 137
+fi
+exec %s "$@"
+"""
+
+
+def test_a_restart_before_the_first_save_resumes_from_the_given_checkpoint(tmp_path):
+    """`--resume BASE --checkpoint-dir D`, dead before its first save into D: the restart
+    resumes from BASE again (before: --resume auto, a random init at step 0, no word said),
+    and ends exactly where `train --resume BASE` ends. BASE is trained at another learning
+    rate, so a run from step 0 cannot pass for one from BASE."""
+    base, ckpt, short = tmp_path / "base", tmp_path / "ckpt", [*ARGS, "--steps", "12"]
+    first = run_mpi(2, "-m", "mpishard", "train", *ARGS, "--steps", "5", "--lr", "0.05",
+                    "--checkpoint-dir", base, "--metrics-json", tmp_path / "base.json",
+                    timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ref = run_mpi(2, "-m", "mpishard", "train", *short, "--resume", base, "--checkpoint-dir",
+                  tmp_path / "ref", "--metrics-json", tmp_path / "ref.json", timeout=120)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    wrapper = tmp_path / "launcher.sh"
+    wrapper.write_text(FIRST_RUN_DIES % shlex.join(mpiexec_cmd(2)[:-2]))
+    proc = subprocess.run([sys.executable, "-m", "mpishard", "launch", "-n", "2",
+                           "--max-restarts", "1", "--launcher", f"sh {wrapper}", "--", "train",
+                           *short, "--resume", str(base), "--checkpoint-dir", str(ckpt),
+                           "--metrics-json", str(tmp_path / "got.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", MARK=str(tmp_path / "m")))
+    lines = [s for s in proc.stderr.splitlines() if s.startswith("mpishard launch:")]
+    print("\n".join(lines))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines[1].endswith(f"job ended (exit code 137 (signal SIGKILL)); restart 1 of 1 "
+                             f"with --resume {base}: {ckpt} holds no checkpoint yet"), lines
+    assert lines[2].endswith(f"--resume {base}") and "starting:" in lines[2]
+    got, want, before = (json.loads((tmp_path / f).read_text())
+                         for f in ("got.json", "ref.json", "base.json"))
+    assert got["loss_history"][:5] == before["loss_history"]            # BASE's own steps
+    assert got["loss_history"] == want["loss_history"]                # bit for bit
+    assert json.loads((ckpt / "index.json").read_text())["step"] == 12
+
+
+def test_a_restart_resumes_from_the_checkpoint_dir_once_it_holds_one(tmp_path):
+    ckpt, base = tmp_path / "ckpt", str(tmp_path / "base")
+    job = ["train", "--steps", "9", "--resume", base, "--checkpoint-dir", str(ckpt)]
+    assert restart_resume(job) == (base, f"{ckpt} holds no checkpoint yet")
+    os.mkdir(ckpt)
+    (ckpt / "index.json").write_text("{}")
+    assert restart_resume(job) == ("auto", f"the newest checkpoint in {ckpt}")
+    empty = str(tmp_path / "empty")
+    for given in ([], ["--resume", "auto"]):
+        assert restart_resume(["train", *given, "--checkpoint-dir", empty]) == (
+            "auto", f"{empty} holds no checkpoint, so it starts fresh")
+    config = tmp_path / "run.toml"                          # the flags from a --config file
+    config.write_text(f'resume = "{base}"\ncheckpoint_dir = "{empty}"\n')
+    assert restart_resume(["train", "--config", str(config)]) == (
+        base, f"{empty} holds no checkpoint yet")
 
 
 def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
@@ -80,11 +157,11 @@ def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
 def test_job_command_adds_mpi4py_and_replaces_resume():
     args = SimpleNamespace(np=4, launcher="srun --mpi=pmi2",
                            job=["train", "--resume", "/old", "--checkpoint-dir", "c"])
-    assert job_command(args, restart=False) == [
+    assert job_command(args) == [
         "srun", "--mpi=pmi2", "-n", "4", sys.executable, "-m", "mpi4py", "-m", "mpishard",
         "train", "--resume", "/old", "--checkpoint-dir", "c"]
-    assert job_command(args, restart=True)[-5:] == ["train", "--checkpoint-dir", "c",
-                                                    "--resume", "auto"]
+    assert job_command(args, resume="auto")[-5:] == ["train", "--checkpoint-dir", "c",
+                                                     "--resume", "auto"]
     assert without_resume(["train", "--resume", "--steps", "3", "--resume=x"]) == \
         ["train", "--steps", "3"]
 
