@@ -13,14 +13,21 @@ rope_theta and norm_eps (numbers; LLAMA_DEFAULTS), and for a mixture of experts 
 n_experts, top_k (default 2), capacity_factor and router_aux_loss_coef (numbers). `train`
 takes its vocabulary from the data set (256 bytes) and refuses a vocab key. The plan costs
 full-length sequences (T = seq_len) and counts a batch row as one sequence.
+
+`train --resume` without --model takes these flags from the checkpoint's model spec
+(`checkpoint_model_flags`); a --model that builds another model is refused naming both
+(`check_resumed_model`).
 """
 from __future__ import annotations
 
 import inspect
 
+from ..checkpoint import CheckpointError, model_spec, read_index
+from ..checkpoint.format import spec_text
 from ..nn.gpt import GPT
 from ..nn.llama import Llama
 from ..nn.models import MLP
+from .cluster_options import AUTO
 from .usage import UsageError, parse_dims
 
 GPT_DEFAULTS = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
@@ -121,6 +128,54 @@ def model_from_flag(text, activation: str = "relu", bias: bool = True, gpt=None)
     if spec is not None:
         return gpt_from_spec(parse_gpt_spec(spec))
     return MLP(parse_dims(text), activation=activation, bias=bias)
+
+
+def spec_flags(spec: dict):
+    """The train flags that rebuild a checkpoint's model spec (index.json's "model"):
+    {"model": dims} and its activation for an ms.MLP, {"model": "gpt" or "llama", "gpt":
+    KEY=VALUE,...} for an ms.GPT or ms.Llama (no vocab: train takes it from the data); None
+    for a model no flag names (ms.MoE, an MLP without bias)."""
+    cls = spec.get("class")
+    if cls == "MLP" and spec.get("bias", True) and isinstance(spec.get("dims"), list):
+        return {"model": ",".join(map(str, spec["dims"])), "activation": spec.get("activation")}
+    keys = {"GPT": GPT_DEFAULTS, "Llama": LLAMA_DEFAULTS}.get(cls)
+    if keys is None:
+        return None
+    text = ",".join(f"{k}={int(spec[k]) if isinstance(spec[k], bool) else spec[k]}"
+                    for k in keys if k != "vocab" and spec.get(k) is not None)
+    return {"model": cls.lower(), "gpt": text}
+
+
+def checkpoint_model_flags(path):
+    """spec_flags of the checkpoint at `path` (a retention directory: its newest), or None
+    when there is none to read: the run's own checks then say why."""
+    if path is None:
+        return None
+    try:
+        spec = read_index(path).get("model")
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return spec_flags(spec) if isinstance(spec, dict) else None
+
+
+def resumed_model_flags(resume, checkpoint_dir):
+    """checkpoint_model_flags of the checkpoint that train's --resume continues from: True
+    (bare) and auto mean --checkpoint-dir's, any other text is its PATH."""
+    return checkpoint_model_flags(checkpoint_dir if resume in (True, AUTO) else resume)
+
+
+def check_resumed_model(model, path, flag: str) -> None:
+    """UsageError unless `model` (built from `flag`, the user's --model) is the model of the
+    checkpoint at `path` that the run resumes, naming both."""
+    try:
+        saved = read_index(path).get("model")
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise UsageError(f"--resume: {exc}") from None
+    ours = model_spec(model)
+    if isinstance(saved, dict) and saved != ours:
+        raise UsageError(f"--model {flag} builds {spec_text(ours)}, but the checkpoint {path} "
+                         f"holds {spec_text(saved)}; leave out --model to take the "
+                         f"checkpoint's")
 
 
 def add_model_arguments(p, required=True):

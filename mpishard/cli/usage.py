@@ -13,6 +13,7 @@ reported once per distinct cause (comm/uncaught.py) and `python -m mpi4py` abort
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from mpi4py import MPI
@@ -82,6 +83,14 @@ def check_flags(args, names, **bounds):
         value = getattr(args, name)
         if value is not None:
             check_number("--" + name.replace("_", "-"), value, error=UsageError, **bounds)
+
+
+def check_directory(flag: str, path) -> None:
+    """UsageError unless `path` (the value of `flag`) is a directory: a mistyped path reads
+    'does not exist', not as the first file that the command looks for inside it."""
+    if not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: " + ("not a directory" if os.path.exists(path) else
+                                               "the directory does not exist"))
 
 
 def parse_dims(text) -> list:

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from mpishard import cli
+from mpishard.checkpoint import read_index
+from mpishard.checkpoint.format import spec_text
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PIPED = {
@@ -59,3 +63,55 @@ def test_head_reads_the_first_line_of_a_long_output():
     assert proc.stdout.startswith("plan   GPT(")
     assert proc.stdout.count("\n") == 1 and proc.stderr == ""
     assert proc.returncode == 128 + signal.SIGPIPE
+
+
+# -- small fixes ---------------------------------------------------------------------------------
+def one_error_line(capfd) -> str:
+    """The single `mpishard: error: ...` line a command printed (and nothing else)."""
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mpishard: error: "), err
+    return err[0]
+
+
+def test_generate_names_a_missing_hf_directory(tmp_path, capfd):
+    missing = tmp_path / "missing"
+    assert cli.main(["generate", "--hf", str(missing), "--prompt", "hi"]) == 2
+    assert one_error_line(capfd) == f"mpishard: error: --hf {missing}: the directory does not exist"
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["generate", "--hf", str(tmp_path / "file"), "--prompt", "hi"]) == 2
+    assert one_error_line(capfd).endswith(f"--hf {tmp_path / 'file'}: not a directory")
+
+
+TEXT = ["--corpus-bytes", "20000", "--batch", "4", "--no-progress", "--log-every", "0"]
+MODELS = {
+    "mlp": ["--model", "64,32,10", "--activation", "gelu", "--batch", "16", "--no-progress"],
+    "gpt": ["--model", "gpt:d_model=32,n_heads=2,n_layers=1,seq_len=16,tied=1", *TEXT],
+    "mixtral": ["--model", "llama:d_model=32,n_heads=4,n_kv_heads=2,n_layers=1,seq_len=16,"
+                "n_experts=4,top_k=2,rope_theta=1e6", *TEXT],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_resume_without_model_takes_the_checkpoints(tmp_path, capfd, kind):
+    """`train --resume` without --model continues the checkpoint's model (kind and sizes);
+    a --model that builds another one is refused, naming both."""
+    ckpt = tmp_path / "ckpt"
+    first = MODELS[kind]
+    assert cli.main(["train", *first, "--steps", "2", "--checkpoint-dir", str(ckpt)]) == 0
+    saved = read_index(ckpt)["model"]
+    rest = [a for i, a in enumerate(first) if a not in ("--model", "--activation") and
+            first[i - 1] not in ("--model", "--activation")]
+    capfd.readouterr()
+    assert cli.main(["train", *rest, "--steps", "3", "--checkpoint-dir", str(ckpt),
+                     "--resume"]) == 0, capfd.readouterr().err
+    index = read_index(ckpt)
+    assert index["model"] == saved and index["step"] == 3
+    capfd.readouterr()
+    other = first[first.index("--model") + 1].replace("32", "48", 1)
+    assert cli.main(["train", *rest, "--model", other, "--steps", "4", "--checkpoint-dir",
+                     str(ckpt), "--resume"]) == 2
+    line = one_error_line(capfd)
+    print(line)
+    assert line.startswith(f"mpishard: error: --model {other} builds ")
+    assert line.endswith(f"but the checkpoint {ckpt} holds {spec_text(saved)}; leave out "
+                         f"--model to take the checkpoint's")
