@@ -63,6 +63,8 @@ HOSTS_TIMEOUT ?= 600
 # `make soak`: benchmarks/soak.py on SOAK_NP ranks (dp), not part of `make test`.
 SOAK_NP       ?= 2
 SOAK_ARGS     ?= --steps 40000 --checkpoint-every 500
+# `make flight-sweep`: benchmarks/flight_sweep.py, a rank stopped at many random moments.
+SWEEP_ARGS    ?= --trials 40 --seed 1
 
 # `make demo`: a GPT on the Python standard library's source (read from this interpreter,
 # never downloaded), sized for about 2.5 minutes on 2 shared cores; then SAMPLE_ARGS on one rank.
@@ -94,7 +96,7 @@ MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
 .PHONY: gpu-check gpu-wheels
-.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-hf test-serialized test-newpy test-slurm test-hosts soak bench lint clean
+.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-hf test-serialized test-newpy test-slurm test-hosts soak flight-sweep bench lint clean
 
 help:
 	@echo "make venv | install   create $(VENV) and pip install -e '.[dev]' (MPICH wheel included)"
@@ -109,6 +111,7 @@ help:
 	@echo "make test-slurm       a throwaway 1-node Slurm: sbatch examples/hpc/train.slurm, then scancel a long job (root; SKIPPED otherwise)"
 	@echo "make test-hosts       one job over two network-namespace hosts over TCP: bandwidth, dp=2,tp=2 == one host (root; SKIPPED otherwise)"
 	@echo "make soak             benchmarks/soak.py on $(SOAK_NP) ranks (SOAK_ARGS): RSS growth, pending requests, fds"
+	@echo "make flight-sweep     benchmarks/flight_sweep.py (SWEEP_ARGS): a rank SIGSTOPped at random moments; timeout lines and flight agree"
 	@echo "make gpu-wheels       the wheels the GPU check carries, into $(GPU_WHEELS); make gpu-check [GPU=standin]: docs/gpus.md"
 	@echo "make bench            benchmarks/run_all.py"
 	@echo "make lint             ruff check"
@@ -222,6 +225,10 @@ test-hosts: $(STAMP)
 soak: $(STAMP)
 	@echo "==> soak: $(SOAK_NP) ranks: benchmarks/soak.py $(SOAK_ARGS)"
 	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $(SOAK_NP) $(PY) -m mpi4py benchmarks/soak.py $(SOAK_ARGS)
+
+flight-sweep: $(STAMP)
+	@echo "==> flight-sweep: benchmarks/flight_sweep.py $(SWEEP_ARGS)"
+	env MPIEXEC=$(MPIEXEC) MPIEXEC_FLAGS="$(MPIEXEC_FLAGS)" $(PY) benchmarks/flight_sweep.py $(SWEEP_ARGS)
 
 # --- the GPU check (docs/gpus.md, "GPU check"; `make test` runs GPU=standin: tests/gpu) ------
 # gpu-check needs no venv: on a bare GPU node it runs under the image's python3 and installs

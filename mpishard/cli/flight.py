@@ -10,9 +10,11 @@ their rings still hold; the first k where they differ is that group's divergence
   every one when they split evenly) called something else;
 - a member has not reached k: it never entered that collective (its own last event says where
   it is: still inside an earlier call, or outside communication since it left one);
-- a member left no dump (killed by the abort while asleep, looping or past its last
-  collective): unknown, and named as such; the timeout lines in the others' reasons name the
-  ranks the arrival counters found late.
+- a member left no dump (killed by the abort while asleep, looping, stopped, or past its last
+  collective): the arrival counters that the members waiting in that call read at their
+  timeout (the dump's "arrivals", the same counts their timeout line printed) say whether it
+  never entered the call or entered it and never left (stopped or hung inside it); without
+  them it is named as having left no dump. So the verdict never contradicts a timeout line.
 
 A member whose ring wrapped (it dropped events) and holds none of the group's calls is not
 compared on that group: its calls there were overwritten by later ones (a middle pipeline
@@ -20,6 +22,9 @@ stage makes twice the sends of the others), which is no sign that it never enter
 
 Of all the groups' divergences the earliest (by the first member's enter time at k) is the
 first point; the verdict names the rank(s) at fault and what the others were waiting in.
+Dumps that are all SIGUSR2 snapshots of a running job are no failure: each rank dumped at its
+own moment, so a rank a few calls behind another is expected and not named; only ranks that
+called different collectives at the same point are.
 """
 from __future__ import annotations
 
@@ -127,6 +132,33 @@ def describe(rank, dumps) -> str:
             f"(see {file_name(rank, 'stacks')})")
 
 
+def counted(key, seq, states, dumps) -> dict:
+    """{rank: 'late' | 'entered' | 'silent'}: what the arrival counters of the members waiting
+    in call `seq` of group `key` (dumped at their timeout in it) found of the other members."""
+    name, ranks = key
+    found: dict = {}
+    for r, (kind, e) in states.items():
+        arrivals = dumps[r].get("arrivals") if kind == "call" and e["exit"] is None else None
+        if arrivals and arrivals["group"] == name and tuple(arrivals["ranks"]) == ranks:
+            for what in ("silent", "late", "entered"):      # a later word wins
+                found.update((int(m), what) for m in arrivals[what])
+    return found
+
+
+def snapshot(dumps, found) -> str:
+    """The verdict on SIGUSR2 snapshots (module docstring)."""
+    odd = [(t, key, seq) for t, key, seq, states in found
+           if len({signature(e) for kind, e in states.values() if kind == "call"}) > 1]
+    text = ("verdict: a snapshot (SIGUSR2) of a running job, not a failure: each rank dumped "
+            "at its own moment, so one a few calls ahead of another is expected (where each "
+            "was: above)")
+    if odd:
+        _, (name, ranks), seq = min(odd)
+        text += (f"; but at #{seq} on group {name} (ranks {list(ranks)}) the ranks called "
+                 "different collectives")
+    return text
+
+
 def verdict(dumps, size) -> str:
     """The report of the module docstring."""
     lines = [f"flight: {size} ranks; dumps from ranks {sorted(dumps)}"
@@ -138,6 +170,9 @@ def verdict(dumps, size) -> str:
     found = [(t, key, seq, states) for key, by_rank in collectives(dumps).items()
              for t, seq, states in [group_divergence(key, by_rank, dumps) or (None,) * 3]
              if t is not None]
+    if all(d["reason"] == "SIGUSR2" for d in dumps.values()):
+        lines.append(snapshot(dumps, found))
+        return "\n".join(lines)
     if not found:
         failed = [r for r, d in sorted(dumps.items())
                   if not d["reason"].startswith(("CollectiveTimeout", "SIGUSR2"))]
@@ -151,18 +186,26 @@ def verdict(dumps, size) -> str:
     lines.append(f"first divergence: collective #{seq} on group {name} (ranks {list(ranks)}), "
                  f"first entered at {stamp}")
     calls = {r: e for r, (kind, e) in states.items() if kind == "call"}
+    counts = counted((name, ranks), seq, states, dumps)
     for r in ranks:
         kind, e = states[r]
         text = (f"in {call_text(e)}" + ("" if e["exit"] is None else " (left it)")
                 if kind == "call" else "never entered it: " + describe(r, dumps)
                 if kind == "behind" else "unknown: its ring no longer holds this group's calls"
-                if kind == "evicted" else "no dump: killed before it could write one")
+                if kind == "evicted" else "no dump: " + NO_DUMP[counts.get(r)])
         lines.append(f"  rank {r}: {text}")
-    lines.append("verdict: " + blame(name, ranks, seq, states, calls, dumps))
+    lines.append("verdict: " + blame(name, ranks, seq, states, calls, counts))
     return "\n".join(lines)
 
 
-def blame(name, ranks, seq, states, calls, dumps) -> str:
+NO_DUMP = {None: "killed before it could write one",
+           "late": "never entered it (the arrival counters of the ranks waiting in it)",
+           "entered": "entered it and never left: stopped or hung inside it (the arrival "
+                      "counters of the ranks waiting in it)",
+           "silent": "killed before it could write one; its arrival counter did not answer"}
+
+
+def blame(name, ranks, seq, states, calls, counts) -> str:
     """One sentence: which rank is where, and what the others wait for."""
     where = f"on group {name}"
     sigs: dict = {}
@@ -177,18 +220,22 @@ def blame(name, ranks, seq, states, calls, dumps) -> str:
                     f"{who(rest)} called {call_text(calls[rest[0]])}")
         return f"the ranks disagree at #{seq} {where}: " + "; ".join(
             f"{who(members)} called {call_text(calls[members[0]])}" for members in ordered)
-    missing = [r for r in ranks if states[r][0] in ("behind", "no dump")]
+    inside = [r for r in ranks if states[r][0] == "no dump" and counts.get(r) == "entered"]
+    missing = [r for r in ranks if states[r][0] == "behind"
+               or states[r][0] == "no dump" and r not in inside]
     waiting = [r for r, e in calls.items() if e["exit"] is None]
     op = call_text(next(iter(calls.values())), seq)
-    late = sorted({int(x) for r in waiting for m in re.findall(r"late ranks: \[([\d, ]*)\]",
-                                                               dumps[r]["reason"])
-                   for x in m.split(",") if x.strip()})
-    text = (f"{who(missing)} never entered {op} {where}" if missing else
-            f"{who(waiting)} still in {op} {where}")
-    if waiting and missing:
+    late = sorted(r for r, what in counts.items() if what == "late")
+    text = "; ".join(
+        [f"{who(missing)} never entered {op} {where}"] * bool(missing)
+        + [f"{who(inside)} entered {op} {where} and never left it (no dump: stopped or hung "
+           "inside it)"] * bool(inside)) or f"{who(waiting)} still in {op} {where}"
+    if waiting and (missing or inside):
         text += f"; {who(waiting)} waited in it"
     if late:
         text += f" (the timeout's arrival counters: late ranks {late})"
+    elif inside:
+        text += " (the timeout's arrival counters: every member entered it)"
     return text
 
 

@@ -12,23 +12,23 @@ inside another recorded call (receive inside receive_async's wrapper) is not rec
 Recording costs two clock reads and a list store per call (docs/reliability.md has the
 measured overhead); nothing is communicated.
 
-Dumps: `FlightRecorder.dump(reason)` writes DIR/flight-rank<R>.json (the ring, oldest first,
-and the group table) and DIR/flight-rank<R>.stacks.txt (every thread's Python stack, by
-faulthandler), each written to a temporary name and renamed, so a dump cut short by the abort
-is absent rather than torn. DIR is set by `redirect` (train --flight-dir: cli/flight_options.py;
-a library user calls `engine.comm.flight.redirect(DIR)` or sets MPISHARD_FLIGHT_DIR): until
-then nothing is dumped. It is called by the guard thread on a collective timeout (before the
-abort), by a polled CollectiveTimeout, by the uncaught-exception hook and the CLI's abort, and
-on SIGUSR2 (the rank goes on; the handler is installed by `redirect`). A fatal signal
-(SIGSEGV, SIGABRT, ...) writes the stacks alone to DIR/flight-rank<R>.fatal.txt (faulthandler;
-removed at a clean exit, and at a dump, when empty). A directory `redirect` made holds the
-empty marker MADE: at its clean exit every rank (not only the one that made it: the others'
-fatal files may still be open then) removes DIR when the marker is all that is left in it, so
-a clean run leaves no empty DIR whichever rank exits last, and a directory the user made is
-never removed. A rank
-that is not in a bounded wait when the job aborts (asleep, in a loop, past its last
-collective) is killed before it can dump: `python -m mpishard flight DIR` (cli/flight.py)
-reasons from the dumps there are.
+Dumps: `FlightRecorder.dump(reason)` writes DIR/flight-rank<R>.json (the ring, oldest first, the
+group table, and after a timeout what its arrival counters found: `note_arrivals`) and
+DIR/flight-rank<R>.stacks.txt (every thread's Python stack, by faulthandler), each written to a
+temporary name and renamed, so a dump cut short by the abort is absent rather than torn. DIR is
+set by `redirect` (train --flight-dir: cli/flight_options.py; a library user calls
+`engine.comm.flight.redirect(DIR)` or sets MPISHARD_FLIGHT_DIR): until then nothing is dumped.
+It is called by the guard thread on a collective timeout (before the abort), by a polled
+CollectiveTimeout, by the uncaught-exception hook and the CLI's abort, and on SIGUSR2 (the rank
+goes on; the handler is installed by `redirect`). A fatal signal (SIGSEGV, SIGABRT, ...) writes
+the stacks alone to DIR/flight-rank<R>.fatal.txt (faulthandler; removed at a clean exit, and at
+a dump, when empty). A directory `redirect` made holds the empty marker MADE: at its clean exit
+every rank (not only the one that made it: the others' fatal files may still be open then)
+removes DIR when the marker is all that is left in it, so a clean run leaves no empty DIR
+whichever rank exits last, and a directory the user made is never removed. A rank that is not in
+a bounded wait when the job aborts (asleep, in a loop, past its last collective) is killed
+before it can dump: `python -m mpishard flight DIR` (cli/flight.py) reasons from the dumps there
+are.
 """
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ class FlightRecorder:
         self.dumped = None                  # the reason of the first dump
         self.fatal = None                   # the open fatal-signal file (redirect)
         self.made: list = []                # the directories this process's redirect made
+        self.arrivals = None                # the last timeout's arrival counts (note_arrivals)
 
     @classmethod
     def shared(cls):
@@ -174,7 +175,7 @@ class FlightRecorder:
                       "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
                       "time": time.time(), "recorded": self.count,
                       "dropped": max(0, self.count - self.size), "groups": self.table,
-                      "events": self.events()}
+                      "arrivals": self.arrivals, "events": self.events()}
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f)
             os.replace(path + ".tmp", path)
@@ -234,6 +235,14 @@ class FlightRecorder:
                     os.rmdir(directory)         # fails, as it should, if a file came meanwhile
             except (OSError, TypeError):        # another rank was first, a file is there, None
                 pass
+
+
+def note_arrivals(found: dict) -> None:
+    """What a timeout's arrival counters found (watchdog.py: the group's name and ranks, and
+    the other members that were late, had entered, or did not answer), for the process's next
+    dump: `flight` reads it, so its verdict and the timeout line agree."""
+    if FlightRecorder.SHARED is not None:
+        FlightRecorder.SHARED.arrivals = found
 
 
 def dump_all(reason: str) -> None:

@@ -27,7 +27,12 @@ How late ranks are found without the stalled rank's help: arrival counters in an
 window (arrivals.py). Entering a collective, a rank bumps its own counter for the group's set
 of active mesh axes: a plain store into its own window memory, no MPI call. On a timeout it
 reads its peers' counters with passive-target `Rget`; a peer whose count is below the waiting
-rank's has not entered this collective. Point-to-point waits name the peer directly.
+rank's has not entered this collective. When every peer's count is up to the waiting rank's,
+none is late: one of them entered and stopped or hung inside the call (`kill -STOP`, a wedged
+driver), which the counters cannot tell from the ones waiting, and the line says so in words
+(`late_text`); a peer whose counter cannot be read is named as not answering. What the
+counters found goes into the flight recorder's dump too (flight.note_arrivals), so `mpishard
+flight` reasons from the same counts. Point-to-point waits name the peer directly.
 `timeout=0` turns all of this off (the blocking call, or a plain `Waitall`).
 """
 from __future__ import annotations
@@ -39,7 +44,7 @@ from mpi4py import MPI
 
 from ..validate import check_number
 from .arrivals import Arrivals
-from .flight import dump_all
+from .flight import dump_all, note_arrivals
 from .guard import Guard, thread_multiple
 from .mesh import AXES, CommUnusable, coordinates
 
@@ -59,6 +64,20 @@ def abandon(pending) -> None:
     """Keep requests (or Futures, which hold their buffers) that were given up on alive for
     the process's life: MPI may still complete them and write into their buffers."""
     _ABANDONED.extend(pending)
+
+
+def late_text(late, entered, silent, **_) -> str:
+    """What the arrival counters say of the other members of a collective that timed out:
+    the late ones, or in words why none can be named."""
+    if late:
+        return (f"{late} (not yet in this collective)"
+                + (f"; ranks {silent} did not answer" if silent else ""))
+    if silent:
+        return (f"unknown: ranks {silent} did not answer (their counters could not be read)"
+                + (f"; ranks {entered} entered this collective" if entered else ""))
+    return (f"none: every other member ({entered}) entered this collective too, so one "
+            "stopped or hung inside it (or the network failed); the arrival counters cannot "
+            "tell which")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -273,14 +292,17 @@ class Watchdog:
 
     def late(self, comm, ticket) -> str:
         """The members whose counter is below this rank's `ticket`, as text (the reads share
-        one deadline: arrivals.py)."""
+        one deadline: arrivals.py); the counts go to the flight recorder's next dump too."""
         index, mine = ticket
-        ranks = [r for r in self.group(comm)[1] if r != self.mesh.rank]
+        _, members, name = self.group(comm)
+        ranks = [r for r in members if r != self.mesh.rank]
         counts = self.arrivals.read(ranks, index)
-        late = [r for r, count in zip(ranks, counts) if count is not None and count < mine]
-        silent = [r for r, count in zip(ranks, counts) if count is None]
-        text = f"{late} (not yet in this collective)"
-        return text + (f"; ranks {silent} did not answer" if silent else "")
+        found = {"group": name, "ranks": list(members),
+                 "late": [r for r, c in zip(ranks, counts) if c is not None and c < mine],
+                 "entered": [r for r, c in zip(ranks, counts) if c is not None and c >= mine],
+                 "silent": [r for r, c in zip(ranks, counts) if c is None]}
+        note_arrivals(found)
+        return late_text(**found)
 
     def timed_out(self, what: str, comm, late: str, requests) -> None:
         """A polled wait gave up: cancel the receives among `requests`, keep them all (MPI

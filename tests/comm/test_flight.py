@@ -103,9 +103,14 @@ def test_a_sigusr2_look_does_not_stop_the_failure_dump(engine, tmp_path):
     signal.signal(signal.SIGUSR2, signal.SIG_DFL)
 
 
-def dump(rank, events, size=2, reason="CollectiveTimeout: late ranks: [1]", at=100.0):
-    """A hand-made dump: events (op, seq, exit or None) on the world group of `size` ranks."""
+def dump(rank, events, size=2, reason="CollectiveTimeout: late ranks: [1]", at=100.0,
+         late=(1,), entered=()):
+    """A hand-made dump: events (op, seq, exit or None) on the world group of `size` ranks;
+    the arrival counters its timeout read (`late`, `entered`) when the reason is a timeout."""
+    arrivals = {"group": "world", "ranks": list(range(size)), "late": list(late),
+                "entered": list(entered), "silent": []}
     return {"rank": rank, "world_size": size, "reason": reason, "time": at,
+            "arrivals": arrivals if reason.startswith("CollectiveTimeout") else None,
             "groups": [{"name": "world", "ranks": list(range(size))}],
             "events": [{"op": op, "group": 0, "seq": seq, "peer": None, "bytes": 24,
                         "dtype": "float64" if op == "all_reduce" else None,
@@ -127,6 +132,41 @@ def test_the_reader_names_a_different_op_and_a_rank_that_never_entered():
             "world; rank 0 waited in it (the timeout's arrival counters: late ranks [1])") in behind
     agree = verdict({0: dump(0, [("barrier", 1, 11.5)]), 1: dump(1, [("barrier", 1, 11.5)])}, 2)
     assert "verdict: the dumped ranks' collectives agree everywhere" in agree
+
+
+def test_a_rank_stopped_inside_a_call_is_not_said_to_have_never_entered_it():
+    """Rank 1 was stopped (kill -STOP) inside all_reduce #2: it left no dump, and rank 0's
+    timeout found its counter in the call ('late ranks: none: ...'). The reader says so and
+    does not blame rank 1 for never entering it, which the timeout line contradicts."""
+    timed_out = "CollectiveTimeout: ... late ranks: none: every other member ([1]) entered"
+    text = verdict({0: dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)],
+                            reason=timed_out, late=(), entered=(1,))}, 2)
+    print(text)
+    assert "never entered" not in text
+    assert ("  rank 1: no dump: entered it and never left: stopped or hung inside it (the "
+            "arrival counters of the ranks waiting in it)") in text
+    assert text.endswith("verdict: rank 1 entered all_reduce #2 (float64 (3,), step 5) on group "
+                         "world and never left it (no dump: stopped or hung inside it); rank 0 "
+                         "waited in it (the timeout's arrival counters: every member entered it)")
+    late = verdict({0: dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)])}, 2)
+    assert "  rank 1: no dump: never entered it (the arrival counters" in late
+    assert "verdict: rank 1 never entered all_reduce #2" in late
+
+
+def test_a_sigusr2_snapshot_of_a_healthy_job_is_a_snapshot():
+    """Each rank dumps on SIGUSR2 at its own moment: rank 1 one call behind rank 0 is no
+    fault. Different collectives at one point are still named."""
+    text = verdict({0: dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)], reason="SIGUSR2"),
+                    1: dump(1, [("barrier", 1, 11.5)], reason="SIGUSR2")}, 2)
+    print(text)
+    assert "never entered" not in text and "divergence" not in text
+    assert text.splitlines()[-1].startswith("verdict: a snapshot (SIGUSR2) of a running job, "
+                                            "not a failure")
+    odd = verdict({0: dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)], reason="SIGUSR2"),
+                   1: dump(1, [("barrier", 1, 11.5), ("broadcast", 2, None)], reason="SIGUSR2")},
+                  2)
+    assert odd.endswith("; but at #2 on group world (ranks [0, 1]) the ranks called different "
+                        "collectives"), odd
 
 
 def test_a_rank_whose_ring_wrapped_past_a_group_is_not_blamed_for_it():

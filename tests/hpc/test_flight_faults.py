@@ -2,7 +2,12 @@
 ranks (dp=2 or dp=2,tp=2) with a 2 s engine timeout, whose last rank skips the final world
 all_reduce, sleeps past the timeout in the loss of step 3, raises there, or calls a barrier
 where the others call the final all_reduce. The ranks that time out dump their rings into DIR;
-`mpishard flight DIR` must name the faulty rank and the collective the others wait in."""
+`mpishard flight DIR` must name the faulty rank and the collective the others wait in.
+A rank stopped (SIGSTOP) at a few fixed, seeded moments, and once inside a collective: the
+timeout line names it or says in words why it cannot name a late rank, and `flight` agrees
+(benchmarks/flight_sweep.py, `make flight-sweep`, draws many more moments)."""
+import importlib.util
+import random
 import re
 import subprocess
 import sys
@@ -138,3 +143,32 @@ def test_train_dumps_into_flight_dir_on_a_timeout(tmp_path):
     print(out)
     assert re.search(r"^verdict: rank 1 never entered all_reduce #5 \(float32 \(\d+,\), step 3\) "
                      r"on group world; rank 0 waited in it", out, re.M), out
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("flight_sweep",
+                                                  ROOT / "benchmarks" / "flight_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_moments = random.Random(39)
+STOPS = [(1, None)] + [(_moments.randrange(2), round(_moments.uniform(0, 1.5), 3))
+                                  for _ in range(3)]
+
+
+@pytest.mark.parametrize("victim, delay", STOPS)
+def test_a_stopped_rank_is_named_alike_by_the_timeout_and_flight(tmp_path, victim, delay):
+    """delay None: the rank stops itself inside a collective its peer enters late: every
+    counter is up to date, so the line says in words that no rank is late and why (it said
+    `late ranks: []` while flight said the stopped rank never entered)."""
+    sweep = _sweep()
+    result = sweep.stop_once(tmp_path, 2, victim, delay)
+    print(result["stderr"][-3000:], result["flight"])
+    assert sweep.problems(result) == []
+    if delay is None:
+        assert re.search(rf"late ranks: none: every other member \(\[{victim}\]\) entered this "
+                         r"collective too, so one stopped or hung inside it", result["stderr"])
+        assert re.search(rf"^verdict: rank {victim} entered all_reduce #\d+ \(float64 \(3,\), "
+                         r"step 10\) on group world and never left it", result["flight"], re.M)
