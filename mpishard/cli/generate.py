@@ -33,6 +33,7 @@ import numpy as np
 from .. import hf
 from ..engine import make_engine
 from ..parallel.decode import Decoder
+from ..train.memory import PhasePeaks, gather_peaks
 from ..validate import check_number
 from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
 from .usage import (CUDA_AWARE, UsageError, agreed, check_directory, check_flags,
@@ -70,6 +71,9 @@ def add_generate_arguments(p):
                    help="end a completion at this token id (repeatable; default with --hf: "
                    "config.json's eos_token_id)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (0)")
+    p.add_argument("--metrics-json", metavar="PATH", help="write the ids generated and each "
+                   "rank's peak memory while generating (bytes above its memory once the model "
+                   "is loaded) here (rank 0)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context "
                    "every step instead of decoding with a KV cache")
     add_compute_arguments(p)
@@ -208,6 +212,8 @@ def prepare_generator(args, comm):
         raise UsageError(f"--top-p must lie in (0, 1], got {args.top_p:g}")
     if args.hf is not None:
         check_directory("--hf", args.hf)
+    if args.metrics_json:
+        check_directory("--metrics-json", os.path.dirname(os.path.abspath(args.metrics_json)))
     text = open_tokenizer(args)
     prompts = [text.encode(p) for p in read_prompts(args)]
     empty = [i for i, ids in enumerate(prompts) if not ids]
@@ -261,13 +267,27 @@ def run_generate(args) -> int:
     if stream:
         sys.stdout.write(shown[0])
         text.reset(prompts[0])
+    peaks = PhasePeaks()                 # the baseline: the engine built and loaded
+    peaks.switch("generate")
     out = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos=eos or None,
                           kv_cache=not args.no_kv_cache, on_token=show if stream else None)
+    peaks.switch(None)
     if stream:
         sys.stdout.write(text.decode(new, final=True) + "\n")
     elif shown is not None:
         for i, (prompt, ids) in enumerate(zip(shown, out)):
             sys.stdout.write(f"--- prompt {i} ---\n{prompt}{text.whole(ids, prompts[i])}\n")
     sys.stdout.flush()
+    if args.metrics_json:
+        write_metrics(args.metrics_json, comm, engine, peaks, out)
     return 0
+
+
+def write_metrics(path, comm, engine, peaks, ids) -> None:
+    """Collective: the generated ids and every rank's peak memory while generating
+    (memory.gather_peaks), written by rank 0 to `path` as JSON."""
+    record = {"ids": [[int(i) for i in row] for row in ids], **gather_peaks(engine.comm, peaks)}
+    if comm.Get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
