@@ -6,6 +6,8 @@ import logging
 import sys
 import time
 
+import numpy as np
+
 import mpishard as ms
 from mpishard.train.data import synthetic_regression
 from mpishard.train.optim import SGD
@@ -53,13 +55,17 @@ def test_a_terminal_gets_the_bar_and_log_every_replaces_the_lines(tmp_path):
         assert progress_bar(10, 0, "train", 5, stream=f) is None     # --log-every lines suffice
 
 
-def test_a_slow_evaluation_says_it_is_still_running():
+def test_a_slow_evaluation_says_it_is_still_running_at_growing_intervals():
+    """A 1.6 s evaluation with a 0.1 s notice: lines after 0.1, 0.3, 0.7 and 1.5 s (each wait
+    twice the last), not one every 0.1 s; a quick evaluation says nothing."""
     records = []
 
     class Keep(logging.Handler):
         def emit(self, record):
             records.append(record.getMessage())
+            times.append(record.created)
 
+    times = []
     log = logging.getLogger("test-progress-slow-eval")
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -69,14 +75,16 @@ def test_a_slow_evaluation_says_it_is_still_running():
     evaluate = t.evaluate
 
     def slow():
-        time.sleep(0.45)
+        time.sleep(1.6)
         return evaluate()
 
     t.evaluate = slow
     t.fit()
-    notes = [r for r in records if "still running" in r]
-    print(notes)
-    assert len(notes) >= 2 and notes[0].startswith("evaluation at step 2: still running")
+    notes = [(at, r) for at, r in zip(times, records) if "still running" in r]
+    waits = np.diff([at for at, _ in notes])
+    print(notes, waits)
+    assert 2 <= len(notes) <= 4 and notes[0][1].startswith("evaluation at step 2: still running")
+    assert all(later > 1.5 * earlier for earlier, later in zip(waits, waits[1:])), waits
     records.clear()
     t.evaluate = evaluate                  # a quick one says nothing
     t.eval_notice_s = 5.0

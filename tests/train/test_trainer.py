@@ -259,3 +259,68 @@ def test_summary_table():
     print(table)
     for text in ("dp=2,tp=2", "| world size", "97.00%", "1234", "3.21 s", "0.125"):
         assert text in table
+
+
+class TickingClock:
+    """A stand-in for the trainer's `time` module: perf_counter advances 1 s per call, so a
+    step (two calls) takes exactly 1 s of train time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+def gpt_trainer(steps):
+    """A tiny GPT on 4,000 bytes of text, batches of 4 windows of 8 bytes."""
+    from mpishard.train.text import text_dataset
+
+    model = ms.GPT(vocab_size=256, seq_len=8, d_model=8, n_heads=2, n_layers=1)
+    e = ms.SingleDevice(model)
+    e.load_checkpoint(model.init(seed=0))
+    return Trainer(e, SGD(e, 0.1), text_dataset(seq_len=8, max_bytes=4000), batch=4,
+                   steps=steps, progress=False, log_every=3, logger=configure_logging(0))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_a_resumed_runs_throughput_counts_its_own_steps(monkeypatch, capsys, kind):
+    """Resumed at step 6 of 12, a run trains 6 steps in 6 s (a clock ticking 1 s per read):
+    its samples/s (log lines, metrics) and tokens/s are the uninterrupted run's, not 12
+    steps' samples over 6 s."""
+    from mpishard.train import trainer as trainer_module
+
+    def run(resume_at=0):
+        monkeypatch.setattr(trainer_module, "time", TickingClock())
+        t = gpt_trainer(12) if kind == "gpt" else \
+            make_trainer("single", None, steps=12, batch=4, logger=configure_logging(0))
+        t.log_every = 3
+        t.state = TrainState(step=resume_at, samples=resume_at * 4)
+        return t, t.fit()
+
+    whole, m_whole = run()
+    capsys.readouterr()
+    resumed, m_resumed = run(resume_at=6)
+    logged = [float(ln.rsplit("samples/s ", 1)[1].split()[0])
+              for ln in capsys.readouterr().err.splitlines() if " samples/s " in ln]
+    assert whole.train_time == 12.0 and resumed.train_time == 6.0
+    assert m_whole["samples_per_s"] == m_resumed["samples_per_s"] == 4.0
+    assert logged == [4.0, 4.0]                              # steps 9 and 12
+    if kind == "gpt":
+        assert m_whole["tokens_per_s"] == m_resumed["tokens_per_s"] == 32.0
+    configure_logging(0, logging.WARNING)
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_the_blas_threads_line_is_said_once(capsys, changed):
+    """comm/threads.py logs a pool it changed (WARNING); the trainer says the threads at INFO
+    only when nothing was changed, so a run prints the notice once either way."""
+    from mpishard.comm.threads import BlasThreads
+
+    t = make_trainer("single", None, steps=1, logger=configure_logging(0))
+    t.engine.blas_threads = BlasThreads(1, 2 if changed else 1, "2 rank(s) share 2 CPU(s)")
+    t.fit()
+    err = capsys.readouterr().err
+    configure_logging(0, logging.WARNING)
+    assert err.count("BLAS threads per rank") == (0 if changed else 1), err
