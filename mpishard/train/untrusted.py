@@ -40,10 +40,12 @@ def file_in(directory, name, what: str, error=ValueError) -> str:
 
 def _why_not_plain(name):
     if not isinstance(name, str):
-        return f"a {type(name).__name__}, not a string"
+        return f"{type(name).__name__}, not a string"
     if name in ("", ".", ".."):
         return "empty" if not name else "a directory"
-    seps = {"/", "\0", os.sep} | ({os.altsep} if os.altsep else set())
+    if "\0" in name:
+        return "it has a NUL"
+    seps = {"/", os.sep} | ({os.altsep} if os.altsep else set())
     if any(s in name for s in seps) or os.path.isabs(name):
         return "it has a path separator"
     return None
