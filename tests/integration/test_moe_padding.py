@@ -19,6 +19,7 @@ from mpishard.nn.layers import LocalAccess
 from mpishard.nn.moe_layers import SparseMoE
 from mpishard.nn.moe_routing import group_capacity, route, valid_tokens
 from mpishard.parallel.decode import Decoder, _cached_logits, _recomputed_logits
+from test_device_double import MODES, device_backend
 
 SHORT = [1, 2, 3]
 BATCH = [[4, 5, 6, 7, 8, 9, 10, 11], SHORT, [5, 6, 7, 8, 9, 10], [12, 0, 7, 3, 3, 9, 1]]
@@ -149,6 +150,33 @@ def test_a_prompt_in_a_batch_on_a_layout_equals_single_alone(layout, n):
         close(logits(engine, BATCH, cached)[ROW], logits(ref, [SHORT], cached)[0], 1e-9,
               f"{layout} cached={cached}")
     assert greedy(engine, BATCH)[ROW] == greedy(ref, [SHORT])[0]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_masks_on_device_arrays(mode):
+    """On the strict stand-in for cupy (a stray np. call on a device array raises): the masks
+    reach the host routing from device arrays; the numbers are numpy single's."""
+    comm = group_comm(1)
+    model = make_mixtral()
+    params = mixtral_params(model)
+    backend, _ = device_backend(comm, mode)
+    engine = ms.make_engine(model, "single", comm=comm, device=backend)
+    engine.load_checkpoint(params)
+    ref = single(model, params)
+    for cached in (True, False):
+        close(logits(engine, BATCH, cached)[ROW], logits(ref, [SHORT], cached)[0], EXACT,
+              f"device {mode} cached={cached}")
+    moe = make_moe()
+    moe_params, _, chunk, valid = moe_case(moe)
+    engine = ms.make_engine(moe, "single", comm=comm, device=backend)
+    engine.load_checkpoint(moe_params)
+    with valid_tokens(engine.chunks, engine.shard_batch(valid)):
+        got = backend.to_host(engine.predict(engine.shard_batch(chunk)))
+    ref = single(moe, moe_params)
+    with valid_tokens(ref.chunks, valid):
+        want = ref.predict(chunk)
+    close(got, want, EXACT, f"ms.MoE device {mode}")
 
 
 # -- an ms.MoE evaluation chunk ---------------------------------------------------------------------
