@@ -26,8 +26,8 @@ import math
 
 import numpy as np
 
-from ..nn.moe_routing import valid_tokens
 from ..nn.losses import get_loss
+from ..nn.moe_routing import valid_tokens
 from ..validate import check_number
 from .data import eval_chunks
 from .text import sequence_cut
