@@ -2,7 +2,7 @@
 mixes follows single's run: the loss of every step and the validation loss equal single's in
 float64 (rtol 1e-9). Under cp the trainer feeds each rank its two sequence chunks of its rows
 (train/text.sequence_cut, as engine.shard_batch cuts them), targets too, and the evaluation
-puts the chunks back through gather_batch.
+scores each rank's chunks with the training loss (train/evaluate.py).
 
 MPI tests, for N in 1, 2, 4, 8:
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi \
