@@ -9,8 +9,11 @@ the visible GPUs and which GPU each rank uses (comm/gpu.py).
 
 A checkpoint prints its names, shapes, dtypes, layout and step (checkpoint.describe). A layout
 prints the mesh (each rank's coordinates, the groups of every axis), each parameter's block on
-every rank and each rank's memory, all from parallel/costs.py: the engine's own placements,
-so what it prints is what the engine will hold.
+every rank, how it is split (which dim over which mesh axis, or replicated, and over which
+axes the same block is copied) and each rank's memory, all from parallel/compose.py's
+plan_params and parallel/costs.py: the engine's own placements, so what it prints is what the
+engine will hold. `--hf DIR` instead of --model (here and in plan) is the model of a Hugging
+Face directory's config.json (model_flag.model_from_hf; no weights read).
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import numpy as np
 from ..checkpoint import CheckpointError, describe
 from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
+from ..parallel.compose import plan_params
 from ..parallel.costs import check_fit, rank_memory
-from .model_flag import add_model_arguments, model_from_flag
+from .model_flag import add_model_arguments, model_from_args
 from .usage import UsageError, print_report, world_comm
 
 
@@ -56,7 +60,7 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
     lines.append("")
     mems = [rank_memory(model, layout, r, itemsize, optimizer, momentum) for r in range(world)]
     if shapes:
-        lines += _shape_lines(model, mems)
+        lines += _shape_lines(model, layout, mems)
     lines.append(f"dtype  {np.dtype(dtype).name} assumed" + (
         " (make_engine's default; --dtype float32 for train's)"
         if np.dtype(dtype) == np.float64 else " (train's default; make_engine's is float64)"))
@@ -70,18 +74,49 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
     return "\n".join(lines)
 
 
-def _shape_lines(model, mems) -> list:
-    """Per parameter: its full shape, then each distinct local block and the ranks holding it."""
+def _shape_lines(model, layout, mems) -> list:
+    """Per parameter: its full shape, each distinct local block and the ranks holding it, and
+    how it is split (placement_text)."""
     world = len(mems)
-    lines = ["shard shapes (full shape -> local block, on which ranks)"]
+    plan = plan_params(model, layout)
+    rows = []
     for name, full in model.param_shapes().items():
         blocks = [mems[r]["shapes"].get(name) for r in range(world)]
         distinct = sorted({b for b in blocks if b is not None}, key=str)
         where = ", ".join(
             f"{'x'.join(map(str, b))} on ranks "
             + ",".join(str(r) for r in range(world) if blocks[r] == b) for b in distinct)
-        lines.append(f"  {name:<28} {'x'.join(map(str, full)):>12} -> {where}")
-    return lines + [""]
+        rows.append((f"  {name:<28} {'x'.join(map(str, full)):>12} -> {where}",
+                     placement_text(plan[name].placement, layout)))
+    width = max(len(row) for row, _ in rows)
+    sharded = sum(not text.startswith("replicated") for _, text in rows)
+    zero = layout.option("zero", 3) if layout.size("fsdp") > 1 else 3
+    return ["shard shapes (full shape -> local block, on which ranks; sharded: which dim over "
+            "which mesh axis, or replicated)"] + [
+        f"{row:<{width}}  {text}" for row, text in rows] + [
+        f"{sharded} of {len(rows)} tensors sharded, {len(rows) - sharded} replicated"] + (
+        [f"fsdp zero={zero}: the parameters are whole on every fsdp rank; "
+         + ("the optimizer state is" if zero == 1 else "gradients and optimizer state are")
+         + " sharded over fsdp"] if zero in (1, 2) else []) + [""]
+
+
+def placement_text(placement, layout) -> str:
+    """How a parameter lies on the mesh: 'sharded dim 1 over tp' for each split (padded: the
+    dim is padded to divide; blocks: each of that many equal blocks of the dim is split, a
+    fused qkv), 'on ep=1 only' for an owner, else 'replicated'; then the other active axes,
+    over which every rank holds the same block, and the pp stage(s) holding it."""
+    splits = [f"dim {s.dim} over {s.axis}" + (" (padded)" if s.pad else "")
+              + (f" (each of {s.blocks} blocks)" if s.blocks > 1 else "")
+              for s in placement.shards]
+    splits += [f"on {axis}={coord} only" for axis, coord in placement.owner.items()]
+    copies = [a for a in layout.active_axes if a != "pp" and placement.is_replicated_on(a)]
+    text = ("sharded " + ", ".join(splits)) if splits else "replicated"
+    if copies:
+        text += ("; copies over " if splits else " over ") + ", ".join(copies)
+    if layout.size("pp") > 1:
+        stages = placement.stages
+        text += f"; pp stage{'s' if len(stages) > 1 else ''} " + ",".join(map(str, stages))
+    return text
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -90,7 +125,7 @@ def add_inspect_arguments(p):
                    help="a checkpoint directory: prints names, shapes, dtypes, layout, step")
     p.add_argument("--layout", help="plan a layout instead (no MPI launch needed): the mesh "
                    "groups, each rank's shard shapes and memory, e.g. dp=2,tp=2,pp=2")
-    add_model_arguments(p, required=False)
+    add_model_arguments(p, required=False, hf=True)
     p.add_argument("--activation", default="relu", help="with --layout (default relu)")
     p.add_argument("--no-bias", action="store_true", help="with --layout: layers without bias")
     p.add_argument("--dtype", default="float64", choices=["float32", "float64"],
@@ -105,11 +140,12 @@ def add_inspect_arguments(p):
 
 
 def run_inspect(args) -> int:
+    model_given = args.model is not None or args.hf is not None
     if args.env:
-        if args.checkpoint is not None or args.layout is not None or args.model is not None:
-            raise UsageError("inspect: --env takes no checkpoint, --layout or --model")
+        if args.checkpoint is not None or args.layout is not None or model_given:
+            raise UsageError("inspect: --env takes no checkpoint, --layout, --model or --hf")
         return print_report(environment_report(world_comm()))
-    if args.layout is not None or args.model is not None:
+    if args.layout is not None or model_given:
         return _run_inspect_layout(args)
     if args.checkpoint is None:
         raise UsageError("inspect: give a checkpoint directory (inspect CKPT) or "
@@ -124,8 +160,8 @@ def run_inspect(args) -> int:
 def _run_inspect_layout(args) -> int:
     if args.checkpoint is not None:
         raise UsageError("inspect: give either a checkpoint or --layout/--model, not both")
-    if args.layout is None or args.model is None:
-        raise UsageError("inspect: --layout and --model go together, e.g. "
+    if args.layout is None or (args.model is None and args.hf is None):
+        raise UsageError("inspect: --layout and --model (or --hf DIR) go together, e.g. "
                          "inspect --layout dp=2,tp=2 --model 64,256,256,10")
     return report_mlp("inspect", args, lambda model: layout_report(
         model, parse_layout(args.layout), dtype=args.dtype, optimizer=args.optimizer,
@@ -133,11 +169,10 @@ def _run_inspect_layout(args) -> int:
 
 
 def report_mlp(command, args, report) -> int:
-    """inspect --layout and plan: `report(the MLP or GPT of --model, model_flag.py)`, printed by
-    rank 0; the model's or the layout's ValueError/TypeError is a UsageError."""
+    """inspect --layout and plan: `report(the model of --model or --hf, model_flag.py)`,
+    printed by rank 0; the model's or the layout's ValueError/TypeError is a UsageError."""
+    model = model_from_args(args, command)
     try:
-        model = model_from_flag(args.model, args.activation, bias=not args.no_bias,
-                                gpt=getattr(args, "gpt", None))
         text = report(model)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{command}: {exc}") from None

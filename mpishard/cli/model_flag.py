@@ -14,6 +14,10 @@ n_experts, top_k (default 2), capacity_factor and router_aux_loss_coef (numbers)
 takes its vocabulary from the data set (256 bytes) and refuses a vocab key. The plan costs
 full-length sequences (T = seq_len) and counts a batch row as one sequence.
 
+plan and inspect also take `--hf DIR` instead: the GPT-2, Llama or Mixtral that DIR's
+config.json describes, as train's --init-from-hf reads it, but from config.json alone (no
+weights read: a model can be planned before its weights are downloaded).
+
 `train --resume` without --model takes these flags from the checkpoint's model spec
 (`checkpoint_model_flags`); a --model that builds another model is refused naming both
 (`check_resumed_model`).
@@ -21,14 +25,18 @@ full-length sequences (T = seq_len) and counts a batch row as one sequence.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 
 from ..checkpoint import CheckpointError, model_spec, read_index
 from ..checkpoint.format import spec_text
+from ..hf.convert import architecture
+from ..hf.files import CONFIG
 from ..nn.gpt import GPT
 from ..nn.llama import Llama
 from ..nn.models import MLP
 from .cluster_options import AUTO
-from .usage import UsageError, parse_dims
+from .usage import UsageError, check_directory, parse_dims
 
 GPT_DEFAULTS = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
                 "tied": 0, "vocab": 256}
@@ -178,8 +186,44 @@ def check_resumed_model(model, path, flag: str) -> None:
                          f"checkpoint's")
 
 
-def add_model_arguments(p, required=True):
-    """--model and --gpt on parser `p` (plan, inspect, bench)."""
-    p.add_argument("--model", required=required, help=GPT_FLAG_HELP)
+def model_from_hf(path):
+    """The ms.GPT or ms.Llama of Hugging Face directory `path`'s config.json, by the rules of
+    ms.hf.read_model (the same architectures and fields), without reading its weights."""
+    check_directory("--hf", path)
+    try:
+        with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError(f"{CONFIG} is not a JSON object")
+        return architecture(config).from_config(config)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UsageError(f"--hf {path}: {exc}") from None
+
+
+def model_from_args(args, command: str):
+    """The model of plan's and inspect's --model/--gpt (model_from_flag) or --hf DIR
+    (model_from_hf): exactly one of them; UsageError naming `command` otherwise."""
+    hf = getattr(args, "hf", None)
+    if (hf is None) == (args.model is None):
+        raise UsageError(f"{command}: give --model DIMS|gpt:...|llama:... or --hf DIR"
+                         + (", not both" if hf is not None else ""))
+    if hf is not None and args.gpt is not None:
+        raise UsageError(f"{command}: --gpt applies to --model gpt, not to --hf {hf}")
+    try:
+        if hf is not None:
+            return model_from_hf(hf)
+        return model_from_flag(args.model, args.activation, bias=not args.no_bias,
+                               gpt=args.gpt)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{command}: {exc}") from None
+
+
+def add_model_arguments(p, required=True, hf=False):
+    """--model and --gpt on parser `p` (plan, inspect, bench); `hf`: also --hf DIR (plan,
+    inspect), which makes --model optional (model_from_args wants one of them)."""
+    p.add_argument("--model", required=required and not hf, help=GPT_FLAG_HELP)
     p.add_argument("--gpt", metavar="KEY=VALUE,...", help="with --model gpt: the GPT's sizes, "
                    "the same keys as gpt:KEY=VALUE,...")
+    if hf:
+        p.add_argument("--hf", metavar="DIR", help="instead of --model: the GPT-2, Llama or "
+                       "Mixtral of a Hugging Face directory's config.json (no weights read)")

@@ -1,6 +1,7 @@
 """`plan`: every layout of a world size, ranked by memory and communication per rank, no MPI.
 
     python -m mpishard plan --model 784,512,256,10 --world-size 8 --batch 64
+    python -m mpishard plan --hf ./Mixtral-8x7B --world-size 64 --batch 32   # its config.json
 
 Each candidate layout (every factorisation over dp, fsdp with zero=1, 2, 3, pp and tp; for a
 GPT also cp, ring and Ulysses, and tp with sequence_parallel=1) is checked as the engine would
@@ -176,7 +177,7 @@ def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) 
 
 
 def add_plan_arguments(p):
-    add_model_arguments(p)             # a GPT's batch row is one sequence of seq_len tokens
+    add_model_arguments(p, hf=True)    # a GPT's batch row is one sequence of seq_len tokens
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])

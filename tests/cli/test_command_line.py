@@ -3,7 +3,9 @@ resumed without repeating --model, planning a Hugging Face directory.
 
     pytest -m "not mpi" tests/cli/test_command_line.py
 """
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +16,8 @@ import pytest
 from mpishard import cli
 from mpishard.checkpoint import read_index
 from mpishard.checkpoint.format import spec_text
+from mpishard.cli.model_flag import model_from_flag
+from mpishard.comm.mesh import parse_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,3 +119,99 @@ def test_resume_without_model_takes_the_checkpoints(tmp_path, capfd, kind):
     assert line.startswith(f"mpishard: error: --model {other} builds ")
     assert line.endswith(f"but the checkpoint {ckpt} holds {spec_text(saved)}; leave out "
                          f"--model to take the checkpoint's")
+
+
+# -- plan and inspect: --hf DIR, and what is sharded ---------------------------------------------
+HF_CONFIGS = {   # a Hugging Face config.json of each architecture, and the same model as --model
+    "gpt2": ({"architectures": ["GPT2LMHeadModel"], "vocab_size": 1000, "n_positions": 32,
+              "n_embd": 64, "n_layer": 2, "n_head": 4},
+             "gpt:vocab=1000,seq_len=32,d_model=64,n_heads=4,n_layers=2,tied=1"),
+    "llama": ({"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 32, "rope_theta": 5e5,
+               "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+              "llama:vocab=1000,seq_len=32,d_model=64,n_heads=4,n_kv_heads=2,n_layers=2,"
+              "d_ff=96,rope_theta=5e5,norm_eps=1e-6"),
+    "mixtral": ({"architectures": ["MixtralForCausalLM"], "vocab_size": 1000,
+                 "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "max_position_embeddings": 32, "num_local_experts": 4,
+                 "num_experts_per_tok": 2, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                 "tie_word_embeddings": False},
+                "llama:vocab=1000,seq_len=32,d_model=64,n_heads=4,n_kv_heads=2,n_layers=2,"
+                "d_ff=96,rope_theta=1e6,norm_eps=1e-5,n_experts=4,top_k=2"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
+def test_plan_and_inspect_take_a_hugging_face_directory(tmp_path, capsys, arch):
+    """--hf DIR is the model DIR's config.json describes (no weights there: none are read),
+    the same table as the equivalent --model."""
+    config, flag = HF_CONFIGS[arch]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for command in (["plan", "--world-size", "4", "--batch", "8"],
+                    ["inspect", "--layout", "dp=2,tp=2"]):
+        assert cli.main([*command, "--hf", str(tmp_path)]) == 0
+        from_hf = capsys.readouterr().out
+        assert cli.main([*command, "--model", flag]) == 0
+        assert from_hf == capsys.readouterr().out
+        assert f"{'GPT' if arch == 'gpt2' else 'Llama'}(vocab_size=1000, seq_len=32" in from_hf
+
+
+def test_plan_and_inspect_name_a_bad_hf_flag(tmp_path, capfd):
+    missing = tmp_path / "missing"
+    assert cli.main(["plan", "--hf", str(missing), "--world-size", "2"]) == 2
+    assert one_error_line(capfd).endswith(f"--hf {missing}: the directory does not exist")
+    assert cli.main(["inspect", "--layout", "dp=2", "--hf", str(tmp_path)]) == 2
+    assert "config.json" in one_error_line(capfd)
+    assert cli.main(["plan", "--hf", str(tmp_path), "--model", "4,8,2", "--world-size", "2"]) == 2
+    assert one_error_line(capfd).endswith("give --model DIMS|gpt:...|llama:... or --hf DIR, "
+                                          "not both")
+    assert cli.main(["plan", "--world-size", "2"]) == 2
+    assert one_error_line(capfd).endswith("give --model DIMS|gpt:...|llama:... or --hf DIR")
+
+
+def placement(line) -> str:
+    """The placement column of a line of inspect's shard shapes."""
+    return re.split(r" on ranks [\d,]+ +", line)[-1]
+
+
+def test_inspect_says_which_tensors_are_sharded(capsys):
+    """Each parameter's line says along which dim and mesh axis it is split, or that it is
+    replicated, and over which axes its block is copied."""
+    assert cli.main(["inspect", "--layout", "dp=2,tp=2", "--model", "8,16,4"]) == 0
+    out = capsys.readouterr().out
+    said = {ln.split()[0]: placement(ln) for ln in out.splitlines() if ln.startswith("  layer_")}
+    assert said == {"layer_0/weights": "sharded dim 1 over tp; copies over dp",
+                    "layer_0/bias": "sharded dim 0 over tp; copies over dp",
+                    "layer_1/weights": "sharded dim 0 over tp; copies over dp",
+                    "layer_1/bias": "replicated over dp, tp"}
+    assert "3 of 4 tensors sharded, 1 replicated" in out
+
+
+@pytest.mark.parametrize("layout", ["tp=2,pp=2", "fsdp=2,tp=2", "fsdp=2,zero=2,cp=2",
+                                    "dp=2,ep=2,tp=2"])
+def test_what_inspect_calls_sharded_is_what_each_rank_holds(capsys, layout):
+    """For every parameter, each `dim D over AXIS` is a split of dim D into that axis' size
+    (rounded up where padded) in the block every rank holds (parallel/costs.py's, the
+    engine's placements); a replicated one is whole on each rank holding it."""
+    spec = "llama:vocab=30,seq_len=8,d_model=16,n_heads=4,n_kv_heads=2,n_layers=2,n_experts=2"
+    model = model_from_flag(spec)
+    mesh = parse_layout(layout)
+    assert cli.main(["inspect", "--layout", layout, "--model", spec]) == 0
+    out = capsys.readouterr().out
+    shapes = model.param_shapes()
+    checked = 0
+    for line in out.splitlines():
+        name = line.split()[0] if line.startswith("  ") else None
+        if name not in shapes:
+            continue
+        block = [int(n) for n in line.split(" -> ")[1].split()[0].split("x")]
+        full = list(shapes[name])
+        for dim, axis, padded in re.findall(r"dim (\d) over (\w+)( \(padded\))?", line):
+            full[int(dim)] = -(-full[int(dim)] // mesh.size(axis))
+            assert padded or shapes[name][int(dim)] % mesh.size(axis) == 0, line
+        assert block == full, line
+        assert placement(line).startswith("replicated") == (full == list(shapes[name]))
+        checked += 1
+    assert checked == len(shapes)
