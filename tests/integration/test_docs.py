@@ -137,8 +137,17 @@ def test_resume_shows_no_literal_directory():
     for page in PAGES:
         for code in re.findall(r"`([^`\n]+)`", page.read_text()):
             m = re.search(r"--resume\s+(\S+)", code)
-            assert not m or m.group(1).startswith("-") or m.group(1) in ("auto", "PATH"), \
-                f"{page.name}: `{code}`"
+            assert not m or m.group(1).startswith("-") or m.group(1).rstrip(":;,.") in (
+                "auto", "PATH", "[auto|PATH]", "[auto\\|PATH]"), f"{page.name}: `{code}`"
+
+
+def test_the_checkpoints_page_lists_every_form_of_resume():
+    """docs/checkpoints.md's table of train's flags lists `--resume [auto|PATH]` and says
+    what each form does, as `train --help` does."""
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    row = next((s for s in text.splitlines() if s.startswith("| `--resume")), "")
+    assert row.startswith("| `--resume [auto\\|PATH]` |"), row
+    assert all(form in row for form in ("bare:", "`auto`:", "`PATH`:")), row
 
 
 def test_documented_jobs_have_the_ranks_their_layout_needs():
