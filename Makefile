@@ -115,7 +115,7 @@ help:
 	@echo "make gpu-wheels       the wheels the GPU check carries, into $(GPU_WHEELS); make gpu-check [GPU=standin]: docs/gpus.md"
 	@echo "make bench            benchmarks/run_all.py"
 	@echo "make lint             ruff check"
-	@echo "make clean            remove $(VENV), build artefacts, caches and demo outputs"
+	@echo "make clean            remove $(VENV), build artefacts, caches, and what make demo and configs/*.toml write"
 	@echo "variables: PYTHON VENV MPIEXEC MPIEXEC_FLAGS NP TIMEOUT TEST_SIZES BLAS_THREADS DEMO_ARGS SAMPLE_ARGS DEMO_CKPT DIGITS_ARGS SOAK_NP SOAK_ARGS"
 
 # --- environment -----------------------------------------------------------------------
@@ -263,9 +263,16 @@ lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_DIRS)
 
 # --- cleaning --------------------------------------------------------------------------
+# What `make demo`, `make demo-digits` and `train --config configs/*.toml` write: each
+# checkpoint directory D (its D.old and D.tmp-STEP of a save mid-swap, the flight recorder's
+# D.flight and the metrics stream D.metrics.jsonl beside it), the metrics files the configs
+# name, and flight-rank* dumps of a run without a checkpoint (written to the working directory).
+CONFIG_CKPTS   = $(shell sed -n -E 's/^checkpoint-dir *= *"([^"]*)".*/\1/p' configs/*.toml)
+CONFIG_OUTPUTS = $(shell sed -n -E 's/^(metrics-json|metrics-jsonl|metrics-csv|tensorboard|trace|flight-dir) *= *"([^"]*)".*/\2/p' configs/*.toml)
+RUN_OUTPUTS    = demo-metrics.json flight-rank* $(CONFIG_OUTPUTS) \
+                 $(foreach d,$(DEMO_CKPT) $(CONFIG_CKPTS),$(d) $(d).old $(d).tmp-* $(d).flight $(d).metrics.jsonl)
 clean:
 	rm -rf $(VENV) .venv-newpy build dist .eggs *.egg-info .pytest_cache .ruff_cache
-	rm -f demo-metrics.json
-	rm -rf $(DEMO_CKPT) $(DEMO_CKPT).old
+	rm -rf $(RUN_OUTPUTS)
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 	find . -path ./.git -prune -o -type d -name '*.egg-info' -prune -exec rm -rf {} +

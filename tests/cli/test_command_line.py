@@ -6,6 +6,8 @@ resumed without repeating --model, planning a Hugging Face directory.
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,10 @@ import pytest
 from mpishard import cli
 from mpishard.checkpoint import read_index
 from mpishard.checkpoint.format import spec_text
+from mpishard.cli.cluster_options import validate_cluster_args
+from mpishard.cli.flight_options import flight_dir
 from mpishard.cli.model_flag import model_from_flag
+from mpishard.cli.train import parse_train_args
 from mpishard.comm.mesh import parse_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,3 +220,66 @@ def test_what_inspect_calls_sharded_is_what_each_rank_holds(capsys, layout):
         assert placement(line).startswith("replicated") == (full == list(shapes[name]))
         checked += 1
     assert checked == len(shapes)
+
+
+# -- make clean and .gitignore -------------------------------------------------------------------
+def run_outputs():
+    """{path relative to the repository: is a directory} of everything that `make demo`,
+    `make demo-digits` and `train --config configs/X.toml` write, from their own command
+    lines as train parses them: each checkpoint directory D with D.old and D.tmp-STEP (a save
+    mid-swap, checkpoint/writer.py), the flight dumps (D.flight, or flight-rank* in the
+    working directory without one) and the metrics streams and files."""
+    dry = subprocess.run(["make", "-n", "demo", "demo-digits"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    runs = [shlex.split(ln.split(" -m mpishard ", 1)[1]) for ln in dry.splitlines()
+            if " -m mpishard train " in ln]
+    runs += [["train", "--config", str(path)] for path in sorted(ROOT.glob("configs/*.toml"))]
+    assert len(runs) == 2 + len(list(ROOT.glob("configs/*.toml"))), dry
+    outputs = {}
+    cwd = os.getcwd()
+    os.chdir(ROOT)                      # the paths of a run started in the repository root
+    try:
+        for argv in runs:
+            args = parse_train_args(argv[1:])
+            validate_cluster_args(args, complete=False)       # the default metrics stream
+            if args.checkpoint_dir:
+                for suffix in ("", ".old", ".tmp-400"):
+                    outputs[args.checkpoint_dir + suffix] = True
+            where = flight_dir(args)
+            outputs.update({where: True} if where != os.getcwd() else {"flight-rank0.json": False})
+            for path in (args.metrics_json, args.metrics_jsonl, args.metrics_csv):
+                if path:
+                    outputs[path] = False
+            for path in (args.tensorboard, args.trace):
+                if path:
+                    outputs[path] = True
+    finally:
+        os.chdir(cwd)
+    return {os.path.relpath(os.path.abspath(os.path.join(ROOT, p)), ROOT): d
+            for p, d in outputs.items()}
+
+
+def test_make_clean_and_gitignore_cover_what_the_demos_and_configs_write(tmp_path):
+    outputs = run_outputs()
+    print(outputs)
+    assert {"demo-ckpt", "demo-ckpt.flight", "demo-ckpt.metrics.jsonl", "demo-metrics.json",
+            "gpt-ckpt", "gpt-ckpt.tmp-400", "gpt-metrics.json"} <= set(outputs)
+    names = [p + ("/" if d else "") for p, d in sorted(outputs.items())]
+    ignored = subprocess.run(["git", "check-ignore", "--stdin"], cwd=ROOT, input="\n".join(names),
+                             capture_output=True, text=True, timeout=60).stdout.split()
+    assert sorted(set(names) - set(ignored)) == []
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    for path, is_dir in outputs.items():
+        if is_dir:
+            (tmp_path / path).mkdir()
+            (tmp_path / path / "index.json").write_text("{}")
+        else:
+            (tmp_path / path).write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    subprocess.run(["make", "-s", "clean", "VENV=.venv-absent"], cwd=tmp_path, check=True,
+                   timeout=60)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["Makefile", "configs", "notes.txt"]
+    assert sorted(p.name for p in (tmp_path / "configs").iterdir()) == \
+        sorted(p.name for p in (ROOT / "configs").iterdir())
