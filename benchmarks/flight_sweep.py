@@ -110,7 +110,7 @@ def stop_once(workdir, n: int, victim: int, delay, timeout: float = 2.0) -> dict
     script, directory = workdir / "job.py", workdir / "flight"
     script.write_text(JOB)
     out_path, err_path = workdir / "out.txt", workdir / "err.txt"
-    env = dict(os.environ, **ENV)
+    env = dict(os.environ, **ENV, PYTHONPATH=str(ROOT))     # this tree's mpishard, in the ranks too
     with open(out_path, "w") as out, open(err_path, "w") as err:
         job = subprocess.Popen([*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py",
                                 str(script), str(directory), str(timeout),

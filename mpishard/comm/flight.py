@@ -7,7 +7,8 @@ off): the op, the group (its name and COMM_WORLD ranks), the call's sequence num
 group (1, 2, ... per process: the k-th collective on a group is the same call on every member
 of a correct program; point-to-point calls count per peer and direction instead), the peer of
 a send/receive, the array's bytes, dtype and shape, the wall-clock enter and exit times (exit
-None: still inside, or it raised) and the step and microbatch (Comm.context). A call made
+None: still inside, or it raised), the step and microbatch (Comm.context) and the seconds the
+process had waited on peers in sends and receives so far (`note_peer_wait`). A call made
 inside another recorded call (receive inside receive_async's wrapper) is not recorded twice.
 Recording costs two clock reads and a list store per call (docs/reliability.md has the
 measured overhead); nothing is communicated.
@@ -49,9 +50,9 @@ EVENTS = 256
 ENV = "MPISHARD_FLIGHT_EVENTS"
 DIR_ENV = "MPISHARD_FLIGHT_DIR"
 # op, group id, sequence number, peer (world rank) or None, bytes, dtype, shape, enter, exit,
-# step, microbatch
+# step, microbatch, the seconds this process had waited on peers' sends and receives at enter
 FIELDS = ("op", "group", "seq", "peer", "bytes", "dtype", "shape", "enter", "exit", "step",
-          "microbatch")
+          "microbatch", "peer_wait")
 P2P = {"send": "send", "send_async": "send", "receive": "recv", "receive_async": "recv"}
 PEER_ARGS = ("dest_id", "src_id", "target_device_id", "dest", "dst")
 MADE = ".mpishard-made"     # in a flight directory that `redirect` made (module docstring)
@@ -85,6 +86,7 @@ class FlightRecorder:
         self.fatal = None                   # the open fatal-signal file (redirect)
         self.made: list = []                # the directories this process's redirect made
         self.arrivals = None                # the last timeout's arrival counts (note_arrivals)
+        self.peer_wait = 0.0                # seconds blocked on sends and receives, in all
 
     @classmethod
     def shared(cls):
@@ -139,7 +141,7 @@ class FlightRecorder:
         except AttributeError:              # None (broadcast off root), a list, no array
             nbytes = dtype = shape = None
         event = [op, gid, seq, peer, nbytes, dtype, shape, time.time(), None,
-                 where.get("step"), where.get("microbatch")]
+                 where.get("step"), where.get("microbatch"), self.peer_wait]
         self.ring[self.count % self.size] = event
         self.count += 1
         return event
@@ -243,6 +245,13 @@ def note_arrivals(found: dict) -> None:
     dump: `flight` reads it, so its verdict and the timeout line agree."""
     if FlightRecorder.SHARED is not None:
         FlightRecorder.SHARED.arrivals = found
+
+
+def note_peer_wait(seconds: float) -> None:
+    """A send's or receive's wait on its peer blocked `seconds` (watchdog.wait_peer): the
+    straggler line tells a rank that waited on its pipeline neighbour from a slow one."""
+    if FlightRecorder.SHARED is not None:
+        FlightRecorder.SHARED.peer_wait += seconds
 
 
 def dump_all(reason: str) -> None:

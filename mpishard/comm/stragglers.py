@@ -4,10 +4,19 @@ From the flight recorder's events (flight.py): for one collective, no member lea
 last one has arrived, and the members leave at about the same moment, so member r's wait
 w_r = exit_r - enter_r is how long before the last arrival it came: the last to arrive waited
 least. Only durations on each rank's own clock are used (no clocks compared between ranks).
+A rank's wait counts what it waited in sends and receives since its previous collective too
+(`waits`): the rank whose pipeline neighbour is slow arrives late in its own stage's groups,
+having waited for that neighbour, and is not the one named.
 Per collective that every member of its group completed in the window: the last rank (the
 least wait) and its margin, the second-least wait minus the least (how long after the
 previous member it came). A collective has a late rank when that margin is MIN_MARGIN or more
 (back-to-back collectives, where the members arrive together, have none).
+
+Only collectives on groups within one pipeline stage count (groups that do not vary along pp):
+on a group that spans stages the members arrive in the order of the pipeline's schedule (the
+first stage finishes its backward last), which is no slow rank, so a healthy pipeline prints
+nothing; a slow rank still stands out among the members of its own stage (its dp, tp, ...
+peers). With pp alone (no group inside a stage) no rank can stand out.
 
 Rule: a rank stands out when the window holds at least MIN_CALLS collectives with a late rank
 among those it took part in, and it was the late rank in at least SHARE of them. Then one
@@ -31,15 +40,32 @@ MIN_CALLS = 8         # collectives with a late rank it took part in, at least
 MIN_MARGIN = 1e-3     # seconds after the previous arrival: a collective's rank is late
 
 
-def waits(recorder, since: float) -> list:
+def spans_stages(name: str, active_axes) -> bool:
+    """Whether the group `name` (the watchdog's: 'world', 'self' or its axes joined by '+')
+    of a mesh with `active_axes` has members in more than one pipeline stage."""
+    return "pp" in (active_axes if name == "world" else name.split("+"))
+
+
+def waits(recorder, since: float, active_axes=()) -> list:
     """[group name, group ranks, sequence number, wait] of this rank's collectives on groups
-    of two or more that entered after `since` (wall clock) and completed."""
-    out = []
+    of two or more within one pipeline stage of a mesh with `active_axes` (module docstring)
+    that entered after `since` (wall clock) and completed. The wait includes all the rank
+    waited on others since the previous of those collectives: in sends and receives (the
+    events' peer_wait) and in collectives across stages; so a rank late only because it
+    waited for its pipeline neighbour (slow in another stage) is not taken for a slow one."""
+    out, before, across = [], None, 0.0
     for e in recorder.events():
-        ranks = recorder.table[e["group"]]["ranks"]
-        if e["peer"] is None and e["exit"] is not None and e["enter"] > since and len(ranks) > 1:
-            out.append([recorder.table[e["group"]]["name"], ranks, e["seq"],
-                        e["exit"] - e["enter"]])
+        if e["peer"] is not None:
+            continue
+        group = recorder.table[e["group"]]
+        if len(group["ranks"]) < 2 or spans_stages(group["name"], active_axes):
+            across += e["exit"] - e["enter"] if e["exit"] is not None else 0.0
+            continue
+        blocked = across + (e["peer_wait"] - before if before is not None else 0.0)
+        before, across = e["peer_wait"], 0.0
+        if e["exit"] is not None and e["enter"] > since:
+            out.append([group["name"], group["ranks"], e["seq"],
+                        e["exit"] - e["enter"] + blocked])
     return out
 
 
@@ -82,6 +108,7 @@ def straggler(per_rank):
 
 def report(comm, recorder, since: float):
     """Collective: the straggler line on rank 0 (None elsewhere, and when none stands out)."""
-    mine = [recorder.rank, waits(recorder, since)] if recorder is not None else [-1, []]
+    axes = comm.mesh.layout.active_axes
+    mine = [recorder.rank, waits(recorder, since, axes)] if recorder is not None else [-1, []]
     gathered = gather_json(comm, mine, "straggler report")
     return straggler(gathered) if gathered is not None else None

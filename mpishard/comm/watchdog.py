@@ -44,7 +44,7 @@ from mpi4py import MPI
 
 from ..validate import check_number
 from .arrivals import Arrivals
-from .flight import dump_all, note_arrivals
+from .flight import dump_all, note_arrivals, note_peer_wait
 from .guard import Guard, thread_multiple
 from .mesh import AXES, CommUnusable, coordinates
 
@@ -213,11 +213,16 @@ class Watchdog:
             self.timed_out(what, comm, self.late(comm, ticket), requests)
 
     def wait_peer(self, requests, what: str, comm, rank: int) -> None:
-        """Wait for a send or receive with rank `rank` of `comm`."""
-        if self.tracer is not None:
-            self.traced(self._poll_peer, comm, requests, what, comm, rank)
-        else:
-            self._poll_peer(requests, what, comm, rank)
+        """Wait for a send or receive with rank `rank` of `comm`; the time it blocked counts
+        into the flight recorder's peer waits (flight.note_peer_wait: stragglers.py)."""
+        t0 = time.perf_counter()
+        try:
+            if self.tracer is not None:
+                self.traced(self._poll_peer, comm, requests, what, comm, rank)
+            else:
+                self._poll_peer(requests, what, comm, rank)
+        finally:
+            note_peer_wait(time.perf_counter() - t0)
 
     def _poll_peer(self, requests, what: str, comm, rank: int) -> None:
         self.check_usable()

@@ -1,6 +1,7 @@
 """The straggler line (comm/stragglers.py): the rule on hand-made waits, and on real
 collectives where one rank sleeps before each (marked mpi: 2 ranks or more), and in `train`
-(serial: it launches 2-rank jobs)."""
+(serial: it launches 2- and 4-rank jobs): a healthy pipeline prints none, a slow rank among the
+peers of its stage still stands out."""
 import re
 import time
 
@@ -10,7 +11,7 @@ from mpi4py import MPI
 
 import mpishard as ms
 from mpishard.comm.flight import FlightRecorder
-from mpishard.comm.stragglers import report, straggler
+from mpishard.comm.stragglers import report, straggler, waits
 
 WORLD = MPI.COMM_WORLD
 
@@ -39,6 +40,22 @@ def test_the_rule():
                                "late rank), median +20 ms"
     partial = slow[:1] + [(1, slow[1][1][:5])]     # rank 1's ring lost half: those left out
     assert straggler(partial) is None
+
+
+def test_only_groups_inside_one_pipeline_stage_are_compared():
+    """On a group across stages the first stage arrives last by the schedule: left out. A
+    wait there, or on a send or receive, counts into the next compared collective's wait."""
+    recorder = FlightRecorder(rank=0)
+    recorder.table = [{"name": n, "ranks": [0, 1]} for n in ("world", "pp", "dp+pp", "dp", "tp")]
+    events = [("all_reduce", 3, None, 10.0, 10.5, 0.0), ("all_reduce", 0, None, 11, 11.25, 0.0),
+              ("receive", 1, 1, 11.5, 11.5, 0.0), ("all_reduce", 2, None, 12, 12.125, 0.0625),
+              ("all_reduce", 4, None, 13.0, 13.5, 0.5)]
+    for i, (op, g, peer, enter, out, peer_wait) in enumerate(events):
+        recorder.ring[i] = [op, g, 1, peer, 8, None, None, enter, out, 1, None, peer_wait]
+    recorder.count = len(events)
+    assert waits(recorder, 0.0, ("dp", "pp")) == [["dp", [0, 1], 1, 0.5],
+                                                  ["tp", [0, 1], 1, 0.5 + 0.25 + 0.125 + 0.5]]
+    assert [w[0] for w in waits(recorder, 0.0, ("dp",))] == ["dp", "world", "tp"]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -74,24 +91,36 @@ if sys.argv[1] == "slow":
         return call(self, y, t)
     ms.losses.MSE.__call__ = slow_on_the_last_rank
 exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", "24",
-                   "--log-every", "12", "--no-progress", "--flight-dir", sys.argv[2]]))
+                   "--log-every", "12", "--no-progress", "--flight-dir", sys.argv[2],
+                   "--layout", sys.argv[3]]))
 '''
 
 
-@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own 2-rank jobs")
-@pytest.mark.parametrize("mode", ["slow", "even"])
-def test_train_logs_the_straggler_line_only_when_a_rank_stands_out(tmp_path, mode):
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own 2- and 4-rank jobs")
+@pytest.mark.parametrize("mode, layout", [("slow", "dp=2"), ("even", "dp=2"), ("even", "pp=2"),
+                                          ("slow", "dp=2,pp=2")])
+def test_train_logs_the_straggler_line_only_when_a_rank_stands_out(tmp_path, mode, layout):
+    """pp=2: the first stage reaches every world collective last, by the schedule; that used
+    to be logged as a straggler at every --log-every. dp=2,pp=2: the slow last rank is still
+    named, among its stage's dp peers."""
     from conftest import run_mpi
 
+    n = 4 if layout == "dp=2,pp=2" else 2
     script = tmp_path / "train.py"
     script.write_text(SLOW_LOSS)
-    proc = run_mpi(2, script, mode, tmp_path / "flight", timeout=120)
+    proc = run_mpi(n, script, mode, tmp_path / "flight", layout, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-2000:]
     lines = [ln for ln in out.splitlines() if "arrived last in" in ln]
     if mode == "slow":
-        assert len(lines) == 2 and all(re.search(r"rank 1 arrived last in \d+% of collectives "
-                                                 r"\(\d+ of \d+ with a late rank\), median "
-                                                 r"\+[12]\d ms", ln) for ln in lines), lines
+        # each microbatch's loss sleeps: 20 ms a step on dp=2, 2 x 20 ms on dp=2,pp=2
+        median = r"[12]\d" if n == 2 else r"[3-5]\d"
+        line = (rf"rank {n - 1} arrived last in \d+% of collectives \(\d+ of \d+ with a late "
+                rf"rank\), median \+{median} ms")
+        # two windows of 12 steps on dp=2; on dp=2,pp=2 the stage-1 windows hold fewer calls
+        # (the loss's all_reduce follows a wait across stages: its order is noise), so one
+        # window may fall under the rule's share; no other rank is ever named
+        assert len(lines) == 2 or n == 4 and len(lines) == 1, lines
+        assert all(re.search(line, ln) for ln in lines), lines
     else:
         assert lines == [], lines
