@@ -68,8 +68,9 @@ def add_launch_arguments(p):
     p.add_argument("-n", "--np", type=int, required=True, dest="np", metavar="N",
                    help="ranks (passed to the launcher as -n N)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="K", help="relaunch a job "
-                   "that died at most K times with --resume auto (3; 0: never); needs "
-                   "train --checkpoint-dir")
+                   "that died at most K times with --resume auto (with its --resume PATH while "
+                   "--checkpoint-dir holds no checkpoint yet) (3; 0: never); needs train "
+                   "--checkpoint-dir")
     p.add_argument("--launcher", metavar="CMD", help="the site's launcher, e.g. \"srun "
                    "--mpi=pmi2\" or \"mpiexec -f hosts\" (default: the mpiexec beside this "
                    "Python, else on PATH); -n N is appended")

@@ -44,10 +44,10 @@ if mode == "preempt":           # SIGUSR1 as the async save of step 4 begins, be
     from mpishard.checkpoint import async_writer
     begin = async_writer.begin
 
-    def signalled(path, engine, optimizer, step, extra):
+    def signalled(path, engine, optimizer, step, *rest):      # rest: extra, assets
         if rank == 0 and step == 4:
             os.kill(os.getpid(), signal.SIGUSR1)
-        return begin(path, engine, optimizer, step, extra)
+        return begin(path, engine, optimizer, step, *rest)
     async_writer.begin = signalled
 exit_cleanly(main(["train", "--dataset", "synthetic-classification", "--model", "16,32,4",
                    "--layout", "fsdp=2", "--steps", steps, "--batch", "16", "--dtype", "float64",
