@@ -95,11 +95,11 @@ def test_only_the_dead_job_s_segments_are_removed():
     rank = [shlex.quote(sys.executable), "-c", shlex.quote(RANK)]
     job = subprocess.Popen(["sh", "-c", f"{' '.join(rank)} {kept} & {' '.join(rank)} {dead}; "
                                         "exit 9"], stdout=subprocess.PIPE, text=True)
-    files = JobFiles(job.pid, poll=0.05).start()
+    files, ranks = JobFiles(job.pid, poll=0.05).start(), []
     try:
         assert job.stdout.readline() == "mapped\n" and job.stdout.readline() == "mapped\n"
         files.record()
-        ranks = descendants(job.pid)
+        ranks += descendants(job.pid)
         assert len(ranks) == 2
         survivor = next(p for p in ranks if kept in open(f"/proc/{p}/maps").read())
         os.kill(next(p for p in ranks if p != survivor), signal.SIGKILL)
@@ -108,7 +108,7 @@ def test_only_the_dead_job_s_segments_are_removed():
         assert files.remove() == [dead]
         assert not os.path.exists(dead) and os.path.exists(kept) and os.path.exists(other)
     finally:
-        for pid in descendants(job.pid) + [p for p in locals().get("ranks", ())]:
+        for pid in ranks:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
