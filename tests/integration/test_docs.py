@@ -206,3 +206,39 @@ def test_readme_python_quickstart_runs_on_4_ranks(tmp_path):
     assert proc.returncode == 0
     lines = proc.stdout.splitlines()
     assert lines.count("restored step 5") == 1 and sum("step 5: loss" in s for s in lines) == 1
+
+
+CLOCK, DURATION = r"\d\d:\d\d:\d\d\.\d{3}", r"for \d+\.\d\d s"
+
+
+def _shape(shown):
+    """A regular expression for a line the docs show: itself, but any clock time and duration,
+    and anything in place of `...`."""
+    return "".join(".*" if part == "..." else CLOCK if re.fullmatch(CLOCK, part)
+                   else DURATION if re.fullmatch(DURATION, part) else re.escape(part)
+                   for part in re.split(rf"(\.\.\.|{CLOCK}|{DURATION})", shown))
+
+
+def test_reliability_md_shows_what_a_stall_prints(tmp_path):
+    """docs/reliability.md's timeout line and `flight` report are what `train` and `flight`
+    print when rank 1 of 2 is stuck in its loss at step 3, line for line."""
+    from conftest import run_mpi
+    from test_flight_faults import CLI_SCRIPT
+
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    script, directory = tmp_path / "stall.py", tmp_path / "flight"
+    script.write_text(CLI_SCRIPT)
+    proc = run_mpi(2, script, directory, timeout=120)
+    report = subprocess.run([sys.executable, "-m", "mpishard", "flight", str(directory)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    print(proc.stderr[-2000:], report)
+    blocks = _code_blocks(page)
+    shown = next(line for b in blocks for line in b.splitlines()
+                 if line.startswith("mpishard: error: CollectiveTimeout:"))
+    printed = [line for line in proc.stderr.splitlines() if "CollectiveTimeout" in line]
+    assert len(printed) == 1 and re.fullmatch(_shape(shown), printed[0]), (shown, printed)
+    shown = next(b for b in blocks if b.startswith("flight: ")).splitlines()
+    printed = report.splitlines()
+    assert len(shown) == len(printed), (shown, printed)
+    for line, real in zip(shown, printed):
+        assert re.fullmatch(_shape(line), real), (line, real)
