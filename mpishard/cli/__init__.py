@@ -56,7 +56,8 @@ COMMANDS = {
                       "simulated pipeline Gantt PNG (no MPI needed)",
                       add_trace_summary_arguments, run_trace_summary),
     "inspect": ("show a checkpoint (inspect CKPT) or plan a layout without MPI "
-                "(inspect --layout L --model DIMS): groups, shard shapes, memory per rank",
+                "(inspect --layout L --model DIMS|--hf DIR): groups, shard shapes (each tensor "
+                "sharded along which dim and axis, or replicated), memory per rank",
                 add_inspect_arguments, run_inspect),
     "infer": ("run a checkpoint over the rows of an .npy file on a layout (python -m mpi4py "
               "-m mpishard infer --checkpoint DIR --input X.npy --output Y.npy ...)",
@@ -66,7 +67,8 @@ COMMANDS = {
                  "--prompt TEXT ... --max-new-tokens N --temperature T --top-k K --top-p P)",
                  add_generate_arguments, run_generate),
     "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
-             "(plan --model DIMS --world-size N --batch B)", add_plan_arguments, run_plan),
+             "(plan --model DIMS|--hf DIR --world-size N --batch B)", add_plan_arguments,
+             run_plan),
     "import": ("a Hugging Face GPT-2 or Llama directory into a checkpoint, each rank reading "
                "its slices (python -m mpi4py -m mpishard import --hf DIR --checkpoint CKPT)",
                add_import_arguments, run_import),

@@ -49,8 +49,8 @@ LLAMA_PREFIX = "llama:"
 FLOAT_KEYS = ("rope_theta", "norm_eps", "capacity_factor", "router_aux_loss_coef")
 GPT_FLAG_HELP = ("comma-separated MLP dims, e.g. 64,256,256,10, or a GPT: gpt:KEY=VALUE,... or "
                  "gpt with --gpt KEY=VALUE,... (keys " + ", ".join(GPT_DEFAULTS) + "), or a "
-                 "Llama: llama:KEY=VALUE,... (also n_kv_heads, rope_theta, norm_eps; experts: "
-                 "n_experts, top_k, capacity_factor, router_aux_loss_coef)")
+                 "Llama: llama:KEY=VALUE,... (also n_kv_heads, rope_theta, norm_eps; a Mixtral's "
+                 "experts: n_experts, top_k, capacity_factor, router_aux_loss_coef)")
 
 
 def joined_gpt_spec(model, gpt=None):

@@ -84,9 +84,10 @@ def add_train_arguments(p):
     m = _recording(p.add_argument_group("model and layout"), options)
     m("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, single on one)")
     m("--model", help="comma-separated layer dims, e.g. 64,128,128,10, or gpt (see --gpt; "
-      "gpt:KEY=VALUE,... is the same as gpt --gpt KEY=VALUE,...), or an ms.Llama: "
-      "llama:KEY=VALUE,... (the --gpt keys and n_kv_heads, rope_theta, norm_eps; default: by "
-      "dataset, "
+      "gpt:KEY=VALUE,... is the same as gpt --gpt KEY=VALUE,...), or a Llama (ms.Llama): "
+      "llama:KEY=VALUE,... (the --gpt keys and n_kv_heads, rope_theta, norm_eps), a Mixtral "
+      "with n_experts (and top_k, capacity_factor, router_aux_loss_coef); with --resume: the "
+      "checkpoint's; default: by dataset, "
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
     m("--dtype", choices=("float32", "float64"), help="default float32 for speed (the "

@@ -208,6 +208,70 @@ def test_readme_python_quickstart_runs_on_4_ranks(tmp_path):
     assert lines.count("restored step 5") == 1 and sum("step 5: loss" in s for s in lines) == 1
 
 
+def _section(text, heading):
+    """The text of a markdown section, from its `## heading` to the next `## `."""
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def test_downloads_use_hf_download_not_the_removed_huggingface_cli():
+    """huggingface_hub replaced `huggingface-cli` by `hf`: no page shows the old command, and
+    each documented `hf download` passes only options that `hf download --help` lists (when
+    the hf extra installed the `hf` command here)."""
+    old = [page.name for page in PAGES if "huggingface-cli" in page.read_text()]
+    assert old == []
+    downloads = [(page.name, line) for page in PAGES for line in _commands(page.read_text())
+                 if re.match(r"hf\s+download\s", line)]
+    print("\n".join(f"{page}: {line}" for page, line in downloads))
+    assert {page for page, _ in downloads} >= {"README.md", "hugging-face.md"}
+    hf = Path(sys.executable).parent / "hf"
+    if not hf.exists():
+        return
+    usage = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, NO_COLOR="1")).stdout
+    assert "Usage: hf download" in usage, usage
+    for page, line in downloads:
+        for option in (a.split("=")[0] for a in shlex.split(line) if a.startswith("--")):
+            assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", usage), (page, option)
+
+
+def _option_help(text) -> dict:
+    """{'--flag METAVAR': its help as one line} of an argparse help text."""
+    out, flag = {}, None
+    for line in text.splitlines():
+        m = re.match(r"  (-[-\w]+(?: [A-Z_|.]+)?)(?:\s{2,}(.*))?$", line)
+        if m:
+            flag = m.group(1)
+            out[flag] = m.group(2) or ""
+        elif flag and line.startswith(" " * 8) and line.strip():
+            out[flag] += " " + line.strip()
+        else:
+            flag = None
+    return out
+
+
+ARCHITECTURE_NAMES = {"GPT2LMHeadModel": "GPT-2", "LlamaForCausalLM": "Llama",
+                      "MixtralForCausalLM": "Mixtral"}
+
+
+def test_the_readme_and_train_help_name_every_hugging_face_architecture():
+    """Every architecture ms.hf reads (GPT-2, Llama, Mixtral) is named in the README's Hugging
+    Face section with its class, and in `train --help`: --init-from-hf's help, and --model's
+    for the ones --model builds (Llama and Mixtral, a Llama with experts)."""
+    from mpishard.hf import ARCHITECTURES
+
+    assert set(ARCHITECTURES) == set(ARCHITECTURE_NAMES)
+    section = _section(README.read_text(), "Hugging Face models")
+    for cls, name in ARCHITECTURE_NAMES.items():
+        assert f"{name} (`{cls}`)" in section, cls
+    option = _option_help(build_parser().commands["train"].format_help())
+    print({flag: option[flag] for flag in ("--init-from-hf DIR", "--model MODEL")})
+    for name in ARCHITECTURE_NAMES.values():
+        assert name in option["--init-from-hf DIR"], name
+    assert "Llama" in option["--model MODEL"] and "Mixtral" in option["--model MODEL"]
+
+
 CLOCK, DURATION = r"\d\d:\d\d:\d\d\.\d{3}", r"for \d+\.\d\d s"
 
 
