@@ -5,6 +5,7 @@
     engine = ms.make_engine(model, "tp=2,pp=2")
     ms.hf.load_into(engine, "gpt2")             # collective: each rank reads only its slices
     ms.hf.save("out", model, engine.gather_params())     # config.json + model.safetensors
+    ms.hf.save("out", model, params, tokenizer=files, max_shard_size="2GB")   # + tokenizer
 
 The architecture modules (gpt2.py, llama.py, mixtral.py) each keep ONE name map, {our name:
 (file key, transposed) or an entry assembled from several file tensors (mixtral.Stacked,
@@ -22,11 +23,21 @@ float32 (exact), since cupy has no bfloat16 dtype.
 The source's dtype and config are remembered on the spec (`model._hf_source`), so `save` writes
 what was read (a save -> load round trip is bit-exact) and keeps the fields mpishard does not
 model (token ids, dropout, task parameters); a spec built in code saves float32.
+
+`save` writes a directory transformers takes whole: the weights in one model.safetensors, or
+past `max_shard_size` bytes (default 5GB; "500MB", "10KB" or a number) in shards
+`model-00001-of-0000N.safetensors` named by `model.safetensors.index.json`, cut as
+huggingface_hub's split_state_dict_into_shards does (tensors in order, a new shard when the
+next would pass the size, a tensor larger than it alone); the tokenizer's files when given
+(tokenizer.json and its companions, with a tokenizer_config.json when it has none); and
+`generation_config.json` with the bos/eos/pad ids as transformers' GenerationConfig
+.from_model_config writes them. Weight files of an earlier save there are replaced.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +46,7 @@ from ..checkpoint.format import model_spec, run_captured, spec_text
 from ..comm.objects import agree
 from . import gpt2, llama, mixtral
 from .files import CONFIG, INDEX, SINGLE, HFDir
+from .tokenizer import TOKENIZER_CONFIG, special_ids, tokenizer_config
 
 ARCHITECTURES = {m.ARCHITECTURE: m for m in (gpt2, llama, mixtral)}
 DTYPE_NAMES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
@@ -42,6 +54,11 @@ DTYPE_NAMES = {"float64": np.float64, "float32": np.float32, "float16": np.float
 # never copied from the source config: they describe the file, not the model
 FILE_FIELDS = ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version",
                "_name_or_path")
+GENERATION_CONFIG = "generation_config.json"
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+MAX_SHARD_SIZE = "5GB"
+SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def architecture(cfg: dict):
@@ -203,12 +220,82 @@ def _host(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
-def save(path, model, params, dtype=None) -> str:
-    """Write Hugging Face directory `path`: config.json and model.safetensors in `dtype` (the
-    source file's when None and the model came from one, else float32; 'bfloat16' via
-    ml_dtypes) that transformers' AutoModelForCausalLM.from_pretrained loads. Returns path."""
+def shard_size(size) -> int:
+    """Bytes of a max shard size: a positive int, or a string like '5GB', '500MB', '10KB'
+    (decimal units, as huggingface_hub's parse_size_to_int reads them). ValueError else."""
+    if isinstance(size, str) and size.strip()[-2:].upper() in SIZE_UNITS:
+        try:
+            n = int(float(size.strip()[:-2]) * SIZE_UNITS[size.strip()[-2:].upper()])
+        except ValueError:
+            n = 0
+    elif isinstance(size, str) and size.strip().isdigit():
+        n = int(size.strip())
+    else:
+        n = size if isinstance(size, int) and not isinstance(size, bool) else 0
+    if n <= 0:
+        raise ValueError(f"max shard size must be a positive number of bytes or a size like "
+                         f"'5GB', '500MB', '10KB', got {size!r}")
+    return n
+
+
+def split_shards(tensors: dict, max_bytes: int) -> list:
+    """The tensors' keys cut into shards of at most `max_bytes` (huggingface_hub's rule)."""
+    shards, current, size = [], [], 0
+    for key, a in tensors.items():
+        if a.nbytes > max_bytes:
+            shards.append([key])
+            continue
+        if current and size + a.nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += a.nbytes
+    return shards + [current] if current else shards
+
+
+def _write(path, name, data: bytes) -> None:
+    tmp = os.path.join(path, f".{name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(path, name))
+
+
+def _json(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _write_weights(path, tensors: dict, max_bytes: int) -> None:
+    """model.safetensors, or shards and their index; then the weight files of an earlier save
+    that are not part of this one are removed (the index last written is the one read)."""
     from safetensors.numpy import save_file
 
+    shards = split_shards(tensors, max_bytes)
+    names = [SINGLE] if len(shards) <= 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, keys in zip(names, shards or [[]]):
+        tmp = os.path.join(path, f".{name}.tmp")
+        save_file({k: tensors[k] for k in keys}, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, name))
+    if len(names) > 1:
+        index = {"metadata": {"total_size": sum(int(a.nbytes) for a in tensors.values()),
+                              "total_parameters": sum(int(a.size) for a in tensors.values())},
+                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+        _write(path, INDEX, _json(index))
+    stale = [f for f in os.listdir(path) if (f == INDEX and len(names) == 1)
+             or ((f == SINGLE or SHARD.match(f)) and f not in names)]
+    for f in sorted(stale, key=lambda f: f != INDEX):        # the index first
+        os.remove(os.path.join(path, f))
+
+
+def save(path, model, params, dtype=None, tokenizer=None, max_shard_size=MAX_SHARD_SIZE,
+         eos_id=None) -> str:
+    """Write Hugging Face directory `path` that transformers' from_pretrained loads whole:
+    config.json, the weights in `dtype` (the source file's when None and the model came from
+    one, else float32; 'bfloat16' via ml_dtypes) in one file or shards of at most
+    `max_shard_size`, generation_config.json, and `tokenizer` ({file name: bytes}: its
+    tokenizer.json and companions) when given. The config's bos/eos/pad ids are the source's,
+    else the tokenizer's (`eos_id`: the end-of-text id training used). Returns path."""
+    max_bytes = shard_size(max_shard_size)
     by_kind = {(m.KIND, getattr(m, "EXPERTS", False)): m for m in ARCHITECTURES.values()}
     arch = by_kind.get((getattr(model, "kind", None), bool(getattr(model, "n_experts", None))))
     if arch is None:
@@ -217,8 +304,8 @@ def save(path, model, params, dtype=None) -> str:
     model.check_params(params)
     dt = _dtype(model, dtype)
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, INDEX)):
-        raise ValueError(f"{path} holds a sharded model ({INDEX}); save to an empty directory")
+    if tokenizer is not None and "tokenizer.json" not in tokenizer:
+        raise ValueError(f"a tokenizer to save needs its tokenizer.json, got {sorted(tokenizer)}")
     source = getattr(model, "_hf_source", None)
     cfg = {k: v for k, v in (source["config"] if source else arch.fresh_config()).items()
            if k not in FILE_FIELDS and k not in arch.SIZE_FIELDS}
@@ -226,15 +313,23 @@ def save(path, model, params, dtype=None) -> str:
     name = _dtype_name(dt)
     cfg.update({"architectures": [arch.ARCHITECTURE], "model_type": arch.MODEL_TYPE,
                 "dtype": name, "torch_dtype": name})
+    files = dict(tokenizer or {})
+    if files:
+        for k, v in special_ids(files, eos_id).items():
+            if cfg.get(k) is None:
+                cfg[k] = v
+        if TOKENIZER_CONFIG not in files:
+            files[TOKENIZER_CONFIG] = tokenizer_config(files, model.seq_len, cfg.get(
+                "eos_token_id") if isinstance(cfg.get("eos_token_id"), int) else None)
     tensors = {}
     for ours, entry in arch.name_map(model).items():
         for key, a in _file_tensors(entry, _host(params[ours])).items():
             tensors[key] = np.ascontiguousarray(a.astype(dt, copy=False))
     os.makedirs(path, exist_ok=True)
-    tmp = os.path.join(path, f".{SINGLE}.tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(path, SINGLE))
-    with open(os.path.join(path, CONFIG), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
+    _write_weights(path, tensors, max_bytes)
+    for fname, data in sorted(files.items()):
+        _write(path, fname, data)
+    generation = {k: cfg[k] for k in TOKEN_IDS if cfg.get(k) is not None}
+    _write(path, GENERATION_CONFIG, _json({"_from_model_config": True, **generation}))
+    _write(path, CONFIG, _json(cfg))
     return path

@@ -1,18 +1,24 @@
-"""Reading a config.json strictly: a field mpishard does not implement is an error naming it.
+"""Reading a config.json as transformers reads it, and strictly.
 
-Every architecture module (gpt2.py, llama.py) reads its sizes with `need` and checks the fields
-that change the math with `only`: a value other than the ones mpishard computes raises
-ValueError naming the field, its value and what is supported, never a silent approximation.
+Every architecture module (gpt2.py, llama.py, mixtral.py) keeps `DEFAULTS`, the defaults of its
+own transformers config class (GPT2Config, LlamaConfig, MixtralConfig) for each field it reads:
+`field` takes a field from the file, else that default, so a config.json that omits a field
+gives the model transformers builds from it (a Mixtral without rope_theta rotates with 1e6,
+not Llama's 10000). tests/hf/test_hf_defaults.py checks DEFAULTS against the installed
+transformers. The fields that change the math are checked with `only`: a value other than the
+ones mpishard computes raises ValueError naming the field, its value and what is supported,
+never a silent approximation.
 """
 from __future__ import annotations
 
 
-def need(cfg: dict, arch: str, *names):
-    """The first of `names` present in `cfg` (aliases of one field), else ValueError."""
+def field(cfg: dict, defaults: dict, *names):
+    """The first of `names` (aliases of one field) that `cfg` holds (not null), else
+    defaults[names[0]]: the default of the architecture's transformers config class."""
     for name in names:
         if cfg.get(name) is not None:
             return cfg[name]
-    raise ValueError(f"{arch} config.json has no {names[0]!r}")
+    return defaults[names[0]]
 
 
 def only(cfg: dict, arch: str, name: str, allowed, default=None) -> None:

@@ -15,8 +15,11 @@ untied lm_head (an nn.Linear, (V, D)). The fused qkv (D, 3D) splits q | k | v in
     transformer.ln_f.weight / .bias          ln_f/scale / shift
     lm_head.weight (V, D)                    head/weights (D, V), transposed; absent when tied
 
-Files written by `save_pretrained` carry the `transformer.` prefix; the original `gpt2`
-upload does not (`wte.weight`, `h.0.attn...`): both read. The causal-mask buffers
+A field the config.json omits takes GPT2Config's default (DEFAULTS: 1024 positions, tied
+embeddings, ...); the aliases transformers maps (hidden_size, max_position_embeddings,
+num_attention_heads, num_hidden_layers) read too, and an old config's n_ctx stands in for an
+absent n_positions. Files written by `save_pretrained` carry the `transformer.` prefix; the
+original `gpt2` upload does not (`wte.weight`, `h.0.attn...`): both read. The causal-mask buffers
 `attn.bias` / `attn.masked_bias` of old files are ignored. Refused config fields (they change
 the math): activation_function other than gelu_new / gelu_pytorch_tanh, layer_norm_epsilon
 other than 1e-5, scale_attn_weights False, scale_attn_by_inverse_layer_idx,
@@ -28,7 +31,7 @@ from __future__ import annotations
 import re
 
 from ..nn.gpt import GPT
-from .fields import ints, need, only
+from .fields import field, ints, only
 
 ARCHITECTURE = "GPT2LMHeadModel"
 MODEL_TYPE = "gpt2"
@@ -40,26 +43,34 @@ SIZE_FIELDS = ("vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_hea
                "activation_function", "layer_norm_epsilon", "scale_attn_weights",
                "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
                "add_cross_attention", "tie_word_embeddings")
+# GPT2Config's defaults (transformers 5.x) for the fields read here: what an absent field means.
+DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
+            "n_head": 12, "n_inner": None, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "add_cross_attention": False, "tie_word_embeddings": True}
 
 
 def from_config(cfg: dict) -> GPT:
-    """The ms.GPT a GPT2LMHeadModel config.json describes (ValueError naming a field we lack)."""
-    a = ARCHITECTURE
-    only(cfg, a, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
-    only(cfg, a, "layer_norm_epsilon", (1e-5,), 1e-5)
-    only(cfg, a, "scale_attn_weights", (True,), True)
-    only(cfg, a, "scale_attn_by_inverse_layer_idx", (False,), False)
-    only(cfg, a, "reorder_and_upcast_attn", (False,), False)
-    only(cfg, a, "add_cross_attention", (False,), False)
-    d = ints(need(cfg, a, "n_embd", "hidden_size"), "n_embd")
+    """The ms.GPT a GPT2LMHeadModel config.json describes, an absent field read as GPT2Config's
+    default (DEFAULTS); ValueError naming a field we lack."""
+    a, dflt = ARCHITECTURE, DEFAULTS
+    for name, allowed in (("activation_function", ("gelu_new", "gelu_pytorch_tanh")),
+                          ("layer_norm_epsilon", (1e-5,)), ("scale_attn_weights", (True,)),
+                          ("scale_attn_by_inverse_layer_idx", (False,)),
+                          ("reorder_and_upcast_attn", (False,)),
+                          ("add_cross_attention", (False,))):
+        only(cfg, a, name, allowed, dflt[name])
+    d = ints(field(cfg, dflt, "n_embd", "hidden_size"), "n_embd")
     inner = cfg.get("n_inner")
-    return GPT(vocab_size=ints(need(cfg, a, "vocab_size"), "vocab_size"),
-               seq_len=ints(need(cfg, a, "n_positions", "n_ctx", "max_position_embeddings"),
+    return GPT(vocab_size=ints(field(cfg, dflt, "vocab_size"), "vocab_size"),
+               seq_len=ints(field(cfg, dflt, "n_positions", "max_position_embeddings", "n_ctx"),
                             "n_positions"),
-               d_model=d, n_heads=ints(need(cfg, a, "n_head", "num_attention_heads"), "n_head"),
-               n_layers=ints(need(cfg, a, "n_layer", "num_hidden_layers"), "n_layer"),
+               d_model=d, n_heads=ints(field(cfg, dflt, "n_head", "num_attention_heads"),
+                                       "n_head"),
+               n_layers=ints(field(cfg, dflt, "n_layer", "num_hidden_layers"), "n_layer"),
                d_ff=4 * d if inner is None else ints(inner, "n_inner"),
-               tied=bool(cfg.get("tie_word_embeddings", True)))
+               tied=bool(field(cfg, dflt, "tie_word_embeddings")))
 
 
 def to_config(model: GPT) -> dict:

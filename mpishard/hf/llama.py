@@ -17,6 +17,8 @@ ours are (in, out), so every projection is transposed (the norms and embedding a
     model.norm.weight (D,)                               ln_f/scale
     lm_head.weight (V, D)                                head/weights (D, V); absent when tied
 
+A field the config.json omits takes LlamaConfig's default (DEFAULTS: rope_theta 10000,
+rms_norm_eps 1e-6, as many kv heads as heads, untied, ...); mixtral.py passes MixtralConfig's.
 Refused config fields (they change the math): hidden_act other than silu, head_dim other
 than hidden_size / num_attention_heads, attention_bias, mlp_bias, any rope scaling
 (rope_scaling, or rope_parameters with a rope_type other than default), sliding windows
@@ -26,7 +28,7 @@ rotary pairs (rope_interleaved; HF's Llama rotates halves).
 from __future__ import annotations
 
 from ..nn import models
-from .fields import ints, need, only
+from .fields import field, ints, only
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -35,14 +37,21 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
                "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
                "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")
+# LlamaConfig's defaults (transformers 5.x) for the fields read here: what an absent field
+# means. num_key_value_heads None: as many as the attention heads; head_dim None: D / H;
+# rope_theta: the class's default_theta, where an absent rope_parameters takes it from.
+DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+            "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0,
+            "attention_bias": False, "mlp_bias": False}
 
 
-def _rope_theta(cfg: dict) -> float:
-    a = ARCHITECTURE
+def _rope_theta(cfg: dict, a: str, defaults: dict) -> float:
     only(cfg, a, "rope_scaling", (None,))
     rope = cfg.get("rope_parameters")
     if rope is None:
-        return float(cfg.get("rope_theta", 10000.0))
+        return float(field(cfg, defaults, "rope_theta"))
     if not isinstance(rope, dict):
         raise ValueError(f"{a} config.json field rope_parameters={rope!r} is not a table")
     only(rope, a, "rope_type", ("default",), "default")
@@ -50,41 +59,46 @@ def _rope_theta(cfg: dict) -> float:
     if extra:
         raise ValueError(f"{a} config.json field rope_parameters has {extra}, which mpishard "
                          f"does not implement (plain rotary only)")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return float(rope.get("rope_theta", field(cfg, defaults, "rope_theta")))
 
 
-def from_config(cfg: dict, a: str = ARCHITECTURE, **experts):
-    """The ms.Llama a LlamaForCausalLM config.json describes (ValueError naming a field).
-    `a` names the architecture in errors; `experts`: mixtral.py's MoE keyword arguments."""
+def from_config(cfg: dict, a: str = ARCHITECTURE, defaults=None, **experts):
+    """The ms.Llama a LlamaForCausalLM config.json describes (ValueError naming a field), an
+    absent field read as `defaults` (the architecture's transformers config class: DEFAULTS,
+    LlamaConfig's, unless given). `a` names the architecture in errors; `experts`: mixtral.py's
+    MoE keyword arguments."""
     Llama = getattr(models, "Llama", None)           # nn/llama.py (ms.Llama)
     if Llama is None:
         raise ValueError(f"{a}: this mpishard has no ms.Llama to load it into")
-    only(cfg, a, "hidden_act", ("silu",), "silu")
-    only(cfg, a, "attention_bias", (False,), False)
-    only(cfg, a, "mlp_bias", (False,), False)
-    only(cfg, a, "sliding_window", (None,))
-    only(cfg, a, "use_sliding_window", (False,), False)
-    only(cfg, a, "rope_interleaved", (False,), False)      # SmolLM's configs carry it
+    dflt = DEFAULTS if defaults is None else defaults
+    for name, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False,)),
+                          ("mlp_bias", (False,)), ("sliding_window", (None,)),
+                          ("use_sliding_window", (False,)),
+                          ("rope_interleaved", (False,))):      # SmolLM's configs carry it
+        only(cfg, a, name, allowed, dflt.get(name, allowed[0]))
     layer_types = cfg.get("layer_types")
     if layer_types is not None and set(layer_types) != {"full_attention"}:
         raise ValueError(f"{a} config.json field layer_types={layer_types!r} is not supported "
                          f"by mpishard (supported: full_attention only)")
-    d = ints(need(cfg, a, "hidden_size"), "hidden_size")
-    h = ints(need(cfg, a, "num_attention_heads"), "num_attention_heads")
+    d = ints(field(cfg, dflt, "hidden_size"), "hidden_size")
+    h = ints(field(cfg, dflt, "num_attention_heads"), "num_attention_heads")
     if cfg.get("head_dim") is not None and cfg["head_dim"] * h != d:
         raise ValueError(f"{a} config.json field head_dim={cfg['head_dim']!r} is not supported "
                          f"by mpishard (supported: hidden_size / num_attention_heads = "
                          f"{d / h:g})")
-    kv = cfg.get("num_key_value_heads")
-    return Llama(vocab_size=ints(need(cfg, a, "vocab_size"), "vocab_size"),
-                 seq_len=ints(need(cfg, a, "max_position_embeddings"),
+    # absent: the class's default (Llama: the heads, Mixtral: 8); null: the heads (both)
+    kv = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else \
+        dflt["num_key_value_heads"]
+    return Llama(vocab_size=ints(field(cfg, dflt, "vocab_size"), "vocab_size"),
+                 seq_len=ints(field(cfg, dflt, "max_position_embeddings"),
                               "max_position_embeddings"),
                  d_model=d, n_heads=h,
-                 n_layers=ints(need(cfg, a, "num_hidden_layers"), "num_hidden_layers"),
+                 n_layers=ints(field(cfg, dflt, "num_hidden_layers"), "num_hidden_layers"),
                  n_kv_heads=None if kv is None else ints(kv, "num_key_value_heads"),
-                 d_ff=ints(need(cfg, a, "intermediate_size"), "intermediate_size"),
-                 rope_theta=_rope_theta(cfg), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                 tied=bool(cfg.get("tie_word_embeddings", False)), **experts)
+                 d_ff=ints(field(cfg, dflt, "intermediate_size"), "intermediate_size"),
+                 rope_theta=_rope_theta(cfg, a, dflt),
+                 norm_eps=float(field(cfg, dflt, "rms_norm_eps")),
+                 tied=bool(field(cfg, dflt, "tie_word_embeddings")), **experts)
 
 
 def to_config(model) -> dict:

@@ -22,7 +22,9 @@ Each of our expert tensors is a lazily read view (`Stacked`, `Fused`): slicing i
 the experts and the region sliced, so `load_into` under ep reads only a rank's experts.
 `save` writes the per-expert layout.
 
-Config: num_local_experts -> n_experts, num_experts_per_tok -> top_k; the auxiliary loss is
+Config: an absent field takes MixtralConfig's default (DEFAULTS), never LlamaConfig's: rope_theta
+1e6, rms_norm_eps 1e-5, 8 kv heads. num_local_experts (alias num_experts) -> n_experts,
+num_experts_per_tok -> top_k; the auxiliary loss is
 added by transformers only with output_router_logits, so router_aux_loss_coef is the file's
 coefficient when output_router_logits is true and 0 otherwise (save writes it back alike).
 Refused (they change the math): sliding_window other than null, router_jitter_noise > 0,
@@ -34,7 +36,7 @@ import numpy as np
 
 from ..checkpoint.lazy import region_of
 from . import llama
-from .fields import ints, need, only
+from .fields import field, ints, only
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
@@ -43,24 +45,32 @@ EXPERTS = True                      # save picks this module for a Llama with n_
 SIZE_FIELDS = llama.SIZE_FIELDS + ("num_local_experts", "num_experts_per_tok",
                                    "output_router_logits", "sliding_window",
                                    "router_jitter_noise")
+# MixtralConfig's defaults (transformers 5.x), not LlamaConfig's: rope_theta 1e6 (its
+# default_theta), rms_norm_eps 1e-5, 8 kv heads when the field is absent (as many as the heads
+# when it is null), 131072 positions, 8 experts, top-2.
+DEFAULTS = dict(llama.DEFAULTS, intermediate_size=14336, num_key_value_heads=8,
+                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e6,
+                sliding_window=None, num_local_experts=8, num_experts_per_tok=2,
+                output_router_logits=False, router_aux_loss_coef=0.001, router_jitter_noise=0.0)
 ignored = llama.ignored
 fresh_config = llama.fresh_config
 
 
 def from_config(cfg: dict):
-    """The ms.Llama (with experts) a MixtralForCausalLM config.json describes."""
-    a = ARCHITECTURE
+    """The ms.Llama (with experts) a MixtralForCausalLM config.json describes, an absent field
+    read as MixtralConfig's default (DEFAULTS)."""
+    a, dflt = ARCHITECTURE, DEFAULTS
     only(cfg, a, "sliding_window", (None,))
-    jitter = cfg.get("router_jitter_noise", 0.0)
+    jitter = field(cfg, dflt, "router_jitter_noise")
     if not isinstance(jitter, (int, float)) or isinstance(jitter, bool) or jitter != 0:
         raise ValueError(f"{a} config.json field router_jitter_noise={jitter!r} is not "
                          f"supported by mpishard (supported: 0.0)")
-    n_experts = ints(need(cfg, a, "num_local_experts"), "num_local_experts")
-    top_k = ints(cfg.get("num_experts_per_tok", 2), "num_experts_per_tok")
-    only(cfg, a, "output_router_logits", (False, True), False)
-    coef = float(cfg.get("router_aux_loss_coef", 0.001)) if cfg.get("output_router_logits") \
+    n_experts = ints(field(cfg, dflt, "num_local_experts", "num_experts"), "num_local_experts")
+    top_k = ints(field(cfg, dflt, "num_experts_per_tok"), "num_experts_per_tok")
+    only(cfg, a, "output_router_logits", (False, True), dflt["output_router_logits"])
+    coef = float(field(cfg, dflt, "router_aux_loss_coef")) if cfg.get("output_router_logits") \
         else 0.0
-    return llama.from_config(cfg, a, n_experts=n_experts, top_k=top_k,
+    return llama.from_config(cfg, a, dflt, n_experts=n_experts, top_k=top_k,
                              router_aux_loss_coef=coef)
 
 

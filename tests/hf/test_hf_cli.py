@@ -110,7 +110,7 @@ def test_a_directory_one_rank_lacks_is_one_usage_error_on_every_rank(tmp_path):
     from conftest import group_comm
 
     comm = group_comm(2)
-    d, _ = gpt2(tmp_path / f"r{comm.Get_rank()}", vocab_size=300)    # bytes' 256 fit
+    d, _ = gpt2(tmp_path / f"r{comm.Get_rank()}", vocab_size=256)    # bytes' vocabulary
     path = d if comm.Get_rank() == 0 else str(tmp_path / "nowhere")
     argv = {"generate": ["generate", "--hf", path, "--tokenizer", "bytes", "--prompt", "a",
                          "--layout", "tp=2"],
