@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checkpoint import CheckpointError, describe
+from ..checkpoint import CheckpointError, describe, load
 from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.compose import plan_params
@@ -152,9 +152,30 @@ def run_inspect(args) -> int:
                          "--layout L --model DIMS")
     try:
         text = describe(args.checkpoint)              # every rank reads, rank 0 prints
+        text += saved_placements(args.checkpoint)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     return print_report(text)
+
+
+def saved_placements(path) -> str:
+    """How each tensor of the checkpoint at `path` was split across the ranks that saved it
+    (placement_text under its layout), or '' when its model cannot be rebuilt here."""
+    ckpt = load(path, verify=False)
+    model = ckpt.model()
+    try:
+        layout = parse_layout(ckpt.layout)
+        plan = plan_params(model, layout) if model is not None else None
+    except (ValueError, TypeError):
+        plan = None
+    if not plan:
+        return ""
+    texts = {name: placement_text(info.placement, layout) for name, info in plan.items()}
+    width = max(map(len, texts))
+    sharded = sum(not t.startswith("replicated") for t in texts.values())
+    return "\n".join([f"\n  as saved under layout {layout.text!r} ({sharded} of {len(texts)} "
+                      f"tensors sharded, {len(texts) - sharded} replicated):"]
+                     + [f"  {name:<{width}}  {text}" for name, text in texts.items()])
 
 
 def _run_inspect_layout(args) -> int:

@@ -24,6 +24,8 @@ from mpishard.cli.model_flag import model_from_flag
 from mpishard.cli.train import parse_train_args
 from mpishard.comm.mesh import parse_layout
 
+from conftest import run_mpi
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PIPED = {
@@ -283,3 +285,17 @@ def test_make_clean_and_gitignore_cover_what_the_demos_and_configs_write(tmp_pat
     assert left == ["Makefile", "configs", "notes.txt"]
     assert sorted(p.name for p in (tmp_path / "configs").iterdir()) == \
         sorted(p.name for p in (ROOT / "configs").iterdir())
+
+
+def test_inspect_of_a_checkpoint_says_how_its_tensors_were_sharded(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    r = run_mpi(2, "-m", "mpishard", "train", "--layout", "tp=2", "--model", "64,16,10",
+                "--steps", "1", "--no-progress", "--checkpoint-dir", ckpt)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert cli.main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    tail = out.split("  as saved under layout 'tp=2' (3 of 4 tensors sharded, 1 replicated):\n")
+    assert [" ".join(ln.split()) for ln in tail[1].splitlines()] == [
+        "layer_0/weights sharded dim 1 over tp", "layer_0/bias sharded dim 0 over tp",
+        "layer_1/weights sharded dim 0 over tp", "layer_1/bias replicated over tp"]
