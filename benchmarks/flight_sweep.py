@@ -73,7 +73,8 @@ for step in range(1, 1_000_000):                        # until a rank is stoppe
     sum(i * i for i in range(int(rng.integers(1, 3000))))      # work outside communication
     if step == 10 and inside >= 0 and rank != inside:
         time.sleep(0.5)
-    engine.all_reduce(np.ones(3))
+    if engine.all_reduce(np.array([float(os.path.exists(directory + ".stop")), 1, 1]))[0]:
+        break                                           # told to stop: every rank at once
 '''
 
 TIMEOUT_LINE = re.compile(r"CollectiveTimeout: (\S+) on group (\S+) \(ranks (\[[\d, ]*\])\) "
@@ -154,6 +155,40 @@ def stop_once(workdir, n: int, victim: int, delay, timeout: float = 2.0) -> dict
     return {"n": n, "victim": victim, "delay": delay, "code": code,
             "stderr": err_path.read_text(), "flight": flight.stdout + flight.stderr,
             "flight_code": flight.returncode, "dumps": dumps}
+
+
+def snapshot_once(workdir, n: int, delay: float) -> dict:
+    """A healthy job of `n` ranks: `delay` s after they all run, SIGUSR2 to every rank (each
+    dumps and goes on), then told to stop, it ends cleanly; flight's output on the dumps."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    script, directory = workdir / "job.py", workdir / "flight"
+    script.write_text(JOB)
+    env = dict(os.environ, **ENV, PYTHONPATH=str(ROOT))
+    job = subprocess.Popen([*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script),
+                            str(directory), "30", "-1"], cwd=ROOT, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        pids, seen = [], []
+        while len(pids) < n:
+            line = job.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the job did not start:\n{''.join(seen)[-3000:]}")
+            seen.append(line)
+            pids += [int(p) for p in re.findall(r"^pid \d+ (\d+)$", line)]
+        time.sleep(delay)
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR2)
+        time.sleep(1.0)
+        Path(f"{directory}.stop").touch()
+        out, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    flight = subprocess.run([sys.executable, "-m", "mpishard", "flight", str(directory)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return {"code": job.returncode, "output": out, "flight": flight.stdout + flight.stderr}
 
 
 def problems(result) -> list:

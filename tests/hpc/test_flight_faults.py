@@ -172,3 +172,16 @@ def test_a_stopped_rank_is_named_alike_by_the_timeout_and_flight(tmp_path, victi
                          r"collective too, so one stopped or hung inside it", result["stderr"])
         assert re.search(rf"^verdict: rank {victim} entered all_reduce #\d+ \(float64 \(3,\), "
                          r"step 10\) on group world and never left it", result["flight"], re.M)
+
+
+def test_a_sigusr2_snapshot_of_a_healthy_job_is_reported_as_one(tmp_path):
+    """Both ranks dump on SIGUSR2 while training, each at its own point (one often a call
+    ahead), and the job ends cleanly: flight reports a snapshot, not a rank that 'never
+    entered' the call the other was in."""
+    result = _sweep().snapshot_once(tmp_path, 2, 0.5)
+    print(result["output"][-2000:], result["flight"])
+    assert result["code"] == 0
+    assert "never entered" not in result["flight"], result["flight"]
+    assert re.search(r"^verdict: a snapshot \(SIGUSR2\) of a running job, not a failure",
+                     result["flight"], re.M), result["flight"]
+    assert len(re.findall(r"^  rank \d: SIGUSR2 -- ", result["flight"], re.M)) == 2
