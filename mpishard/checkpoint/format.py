@@ -15,12 +15,12 @@ import hashlib
 import inspect
 import io
 import json
-import os
 import re
 
 import numpy as np
 
 from ..nn import models
+from ..train.untrusted import file_in
 
 FORMAT, VERSION, INDEX = "mpishard-checkpoint", 1, "index.json"
 # an asset is a plain file name (no folder, not hidden); blocks are param.* / optim.* (writer)
@@ -140,7 +140,7 @@ def read_asset(ckpt, name) -> bytes:
     if not isinstance(info, dict):
         raise CheckpointError(f"checkpoint {ckpt.path} carries no file {name}")
     try:
-        with open(os.path.join(ckpt.path, name), "rb") as f:
+        with open(file_in(ckpt.path, name, f"{INDEX}: asset", CheckpointError), "rb") as f:
             data = f.read()
     except OSError as e:
         raise CheckpointError(f"checkpoint {ckpt.path}: cannot read {name}: {e}") from None

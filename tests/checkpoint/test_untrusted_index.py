@@ -16,6 +16,7 @@ import pytest
 
 import mpishard as ms
 from mpishard.checkpoint import CheckpointError
+from mpishard.checkpoint.format import read_asset
 
 W = "layer_0/weights"
 
@@ -140,3 +141,17 @@ def test_index_numbers_past_the_array_or_the_file_are_refused(good, field, value
 
     with pytest.raises(CheckpointError, match=message):
         ms.checkpoint.load(_edit(good, f"{field}{value}", fn))
+
+
+def test_an_asset_read_through_a_symlink_leading_outside_is_refused(good):
+    """A checkpoint's assets (a carried tokenizer, standardisation arrays) are read through the
+    same helper: a name in the index that is a symlink out of the directory is refused even
+    when the index entry was added after the checkpoint was opened."""
+    ckpt = ms.checkpoint.load(good)
+    secret = _secret(good)
+    os.symlink(secret, good / "tokenizer.json")
+    ckpt.index["files"]["tokenizer.json"] = {"sha256": hashlib.sha256(secret.read_bytes())
+                                             .hexdigest(), "bytes": secret.stat().st_size}
+    with pytest.raises(CheckpointError, match=r"index.json: asset 'tokenizer.json' is not a "
+                                              r"plain file name inside .*\(it leads to "):
+        read_asset(ckpt, "tokenizer.json")
