@@ -3,6 +3,9 @@
 It maps the chunks overlapping a slice (np.load with mmap_mode="r", allow_pickle=False,
 through the checkpoint's `open_file`, which verifies a file's sha256 before its first read) and
 copies only that region, so loading a shard of a large checkpoint reads about the shard's bytes.
+`region_of` is the one reading of an index key (ints, slices with any step, Ellipsis) into the
+span to read and the index to apply after, for every lazily read array: LazyArray here, and
+hf's SafeTensor and Mixtral expert views.
 """
 from __future__ import annotations
 
