@@ -17,6 +17,8 @@ block, plus `index.json`:
      "files":     {file: {"sha256", "bytes"}}}
 
 A chunk is the real (unpadded) region `offset[d] : offset[d] + shape[d]` of the full array.
+`save(..., assets={name: bytes or array})` adds files the checkpoint carries (a tokenizer's
+files, a data set's standardisation as .npy), listed in `files` like the blocks (format.py).
 Under retention (`Checkpointer(keep_last=N > 1)`) DIR holds one such directory per save,
 `DIR/step-00000500/`, and `load(DIR)` opens the newest complete one (storage.py). A Trainer's
 checkpoint carries in `extra` its TrainState, data position and shuffle (callback.py).

@@ -7,6 +7,7 @@ take it whole. A BPE tokenizer is trained here with the `tokenizers` library (no
 """
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 import mpishard as ms
 from mpishard import cli
 from conftest import assert_close
-from hf_models import hf_logits, tokens
+from hf_models import gpt2, hf_logits, tokens
 from test_tokens import EOS, VOCAB, train_bpe, write_corpus
 
 transformers = pytest.importorskip("transformers")
@@ -120,6 +121,29 @@ def test_a_large_model_exports_in_shards_with_an_index(trained, tmp_path, capsys
     assert cli.main(["export", "--checkpoint", str(ckpt), "--hf", str(tmp_path / "x"),
                      "--max-shard-size", "5XB"]) == 2
     assert "--max-shard-size" in capsys.readouterr().err
+
+
+def test_import_carries_the_directory_tokenizer(trained, tmp_path, capsys):
+    """import --hf DIR keeps DIR's tokenizer files: generate --checkpoint prints what
+    generate --hf DIR prints, and the export's AutoTokenizer is DIR's tokenizer."""
+    root, _ = trained
+    d, _ = gpt2(tmp_path / "src", vocab_size=VOCAB)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "tok" / name, d)
+    ckpt, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    assert cli.main(["import", "--hf", d, "--checkpoint", ckpt]) == 0
+    assert ms.checkpoint.load(ckpt).extra["tokenizer"]["files"] == ["tokenizer.json",
+                                                                    "tokenizer_config.json"]
+    capsys.readouterr()
+    gen = ["--prompt", "def add(", "--max-new-tokens", "6", "--temperature", "0", "--dtype",
+           "float64"]
+    assert cli.main(["generate", "--hf", d, *gen]) == 0
+    want = capsys.readouterr().out
+    assert cli.main(["generate", "--checkpoint", ckpt, *gen]) == 0
+    assert capsys.readouterr().out == want
+    assert cli.main(["export", "--checkpoint", ckpt, "--hf", out]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(tok) == VOCAB and tok(TEXT)["input_ids"] == ms.hf.tokenizer(d).encode(TEXT).ids
 
 
 def _ours(ckpt, x):
