@@ -98,6 +98,7 @@ def read_header(directory: str) -> dict:
     try:
         dtype = np.dtype(header["dtype"])
         vocab = whole_number(header["vocab_size"], "vocab_size", low=1)
+        token_dtype(vocab)                           # ValueError past 2**32 ids
         max_id = whole_number(header["max_id"], "max_id", low=-1)
         splits = {k: (header[k]["file"], whole_number(header[k]["count"], f"{k}.count"))
                   for k in ("train", "val")}

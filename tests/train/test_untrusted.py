@@ -141,6 +141,18 @@ def test_a_count_past_the_end_of_its_file_is_refused(tokens_dir, count, message)
         token_dataset(f"tokens:{t}", 8)
 
 
+def test_a_vocabulary_past_32_bit_ids_is_refused_naming_the_file(tokens_dir):
+    t = str(tokens_dir / "t")
+    path = os.path.join(t, "tokens.json")
+    with open(path) as f:
+        header = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(header, vocab_size=2**40), f)
+    with pytest.raises(ValueError, match=rf"dataset tokens:{t}: tokens.json lacks or garbles a "
+                                         rf"field: a vocabulary of {2**40} ids does not fit"):
+        token_dataset(f"tokens:{t}", 8)
+
+
 def test_an_eos_id_outside_the_vocabulary_is_refused(tokens_dir):
     t = str(tokens_dir / "t")
     path = os.path.join(t, "tokens.json")
