@@ -4,6 +4,7 @@ by default; bytes refused for a vocabulary that is not bytes') and digits' stand
 (the mean and std as .npy files, which `infer` applies to raw features).
 
     pytest -m "not mpi" tests/cli/test_carried.py
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/cli/test_carried.py
 """
 import hashlib
 import json
@@ -18,8 +19,8 @@ from mpishard import cli
 from mpishard.cli.generate import Text
 from mpishard.train.data import STANDARDIZE_FILES, digits
 
-from conftest import assert_close
-from test_tokens import EOS, VOCAB, train_bpe, write_corpus
+from conftest import assert_close, world
+from test_tokens import EOS, VOCAB, shared_dir, train_bpe, write_corpus
 
 RUN = ["--batch", "8", "--no-progress", "--log-every", "0", "--log-level", "WARNING"]
 GPT = ["--model", "gpt", "--gpt", "d_model=32,n_heads=2,n_layers=1,seq_len=16", "--steps", "2"]
@@ -126,6 +127,41 @@ def test_a_token_file_run_carries_the_tokenizer_its_header_names(root, tmp_path,
     assert "does not carry its files; give --tokenizer DIR" in capsys.readouterr().err
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "lost"), "--prompt", PROMPT,
                      "--tokenizer", str(root / "tok"), "--max-new-tokens", "3"]) == 0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_every_rank_saves_and_generates_with_the_carried_tokenizer(capsys):
+    """On the whole world (dp over every rank, asynchronous saves every step): the checkpoint
+    rank 0 writes carries the tokenizer; generate --checkpoint on every rank prints on rank 0
+    one device's greedy text; --tokenizer bytes is the same error on every rank."""
+    pytest.importorskip("tokenizers")
+    comm = world()
+    root = shared_dir(comm)
+    corpus, tok_dir, ckpt = (os.path.join(root, n) for n in ("corpus", "tok", "ck"))
+    if comm.Get_rank() == 0:
+        write_corpus(corpus)
+        os.makedirs(tok_dir)
+        train_bpe(corpus).save(os.path.join(tok_dir, "tokenizer.json"))
+    comm.Barrier()
+    try:
+        assert cli.main(["train", *GPT, *RUN, "--dtype", "float64", "--text", corpus,
+                         "--tokenizer", tok_dir, "--checkpoint-dir", ckpt,
+                         "--checkpoint-every", "1", "--checkpoint-async"]) == 0
+        assert ms.checkpoint.load(ckpt).extra["tokenizer"]["files"] == ["tokenizer.json"]
+        capsys.readouterr()
+        assert cli.main(["generate", "--checkpoint", ckpt, "--prompt", PROMPT,
+                         "--max-new-tokens", "6", "--temperature", "0"]) == 0
+        out = capsys.readouterr().out
+        tok = ms.hf.tokenizer(tok_dir)
+        assert out == (greedy_text(ckpt, tok, PROMPT, 6) if comm.Get_rank() == 0 else "")
+        assert cli.main(["generate", "--checkpoint", ckpt, "--prompt", "x",
+                         "--tokenizer", "bytes"]) == 2
+        err = capsys.readouterr().err                   # rank 0 prints the one line
+        assert comm.Get_rank() > 0 or "vocabulary has 320 ids, bytes have 256" in err
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def raw_digits(seed=0):
