@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from contextlib import contextmanager
 
 from ..checkpoint import is_checkpoint
+from ..comm.lines import write_line
 from ..train.metrics import CsvSink, JsonlSink, MetricsStream, TensorBoardSink
 from ..train.preemption import PREEMPTED_EXIT, Preempted, Preemption, StopFlag, any_rank
 from .usage import PROG, UsageError, world_rank
@@ -72,10 +72,9 @@ def validate_cluster_args(args, complete: bool) -> None:
     if isinstance(args.resume, str) and args.resume != AUTO and not is_checkpoint(args.resume):
         raise UsageError(f"--resume {args.resume}: no checkpoint there (no index.json)")
     if complete and args.resume in (None, False) and world_rank() == 0:
-        print(f"{PROG}: warning: --checkpoint-dir {args.checkpoint_dir} holds a checkpoint; "
-              "without --resume this run starts at step 0, replaces it at its first save and "
-              "starts its metrics file over (--resume auto continues it)", file=sys.stderr,
-              flush=True)
+        write_line(f"{PROG}: warning: --checkpoint-dir {args.checkpoint_dir} holds a checkpoint; "
+                   "without --resume this run starts at step 0, replaces it at its first save "
+                   "and starts its metrics file over (--resume auto continues it)")
     if args.preempt_check_every < 1:
         raise UsageError(f"--preempt-check-every must be >= 1, got {args.preempt_check_every}")
     if args.metrics_jsonl is None and args.checkpoint_dir is not None:
@@ -140,7 +139,7 @@ def preempted_before_training(trainer, flag, args) -> bool:
     if signum and world_rank() == 0:
         step = trainer.state.step
         saved = step > 0 and resume_source(args) == args.checkpoint_dir
-        print(f"{PROG}: {Preempted(signum, step, saved)}", file=sys.stderr, flush=True)
+        write_line(f"{PROG}: {Preempted(signum, step, saved)}")     # one write (comm/lines.py)
     return bool(signum)
 
 
@@ -169,7 +168,7 @@ def fit_or_preempted(trainer, args):
             if isinstance(cb, MetricsStream):
                 cb.on_train_end(trainer, {})
         if world_rank() == 0:
-            print(f"{PROG}: {stop}", file=sys.stderr, flush=True)
+            write_line(f"{PROG}: {stop}")
         return None
     finally:
         for cb in trainer.callbacks:
