@@ -77,7 +77,7 @@ def test_numbers_and_dtypes_from_a_header():
     assert whole_numbers([0, 3], "shape") == (0, 3)
     assert whole_number(-1, "max_id", low=-1) == -1
     for bad in ([2.0], [True], ["2"], [-1], (1, 2), None):
-        with pytest.raises(ValueError, match=f"shape must be a list of integers >= 0, got"):
+        with pytest.raises(ValueError, match="shape must be a list of integers >= 0, got"):
             whole_numbers(bad, "shape")
     for bad in (2.0, True, "2", -2, None):
         with pytest.raises(ValueError, match="count must be an integer >= -1"):
