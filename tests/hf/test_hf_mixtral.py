@@ -3,8 +3,9 @@ experts, top-2, perturbed norms) read by ms.hf in both layouts transformers 5.x 
 per-expert w1/w2/w3 files it writes and its fused gate_up_proj/down_proj): logits equal
 transformers' at rtol 1e-9, serially and under MPI on ep=2, dp=2,ep=2 and ep=2,tp=2 (each rank
 reading only its slices, its experts included); greedy generate equals transformers' for
-prompts of different lengths (single, ep=2, dp=2,ep=2, ep=2,tp=2); save -> from_pretrained gives the same logits bit for bit; the
-load-balancing loss equals transformers' (output_router_logits=True); refused fields.
+prompts of different lengths (single, ep=2, dp=2,ep=2, ep=2,tp=2); save -> from_pretrained
+gives the same logits bit for bit; the load-balancing loss equals transformers'
+(output_router_logits=True); refused fields.
 
 Run: `pytest -q tests/hf/test_hf_mixtral.py` and
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/hf/test_hf_mixtral.py` for
