@@ -37,7 +37,7 @@ def write_line(text: str, stream=None) -> None:
             stream.write(text)
             stream.flush()
             return
-        if fd is not stream:
+        if not isinstance(stream, int):
             stream.flush()              # what the stream holds goes out before this line
         data = text.encode(getattr(stream, "encoding", None) or "utf-8", errors="replace")
         while data:

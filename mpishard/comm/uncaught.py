@@ -117,7 +117,7 @@ def report(exc_type, exc, tb) -> None:
     except Exception:                            # MPI unusable: say at least this rank's error
         failures = [mine]
     if failures:
-        write_line(format_report(failures))      # one write: never mixed with another rank's
+        _write_report(failures)
     if "mpi4py.run" in sys.modules:              # python -m mpi4py: MPI_Abort comes next
         remove_mpi_files()
 
@@ -169,7 +169,7 @@ def _collect(world, mine) -> list:
         else:
             time.sleep(POLL)
     failures = [reports[r] for r in sorted(reports)]
-    write_line(format_report(failures))
+    _write_report(failures)
     sends = acks + [world.isend(None, dest=r, tag=DONE_TAG) for r in sorted(reports) if r]
     deadline = time.monotonic() + DONE_WAIT
     while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
@@ -189,9 +189,21 @@ def _receive(world, tag: int, seconds: float):
     return True
 
 
+def _write_report(failures) -> None:
+    """format_report's text to stderr, each traceback and each error line one write
+    (lines.py), so another rank's output never runs into a line of it."""
+    for part in report_parts(failures):
+        write_line(part)
+
+
 def format_report(failures) -> str:
     """The text printed for [(rank, type name, first line, traceback)]: each distinct cause's
     traceback once (its lowest rank's), then one `mpishard: error:` line per cause."""
+    return "".join(report_parts(failures))
+
+
+def report_parts(failures) -> list:
+    """format_report's text as its parts: each traceback (with its heading), each line."""
     causes = {}
     for rank, name, line, text in sorted(failures):
         causes.setdefault((name, line), (text, []))[1].append(rank)
@@ -202,7 +214,7 @@ def format_report(failures) -> str:
     for (name, line), (_, ranks) in causes.items():
         out.append(f"mpishard: error: {name}{': ' + line if line else ''} "
                    f"({rank_ranges(ranks)})\n")
-    return "".join(out)
+    return out
 
 
 def rank_ranges(ranks) -> str:

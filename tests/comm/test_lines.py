@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mpishard.comm import lines
+from mpishard.comm import lines, uncaught
 from mpishard.train.trainer import configure_logging
 
 
@@ -73,3 +73,18 @@ def test_the_log_handler_writes_each_line_once(pipe):
     assert len(writes) == 2 and all(w.endswith(b"\n") and w.count(b"\n") == 1 for w in writes)
     assert writes[0].endswith(b"INFO mpishard.test_lines: step 20/100 loss 0.5\n"), writes
     assert logging.getLogger("mpishard.test_lines").handlers == []
+
+
+def test_the_uncaught_report_writes_each_traceback_and_each_error_line_whole(pipe, monkeypatch):
+    stream, writes, _ = pipe
+    monkeypatch.setattr("sys.stderr", stream)
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad\n"
+    uncaught._write_report([(1, "ValueError", "bad", tb), (0, "ValueError", "bad", tb),
+                            (2, "KeyError", "'k'", tb)])
+    text = b"".join(writes).decode()
+    assert text == uncaught.format_report([(1, "ValueError", "bad", tb),
+                                           (0, "ValueError", "bad", tb),
+                                           (2, "KeyError", "'k'", tb)])
+    assert writes[-2:] == [b"mpishard: error: ValueError: bad (ranks 0-1)\n",
+                           b"mpishard: error: KeyError: 'k' (rank 2)\n"]
+    assert len(writes) == 4 and writes[0].startswith(b"mpishard: ValueError on ranks 0-1; ")
