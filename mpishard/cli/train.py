@@ -40,7 +40,7 @@ from .model_flag import (LLAMA_PREFIX, check_resumed_model, joined_gpt_spec,
                          resumed_model_flags)
 from .report_options import (REPORT_DEFAULTS, add_report_arguments, log_host_heap,
                              validate_report_args)
-from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_extra,
+from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_contents,
                             lm_model_and_data, load_initial_params, log_lm_data,
                             validate_lm_args)
 from .train_config import config_tokens, load_toml
@@ -352,8 +352,9 @@ def build_training(args, comm=None, flag=None):
                                             args.warmup, args.min_lr)
     saver = None
     if args.checkpoint_dir:
+        extra, assets = checkpoint_contents(args, model, data)
         saver = Checkpointer(args.checkpoint_dir, args.checkpoint_every, args.keep_last,
-                             args.checkpoint_failures, extra=checkpoint_extra(args, model))
+                             args.checkpoint_failures, extra=extra, assets=assets)
         trainer.callbacks.append(saver)
     if resume_source(args):
         resume(trainer, resume_source(args))      # collective; the same error everywhere
