@@ -4,9 +4,6 @@ From the flight recorder's events (flight.py): for one collective, no member lea
 last one has arrived, and the members leave at about the same moment, so member r's wait
 w_r = exit_r - enter_r is how long before the last arrival it came: the last to arrive waited
 least. Only durations on each rank's own clock are used (no clocks compared between ranks).
-A rank's wait counts what it waited in sends and receives since its previous collective too
-(`waits`): the rank whose pipeline neighbour is slow arrives late in its own stage's groups,
-having waited for that neighbour, and is not the one named.
 Per collective that every member of its group completed in the window: the last rank (the
 least wait) and its margin, the second-least wait minus the least (how long after the
 previous member it came). A collective has a late rank when that margin is MIN_MARGIN or more
@@ -16,7 +13,10 @@ Only collectives on groups within one pipeline stage count (groups that do not v
 on a group that spans stages the members arrive in the order of the pipeline's schedule (the
 first stage finishes its backward last), which is no slow rank, so a healthy pipeline prints
 nothing; a slow rank still stands out among the members of its own stage (its dp, tp, ...
-peers). With pp alone (no group inside a stage) no rank can stand out.
+peers). A rank's wait counts all it waited on others since its previous compared collective
+too (in sends, receives and collectives across stages: `waits`), so the rank whose pipeline
+neighbour is slow, late in its own stage's groups for having waited for that neighbour, is not
+named in its place. With pp alone (no group inside a stage) no rank can stand out.
 
 Rule: a rank stands out when the window holds at least MIN_CALLS collectives with a late rank
 among those it took part in, and it was the late rank in at least SHARE of them. Then one
