@@ -9,8 +9,11 @@
 Every rank builds the model (from the checkpoint's index, or config.json with --hf), makes the
 engine for `--layout` (default dp over all ranks, single on one) and loads its shard (--hf:
 ms.hf.load_into, each rank reading only its slices). The prompts are encoded with the
-tokenizer: bytes (vocab 256, UTF-8) for our checkpoints, the directory's tokenizer.json with
---hf, or `--tokenizer DIR|bytes`. All prompts are generated together by `engine.generate`
+tokenizer: `--tokenizer DIR|bytes`, else the directory's tokenizer.json with --hf, else the
+one the checkpoint carries (train --tokenizer, --init-from-hf, tokens:DIR: its files, checked
+against the sha256 it records), else bytes (UTF-8) for a model of vocabulary 256. Bytes for a
+model of another vocabulary, not trained on bytes, is refused: its ids are not bytes, and the
+text would be garbage. All prompts are generated together by `engine.generate`
 (parallel/decode.py: one forward per step for the whole batch, left padding, a KV cache where
 the layout allows it, otherwise the context recomputed every step; `--no-kv-cache` forces
 that), and every rank draws the same ids. Rank 0 prints: with one prompt the text as it comes,
@@ -31,7 +34,9 @@ import sys
 import numpy as np
 
 from .. import hf
+from ..checkpoint.format import CheckpointError
 from ..engine import make_engine
+from ..hf.tokenizer import carried, from_files, is_bytes
 from ..parallel.decode import Decoder
 from ..train.memory import PhasePeaks, gather_peaks
 from ..validate import check_number
@@ -56,7 +61,8 @@ def add_generate_arguments(p):
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line (empty "
                    "lines skipped); with --prompt, these come after")
     p.add_argument("--tokenizer", metavar="DIR|bytes", help="a directory with tokenizer.json "
-                   "or `bytes` (default: the --hf directory's, bytes for a checkpoint)")
+                   "or `bytes` (default: the --hf directory's, or the one the checkpoint "
+                   "carries; bytes for a vocabulary of 256)")
     p.add_argument("--max-new-tokens", "--tokens", dest="max_new_tokens", type=int,
                    default=DEFAULT_NEW_TOKENS, metavar="N",
                    help=f"tokens to generate per prompt (default {DEFAULT_NEW_TOKENS})")
@@ -166,10 +172,28 @@ def read_prompts(args) -> list:
     return prompts or ["\n"]
 
 
-def open_tokenizer(args):
-    """Text for --tokenizer, else the --hf directory's tokenizer.json, else bytes."""
+def open_tokenizer(args, model, ckpt=None):
+    """Text for --tokenizer, else the --hf directory's tokenizer.json, else the one checkpoint
+    `ckpt` carries, else bytes; UsageError for bytes where `model`'s ids are not bytes."""
+    record = None if ckpt is None else (ckpt.extra or {}).get("tokenizer")
+    if ckpt is not None and args.tokenizer is None:
+        try:
+            record, files = carried(ckpt)
+            if files:
+                return Text(from_files(files, record))
+        except (CheckpointError, ValueError, ImportError) as exc:
+            raise UsageError(f"--checkpoint {args.checkpoint}: its tokenizer: {exc}") from None
+        if record is not None and not is_bytes(record):
+            raise UsageError(f"--checkpoint {args.checkpoint} was trained with the tokenizer "
+                             f"{record['name']} (sha256 {str(record.get('sha256'))[:16]}) but "
+                             f"does not carry its files; give --tokenizer DIR")
     where = args.tokenizer or args.hf
     if where is None or where == BYTES:
+        if model.vocab_size != 256 and not is_bytes(record):
+            given = "--tokenizer bytes" if where == BYTES else "bytes (no tokenizer given)"
+            raise UsageError(f"{given}: the model's vocabulary has {model.vocab_size} ids, "
+                             f"bytes have 256, and it was not trained on bytes; give "
+                             f"--tokenizer DIR")
         return Text()
     tok = hf.tokenizer(where)
     if tok is None:
@@ -214,11 +238,6 @@ def prepare_generator(args, comm):
         check_directory("--hf", args.hf)
     if args.metrics_json:
         check_directory("--metrics-json", os.path.dirname(os.path.abspath(args.metrics_json)))
-    text = open_tokenizer(args)
-    prompts = [text.encode(p) for p in read_prompts(args)]
-    empty = [i for i, ids in enumerate(prompts) if not ids]
-    if empty:
-        raise UsageError(f"prompt {empty[0]} encodes to no tokens with this tokenizer")
     ckpt = None
     if args.hf is not None:
         eos = args.eos or hf_eos(args.hf)
@@ -233,6 +252,11 @@ def prepare_generator(args, comm):
                              f"{ckpt.model_spec.get('class')}, not a GPT or Llama; generate "
                              f"samples from language models")
         eos = args.eos or []
+    text = open_tokenizer(args, model, ckpt)
+    prompts = [text.encode(p) for p in read_prompts(args)]
+    empty = [i for i, ids in enumerate(prompts) if not ids]
+    if empty:
+        raise UsageError(f"prompt {empty[0]} encodes to no tokens with this tokenizer")
     if args.top_k > model.vocab_size:
         raise UsageError(f"--top-k {args.top_k} exceeds the vocabulary of {model.vocab_size}")
     if text.vocab > model.vocab_size:
