@@ -60,10 +60,13 @@ x, t = rng.standard_normal((8, 8)), rng.standard_normal((8, 4))
 loss = ms.losses.MSE()
 
 
+last = threading.Event()                                # step 10's last all_reduce is next
+
+
 def stop_inside():
     """Rank `inside` stops itself inside step 10's last all_reduce (its peers come late)."""
     while True:
-        call = Guard.SHARED.in_flight if engine.comm.watchdog.where.get("step") == 10 else None
+        call = Guard.SHARED.in_flight if last.is_set() else None
         time.sleep(0.05 if call else 1e-4)
         if call is not None and Guard.SHARED.in_flight is call:      # still in that one call
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -77,8 +80,10 @@ for step in range(1, 1_000_000):                        # until a rank is stoppe
     engine.comm.context(step=step)
     engine.train_step(engine.shard_batch(x), engine.shard_batch(t), loss)
     sum(i * i for i in range(int(rng.integers(1, 3000))))      # work outside communication
-    if step == 10 and inside >= 0 and rank != inside:
-        time.sleep(0.5)
+    if step == 10 and inside >= 0:
+        last.set()
+        if rank != inside:
+            time.sleep(0.5)
     if engine.all_reduce(np.array([float(os.path.exists(directory + ".stop")), 1, 1]))[0]:
         break                                           # told to stop: every rank at once
 '''
