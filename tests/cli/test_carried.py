@@ -25,17 +25,24 @@ from test_tokens import EOS, VOCAB, shared_dir, train_bpe, write_corpus
 RUN = ["--batch", "8", "--no-progress", "--log-every", "0", "--log-level", "WARNING"]
 GPT = ["--model", "gpt", "--gpt", "d_model=32,n_heads=2,n_layers=1,seq_len=16", "--steps", "2"]
 PROMPT = "def add(a, b):"
+CARRIED = ["chat_template.jinja", "special_tokens_map.json", "tokenizer.json",
+           "tokenizer_config.json"]
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """A corpus and a BPE tokenizer directory (tokenizer.json, tokenizer_config.json)."""
+    """A corpus and a BPE tokenizer directory: tokenizer.json, tokenizer_config.json,
+    special_tokens_map.json and a chat template, and a file that is none of those."""
     pytest.importorskip("tokenizers")
     root = tmp_path_factory.mktemp("carried")
     write_corpus(str(root / "corpus"))
     (root / "tok").mkdir()
     train_bpe(str(root / "corpus")).save(str(root / "tok" / "tokenizer.json"))
     (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    (root / "tok" / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS}))
+    (root / "tok" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}"
+                                                      "{% endfor %}")
+    (root / "tok" / "notes.txt").write_text("not a tokenizer file")
     return root
 
 
@@ -69,7 +76,8 @@ def test_generate_uses_the_tokenizer_the_checkpoint_carries(root, tmp_path, caps
     record = saved.extra["tokenizer"]
     tok = ms.hf.tokenizer(root / "tok")
     assert record["sha256"] == hashlib.sha256(tok.to_str().encode()).hexdigest()
-    assert record["files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert record["files"] == CARRIED
+    assert not (ckpt / "notes.txt").exists()
     assert record["eos_id"] == tok.token_to_id(EOS)
     for name in record["files"]:
         assert saved.index["files"][name]["sha256"] == sha(root / "tok" / name)
@@ -116,7 +124,7 @@ def test_a_token_file_run_carries_the_tokenizer_its_header_names(root, tmp_path,
                      "--out", str(tmp_path / "ids")]) == 0
     train(root, tmp_path / "ck", "--dataset", f"tokens:{tmp_path / 'ids'}")
     record = ms.checkpoint.load(tmp_path / "ck").extra["tokenizer"]
-    assert record["files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert record["files"] == CARRIED
     assert sha(tmp_path / "ck" / "tokenizer.json") == sha(tok_dir / "tokenizer.json")
     shutil.rmtree(tok_dir)
     train(root, tmp_path / "lost", "--dataset", f"tokens:{tmp_path / 'ids'}")
