@@ -190,8 +190,8 @@ def test_infer_standardises_raw_digits_as_training_did(tmp_path, capsys):
     pytest.importorskip("sklearn")
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.json"
     assert cli.main(["train", "--dataset", "digits", "--steps", "20", "--batch", "64",
-                     "--dtype", "float64", "--no-progress", "--log-level", "WARNING", "--checkpoint-dir", str(ckpt),
-                     "--metrics-json", str(metrics)]) == 0
+                     "--dtype", "float64", "--no-progress", "--log-level", "WARNING",
+                     "--checkpoint-dir", str(ckpt), "--metrics-json", str(metrics)]) == 0
     saved = ms.checkpoint.load(ckpt)
     assert saved.extra["standardize"] == STANDARDIZE_FILES
     data = digits(0)
