@@ -179,7 +179,7 @@ def test_padding_masks_on_device_arrays(mode):
     close(got, want, EXACT, f"ms.MoE device {mode}")
 
 
-# -- an ms.MoE evaluation chunk ---------------------------------------------------------------------
+# -- an ms.MoE evaluation chunk ----------------------------------------------------------------
 def make_moe(groups=None):
     return ms.MoE(6, 8, 4, top_k=2, capacity_factor=1.0, groups=groups)
 
