@@ -220,17 +220,20 @@ def blame(name, ranks, seq, states, calls, counts) -> str:
                     f"{who(rest)} called {call_text(calls[rest[0]])}")
         return f"the ranks disagree at #{seq} {where}: " + "; ".join(
             f"{who(members)} called {call_text(calls[members[0]])}" for members in ordered)
-    inside = [r for r in ranks if states[r][0] == "no dump" and counts.get(r) == "entered"]
-    missing = [r for r in ranks if states[r][0] == "behind"
-               or states[r][0] == "no dump" and r not in inside]
+    undumped = {r: counts.get(r) for r in ranks if states[r][0] == "no dump"}
+    inside = [r for r, what in undumped.items() if what == "entered"]
+    missing = [r for r in ranks if states[r][0] == "behind" or undumped.get(r, 0) == "late"]
+    unknown = [r for r, what in undumped.items() if what in (None, "silent")]
     waiting = [r for r, e in calls.items() if e["exit"] is None]
     op = call_text(next(iter(calls.values())), seq)
     late = sorted(r for r, what in counts.items() if what == "late")
     text = "; ".join(
         [f"{who(missing)} never entered {op} {where}"] * bool(missing)
         + [f"{who(inside)} entered {op} {where} and never left it (no dump: stopped or hung "
-           "inside it)"] * bool(inside)) or f"{who(waiting)} still in {op} {where}"
-    if waiting and (missing or inside):
+           "inside it)"] * bool(inside)
+        + [f"{who(unknown)} left no dump, and no arrival counter says whether it entered "
+           f"{op} {where}"] * bool(unknown)) or f"{who(waiting)} still in {op} {where}"
+    if waiting and (missing or inside or unknown):
         text += f"; {who(waiting)} waited in it"
     if late:
         text += f" (the timeout's arrival counters: late ranks {late})"

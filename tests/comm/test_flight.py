@@ -151,6 +151,14 @@ def test_a_rank_stopped_inside_a_call_is_not_said_to_have_never_entered_it():
     late = verdict({0: dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)])}, 2)
     assert "  rank 1: no dump: never entered it (the arrival counters" in late
     assert "verdict: rank 1 never entered all_reduce #2" in late
+    silent = dump(0, [("barrier", 1, 11.5), ("all_reduce", 2, None)], late=())
+    silent["arrivals"]["silent"] = [1]         # its counter could not be read: 'unknown: ...'
+    text = verdict({0: silent}, 2)
+    assert "never entered" not in text and "  rank 1: no dump: killed before it could write " \
+        "one; its arrival counter did not answer" in text
+    assert text.endswith("verdict: rank 1 left no dump, and no arrival counter says whether it "
+                         "entered all_reduce #2 (float64 (3,), step 5) on group world; rank 0 "
+                         "waited in it"), text
 
 
 def test_a_sigusr2_snapshot_of_a_healthy_job_is_a_snapshot():
