@@ -31,6 +31,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 SIZES = dict(vocab_size=50257, n_positions=128, n_embd=768, n_layer=12, n_head=12)
 EOS = "<|endoftext|>"                       # id 50256, GPT-2's
+WORDS = ("the model reads every token and writes the next one from weights it learned while "
+         "ranks split its heads vocabulary and rows").split()
 LAYOUT, RANKS, NEW_TOKENS = "dp=2,tp=2", 4, 16
 PROMPTS = ["def main(", "import os"]
 # Each phase's peak memory (above the process' resident set after start-up) over training's,
@@ -44,9 +46,13 @@ BUDGET_S, COLLECTIVE_TIMEOUT_S, JOB_TIMEOUT_S = 180, 180, 420
 # Float32 against float32: transformers and the engine each round every matmul and reduction
 # to float32 (unit roundoff 6e-8), over 12 layers of 768/3072-long dot products, 50257-long
 # softmax sums and 1024-token means, in different orders (the engine splits the heads, the MLP
-# and the vocabulary over tp=2 and the rows over dp=2). Measured: 1.3e-7 (loss) and 9e-7
-# (gradient norm) relative. 1e-5 bounds that rounding with room; a wrong batch, a gradient
-# missing or counted twice, or a norm taken after clipping (1.0) is off by 1e-3 or far more.
+# and the vocabulary over tp=2 and the rows over dp=2). Measured: 1.3e-7 (loss) and 4e-9
+# (gradient norm) relative, at most 9e-7 over variants (norms left at 1 and 0, other text).
+# 1e-5 bounds that rounding with room; a wrong batch, a gradient missing or counted twice, a
+# norm taken after clipping (1.0) or a real column masked with tp's padding (the batch's
+# targets hold id 50256, the last real column, next to the padded one) is off by 1e-3 or far
+# more. A padded column left unmasked would add only ~1/50257 to each softmax sum (2e-6 of the
+# loss): the float64 layout tests with odd vocabularies (tests/cli/test_tokenize.py) see that.
 RTOL_F32 = 1e-5
 
 
@@ -91,11 +97,22 @@ def gpt2_like_tokenizer():
     return tok
 
 
-def train_argv(model_dir, out):
-    """The fine-tune: 3 steps of 8 windows of 128 tokens (1024 tokens a step) of the standard
-    library's source, clipped at 1.0 (so the metrics carry each step's norm before clipping),
-    evaluated on 2 batches of 8 validation windows at the end."""
-    return ["--init-from-hf", model_dir, "--corpus-bytes", "40000", "--val-fraction", "0.15",
+def write_corpus(directory, docs=120):
+    """`docs` short seeded documents (about 300 bytes, 220 tokens each, so most windows hold
+    an <|endoftext|> between two), one file each: the same text on every Python."""
+    os.makedirs(directory)
+    rng = np.random.default_rng(0)
+    for i in range(docs):
+        with open(os.path.join(directory, f"doc{i:03d}.txt"), "w") as f:
+            f.write(f"# note {i}\n{' '.join(rng.choice(WORDS, 50))}\n")
+    return str(directory)
+
+
+def train_argv(model_dir, corpus, out):
+    """The fine-tune: 3 steps of 8 windows of 128 tokens (1024 tokens a step) of `corpus`,
+    clipped at 1.0 (so the metrics carry each step's norm before clipping), evaluated on 2
+    batches of 8 of its 27 validation windows at the end."""
+    return ["--init-from-hf", model_dir, "--text", corpus, "--val-fraction", "0.15",
             "--seq-len", "128", "--layout", LAYOUT, "--batch", "8", "--steps", "3",
             "--eval-batches", "2", "--clip", "1.0", "--seed", "0", "--log-every", "1",
             "--no-progress", "--timeout", str(COLLECTIVE_TIMEOUT_S),
@@ -156,7 +173,7 @@ def transformers_greedy(model_dir, prompts, n):
 @contextmanager
 def every_core():
     """torch on every core for the block (the Makefile's OMP_NUM_THREADS=1 is meant for the
-    MPI ranks; no job runs beside the references), then back to what it was."""
+    MPI ranks; no job runs beside the reference's large matmuls), then back to what it was."""
     before = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
@@ -182,9 +199,10 @@ def test_gpt2_small_fine_tune_export_and_generate(tmp_path):
     with every_core():
         model_dir = timed("build", times, gpt2_small, tmp_path / "gpt2")
     out = str(tmp_path)
-    argv = train_argv(model_dir, out)
+    argv = train_argv(model_dir, write_corpus(tmp_path / "corpus"), out)
     x, t = first_batch(argv)                # read before the run: the flags' checks see no
     assert x.shape == (8, 128) and int(x.max()) < SIZES["vocab_size"]   # checkpoint yet
+    assert (t == SIZES["vocab_size"] - 1).any()     # the last real column is scored
     proc = timed("train", times, run_mpi, RANKS, "-m", "mpishard", "train", *argv,
                  timeout=JOB_TIMEOUT_S)
     check_ok(proc, "train")
@@ -219,9 +237,8 @@ def test_gpt2_small_fine_tune_export_and_generate(tmp_path):
     proc = timed("generate", times, run_mpi, RANKS, *gen, timeout=JOB_TIMEOUT_S)
     check_ok(proc, "generate")
     generated = json.loads((tmp_path / "generate.json").read_text())
-    with every_core():
-        ids, texts, gap = timed("greedy", times, transformers_greedy, str(export), PROMPTS,
-                                NEW_TOKENS)
+    ids, texts, gap = timed("greedy", times, transformers_greedy, str(export), PROMPTS,
+                            NEW_TOKENS)
     print(f"transformers' greedy texts {texts!r}, smallest top-2 logit gap {gap:.3g}")
     assert gap > 1e-3, "a near tie: float32 rounding could pick either token"
     assert generated["ids"] == ids
