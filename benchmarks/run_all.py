@@ -254,7 +254,7 @@ def part_gpt(r: Runner) -> dict:
     if "mfu_fraction" in res:
         res["gpt_mfu_fraction"] = res["mfu_fraction"]
     if "vs_torch_ratio" in res:
-        # issue 16 names it vs_torch_gpt_step_ratio; the older name stays for old readers
+        # vs_torch_gpt_step_ratio is the name; the older one stays for old readers
         res["vs_torch_gpt_step_ratio"] = res["gpt_vs_torch_step_ratio"] = res["vs_torch_ratio"]
     return res
 

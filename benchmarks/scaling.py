@@ -18,7 +18,7 @@ pp   pp=4, microbatches=8: GPipe, 1F1B, interleaved (virtual_stages=2) and zero-
      time / (pp x the longest stage's step), median over the samples), simulated with the
      last step's measured mean F/B/W durations (as trace-summary does), and the schedule's
      own with unit times (F = 1, B + W = 2; zb1p's is (p-1)/(3m+p-1)). zb1p_bubble_ratio:
-     zb1p's measured bubble over 1F1B's (issue 16's target: below 1).
+     zb1p's measured bubble over 1F1B's (the target: below 1).
 
 float32; every sample's time is the slowest rank's; medians after a warm-up. A crash is a
 crash (non-zero exit; run_all.py then fails); BENCH_FAIL=pp (a comma list of modes) makes

@@ -68,7 +68,7 @@ def check_json(obj) -> None:
     floats a step); `json.dumps` of it (CPython 3.11's C encoder keeps one small string per
     number until the end) on every rank at every save left freed memory in CPython's
     small-object arenas that malloc_trim cannot return, so resident memory grew at each save
-    as the histories grew (issue 14; benchmarks/soak.py)."""
+    as the histories grew (benchmarks/soak.py measures it)."""
     json.dump(obj, _Discard(), default=json_default)
 
 
