@@ -22,7 +22,8 @@ with several each prompt's text and completion after a `--- prompt i ---` line.
 --temperature 0 is greedy (argmax); --top-k K keeps the K largest logits (0: all); --top-p P
 keeps the smallest set of most likely tokens whose probability reaches P (1: all), as
 transformers does. `--eos ID` (repeatable) ends a prompt's completion at that id (included);
-with --hf the default is config.json's eos_token_id.
+with --hf the default is config.json's eos_token_id, with --checkpoint the end-of-text id of
+the tokenizer it carries.
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def add_generate_arguments(p):
                    help="sample among the most likely tokens whose probability reaches P "
                    "(nucleus; default 1: all)")
     p.add_argument("--eos", type=int, action="append", metavar="ID",
-                   help="end a completion at this token id (repeatable; default with --hf: "
-                   "config.json's eos_token_id)")
+                   help="end a completion at this token id (repeatable; default: config.json's "
+                   "eos_token_id with --hf, the carried tokenizer's with --checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (0)")
     p.add_argument("--metrics-json", metavar="PATH", help="write the ids generated and each "
                    "rank's peak memory while generating (bytes above its memory once the model "
@@ -202,6 +203,12 @@ def open_tokenizer(args, model, ckpt=None):
     return Text(tok)
 
 
+def carried_eos(ckpt) -> list:
+    """The end-of-text id of the tokenizer a checkpoint carries, as a list (none: [])."""
+    eos = ((ckpt.extra or {}).get("tokenizer") or {}).get("eos_id")
+    return [] if eos is None else [int(eos)]
+
+
 def hf_eos(path) -> list:
     """config.json's eos_token_id of a Hugging Face directory, as a list (none: [])."""
     try:
@@ -251,7 +258,7 @@ def prepare_generator(args, comm):
             raise UsageError(f"--checkpoint {args.checkpoint} holds "
                              f"{ckpt.model_spec.get('class')}, not a GPT or Llama; generate "
                              f"samples from language models")
-        eos = args.eos or []
+        eos = args.eos or carried_eos(ckpt)
     text = open_tokenizer(args, model, ckpt)
     prompts = [text.encode(p) for p in read_prompts(args)]
     empty = [i for i, ids in enumerate(prompts) if not ids]

@@ -16,7 +16,7 @@ import pytest
 
 import mpishard as ms
 from mpishard import cli
-from mpishard.cli.generate import Text
+from mpishard.cli.generate import Text, carried_eos
 from mpishard.train.data import STANDARDIZE_FILES, digits
 
 from conftest import assert_close, world
@@ -54,21 +54,22 @@ def sha(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-def greedy_text(ckpt, tok, prompt, n) -> str:
+def greedy_text(ckpt, tok, prompt, n, eos=None) -> str:
     """What generate must print: the checkpoint's greedy continuation of `prompt` under the
-    tokenizer `tok`, decoded by it."""
+    tokenizer `tok` (ended at an id in `eos`), decoded by it."""
     model = ms.checkpoint.load(ckpt).model()
     engine = ms.SingleDevice(model)
     engine.load_checkpoint(ms.checkpoint.load(ckpt))
     ids = tok.encode(prompt).ids
-    new = engine.generate([ids], n, temperature=0.0)[0]
+    new = engine.generate([ids], n, temperature=0.0, eos=eos)[0]
     return prompt + Text(tok).whole(new, ids) + "\n"
 
 
 def test_generate_uses_the_tokenizer_the_checkpoint_carries(root, tmp_path, capsys):
     """train --tokenizer DIR: the checkpoint holds DIR's tokenizer.json and
     tokenizer_config.json (their sha256 in the index) and the tokenizer's record; generate
-    --checkpoint encodes and decodes with it (bytes crashed on ids past 255)."""
+    --checkpoint encodes and decodes with it (bytes crashed on ids past 255) and ends a
+    completion at its end-of-text id by default."""
     ckpt = tmp_path / "ck"
     train(root, ckpt, "--text", str(root / "corpus"), "--tokenizer", str(root / "tok"))
     saved = ms.checkpoint.load(ckpt)
@@ -82,10 +83,11 @@ def test_generate_uses_the_tokenizer_the_checkpoint_carries(root, tmp_path, caps
     for name in record["files"]:
         assert saved.index["files"][name]["sha256"] == sha(root / "tok" / name)
         assert sha(ckpt / name) == sha(root / "tok" / name)
+    assert carried_eos(saved) == [record["eos_id"]]
     capsys.readouterr()
     assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", PROMPT,
                      "--max-new-tokens", "12", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out == greedy_text(ckpt, tok, PROMPT, 12)
+    assert capsys.readouterr().out == greedy_text(ckpt, tok, PROMPT, 12, [record["eos_id"]])
 
 
 def test_bytes_are_refused_where_the_ids_are_not_bytes(root, tmp_path, capsys):
