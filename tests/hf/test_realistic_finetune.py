@@ -141,7 +141,7 @@ def first_batch(argv):
 def transformers_step0(model_dir, x, t):
     """transformers' float32 mean cross-entropy of (x, t) and the global norm of its gradient
     (every parameter once: the tied embedding is one)."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).float().eval()
     logits = model(torch.as_tensor(x)).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              torch.as_tensor(t).reshape(-1))
