@@ -66,15 +66,18 @@ def _isatty(stream) -> bool:
 
 
 @contextmanager
-def slow_notice(log, what: str, after: float = EVAL_NOTICE_S):
+def slow_notice(log, what: str, after: float = EVAL_NOTICE_S, *, done=None,
+                clock=time.perf_counter):
     """Log '<what>: still running after N s' after `after` seconds while the block runs,
-    then after waits that double each time."""
-    done, t0 = threading.Event(), time.perf_counter()
+    then after waits that double each time. `done` (a threading.Event by default: its
+    wait(timeout) is the timer, set() ends it) and `clock` let a test drive the schedule."""
+    done = threading.Event() if done is None else done
+    t0 = clock()
 
     def watch():
         wait = after
         while not done.wait(wait):
-            log.info("%s: still running after %.0f s", what, time.perf_counter() - t0)
+            log.info("%s: still running after %.0f s", what, clock() - t0)
             wait *= 2
 
     thread = threading.Thread(target=watch, name="mpishard-slow-notice", daemon=True)

@@ -4,14 +4,13 @@
 """
 import logging
 import sys
+import threading
 import time
-
-import numpy as np
 
 import mpishard as ms
 from mpishard.train.data import synthetic_regression
 from mpishard.train.optim import SGD
-from mpishard.train.progress import Lines, progress_bar
+from mpishard.train.progress import Lines, progress_bar, slow_notice
 from mpishard.train.trainer import Trainer
 
 
@@ -55,38 +54,80 @@ def test_a_terminal_gets_the_bar_and_log_every_replaces_the_lines(tmp_path):
         assert progress_bar(10, 0, "train", 5, stream=f) is None     # --log-every lines suffice
 
 
-def test_a_slow_evaluation_says_it_is_still_running_at_growing_intervals():
-    """A 1.6 s evaluation with a 0.1 s notice: lines after 0.1, 0.3, 0.7 and 1.5 s (each wait
-    twice the last), not one every 0.1 s; a quick evaluation says nothing."""
-    records = []
+class Keep(logging.Handler):
+    """Collects the messages of a private logger."""
 
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-            times.append(record.created)
+    def __init__(self, name):
+        super().__init__()
+        self.messages = []
+        self.log = logging.getLogger(name)
+        self.log.setLevel(logging.INFO)
+        self.log.propagate = False
+        self.log.addHandler(self)
 
-    times = []
-    log = logging.getLogger("test-progress-slow-eval")
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    log.addHandler(Keep())
-    t = tiny_trainer(2, progress=False, log_every=0, logger=log)
-    t.eval_notice_s = 0.1
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+class Timer:
+    """A stand-in for slow_notice's Event: each wait(timeout) is recorded and moves a fake
+    clock by `timeout` without sleeping; after `times` waits the next blocks until set()."""
+
+    def __init__(self, times):
+        self.timeouts, self.now, self.times = [], 100.0, times
+        self.passed, self.real = threading.Event(), threading.Event()
+
+    def clock(self):
+        return self.now
+
+    def wait(self, timeout):
+        self.timeouts.append(timeout)
+        if len(self.timeouts) > self.times:
+            self.passed.set()
+            return self.real.wait()
+        self.now += timeout
+        return False
+
+    def set(self):
+        self.real.set()
+
+
+def test_a_slow_evaluation_says_it_is_still_running_at_doubling_intervals():
+    """The notice waits 5 s, then twice the last wait each time (lines after 5, 15, 35, 75 s),
+    so a long evaluation adds a line only now and then; the line gives the time since start."""
+    keep, timer = Keep("test-progress-schedule"), Timer(times=4)
+    with slow_notice(keep.log, "evaluation at step 7", 5.0, done=timer, clock=timer.clock):
+        assert timer.passed.wait(30)
+    assert timer.timeouts == [5.0, 10.0, 20.0, 40.0, 80.0]
+    assert keep.messages == [f"evaluation at step 7: still running after {s} s"
+                             for s in (5, 15, 35, 75)]
+
+
+def test_a_quick_block_says_nothing():
+    keep, timer = Keep("test-progress-quick"), Timer(times=0)
+    with slow_notice(keep.log, "evaluation at step 1", 5.0, done=timer, clock=timer.clock):
+        assert timer.passed.wait(30)
+    assert timer.timeouts == [5.0] and keep.messages == []
+
+
+def test_the_trainer_notices_a_slow_evaluation():
+    """fit() runs each evaluation inside slow_notice with the trainer's eval_notice_s; a quick
+    evaluation with the default 5 s says nothing."""
+    keep = Keep("test-progress-slow-eval")
+    t = tiny_trainer(2, progress=False, log_every=0, logger=keep.log)
+    t.eval_notice_s = 0.05
     evaluate = t.evaluate
 
     def slow():
-        time.sleep(1.6)
+        time.sleep(1.0)
         return evaluate()
 
     t.evaluate = slow
     t.fit()
-    notes = [(at, r) for at, r in zip(times, records) if "still running" in r]
-    waits = np.diff([at for at, _ in notes])
-    print(notes, waits)
-    assert 2 <= len(notes) <= 4 and notes[0][1].startswith("evaluation at step 2: still running")
-    assert all(later > 1.5 * earlier for earlier, later in zip(waits, waits[1:])), waits
-    records.clear()
-    t.evaluate = evaluate                  # a quick one says nothing
+    notes = [m for m in keep.messages if "still running" in m]
+    assert notes and notes[0].startswith("evaluation at step 2: still running after "), notes
+    keep.messages.clear()
+    t.evaluate = evaluate
     t.eval_notice_s = 5.0
     t._evaluate_and_log()
-    assert not [r for r in records if "still running" in r]
+    assert not [m for m in keep.messages if "still running" in m]
