@@ -3,11 +3,15 @@
 A checkpoint's index.json names its chunk files, a token directory's tokens.json its .bin
 files, a Hugging Face model.safetensors.index.json its shards. Those files are input like any
 other: a name in them is accepted only as a plain file name inside their own directory, so
-`../elsewhere/secret.npy`, an absolute path, a name with a separator or a symlink leading out
-of the directory is never read as a weight or as training tokens. Every reader joins such a
-name to its directory through `file_in`, and reads the numbers that size an allocation
-(`whole_number(s)`) and the dtypes (`numeric_dtype`) through these checks before any
-allocation.
+`../elsewhere/secret.npy`, an absolute path or a name with a separator is never read as a
+weight or as training tokens. Every reader joins such a name to its directory through
+`file_in`, and reads the numbers that size an allocation (`whole_number(s)`) and the dtypes
+(`numeric_dtype`) through these checks before any allocation.
+
+The rule is about the name, checked as text: what the directory itself holds is its owner's.
+A symlink placed in the directory is read wherever it leads, for every reader alike: that is
+how a Hugging Face hub cache stores a model (each file of `snapshots/<rev>/` a link to
+`../../blobs/<sha256>`), and whoever can place a link there can place the file itself.
 
 It lives in train/, the lowest layer of the three readers (train < checkpoint < hf).
 """
@@ -23,16 +27,16 @@ def file_in(directory, name, what: str, error=ValueError) -> str:
     field the name came from, e.g. "index.json: chunk 'w' file") and the directory.
 
     Refused: a non-string, an empty name, '.', '..', a name with a path separator or a NUL
-    (an absolute path has one), and a name whose real path (symlinks followed) lies outside
-    the directory's real path. The file need not exist: whether it must is the reader's rule.
+    (an absolute path has one). The check is lexical: the joined path's parent is the
+    directory, and a symlink of that name in the directory is followed wherever it leads (the
+    module's docstring says why). The file need not exist: whether it must is the reader's rule.
     """
     directory = os.fspath(directory)
     reason = _why_not_plain(name)
     if reason is None:
         path = os.path.join(directory, name)
-        real, home = os.path.realpath(path), os.path.realpath(directory)
-        if os.path.dirname(real) != home:
-            reason = f"it leads to {real}"
+        if os.path.normpath(os.path.dirname(path)) != os.path.normpath(directory):
+            reason = "it is not directly inside the directory"
     if reason is not None:
         raise error(f"{what} {name!r} is not a plain file name inside {directory} ({reason})")
     return path

@@ -59,22 +59,32 @@ def test_the_untouched_checkpoint_loads(good):
     assert np.asarray(ms.checkpoint.load(good)[W]).shape == (6, 8)
 
 
-@pytest.mark.parametrize("how", ["relative", "absolute", "symlink"])
+@pytest.mark.parametrize("how", ["relative", "absolute"])
 def test_a_chunk_file_outside_the_directory_is_refused(good, how):
     def fn(d, index, chunk):
         secret = _secret(d)
-        if how == "symlink":
-            os.symlink(secret, d / "inside.npy")
-        name = {"relative": "../elsewhere/secret.npy", "absolute": str(secret),
-                "symlink": "inside.npy"}[how]
-        _point_at(index, chunk, name)
+        _point_at(index, chunk, {"relative": "../elsewhere/secret.npy",
+                                 "absolute": str(secret)}[how])
 
     d = _edit(good, how, fn)
     name = json.loads((d / "index.json").read_text())["tensors"][W]["chunks"][0]["file"]
     with pytest.raises(CheckpointError, match=(
             rf"checkpoint {d}: index.json: chunk '{W}' file '{name}' is not a plain file name "
-            rf"inside {d} \((it has a path separator|it leads to .*elsewhere/secret.npy)\)")):
+            rf"inside {d} \(it has a path separator\)")):
         ms.checkpoint.load(d)
+
+
+def test_a_chunk_file_linked_into_the_directory_is_read(good):
+    """The rule is on the name: a plain name that is a symlink the directory's owner placed
+    there (as a hub cache or a shared store links its files) is read wherever it leads."""
+    def fn(d, index, chunk):
+        secret = _secret(d)
+        os.remove(d / chunk["file"])
+        os.symlink(os.path.relpath(secret, d), d / chunk["file"])
+
+    d = _edit(good, "linked", fn)
+    want = np.asarray(ms.checkpoint.load(good)[W])
+    assert np.array_equal(np.asarray(ms.checkpoint.load(d)[W]), want)
 
 
 def test_a_files_entry_outside_the_directory_is_refused(good):
@@ -143,15 +153,16 @@ def test_index_numbers_past_the_array_or_the_file_are_refused(good, field, value
         ms.checkpoint.load(_edit(good, f"{field}{value}", fn))
 
 
-def test_an_asset_read_through_a_symlink_leading_outside_is_refused(good):
+def test_an_asset_read_through_a_symlink_in_the_directory_is_read(good):
     """A checkpoint's assets (a carried tokenizer, standardisation arrays) are read through the
-    same helper: a name in the index that is a symlink out of the directory is refused even
-    when the index entry was added after the checkpoint was opened."""
+    same helper: a plain name that is a link the directory holds is read where it leads, and
+    still checked against the sha256 the index records."""
     ckpt = ms.checkpoint.load(good)
     secret = _secret(good)
     os.symlink(secret, good / "tokenizer.json")
     ckpt.index["files"]["tokenizer.json"] = {"sha256": hashlib.sha256(secret.read_bytes())
                                              .hexdigest(), "bytes": secret.stat().st_size}
-    with pytest.raises(CheckpointError, match=r"index.json: asset 'tokenizer.json' is not a "
-                                              r"plain file name inside .*\(it leads to "):
+    assert read_asset(ckpt, "tokenizer.json") == secret.read_bytes()
+    ckpt.index["files"]["tokenizer.json"]["sha256"] = "0" * 64
+    with pytest.raises(CheckpointError, match=r"tokenizer.json is corrupt"):
         read_asset(ckpt, "tokenizer.json")
