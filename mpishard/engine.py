@@ -393,8 +393,7 @@ def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu
     dtype defaults to float64, the exact reference every layout is tested against (the
     `train` command defaults to float32 for speed). report_errors: make an uncaught exception
     end the job with one report per distinct cause (comm/uncaught.py: replaces sys.excepthook,
-    logged once, until every engine that installed it is closed); False keeps Python's hook."""
-    if report_errors:                  # first: a bad argument below is reported like the rest
-        uncaught.install()
-    return uncaught.held_by(MeshEngine(model, layout, comm=comm, dtype=dtype, device=device,
-                                       **options), report_errors)
+    logged once, until every engine that installed it is closed; a constructor that raises
+    leaves the hook as it was); False keeps Python's hook."""
+    return uncaught.held_by(lambda: MeshEngine(model, layout, comm=comm, dtype=dtype,
+                                               device=device, **options), report_errors)

@@ -66,10 +66,19 @@ def install() -> None:
              "the job's ranks (make_engine(..., report_errors=False) keeps Python's)")
 
 
-def held_by(engine, installed):
-    """`engine`, marked as a user of the report when `installed` (make_engine's), so that its
-    close releases it."""
-    engine.error_report = bool(installed)
+def held_by(build, report_errors: bool):
+    """make_engine's engine: `build()`, with the report installed first when `report_errors`
+    (one user, released when the engine closes). When `build` raises (a bad argument), that
+    user is released at once: no engine holds it, and the hook is as it was."""
+    if report_errors:
+        install()
+    try:
+        engine = build()
+    except BaseException:
+        if report_errors:
+            release()
+        raise
+    engine.error_report = bool(report_errors)
     return engine
 
 

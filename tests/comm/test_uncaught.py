@@ -2,6 +2,8 @@
 installs it only when asked (the jobs that raise are in tests/hpc/test_abort.py)."""
 import sys
 
+import pytest
+
 from mpi4py import MPI
 
 import mpishard as ms
@@ -66,6 +68,33 @@ def test_closing_the_engines_puts_the_previous_hook_back():
         assert sys.excepthook is mine and not uncaught.installed()
         second.close()                       # twice: nothing more to give back
         assert sys.excepthook is mine
+    finally:
+        uncaught.uninstall()
+        sys.excepthook = before
+        if was:
+            uncaught.install()
+
+
+def test_a_make_engine_that_raises_leaves_the_hook_as_it_was():
+    """The engine's constructor refuses the layout after the report was installed: no engine
+    holds it, so it is given back at once, and a later engine's close still puts back the hook
+    that was there (the count is not left one too high)."""
+    was = uncaught.installed()
+    uncaught.uninstall()
+
+    def mine(*exc):
+        pass
+
+    before, sys.excepthook = sys.excepthook, mine
+    try:
+        with pytest.raises(ValueError, match=r"layout 'tp=3' needs tp=3 = 3 ranks, but the "
+                                             r"world size is 1"):
+            ms.make_engine(ms.MLP([2, 2]), "tp=3", comm=MPI.COMM_SELF)
+        assert sys.excepthook is mine and not uncaught.installed()
+        engine = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
+        assert sys.excepthook is uncaught.report
+        engine.close()
+        assert sys.excepthook is mine and not uncaught.installed()
     finally:
         uncaught.uninstall()
         sys.excepthook = before
