@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -143,24 +144,35 @@ def cause(rc: int, lines) -> str:
     return what
 
 
-def _pump(stream, sink, tail, chunk: int = 1 << 16) -> None:
+def _pump(stream, sink, tail, chunk: int = 1 << 16, quiet: float = 0.2) -> None:
     """Copy the child's output (bytes) to `sink` (ours) until its end, keeping the last lines
     in `tail` (decoded, a bad byte replaced). Whole lines go in one write, so the supervisor's
-    own lines never land inside one; a line without an end is held up to `chunk` bytes, and
-    ended with a newline when the output ends."""
-    held = b""
-    while data := os.read(stream.fileno(), chunk):
+    own lines never land inside one. A line without an end yet is written once no more output
+    came for `quiet` seconds (a token stream from `generate` shows as it comes) or once it
+    holds `chunk` bytes; the rest of it follows. The output's end is ended with a newline."""
+    fd, held, shown = stream.fileno(), b"", b""    # shown: the current line's part written
+    while True:
+        if held and not select.select([fd], [], [], quiet)[0]:
+            _copy(sink, held)
+            shown, held = (shown + held)[-chunk:], b""
+            continue
+        data = os.read(fd, chunk)
+        if not data:
+            break
         held += data
         cut = max(held.rfind(b"\n"), held.rfind(b"\r")) + 1
         if not cut and len(held) < chunk:
-            continue                     # the rest of the line is still to come
-        cut = cut or len(held)
+            continue                     # the rest of the line may come at once
+        if not cut:
+            _copy(sink, held)
+            shown, held = (shown + held)[-chunk:], b""
+            continue
         _copy(sink, held[:cut])
-        tail.extend(held[:cut].decode(errors="replace").splitlines())
-        held = held[cut:]
-    if held:                             # ended, so our own lines start on a line of their own
+        tail.extend((shown + held[:cut]).decode(errors="replace").splitlines())
+        shown, held = b"", held[cut:]
+    if held or shown:                    # ended, so our own lines start on a line of their own
         _copy(sink, held + b"\n")
-        tail.append(held.decode(errors="replace"))
+        tail.append((shown + held).decode(errors="replace"))
     stream.close()
 
 

@@ -5,10 +5,12 @@ Serial tests: a stand-in launcher (a Python script that ignores the command it i
 and stand-in rank processes that map a file named like MPICH's segments.
 """
 import os
+import select
 import shlex
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 from conftest import ROOT
@@ -40,8 +42,8 @@ def launch_fake(tmp_path, **kw):
 
 
 def test_output_that_is_not_utf8_is_copied_to_the_end(tmp_path):
-    """Before: the reader thread died on the first bad byte, the pipe filled, the job blocked
-    in its next write and launch waited for it forever."""
+    """Bytes that are not UTF-8 are copied as they are: a reader that stopped at one would
+    leave the pipe full, the job blocked in its next write and launch waiting forever."""
     proc, done = launch_fake(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=60)
@@ -68,6 +70,43 @@ def test_the_job_output_is_drained_when_ours_is_closed(tmp_path):
     finally:
         proc.kill()
     assert done.exists()
+
+
+STREAM = r'''
+import os, sys, time
+seen, done = sys.argv[1], sys.argv[2]
+sys.stdout.write("tokens as they come:")
+sys.stdout.flush()
+deadline = time.monotonic() + 20
+while not os.path.exists(seen) and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.stdout.write(" and the end of the line\n")
+sys.stdout.flush()
+open(done, "w").close()
+'''
+
+
+def test_a_line_still_being_written_shows_before_the_job_ends(tmp_path):
+    """A job that prints part of a line (tokens of `generate`, no newline yet) and waits:
+    launch writes that part once its job is quiet, not when the line ends; the rest follows."""
+    script, seen, done = tmp_path / "stream.py", tmp_path / "seen", tmp_path / "done"
+    script.write_text(STREAM)
+    launcher = shlex.join([sys.executable, str(script), str(seen), str(done)])
+    argv = [sys.executable, "-m", "mpishard", "launch", "-n", "1", "--max-restarts", "0",
+            "--launcher", launcher, "--", "train", "--steps", "1"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    got, deadline = b"", time.monotonic() + 15
+    try:
+        while b"tokens as they come:" not in got and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 0.1)[0]:
+                got += os.read(proc.stdout.fileno(), 4096)
+        assert got == b"tokens as they come:" and not done.exists(), got
+        seen.touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert got + out == b"tokens as they come: and the end of the line\n"
 
 
 RANK = r'''
