@@ -73,9 +73,10 @@ def test_a_rank_that_sleeps_before_each_collective_is_named(who):
         line = report(engine.comm, recorder, since)
     if rank != 0 or who == "alternate":
         assert line is None
-    else:
-        assert line.startswith(f"rank {n - 1} arrived last in 100% of collectives (12 of 12 "
-                               "with a late rank), median +"), line
+    else:               # the margin: the 20 ms sleep less what an oversubscribed core takes
+        found = re.fullmatch(rf"rank {n - 1} arrived last in \d+% of collectives \(\d+ of \d+ "
+                             r"with a late rank\), median \+(\d+) ms", line)
+        assert found and int(found[1]) >= 15, line
 
 
 SLOW_LOSS = '''
@@ -90,7 +91,7 @@ if sys.argv[1] == "slow":
             time.sleep(0.02)
         return call(self, y, t)
     ms.losses.MSE.__call__ = slow_on_the_last_rank
-exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", "24",
+exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", sys.argv[4],
                    "--log-every", "12", "--no-progress", "--flight-dir", sys.argv[2],
                    "--layout", sys.argv[3]]))
 '''
@@ -100,27 +101,27 @@ exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", "24"
 @pytest.mark.parametrize("mode, layout", [("slow", "dp=2"), ("even", "dp=2"), ("even", "pp=2"),
                                           ("slow", "dp=2,pp=2")])
 def test_train_logs_the_straggler_line_only_when_a_rank_stands_out(tmp_path, mode, layout):
-    """pp=2: the first stage reaches every world collective last, by the schedule; that used
-    to be logged as a straggler at every --log-every. dp=2,pp=2: the slow last rank is still
-    named, among its stage's dp peers."""
+    """pp=2: the first stage reaches every world collective last, by the schedule, which is
+    no straggler: no line. dp=2,pp=2: the slow last rank is still named, among its stage's
+    dp peers, and no other rank is."""
     from conftest import run_mpi
 
     n = 4 if layout == "dp=2,pp=2" else 2
     script = tmp_path / "train.py"
     script.write_text(SLOW_LOSS)
-    proc = run_mpi(n, script, mode, tmp_path / "flight", layout, timeout=120)
+    proc = run_mpi(n, script, mode, tmp_path / "flight", layout, 48, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-2000:]
     lines = [ln for ln in out.splitlines() if "arrived last in" in ln]
     if mode == "slow":
-        # each microbatch's loss sleeps: 20 ms a step on dp=2, 2 x 20 ms on dp=2,pp=2
-        median = r"[12]\d" if n == 2 else r"[3-5]\d"
+        # each microbatch's loss sleeps 20 ms: the margin is that less what a busy core takes
         line = (rf"rank {n - 1} arrived last in \d+% of collectives \(\d+ of \d+ with a late "
-                rf"rank\), median \+{median} ms")
-        # two windows of 12 steps on dp=2; on dp=2,pp=2 the stage-1 windows hold fewer calls
-        # (the loss's all_reduce follows a wait across stages: its order is noise), so one
-        # window may fall under the rule's share; no other rank is ever named
-        assert len(lines) == 2 or n == 4 and len(lines) == 1, lines
-        assert all(re.search(line, ln) for ln in lines), lines
+                r"rank\), median \+(\d+) ms")
+        margins = [re.search(line, ln) for ln in lines]
+        assert all(m and int(m[1]) >= 15 for m in margins), lines
+        # a window whose noise collectives (the loss's all_reduce right after the gradients',
+        # or after a wait across stages) fall the other way may stay under the rule's share:
+        # of the 4 windows of 12 steps, at least one names it
+        assert 1 <= len(lines) <= 4, lines
     else:
         assert lines == [], lines
