@@ -43,8 +43,8 @@ def trained(tmp_path_factory):
 
 def test_autotokenizer_reads_the_exported_tokenizer(trained, tmp_path):
     """AutoTokenizer on the export is the training tokenizer (320 ids, the same ids for a
-    text, eos named); config.json and generation_config.json carry its eos id (today's
-    export had no tokenizer: AutoTokenizer gave one of length 1)."""
+    text, eos named); config.json and generation_config.json carry its eos id (an
+    export without the tokenizer's files gives AutoTokenizer one of length 1)."""
     root, ckpt = trained
     out = tmp_path / "out"
     assert cli.main(["export", "--checkpoint", str(ckpt), "--hf", str(out)]) == 0

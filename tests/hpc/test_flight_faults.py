@@ -161,8 +161,8 @@ STOPS = [(1, None)] + [(_moments.randrange(2), round(_moments.uniform(0, 1.5), 3
 @pytest.mark.parametrize("victim, delay", STOPS)
 def test_a_stopped_rank_is_named_alike_by_the_timeout_and_flight(tmp_path, victim, delay):
     """delay None: the rank stops itself inside a collective its peer enters late: every
-    counter is up to date, so the line says in words that no rank is late and why (it said
-    `late ranks: []` while flight said the stopped rank never entered)."""
+    counter is up to date, so the line says in words that no rank is late and why, never
+    `late ranks: []` beside a flight report that the stopped rank never entered."""
     sweep = _sweep()
     result = sweep.stop_once(tmp_path, 2, victim, delay)
     print(result["stderr"][-3000:], result["flight"])

@@ -85,7 +85,7 @@ exec %s "$@"
 
 def test_a_restart_before_the_first_save_resumes_from_the_given_checkpoint(tmp_path):
     """`--resume BASE --checkpoint-dir D`, dead before its first save into D: the restart
-    resumes from BASE again (before: --resume auto, a random init at step 0, no word said),
+    resumes from BASE again (not --resume auto, a random init at step 0 with no word said),
     and ends exactly where `train --resume BASE` ends. BASE is trained at another learning
     rate, so a run from step 0 cannot pass for one from BASE."""
     base, ckpt, short = tmp_path / "base", tmp_path / "ckpt", [*ARGS, "--steps", "12"]

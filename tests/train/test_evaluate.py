@@ -3,8 +3,8 @@
     pytest -q tests/train/test_evaluate.py
     mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/train/test_evaluate.py
 
-The reference is the full-logits evaluation evaluation used to be: `predict` on the rows, the
-(rows, T, V) logits on one rank, CrossEntropy in float64.
+The reference is a full-logits evaluation: `predict` on the rows, the (rows, T, V) logits on
+one rank, CrossEntropy in float64.
 """
 import tracemalloc
 

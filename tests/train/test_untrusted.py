@@ -146,7 +146,7 @@ def test_a_token_file_linked_into_its_directory_is_read(tokens_dir):
 ])
 def test_a_count_past_the_end_of_its_file_is_refused(tokens_dir, count, message):
     """A count is checked against the file's bytes (no window reaches past its end), and is a
-    whole number: 12.0 or '12' used to be taken by int()."""
+    whole number: 12.0 or '12' is refused, not converted by int()."""
     t = str(tokens_dir / "t")
     _change(t, "train", count=count)
     with pytest.raises(ValueError, match=message):
