@@ -1,7 +1,9 @@
 """`python -m mpishard ...` (under mpiexec: `python -m mpi4py -m mpishard ...`) and the
 `mpishard` console script; the commands are in mpishard/cli/. A process running an MPI command
 first installs the SIGTERM/SIGINT handlers of comm/signals.py (scancel, Ctrl-C: remove the MPI
-library's own files of this job, then exit); output piped into `head` ends quietly
+library's own files of this job, then exit) and, in a job of several ranks, comm/reaper.py's
+watcher, which removes them once the node's ranks are gone however they ended (the launcher
+SIGKILLs them when mpiexec dies of SIGPIPE, `| head`); output piped into `head` ends quietly
 (cli.run_and_exit); every command run without a launcher under Open
 MPI removes the shared-memory segment such a singleton leaves at exit (comm/signals.py).
 In-process `mpishard.cli.main([...])` installs nothing."""
@@ -9,6 +11,7 @@ import sys
 
 from .cli import MPI_COMMANDS, main, run_and_exit
 from .cli.usage import world_comm, world_rank
+from .comm.reaper import start_reaper
 from .comm.signals import install_cleanup_handlers, remove_singleton_segment_at_exit
 
 
@@ -16,6 +19,7 @@ def run() -> None:
     remove_singleton_segment_at_exit(world_comm())
     if sys.argv[1:2] and sys.argv[1] in MPI_COMMANDS:
         install_cleanup_handlers(rank=world_rank())
+        start_reaper(world_comm())
     run_and_exit(lambda: main(exiting=True))
 
 

@@ -13,11 +13,13 @@ and one entry there.
 Bad input is a user mistake, not a crash (usage.py): every rank validates the same argv
 before any collective, a command builds inside `agreed(comm, build)`, and `main` turns a
 `UsageError` into one line from rank 0, `mpishard: error: ...`, and exit code 2 on every rank.
-A process whose stdout reader went away (`mpishard plan ... | head -1`) ends quietly with
-BROKEN_PIPE_EXIT (`run_and_exit`).
+A process whose stdout reader went away (`mpishard plan ... | head -1`) runs on to its end with
+its output dropped, so that every rank leaves the job's collectives together, and then exits
+quietly with BROKEN_PIPE_EXIT (`run_and_exit`, PipeSafeStdout).
 """
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -42,7 +44,7 @@ from ..comm.watchdog import CollectiveTimeout
 from .usage import PROG, Parser, UsageError, abort_job, world_rank
 
 __all__ = ["COMMANDS", "MPI_COMMANDS", "BROKEN_PIPE_EXIT", "main", "build_parser",
-           "exit_cleanly", "run_and_exit", "UsageError"]
+           "exit_cleanly", "run_and_exit", "PipeSafeStdout", "UsageError"]
 
 
 # -- the command table ---------------------------------------------------------------------------
@@ -151,18 +153,69 @@ def exit_cleanly(code: int) -> None:
 BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
 
 
+class PipeSafeStdout(io.TextIOWrapper):
+    """sys.stdout for `python -m mpishard`: a write or flush that meets a broken pipe (the
+    reader, `| head -1`, has gone) points file descriptor 1 at os.devnull, sets `broken` and
+    returns as if it had written. The command runs on to its end: a rank that printed is often
+    in the middle of the job's collectives (generate's token loop), and leaving them would
+    leave its peers waiting until the launcher kills them, with the MPI library's files still
+    in /dev/shm. Python's documentation of SIGPIPE recommends os.devnull likewise, so that the
+    interpreter's last flush cannot fail again with an "Exception ignored" traceback."""
+
+    broken = False
+
+    @classmethod
+    def wrap(cls, stream):
+        """A PipeSafeStdout over `stream`'s binary buffer, with its encoding and buffering;
+        `stream` itself when it has no buffer (None, a test's capture) or already is one."""
+        if isinstance(stream, cls) or not isinstance(stream, io.TextIOWrapper):
+            return stream
+        stream.flush()
+        return cls(stream.buffer, encoding=stream.encoding, errors=stream.errors,
+                   newline="\n", line_buffering=stream.line_buffering,
+                   write_through=stream.write_through)
+
+    def write(self, text):
+        try:
+            return super().write(text)
+        except BrokenPipeError:
+            self.drop()
+            return len(text)
+
+    def flush(self):
+        try:
+            super().flush()
+        except BrokenPipeError:
+            self.drop()
+
+    def drop(self) -> None:
+        """From now on everything written goes to os.devnull (what is buffered included)."""
+        devnull_to(self.fileno())
+        self.broken = True
+
+
+def devnull_to(fd: int) -> None:
+    """Point file descriptor `fd` at os.devnull."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def run_and_exit(run) -> None:
-    """exit_cleanly(run()), and quietly with BROKEN_PIPE_EXIT when stdout's reader has gone
-    (`| head -1`): as Python's documentation of SIGPIPE recommends, stdout is pointed at
-    os.devnull so that the interpreter's last flush of what is still buffered cannot fail
-    again with an "Exception ignored" traceback."""
+    """exit_cleanly(run()) with sys.stdout a PipeSafeStdout: a process whose stdout reader went
+    away (`| head -1`) runs to its end as every other rank does and then exits with
+    BROKEN_PIPE_EXIT, quietly; the ranks whose output was not lost exit with the command's
+    code, and the launcher reports BROKEN_PIPE_EXIT as a shell does for `yes | head -1`.
+    A broken pipe met outside sys.stdout (a raw write to fd 1) still ends the process quietly
+    with that code, where it stands."""
+    sys.stdout = stdout = PipeSafeStdout.wrap(sys.stdout)
     try:
         code = run()
         sys.stdout.flush()                  # a broken pipe shows here, not at shutdown
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        devnull_to(sys.stdout.fileno())
+        code = BROKEN_PIPE_EXIT
+    if getattr(stdout, "broken", False):
         code = BROKEN_PIPE_EXIT
     exit_cleanly(code)
 

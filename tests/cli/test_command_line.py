@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from mpishard.cli.model_flag import model_from_flag
 from mpishard.cli.train import parse_train_args
 from mpishard.comm.mesh import parse_layout
 
-from conftest import run_mpi
+import leftovers
+from conftest import mpiexec_cmd, run_mpi
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +76,32 @@ def test_head_reads_the_first_line_of_a_long_output():
     assert proc.stdout.startswith("plan   GPT(")
     assert proc.stdout.count("\n") == 1 and proc.stderr == ""
     assert proc.returncode == 128 + signal.SIGPIPE
+
+
+def test_generate_on_two_ranks_piped_into_head_leaves_no_mpi_file(tmp_path):
+    """`mpiexec -n 2 ... generate | head -c 1`: head exits, mpiexec dies of SIGPIPE writing
+    the next token, and MPICH's proxies SIGKILL the ranks mid-generation, where nothing of
+    theirs runs. The node's watcher (comm/reaper.py) removes the job's /dev/shm segment and
+    the proxy's topology file once the ranks are gone; nothing says "Traceback"."""
+    ckpt = tmp_path / "ckpt"
+    assert cli.main(["train", *MODELS["gpt"], "--steps", "1", "--checkpoint-dir", str(ckpt)]) == 0
+    job = shlex.join([*mpiexec_cmd(2), *command("generate", "--checkpoint", str(ckpt),
+                                                "--max-new-tokens", "3000", mpi4py=True)])
+    before = leftovers.mpi_files()
+    proc = run(["bash", "-c", f"set -o pipefail; {job} | head -c 1"], stdout=subprocess.PIPE)
+    left = leftovers.left_since(before)
+    for _ in range(50):                       # the watcher removes them once the ranks are gone
+        if not left:
+            break
+        time.sleep(0.1)
+        left = leftovers.left_since(before)
+    for path in left:                         # not for the next test to find
+        os.unlink(path)
+    print(f"rc {proc.returncode}\nstdout: {proc.stdout!r}\nstderr: {proc.stderr[-3000:]}")
+    assert proc.stdout == "\n"                # the default prompt, its first byte
+    assert proc.returncode == 128 + signal.SIGPIPE
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    assert left == [], f"the job left the MPI library's files {left}"
 
 
 # -- small fixes ---------------------------------------------------------------------------------
