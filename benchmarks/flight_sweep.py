@@ -15,13 +15,10 @@ and stops one random rank. The others time out; the job aborts. Then (`problems`
 - on 2 ranks, where the stopped rank is the only peer, flight's verdict names it.
 
 Not part of `make test` (tests/hpc/test_flight_faults.py runs a fixed, seeded handful of
-moments); prints one line per trial and a summary, exit 1 on any problem.
-
-Measured on this 2-core machine (about 11 s a trial): 172 trials (seeds 7, 8, 9 and 10: 60,
-40, 12 and 60 trials), none with a problem; in 82 the stopped rank was inside a collective,
-where the line now says `late ranks: none: every other member ([1]) entered this collective
-too, ...` and flight `rank 1 entered ... and never left it`. On the code before, 6 of the first
-12 trials of seed 7 printed `late ranks: []` while flight said the rank never entered the call.
+moments); prints one line per trial and a summary, exit 1 on any problem. Measured counts: the "flight
+sweep" section of benchmarks/results.md. After each trial the MPI library's /dev/shm files that
+any rank of the job mapped are removed: the stopped rank and the ranks that abort on their
+timeout leave them behind.
 """
 from __future__ import annotations
 
@@ -64,10 +61,12 @@ last = threading.Event()                                # step 10's last all_red
 
 
 def stop_inside():
-    """Rank `inside` stops itself inside step 10's last all_reduce (its peers come late)."""
+    """Rank `inside` stops itself inside step 10's last all_reduce (its peers come 0.5 s
+    late): asleep until step 10 is done, then a look every 5 ms for the call it is in."""
+    last.wait()
     while True:
-        call = Guard.SHARED.in_flight if last.is_set() else None
-        time.sleep(0.05 if call else 1e-4)
+        call = Guard.SHARED.in_flight
+        time.sleep(0.05 if call else 0.005)
         if call is not None and Guard.SHARED.in_flight is call:      # still in that one call
             os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -113,6 +112,15 @@ def _mpi_segments(pid: int) -> list:
                        tuple("/dev/shm/" + p for p in patterns))})
 
 
+def _remove(paths) -> None:
+    """Unlink `paths` (a job's MPI segments once its ranks are gone); a missing one is fine."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def stop_once(workdir, n: int, victim: int, delay, timeout: float = 2.0) -> dict:
     """One trial (module docstring) in `workdir`: the job's stderr, flight's output, the dumps.
     `delay` None: the victim stops itself inside a collective (step 10's last all_reduce, which
@@ -137,7 +145,7 @@ def stop_once(workdir, n: int, victim: int, delay, timeout: float = 2.0) -> dict
             pids = {int(r): int(p) for r, p in re.findall(r"^pid (\d+) (\d+)$",
                                                            out_path.read_text(), re.M)}
             time.sleep(0.05)
-        segments = _mpi_segments(pids[victim])
+        segments = sorted({p for pid in pids.values() for p in _mpi_segments(pid)})
         if delay is not None:
             time.sleep(delay)
             os.kill(pids[victim], signal.SIGSTOP)
@@ -152,11 +160,7 @@ def stop_once(workdir, n: int, victim: int, delay, timeout: float = 2.0) -> dict
                     os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        for path in segments:                   # what the stopped rank could not remove
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        _remove(segments)                       # what the killed and aborted ranks left
     flight = subprocess.run([sys.executable, "-m", "mpishard", "flight", str(directory)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     dumps = {}
@@ -179,6 +183,7 @@ def snapshot_once(workdir, n: int, delay: float) -> dict:
     job = subprocess.Popen([*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script),
                             str(directory), "30", "-1"], cwd=ROOT, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    segments = []
     try:
         pids, seen = [], []
         while len(pids) < n:
@@ -187,6 +192,7 @@ def snapshot_once(workdir, n: int, delay: float) -> dict:
                 raise RuntimeError(f"the job did not start:\n{''.join(seen)[-3000:]}")
             seen.append(line)
             pids += [int(p) for p in re.findall(r"^pid \d+ (\d+)$", line)]
+        segments = sorted({p for pid in pids for p in _mpi_segments(pid)})
         time.sleep(delay)
         for pid in pids:
             os.kill(pid, signal.SIGUSR2)
@@ -197,6 +203,7 @@ def snapshot_once(workdir, n: int, delay: float) -> dict:
         if job.poll() is None:
             job.kill()
             job.wait()
+            _remove(segments)                   # its ranks were killed before MPI_Finalize
     flight = subprocess.run([sys.executable, "-m", "mpishard", "flight", str(directory)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     return {"code": job.returncode, "output": out, "flight": flight.stdout + flight.stderr}
