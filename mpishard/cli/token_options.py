@@ -15,8 +15,10 @@ sha256), or the run stops naming both.
 
 The tokenizer travels with the model: the run's checkpoints carry its tokenizer.json and
 companion files (train/data.py's `carried`), or for --dataset tokens:DIR without --tokenizer
-the tokenizer its header names when that is at hand with the recorded sha256 (else only its
-name and sha256, and a warning says so), and byte-level runs record `bytes`.
+the tokenizer files DIR holds (written there by `tokenize`, checked against the recorded
+sha256). The path the header's tokenizer.name gives is never followed: it is input, not a
+place to read from. A token directory without tokenizer files (an older `tokenize`) gives
+only the name and sha256, and a warning says so; byte-level runs record `bytes`.
 
 --init-from-hf DIR: the model is DIR's (ms.hf.read_model: config.json, tensor headers), its
 weights are read by ms.hf.load_into (each rank only its own slices), and the text is
@@ -35,11 +37,13 @@ import os
 
 from ..hf import load_into, read_model, source
 from ..hf import tokenizer as hf_tokenizer
+from ..hf.tokenizer import from_files
 from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.data import carried
-from ..train.tokenizer import (BYTES, ByteTokenizer, HFTokenizer, RecordedTokenizer,
-                               read_tokenizer_files, same_tokenizer)
-from ..train.tokens import is_tokens_name, token_dataset, tokenized_text_dataset
+from ..train.tokenizer import (BYTES, TOKENIZER_JSON, ByteTokenizer, HFTokenizer,
+                               RecordedTokenizer, read_tokenizer_files, same_tokenizer)
+from ..train.tokens import (is_tokens_name, token_dataset, tokenized_text_dataset,
+                            tokenizer_files, tokens_directory)
 from .gpt_options import (DEFAULT_GPT_CLIP, LANGUAGE_MODELS, TEXT_DATASET, gpt_model_and_data,
                           log_corpus, validate_gpt_args)
 from .model_flag import with_vocab
@@ -93,27 +97,48 @@ def load_tokenizer(text, flag="--tokenizer"):
 
 
 def _eos_token(directory):
-    """tokenizer_config.json's eos_token (a string, or a dict with 'content'), else None."""
+    """tokenizer_config.json's eos_token in `directory` (_eos_of), else None."""
     try:
-        with open(os.path.join(directory or ".", TOKENIZER_CONFIG)) as f:
-            eos = json.load(f).get("eos_token")
-    except (OSError, ValueError, AttributeError):
+        with open(os.path.join(directory or ".", TOKENIZER_CONFIG), "rb") as f:
+            return _eos_of(f.read())
+    except OSError:
+        return None
+
+
+def _eos_of(config):
+    """The eos_token of tokenizer_config.json's bytes (a string, or a dict with 'content'),
+    else None."""
+    try:
+        eos = json.loads(config).get("eos_token")
+    except (TypeError, ValueError, AttributeError):
         return None
     return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
 
 
-def header_tokenizer(made: dict):
-    """The tokenizer a token file's header names ({name, sha256}): ByteTokenizer for bytes,
-    the HFTokenizer at that name when it reads with the same sha256, else a
-    RecordedTokenizer (its identity only: the directory moved or changed)."""
+def header_tokenizer(made: dict, directory: str):
+    """The tokenizer of token directory `directory` whose header records `made` ({name,
+    sha256, files}): ByteTokenizer for bytes; the HFTokenizer of the files DIR holds
+    (tokens.tokenizer_files), ValueError when they are not the recorded sha256; a
+    RecordedTokenizer (its identity only) when the header names no files. made["name"] is
+    shown, never read."""
     if made.get("name") == BYTES:
         return ByteTokenizer()
+    files = tokenizer_files(directory, made)
+    if not files:
+        return RecordedTokenizer(made)
+    where = f"--dataset tokens:{directory}"
     try:
-        tok = load_tokenizer(str(made.get("name")))
-    except (UsageError, ImportError):
-        tok = None
-    return tok if tok is not None and same_tokenizer(tok.identity(), made) else \
-        RecordedTokenizer(made)
+        tok = HFTokenizer(from_files(files), made["name"], _eos_of(files.get(TOKENIZER_CONFIG)),
+                          files)
+    except ImportError:
+        raise UsageError(f"{where} carries a tokenizer; reading it needs the tokenizers "
+                         f"library: pip install tokenizers") from None
+    except ValueError as exc:
+        raise ValueError(f"{where}: its tokenizer files: {exc}") from None
+    if not same_tokenizer(tok.identity(), made):
+        raise ValueError(f"{where}: its {TOKENIZER_JSON} has sha256 {tok.sha256[:16]}..., "
+                         f"tokens.json records {str(made.get('sha256'))[:16]}...")
+    return tok
 
 
 def run_tokenizer(args):
@@ -207,7 +232,7 @@ def lm_model_and_data(args, spec):
                                  f"(sha256 {str(made['sha256'])[:12]}), not by {tok.name} "
                                  f"(sha256 {str(tok.identity()['sha256'])[:12]}); pass "
                                  f"--tokenizer naming the file's tokenizer")
-            data.tokenizer = tok or header_tokenizer(made)
+            data.tokenizer = tok or header_tokenizer(made, tokens_directory(args.dataset))
         elif (tok is None or tok.name == BYTES) and not hf:
             model, data = gpt_model_and_data(args, spec)
             data.tokenizer = ByteTokenizer()
@@ -266,9 +291,10 @@ def log_lm_data(log, data) -> None:
         return log_corpus(log, data)
     t = c["tokenizer"]
     if isinstance(data.tokenizer, RecordedTokenizer):
-        log.warning("the tokenizer %s (sha256 %s) that made %s is not at hand: checkpoints "
-                    "record its name only, and generate needs --tokenizer DIR; pass "
-                    "--tokenizer DIR to carry it", t["name"], str(t["sha256"])[:16], c["source"])
+        log.warning("%s holds no tokenizer files (an older tokenize wrote it): checkpoints "
+                    "record the tokenizer %s (sha256 %s) by name only, and generate will need "
+                    "--tokenizer DIR; pass --tokenizer DIR to carry it", data.name, t["name"],
+                    str(t["sha256"])[:16])
     log.info("corpus %s: %d file(s), %d bytes, sha256 %s; tokenizer %s (vocab %d, eos %s, "
              "sha256 %s): %d train tokens in %d windows, %d validation tokens in %d "
              "windows of %d+1 tokens", c["source"], c["files"], c["bytes"], c["sha256"][:16],

@@ -5,8 +5,10 @@ memory-maps (no MPI).
     python -m mpishard tokenize --tokenizer bytes --out stdlib-tok --corpus-bytes 4000000
 
 Writes DIR/train.bin and DIR/val.bin (flat uint16, or uint32 for vocabularies over 65536
-ids) and DIR/tokens.json (dtype, counts, vocabulary size, the tokenizer's name and sha256, the
-eos id put after each document, the corpus' sha256): train/tokens.py. The corpus is read as
+ids), the tokenizer's files (tokenizer.json and the companions it has: train on DIR carries
+them into its checkpoints) and DIR/tokens.json (dtype, counts, vocabulary size, the
+tokenizer's name, sha256 and files, the eos id put after each document, the corpus' sha256):
+train/tokens.py. The corpus is read as
 `train --text` reads it (a file, a directory, a glob; default the Python standard library's
 *.py), one file per document, streamed to disk a batch of documents at a time; unlike the
 in-memory `train --text`, nothing is capped unless --corpus-bytes is given. The last
@@ -28,8 +30,9 @@ def add_tokenize_arguments(p):
     p.add_argument("--text", "--corpus", dest="corpus", metavar="FILE|DIR|GLOB",
                    help="the corpus: a file, a directory or a glob, read sorted (default: the "
                    "Python standard library's *.py)")
-    p.add_argument("--out", required=True, metavar="DIR", help="where train.bin, val.bin and "
-                   "tokens.json go (created; an existing token directory is replaced)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where train.bin, val.bin, "
+                   "tokens.json and the tokenizer's files go (created; an existing token "
+                   "directory is replaced)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                    help=f"the last fraction of the tokens that is validation (default "
                    f"{DEFAULT_VAL_FRACTION})")
@@ -53,7 +56,9 @@ def run_tokenize(args) -> int:
         f"{c['sha256'][:16]}",
         f"tokenizer {t['name']}: vocab {h['vocab_size']}, eos "
         f"{'none' if h['eos_id'] is None else h['eos_id']}"
-        + ("" if t["sha256"] is None else f", sha256 {t['sha256'][:16]}"),
+        + ("" if t["sha256"] is None else f", sha256 {t['sha256'][:16]}")
+        + (f"; its files {', '.join(t['files'])} written beside the tokens" if t["files"]
+           else ""),
         f"wrote {args.out}: {h['train']['count']} train + {h['val']['count']} validation "
         f"tokens as {h['dtype']} (train --dataset tokens:{args.out})"]))
 

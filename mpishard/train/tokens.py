@@ -4,9 +4,12 @@ them a window at a time, and `--text ... --tokenizer` tokenizes a small corpus i
     DIR/train.bin    the training tokens, flat little-endian uint16 (vocab <= 65536) or uint32
     DIR/val.bin      the validation tokens, the same dtype
     DIR/tokens.json  {"format": "mpishard-tokens", "version": 1, "dtype", "vocab_size",
-                      "eos_id", "max_id", "tokenizer": {name, sha256}, "train": {file, count},
-                      "val": {file, count}, "val_fraction", "corpus": {source, files, bytes,
-                      sha256}}
+                      "eos_id", "max_id", "tokenizer": {name, sha256, files},
+                      "train": {file, count}, "val": {file, count}, "val_fraction",
+                      "corpus": {source, files, bytes, sha256}}
+    DIR/tokenizer.json, and tokenizer_config.json, special_tokens_map.json and the chat
+                     template when the tokenizer has them: the tokenizer that made the ids,
+                     named by tokenizer.files (none for bytes)
 
 The nanoGPT/llm.c `.bin` style: raw ids, nothing else in the file, and a small JSON header
 beside it. The corpus' documents (one per file, text.documents) are encoded one batch at a
@@ -14,6 +17,11 @@ time and streamed to disk (tokenizer.encode_documents: eos after each document),
 ceil(n * val_fraction) tokens move to val.bin (text.split_point), so the two files hold exactly
 the tokens and the split that the in-memory path (`tokenized_text_dataset`) cuts from the same
 corpus and tokenizer: the same windows, batches and losses either way.
+
+The tokenizer travels with its tokens: a run on DIR carries the files DIR holds
+(`tokenizer_files`, read as plain names inside DIR like every other name of the header), never
+a tokenizer at the path `tokenizer.name` gives (shown, never followed). A header without
+tokenizer.files (an older token directory) names its tokenizer's identity only.
 
 Reading: `TokenFile` indexes a file's tokens through a short-lived `np.memmap` (mapped for one
 read, copied out, unmapped), so a rank that asks for the windows of its own rows of a batch
@@ -31,7 +39,8 @@ import numpy as np
 
 from .text import (DEFAULT_VAL_FRACTION, check_max_bytes, corpus_files, corpus_info, documents,
                    split_point, windows_dataset)
-from .tokenizer import encode_corpus, encode_documents, token_dtype
+from .tokenizer import (BYTES, TOKENIZER_FILES, TOKENIZER_JSON, encode_corpus,
+                        encode_documents, token_dtype)
 from .untrusted import file_in, whole_number
 
 TOKENS_PREFIX = "tokens:"
@@ -116,6 +125,7 @@ def read_header(directory: str) -> dict:
     if eos is not None and (type(eos) is not int or not 0 <= eos < vocab):
         raise ValueError(f"{where}: {HEADER} field eos_id={eos!r} is not an id below "
                          f"vocab_size {vocab}")
+    _check_tokenizer_files(directory, header.get("tokenizer"), where)
     for name, (file, count) in splits.items():
         full = file_in(directory, file, f"{where}: {HEADER} field {name}.file")
         size = os.path.getsize(full) if os.path.isfile(full) else None
@@ -124,6 +134,39 @@ def read_header(directory: str) -> dict:
                              f"{count} {dtype} tokens ({count * dtype.itemsize} bytes), "
                              + ("it is missing" if size is None else f"it has {size} bytes"))
     return header
+
+
+def _check_tokenizer_files(directory, made, where):
+    """tokens.json's tokenizer: {name, sha256} and, when present, `files`: a list of
+    TOKENIZER_FILES (tokenizer.json among them unless it is empty: bytes, or a tokenizer
+    without files) that are plain names of files inside DIR."""
+    if not isinstance(made, dict) or "sha256" not in made or "name" not in made:
+        raise ValueError(f"{where}: {HEADER} field tokenizer {made!r} is not {{name, sha256}}")
+    names = made.get("files")
+    if names is None:
+        return
+    what = f"{where}: {HEADER} field tokenizer.files"
+    if not isinstance(names, list) or any(n not in TOKENIZER_FILES for n in names) or \
+            (names and TOKENIZER_JSON not in names):
+        raise ValueError(f"{what} {names!r} is not a list of some of {list(TOKENIZER_FILES)} "
+                         f"with {TOKENIZER_JSON} (or empty)")
+    for n in names:
+        if not os.path.isfile(file_in(directory, n, what)):
+            raise ValueError(f"{what}: {n} is missing from {directory}")
+
+
+def tokenizer_files(directory: str, made: dict):
+    """{file name: bytes} of the tokenizer token directory DIR holds (header field tokenizer,
+    checked by read_header: `made`), each read as a plain name inside DIR; None when the
+    header names none (bytes, or an older token directory: the identity alone is known)."""
+    names = made.get("files")
+    if not names:
+        return None
+    out = {}
+    for n in names:
+        with open(file_in(directory, n, f"{HEADER} field tokenizer.files"), "rb") as f:
+            out[n] = f.read()
+    return out
 
 
 def token_dataset(name: str, seq_len: int, train_stride=None):
@@ -183,17 +226,20 @@ class _Reading:
 def write_tokens(out: str, tokenizer, corpus=None, max_bytes=None,
                  val_fraction=DEFAULT_VAL_FRACTION) -> dict:
     """Tokenize `corpus` with `tokenizer` into DIR `out` (created; a directory that holds
-    anything but a previous token file is refused); returns the header written. The files are
-    written under temporary names and renamed, the header last."""
+    anything but a previous token file is refused); returns the header written. The
+    tokenizer's files (`_files_of`) are written beside the tokens and named in the header,
+    those of a previous tokenizer removed. The files are written under temporary names and
+    renamed, the header last."""
     split_point(1, val_fraction)                           # ValueError for a bad fraction
     if max_bytes is not None:
         check_max_bytes(max_bytes)
     if os.path.exists(out) and (not os.path.isdir(out) or set(os.listdir(out))
-                                - {HEADER, TRAIN_FILE, VAL_FILE}):
+                                - {HEADER, TRAIN_FILE, VAL_FILE, *TOKENIZER_FILES}):
         raise ValueError(f"--out {out} exists and is not a token directory; refusing to "
                          f"write into it")
     os.makedirs(out, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
+    files = _files_of(tokenizer)
     docs = _Reading(corpus, max_bytes)
     train_tmp, val_tmp = (os.path.join(out, f + ".tmp") for f in (TRAIN_FILE, VAL_FILE))
     count, max_id = 0, -1
@@ -207,10 +253,17 @@ def write_tokens(out: str, tokenizer, corpus=None, max_bytes=None,
     _move_tail(train_tmp, val_tmp, dtype, cut, count)
     header = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
               "vocab_size": int(tokenizer.vocab_size), "eos_id": tokenizer.eos_id,
-              "max_id": max_id, "tokenizer": tokenizer.identity(),
+              "max_id": max_id, "tokenizer": dict(tokenizer.identity(), files=sorted(files)),
               "train": {"file": TRAIN_FILE, "count": cut},
               "val": {"file": VAL_FILE, "count": count - cut}, "val_fraction": val_fraction,
               "corpus": docs.info()}
+    for name in TOKENIZER_FILES:
+        if name in files:
+            with open(os.path.join(out, name + ".tmp"), "wb") as f:
+                f.write(files[name])
+            os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+        elif os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))             # a previous tokenizer's
     for tmp, final in ((train_tmp, TRAIN_FILE), (val_tmp, VAL_FILE)):
         os.replace(tmp, os.path.join(out, final))
     tmp = os.path.join(out, HEADER + ".tmp")
@@ -218,6 +271,17 @@ def write_tokens(out: str, tokenizer, corpus=None, max_bytes=None,
         json.dump(header, f, indent=1)
     os.replace(tmp, os.path.join(out, HEADER))
     return header
+
+
+def _files_of(tokenizer) -> dict:
+    """{file name: bytes} a token directory keeps of `tokenizer`: none for bytes; an
+    HFTokenizer's files, or its canonical JSON as tokenizer.json when it was made in memory."""
+    if tokenizer.identity().get("name") == BYTES:
+        return {}
+    files = dict(getattr(tokenizer, "files", None) or {})
+    if not files and hasattr(tokenizer, "tokenizer"):
+        files = {TOKENIZER_JSON: tokenizer.tokenizer.to_str().encode()}
+    return files
 
 
 def _move_tail(train_path, val_path, dtype, cut: int, count: int):
@@ -231,5 +295,5 @@ def _move_tail(train_path, val_path, dtype, cut: int, count: int):
 
 
 __all__ = ["HEADER", "TOKENS_PREFIX", "TRAIN_FILE", "TokenFile", "VAL_FILE", "is_tokens_name",
-           "read_header", "token_dataset", "tokenized_text_dataset", "tokens_directory",
-           "write_tokens"]
+           "read_header", "token_dataset", "tokenized_text_dataset", "tokenizer_files",
+           "tokens_directory", "write_tokens"]

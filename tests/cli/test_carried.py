@@ -116,27 +116,90 @@ def test_bytes_are_refused_where_the_ids_are_not_bytes(root, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("d")
 
 
-def test_a_token_file_run_carries_the_tokenizer_its_header_names(root, tmp_path, capsys):
-    """train --dataset tokens:DIR without --tokenizer: the checkpoint carries the tokenizer
-    the header names (found with the same sha256); when it is gone, the checkpoint records
-    its name only and generate asks for --tokenizer DIR instead of printing garbage."""
+def test_a_token_directory_carries_its_tokenizer_into_the_checkpoint(root, tmp_path, capsys):
+    """tokenize writes the tokenizer's files beside the tokens and names them in tokens.json;
+    train --dataset tokens:DIR without --tokenizer carries those (the tokenizer's own
+    directory is gone by then), and generate --checkpoint encodes and decodes with them."""
     tok_dir = tmp_path / "tok"
     shutil.copytree(root / "tok", tok_dir)
+    ids = tmp_path / "ids"
     assert cli.main(["tokenize", "--tokenizer", str(tok_dir), "--text", str(root / "corpus"),
-                     "--out", str(tmp_path / "ids")]) == 0
-    train(root, tmp_path / "ck", "--dataset", f"tokens:{tmp_path / 'ids'}")
+                     "--out", str(ids)]) == 0
+    assert json.loads((ids / "tokens.json").read_text())["tokenizer"]["files"] == CARRIED
+    assert all(sha(ids / n) == sha(tok_dir / n) for n in CARRIED)
+    assert not (ids / "notes.txt").exists()
+    shutil.rmtree(tok_dir)
+    train(root, tmp_path / "ck", "--dataset", f"tokens:{ids}")
     record = ms.checkpoint.load(tmp_path / "ck").extra["tokenizer"]
     assert record["files"] == CARRIED
-    assert sha(tmp_path / "ck" / "tokenizer.json") == sha(tok_dir / "tokenizer.json")
-    shutil.rmtree(tok_dir)
-    train(root, tmp_path / "lost", "--dataset", f"tokens:{tmp_path / 'ids'}")
-    lost = ms.checkpoint.load(tmp_path / "lost").extra["tokenizer"]
-    assert lost["files"] == [] and lost["sha256"] == record["sha256"]
+    assert all(sha(tmp_path / "ck" / n) == sha(root / "tok" / n) for n in CARRIED)
     capsys.readouterr()
-    assert cli.main(["generate", "--checkpoint", str(tmp_path / "lost"), "--prompt", "x"]) == 2
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "ck"), "--prompt", PROMPT,
+                     "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy_text(tmp_path / "ck", ms.hf.tokenizer(root / "tok"),
+                                                  PROMPT, 12, [record["eos_id"]])
+
+
+def _header(ids, change):
+    header = json.loads((ids / "tokens.json").read_text())
+    change(header["tokenizer"])
+    (ids / "tokens.json").write_text(json.dumps(header))
+
+
+def test_the_tokenizer_path_in_tokens_json_is_never_followed(root, tmp_path, capsys):
+    """tokens.json's tokenizer.name is shown, never read. An older token directory (no
+    tokenizer files) whose name is a readable tokenizer with the recorded sha256: the
+    checkpoint records the identity only, a warning says generate will need --tokenizer, and
+    generate asks for it. A current one whose name points at another tokenizer: the files the
+    directory holds are carried, nothing of the other."""
+    ids = tmp_path / "ids"
+    assert cli.main(["tokenize", "--tokenizer", str(root / "tok"), "--text",
+                     str(root / "corpus"), "--out", str(ids)]) == 0
+    for n in CARRIED:
+        os.remove(ids / n)
+    _header(ids, lambda t: (t.pop("files"), t.update(name=str(root / "tok"))))
+    capsys.readouterr()
+    train(root, tmp_path / "old", "--dataset", f"tokens:{ids}")
+    assert "holds no tokenizer files" in capsys.readouterr().err
+    old = ms.checkpoint.load(tmp_path / "old").extra["tokenizer"]
+    assert old["files"] == [] and old["sha256"] == sha256_of(root / "tok")
+    assert not (tmp_path / "old" / "tokenizer.json").exists()
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "old"), "--prompt", "x"]) == 2
     assert "does not carry its files; give --tokenizer DIR" in capsys.readouterr().err
-    assert cli.main(["generate", "--checkpoint", str(tmp_path / "lost"), "--prompt", PROMPT,
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "old"), "--prompt", PROMPT,
                      "--tokenizer", str(root / "tok"), "--max-new-tokens", "3"]) == 0
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text(ms.hf.tokenizer(root / "tok").to_str())
+    (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "x": 1}))
+    assert cli.main(["tokenize", "--tokenizer", str(root / "tok" / "tokenizer.json"), "--text",
+                     str(root / "corpus"), "--out", str(ids)]) == 0
+    _header(ids, lambda t: t.update(name=str(other)))
+    train(root, tmp_path / "ck", "--dataset", f"tokens:{ids}")
+    record = ms.checkpoint.load(tmp_path / "ck").extra["tokenizer"]
+    assert record["files"] == CARRIED and record["name"] == str(other)
+    assert all(sha(tmp_path / "ck" / n) == sha(root / "tok" / n) for n in CARRIED)
+
+
+def test_a_token_directory_tokenizer_not_the_recorded_one_stops_the_run(root, tmp_path,
+                                                                          capsys):
+    """The tokenizer.json beside the tokens is checked against tokens.json's sha256: another
+    tokenizer there stops train with one line naming both hashes."""
+    ids = tmp_path / "ids"
+    assert cli.main(["tokenize", "--tokenizer", str(root / "tok"), "--text",
+                     str(root / "corpus"), "--out", str(ids)]) == 0
+    want = json.loads((ids / "tokens.json").read_text())["tokenizer"]["sha256"]
+    (ids / "tokenizer.json").write_text(train_bpe(str(root / "corpus"), vocab=300).to_str())
+    capsys.readouterr()
+    assert cli.main(["train", *GPT, *RUN, "--dataset", f"tokens:{ids}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--dataset tokens:{ids}: its tokenizer.json has sha256 " in err
+    assert f"tokens.json records {want[:16]}..." in err and err.count("\n") == 1
+
+
+def sha256_of(tok_dir) -> str:
+    return hashlib.sha256(ms.hf.tokenizer(tok_dir).to_str().encode()).hexdigest()
 
 
 @pytest.mark.mpi(min_size=1)

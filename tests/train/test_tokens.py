@@ -120,7 +120,9 @@ def test_token_file_holds_the_in_memory_tokens_and_split(tmp_path, corpus, bpe, 
     assert header["train"]["count"] == cut and header["val"]["count"] == len(want) - cut
     assert header["dtype"] == "uint16" and header["vocab_size"] == VOCAB
     assert header["eos_id"] == 0 and header["max_id"] == int(want.max())
-    assert header["tokenizer"] == bpe.identity() and header["corpus"]["files"] == 5
+    assert header["tokenizer"] == dict(bpe.identity(), files=["tokenizer.json"])
+    assert (tmp_path / "tok" / "tokenizer.json").read_text() == bpe.tokenizer.to_str()
+    assert header["corpus"]["files"] == 5
     a = token_dataset(f"tokens:{tmp_path / 'tok'}", 16, stride)
     b = tokenized_text_dataset(16, bpe, corpus, val_fraction=0.1, train_stride=stride)
     assert isinstance(a.x_train.tokens, TokenFile) and a.n_classes == b.n_classes == VOCAB
@@ -200,7 +202,9 @@ def test_missing_and_foreign_directories(tmp_path, corpus, bpe):
         write_tokens(str(tmp_path), bpe, corpus)
     write_tokens(str(tmp_path / "t"), bpe, corpus)
     write_tokens(str(tmp_path / "t"), ByteTokenizer(), corpus)       # a token dir: replaced
-    assert read_header(str(tmp_path / "t"))["tokenizer"]["name"] == "bytes"
+    assert read_header(str(tmp_path / "t"))["tokenizer"] == {"name": "bytes", "sha256": None,
+                                                             "files": []}
+    assert sorted(os.listdir(tmp_path / "t")) == ["tokens.json", "train.bin", "val.bin"]
     with pytest.raises(ValueError, match="seq_len=900 does not fit the val split"):
         token_dataset(f"tokens:{tmp_path / 't'}", 900)
 

@@ -137,6 +137,23 @@ def test_a_token_file_linked_into_its_directory_is_read(tokens_dir):
     assert np.array_equal(np.asarray(data.x_test)[1], np.arange(8, 16))
 
 
+@pytest.mark.parametrize("files,message", [
+    (["../elsewhere/secret.bin"], r"field tokenizer.files \['../elsewhere/secret.bin'\] is not a "
+                                  r"list of some of \['tokenizer.json'"),
+    (["tokens.json"], r"field tokenizer.files \['tokens.json'\] is not a list"),
+    (["tokenizer_config.json"], r"is not a list of .* with tokenizer.json"),
+    ("tokenizer.json", r"field tokenizer.files 'tokenizer.json' is not a list"),
+    (["tokenizer.json"], r"field tokenizer.files: tokenizer.json is missing from"),
+])
+def test_tokens_json_names_only_tokenizer_files_it_holds(tokens_dir, files, message):
+    """tokenizer.files names the tokenizer's own files inside DIR and nothing else: not a
+    path, not the header or the tokens (a checkpoint would carry them as a tokenizer)."""
+    t = str(tokens_dir / "t")
+    _change(t, "tokenizer", files=files)
+    with pytest.raises(ValueError, match=message):
+        token_dataset(f"tokens:{t}", 8)
+
+
 @pytest.mark.parametrize("count,message", [
     (10**12, r"tokens.json field train.count: train.bin should hold 1000000000000 uint16 "
              r"tokens \(2000000000000 bytes\), it has \d+ bytes"),
