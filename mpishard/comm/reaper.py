@@ -66,10 +66,32 @@ def _mine() -> tuple:
     return pids, mpi_shm_paths(mapped_shm_paths(read_own_maps())) + proxy
 
 
+def under_launch(pid: int | None = None) -> bool:
+    """Whether a process above `pid` (default: this one) on this node is `mpishard launch`,
+    which removes the MPI files of the jobs it runs itself (cli/job_files.py)."""
+    pid = os.getppid() if pid is None else pid
+    for _ in range(64):                          # a chain of parents, not a loop
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if "launch" in args and any(os.path.basename(a) == "mpishard"
+                                    for a in args[:args.index("launch")]):
+            return True
+        pid = parent
+    return False
+
+
 def start_reaper(world) -> subprocess.Popen | None:
     """Collective over `world`: the node's first rank starts the watcher (module docstring)
     and returns it (its stdin held open until this process ends); None on the other ranks,
-    on one rank, or when the node's ranks use no MPI file."""
+    on one rank, when the node's ranks use no MPI file, or under `mpishard launch`
+    (under_launch: one cleaner per job, the one that reports what it removed)."""
     if world.Get_size() == 1:
         return None
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
@@ -78,7 +100,7 @@ def start_reaper(world) -> subprocess.Popen | None:
         first = node.Get_rank() == 0
     finally:
         node.Free()
-    if not first:
+    if not first or under_launch():
         return None
     pids = sorted({p for ps, _ in mine for p in ps})
     paths = sorted({p for _, ps in mine for p in ps})
