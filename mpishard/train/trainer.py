@@ -45,7 +45,7 @@ from .nonfinite import DEFAULT_MAX_NONFINITE, NonFiniteGuard, quiet
 from .optim import clip_grad_norm
 from .progress import EVAL_NOTICE_S, progress_bar, slow_notice
 from .scaler import GradScaler
-from .summary import summary_table
+from .summary import rate_text, summary_table
 from .text import bits_per, sequence_cut
 
 LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
@@ -266,14 +266,14 @@ class Trainer:
             self.train_time += time.perf_counter() - t0
             rate = self.samples_per_s
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{rate:.0f}", refresh=False)
+                bar.set_postfix(loss=f"{loss:.4g}", samples_s=rate_text(rate), refresh=False)
                 bar.update(1)
             if self.log_every and st.step % self.log_every == 0:
                 epoch = st.step / self.batcher.steps_per_epoch
                 norm = f" grad_norm {st.grad_norm_history[-1]:.4g}" if self.clip else ""
-                self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %.0f%s",
+                self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %s%s",
                               st.step, self.total_steps, epoch, loss, self.optimizer.lr, norm,
-                              rate, expert_text(self.expert_load))
+                              rate_text(rate), expert_text(self.expert_load))
             self.nonfinite.end_of_step(loss, st.step, self.log)
             if self.eval_every and st.step % self.eval_every == 0 and \
                     st.step < self.total_steps and self.eval_batches != 0:
