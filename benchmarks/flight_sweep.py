@@ -15,10 +15,10 @@ and stops one random rank. The others time out; the job aborts. Then (`problems`
 - on 2 ranks, where the stopped rank is the only peer, flight's verdict names it.
 
 Not part of `make test` (tests/hpc/test_flight_faults.py runs a fixed, seeded handful of
-moments); prints one line per trial and a summary, exit 1 on any problem. Measured counts: the "flight
-sweep" section of benchmarks/results.md. After each trial the MPI library's /dev/shm files that
-any rank of the job mapped are removed: the stopped rank and the ranks that abort on their
-timeout leave them behind.
+moments); prints one line per trial and a summary, exit 1 on any problem. Measured counts: the
+"flight sweep" section of benchmarks/results.md. After each trial the MPI library's /dev/shm
+files that any rank of the job mapped are removed: the stopped rank and the ranks that abort
+on their timeout leave them behind.
 """
 from __future__ import annotations
 

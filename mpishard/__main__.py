@@ -1,11 +1,11 @@
 """`python -m mpishard ...` (under mpiexec: `python -m mpi4py -m mpishard ...`) and the
 `mpishard` console script; the commands are in mpishard/cli/. A process running an MPI command
 first installs the SIGTERM/SIGINT handlers of comm/signals.py (scancel, Ctrl-C: remove the MPI
-library's own files of this job, then exit) and, in a job of several ranks, comm/reaper.py's
-watcher, which removes them once the node's ranks are gone however they ended (the launcher
-SIGKILLs them when mpiexec dies of SIGPIPE, `| head`); output piped into `head` ends quietly
-(cli.run_and_exit); every command run without a launcher under Open
-MPI removes the shared-memory segment such a singleton leaves at exit (comm/signals.py).
+library's own files of this job, then exit) and comm/reaper.py's watcher, which removes them
+once the node's ranks are gone however they ended (the launcher SIGKILLs them when mpiexec dies
+of SIGPIPE, `| head`); output piped into `head` ends quietly (cli.run_and_exit); every command
+run without a launcher under Open MPI removes the shared-memory segment such a singleton leaves
+at exit (comm/signals.py).
 In-process `mpishard.cli.main([...])` installs nothing."""
 import sys
 

@@ -160,26 +160,33 @@ class PipeSafeStdout(io.TextIOWrapper):
     in the middle of the job's collectives (generate's token loop), and leaving them would
     leave its peers waiting until the launcher kills them, with the MPI library's files still
     in /dev/shm. Python's documentation of SIGPIPE recommends os.devnull likewise, so that the
-    interpreter's last flush cannot fail again with an "Exception ignored" traceback."""
+    interpreter's last flush cannot fail again with an "Exception ignored" traceback.
+    `alone` (a process with no peers): the BrokenPipeError is raised after the swap instead,
+    and the command ends there; nobody waits for it."""
 
     broken = False
+    alone = False
 
     @classmethod
-    def wrap(cls, stream):
+    def wrap(cls, stream, alone: bool = False):
         """A PipeSafeStdout over `stream`'s binary buffer, with its encoding and buffering;
         `stream` itself when it has no buffer (None, a test's capture) or already is one."""
         if isinstance(stream, cls) or not isinstance(stream, io.TextIOWrapper):
             return stream
         stream.flush()
-        return cls(stream.buffer, encoding=stream.encoding, errors=stream.errors,
+        safe = cls(stream.buffer, encoding=stream.encoding, errors=stream.errors,
                    newline="\n", line_buffering=stream.line_buffering,
                    write_through=stream.write_through)
+        safe.alone = alone
+        return safe
 
     def write(self, text):
         try:
             return super().write(text)
         except BrokenPipeError:
             self.drop()
+            if self.alone:
+                raise
             return len(text)
 
     def flush(self):
@@ -187,6 +194,8 @@ class PipeSafeStdout(io.TextIOWrapper):
             super().flush()
         except BrokenPipeError:
             self.drop()
+            if self.alone:
+                raise
 
     def drop(self) -> None:
         """From now on everything written goes to os.devnull (what is buffered included)."""
@@ -208,7 +217,7 @@ def run_and_exit(run) -> None:
     code, and the launcher reports BROKEN_PIPE_EXIT as a shell does for `yes | head -1`.
     A broken pipe met outside sys.stdout (a raw write to fd 1) still ends the process quietly
     with that code, where it stands."""
-    sys.stdout = stdout = PipeSafeStdout.wrap(sys.stdout)
+    sys.stdout = stdout = PipeSafeStdout.wrap(sys.stdout, MPI.COMM_WORLD.Get_size() == 1)
     try:
         code = run()
         sys.stdout.flush()                  # a broken pipe shows here, not at shutdown

@@ -6,9 +6,9 @@ SIGPIPE when its output was piped into `head` that has exited (`mpiexec ... gene
 -c 1`): each rank's process-manager proxy kills its ranks and the node's `mpich_shm_*`
 segment and the proxy's topology file stay in /dev/shm and /tmp.
 
-`start_reaper(world)` (collective, once per process of an MPI command of more than one rank,
-by `python -m mpishard`): the ranks of each node gather their pids, their launcher proxies'
-pids and the MPI files they use (signals.py's rules: mapped segments named like
+`start_reaper(world)` (collective, once per process of an MPI command run by `python -m
+mpishard`, a singleton included): the ranks of each node gather their pids, their launcher
+proxies' pids and the MPI files they use (signals.py's rules: mapped segments named like
 MPI_SHM_PATTERNS, the hydra topology file of their proxy); the node's first rank starts a
 small watcher process in a session of its own (outside the job's process group, which a
 launcher may kill) whose stdin is a pipe from that rank. When the pipe ends (the rank ended,
@@ -90,10 +90,8 @@ def under_launch(pid: int | None = None) -> bool:
 def start_reaper(world) -> subprocess.Popen | None:
     """Collective over `world`: the node's first rank starts the watcher (module docstring)
     and returns it (its stdin held open until this process ends); None on the other ranks,
-    on one rank, when the node's ranks use no MPI file, or under `mpishard launch`
+    when the node's ranks use no MPI file, or under `mpishard launch`
     (under_launch: one cleaner per job, the one that reports what it removed)."""
-    if world.Get_size() == 1:
-        return None
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         mine = node.gather(_mine(), root=0)
