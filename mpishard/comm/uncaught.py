@@ -51,13 +51,15 @@ LAUNCHER_FILES = ("/runpy.py", "/mpi4py/run.py", "/mpi4py/__main__.py")
 log = logging.getLogger("mpishard")
 _previous = None           # the hook `install` replaced; None while not installed
 _users = 0                 # installs not yet released (engines open that asked for the report)
+_pending = None            # the error of a make_engine that raised, while it may still be uncaught
 
 
 def install() -> None:
     """Make `report` the process's sys.excepthook (once; logged); each call is one user,
     to be given back with `release`."""
-    global _previous, _users
+    global _previous, _users, _pending
     _users += 1
+    _pending = None
     if _previous is not None:
         return
     _previous = sys.excepthook
@@ -68,15 +70,20 @@ def install() -> None:
 
 def held_by(build, report_errors: bool):
     """make_engine's engine: `build()`, with the report installed first when `report_errors`
-    (one user, released when the engine closes). When `build` raises (a bad argument), that
-    user is released at once: no engine holds it, and the hook is as it was."""
+    (one user, released when the engine closes). When `build` raises (a bad argument, the same
+    error on every rank), no engine holds that user: the hook stays only for that error, which
+    the report still handles if it goes uncaught (every rank's files removed, one report);
+    any other exception goes to the hook it replaced, as if none were installed."""
+    global _users, _pending
     if report_errors:
         install()
     try:
         engine = build()
-    except BaseException:
+    except BaseException as exc:
         if report_errors:
-            release()
+            _users = max(0, _users - 1)
+            if _users == 0:
+                _pending = exc           # the hook stays, for this error only
         raise
     engine.error_report = bool(report_errors)
     return engine
@@ -97,10 +104,20 @@ def release(engine=None) -> None:
 
 def uninstall() -> None:
     """Put back the hook `install` replaced, whoever still uses it."""
-    global _previous, _users
-    _users = 0
+    global _previous, _users, _pending
+    _users, _pending = 0, None
     if _previous is not None:
         sys.excepthook, _previous = _previous, None
+
+
+def _caused_by(exc, cause) -> bool:
+    """Whether `exc` is `cause` or was raised from or while handling it."""
+    seen = 0
+    while exc is not None and seen < 64:
+        if exc is cause:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def installed() -> bool:
@@ -110,6 +127,7 @@ def installed() -> bool:
 def report(exc_type, exc, tb) -> None:
     """sys.excepthook: the exchange and the report of the module docstring."""
     if (_previous is None or issubclass(exc_type, KeyboardInterrupt)
+            or (_users == 0 and not _caused_by(exc, _pending))      # no engine's error
             or not MPI.Is_initialized() or MPI.Is_finalized()):     # no MPI left to ask
         (_previous or sys.__excepthook__)(exc_type, exc, tb)
         return

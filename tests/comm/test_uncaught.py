@@ -75,24 +75,30 @@ def test_closing_the_engines_puts_the_previous_hook_back():
             uncaught.install()
 
 
-def test_a_make_engine_that_raises_leaves_the_hook_as_it_was():
+def test_a_make_engine_that_raises_keeps_the_report_for_that_error_only():
     """The engine's constructor refuses the layout after the report was installed: no engine
-    holds it, so it is given back at once, and a later engine's close still puts back the hook
-    that was there (the count is not left one too high)."""
+    holds it. If that error goes uncaught the report handles it (one report, the job's files
+    removed: tests/integration/test_examples.py's tp=3 example); any other error goes to the
+    hook that was there, and a later engine's close puts that hook back (the count is not left
+    one too high)."""
     was = uncaught.installed()
     uncaught.uninstall()
+    calls = []
 
     def mine(*exc):
-        pass
+        calls.append(exc)
 
     before, sys.excepthook = sys.excepthook, mine
     try:
         with pytest.raises(ValueError, match=r"layout 'tp=3' needs tp=3 = 3 ranks, but the "
-                                             r"world size is 1"):
+                                             r"world size is 1") as refused:
             ms.make_engine(ms.MLP([2, 2]), "tp=3", comm=MPI.COMM_SELF)
-        assert sys.excepthook is mine and not uncaught.installed()
+        assert uncaught._caused_by(refused.value, uncaught._pending)
+        other = KeyError("unrelated")
+        sys.excepthook(KeyError, other, None)                 # a later, unrelated error
+        assert calls == [(KeyError, other, None)]
         engine = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
-        assert sys.excepthook is uncaught.report
+        assert sys.excepthook is uncaught.report and uncaught._pending is None
         engine.close()
         assert sys.excepthook is mine and not uncaught.installed()
     finally:
