@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from mpi4py import MPI
 
 from conftest import ROOT, run_mpi
 
@@ -167,7 +168,9 @@ def test_a_stopped_rank_is_named_alike_by_the_timeout_and_flight(tmp_path, victi
     result = sweep.stop_once(tmp_path, 2, victim, delay)
     print(result["stderr"][-3000:], result["flight"])
     assert sweep.problems(result) == []
-    if delay is None:
+    # Open MPI's one-sided counters (osc/rdma) may not show the stopped rank's arrival: then
+    # the line names it late and flight says it never entered, which agree (problems above)
+    if delay is None and "MPICH" in MPI.Get_library_version():
         assert re.search(rf"late ranks: none: every other member \(\[{victim}\]\) entered this "
                          r"collective too, so one stopped or hung inside it", result["stderr"])
         assert re.search(rf"^verdict: rank {victim} entered all_reduce #\d+ \(float64 \(3,\), "

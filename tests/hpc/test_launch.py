@@ -15,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from mpi4py import MPI
 
 import leftovers
 from conftest import ROOT, mpiexec_cmd, run_mpi
@@ -59,7 +60,8 @@ def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
     assert len(restarts) == 1 and restarts[0].endswith(
         f"restart 1 of 2 with --resume auto: the newest checkpoint in {ckpt}"), lines
     removed = [s for s in lines if "the ended job's MPI library left" in s]
-    assert len(removed) == 1 and "/dev/shm/" in removed[0], lines   # the dead job's segment
+    if "MPICH" in MPI.Get_library_version():      # Open MPI's prterun removes its own
+        assert len(removed) == 1 and "/dev/shm/" in removed[0], lines   # the dead job's segment
     assert not left, out[-3000:]
     if "BAD TERMINATION" in out:                       # MPICH's hydra names the pid
         assert f"pid {killed[0]}" in restarts[0], restarts
