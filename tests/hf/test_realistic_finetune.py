@@ -38,10 +38,10 @@ PROMPTS = ["def main(", "import os"]
 # Each phase's peak memory (above the process' resident set after start-up) over training's,
 # per rank: evaluation and generation hold no more than a training step does.
 PEAK_RATIO = 1.25
-# Seconds: the test's budget on an idle 2-core machine (reported, not asserted: a loaded
-# machine takes longer); what a collective may wait before the job stops naming the late
-# ranks; what a command may take before it counts as hung (a failure, well inside the
-# Makefile's TIMEOUT for the whole serial pass).
+# Seconds: the test's budget on a 2-core machine running it alone (about 60 s measured in
+# .ci/run's hf stage; several times that beside other jobs); what a collective may wait
+# before the job stops naming the late ranks; what a command may take before it counts as
+# hung (a failure, well inside the Makefile's TIMEOUT for the whole serial pass).
 BUDGET_S, COLLECTIVE_TIMEOUT_S, JOB_TIMEOUT_S = 180, 180, 420
 # Float32 against float32: transformers and the engine each round every matmul and reduction
 # to float32 (unit roundoff 6e-8), over 12 layers of 768/3072-long dot products, 50257-long
@@ -274,3 +274,4 @@ def test_gpt2_small_fine_tune_export_and_generate(tmp_path):
             assert got <= PEAK_RATIO * train, (
                 f"rank {rank}: {phase} peaked at {got / 2**20:.0f} MiB above start-up, over "
                 f"{PEAK_RATIO} x training's {train / 2**20:.0f} MiB")
+    assert total <= BUDGET_S, f"the realistic-size run took {total:.0f} s, over {BUDGET_S} s"
