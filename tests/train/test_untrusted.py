@@ -170,13 +170,18 @@ def test_a_count_past_the_end_of_its_file_is_refused(tokens_dir, count, message)
         token_dataset(f"tokens:{t}", 8)
 
 
-def test_a_vocabulary_past_32_bit_ids_is_refused_naming_the_file(tokens_dir):
-    t = str(tokens_dir / "t")
+def _rewrite_header(t: str, **fields) -> None:
+    """tokens.json of directory `t` with `fields` set at its top level."""
     path = os.path.join(t, "tokens.json")
     with open(path) as f:
         header = json.load(f)
     with open(path, "w") as f:
-        json.dump(dict(header, vocab_size=2**40), f)
+        json.dump(dict(header, **fields), f)
+
+
+def test_a_vocabulary_past_32_bit_ids_is_refused_naming_the_file(tokens_dir):
+    t = str(tokens_dir / "t")
+    _rewrite_header(t, vocab_size=2**40)
     with pytest.raises(ValueError, match=rf"dataset tokens:{t}: tokens.json lacks or garbles a "
                                          rf"field: a vocabulary of {2**40} ids does not fit"):
         token_dataset(f"tokens:{t}", 8)
@@ -184,12 +189,8 @@ def test_a_vocabulary_past_32_bit_ids_is_refused_naming_the_file(tokens_dir):
 
 def test_an_eos_id_outside_the_vocabulary_is_refused(tokens_dir):
     t = str(tokens_dir / "t")
-    path = os.path.join(t, "tokens.json")
-    with open(path) as f:
-        header = json.load(f)
     for eos in (256, -1, 3.0):
-        with open(path, "w") as f:
-            json.dump(dict(header, eos_id=eos), f)
+        _rewrite_header(t, eos_id=eos)
         with pytest.raises(ValueError, match=rf"tokens.json field eos_id={eos!r} is not an id "
                                              rf"below vocab_size \d+"):
             token_dataset(f"tokens:{t}", 8)
