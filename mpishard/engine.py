@@ -394,6 +394,6 @@ def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu
     `train` command defaults to float32 for speed). report_errors: make an uncaught exception
     end the job with one report per distinct cause (comm/uncaught.py: replaces sys.excepthook,
     logged once, until every engine that installed it is closed; a constructor that raises
-    leaves the hook as it was); False keeps Python's hook."""
+    keeps it for that error only); False keeps Python's hook."""
     return uncaught.held_by(lambda: MeshEngine(model, layout, comm=comm, dtype=dtype,
                                                device=device, **options), report_errors)
