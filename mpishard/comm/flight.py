@@ -231,11 +231,13 @@ class FlightRecorder:
         beside every run, whichever rank exits last)."""
         self.close_fatal()
         for directory in dict.fromkeys(self.made + [self.directory]):
+            if directory is None:               # never redirected: os.listdir(None) is the cwd
+                continue
             try:
                 if os.listdir(directory) == [MADE]:
                     os.unlink(os.path.join(directory, MADE))
                     os.rmdir(directory)         # fails, as it should, if a file came meanwhile
-            except (OSError, TypeError):        # another rank was first, a file is there, None
+            except OSError:                     # another rank was first, or a file is there
                 pass
 
 
