@@ -19,18 +19,9 @@ from __future__ import annotations
 import os
 import threading
 
-from ..comm.signals import launcher_files, mapped_shm_paths, mpi_shm_paths
+from ..comm.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_proc
 
 POLL = 0.5                      # seconds between two looks at the job's processes
-
-
-def _text(path: str) -> str:
-    """A /proc file as text, '' when it cannot be read (the process is gone, or not ours)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def descendants(root: int) -> list:
@@ -41,7 +32,7 @@ def descendants(root: int) -> list:
     except OSError:
         return []
     for entry in filter(str.isdigit, entries):
-        fields = _text(f"/proc/{entry}/stat").rpartition(")")[2].split()  # after "pid (comm)"
+        fields = read_proc(f"/proc/{entry}/stat").rpartition(")")[2].split()  # after "pid (comm)"
         if len(fields) > 1:
             children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [root]
@@ -55,7 +46,7 @@ def descendants(root: int) -> list:
 def mpi_files_of(pid: int) -> list:
     """The MPI library's files process `pid` uses: the segments it maps, and the topology
     file it holds open when it is hydra's proxy."""
-    return mpi_shm_paths(mapped_shm_paths(_text(f"/proc/{pid}/maps"))) + launcher_files(pid)
+    return mpi_shm_paths(mapped_shm_paths(read_proc(f"/proc/{pid}/maps"))) + launcher_files(pid)
 
 
 class JobFiles:

@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from .lines import write_line
 
-__all__ = ["install_cleanup_handlers", "mapped_shm_paths", "mpi_shm_paths",
+__all__ = ["install_cleanup_handlers", "mapped_shm_paths", "mpi_shm_paths", "read_proc",
            "launcher_files", "remove_mpi_files", "MPI_SHM_PATTERNS", "SHM_DIR"]
 
 SHM_DIR = "/dev/shm/"
@@ -71,7 +71,7 @@ def mpi_shm_paths(paths) -> list[str]:
                                     for pattern in MPI_SHM_PATTERNS)]
 
 
-def _read(path: str) -> str:
+def read_proc(path: str) -> str:
     """A /proc file as text, '' where it cannot be read."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -90,14 +90,14 @@ def _read(path: str) -> str:
 
 def read_own_maps() -> str:
     """/proc/self/maps as text, '' where there is no /proc."""
-    return _read("/proc/self/maps")
+    return read_proc("/proc/self/maps")
 
 
 def launcher_files(parent: int | None = None) -> list[str]:
     """The hydra topology files that the launcher process `parent` (default: this process's
     parent) holds open, [] when the parent is not hydra_pmi_proxy (Open MPI, srun, a shell)."""
     parent = os.getppid() if parent is None else parent
-    if _read(f"/proc/{parent}/comm").strip() != LAUNCHER_PROCESS:
+    if read_proc(f"/proc/{parent}/comm").strip() != LAUNCHER_PROCESS:
         return []
     found = []
     try:
