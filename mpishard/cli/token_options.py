@@ -32,12 +32,11 @@ made), so every rank stops with the same error, even when only one rank's node l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from ..hf import load_into, read_model, source
 from ..hf import tokenizer as hf_tokenizer
-from ..hf.tokenizer import from_files
+from ..hf.tokenizer import eos_token, from_files
 from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.data import carried
 from ..train.tokenizer import (BYTES, TOKENIZER_JSON, ByteTokenizer, HFTokenizer,
@@ -50,7 +49,6 @@ from .model_flag import with_vocab
 from .usage import UsageError, check_flags
 
 TOKEN_DEFAULTS = {"tokenizer": None, "init_from_hf": None, "seq_len": None}
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def add_token_arguments(model_group, data_group):
@@ -72,7 +70,6 @@ def load_tokenizer(text, flag="--tokenizer"):
     (UsageError when there is none or it does not read)."""
     if text == BYTES:
         return ByteTokenizer()
-    directory = text if os.path.isdir(text) else os.path.dirname(text)
     try:
         if os.path.isdir(text):
             tok = hf_tokenizer(text)
@@ -91,28 +88,10 @@ def load_tokenizer(text, flag="--tokenizer"):
         raise UsageError(f"{flag} {text}: no tokenizer.json there (give a model directory, a "
                          f"tokenizer.json or '{BYTES}')")
     try:
-        return HFTokenizer(tok, text, _eos_token(directory), read_tokenizer_files(text))
+        files = read_tokenizer_files(text)
+        return HFTokenizer(tok, text, eos_token(files), files)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{flag} {text}: {exc}") from None
-
-
-def _eos_token(directory):
-    """tokenizer_config.json's eos_token in `directory` (_eos_of), else None."""
-    try:
-        with open(os.path.join(directory or ".", TOKENIZER_CONFIG), "rb") as f:
-            return _eos_of(f.read())
-    except OSError:
-        return None
-
-
-def _eos_of(config):
-    """The eos_token of tokenizer_config.json's bytes (a string, or a dict with 'content'),
-    else None."""
-    try:
-        eos = json.loads(config).get("eos_token")
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
 
 
 def header_tokenizer(made: dict, directory: str):
@@ -128,8 +107,7 @@ def header_tokenizer(made: dict, directory: str):
         return RecordedTokenizer(made)
     where = f"--dataset tokens:{directory}"
     try:
-        tok = HFTokenizer(from_files(files), made["name"], _eos_of(files.get(TOKENIZER_CONFIG)),
-                          files)
+        tok = HFTokenizer(from_files(files), made["name"], eos_token(files), files)
     except ImportError:
         raise UsageError(f"{where} carries a tokenizer; reading it needs the tokenizers "
                          f"library: pip install tokenizers") from None

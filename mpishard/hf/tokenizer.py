@@ -94,6 +94,11 @@ def _token_text(value):
         if isinstance(value, str) else None
 
 
+def eos_token(files: dict):
+    """The text of the eos_token tokenizer_config.json of `files` names, else None."""
+    return _token_text(_config(files).get("eos_token"))
+
+
 def special_ids(files: dict, eos_id=None) -> dict:
     """{bos_token_id, eos_token_id, pad_token_id} of a tokenizer's files: the ids of the
     tokens tokenizer_config.json names; eos_id (the end-of-text id training put between
