@@ -11,8 +11,7 @@ from .comm.collectives import CollectiveMismatchError, CollectiveTimeout, Future
 from .comm.mesh import CommUnusable, DeviceMesh, Layout, parse_layout
 from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
 from .nn import losses
-from .nn.llama import Mixtral
-from .nn.models import GPT, MLP, Llama, MoE
+from .models import GPT, MLP, Llama, MoE, Mixtral
 from .train import data, optim, trainer
 
 __version__ = "0.1.0"

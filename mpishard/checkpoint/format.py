@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from ..nn import models
+from .. import models
 from ..train.untrusted import file_in
 
 FORMAT, VERSION, INDEX = "mpishard-checkpoint", 1, "index.json"
@@ -89,7 +89,7 @@ def model_spec(model) -> dict:
 
 
 def model_from_spec(spec: dict):
-    """Rebuild the model spec saved in an index (a model class of nn.models: MLP, MoE, ...)
+    """Rebuild the model spec saved in an index (a model class of models/: MLP, MoE, ...)
     or None if it cannot."""
     cls = getattr(models, spec.get("class", ""), None)
     if not (isinstance(cls, type) and hasattr(cls, "init")):

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from ..nn.gpt import GPT
+from ..models.gpt.spec import GPT
 from ..nn.losses import MSE, CrossEntropy
 from ..engine import make_engine
 from ..parallel.model_costs import is_gpt

@@ -53,7 +53,7 @@ from ..comm.threads import pin_blas_threads
 from ..engine import make_engine
 from ..nn import attention, functional as nn
 from ..nn.losses import CrossEntropy
-from ..nn.models import MLP
+from ..models.mlp.spec import MLP
 from ..train.optim import AdamW
 from .calibrate_steps import measure_fixed, measure_step_factor, reference_seconds
 

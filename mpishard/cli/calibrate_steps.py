@@ -11,9 +11,9 @@ from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
 from ..engine import make_engine
-from ..nn.gpt import GPT
+from ..models.gpt.spec import GPT
 from ..nn.losses import MSE, CrossEntropy
-from ..nn.models import MLP
+from ..models.mlp.spec import MLP
 from ..parallel.step_time import predict_rank
 from ..train.optim import AdamW
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from ..nn.gpt import GPT
+from ..models.gpt.spec import GPT
 from ..parallel.compose import plan_params
 from ..parallel.stages import assign_stages
 from ..train.text import (BYTE_VOCAB, DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION,

@@ -45,7 +45,7 @@ from ..checkpoint import CheckpointError
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint.format import read_asset_array
 from ..engine import make_engine
-from ..nn.gpt import GPT
+from ..models.gpt.spec import GPT
 from ..train.data import standardized
 from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_flags,
                     checked_layout, default_layout, world_comm)

@@ -32,9 +32,9 @@ from ..checkpoint import CheckpointError, model_spec, read_index
 from ..checkpoint.format import spec_text
 from ..hf.convert import architecture
 from ..hf.files import CONFIG
-from ..nn.gpt import GPT
-from ..nn.llama import Llama
-from ..nn.models import MLP
+from ..models.gpt.spec import GPT
+from ..models.llama.spec import Llama
+from ..models.mlp.spec import MLP
 from .cluster_options import AUTO
 from .usage import UsageError, check_directory, parse_dims
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..checkpoint import FAILURE_POLICIES, CheckpointError, Checkpointer, is_checkpoint, resume
 from ..checkpoint.storage import foreign_entries
 from ..nn.functional import ACTIVATIONS
-from ..nn.models import MLP
+from ..models.mlp.spec import MLP
 from ..comm.watchdog import DEFAULT_TIMEOUT
 from ..engine import make_engine
 from ..train.data import DATASETS, load_dataset

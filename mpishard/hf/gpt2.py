@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 
-from ..nn.gpt import GPT
+from ..models.gpt.spec import GPT
 from .fields import field, ints, only
 
 ARCHITECTURE = "GPT2LMHeadModel"

@@ -27,7 +27,7 @@ rotary pairs (rope_interleaved; HF's Llama rotates halves).
 """
 from __future__ import annotations
 
-from ..nn import models
+from .. import models
 from .fields import field, ints, only
 
 ARCHITECTURE = "LlamaForCausalLM"

@@ -15,7 +15,7 @@ import mpishard as ms
 from mpishard import cli
 from mpishard.cli.gpt_options import parse_gpt_spec
 from mpishard.cli.train import parse_train_args, validate_train_args
-from mpishard.nn.gpt import GPT
+from mpishard.models.gpt.spec import GPT
 from mpishard.train.data import DistributedBatcher
 from mpishard.train.text import (BYTE_VOCAB, Windows, read_corpus, split_windows,
                                  text_dataset)

@@ -1,123 +1,17 @@
-"""Model specs: what the layers are and what the parameters are called. No weights live here.
+"""The MoE spec: a mixture-of-experts layer's sizes, capacity rule and parameter names.
 
-`MLP(dims=[784, 512, 256, 10], activation="relu", bias=True)` has len(dims) - 1 linear layers;
-layer i computes act(x @ W_i + b_i) with W_i of shape (dims[i], dims[i+1]), named
-`layer_{i}/weights` and `layer_{i}/bias`. The last layer has no activation unless
-`final_activation=` is given ("sigmoid" for a BCE model).
-
-`init(seed)` returns the full checkpoint (float64 numpy arrays), identical on every rank, drawn
-like torch.nn.Linear's default: W and b uniform in +-1/sqrt(fan_in).
-
-`MoE` is a mixture-of-experts layer and `GPT` a decoder-only transformer (gpt.py, re-exported
-here). Every spec tells the engine what it takes and gives: `check_input(x, dtype)` (the array
-to feed, or ValueError) and `output_shape(lead_shape)` (the output for a batch whose inputs or
-targets start with `lead_shape`), so the engine has no per-model branch.
+No weights live here; `init(seed)` returns the full checkpoint (float64 numpy arrays), the same
+on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .functional import check_activation
-from .gpt import GPT
-from .llama import Llama
-from .params import ParamSpec
+from ...nn.functional import check_activation
+from ...nn.params import ParamSpec
+from ..mlp.spec import MLP
 
-__all__ = ["GPT", "Llama", "LinearSpec", "MLP", "MoE"]
-
-
-@dataclass(frozen=True)
-class LinearSpec:
-    index: int
-    d_in: int
-    d_out: int
-    activation: str      # applied after the linear; "identity" for none
-    bias: bool
-
-    @property
-    def prefix(self) -> str:
-        return f"layer_{self.index}"
-
-    @property
-    def param_shapes(self) -> dict:
-        shapes = {f"{self.prefix}/weights": (self.d_in, self.d_out)}
-        if self.bias:
-            shapes[f"{self.prefix}/bias"] = (self.d_out,)
-        return shapes
-
-
-class MLP(ParamSpec):
-    """A multi-layer perceptron spec."""
-
-    kind = "mlp"
-
-    def __init__(self, dims, activation="relu", bias=True, final_activation=None):
-        if any(isinstance(d, bool) or int(d) != d for d in dims):
-            raise ValueError(f"MLP dims must be integers, got {list(dims)}")
-        dims = [int(d) for d in dims]
-        if len(dims) < 2:
-            raise ValueError(f"MLP needs at least 2 dims (input and output), got {dims}")
-        if any(d < 1 for d in dims):
-            raise ValueError(f"MLP dims must be positive, got {dims}")
-        self.dims = dims
-        self.activation = check_activation(activation)
-        self.final_activation = check_activation(final_activation or "identity")
-        self.bias = bool(bias)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.dims) - 1
-
-    @property
-    def d_in(self) -> int:
-        return self.dims[0]
-
-    @property
-    def d_out(self) -> int:
-        return self.dims[-1]
-
-    def layers(self) -> list:
-        out = []
-        for i in range(self.n_layers):
-            act = self.final_activation if i == self.n_layers - 1 else self.activation
-            out.append(LinearSpec(i, self.dims[i], self.dims[i + 1], act, self.bias))
-        return out
-
-    def param_shapes(self) -> dict:
-        shapes = {}
-        for spec in self.layers():
-            shapes.update(spec.param_shapes)
-        return shapes
-
-    def init(self, seed: int = 0) -> dict:
-        """Full checkpoint, float64, the same on every rank for the same seed."""
-        rng = np.random.default_rng(seed)
-        params = {}
-        for spec in self.layers():
-            bound = 1.0 / np.sqrt(spec.d_in)
-            params[f"{spec.prefix}/weights"] = rng.uniform(-bound, bound, (spec.d_in, spec.d_out))
-            if spec.bias:
-                params[f"{spec.prefix}/bias"] = rng.uniform(-bound, bound, (spec.d_out,))
-        return params
-
-    def check_input(self, x, dtype):
-        """The array to feed for input `x` (on the device): (batch, d_in) in the engine's
-        float `dtype` (an integer or bool input would otherwise compute, and pipeline-send,
-        as such); ValueError on a wrongly shaped input."""
-        if x.ndim != 2 or x.shape[1] != self.d_in:
-            raise ValueError(f"input has shape {tuple(x.shape)}, expected (batch, {self.d_in}) "
-                             f"for {self!r}")
-        return x if x.dtype == dtype else x.astype(dtype)
-
-    def output_shape(self, lead_shape) -> tuple:
-        """Shape of the output for a batch whose inputs (or targets) have leading dims
-        `lead_shape`: (rows, d_out)."""
-        return (lead_shape[0], self.d_out)
-
-    def __repr__(self) -> str:
-        return (f"MLP(dims={self.dims}, activation={self.activation!r}, bias={self.bias}, "
-                f"final_activation={self.final_activation!r})")
+__all__ = ["MoE"]
 
 
 class MoE(ParamSpec):

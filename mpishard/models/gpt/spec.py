@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .params import ParamSpec
+from ...nn.params import ParamSpec
 
 INIT_STD = 0.02
 RESIDUAL_PROJECTIONS = ("attn/proj/weights", "mlp/proj/weights")

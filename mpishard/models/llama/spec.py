@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gpt import DecoderSpec, positive_int
+from ..gpt.spec import DecoderSpec, positive_int
 
 INIT_STD = 0.02
 

@@ -1,0 +1,9 @@
+"""One folder per architecture: its spec, units, parallel plan, cost model and Hugging Face
+name map. Generic code (nn/, parallel/, the cost models, engine, train/, checkpoint/, hf/, cli/)
+reaches a model only through the interface its spec implements (interface.py)."""
+from .gpt.spec import GPT
+from .llama.spec import Llama, Mixtral
+from .mlp.spec import MLP
+from .moe.spec import MoE
+
+__all__ = ["GPT", "Llama", "Mixtral", "MLP", "MoE"]

@@ -1,0 +1,1 @@
+"""GPT-2: pre-LayerNorm decoder, learned positions, tanh GELU (spec.py)."""

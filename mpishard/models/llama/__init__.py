@@ -1,0 +1,2 @@
+"""Llama and its mixture-of-experts variant Mixtral: RMSNorm, rotary positions, SwiGLU,
+grouped-query attention (spec.py)."""

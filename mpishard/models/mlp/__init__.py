@@ -1,0 +1,1 @@
+"""The MLP: a stack of linear layers with activations (spec.py)."""

@@ -1,0 +1,1 @@
+"""A mixture-of-experts layer (ms.MoE): router and expert MLPs (spec.py)."""
