@@ -80,7 +80,7 @@ def real_slices(region) -> tuple:
 
 def model_spec(model) -> dict:
     """A JSON description of a model spec (class + its simple attributes)."""
-    spec = {"class": type(model).__name__, "kind": getattr(model, "kind", "mlp")}
+    spec = {"class": type(model).__name__, "kind": model.kind}
     for k, v in sorted(vars(model).items()):
         if not k.startswith("_") and (v is None or isinstance(v, (int, float, str, bool, list,
                                                                   tuple))):
@@ -89,10 +89,12 @@ def model_spec(model) -> dict:
 
 
 def model_from_spec(spec: dict):
-    """Rebuild the model spec saved in an index (a model class of models/: MLP, MoE, ...)
-    or None if it cannot."""
-    cls = getattr(models, spec.get("class", ""), None)
-    if not (isinstance(cls, type) and hasattr(cls, "init")):
+    """Rebuild the model spec saved in an index (its "class": a spec class of the registry,
+    models.ARCHITECTURES) or None if it cannot."""
+    name = spec.get("class")
+    cls = {c.__name__: c for c in models.ARCHITECTURES.values()}.get(name) \
+        if isinstance(name, str) else None
+    if cls is None:
         return None
     params = inspect.signature(cls).parameters
     try:

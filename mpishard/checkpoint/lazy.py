@@ -3,63 +3,14 @@
 It maps the chunks overlapping a slice (np.load with mmap_mode="r", allow_pickle=False,
 through the checkpoint's `open_file`, which verifies a file's sha256 before its first read) and
 copies only that region, so loading a shard of a large checkpoint reads about the shard's bytes.
-`region_of` is the one reading of an index key (ints, slices with any step, Ellipsis) into the
-span to read and the index to apply after, for every lazily read array: LazyArray here, and
-hf's SafeTensor and Mixtral expert views.
+An index key is read into the span to read and the index to apply after by
+hfmap.views.region_of, as for every lazily read array (hf's SafeTensor, Mixtral's expert views).
 """
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
-
-def region_of(key, shape, name) -> tuple:
-    """The one reading of an index `key` (an int, a slice with any step, Ellipsis, or a tuple
-    of them) into an array of `shape`, for every lazily read array (LazyArray here, hf's
-    SafeTensor and expert views): (region, post), where region [(start, stop), ...] is the
-    contiguous span to read in each dimension and `post` the index that takes the key's
-    entries out of that span (a step, a reversal, an int that drops the dimension), so
-    `read(region)[post]` equals `full[key]`. IndexError for an int out of range or too many
-    indices, TypeError for anything else (an array, None, a bool, a float), naming `name`."""
-    key = key if isinstance(key, tuple) else (key,)
-    if sum(k is Ellipsis for k in key) > 1:
-        raise IndexError(f"{name}: an index can only have one Ellipsis, got {key!r}")
-    if any(k is Ellipsis for k in key):
-        i = key.index(Ellipsis)
-        key = key[:i] + (slice(None),) * (len(shape) - len(key) + 1) + key[i + 1:]
-    key = key + (slice(None),) * (len(shape) - len(key))
-    if len(key) != len(shape):
-        raise IndexError(f"{len(key)} indices for a {len(shape)}-d array {name!r}")
-    region, post = [], []
-    for k, n in zip(key, shape):
-        if isinstance(k, slice):
-            r = range(*k.indices(n))
-            if len(r) == 0:
-                region.append((0, 0))
-                post.append(slice(None))
-            elif r.step == 1:
-                region.append((r.start, r.stop))
-                post.append(slice(None))
-            else:                     # read the span, then take every step-th entry
-                lo, hi = min(r[0], r[-1]), max(r[0], r[-1]) + 1
-                stop = r[-1] - lo + (1 if r.step > 0 else -1)
-                region.append((lo, hi))
-                post.append(slice(r[0] - lo, stop if stop >= 0 else None, r.step))
-        else:
-            if isinstance(k, (bool, np.bool_)):
-                raise TypeError(f"{name}: a bool is not an index, got {key!r}")
-            try:
-                i = operator.index(k)       # an integer (not a float, not an array)
-            except TypeError:
-                raise TypeError(f"{name}: only ints, slices and Ellipsis index a lazily "
-                                f"read array, got {k!r}") from None
-            j = i + n if i < 0 else i
-            if not 0 <= j < n:
-                raise IndexError(f"index {i} out of range for {n} in {name!r}")
-            region.append((j, j + 1))
-            post.append(0)
-    return region, tuple(post)
+from ..hfmap.views import region_of
 
 
 class LazyArray:

@@ -30,7 +30,7 @@ import os
 
 from ..checkpoint import CheckpointError, model_spec, read_index
 from ..checkpoint.format import spec_text
-from ..hf.convert import architecture
+from ..hf.convert import from_config
 from ..hf.files import CONFIG
 from ..models.gpt.spec import GPT
 from ..models.llama.spec import Llama
@@ -195,7 +195,7 @@ def model_from_hf(path):
             config = json.load(f)
         if not isinstance(config, dict):
             raise ValueError(f"{CONFIG} is not a JSON object")
-        return architecture(config).from_config(config)
+        return from_config(config)
     except (OSError, ValueError, TypeError) as exc:
         raise UsageError(f"--hf {path}: {exc}") from None
 

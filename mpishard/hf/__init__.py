@@ -10,20 +10,19 @@
 
 A directory is `config.json` plus `model.safetensors`, or shards named by
 `model.safetensors.index.json`; tensors are read with the safetensors library's numpy API
-(never pickle or torch.load). Supported: `GPT2LMHeadModel` (gpt2.py), `LlamaForCausalLM`
-(llama.py) and `MixtralForCausalLM` (mixtral.py: ms.Llama with n_experts); another
-architecture, or a config field whose math mpishard lacks, raises ValueError naming it.
-Each architecture keeps one name map used by every direction:
+(never pickle or torch.load). Supported: the architectures of the registry's specs
+(models.ARCHITECTURES, each spec's `hf_maps()`): `GPT2LMHeadModel` (models/gpt/hf.py),
+`LlamaForCausalLM` (models/llama/hf.py) and `MixtralForCausalLM` (models/llama/hf_mixtral.py:
+ms.Llama with n_experts); another architecture, or a config field whose math mpishard lacks,
+raises ValueError naming it. Each architecture keeps one name map (built from hfmap/'s field
+readers and lazy views) used by every direction:
   files.py      the directory, lazily sliced safetensors (byte counting)
-  fields.py     strict config.json reading
-  gpt2.py       GPT-2's fields and name map
-  llama.py      Llama's fields and name map
-  mixtral.py    Mixtral's (Llama's plus the experts, per-expert and fused layouts)
   convert.py    read_model, load, load_into, save
   tokenizer.py  tokenizer.json
-Layering: above the engine, beside train and checkpoint (it uses checkpoint's helpers), below
-cli. `transformers` is never imported here (only the tests compare against it); `tokenizers` is
-imported only by `tokenizer()`, `safetensors` only when a directory is read or written.
+Layering: above the engine and models/, beside train and checkpoint (it uses checkpoint's
+helpers), below cli. `transformers` is never imported here (only the tests compare against
+it); `tokenizers` is imported only by `tokenizer()`, `safetensors` only when a directory is
+read or written.
 """
 from .convert import ARCHITECTURES, load, load_into, read_model, save, set_source, source
 from .tokenizer import tokenizer

@@ -7,10 +7,13 @@
     ms.hf.save("out", model, engine.gather_params())     # config.json + model.safetensors
     ms.hf.save("out", model, params, tokenizer=files, max_shard_size="2GB")   # + tokenizer
 
-The architecture modules (gpt2.py, llama.py, mixtral.py) each keep ONE name map, {our name:
-(file key, transposed) or an entry assembled from several file tensors (mixtral.Stacked,
-mixtral.Fused: a Mixtral's experts)}; everything here goes through it, so load, load_into
-and save cannot disagree.
+The architectures are the registry's (models.ARCHITECTURES): each spec class names the
+Hugging Face name maps it reads (`hf_maps()`, models/interface.py's HFMap: models/gpt/hf.py,
+models/llama/hf.py, models/llama/hf_mixtral.py), a config.json picks one by its
+`architectures` (else `model_type`), and a spec saves with `model.hf_map()`. Each keeps ONE
+name map, {our name: (file key, transposed) or an entry assembled from several file tensors
+(hfmap.views' Stacked, Fused: a Mixtral's experts)}; everything here goes through it, so
+load, load_into and save cannot disagree.
 A file key the map does not name (and the architecture does not ignore) is an error, as is a
 missing one: a converter that skips a tensor produces garbage silently.
 
@@ -42,13 +45,12 @@ import re
 import ml_dtypes
 import numpy as np
 
+from .. import models
 from ..checkpoint.format import model_spec, run_captured, spec_text
 from ..comm.objects import agree
-from . import gpt2, llama, mixtral
 from .files import CONFIG, INDEX, SINGLE, HFDir
 from .tokenizer import TOKENIZER_CONFIG, special_ids, tokenizer_config
 
-ARCHITECTURES = {m.ARCHITECTURE: m for m in (gpt2, llama, mixtral)}
 DTYPE_NAMES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
                "bfloat16": ml_dtypes.bfloat16}
 # never copied from the source config: they describe the file, not the model
@@ -61,8 +63,22 @@ SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
-def architecture(cfg: dict):
-    """The architecture module of a config.json: from `architectures`, else `model_type`."""
+def _registered() -> dict:
+    """{transformers architecture: (spec class, its HFMap)} over the registry's specs."""
+    out = {}
+    for cls in models.ARCHITECTURES.values():
+        for m in cls.hf_maps():
+            assert m.ARCHITECTURE not in out, f"two specs read {m.ARCHITECTURE}"
+            out[m.ARCHITECTURE] = (cls, m)
+    return out
+
+
+READERS = _registered()
+ARCHITECTURES = {name: m for name, (_, m) in READERS.items()}   # name -> its HFMap
+
+
+def architecture(cfg: dict) -> tuple:
+    """(spec class, HFMap) of a config.json: from `architectures`, else `model_type`."""
     names = cfg.get("architectures")
     if names is not None:
         known = [n for n in (names if isinstance(names, list) else [names])
@@ -70,21 +86,28 @@ def architecture(cfg: dict):
         if len(known) != 1:
             raise ValueError(f"config.json architectures={names!r}: mpishard reads "
                              f"{' and '.join(ARCHITECTURES)}")
-        return ARCHITECTURES[known[0]]
-    by_type = {m.MODEL_TYPE: m for m in ARCHITECTURES.values()}
+        return READERS[known[0]]
+    by_type = {m.MODEL_TYPE: (cls, m) for cls, m in READERS.values()}
     if cfg.get("model_type") not in by_type:
         raise ValueError(f"config.json model_type={cfg.get('model_type')!r} (no architectures "
                          f"field): mpishard reads {', '.join(by_type)}")
     return by_type[cfg["model_type"]]
 
 
+def from_config(cfg: dict):
+    """The spec a config.json describes (ValueError naming an architecture or a field mpishard
+    does not implement)."""
+    cls, arch = architecture(cfg)
+    return cls.from_hf_config(cfg, arch)
+
+
 def _spec(d: HFDir):
-    arch = architecture(d.config)
-    return arch, arch.from_config(d.config)
+    cls, arch = architecture(d.config)
+    return arch, cls.from_hf_config(d.config, arch)
 
 
 def read_model(path):
-    """The ms.GPT / ms.Llama spec of Hugging Face directory `path` (config.json and the
+    """The spec (ms.GPT, ms.Llama, ...) of Hugging Face directory `path` (config.json and the
     safetensors headers read, for the dtype `save` keeps; no tensor data)."""
     d = HFDir(path)
     arch, model = _spec(d)
@@ -113,7 +136,7 @@ def _tensors(arch, model, files: dict, where) -> dict:
 
 def _keys(entry) -> list:
     """The file keys a name-map entry reads: (key, transposed), or an entry assembled from
-    several tensors (mixtral.Stacked, mixtral.Fused: .keys, .view(files), .write(array))."""
+    several tensors (hfmap.views' Stacked, Fused: .keys, .view(files), .write(array))."""
     return [entry[0]] if isinstance(entry, tuple) else entry.keys
 
 
@@ -287,6 +310,11 @@ def _write_weights(path, tensors: dict, max_bytes: int) -> None:
         os.remove(os.path.join(path, f))
 
 
+def _savers() -> list:
+    """The registered spec classes that have a Hugging Face form (for messages)."""
+    return sorted({cls.__name__ for cls, _ in READERS.values()})
+
+
 def save(path, model, params, dtype=None, tokenizer=None, max_shard_size=MAX_SHARD_SIZE,
          eos_id=None) -> str:
     """Write Hugging Face directory `path` that transformers' from_pretrained loads whole:
@@ -296,10 +324,9 @@ def save(path, model, params, dtype=None, tokenizer=None, max_shard_size=MAX_SHA
     tokenizer.json and companions) when given. The config's bos/eos/pad ids are the source's,
     else the tokenizer's (`eos_id`: the end-of-text id training used). Returns path."""
     max_bytes = shard_size(max_shard_size)
-    by_kind = {(m.KIND, getattr(m, "EXPERTS", False)): m for m in ARCHITECTURES.values()}
-    arch = by_kind.get((getattr(model, "kind", None), bool(getattr(model, "n_experts", None))))
+    arch = model.hf_map()
     if arch is None:
-        raise ValueError(f"only GPT and Llama (Mixtral) models save as Hugging Face "
+        raise ValueError(f"only {' and '.join(_savers())} models save as Hugging Face "
                          f"directories, got {model!r}")
     model.check_params(params)
     dt = _dtype(model, dtype)

@@ -13,7 +13,7 @@ torch.load. bfloat16 tensors come back as ml_dtypes.bfloat16 arrays.
 A `SafeTensor` is a lazily read array in OUR orientation: `transposed=True` presents a
 PyTorch nn.Linear weight (out, in) as (in, out), so `t[a:b, c:d]` reads the file's
 `[c:d, a:b]` and returns its transpose. It has `.shape`, `.dtype` and indexing by ints, slices
-(any step: the span is read, then stepped) and Ellipsis, read by checkpoint.lazy.region_of as
+(any step: the span is read, then stepped) and Ellipsis, read by hfmap.views.region_of as
 a checkpoint's LazyArray reads them, which is what placement.shard_array asks of an array; it
 adds the bytes it read to `counter["bytes"]` so a test can check what a rank read. `widened()`
 reads bfloat16 as float32 (exact), for engines whose array module has no bfloat16 (cupy).
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import ml_dtypes
 import numpy as np
 
-from ..checkpoint.lazy import region_of
+from ..hfmap.views import region_of
 from ..train.untrusted import file_in
 
 CONFIG = "config.json"

@@ -6,4 +6,12 @@ from .llama.spec import Llama, Mixtral
 from .mlp.spec import MLP
 from .moe.spec import MoE
 
-__all__ = ["GPT", "Llama", "Mixtral", "MLP", "MoE"]
+# The registry: kind (`--model KIND:...`, a checkpoint's "kind") -> spec class, one line each.
+ARCHITECTURES = {
+    MLP.kind: MLP,
+    MoE.kind: MoE,
+    GPT.kind: GPT,
+    Llama.kind: Llama,
+}
+
+__all__ = ["ARCHITECTURES", "GPT", "Llama", "Mixtral", "MLP", "MoE"]

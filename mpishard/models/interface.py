@@ -14,6 +14,41 @@ from __future__ import annotations
 from typing import Protocol
 
 
+class HFMap(Protocol):
+    """One transformers architecture's config fields and name map (models/<name>/hf*.py, built
+    from hfmap/'s helpers). hf/ loads, loads into an engine and saves through it alone, so
+    the directions cannot disagree."""
+
+    ARCHITECTURE: str
+    """config.json's `architectures` entry: "GPT2LMHeadModel", "LlamaForCausalLM", ..."""
+    MODEL_TYPE: str
+    """config.json's `model_type`, read when a config has no `architectures`."""
+    SIZE_FIELDS: tuple
+    """The fields to_config writes (the math); save copies the source config's others."""
+    DEFAULTS: dict
+    """The transformers config class's default of each field read: what an absent one means."""
+
+    def spec_args(self, cfg: dict) -> dict:
+        """The spec's constructor keywords a config.json describes (ValueError naming a field)."""
+
+    def to_config(self, model) -> dict:
+        """The config.json fields of `model` (SIZE_FIELDS' values)."""
+
+    def fresh_config(self) -> dict:
+        """The other fields of a spec built in code (no dropout, no token ids)."""
+
+    def name_map(self, model, keys=None) -> dict:
+        """{our name: (file key, transposed) or an hfmap.views entry}; `keys` (a file's, or None
+        to save) picks among the layouts files hold."""
+
+    def ignored(self, key: str, model) -> bool:
+        """File keys that are no parameter (buffers, a tied head's copy)."""
+
+    def tiny_config(self) -> dict:
+        """A tiny config of this architecture: tests/hf/test_architectures.py builds a random
+        transformers model from it and checks load, save and layouts against it."""
+
+
 class ModelSpec(Protocol):
     """A model spec: sizes and parameter names, no weights."""
 
@@ -35,3 +70,19 @@ class ModelSpec(Protocol):
 
     def layers(self) -> list:
         """The units a pipeline cuts between (stages.assign_stages balances their parameters)."""
+
+    # -- Hugging Face (hf/ reads and writes directories through these; see HFMap above)
+    @classmethod
+    def hf_maps(cls) -> tuple:
+        """The Hugging Face name maps (HFMap) this spec class reads, one per transformers
+        architecture (ms.Llama: LlamaForCausalLM and MixtralForCausalLM); () when the
+        architecture has no Hugging Face form. A subclass names its own (never inherits)."""
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, hf_map):
+        """The spec config.json `cfg` describes, read by `hf_map` (one of hf_maps(); specs
+        without a Hugging Face form need none): ValueError naming a field mpishard lacks."""
+
+    def hf_map(self):
+        """The name map this spec saves with (one of hf_maps()), or None when it has no
+        Hugging Face form (hf.save refuses it)."""

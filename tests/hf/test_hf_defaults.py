@@ -18,7 +18,10 @@ import pytest
 
 import mpishard as ms
 from conftest import assert_close
-from mpishard.hf import gpt2, llama, mixtral
+from mpishard.hf.convert import from_config
+from mpishard.models.gpt import hf as gpt2
+from mpishard.models.llama import hf as llama
+from mpishard.models.llama import hf_mixtral as mixtral
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -108,7 +111,7 @@ def test_an_empty_config_is_the_default_model(kind):
     cls = getattr(transformers, CLASSES[kind][0])
     arch = CLASSES[kind][2]
     c = cls()
-    model = arch.from_config({"architectures": [arch.ARCHITECTURE]})
+    model = from_config({"architectures": [arch.ARCHITECTURE]})
     if kind == "gpt2":
         assert (model.vocab_size, model.seq_len, model.d_model, model.n_layers, model.n_heads,
                 model.d_ff, model.tied) == (c.vocab_size, c.n_positions, c.n_embd, c.n_layer,
@@ -124,8 +127,8 @@ def test_an_empty_config_is_the_default_model(kind):
             c.num_local_experts, c.num_experts_per_tok, 0.0)
     # null kv heads: as many as the heads (LlamaConfig's rule; MixtralConfig's strict field
     # refuses a null, mpishard reads it as Llama does)
-    nulled = arch.from_config({"architectures": [arch.ARCHITECTURE],
-                               "num_key_value_heads": None})
+    nulled = from_config({"architectures": [arch.ARCHITECTURE],
+                          "num_key_value_heads": None})
     assert nulled.n_kv_heads == c.num_attention_heads == 32
     if kind == "llama":
         assert cls(num_key_value_heads=None).num_key_value_heads == 32

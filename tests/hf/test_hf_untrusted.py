@@ -1,7 +1,7 @@
 """A Hugging Face directory is untrusted input: the shards its model.safetensors.index.json
 names are plain file names inside it (train/untrusted.file_in), a safetensors header that does
 not match its file is a ValueError naming the file, and the lazily read tensors (SafeTensor,
-Mixtral's stacked and fused expert views) index as checkpoint.lazy.region_of reads a key:
+Mixtral's stacked and fused expert views) index as hfmap.views.region_of reads a key:
 steps honoured, never dropped.
 
 No torch here: the directories are written by ms.hf.save from a spec's own init.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.hf import mixtral
 from mpishard.hf.files import INDEX, SINGLE, HFDir, SafeTensor
+from mpishard.models.llama import hf_mixtral as mixtral
 
 safetensors = pytest.importorskip("safetensors")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...nn.params import ParamSpec
+from . import hf
 
 INIT_STD = 0.02
 RESIDUAL_PROJECTIONS = ("attn/proj/weights", "mlp/proj/weights")
@@ -118,6 +119,12 @@ class DecoderSpec(ParamSpec):
                              f"need (batch, T) leading dims, got shape {tuple(lead_shape)}")
         return (lead_shape[0], lead_shape[1], self.vocab_size)
 
+    # -- Hugging Face (interface.py): each decoder names its maps (hf_maps, hf_map) ------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict, hf_map):
+        """The spec of config.json `cfg`: `hf_map` reads its fields into our keywords."""
+        return cls(**hf_map.spec_args(cfg))
+
 
 class GPT(DecoderSpec):
     """A decoder-only transformer spec (GPT-2 style); see the module docstring."""
@@ -127,6 +134,14 @@ class GPT(DecoderSpec):
     def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff=None,
                  tied=False):
         super().__init__(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied)
+
+    # -- Hugging Face (interface.py): GPT2LMHeadModel (hf.py) -----------------------------------
+    @classmethod
+    def hf_maps(cls) -> tuple:
+        return (hf,)
+
+    def hf_map(self):
+        return hf
 
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:

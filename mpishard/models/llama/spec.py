@@ -53,6 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..gpt.spec import DecoderSpec, positive_int
+from . import hf, hf_mixtral
 
 INIT_STD = 0.02
 
@@ -97,6 +98,15 @@ class Llama(DecoderSpec):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"Llama n_heads={self.n_heads} does not divide into "
                              f"n_kv_heads={self.n_kv_heads} groups")
+
+    # -- Hugging Face (interface.py): LlamaForCausalLM (hf.py), MixtralForCausalLM (hf_mixtral.py)
+    @classmethod
+    def hf_maps(cls) -> tuple:
+        return (hf, hf_mixtral)
+
+    def hf_map(self):
+        """A dense Llama saves as LlamaForCausalLM, one with experts as MixtralForCausalLM."""
+        return hf if self.n_experts is None else hf_mixtral
 
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:

@@ -112,6 +112,14 @@ class MLP(ParamSpec):
         `lead_shape`: (rows, d_out)."""
         return (lead_shape[0], self.d_out)
 
+    # -- Hugging Face (interface.py): no transformers model is a plain MLP
+    @classmethod
+    def hf_maps(cls) -> tuple:
+        return ()
+
+    def hf_map(self):
+        return None
+
     def __repr__(self) -> str:
         return (f"MLP(dims={self.dims}, activation={self.activation!r}, bias={self.bias}, "
                 f"final_activation={self.final_activation!r})")

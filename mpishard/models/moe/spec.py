@@ -105,6 +105,14 @@ class MoE(ParamSpec):
             params[name] = rng.uniform(-bound, bound, shape)
         return params
 
+    # -- Hugging Face (interface.py): no transformers model is a lone MoE layer
+    @classmethod
+    def hf_maps(cls) -> tuple:
+        return ()
+
+    def hf_map(self):
+        return None
+
     def __repr__(self) -> str:
         return (f"MoE(d_model={self.d_model}, d_hidden={self.d_hidden}, "
                 f"n_experts={self.n_experts}, top_k={self.top_k}, "

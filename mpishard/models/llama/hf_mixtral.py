@@ -1,9 +1,9 @@
 """Mixtral (`MixtralForCausalLM`) <-> ms.Llama(n_experts=E, top_k=k): fields and the name map.
 
-A Mixtral is a Llama whose MLP is a sparse mixture of E SwiGLU experts (nn/llama.py with
+A Mixtral is a Llama whose MLP is a sparse mixture of E SwiGLU experts (spec.py with
 n_experts): router logits x Wr, softmax over E, the top k renormalised over the k, the
 weighted sum of the chosen experts' (silu(x Wg) * (x Wu)) Wd. Attention, norms, embedding and
-head map as in llama.py; the block's MLP maps as (ours (in, out); E experts, F = d_ff):
+head map as in hf.py; the block's MLP maps as (ours (in, out); E experts, F = d_ff):
 
     block_{i}/moe/router/weights (D, E)        layers.{i}.block_sparse_moe.gate.weight^T (E, D)
     block_{i}/moe/experts/gate/weights (E, D, F)   expert j: ...experts.{j}.w1.weight^T (F, D)
@@ -18,8 +18,9 @@ fused layout is read too, where a file holds it (keys under `layers.{i}.mlp.`):
     mlp.experts.gate_up_proj (E, 2F, D)      [:, :F] = gate^T per expert, [:, F:] = up^T
     mlp.experts.down_proj (E, D, F)          down^T per expert
 
-Each of our expert tensors is a lazily read view (`Stacked`, `Fused`): slicing it reads only
-the experts and the region sliced, so `load_into` under ep reads only a rank's experts.
+Each of our expert tensors is a lazily read view (hfmap.views' `Stacked`, `Fused`): slicing
+it reads only the experts and the region sliced, so `load_into` under ep reads only a rank's
+experts.
 `save` writes the per-expert layout.
 
 Config: an absent field takes MixtralConfig's default (DEFAULTS), never LlamaConfig's: rope_theta
@@ -28,20 +29,16 @@ num_experts_per_tok -> top_k; the auxiliary loss is
 added by transformers only with output_router_logits, so router_aux_loss_coef is the file's
 coefficient when output_router_logits is true and 0 otherwise (save writes it back alike).
 Refused (they change the math): sliding_window other than null, router_jitter_noise > 0,
-and every field llama.py refuses. capacity_factor is mpishard's (no drops: None, as HF).
+and every field hf.py refuses. capacity_factor is mpishard's (no drops: None, as HF).
 """
 from __future__ import annotations
 
-import numpy as np
-
-from ..checkpoint.lazy import region_of
-from . import llama
-from .fields import field, ints, only
+from ...hfmap.fields import field, ints, only
+from ...hfmap.views import Fused, Stacked
+from . import hf as llama
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
-KIND = "llama"
-EXPERTS = True                      # save picks this module for a Llama with n_experts
 SIZE_FIELDS = llama.SIZE_FIELDS + ("num_local_experts", "num_experts_per_tok",
                                    "output_router_logits", "sliding_window",
                                    "router_jitter_noise")
@@ -56,9 +53,9 @@ ignored = llama.ignored
 fresh_config = llama.fresh_config
 
 
-def from_config(cfg: dict):
-    """The ms.Llama (with experts) a MixtralForCausalLM config.json describes, an absent field
-    read as MixtralConfig's default (DEFAULTS)."""
+def spec_args(cfg: dict) -> dict:
+    """The ms.Llama keywords (with experts) a MixtralForCausalLM config.json describes, an
+    absent field read as MixtralConfig's default (DEFAULTS)."""
     a, dflt = ARCHITECTURE, DEFAULTS
     only(cfg, a, "sliding_window", (None,))
     jitter = field(cfg, dflt, "router_jitter_noise")
@@ -70,7 +67,7 @@ def from_config(cfg: dict):
     only(cfg, a, "output_router_logits", (False, True), dflt["output_router_logits"])
     coef = float(field(cfg, dflt, "router_aux_loss_coef")) if cfg.get("output_router_logits") \
         else 0.0
-    return llama.from_config(cfg, a, dflt, n_experts=n_experts, top_k=top_k,
+    return llama.spec_args(cfg, a, dflt, n_experts=n_experts, top_k=top_k,
                              router_aux_loss_coef=coef)
 
 
@@ -107,70 +104,7 @@ def name_map(model, keys=None) -> dict:
     return out
 
 
-# -- entries whose tensor is assembled from file tensors ----------------------------------------
-class Stacked:
-    """Our (E, a, b) from E file tensors (b, a), one per expert (nn.Linear weights)."""
-
-    def __init__(self, keys):
-        self.keys = list(keys)
-
-    def view(self, files):
-        return StackedView([files[k].T() for k in self.keys])
-
-    def write(self, a) -> dict:
-        return {k: a[j].T for j, k in enumerate(self.keys)}
-
-
-class Fused:
-    """Our (E, a, b) as rows lo:hi of one file tensor (E, rows, a), last two axes swapped."""
-
-    def __init__(self, key, lo, hi):
-        self.keys, self.lo, self.hi = [key], lo, hi
-
-    def view(self, files):
-        return FusedView(files[self.keys[0]], self.lo, self.hi)
-
-
-class _View:
-    """A lazily read (E, a, b) array: .shape, .dtype, indexing as checkpoint.lazy.region_of
-    reads it (steps honoured), numpy conversion."""
-
-    ndim = 3
-
-    def __array__(self, dtype=None, copy=None):
-        a = np.ascontiguousarray(self[...])
-        return a if dtype is None else a.astype(dtype)
-
-
-class StackedView(_View):
-    def __init__(self, parts):
-        self.parts = parts
-        self.shape = (len(parts),) + tuple(parts[0].shape)
-        self.dtype = parts[0].dtype
-
-    def widened(self):
-        return StackedView([p.widened() for p in self.parts])
-
-    def __getitem__(self, key):
-        region, post = region_of(key, self.shape, f"the experts of {self.parts[0].key}")
-        (e0, e1), (a0, a1), (b0, b1) = region
-        rows = [self.parts[j][a0:a1, b0:b1] for j in range(e0, e1)]
-        out = np.stack(rows) if rows else np.zeros((0, a1 - a0, b1 - b0), self.dtype)
-        return out[post]
-
-
-class FusedView(_View):
-    def __init__(self, tensor, lo, hi):
-        self.tensor, self.lo, self.hi = tensor, lo, hi
-        e, _, d = tensor.shape
-        self.shape, self.dtype = (e, d, hi - lo), tensor.dtype
-
-    def widened(self):
-        return FusedView(self.tensor.widened(), self.lo, self.hi)
-
-    def __getitem__(self, key):
-        region, post = region_of(key, self.shape, f"rows {self.lo}:{self.hi} of "
-                                                   f"{self.tensor.key}")
-        (e0, e1), (a0, a1), (b0, b1) = region
-        block = self.tensor[e0:e1, self.lo + b0:self.lo + b1, a0:a1]
-        return block.transpose(0, 2, 1)[post]
+def tiny_config() -> dict:
+    """A tiny MixtralForCausalLM config (Llama's tiny one with 4 experts, top-2) that the
+    conformance test (tests/hf/test_architectures.py) builds a random transformers model from."""
+    return dict(llama.tiny_config(), num_local_experts=4, num_experts_per_tok=2)

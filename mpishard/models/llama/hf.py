@@ -1,6 +1,6 @@
 """Llama (`LlamaForCausalLM`) <-> ms.Llama: the config fields and the one name map.
 
-ms.Llama (nn/llama.py) computes HF's LlamaForCausalLM exactly: RMSNorm, rotate-half rotary
+ms.Llama (spec.py) computes HF's LlamaForCausalLM exactly: RMSNorm, rotate-half rotary
 positions, SwiGLU, grouped-query attention, no biases. HF's weights are nn.Linear (out, in);
 ours are (in, out), so every projection is transposed (the norms and embedding are not):
 
@@ -18,7 +18,7 @@ ours are (in, out), so every projection is transposed (the norms and embedding a
     lm_head.weight (V, D)                                head/weights (D, V); absent when tied
 
 A field the config.json omits takes LlamaConfig's default (DEFAULTS: rope_theta 10000,
-rms_norm_eps 1e-6, as many kv heads as heads, untied, ...); mixtral.py passes MixtralConfig's.
+rms_norm_eps 1e-6, as many kv heads as heads, untied, ...); hf_mixtral.py passes MixtralConfig's.
 Refused config fields (they change the math): hidden_act other than silu, head_dim other
 than hidden_size / num_attention_heads, attention_bias, mlp_bias, any rope scaling
 (rope_scaling, or rope_parameters with a rope_type other than default), sliding windows
@@ -27,12 +27,10 @@ rotary pairs (rope_interleaved; HF's Llama rotates halves).
 """
 from __future__ import annotations
 
-from .. import models
-from .fields import field, ints, only
+from ...hfmap.fields import field, ints, only
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
-KIND = "llama"
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
                "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -62,14 +60,11 @@ def _rope_theta(cfg: dict, a: str, defaults: dict) -> float:
     return float(rope.get("rope_theta", field(cfg, defaults, "rope_theta")))
 
 
-def from_config(cfg: dict, a: str = ARCHITECTURE, defaults=None, **experts):
-    """The ms.Llama a LlamaForCausalLM config.json describes (ValueError naming a field), an
-    absent field read as `defaults` (the architecture's transformers config class: DEFAULTS,
-    LlamaConfig's, unless given). `a` names the architecture in errors; `experts`: mixtral.py's
-    MoE keyword arguments."""
-    Llama = getattr(models, "Llama", None)           # nn/llama.py (ms.Llama)
-    if Llama is None:
-        raise ValueError(f"{a}: this mpishard has no ms.Llama to load it into")
+def spec_args(cfg: dict, a: str = ARCHITECTURE, defaults=None, **experts) -> dict:
+    """The ms.Llama keywords a LlamaForCausalLM config.json describes (Llama.from_hf_config
+    builds the spec; ValueError naming a field), an absent field read as `defaults` (the
+    architecture's transformers config class: DEFAULTS, LlamaConfig's, unless given). `a` names
+    the architecture in errors; `experts`: hf_mixtral.py's MoE keyword arguments."""
     dflt = DEFAULTS if defaults is None else defaults
     for name, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False,)),
                           ("mlp_bias", (False,)), ("sliding_window", (None,)),
@@ -89,16 +84,16 @@ def from_config(cfg: dict, a: str = ARCHITECTURE, defaults=None, **experts):
     # absent: the class's default (Llama: the heads, Mixtral: 8); null: the heads (both)
     kv = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else \
         dflt["num_key_value_heads"]
-    return Llama(vocab_size=ints(field(cfg, dflt, "vocab_size"), "vocab_size"),
-                 seq_len=ints(field(cfg, dflt, "max_position_embeddings"),
-                              "max_position_embeddings"),
-                 d_model=d, n_heads=h,
-                 n_layers=ints(field(cfg, dflt, "num_hidden_layers"), "num_hidden_layers"),
-                 n_kv_heads=None if kv is None else ints(kv, "num_key_value_heads"),
-                 d_ff=ints(field(cfg, dflt, "intermediate_size"), "intermediate_size"),
-                 rope_theta=_rope_theta(cfg, a, dflt),
-                 norm_eps=float(field(cfg, dflt, "rms_norm_eps")),
-                 tied=bool(field(cfg, dflt, "tie_word_embeddings")), **experts)
+    return dict(vocab_size=ints(field(cfg, dflt, "vocab_size"), "vocab_size"),
+                seq_len=ints(field(cfg, dflt, "max_position_embeddings"),
+                             "max_position_embeddings"),
+                d_model=d, n_heads=h,
+                n_layers=ints(field(cfg, dflt, "num_hidden_layers"), "num_hidden_layers"),
+                n_kv_heads=None if kv is None else ints(kv, "num_key_value_heads"),
+                d_ff=ints(field(cfg, dflt, "intermediate_size"), "intermediate_size"),
+                rope_theta=_rope_theta(cfg, a, dflt),
+                norm_eps=float(field(cfg, dflt, "rms_norm_eps")),
+                tied=bool(field(cfg, dflt, "tie_word_embeddings")), **experts)
 
 
 def to_config(model) -> dict:
@@ -139,3 +134,12 @@ def name_map(model, keys=None) -> dict:
 def ignored(key: str, model) -> bool:
     """File keys that are not parameters: rotary buffers of old files, a tied lm_head copy."""
     return key.endswith(".rotary_emb.inv_freq") or (model.tied and key == "lm_head.weight")
+
+
+def tiny_config() -> dict:
+    """A tiny LlamaForCausalLM config (an odd vocabulary, 2 kv heads for 4, untied) that the
+    conformance test (tests/hf/test_architectures.py) builds a random transformers model from."""
+    return {"vocab_size": 97, "max_position_embeddings": 16, "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rope_theta": 500.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False}

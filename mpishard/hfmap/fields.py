@@ -1,10 +1,10 @@
 """Reading a config.json as transformers reads it, and strictly.
 
-Every architecture module (gpt2.py, llama.py, mixtral.py) keeps `DEFAULTS`, the defaults of its
-own transformers config class (GPT2Config, LlamaConfig, MixtralConfig) for each field it reads:
-`field` takes a field from the file, else that default, so a config.json that omits a field
-gives the model transformers builds from it (a Mixtral without rope_theta rotates with 1e6,
-not Llama's 10000). tests/hf/test_hf_defaults.py checks DEFAULTS against the installed
+Every architecture's name map (models/gpt/hf.py, models/llama/hf.py, ...) keeps `DEFAULTS`, the
+defaults of its own transformers config class (GPT2Config, LlamaConfig, MixtralConfig) for each
+field it reads: `field` takes a field from the file, else that default, so a config.json that
+omits a field gives the model transformers builds from it (a Mixtral without rope_theta rotates
+with 1e6, not Llama's 10000). tests/hf/test_hf_defaults.py checks DEFAULTS against the installed
 transformers. The fields that change the math are checked with `only`: a value other than the
 ones mpishard computes raises ValueError naming the field, its value and what is supported,
 never a silent approximation.

@@ -1,11 +1,11 @@
-"""checkpoint.lazy.region_of: the one reading of an index for every lazily read array
+"""hfmap.views.region_of: the one reading of an index for every lazily read array
 (LazyArray, hf's SafeTensor, Mixtral's expert views). Reading its region and applying its
 `post` index equals numpy's own indexing, steps (forward and backward), ints and Ellipsis
 included; anything else is a clear error naming the array."""
 import numpy as np
 import pytest
 
-from mpishard.checkpoint.lazy import region_of
+from mpishard.hfmap.views import region_of
 
 KEYS = [np.s_[...], np.s_[1:4, 2:7], np.s_[..., 3], np.s_[-1], np.s_[::2, ::-3],
         np.s_[5:1:-2, :], np.s_[2:2], np.s_[:, 7], np.s_[1, ..., ::3], np.s_[1:6:2, 1],

@@ -1,6 +1,6 @@
 """GPT-2 (`GPT2LMHeadModel`) <-> ms.GPT: the config fields and the one name map.
 
-ms.GPT is GPT-2's layout (nn/gpt.py): pre-LayerNorm blocks, tanh GELU, LayerNorm eps 1e-5, and
+ms.GPT is GPT-2's layout (spec.py): pre-LayerNorm blocks, tanh GELU, LayerNorm eps 1e-5, and
 GPT-2's Conv1D weights are already (in, out), ours too, so no weight is transposed except an
 untied lm_head (an nn.Linear, (V, D)). The fused qkv (D, 3D) splits q | k | v in the same order.
 
@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import re
 
-from ..models.gpt.spec import GPT
-from .fields import field, ints, only
+from ...hfmap.fields import field, ints, only
 
 ARCHITECTURE = "GPT2LMHeadModel"
 MODEL_TYPE = "gpt2"
-KIND = "gpt"
 PREFIX = "transformer."
 IGNORED = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
 # The fields to_config writes (the model's math); save copies the source's others over.
@@ -51,9 +49,10 @@ DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 
             "add_cross_attention": False, "tie_word_embeddings": True}
 
 
-def from_config(cfg: dict) -> GPT:
-    """The ms.GPT a GPT2LMHeadModel config.json describes, an absent field read as GPT2Config's
-    default (DEFAULTS); ValueError naming a field we lack."""
+def spec_args(cfg: dict) -> dict:
+    """The ms.GPT keywords a GPT2LMHeadModel config.json describes (GPT.from_hf_config builds
+    the spec), an absent field read as GPT2Config's default (DEFAULTS); ValueError naming a
+    field we lack."""
     a, dflt = ARCHITECTURE, DEFAULTS
     for name, allowed in (("activation_function", ("gelu_new", "gelu_pytorch_tanh")),
                           ("layer_norm_epsilon", (1e-5,)), ("scale_attn_weights", (True,)),
@@ -63,17 +62,17 @@ def from_config(cfg: dict) -> GPT:
         only(cfg, a, name, allowed, dflt[name])
     d = ints(field(cfg, dflt, "n_embd", "hidden_size"), "n_embd")
     inner = cfg.get("n_inner")
-    return GPT(vocab_size=ints(field(cfg, dflt, "vocab_size"), "vocab_size"),
-               seq_len=ints(field(cfg, dflt, "n_positions", "max_position_embeddings", "n_ctx"),
-                            "n_positions"),
-               d_model=d, n_heads=ints(field(cfg, dflt, "n_head", "num_attention_heads"),
-                                       "n_head"),
-               n_layers=ints(field(cfg, dflt, "n_layer", "num_hidden_layers"), "n_layer"),
-               d_ff=4 * d if inner is None else ints(inner, "n_inner"),
-               tied=bool(field(cfg, dflt, "tie_word_embeddings")))
+    return dict(vocab_size=ints(field(cfg, dflt, "vocab_size"), "vocab_size"),
+                seq_len=ints(field(cfg, dflt, "n_positions", "max_position_embeddings",
+                                   "n_ctx"), "n_positions"),
+                d_model=d, n_heads=ints(field(cfg, dflt, "n_head", "num_attention_heads"),
+                                        "n_head"),
+                n_layers=ints(field(cfg, dflt, "n_layer", "num_hidden_layers"), "n_layer"),
+                d_ff=4 * d if inner is None else ints(inner, "n_inner"),
+                tied=bool(field(cfg, dflt, "tie_word_embeddings")))
 
 
-def to_config(model: GPT) -> dict:
+def to_config(model) -> dict:
     """The GPT2LMHeadModel config.json fields of `model` (sizes and the math)."""
     return {"vocab_size": model.vocab_size, "n_positions": model.seq_len,
             "n_ctx": model.seq_len, "n_embd": model.d_model, "n_layer": model.n_layers,
@@ -91,7 +90,7 @@ def fresh_config() -> dict:
             "bos_token_id": None, "eos_token_id": None}
 
 
-def name_map(model: GPT, keys=None) -> dict:
+def name_map(model, keys=None) -> dict:
     """{our name: (file key, transposed)}; the prefix is the one `keys` use (default
     `transformer.`, what save_pretrained writes)."""
     p = "" if keys is not None and "wte.weight" in keys else PREFIX
@@ -113,6 +112,13 @@ def name_map(model: GPT, keys=None) -> dict:
     return out
 
 
-def ignored(key: str, model: GPT) -> bool:
+def ignored(key: str, model) -> bool:
     """File keys that are not parameters: the mask buffers, and a tied file's lm_head copy."""
     return bool(IGNORED.match(key)) or (model.tied and key == "lm_head.weight")
+
+
+def tiny_config() -> dict:
+    """A tiny GPT2LMHeadModel config (an odd vocabulary, 2 blocks of 4 heads, untied) that the
+    conformance test (tests/hf/test_architectures.py) builds a random transformers model from."""
+    return {"vocab_size": 97, "n_positions": 16, "n_embd": 32, "n_inner": 48, "n_layer": 2,
+            "n_head": 4, "tie_word_embeddings": False}
