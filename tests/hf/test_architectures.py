@@ -35,12 +35,17 @@ CE = ms.losses.CrossEntropy()
 
 
 def build(hf_map, directory, seed=0):
-    """The tiny transformers model of `hf_map`, float64, saved under `directory`:
-    (directory, model in eval mode). The same on every rank for a seed."""
+    """The tiny transformers model of `hf_map`, float64, its norm weights and every bias moved
+    off 1 and 0 (a missing or swapped one cannot pass), saved under `directory`: (directory,
+    model in eval mode). The same on every rank for a seed."""
     torch.manual_seed(seed)
     cfg = transformers.AutoConfig.for_model(hf_map.MODEL_TYPE, **hf_map.tiny_config(),
                                             bos_token_id=BOS, eos_token_id=EOS)
     ref = _perturbed(transformers.AutoModelForCausalLM.from_config(cfg), seed)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
     assert type(ref).__name__ == hf_map.ARCHITECTURE
     ref.save_pretrained(str(directory))
     return str(directory), ref
