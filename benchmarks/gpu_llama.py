@@ -12,7 +12,7 @@ float32 (its default attention) with the same weights (written with ms.hf.save, 
 from_pretrained), forward, the same token-mean cross entropy, backward, on the same batch.
 The three alternate sample by sample (benchmarks/gpu.py timed, medians, ratios of medians in
 this one run). Both losses of one step are reported: the same model, so they agree to float32
-rounding. FLOPs: mpishard.cli.bench.gpt_flops (3 x the forward's matmuls).
+rounding. FLOPs: mpishard.models.gpt.costs.gpt_flops (3 x the forward's matmuls).
 
 Prints `BENCH {json}` lines as benchmarks/gpu.py does: `llama_size`, then `llama` (with `error`
 where a step failed, `skipped` past --budget).
@@ -27,7 +27,7 @@ import time
 
 import mpishard as ms
 from gpu import Device, emit, fitting_problem, our_engine, ours_figures, ours_pair, timed
-from mpishard.cli.bench import gpt_flops
+from mpishard.models.gpt.costs import gpt_flops
 
 LLAMA = dict(vocab_size=32000, seq_len=1024, d_model=768, n_heads=12, n_kv_heads=4,
              n_layers=12, d_ff=2048, batch=8)

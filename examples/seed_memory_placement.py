@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import mpishard as ms
 from mpishard.comm.mesh import AXES, coordinates, parse_layout
-from mpishard.parallel.costs import rank_memory
+from mpishard.costs.rank_costs import rank_memory
 
 DIMS = [784, 512, 256, 128, 10]
 DEFAULT_LAYOUTS = ["dp=4", "tp=4", "pp=4", "fsdp=4", "dp=2,tp=2"]

@@ -1,6 +1,6 @@
 """The calibration's whole-step measurements (cli/calibrate.py): the per-call costs of tiny
 models (`fixed`) and the mid-size reference models' train_step and AdamW step, over what the
-micro-benchmarks predict for them (`step_factor`, `optimizer_factor`: parallel/step_time.py).
+micro-benchmarks predict for them (`step_factor`, `optimizer_factor`: costs/step_time.py).
 Every timing goes through the `timed` passed in (calibrate.timed: every rank at once, windows
 of its WINDOW seconds), so this module needs nothing else of calibrate.py.
 """
@@ -14,7 +14,7 @@ from ..engine import make_engine
 from ..models.gpt.spec import GPT
 from ..nn.losses import MSE, CrossEntropy
 from ..models.mlp.spec import MLP
-from ..parallel.step_time import predict_rank
+from ..costs.step_time import predict_rank
 from ..train.optim import AdamW
 
 REFERENCE_STEPS = {   # reference_seconds' models and batches: mid-size, fixed
@@ -30,7 +30,7 @@ def step_seconds(model, comm, dtype, timed, batch: int = 2) -> tuple:
     engine.load_checkpoint(model.init(seed=0))
     opt = AdamW(engine, lr=1e-4)
     rng = np.random.default_rng(0)
-    if isinstance(model, GPT):
+    if model.takes_tokens:
         x = rng.integers(0, model.vocab_size, (batch, model.seq_len))
         t, loss = rng.integers(0, model.vocab_size, (batch, model.seq_len)), CrossEntropy()
     else:

@@ -23,7 +23,7 @@ from ..checkpoint import CheckpointError, describe, load
 from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.compose import plan_params
-from ..parallel.costs import check_fit, rank_memory
+from ..costs.rank_costs import check_fit, rank_memory
 from .model_flag import add_model_arguments, model_from_args
 from .usage import UsageError, print_report, world_comm
 

@@ -27,8 +27,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
-from ..parallel.costs import COMM_KINDS, check_fit, rank_memory, step_comm_total
-from ..parallel.step_time import predict_step, representative_ranks
+from ..costs.rank_costs import COMM_KINDS, check_fit, rank_memory, step_comm_total
+from ..costs.step_time import predict_step, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
@@ -87,7 +87,7 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
     itemsize = np.dtype(dtype).itemsize
     rows, rejected = [], []
     for text in candidate_layouts(world_size, microbatches, getattr(model, "seq_len", None),
-                                  getattr(model, "n_experts", None)):
+                                  model.planned_experts()):
         try:                            # (or one a strategy has no cost model for yet)
             layout = parse_layout(text)
             check_fit(model, layout, batch)
@@ -137,7 +137,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
                  ["step:   predicted seconds per train_step + optimizer step "
-                  "(parallel/step_time.py and the calibration); * the predicted best"]
+                  "(costs/step_time.py and the calibration); * the predicted best"]
                  if calibration else []) + [""]
     timed = [] if not calibration else ["step"]
     widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \

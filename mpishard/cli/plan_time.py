@@ -21,8 +21,7 @@ from mpi4py import MPI
 from ..comm.mesh import parse_layout
 from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
-from ..parallel.model_costs import is_gpt
-from ..parallel.step_time import predict_step
+from ..costs.step_time import predict_step
 from ..train.optim import AdamW
 from .calibrate import layer_gflops
 
@@ -36,7 +35,7 @@ def step_fn(model, layout, batch, dtype, comm):
     engine.load_checkpoint(model.init(seed=0))
     opt = AdamW(engine, lr=1e-4)
     rng = np.random.default_rng(0)
-    if is_gpt(model):
+    if model.takes_tokens:
         x = rng.integers(0, model.vocab_size, (batch, model.seq_len))
         t, loss = rng.integers(0, model.vocab_size, (batch, model.seq_len)), CrossEntropy()
     else:

@@ -37,7 +37,7 @@ No backward gather where no input gradient is needed: the model's first layer (a
 Linear 0 and a MoE layer on pipeline stage 0, need_dx=False) computes only dW = x^T dy and
 db, which need x and dy, not W, so its backward gets nothing (a GPT's first unit, the
 embedding, gets nothing in its backward anyway). The cost model counts the same
-(model_costs.param_uses), and prefetch=1 learns its plans from the gets that happen.
+(the spec's param_uses), and prefetch=1 learns its plans from the gets that happen.
 
 Activation gradients (dL/dx) are per-row quantities, so they are never reduce-scattered.
 
@@ -84,7 +84,6 @@ from . import placement as pl
 from .data_parallel import plan_buckets
 from .fsdp_buckets import GradBuckets, bucket_calls, bucket_limit, pad_rows, reduce_scatter_chunks
 from .fsdp_prefetch import Prefetcher
-from .model_costs import grad_order, param_uses
 
 FSDP_SHARD = pl.Shard("fsdp", 0, pad=True)
 
@@ -295,7 +294,7 @@ def step_comm(view) -> dict:
     into the owned slice (ZeRO-2 per microbatch, ZeRO-1 once at sync) and all-gather the
     updated slices after the optimizer step: (N-1) x slice bytes each. How often a unit gets
     a parameter and adds its gradient (a tied GPT head, recompute, layer 0) is
-    model_costs.param_uses. Buckets change the calls (step_calls), not the bytes."""
+    the spec's param_uses. Buckets change the calls (step_calls), not the bytes."""
     n, m = view.size("fsdp"), view.microbatches
     if n == 1:
         return {}
@@ -305,12 +304,12 @@ def step_comm(view) -> dict:
         stage = zero_stage(info.placement, view.layout)
         if stage == 3:
             shard = view.nbytes(view.blocks[name])
-            gathers, adds = param_uses(view.model, view.layout, name, view.params)
+            gathers, adds = view.model.param_uses(view.layout, name, view.params)
             step["all_gather"] += m * gathers * (n - 1) * shard
             step["reduce_scatter"] += m * adds * (n - 1) * shard
         else:
             owned = view.nbytes(view.grad_blocks[name])
-            uses = param_uses(view.model, view.layout, name, view.params)
+            uses = view.model.param_uses(view.layout, name, view.params)
             adds = m * uses[1] if stage == 2 else 1
             step["reduce_scatter"] += adds * (n - 1) * owned
             opt["all_gather"] += (n - 1) * owned
@@ -320,7 +319,7 @@ def step_comm(view) -> dict:
 def step_calls(view) -> dict:
     """The calls behind step_comm's bytes, as `engine.comm_calls` counts them: ZeRO-3 one
     all_gather per get (param_uses) and microbatch; ZeRO-2/3 fsdp_buckets.bucket_calls over
-    the padded gradients in the order the backward adds them (model_costs.grad_order), the m
+    the padded gradients in the order the backward adds them (the spec's grad_order), the m
     microbatches one after the other (exact when each microbatch's backward adds its stage's
     gradients together; the interleaved and zb1p schedules order them otherwise, so there it
     estimates); ZeRO-1's reduce-scatter and ZeRO-1/2's optimizer all_gather: their buckets."""
@@ -330,9 +329,9 @@ def step_calls(view) -> dict:
     limit = bucket_limit(view.layout)
     stage = {name: zero_stage(info.placement, view.layout) for name, info in view.params.items()}
     padded = {name: n * view.nbytes(view.grad_blocks[name]) for name in view.params}
-    gets = sum(m * param_uses(view.model, view.layout, name, view.params)[0]
+    gets = sum(m * view.model.param_uses(view.layout, name, view.params)[0]
                for name in view.params if stage[name] == 3)
-    streamed = [padded[k] for k in grad_order(view.model, [k for k in stage if stage[k] > 1])]
+    streamed = [padded[k] for k in view.model.grad_order([k for k in stage if stage[k] > 1])]
     held = [padded[k] for k in reversed(list(stage)) if stage[k] == 1]
     replicated = [padded[k] for k in stage if stage[k] < 3]
     return {"train_step": {"all_gather": gets, "reduce_scatter":

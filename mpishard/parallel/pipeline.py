@@ -49,7 +49,6 @@ import numpy as np
 
 from .schedules import make_schedule, splits_backward
 from .stages import assign_stages, pipeline_options
-from .model_costs import boundary_width
 
 # message kinds: an activation (forward), a gradient (backward), and in streaming inference
 # the count of requests that follow in a group (fewer than a full group: the end of stream)
@@ -247,7 +246,7 @@ class PipelineRunner:
         for a in self.schedule:
             mb, c, k = a.microbatch, a.chunk, self._k(a.chunk)
             self.comm.context(microbatch=mb)                     # for a CollectiveTimeout
-            self.before_action(a)              # e.g. moe_transformer.AuxLossPipeline's hook
+            self.before_action(a)              # e.g. aux_loss.AuxLossPipeline's hook
             if a.kind == "W":                                    # weight gradients of B(mb)
                 t0 = time.perf_counter()
                 self._chunk_weights(c, mb)
@@ -365,9 +364,9 @@ def step_microbatches(layout) -> int:
 
 def boundary_widths(model, layout) -> dict:
     """Virtual stage k -> width of the activation it sends on, per batch row: its last layer's
-    output on one tp rank, or a GPT's residual stream (model_costs.boundary_width)."""
+    output on one tp rank, or a decoder's residual stream (the spec's boundary_width)."""
     vstages = assign_stages(model, layout)
-    return {vstages[spec.index]: boundary_width(model, layout, spec)
+    return {vstages[spec.index]: model.boundary_width(layout, spec)
             for spec in model.layers()}                # a stage's later layers overwrite
 
 

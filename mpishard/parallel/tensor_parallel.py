@@ -23,6 +23,8 @@ row b and the replicated last layer: replicated on tp.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from ..nn.layers import Layer, Linear
 from .placement import Shard
 
@@ -134,8 +136,8 @@ def step_comm(view) -> dict:
     the backward; per row layer, ReduceFromTP's all_reduce of its partial output
     (rows x d_out) in the forward; the replicated odd last layer sends nothing."""
     tp = view.size("tp")
-    if tp == 1 or getattr(view.model, "kind", "mlp") in ("gpt", "llama"):
-        return {}                          # a GPT's tp is gpt_tensor_parallel.step_comm
+    if tp == 1:
+        return {}
     n_layers = view.model.n_layers
     sent = 0.0
     for spec in view.layers:
@@ -145,3 +147,15 @@ def step_comm(view) -> dict:
         elif role == "row":
             sent += view.all_reduce_bytes("tp", view.rows * spec.d_out * view.itemsize)
     return {"train_step": {"all_reduce": sent}}
+
+
+def step_calls(view) -> Counter:
+    """The calls behind step_comm's bytes: one all_reduce per column layer but the first and
+    per row layer, each microbatch."""
+    if view.size("tp") == 1:
+        return Counter()
+    n = view.model.n_layers
+    per_mb = sum(1 for spec in view.layers
+                 if tp_role(spec.index, n) == "row" or
+                 tp_role(spec.index, n) == "column" and spec.index > 0)
+    return Counter(all_reduce=view.microbatches * per_mb)

@@ -23,8 +23,9 @@ import mpishard as ms
 from mpishard import cli
 from mpishard.cli import plan
 from mpishard.comm.mesh import rank_of
-from mpishard.parallel import costs
-from mpishard.cli.bench import gpt_flops, model_flops
+from mpishard.costs import rank_costs as costs
+from mpishard.models.gpt.costs import gpt_flops
+from mpishard.models.mlp.costs import model_flops
 
 from conftest import RTOL32, assert_close, engine_lines, group_comm, run_mpi
 
@@ -254,14 +255,14 @@ def test_tp_and_pp_terms():
 
 
 def test_every_strategy_owns_its_cost_model():
-    """plan and inspect only add up STRATEGY_COSTS: each strategy file exposes memory and
+    """plan and inspect only add up strategy_costs: each strategy file exposes memory and
     step_comm, and a strategy whose axis is absent costs nothing."""
     model = ms.MLP([12, 16, 8, 6])
     view = costs.rank_view(model, ms.parse_layout("single"), 0, itemsize=8, batch=16)
-    for strategy in costs.STRATEGY_COSTS:
-        assert strategy.memory(view, 2) == {}, strategy.__name__
+    for strategy in costs.strategy_costs(model):
+        assert strategy.memory(view, 2) == {}, strategy
         assert not any(v for kinds in strategy.step_comm(view).values()
-                       for v in kinds.values()), strategy.__name__
+                       for v in kinds.values()), strategy
     assert costs.step_comm(model, ms.parse_layout("single"), 0, 16) == {"train_step": {},
                                                                         "optimizer": {}}
 

@@ -32,7 +32,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "mpishard"
 
 # Lower layers first; a module may import its own layer and the layers before it.
-LAYERS = ["validate", "comm", "nn", "parallel", "hfmap", "models", "engine", "train",
+LAYERS = ["validate", "comm", "nn", "parallel", "hfmap", "models", "costs", "engine", "train",
           "checkpoint", "hf", "cli"]
 TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "engine.py", "validate.py"}
 MAX_LINES = 400

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.parallel import costs, fsdp
+from mpishard.costs import rank_costs as costs
+from mpishard.parallel import fsdp
 from mpishard.parallel.fsdp_buckets import bucket_calls
-from mpishard.parallel.model_costs import grad_order
 
 from conftest import RTOL32, assert_close, assert_dicts_close, group_comm
 
@@ -81,7 +81,7 @@ def check_buckets(model, params, x, t, base, n, g_ref, loss="mse", rtol=1e-9):
         runs[mb] = (grads, calls, sent, e)
     grads0, calls0, sent0, e0 = runs[0]
     # every gradient once per microbatch (a tied GPT's embed/tokens twice)
-    tensors = microbatches(e0) * len(grad_order(model, list(e0.params)))
+    tensors = microbatches(e0) * len(model.grad_order(list(e0.params)))
     rs = {mb: r[1]["reduce_scatter"] for mb, r in runs.items()}
     if e0.comm.mesh.coords["fsdp"] == 0:
         print(f"{base}: reduce_scatter calls per step ({tensors} gradients over "

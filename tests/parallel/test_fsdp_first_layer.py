@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from mpishard.parallel import costs
+from mpishard.costs import rank_costs as costs
 
 from conftest import assert_dicts_close, group_comm
 

@@ -133,7 +133,7 @@ PLAN_LAYOUTS = [(8, "dp=2,tp=2,pp=2"), (8, "fsdp=2,tp=2,pp=2"), (8, "fsdp=4,tp=2
 @pytest.mark.parametrize("n,layout", PLAN_LAYOUTS, ids=[lt for _, lt in PLAN_LAYOUTS])
 def test_inspect_plan_matches_running_engine(n, layout):
     """What `inspect --layout` predicts per rank is what the running engine holds."""
-    from mpishard.parallel.costs import rank_memory
+    from mpishard.costs.rank_costs import rank_memory
 
     comm = group_comm(n)
     model = ms.MLP([7, 16, 16, 8, 5], activation="relu")

@@ -13,7 +13,7 @@ import mpishard as ms
 from conftest import assert_close, assert_dicts_close, group_comm, single_reference
 from mpishard.parallel import placement as pl
 from mpishard.parallel.compose import plan_params
-from mpishard.parallel.costs import rank_memory
+from mpishard.costs.rank_costs import rank_memory
 from test_device_double import MODES, device_backend
 from test_gpt_engine import make_case, step_against_single
 

@@ -1,10 +1,10 @@
-"""The planner's step-time model (parallel/step_time.py, parallel/comm_calls.py) and its
+"""The planner's step-time model (costs/step_time.py, costs/call_counts.py) and its
 calibration and validation (cli/calibrate.py, cli/plan_time.py).
 
-    pytest -m "not mpi" tests/parallel/test_step_time.py                  # pure: exact values
-    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_step_time.py
+    pytest -m "not mpi" tests/costs/test_step_time.py                  # pure: exact values
+    mpiexec -n 4 python -m mpi4py -m pytest --with-mpi -m mpi tests/costs/test_step_time.py
 
-The MPI tests hold comm_calls.step_calls to the engine's own call counters on every rank
+The MPI tests hold call_counts.step_calls to the engine's own call counters on every rank
 (MLP and GPT layouts at 4 ranks) and run a (shortened) calibration and validation.
 """
 import json
@@ -20,9 +20,9 @@ from mpishard.cli import calibrate_steps as cal_steps
 from mpishard.cli.plan import candidate_layouts, plan_report
 from mpishard.cli.plan_time import validate, validation_report
 from mpishard.comm.mesh import parse_layout
-from mpishard.parallel.comm_calls import step_calls
-from mpishard.parallel.costs import check_fit, rank_memory, rank_view, step_comm_total
-from mpishard.parallel.step_time import (LEND_AFTER, bubble, bubble_factor, call_seconds,
+from mpishard.costs.call_counts import step_calls
+from mpishard.costs.rank_costs import check_fit, rank_memory, rank_view, step_comm_total
+from mpishard.costs.step_time import (LEND_AFTER, bubble, bubble_factor, call_seconds,
                                          comm_terms, elementwise_seconds, gemms,
                                          group_spans_nodes, interpolate, lent, op_seconds,
                                          optimizer_seconds, predict_rank, predict_step,

@@ -8,9 +8,10 @@ of the busiest rank (the slowest of `representative_ranks`), where
 - gemm: each GEMM call's FLOPs over the calibrated rate at that many FLOPs per call (log-log
   interpolation of the `gemm` curve; the attention's batched GEMMs on `bgemm`). Per weight
   block: forward 2 r d_in d_out, backward twice that, less an MLP's first dx (nothing needs it),
-  plus a forward more under recompute=1; ZeRO-3 computes with the gathered weight. A GPT adds
-  per block and microbatch its attention: 2 batched GEMMs forward (q k^T, p v), 5 backward
-  (the scores again, dv, dp, dq, dk), on (heads / tp) x T_q x T_k x D_h.
+  plus a forward more under recompute=1; ZeRO-3 computes with the gathered weight. A decoder
+  adds per block and microbatch its attention: 2 batched GEMMs forward (q k^T, p v), 5 backward
+  (the scores again, dv, dp, dq, dk), on (heads / tp) x T_q x T_k x D_h. The model's spec
+  lists them (step_gemms: models/<name>/costs.py).
 - elementwise: per array, its elements x the calibrated seconds per element of the op at
   that array size (`ops`, interpolated like the GEMM rates: small arrays pay the call, large
   ones the memory): per MLP layer its activation and bias (forward + backward) and the MSE;
@@ -19,11 +20,12 @@ of the busiest rank (the slowest of `representative_ranks`), where
   residuals, head splits); the embedding, ln_f and the
   cross-entropy on the first and last stage; FSDP's copies around its calls (a pass over
   the full tensor per pack or gathered copy); AdamW over the rank's gradient blocks; a
-  Mixtral's experts (moe_costs.py: GEMMs and SwiGLU at the expected k rows per token, its ep
-  exchange and routing statistics as groups of their own). Plus the
+  Mixtral's experts (models/llama/costs.py: GEMMs and SwiGLU at the expected k rows per
+  token, its ep exchange and routing statistics as groups of their own). The model's spec
+  prices its own part (step_elementwise). Plus the
   per-call costs (`fixed`): per layer or block and microbatch, per step, per optimizer tensor.
-- step_factor, optimizer_factor: the calibration's factors of the model's kind (mlp or gpt;
-  1 without them): the train_step's terms (GEMMs and its element-wise work) times
+- step_factor, optimizer_factor: the calibration's factors of the model's calibration_key
+  (mlp or gpt; 1 without them): the train_step's terms (GEMMs and its element-wise work) times
   `step_factor`, the optimizer's (AdamW per element and per tensor) times
   `optimizer_factor` (`step_factor` in a calibration without one). Each is a mid-size
   reference model's measured train_step, or AdamW step, over what the terms predict for it,
@@ -38,13 +40,14 @@ of the busiest rank (the slowest of `representative_ranks`), where
   which grows with the span against the scheduler's slice (short spans lend nothing).
 - communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
   calls (comm_calls.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
-  fsdp, the averaging axes for dp's gradients and for the loss): calls x the calibrated
+  fsdp, the averaging axes for dp's gradients and for the loss; the model's own parts'
+  time_groups): calls x the calibrated
   seconds of one call of that kind and group size at the mean bytes per call
   (`call_seconds`). A calibration with `ranks_per_node` (ranks numbered tp innermost,
   mesh.coordinates) takes a group whose ranks span more than one node from
   `collectives_inter` (two-level alpha-beta: NVLink inside a node, the network between).
 
-A calibration (cli/calibrate.py writes one; examples/calibration.example.json was measured,
+A calibration (costs/calibrate.py writes one; examples/calibration.example.json was measured,
 examples/calibration.h100-cluster.json is assumed from public specs) is a dict:
 {"gemm": [[flops per call, GFLOP/s], ...], "bgemm": [...], "concurrency": k,
  "ops": {op: [[elements, seconds per element], ...]},
@@ -61,13 +64,11 @@ from itertools import product
 from math import log, prod
 
 from ..comm.mesh import AVERAGE_AXES, AXES, rank_of
-from . import (comm_calls, context_parallel, data_parallel, fsdp, gpt_tensor_parallel,
-               moe_costs, pipeline, tensor_parallel)
-from .costs import rank_view
-from .model_costs import gpt_stage, is_gpt, local_tokens, param_uses
-from .schedules import make_schedule, simulate
-from .stages import pipeline_options
-from .tensor_parallel import output_width, tp_role
+from ..parallel import context_parallel, data_parallel, fsdp, pipeline
+from ..parallel.schedules import make_schedule, simulate
+from ..parallel.stages import pipeline_options
+from . import call_counts
+from .rank_costs import rank_view
 
 
 def _sent(*strategies):
@@ -88,25 +89,30 @@ def _loss_bytes(view) -> float:
 
 
 def _gradient_sync_bytes(view) -> dict:
-    """data_parallel's bytes less the loss (a group of its own), plus a Mixtral's gradients
-    averaged over ep too."""
+    """data_parallel's bytes less the loss (a group of its own), plus what the model's own ep
+    parts add to it (a Mixtral's gradients averaged over ep too)."""
     out = _sent(data_parallel)(view)
-    out["all_reduce"] = out.get("all_reduce", 0) - _loss_bytes(view) \
-        + moe_costs.ep_gradient_bytes(view).get("all_reduce", 0)
+    extra = sum(part.gradient_bytes(view).get("all_reduce", 0)
+                for part in view.model.cost_parts()["ep"])
+    out["all_reduce"] = out.get("all_reduce", 0) - _loss_bytes(view) + extra
     return out
 
 
-# (calls, bytes, the axes their group spans), each exactly the engine's counters
-GROUPS = ((comm_calls.tp_calls, _sent(tensor_parallel, gpt_tensor_parallel), ("tp",)),
-          (comm_calls.cp_calls, _sent(context_parallel), ("cp",)),
-          (comm_calls.pp_calls, _sent(pipeline), ("pp",)),
-          (comm_calls.fsdp_calls, _sent(fsdp), ("fsdp",)),
-          (comm_calls.dp_calls, _gradient_sync_bytes, ("dp", "ep", "cp")),
-          (moe_costs.exchange_calls, moe_costs.exchange_bytes, ("ep",)),
-          (moe_costs.tp_partial_calls, moe_costs.tp_partial_bytes, ("tp",)),
-          (moe_costs.stats_calls, moe_costs.stats_bytes, ("dp", "fsdp", "ep", "cp")),
-          (comm_calls.loss_calls, lambda view: {"all_reduce": _loss_bytes(view)},
-           AVERAGE_AXES))
+def groups(model) -> tuple:
+    """(calls, bytes, the axes their group spans) of each group a rank's calls run on, each
+    exactly the engine's counters: the model's own tp parts, cp, pp, fsdp, the gradient sync,
+    the model's own ep parts' groups, the loss."""
+    parts = model.cost_parts()
+    own_tp, own_ep = (tuple(group for part in parts[key] for group in part.time_groups())
+                      for key in ("tp", "ep"))
+    return (*own_tp,
+            (call_counts.cp_calls, _sent(context_parallel), ("cp",)),
+            (call_counts.pp_calls, _sent(pipeline), ("pp",)),
+            (call_counts.fsdp_calls, _sent(fsdp), ("fsdp",)),
+            (call_counts.dp_calls, _gradient_sync_bytes, ("dp", "ep", "cp")),
+            *own_ep,
+            (call_counts.loss_calls, lambda view: {"all_reduce": _loss_bytes(view)},
+             AVERAGE_AXES))
 
 
 def interpolate(curve, x: float) -> float:
@@ -135,89 +141,15 @@ def op_seconds(ops: dict, name: str, n: float) -> float:
 
 def gemms(view) -> list:
     """(flops per GEMM call, calls per step, curve) of each GEMM this rank runs in one
-    train_step; curve 'gemm' (the layers) or 'bgemm' (the attention's batched ones)."""
-    layout, m = view.layout, view.microbatches
-    gpt = is_gpt(view.model)
-    forwards = 2 if layout.option("recompute") == "1" else 1
-    rows = view.rows * (local_tokens(view.model, layout) if gpt else 1)
-    out = []
-    for name, info in view.params.items():
-        shape = view.blocks[name]
-        if len(shape) != 2 or name == "embed/positions" or \
-                name == "embed/tokens" and not getattr(view.model, "tied", False):
-            continue                                  # biases, LN, embedding look-ups
-        size = shape[0] * shape[1] * (layout.size("fsdp") if not
-                                      info.placement.is_replicated_on("fsdp") else 1)
-        passes = forwards + (1 if name == "layer_0/weights" and not gpt else 2)
-        out.append((2 * rows / m * size, passes * m, "gemm"))
-    if gpt:
-        stage, model, c = gpt_stage(view), view.model, layout.size("cp")
-        heads, dh = model.n_heads // layout.size("tp"), model.d_model // model.n_heads
-        if layout.option("cp_kind", "ring") == "ring":      # c blocks of T/c keys each
-            tq, tk, blocks = model.seq_len // c, model.seq_len // c, c
-        else:                                               # Ulysses: heads over cp
-            heads, tq, tk, blocks = heads // c, model.seq_len, model.seq_len, 1
-        per_call = 2 * (view.rows / m) * heads * tq * tk * dh
-        out.append((per_call, (2 * forwards + 5) * stage.blocks * blocks * m, "bgemm"))
-    return out + moe_costs.expert_gemms(view)       # 3-d expert weights: skipped above
+    train_step; curve 'gemm' (the layers) or 'bgemm' (the attention's batched ones): the
+    model's step_gemms."""
+    return view.model.step_gemms(view)
 
 
 def gemm_seconds(view, calibration: dict) -> float:
     """Seconds of GEMM work of `view`'s rank per train_step."""
     return sum(calls * flops / (interpolate(calibration[curve], flops) * 1e9)
                for flops, calls, curve in gemms(view))
-
-
-def _mlp_elementwise(view, ops, fixed) -> float:
-    model, m = view.model, view.microbatches
-    rows, tp = view.rows / m, view.layout.size("tp")
-    seconds = 0.0
-    for spec in view.layers:
-        size = rows * output_width(spec, model.n_layers, tp)
-        last = spec.index == model.n_layers - 1
-        seconds += op_seconds(ops, model.final_activation if last else model.activation, size)
-        seconds += (2 * (f"layer_{spec.index}/bias" in view.params)   # bias: add, gradient
-                    + 3 * last) * op_seconds(ops, "pass", size)       # MSE
-        if tp > 1 and tp_role(spec.index, model.n_layers) == "column" and spec.index:
-            seconds += op_seconds(ops, "pass", rows * spec.d_in)      # CopyToTP's dx
-    return m * (seconds + len(view.layers) * fixed["mlp_layer"] + fixed["mlp_base"])
-
-
-def _gpt_elementwise(view, ops, fixed) -> float:
-    model, layout, m = view.model, view.layout, view.microbatches
-    stage, t = gpt_stage(view), layout.size("tp")
-    d, f = model.d_model, model.d_ff
-    tokens = view.rows / m * local_tokens(model, layout)
-    seq = tokens / t if layout.option("sequence_parallel", 0) else tokens
-    scores = view.rows / m * model.n_heads / t * local_tokens(model, layout) * model.seq_len
-    ring = layout.option("cp_kind", "ring") == "ring" and layout.size("cp") > 1
-    steps = layout.size("cp") if ring else 1     # ring: a block of scores per step, merged
-    if moe_costs.is_moe(model):     # k experts' SwiGLU per token (not split over tp), the mix
-        mlp = op_seconds(ops, "sigmoid", seq * f * model.top_k) + \
-            4 * op_seconds(ops, "pass", seq * f * model.top_k) + \
-            4 * op_seconds(ops, "pass", seq * d * model.top_k)
-        extra = 2 * 4 * op_seconds(ops, "pass", tokens * d / t)
-    elif getattr(model, "kind", "gpt") == "llama":  # SwiGLU: sigmoid, 4 products of (T, F);
-        mlp = op_seconds(ops, "sigmoid", tokens * f / t) + \
-            4 * op_seconds(ops, "pass", tokens * f / t)            # rotary on q, k both ways;
-        extra = 2 * 4 * op_seconds(ops, "pass", tokens * d / t)   # RMSNorm ~ LayerNorm, no bias
-    else:
-        mlp = op_seconds(ops, "gelu", tokens * f / t)
-        extra = (2 * sum(op_seconds(ops, "pass", tokens * w / t) for w in (3 * d, f))  # biases
-                 + 2 * 2 * op_seconds(ops, "pass", seq * d))      # row biases: add, gradient
-    block = (2 * op_seconds(ops, "layernorm", seq * d) + mlp + extra
-             + steps * op_seconds(ops, "softmax", scores / steps)
-             + (steps - 1) * 6 * op_seconds(ops, "pass", tokens * d / t)      # online merges
-             + 2 * 4 * op_seconds(ops, "pass", tokens * d / t)    # q|k|v|out head splits
-             + 4 * op_seconds(ops, "pass", seq * d))         # residual adds, both ways
-    block *= (2 + (2 if layout.option("recompute") == "1" else 1)) / 3    # a forward is ~1/3
-    seconds = stage.blocks * block
-    if stage.first:
-        seconds += op_seconds(ops, "embedding", seq * d)
-    if stage.last:
-        seconds += op_seconds(ops, "layernorm", seq * d) + \
-            op_seconds(ops, "xent", tokens * model.vocab_size / t)
-    return m * (seconds + stage.blocks * fixed["gpt_block"] + fixed["gpt_base"])
 
 
 def _fsdp_copies(view, ops) -> float:
@@ -234,7 +166,7 @@ def _fsdp_copies(view, ops) -> float:
         full = n * prod(view.grad_blocks[name])
         stage = fsdp.zero_stage(info.placement, view.layout)
         if stage == 3:
-            gets, adds = param_uses(view.model, view.layout, name, view.params)
+            gets, adds = view.model.param_uses(view.layout, name, view.params)
             seconds += m * (gets + adds) * op_seconds(ops, "pass", full)
         else:
             seconds += (2 + (m + 2 if stage == 1 else 0)) * op_seconds(ops, "pass", full)
@@ -250,7 +182,7 @@ def train_elementwise_seconds(view, calibration: dict) -> float:
     """The train_step's part of elementwise_seconds: the model's element-wise work and
     FSDP's copies."""
     ops, fixed = calibration["ops"], calibration["fixed"]
-    seconds = (_gpt_elementwise if is_gpt(view.model) else _mlp_elementwise)(view, ops, fixed)
+    seconds = view.model.step_elementwise(view, lambda name, n: op_seconds(ops, name, n), fixed)
     return seconds + _fsdp_copies(view, ops)
 
 
@@ -329,7 +261,7 @@ def comm_terms(view, calibration: dict) -> list:
     """[(axes, kind, calls, bytes, seconds)] of `view`'s rank in one step."""
     out = []
     rpn = calibration.get("ranks_per_node")
-    for calls_of, sent_of, axes in GROUPS:
+    for calls_of, sent_of, axes in groups(view.model):
         axes = tuple(a for a in axes if view.size(a) > 1)
         calls, sent = calls_of(view), sent_of(view)
         group = view.size(axes) if axes else 1
@@ -360,8 +292,9 @@ def representative_ranks(layout) -> list:
 
 
 def factors(calibration: dict, model) -> tuple:
-    """(step_factor, optimizer_factor) of `model`'s kind in `calibration` (module docstring)."""
-    kind = "gpt" if is_gpt(model) else "mlp"
+    """(step_factor, optimizer_factor) of `model`'s calibration_key in `calibration` (module
+    docstring)."""
+    kind = model.calibration_key
     step = calibration.get("step_factor", {}).get(kind, 1.0)
     return step, calibration.get("optimizer_factor", {}).get(kind, step)
 

@@ -1,19 +1,25 @@
-"""What a Mixtral's experts cost one rank (no MPI): the ep exchange's bytes and calls, the
-routing statistics' all_reduce, and the experts' GEMMs, at the expected tokens per expert.
+"""ms.Llama's cost model (no MPI): the decoder's (gpt/costs.py) with a Llama's own terms.
+
+A Llama under tp adds the all_reduce of each kv weight gradient it holds replicated on tp
+(the spec's tp_replicated_params); its MLP is SwiGLU (a sigmoid and four products of the
+(T, F) activation), its norms RMSNorm (priced as LayerNorm, no bias), and rotary runs on q and
+k both ways. In a Mixtral the attention alone is split over tp (the router and experts are
+replicated on it: experts.py), and the experts cost one rank the ep exchange's bytes and
+calls, the routing statistics' all_reduce, and their GEMMs, at the expected tokens per expert.
 
 The exchange follows the routing, so the plan prices its expectation under uniform routing:
 each of the n tokens a rank routes per microbatch picks k experts, E/P of them on each of the
 P ep ranks, so of its n k (token, choice) rows n k (P-1)/P travel to other ranks, and as many
 come back from them (every expert gets n k / E rows from each rank: P n k / E in all).
 `engine.comm_bytes` counts exactly that on a balanced batch (tests/parallel/test_moe_costs.py).
-Per block and microbatch, as nn/moe_routing.TokenExchange and moe_transformer.RoutingStats
+Per block and microbatch, as nn/moe_routing.TokenExchange and experts.RoutingStats
 run them (each forward: `forwards` = 2 under recompute=1):
 
     gradients  (once per step) those replicated on ep averaged over it too: ep_gradient_bytes;
                under sequence_parallel the router's and experts' summed over tp (tp_partial_*)
     forward    counts all_to_all of E int64 ((P-1)/P x 8 E bytes), dispatch and combine
                all_to_all_v (n k (P-1)/P rows of D each); routing statistics: one all_reduce of
-               2 E int64 over the token axes (moe_transformer.token_axes), ep or not, in the
+               2 E int64 over the token axes (aux_loss.token_axes), ep or not, in the
                recording forward only
     backward   the adjoints of combine and dispatch (the same rows again)
 
@@ -30,14 +36,43 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .moe_transformer import token_axes
+from ...parallel.unit_costs import CostPart
+from ..gpt import costs as decoder
+from ...parallel.aux_loss import token_axes
+from .tensor_parallel import step_comm as kv_comm
 
 INT_BYTES = 8                    # the counts and the statistics travel as int64
 
 
-def is_moe(model) -> bool:
-    """A Mixtral: an ms.Llama with n_experts (ms.MoE is expert_parallel.py's)."""
-    return bool(getattr(model, "n_experts", None)) and getattr(model, "kind", "") == "llama"
+class LlamaTensorParallel(decoder.DecoderTensorParallel):
+    """The decoder's tp traffic, and the all_reduce of each replicated kv weight gradient
+    held, per microbatch (tensor_parallel.step_comm)."""
+
+    def step_comm(self, view) -> dict:
+        out = {phase: Counter(kinds) for phase, kinds in super().step_comm(view).items()}
+        for phase, kinds in kv_comm(view).items():
+            out.setdefault(phase, Counter()).update(kinds)
+        return {phase: dict(kinds) for phase, kinds in out.items()}
+
+    def time_groups(self) -> tuple:
+        """One tp group: its calls with the kv gradients' all_reduces, its bytes the decoder's
+        alone (the step-time model's mean bytes per call leaves the kv gradients out)."""
+        return ((self.step_calls, self.decoder_sent, self.axes),)
+
+    def decoder_sent(self, view) -> dict:
+        """{kind: bytes} of the decoder's tp traffic, both phases."""
+        out = Counter()
+        for kinds in super().step_comm(view).values():
+            out.update(kinds)
+        return dict(out)
+
+    def step_calls(self, view) -> Counter:
+        out = super().step_calls(view)
+        if view.size("tp") > 1:
+            kv = sum(1 for n in view.model.tp_replicated_params(view.size("tp"))
+                     if n in view.params)
+            out.update(all_reduce=view.microbatches * kv)
+        return out
 
 
 def microbatch_tokens(view) -> float:
@@ -55,7 +90,7 @@ def _counts(view) -> tuple:
 
 def exchange_calls(view) -> Counter:
     """The ep exchange's all_to_all calls (counts, dispatch, combine; two adjoints)."""
-    if not is_moe(view.model) or view.size("ep") == 1:
+    if view.size("ep") == 1:
         return Counter()
     blocks, forwards, m = _counts(view)
     return Counter(all_to_all=blocks * m * (3 * forwards + 2))
@@ -75,8 +110,8 @@ def exchange_bytes(view) -> dict:
 def stats_calls(view) -> Counter:
     """The routing statistics' all_reduce over the token axes, one per block and microbatch:
     only the recording forward reduces them (under recompute=1 the untaped first pass does
-    not, nn/moe_layers.SparseMoE.forward)."""
-    if not is_moe(view.model) or not token_axes(view.layout):
+    not, moe_units.SparseMoE.forward)."""
+    if not token_axes(view.layout):
         return Counter()
     blocks, _, m = _counts(view)
     return Counter(all_reduce=blocks * m)
@@ -94,7 +129,7 @@ def ep_gradient_bytes(view) -> dict:
     """What ep adds to data_parallel.step_comm's gradient all_reduce (that one averages every
     gradient over dp and cp): the gradients replicated on ep (all but the experts') are
     averaged over dp, ep and cp together (GradientSync groups them by those axes)."""
-    if not is_moe(view.model) or view.size("ep") == 1:
+    if view.size("ep") == 1:
         return {}
     base = tuple(a for a in ("dp", "cp") if view.size(a) > 1)
     extra = 0.0
@@ -110,8 +145,7 @@ def _tp_partial(view) -> list:
     """Under sequence_parallel each tp rank routes its own tokens, so the router's and its
     experts' gradients are partial sums per tp rank, summed over tp (SequenceParallelGrads:
     one all_reduce of each local block per microbatch)."""
-    if not is_moe(view.model) or view.size("tp") == 1 or \
-            not view.layout.option("sequence_parallel", 0):
+    if view.size("tp") == 1 or not view.layout.option("sequence_parallel", 0):
         return []
     return [n for n in view.params if "/moe/" in n]
 
@@ -129,30 +163,67 @@ def tp_partial_bytes(view) -> dict:
         view.all_reduce_bytes("tp", view.nbytes(view.blocks[n])) for n in names)}
 
 
-def memory(view, n_state) -> dict:
-    """Nothing beyond the base (module docstring)."""
-    return {}
+class MixtralExperts(CostPart):
+    """A Mixtral's exchange, routing statistics and tp-partial gradients (module docstring)."""
+
+    axes = ("ep",)
+
+    def step_comm(self, view) -> dict:
+        """{'train_step': {kind: bytes}} of the exchange and the statistics."""
+        out = Counter(exchange_bytes(view))
+        for part in (stats_bytes, ep_gradient_bytes, tp_partial_bytes):
+            out.update(part(view))
+        return {"train_step": dict(out)} if out else {}
+
+    def step_calls(self, view) -> Counter:
+        """{kind: calls} of the exchange and the statistics in one train_step."""
+        return exchange_calls(view) + stats_calls(view) + tp_partial_calls(view)
+
+    def gradient_bytes(self, view) -> dict:
+        return ep_gradient_bytes(view)
+
+    def time_groups(self) -> tuple:
+        return ((exchange_calls, exchange_bytes, ("ep",)),
+                (tp_partial_calls, tp_partial_bytes, ("tp",)),
+                (stats_calls, stats_bytes, ("dp", "fsdp", "ep", "cp")))
 
 
-def step_comm(view) -> dict:
-    """{'train_step': {kind: bytes}} of the exchange and the statistics (module docstring)."""
-    out = Counter(exchange_bytes(view))
-    for part in (stats_bytes, ep_gradient_bytes, tp_partial_bytes):
-        out.update(part(view))
-    return {"train_step": dict(out)} if out else {}
-
-
-def step_calls(view) -> Counter:
-    """{kind: calls} of the exchange and the statistics in one train_step."""
-    return exchange_calls(view) + stats_calls(view) + tp_partial_calls(view)
+def cost_parts(model) -> dict:
+    """The Llama's tp part (the attention alone on tp in a Mixtral), and a Mixtral's experts."""
+    if model.n_experts is None:
+        return {"tp": (LlamaTensorParallel(2),), "ep": ()}
+    return {"tp": (LlamaTensorParallel(1),), "ep": (MixtralExperts(),)}
 
 
 def expert_gemms(view) -> list:
     """(flops per GEMM call, calls per step, 'gemm') of the local experts' matrices."""
-    if not is_moe(view.model):
-        return []
     model, p = view.model, view.size("ep")
     blocks, forwards, m = _counts(view)
     rows = p * microbatch_tokens(view) * model.top_k / model.n_experts
     flops = 2 * rows * model.d_model * model.d_ff
     return [(flops, 3 * model.n_experts // p * blocks * m * (forwards + 2), "gemm")]
+
+
+def gemms(model, view) -> list:
+    """The decoder's GEMMs, and a Mixtral's experts' (their 3-d weights are not the
+    decoder's)."""
+    return decoder.gemms(model, view) + (expert_gemms(view) if model.n_experts else [])
+
+
+def swiglu_mlp(model, view, op, tokens, seq) -> tuple:
+    """(the MLP's element-wise seconds, the rest's) of one Llama block: SwiGLU's sigmoid and
+    4 products of (T, F) split over tp, or in a Mixtral k experts' per token (not split over
+    tp) and the mix; rotary on q and k both ways."""
+    t, d, f = view.layout.size("tp"), model.d_model, model.d_ff
+    if model.n_experts:
+        k = model.top_k
+        mlp = op("sigmoid", seq * f * k) + 4 * op("pass", seq * f * k) + \
+            4 * op("pass", seq * d * k)
+    else:
+        mlp = op("sigmoid", tokens * f / t) + 4 * op("pass", tokens * f / t)
+    return mlp, 2 * 4 * op("pass", tokens * d / t)
+
+
+def elementwise(model, view, op, fixed) -> float:
+    """The decoder's element-wise seconds with a Llama's MLP terms."""
+    return decoder.elementwise(model, view, op, fixed, swiglu_mlp)

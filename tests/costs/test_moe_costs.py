@@ -1,21 +1,21 @@
-"""Pricing a Mixtral (ms.Llama with n_experts; parallel/moe_costs.py): on a balanced batch,
+"""Pricing a Mixtral (ms.Llama with n_experts; models/llama/costs.py): on a balanced batch,
 where every rank's tokens split evenly over the experts as uniform routing expects, the plan's
 bytes (costs.step_comm: the ep exchange at n k (P-1)/P rows each way, the counts, the routing
-statistics, the gradients averaged over ep) and calls (comm_calls.step_calls) of one
+statistics, the gradients averaged over ep) and calls (call_counts.step_calls) of one
 train_step and AdamW step equal what the engine counts on every rank; rank_memory holds E/ep
 experts per rank; step_time prices the experts' GEMMs at P n k / E rows each.
 
 MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
-tests/parallel/test_moe_costs.py` for N in 2, 4.
+tests/costs/test_moe_costs.py` for N in 2, 4.
 """
 import numpy as np
 import pytest
 
 import mpishard as ms
 from conftest import group_comm
-from mpishard.parallel.comm_calls import step_calls
-from mpishard.parallel.costs import rank_memory, rank_view
-from mpishard.parallel.step_time import gemms
+from mpishard.costs.call_counts import step_calls
+from mpishard.costs.rank_costs import rank_memory, rank_view
+from mpishard.costs.step_time import gemms
 from test_plan_bench import BATCH, check_step_bytes
 
 E, T, D = 4, 8, 16

@@ -1,5 +1,5 @@
 """plan/inspect/bench of ms.Llama (`--model llama:KEY=VALUE,...`) and its pricing: the bytes
-(costs.step_comm) and calls (comm_calls.step_calls) of one train_step and AdamW step equal
+(costs.step_comm) and calls (call_counts.step_calls) of one train_step and AdamW step equal
 what the engine counts on every rank, under tp with kv heads split and replicated (their
 gradients' all_reduce), sequence parallel, cp, pp, fsdp and tied heads.
 
@@ -13,12 +13,12 @@ import pytest
 import mpishard as ms
 from conftest import group_comm
 from mpishard import cli
-from mpishard.cli.bench import gpt_flops
+from mpishard.models.gpt.costs import gpt_flops
 from mpishard.cli.model_flag import model_from_flag
 from mpishard.cli.usage import UsageError
-from mpishard.parallel.comm_calls import step_calls
-from mpishard.parallel.costs import rank_view
-from mpishard.parallel.step_time import elementwise_seconds, train_elementwise_seconds
+from mpishard.costs.call_counts import step_calls
+from mpishard.costs.rank_costs import rank_view
+from mpishard.costs.step_time import elementwise_seconds, train_elementwise_seconds
 from test_llama_layouts import make_llama
 from test_plan_bench import BATCH, check_step_bytes
 from test_step_time import flat

@@ -1,13 +1,14 @@
 """What a layout costs one rank, with no MPI: the memory it holds and the bytes it sends.
 
-Every strategy file ends with its own cost model, two pure functions of a `RankView`:
+Every strategy file ends with its own cost model, two pure functions of a `RankView` (and a
+model's own strategies, its spec's `cost_parts`, the same two methods):
 
     memory(view, n_state) -> {'parameters'|'gradients'|'optimizer': bytes}
         what the strategy holds beyond the base below (most add nothing)
     step_comm(view) -> {'train_step': {kind: bytes}, 'optimizer': {kind: bytes}}
         the bytes it sends in one `engine.train_step` (with sync) and one optimizer step
 
-`rank_memory` and `step_comm` here add them up over `STRATEGY_COSTS`; the `plan` and
+`rank_memory` and `step_comm` here add them up over `strategy_costs`; the `plan` and
 `inspect` commands call only these. The shapes are the engine's own: `plan_params` gives
 the placements and `placement.local_shape` the blocks, so what is printed is what the engine
 holds (tests/parallel/test_mesh_compose.py) and sends (tests/cli/test_plan_bench.py).
@@ -34,18 +35,14 @@ from math import prod
 from typing import ClassVar
 
 from ..comm.mesh import Layout, coordinates
+from ..parallel import context_parallel, data_parallel, fsdp, pipeline, tied
+from ..parallel.compose import plan_params
+from ..parallel.placement import local_shape
 from ..validate import check_number
-from . import (context_parallel, data_parallel, expert_parallel, fsdp, gpt_tensor_parallel,
-               llama_tensor_parallel, moe_costs, pipeline, tensor_parallel, tied)
-from .compose import plan_params
-from .model_costs import is_gpt
-from .placement import local_shape
 
-# Each exposes memory(view, n_state) and step_comm(view); the order is compose's: tp (an
-# MLP's, a GPT's with sequence_parallel and the vocab-parallel ends), cp, then the pp stages,
-# then fsdp and dp (and ep for MoE models; a Mixtral's exchange: moe_costs).
-STRATEGY_COSTS = (tensor_parallel, gpt_tensor_parallel, llama_tensor_parallel, context_parallel,
-                  pipeline, fsdp, data_parallel, expert_parallel, moe_costs, tied)
+# The generic strategies between a model's own (its spec's cost_parts): each exposes
+# memory(view, n_state) and step_comm(view)
+GENERIC_COSTS = (context_parallel, pipeline, fsdp, data_parallel)
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 PHASES = ("train_step", "optimizer")
 
@@ -86,12 +83,19 @@ class RankView:
                 if any(name in self.params for name in spec.param_shapes)]
 
 
+def strategy_costs(model) -> tuple:
+    """Every cost model pricing `model`, in compose's order: its own tp parts (an MLP's, a
+    decoder's with sequence_parallel and the vocab-parallel ends), cp, the pp stages, fsdp,
+    dp, its own ep parts (a Mixtral's exchange), then the tied copies' exchange."""
+    parts = model.cost_parts()
+    return (*parts["tp"], *GENERIC_COSTS, *parts["ep"], tied)
+
+
 def check_fit(model, layout, batch=None) -> int:
     """Raise ValueError (the engine's own, where it has one) unless `layout` can train `model`
     on a global batch of `batch` rows; returns the microbatches per step (1 without pp)."""
     plan_params(model, layout)          # tp must divide the hidden sizes, pp <= layers, ...
-    if is_gpt(model) and layout.size("tp") > 1 and layout.option("sequence_parallel", 0):
-        gpt_tensor_parallel.check_sequence_split(model, layout)   # seq_len / cp over tp
+    model.check_costs(layout)           # a decoder's seq_len / cp over tp (sequence_parallel)
     m = pipeline.step_microbatches(layout)   # interleaved: microbatches a multiple of pp
     if batch is not None:
         check_number("batch", batch, low=1, integer=True)
@@ -141,7 +145,7 @@ def rank_memory(model, layout, rank: int, itemsize: int = 8, optimizer: str = "a
         grad = view.nbytes(view.grad_blocks[name])
         held.update(parameters=view.nbytes(view.blocks[name]), gradients=grad,
                     optimizer=n_state * grad)
-    for strategy in STRATEGY_COSTS:
+    for strategy in strategy_costs(model):
         held.update(strategy.memory(view, n_state))
     return {**held, "total": sum(held.values()), "shapes": dict(view.blocks)}
 
@@ -154,7 +158,7 @@ def step_comm(model, layout, rank: int, batch: int, itemsize: int = 8) -> dict:
     sync, the global loss); 'optimizer' is `opt.step()` (ZeRO-1/2 all-gather there)."""
     view = rank_view(model, layout, rank, itemsize, batch)
     sent = {phase: Counter() for phase in PHASES}
-    for strategy in STRATEGY_COSTS:
+    for strategy in strategy_costs(model):
         for phase, kinds in strategy.step_comm(view).items():
             sent[phase].update(kinds)
     return {phase: {k: v for k, v in kinds.items() if v} for phase, kinds in sent.items()}
