@@ -71,6 +71,38 @@ class ModelSpec(Protocol):
     def layers(self) -> list:
         """The units a pipeline cuts between (stages.assign_stages balances their parameters)."""
 
+    # -- data and command line (cli/, train/: what data a model reads, how --model builds it)
+    takes_tokens: bool
+    """True: integer token ids (batch, T) in, T <= seq_len, ids below vocab_size, logits
+    (batch, T, vocab_size) out; False: rows of `d_in` real numbers in, (batch, d_out) out."""
+
+    generates: bool
+    """A decoder with a vocabulary: `generate` samples from it and `export` writes it as a
+    Hugging Face directory."""
+
+    default_loss: str
+    """The loss (nn/losses.LOSSES name) a run uses when nothing else chooses one."""
+
+    flag_defaults: dict | None
+    """`--model KIND:KEY=VALUE,...`: every key it takes -> its default (None: the spec's own),
+    in the order messages list them; None when no such spelling builds this architecture."""
+
+    flag_types: dict
+    """The keys of flag_defaults that are not positive integers -> "number" (positive),
+    "weight" (a number >= 0) or "switch" (0 or 1)."""
+
+    @classmethod
+    def from_flag(cls, table: dict, vocab_size=None):
+        """The spec of a parsed flag_defaults table (specs that have one; `vocab_size`: the
+        data set's, instead of the table's `vocab`)."""
+
+    def flag_args(self) -> dict | None:
+        """The command-line flags {dest: value} that rebuild this spec (`model`, the --model
+        text, and any other, e.g. an MLP's activation); None when no flag spells it."""
+
+    def log_name(self) -> str:
+        """The model in one line, as the training log names it."""
+
     # -- Hugging Face (hf/ reads and writes directories through these; see HFMap above)
     @classmethod
     def hf_maps(cls) -> tuple:
@@ -86,3 +118,71 @@ class ModelSpec(Protocol):
     def hf_map(self):
         """The name map this spec saves with (one of hf_maps()), or None when it has no
         Hugging Face form (hf.save refuses it)."""
+
+    # -- parallel plan (parallel/compose.py, nn/recompute.py, parallel/decode.py ask these;
+    #    models/<name>/parallelize.py answers)
+    def plan_params(self, layout) -> dict:
+        """name -> parallel.placement.ParamInfo (full shape, Placement) of every parameter under
+        `layout`; ValueError, the same on every rank before any collective, for a layout the
+        model cannot run. Checkpoints, `inspect` and the cost models read the same plan."""
+
+    def build(self, layout, comm, access, stats: dict):
+        """This rank's parallel.compose.RankUnits: its units (one list per virtual stage it
+        holds), the output seam (the loss and gather_batch, e.g. vocab-parallel logits) and
+        an auxiliary-loss hook for the runner (parallel/aux_loss.py) or None. comm: the
+        engine's Comm; access: the parameter-access policy; stats: where measurements land."""
+
+    def grads_overlap(self, layout) -> bool:
+        """Whether each gradient is final after one add_grad, so the data-parallel sync may
+        overlap the backward (False for a tied head or experts exchanged over ep)."""
+
+    def supports_recompute(self) -> bool:
+        """Whether recompute=1|attn applies: the units hold blocks that say
+        `recomputable = True` (and attention cores that say `attention_core = True`)."""
+
+    def tp_replicated_params(self, tp: int) -> list:
+        """Parameters replicated on tp = `tp` ranks of which each rank uses a part (a Llama's
+        kv weights when tp does not divide its kv heads): their gradients are summed over tp."""
+
+    def kv_width(self, tp: int) -> int:
+        """Decoders: the columns of k (and of v) per tp rank, what a cp ring sends."""
+
+    # -- cost model (costs/: memory, bytes, calls and step time of a layout, with no MPI; and the
+    # runtime's ZeRO buckets and pipeline buffers: parallel/fsdp.py, parallel/pipeline.py)
+    def param_uses(self, layout, name: str, held=None) -> tuple:
+        """(gets, gradients added) of parameter `name` per microbatch: FSDP ZeRO-3 all-gathers
+        it per get, ZeRO-2/3 reduce-scatter each gradient. held: the names the rank holds,
+        when they tell its pp stage (parallel/unit_costs.py has the generic table)."""
+
+    def grad_order(self, names) -> list:
+        """The order in which one microbatch's backward adds the gradients of `names` (a
+        stage's parameters, in model order); ZeRO-2/3 bucket them in that order."""
+
+    def boundary_width(self, layout, layer) -> int:
+        """Elements per batch row of the activation a pipeline stage ending with `layer` (one
+        of layers()) sends on, and of the gradient that comes back."""
+
+    def check_costs(self, layout) -> None:
+        """ValueError for a layout the cost models cannot price, beyond plan_params' refusals
+        (costs.rank_costs.check_fit)."""
+
+    def cost_parts(self) -> dict:
+        """The model's own strategies' costs, {"tp": parts priced first, "ep": parts priced
+        after the data-parallel gradient sync}: parallel/unit_costs.CostPart each."""
+
+    calibration_key: str
+    """Which calibration factors price its step (the calibration's "mlp" or "gpt" entries)."""
+
+    def step_gemms(self, view) -> list:
+        """(flops per call, calls per train_step, curve 'gemm' or 'bgemm') of each GEMM a
+        RankView's rank runs; ValueError where the step-time model does not price the model."""
+
+    def step_elementwise(self, view, op, fixed: dict) -> float:
+        """Seconds of a RankView's rank's element-wise work per train_step; op(name, elements):
+        the calibrated seconds of one call; fixed: the calibration's per-call costs."""
+
+    def step_flops(self, batch: int) -> int:
+        """Model FLOPs of one training step on `batch` rows (bench's GFLOP/s)."""
+
+    def planned_experts(self) -> int | None:
+        """The expert count the planner may split over ep (None: it tries no ep layout)."""

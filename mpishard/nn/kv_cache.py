@@ -33,7 +33,7 @@ parallel/decode.py sizes it by the request (first prefill + max_new_tokens - 1),
 are not seq_len long for a short answer. What to do when it is full is the caller's choice
 (parallel/decode.py recomputes the cropped window: reset, then a prefill of the last tokens).
 Units that cannot decode incrementally (ring/Ulysses attention under cp, the sequence-parallel
-embedding) have no cache hooks; the layout check for that is parallel/gpt.check_decode.
+embedding) have no cache hooks; the layout check for that is parallel/decoder.check_decode.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ nor in the load-balancing loss, and their output is zero (never used).
 
 `TokenExchange` moves the kept (token, choice) rows to the ep rank holding their expert and
 back, for ms.MoE (parallel/expert_parallel.py) and the Mixtral blocks
-(moe_layers.py) alike. With P = ep ranks and E experts, ep rank q holds experts
+(models/llama/moe_units.py) alike. With P = ep ranks and E experts, ep rank q holds experts
 q E/P ... (q+1) E/P - 1 (E_l = E/P); `comm` is the engine's Comm (None or P = 1: every
 expert is local and nothing travels).
 

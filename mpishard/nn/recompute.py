@@ -12,7 +12,8 @@ it stays correct under any strategy the inner units implement, at the price of o
 forward of the wrapped units. The wrapper knows nothing of what it wraps.
 
 Layout option `recompute=`:
-    1      every transformer Block (its two residual branches: attention and MLP)
+    1      every transformer block (the units that say `recomputable = True`: a GPT's Block,
+           a Llama's LlamaBlock, each two residual branches: attention and MLP)
     attn   only the attention core (CausalSelfAttention, or cp's ring or Ulysses unit), "selective"
            recompute: its q | k | v input is kept, the per-head copies, output and
            log-sum-exp are not
@@ -21,8 +22,6 @@ Layout option `recompute=`:
 from __future__ import annotations
 
 from .layers import Composite, Layer
-from .llama_layers import LlamaBlock
-from .transformer import Block
 
 MODES = ("0", "1", "attn")
 
@@ -60,17 +59,17 @@ class Recompute(Layer):
 def recompute_chunks(model, chunks: list, mode, layout_text: str = "") -> list:
     """`chunks` (lists of units, one per virtual stage) with `mode`'s units wrapped in
     Recompute; ValueError (the same on every rank, no communication) for a model without
-    transformer blocks."""
+    transformer blocks (model.supports_recompute())."""
     mode = "0" if mode is None else str(mode)
     if mode not in MODES:
         raise ValueError(f"layout {layout_text!r}: recompute={mode!r} not one of {list(MODES)}")
     if mode == "0":
         return chunks
-    if getattr(model, "kind", "mlp") not in ("gpt", "llama"):
+    if not model.supports_recompute():
         raise ValueError(f"layout {layout_text!r}: recompute={mode} recomputes transformer "
                          f"blocks; {model!r} has none (use an ms.GPT or ms.Llama model)")
     if mode == "1":
-        return [[Recompute(u) if isinstance(u, (Block, LlamaBlock)) else u for u in chunk]
+        return [[Recompute(u) if getattr(u, "recomputable", False) else u for u in chunk]
                 for chunk in chunks]
     for chunk in chunks:
         for unit in chunk:

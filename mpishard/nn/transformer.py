@@ -1,11 +1,10 @@
-"""GPT layers: the units an engine stacks into pipeline stages (spec: gpt.py).
+"""Generic transformer units: the pieces decoder models share (nn/ holds no model's layout).
 
-    Embedding       tokens (B, T) ints -> h (B, T, D)           embed/tokens, embed/positions
-    Block i         h -> h                                      block_{i}/...
-                      Residual[LayerNorm ln_1, qkv, CausalSelfAttention, attn proj]
-                      Residual[LayerNorm ln_2, fc, GELU (tanh), mlp proj]
-    FinalNormHead   h -> logits (B, T, V)                       ln_f, head/weights or the
-                                                                tied embed/tokens^T
+    LayerNorm            x -> y                      {prefix}/scale, {prefix}/shift
+    CausalSelfAttention  q | k | v -> heads' output  (no parameters; the attention core)
+    Embedding            tokens (B, T) -> h (B, T, D) embed/tokens, embed/positions
+    TiedHead             h -> logits (B, T, V)       embed/tokens^T
+    position_rows, add_position_grads: the rows of a learned positions table and their adjoint
 
 Activations are (B, T, features); a Linear treats the leading dims as rows ('bd,df->bf' with
 b = B*T). Like nn.layers.Linear, every unit reaches its parameters through the access policy
@@ -13,16 +12,15 @@ b = B*T). Like nn.layers.Linear, every unit reaches its parameters through the a
 and the data-parallel gradient sync compose with these units unchanged. Each unit saves what
 its backward needs on its tape per microbatch `mb`.
 
-Tensor parallelism plugs in without new math: `Block(..., linear=...)` builds each projection
-from a factory given the role ('column' for qkv and fc, 'row' for the two output projections),
-so a tp engine passes [CopyToTP, ColumnParallelLinear] and [RowParallelLinear] and the local
-head count; `FinalNormHead(..., head=...)` takes a vocab-parallel head the same way.
+A model's block builds each projection from a `linear(access, w_name, b_name, role)` factory
+(plain_linear here; tensor parallelism passes its column/row units), so the same block serves
+every layout.
 """
 from __future__ import annotations
 
 from . import attention as att
 from . import functional as nn
-from .layers import Activation, Composite, Layer, Linear, Residual
+from .layers import Layer, Linear
 
 
 class LayerNorm(Layer):
@@ -189,56 +187,3 @@ class TiedHead(Layer):
 def plain_linear(access, w_name, b_name, role) -> list:
     """The projection units without tensor parallelism: one Linear (role unused)."""
     return [Linear(access, w_name, b_name)]
-
-
-class Block(Composite):
-    """Pre-LayerNorm GPT-2 block i: h + attn(ln_1(h)), then h + mlp(ln_2(h)).
-
-    linear(access, w_name, b_name, role) -> units of one projection, role 'column' (qkv, fc)
-    or 'row' (attn proj, mlp proj); n_heads: the heads this rank computes; attention(n_heads):
-    the attention unit (context parallelism passes its ring or Ulysses unit).
-    """
-
-    def __init__(self, access, index, n_heads, linear=plain_linear,
-                 attention=CausalSelfAttention):
-        p = f"block_{index}"
-        attn = Residual([LayerNorm(access, f"{p}/ln_1"),
-                         *linear(access, f"{p}/attn/qkv/weights", f"{p}/attn/qkv/bias",
-                                 "column"),
-                         attention(n_heads),
-                         *linear(access, f"{p}/attn/proj/weights", f"{p}/attn/proj/bias",
-                                 "row")])
-        mlp = Residual([LayerNorm(access, f"{p}/ln_2"),
-                        *linear(access, f"{p}/mlp/fc/weights", f"{p}/mlp/fc/bias", "column"),
-                        Activation("gelu"),                      # tanh form
-                        *linear(access, f"{p}/mlp/proj/weights", f"{p}/mlp/proj/bias", "row")])
-        super().__init__([attn, mlp])
-        self.index = index
-
-    def __repr__(self):
-        return f"Block({self.index})"
-
-
-class FinalNormHead(Composite):
-    """ln_f, then the head: logits (B, T, V) = ln_f(h) head/weights, or ln_f(h) embed/tokens^T
-    when `tied`. head: replacement head units (e.g. a vocab-parallel head)."""
-
-    def __init__(self, access, tied=False, head=None):
-        if head is None:
-            head = [TiedHead(access)] if tied else [Linear(access, "head/weights")]
-        super().__init__([LayerNorm(access, "ln_f"), *head])
-
-    def __repr__(self):
-        return "FinalNormHead"
-
-
-def gpt_units(model, access, blocks, first: bool, last: bool, attention=CausalSelfAttention,
-              token_positions=leading_positions) -> list:
-    """The units of a pipeline chunk holding `blocks` (block indices), with the embedding in
-    front when it is the first chunk and ln_f + head behind when it is the last. attention,
-    token_positions: see Block and Embedding (context parallelism sets both)."""
-    units = [Embedding(access, token_positions=token_positions)] if first else []
-    units += [Block(access, i, model.n_heads, attention=attention) for i in blocks]
-    if last:
-        units.append(FinalNormHead(access, model.tied))
-    return units

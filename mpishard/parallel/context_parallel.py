@@ -37,8 +37,7 @@ import numpy as np
 from ..nn import attention as att
 from ..nn.functional import array_module
 from ..nn.layers import Layer
-from .llama_tensor_parallel import kv_width
-from .model_costs import gpt_stage
+from .unit_costs import decoder_stage
 
 FUTURE = "future"
 """pair_offset's answer for a key chunk wholly after the query chunk (skipped)."""
@@ -176,7 +175,7 @@ class RingAttention(Layer):
 
     cp: the Comm of this rank's cp group. `peak_scores`: the largest score block (B, H, n, n)
     this unit has built, in elements (a measurement for tests and reports). `split`, `merge`,
-    `expand` and `reduce` are where grouped-query attention (parallel/llama.py) differs: its
+    `expand` and `reduce` are where grouped-query attention (models/llama) differs: its
     (k, v) travel with their kv heads only and are repeated to the query heads per block.
     """
 
@@ -332,8 +331,8 @@ class UlyssesAttention(Layer):
 
 # -- composition -----------------------------------------------------------------------------------
 def check_cp(model, layout) -> None:
-    """The same ValueError on every rank, before any communication, for a cp layout this GPT
-    cannot run: Ulysses splits the (tp-local) heads over cp."""
+    """The same ValueError on every rank, before any communication, for a cp layout this
+    decoder cannot run: Ulysses splits the (tp-local) heads over cp."""
     c = layout.size("cp")
     if c > 1 and layout.option("cp_kind", "ring") == "ulysses":
         local = model.n_heads // layout.size("tp")
@@ -342,8 +341,15 @@ def check_cp(model, layout) -> None:
                              f"{local} heads per tp rank over cp={c}; they do not divide")
 
 
+def refuse_cp(layout) -> None:
+    """ValueError (the same on every rank) for a cp layout of a model without a sequence."""
+    if layout.size("cp") > 1:
+        raise ValueError(f"layout {layout.text!r}: cp={layout.size('cp')} splits a sequence; "
+                         f"only ms.GPT and ms.Llama models have one")
+
+
 def context_units(model, layout, cp) -> dict:
-    """Keyword arguments for nn.transformer.gpt_units: the attention unit factory and the
+    """Keyword arguments for a decoder's units builder: the attention unit factory and the
     embedding's token positions (cp: the Comm of the cp group; nothing for cp=1)."""
     c = layout.size("cp")
     if c == 1:
@@ -357,7 +363,7 @@ def context_units(model, layout, cp) -> dict:
 # -- cost model (no MPI) ---------------------------------------------------------------------------
 def ring_bytes(rows: int, t: int, d_local: int, c: int, itemsize: int) -> dict:
     """Bytes one rank sends per attention layer in a ring train_step on `rows` rows of `t`
-    tokens (d_local = D / tp, a Llama's kv heads only: kv_width): the (k, v) block is
+    tokens (d_local = D / tp, a Llama's kv heads only: the model's kv_width): the (k, v) block is
     (2, rows, t/c, d_local); forward c-1 sends, backward c-1 (k, v) sends and c (dk, dv)."""
     block = 2 * rows * (t // c) * d_local * itemsize
     return {"forward": (c - 1) * block, "backward": (2 * c - 1) * block}
@@ -379,10 +385,10 @@ def step_comm(view) -> dict:
     if c == 1:
         return {}
     check_cp_length(view.model.seq_len, c)
-    stage = gpt_stage(view)
+    stage = decoder_stage(view)
     d_local = view.model.d_model // view.size("tp")
     if view.layout.option("cp_kind", "ring") == "ring":
-        ring = ring_bytes(view.rows, view.model.seq_len, kv_width(view.model, view.size("tp")),
+        ring = ring_bytes(view.rows, view.model.seq_len, view.model.kv_width(view.size("tp")),
                           c, view.itemsize)
         per_block = stage.forwards * ring["forward"] + ring["backward"]
         return {"train_step": {"send": stage.blocks * per_block}}

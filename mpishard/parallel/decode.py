@@ -2,7 +2,7 @@
 
 Every step runs ONE forward for all prompts and draws one token per prompt:
 
-    cached (the default; every layout parallel.gpt.check_decode allows: not cp, not
+    cached (the default; every layout parallel.decoder.check_decode allows: not cp, not
     sequence_parallel)
         prefill  the prompts left-padded to the longest, L slots; a padding slot is not real
                  (KVCache.extend), so no real token attends to it, and each row's positions
@@ -53,7 +53,7 @@ from ..nn.kv_cache import KVCache, caching
 from ..nn.moe_routing import valid_tokens
 from ..nn.sampling import check_sampling, sample
 from ..validate import check_number
-from .gpt import check_decode
+from .decoder import check_decode
 
 
 class Decoder:
@@ -99,7 +99,7 @@ class Decoder:
 
 def check_generate(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos):
     """The prompts as lists of ints and the eos ids as a set (ValueError/TypeError, no MPI)."""
-    if not (hasattr(model, "vocab_size") and hasattr(model, "seq_len")):
+    if not model.generates:
         raise TypeError(f"generate needs a language model (ms.GPT or ms.Llama), got {model!r}")
     v = model.vocab_size
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -219,7 +219,7 @@ def left_padded(windows):
 
 
 def decodes_with_cache(layout) -> bool:
-    """Whether the units of `layout` decode with a KV cache (parallel.gpt.check_decode)."""
+    """Whether the units of `layout` decode with a KV cache (decoder.check_decode)."""
     try:
         check_decode(layout)
     except ValueError:

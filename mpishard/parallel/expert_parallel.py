@@ -19,7 +19,8 @@ The backward runs the same exchanges in reverse, each the adjoint of a forward o
 
 Top-k selection and capacity are piecewise constant, so they pass no gradient. Routing
 (`route`) and the exchanges with their adjoints (`TokenExchange`) are nn/moe_routing.py's,
-shared with the Mixtral blocks (nn/moe_layers.py, parallel/moe_transformer.py).
+shared with the Mixtral blocks (models/llama/moe_units.py and experts.py). The plan of an
+ms.MoE (expert ownership) is models/moe/parallelize.py's.
 
 Gradient scaling. Each rank's loss is the mean over its own rows, and GradientSync averages a
 gradient over the data axes on which it is replicated. The router is replicated on dp and ep:
@@ -43,44 +44,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..nn import functional as nn
-from . import placement as pl
 from ..nn.layers import Layer
 from ..nn.moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
 from ..comm.mesh import DATA_AXES
-
-
-# -- planning (no MPI) -------------------------------------------------------------------------
-def plan_moe_params(model, layout) -> dict:
-    """name -> ParamInfo for an ms.MoE model: router replicated, expert e owned by ep rank
-    e // (E/ep). Raises the same ValueError on every rank when the layout does not fit."""
-    ep = layout.size("ep")
-    if getattr(model, "kind", "mlp") != "moe":
-        raise ValueError(f"layout ep={ep} needs an ms.MoE model, got {model!r}; expert "
-                         f"parallelism splits the experts of a mixture-of-experts layer")
-    for axis in ("tp", "pp", "fsdp"):
-        if layout.size(axis) > 1:
-            raise ValueError(f"layout {layout.text!r}: {axis}={layout.size(axis)} is not "
-                             f"supported with an ms.MoE model; use single, dp, ep or dp x ep")
-    if model.n_experts % ep:
-        raise ValueError(f"layout ep={ep} does not divide n_experts={model.n_experts}: each ep "
-                         f"rank must hold the same number of experts")
-    n_data = layout.data_parallel_size
-    if model.groups is not None and model.groups % n_data:
-        raise ValueError(f"MoE groups={model.groups} is not a multiple of the {n_data} "
-                         f"data-parallel ranks of layout {layout.text!r}")
-    per_rank = model.n_experts // ep
-    plan = {}
-    for name, shape in model.param_shapes().items():
-        owner = {}
-        if name.startswith("expert_") and ep > 1:
-            owner = {"ep": int(name.split("/")[0][len("expert_"):]) // per_rank}
-        plan[name] = pl.ParamInfo(name, tuple(shape), pl.Placement((), stage=0, owner=owner))
-    return plan
-
-
-def build_moe_chunks(model, access, comm, stats: dict) -> list:
-    """The engine's layers: one chunk holding the MoE layer (the model input needs no dx)."""
-    return [[MoELayer(model, access, comm, stats, need_dx=False)]]
 
 
 # -- the layer ---------------------------------------------------------------------------------
@@ -215,9 +181,6 @@ def memory(view, n_state) -> dict:
 
 def step_comm(view) -> dict:
     """No closed form: the all_to_all bytes follow the routing (how many rows each expert is
-    sent), so a MoE model raises ValueError; `engine.comm_bytes` measures them."""
-    if getattr(view.model, "kind", "mlp") == "moe" or view.size("ep") > 1 and \
-            not getattr(view.model, "n_experts", None):       # a Mixtral's: moe_costs.py
-        raise ValueError("the communication model covers MLPs on dp, fsdp, tp and pp; got "
-                         f"{view.model!r} on {view.layout.text!r}")
-    return {}
+    sent), so an ms.MoE raises ValueError; `engine.comm_bytes` measures them."""
+    raise ValueError("the communication model covers MLPs on dp, fsdp, tp and pp; got "
+                     f"{view.model!r} on {view.layout.text!r}")

@@ -102,7 +102,7 @@ class SequenceParallelGrads:
         return getattr(self.inner, attr)
 
 
-# -- cost model (no MPI): bytes per train_step, read by gpt_tensor_parallel.step_comm -----------
+# -- cost model (no MPI): bytes per train_step, read by decoder_tensor_parallel.step_comm -------
 def operator_comm(view, act: float, gathers: int, scatters: int) -> dict:
     """`gathers` all-gathers along T into (B, T, D) activations of `act` bytes and `scatters`
     reduce-scatters of (B, T, D) partial sums over tp = t ranks: (t-1)/t x act each. A

@@ -38,10 +38,10 @@ TAG = 1 << 12      # message tags TAG + i, i = the tied parameter's index (no pi
                    # is in flight between two syncs: every step receives what it was sent)
 
 
-def tied_stages(model, name: str, param_stage: int, head_stage: int) -> tuple:
+def tied_stages(tied: bool, name: str, param_stage: int, head_stage: int) -> tuple:
     """The other pp stages holding a copy of parameter `name`: the head's stage for a tied
-    model's embed/tokens when it is not the embedding's own, else ()."""
-    if getattr(model, "tied", False) and name == TIED_NAME and head_stage != param_stage:
+    model's (`tied`) embed/tokens when it is not the embedding's own, else ()."""
+    if tied and name == TIED_NAME and head_stage != param_stage:
         return (head_stage,)
     return ()
 

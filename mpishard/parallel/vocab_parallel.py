@@ -43,7 +43,7 @@ from ..nn.transformer import add_position_grads, leading_positions, position_row
 from .placement import Shard
 
 # the vocabulary's tp split, padded to a multiple of tp (the module docstring); any
-# transformer plan's table (gpt.plan_transformer_params) takes these for these names
+# transformer plan's table (decoder.plan_decoder_params) takes these for these names
 VOCAB_TP_SHARDS = {"embed/tokens": (Shard("tp", 0, pad=True),),
                    "head/weights": (Shard("tp", 1, pad=True),)}
 
@@ -206,7 +206,7 @@ class ReplicatedOutput:
         return y
 
 
-# -- cost model (no MPI): bytes per train_step, read by gpt_tensor_parallel.step_comm -----------
+# -- cost model (no MPI): bytes per train_step, read by decoder_tensor_parallel.step_comm -------
 def embedding_comm(view, tokens: int) -> dict:
     """The vocab-parallel embedding of `tokens` tokens (all microbatches) over tp = t ranks:
     the forward all_reduce(sum) of the partial (B, T, D), 2(t-1)/t of it; with

@@ -17,7 +17,7 @@ import mpishard as ms
 from conftest import RTOL64, group_comm
 from mpishard.cli.generate import generate_tokens, last_logits
 from mpishard.nn.kv_cache import KVCache, caching
-from mpishard.parallel.gpt import check_decode
+from mpishard.parallel.decoder import check_decode
 from mpishard.comm.mesh import parse_layout
 
 PROMPT = [3, 1, 4, 1, 5]

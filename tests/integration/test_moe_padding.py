@@ -16,7 +16,7 @@ from conftest import assert_close, group_comm
 
 import mpishard as ms
 from mpishard.nn.layers import LocalAccess
-from mpishard.nn.moe_layers import SparseMoE
+from mpishard.models.llama.moe_units import SparseMoE
 from mpishard.nn.moe_routing import group_capacity, route, valid_tokens
 from mpishard.parallel.decode import Decoder, _cached_logits, _recomputed_logits
 from test_device_double import MODES, device_backend

@@ -14,7 +14,7 @@ from mpishard.nn import attention as att
 from mpishard.nn import functional as nn
 from mpishard.nn.layers import LocalAccess, Sequential
 from mpishard.nn.losses import CrossEntropy
-from mpishard.nn.transformer import gpt_units
+from mpishard.models.gpt.units import gpt_units
 
 H = 1e-5          # central-difference step
 FD_RTOL = 1e-7

@@ -12,8 +12,8 @@ import pytest
 
 import mpishard as ms
 from mpishard.checkpoint.format import model_from_spec, model_spec
-from mpishard.nn import llama_attention as A
-from mpishard.nn import llama_layers as L
+from mpishard.models.llama import attention as A
+from mpishard.models.llama import units as L
 from mpishard.nn.layers import LocalAccess
 from test_gpt_nn import perturbed
 

@@ -12,7 +12,7 @@ import pytest
 import mpishard as ms
 from mpishard.checkpoint.format import model_from_spec, model_spec
 from mpishard.nn.layers import LocalAccess
-from mpishard.nn.moe_layers import SparseMoE
+from mpishard.models.llama.moe_units import SparseMoE
 from test_gpt_nn import perturbed
 from test_llama_nn import (Store, T64, check_single_engine, check_unit, close, hf_float64,
                            torch_llama)

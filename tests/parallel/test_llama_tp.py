@@ -17,8 +17,8 @@ from mpi4py import MPI
 import mpishard as ms
 from conftest import group_comm
 from mpishard.parallel.compose import plan_params
-from mpishard.parallel.gpt import check_gpt_layout
-from mpishard.parallel.llama_tensor_parallel import local_heads
+from mpishard.parallel.decoder import check_decoder_layout
+from mpishard.models.llama.tensor_parallel import local_heads
 from test_llama_layouts import compare_with_single, make_llama
 
 
@@ -55,7 +55,7 @@ def test_tp_must_divide_heads_and_d_ff():
     with pytest.raises(ValueError, match="tp=2 does not divide the Llama's d_ff=15"):
         plan_params(odd, ms.parse_layout("tp=2"))
     with pytest.raises(ValueError, match="ep=2 is not yet supported for Llama models"):
-        check_gpt_layout(make_llama(), ms.parse_layout("ep=2"))
+        check_decoder_layout(make_llama(), ms.parse_layout("ep=2"))
 
 
 # -- every layout against single -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The Mixtral's load-balancing-loss runners (parallel/moe_transformer.py): explicit delegation
+"""The Mixtral's load-balancing-loss runners (parallel/aux_loss.py): explicit delegation
 to the runner they hold (forward, backward, the tracer, a pipeline's inference_loop), and under
 pp one before_action hook, set once, that ends each step's collection.
 
@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_close, group_comm
 
 import mpishard as ms
-from mpishard.parallel.moe_transformer import AuxLossPipeline, AuxLossRunner
+from mpishard.parallel.aux_loss import AuxLossPipeline, AuxLossRunner
 
 CE = ms.losses.CrossEntropy()
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...nn.params import ParamSpec
+from . import parallelize
+from . import costs
 from . import hf
 
 INIT_STD = 0.02
@@ -119,21 +121,88 @@ class DecoderSpec(ParamSpec):
                              f"need (batch, T) leading dims, got shape {tuple(lead_shape)}")
         return (lead_shape[0], lead_shape[1], self.vocab_size)
 
+    # -- parallel plan (interface.py): what every decoder shares --------------------------------
+    def supports_recompute(self) -> bool:
+        return True
+
+    # -- cost model (interface.py): what every decoder shares (costs.py) ----------------------
+    calibration_key = "gpt"
+
+    def param_uses(self, layout, name: str, held=None) -> tuple:
+        return costs.param_uses(self, layout, name, held)
+
+    def grad_order(self, names) -> list:
+        return costs.grad_order(self, names)
+
+    def boundary_width(self, layout, layer) -> int:
+        return costs.boundary_width(self, layout, layer)
+
+    def check_costs(self, layout) -> None:
+        costs.check_costs(self, layout)
+
+    def step_flops(self, batch: int) -> int:
+        return costs.gpt_flops(self, batch)
+
     # -- Hugging Face (interface.py): each decoder names its maps (hf_maps, hf_map) ------------
     @classmethod
     def from_hf_config(cls, cfg: dict, hf_map):
         """The spec of config.json `cfg`: `hf_map` reads its fields into our keywords."""
         return cls(**hf_map.spec_args(cfg))
 
+    # -- data and command line (interface.py) --------------------------------------------------
+    takes_tokens = True
+    generates = True
+    default_loss = "cross_entropy"
+
+    @classmethod
+    def from_flag(cls, table: dict, vocab_size=None):
+        """The spec of a parsed `--model KIND:KEY=VALUE,...` table over flag_defaults (tied as
+        0/1; `vocab_size`: the data set's, instead of the table's vocab)."""
+        kw = {k: v for k, v in table.items() if k != "vocab"}
+        return cls(vocab_size=vocab_size or table["vocab"], **{**kw, "tied": bool(kw["tied"])})
+
+    def flag_args(self) -> dict:
+        """{"model": "KIND:KEY=VALUE,..."}: every flag key but vocab (the data set's), booleans
+        as 0/1, keys whose value is None left out."""
+        values = {k: getattr(self, k) for k in self.flag_defaults if k != "vocab"}
+        text = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}"
+                        for k, v in values.items() if v is not None)
+        return {"model": f"{self.kind}:{text}"}
+
+    def log_name(self) -> str:
+        return repr(self)
+
 
 class GPT(DecoderSpec):
     """A decoder-only transformer spec (GPT-2 style); see the module docstring."""
 
     kind = "gpt"
+    # -- data and command line (interface.py): `--model gpt:KEY=VALUE,...`
+    flag_defaults = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
+                     "tied": 0, "vocab": 256}
+    flag_types = {"tied": "switch"}
 
     def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, d_ff=None,
                  tied=False):
         super().__init__(vocab_size, seq_len, d_model, n_heads, n_layers, d_ff, tied)
+
+    # -- parallel plan (interface.py): parallelize.py -------------------------------------------
+    def plan_params(self, layout) -> dict:
+        return parallelize.plan_params(self, layout)
+
+    def build(self, layout, comm, access, stats: dict):
+        return parallelize.build(self, layout, comm, access, stats)
+
+    def grads_overlap(self, layout) -> bool:
+        """Not when tied: embed/tokens gets the embedding's and the head's gradient."""
+        return not self.tied
+
+    def tp_replicated_params(self, tp: int) -> list:
+        return []
+
+    def kv_width(self, tp: int) -> int:
+        """D / tp: k and v have as many heads as q."""
+        return self.d_model // tp
 
     # -- Hugging Face (interface.py): GPT2LMHeadModel (hf.py) -----------------------------------
     @classmethod
@@ -142,6 +211,19 @@ class GPT(DecoderSpec):
 
     def hf_map(self):
         return hf
+
+    # -- cost model (interface.py): costs.py ---------------------------------------------------
+    def cost_parts(self) -> dict:
+        return {"tp": (costs.DecoderTensorParallel(),), "ep": ()}
+
+    def step_gemms(self, view) -> list:
+        return costs.gemms(self, view)
+
+    def step_elementwise(self, view, op, fixed: dict) -> float:
+        return costs.elementwise(self, view, op, fixed)
+
+    def planned_experts(self):
+        return None
 
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:

@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gpt.spec import DecoderSpec, positive_int
-from . import hf, hf_mixtral
+from ..gpt.spec import GPT, DecoderSpec, positive_int
+from . import hf, hf_mixtral, parallelize, tensor_parallel
+from . import costs
 
 INIT_STD = 0.02
 
@@ -71,6 +72,12 @@ class Llama(DecoderSpec):
     gpt.DecoderSpec's."""
 
     kind = "llama"
+    # -- data and command line (interface.py): `--model llama:KEY=VALUE,...`, GPT's keys and more
+    flag_defaults = {**GPT.flag_defaults, "n_kv_heads": None, "rope_theta": 10000.0,
+                     "norm_eps": 1e-5, "n_experts": None, "top_k": 2, "capacity_factor": None,
+                     "router_aux_loss_coef": 0.0}
+    flag_types = {**GPT.flag_types, "rope_theta": "number", "norm_eps": "number",
+                  "capacity_factor": "number", "router_aux_loss_coef": "weight"}
 
     def __init__(self, vocab_size, seq_len, d_model, n_heads, n_layers, n_kv_heads=None,
                  d_ff=None, rope_theta=10000.0, norm_eps=1e-5, tied=False, n_experts=None,
@@ -107,6 +114,36 @@ class Llama(DecoderSpec):
     def hf_map(self):
         """A dense Llama saves as LlamaForCausalLM, one with experts as MixtralForCausalLM."""
         return hf if self.n_experts is None else hf_mixtral
+
+    # -- parallel plan (interface.py): parallelize.py, tensor_parallel.py ----------------------
+    def plan_params(self, layout) -> dict:
+        return parallelize.plan_params(self, layout)
+
+    def build(self, layout, comm, access, stats: dict):
+        return parallelize.build(self, layout, comm, access, stats)
+
+    def grads_overlap(self, layout) -> bool:
+        """Not when tied (embed/tokens gets two gradients), nor with experts over ep."""
+        return not (self.tied or layout.size("ep") > 1)
+
+    def tp_replicated_params(self, tp: int) -> list:
+        return tensor_parallel.replicated_kv_params(self, tp)
+
+    def kv_width(self, tp: int) -> int:
+        return tensor_parallel.kv_width(self, tp)
+
+    # -- cost model (interface.py): costs.py (the decoder's, with SwiGLU and experts) ---------
+    def cost_parts(self) -> dict:
+        return costs.cost_parts(self)
+
+    def step_gemms(self, view) -> list:
+        return costs.gemms(self, view)
+
+    def step_elementwise(self, view, op, fixed: dict) -> float:
+        return costs.elementwise(self, view, op, fixed)
+
+    def planned_experts(self):
+        return self.n_experts
 
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:

@@ -20,6 +20,9 @@ import numpy as np
 
 from ...nn.functional import check_activation
 from ...nn.params import ParamSpec
+from . import parallelize
+from . import costs
+from ...parallel.unit_costs import unit_grad_order
 
 __all__ = ["LinearSpec", "MLP"]
 
@@ -111,6 +114,69 @@ class MLP(ParamSpec):
         """Shape of the output for a batch whose inputs (or targets) have leading dims
         `lead_shape`: (rows, d_out)."""
         return (lead_shape[0], self.d_out)
+
+    # -- data and command line (interface.py): `--model D_IN,...,D_OUT` builds an MLP ---------
+    takes_tokens = False
+    generates = False
+    default_loss = "mse"
+    flag_defaults = None
+    flag_types: dict = {}
+
+    def flag_args(self):
+        """{"model": "D_IN,...,D_OUT", "activation": ...}; None without bias (no flag drops it)."""
+        if not self.bias:
+            return None
+        return {"model": ",".join(map(str, self.dims)), "activation": self.activation}
+
+    def log_name(self) -> str:
+        """The dims joined by arrows: 64->128->10."""
+        return "->".join(map(str, self.dims))
+
+    # -- parallel plan (interface.py): parallelize.py ------------------------------------------
+    def plan_params(self, layout) -> dict:
+        return parallelize.plan_params(self, layout)
+
+    def build(self, layout, comm, access, stats: dict):
+        return parallelize.build(self, layout, comm, access, stats)
+
+    def grads_overlap(self, layout) -> bool:
+        return True
+
+    def supports_recompute(self) -> bool:
+        return False
+
+    def tp_replicated_params(self, tp: int) -> list:
+        return []
+
+    # -- cost model (interface.py): costs.py ---------------------------------------------------
+    calibration_key = "mlp"
+
+    def param_uses(self, layout, name: str, held=None) -> tuple:
+        return costs.param_uses(self, layout, name, held)
+
+    def grad_order(self, names) -> list:
+        return unit_grad_order(names)
+
+    def boundary_width(self, layout, layer) -> int:
+        return costs.boundary_width(self, layout, layer)
+
+    def check_costs(self, layout) -> None:
+        """Nothing beyond plan_params' checks."""
+
+    def cost_parts(self) -> dict:
+        return {"tp": (costs.MLPTensorParallel(),), "ep": ()}
+
+    def step_gemms(self, view) -> list:
+        return costs.gemms(self, view)
+
+    def step_elementwise(self, view, op, fixed: dict) -> float:
+        return costs.elementwise(self, view, op, fixed)
+
+    def step_flops(self, batch: int) -> int:
+        return costs.model_flops(self.dims, batch)
+
+    def planned_experts(self):
+        return None
 
     # -- Hugging Face (interface.py): no transformers model is a plain MLP
     @classmethod

@@ -10,6 +10,9 @@ import numpy as np
 from ...nn.functional import check_activation
 from ...nn.params import ParamSpec
 from ..mlp.spec import MLP
+from . import parallelize
+from . import costs
+from ...parallel.unit_costs import unit_grad_order
 
 __all__ = ["MoE"]
 
@@ -104,6 +107,64 @@ class MoE(ParamSpec):
             bound = 1.0 / np.sqrt(fan_in)
             params[name] = rng.uniform(-bound, bound, shape)
         return params
+
+    # -- data and command line (interface.py): rows like an MLP's; no --model spelling builds it
+    takes_tokens = generates = False
+    default_loss = MLP.default_loss
+    flag_defaults, flag_types = None, {}
+
+    def flag_args(self):
+        return None
+
+    def log_name(self) -> str:
+        return repr(self)
+
+    # -- parallel plan (interface.py): parallelize.py ------------------------------------------
+    def plan_params(self, layout) -> dict:
+        return parallelize.plan_params(self, layout)
+
+    def build(self, layout, comm, access, stats: dict):
+        return parallelize.build(self, layout, comm, access, stats)
+
+    def grads_overlap(self, layout) -> bool:
+        """Never: an expert's gradient sums the tokens of the whole ep group."""
+        return False
+
+    def supports_recompute(self) -> bool:
+        return False
+
+    def tp_replicated_params(self, tp: int) -> list:
+        return []
+
+    # -- cost model (interface.py): costs.py; the plan prices no ms.MoE exchange ---------------
+    calibration_key = "mlp"
+
+    def param_uses(self, layout, name: str, held=None) -> tuple:
+        return costs.param_uses(self, layout, name, held)
+
+    def grad_order(self, names) -> list:
+        return unit_grad_order(names)
+
+    def boundary_width(self, layout, layer) -> int:
+        return self.d_out
+
+    def check_costs(self, layout) -> None:
+        """Nothing beyond plan_params' checks."""
+
+    def cost_parts(self) -> dict:
+        return {"tp": (), "ep": (costs.ExpertExchange(),)}
+
+    def step_gemms(self, view) -> list:
+        costs.refuse_step_time(self)
+
+    def step_elementwise(self, view, op, fixed: dict) -> float:
+        costs.refuse_step_time(self)
+
+    def step_flops(self, batch: int) -> int:
+        costs.refuse_step_time(self)
+
+    def planned_experts(self):
+        return None                    # its ep layouts have no cost model
 
     # -- Hugging Face (interface.py): no transformers model is a lone MoE layer
     @classmethod

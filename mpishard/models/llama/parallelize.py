@@ -1,15 +1,16 @@
-"""A Llama on the mesh: where its parameters live and which units this rank runs (no MPI).
+"""A Llama (and a Mixtral) on the mesh: where its parameters live and which units this rank
+runs.
 
-Everything but the tp table is the GPT's (gpt.py): the blocks are the pipeline's layers
-(stage balancing, `stages=`, interleaved and zero-bubble schedules), the embedding lives with
-block 0 and rms_f + head with the last block (a tied Llama under pp: the GPT's tied copies,
-tied.py), FSDP ZeRO-3 splits every parameter along dim 0, zero=1/2 and dp keep them
-replicated, cp replicates them and the layout checks are check_gpt_layout's.
+Everything but the tp table is a decoder's (parallel/decoder.py): the blocks are the pipeline's
+layers (stage balancing, `stages=`, interleaved and zero-bubble schedules), the embedding lives
+with block 0 and rms_f + head with the last block (a tied Llama under pp: the tied copies,
+parallel/tied.py), FSDP ZeRO-3 splits every parameter along dim 0, zero=1/2 and dp keep them
+replicated, cp replicates them and the layout checks are check_decoder_layout's.
 
-Tensor parallelism (tp, sequence_parallel) is llama_tensor_parallel.py: each parameter's tp
-split (`llama_tp_shards`) comes first in its placement, then fsdp's.
+Tensor parallelism (tp, sequence_parallel) is tensor_parallel.py: each parameter's tp split
+(`llama_tp_shards`) comes first in its placement, then fsdp's.
 
-A Mixtral (n_experts set) adds expert parallelism inside the blocks: moe_transformer.py.
+A Mixtral (n_experts set) adds expert parallelism inside the blocks: experts.py.
 
 Context parallelism: cp's ring (context_parallel.RingAttention) in its grouped form, whose
 (k, v) blocks travel around the ring with the kv heads only (H/K times fewer bytes than
@@ -19,31 +20,45 @@ home; Ulysses after RepeatKV (its all_to_all splits the query heads over cp).
 """
 from __future__ import annotations
 
-from ..nn.llama_attention import RepeatKV, merge_qkv, split_qkv
-from ..nn.llama_layers import llama_units
-from ..nn.transformer import leading_positions
-from .context_parallel import RingAttention
-from .gpt import plan_gpt_params
-from .llama_tensor_parallel import LlamaTensorParallel, llama_tp_shards
-from .moe_transformer import plan_moe_llama_params
-from .vocab_parallel import ReplicatedOutput, VocabParallelOutput
+from ...nn.transformer import leading_positions
+from ...parallel.compose import RankUnits, layer_stages
+from ...parallel.context_parallel import RingAttention
+from ...parallel.decoder import build_decoder, check_decoder_layout, plan_decoder_params
+from ...parallel.vocab_parallel import ReplicatedOutput, VocabParallelOutput
+from .attention import RepeatKV, merge_qkv, split_qkv
+from .experts import attach_experts, plan_moe_llama_params
+from .tensor_parallel import LlamaTensorParallel, llama_tp_shards
+from .units import llama_units
 
 
-def plan_llama_params(model, layout, vstages: list) -> dict:
-    """name -> ParamInfo(full_shape, Placement) for every Llama parameter (the GPT's plan with
-    the Llama's tp table)."""
+def plan_params(model, layout) -> dict:
+    """name -> ParamInfo(full_shape, Placement) for every Llama parameter (a decoder's plan
+    with the Llama's tp table); ValueError (the same on every rank) for a layout it cannot
+    run."""
+    vstages = layer_stages(model, layout)
     tp_shards = llama_tp_shards(model, layout.size("tp"))
     if model.n_experts is not None:                 # Mixtral: experts split over ep
         return plan_moe_llama_params(model, layout, vstages, tp_shards)
     if layout.size("ep") > 1:
         raise ValueError(f"layout {layout.text!r}: ep={layout.size('ep')} splits experts; "
                          f"{model!r} has none (ms.Llama(..., n_experts=E))")
-    return plan_gpt_params(model, layout, vstages, tp_shards=tp_shards)
+    check_decoder_layout(model, layout)
+    return plan_decoder_params(model, layout, vstages, tp_shards)
+
+
+def build(model, layout, comm, access, stats: dict) -> RankUnits:
+    """This rank's chunks, the output seam (tp: vocab-parallel) and, for a Mixtral, its
+    experts' exchange over ep with the load-balancing loss hook (or None)."""
+    units, output = llama_units_and_output(model, layout, comm)
+    chunks, output = build_decoder(model, layout, comm, access, layer_stages(model, layout),
+                                   units, output)
+    aux = attach_experts(chunks, model, layout, comm, stats) if model.n_experts else None
+    return RankUnits(chunks, output, aux)
 
 
 def llama_units_and_output(model, layout, comm):
-    """(units builder for gpt.gpt_chunks, the engine's output seam) for this layout; comm: the
-    engine's Comm."""
+    """(units builder for decoder.decoder_chunks, the engine's output seam) for this layout;
+    comm: the engine's Comm."""
     if layout.size("tp") == 1:
         return GroupedContext(llama_units), ReplicatedOutput()
     tp, sp = comm.group("tp"), bool(layout.option("sequence_parallel", 0))

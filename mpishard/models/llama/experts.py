@@ -3,7 +3,7 @@ composed with dp, fsdp, tp, pp, cp and sequence parallelism (no MPI here but the
 
 ep is a data axis (as for ms.MoE): the batch's sequences are split over dp x fsdp x ep, and
 an ep group is the ranks that differ only in their ep coordinate (the same dp, fsdp, pp, cp
-and tp coordinates). Each SparseMoE (nn/moe_layers.py) sends its token rows to the ep rank of
+and tp coordinates). Each SparseMoE (moe_units.py) sends its token rows to the ep rank of
 their expert and back with all_to_all_v (nn/moe_routing.TokenExchange, shared with ms.MoE);
 the rest of the block is the Llama's on every axis.
 
@@ -34,7 +34,8 @@ all_reduce, over the token axes; c aux = c E sum_e C_e P_e / N^2 joins every ran
 (so the engine's mean over dp, fsdp, ep and cp adds it once), and each row's dp_e gets
 c E C_e / N^2 times R = dp fsdp ep cp (GradientSync averages over those ranks) times the
 step's grad_scale. C must be whole before any backward: under pp only schedule=gpipe (every
-forward of the step, then every backward) allows that, and there AuxLossPipeline ends the
+forward of the step, then every backward) allows that, and there
+parallel/aux_loss.AuxLossPipeline ends the
 collection between each rank's last forward and first backward, the all_reduce then over pp
 too (1f1b, interleaved and zb1p run a microbatch's backward before the next one's forward:
 refused).
@@ -49,16 +50,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..comm.mesh import AVERAGE_AXES, DATA_AXES
-from ..nn.layers import Composite
-from ..nn.moe_layers import SparseMoE
-from ..nn.moe_routing import TokenExchange
-from . import placement as pl
-from .context_parallel import check_cp
-from .gpt import plan_transformer_params
-from .gpt_tensor_parallel import check_gpt_tp
-from .sequence_parallel import SequenceParallelGrads
-from .stages import pipeline_options
+from ...comm.mesh import AVERAGE_AXES
+from ...nn.layers import Composite
+from ...nn.moe_routing import TokenExchange
+from ...parallel import placement as pl
+from ...parallel.aux_loss import token_axes
+from ...parallel.context_parallel import check_cp
+from ...parallel.decoder import plan_decoder_params
+from ...parallel.decoder_tensor_parallel import check_heads_tp
+from ...parallel.sequence_parallel import SequenceParallelGrads
+from ...parallel.stages import pipeline_options
+from .moe_units import SparseMoE
 
 EXPERT_SHARD = pl.Shard("ep", 0)
 
@@ -79,7 +81,7 @@ def check_moe_layout(model, layout) -> None:
                          f"routing counts of the step before its first backward; under pp "
                          f"only schedule=gpipe runs every forward first, not "
                          f"schedule={schedule} (use schedule=gpipe or router_aux_loss_coef=0)")
-    check_gpt_tp(model, layout)
+    check_heads_tp(model, layout)
     check_cp(model, layout)
 
 
@@ -87,7 +89,7 @@ def plan_moe_llama_params(model, layout, vstages: list, tp_shards) -> dict:
     """name -> ParamInfo: the Llama's plan with each stacked expert tensor split on dim 0
     over ep before fsdp's split."""
     check_moe_layout(model, layout)
-    plan = plan_transformer_params(model, layout, vstages, tp_shards)
+    plan = plan_decoder_params(model, layout, vstages, tp_shards)
     if layout.size("ep") == 1:
         return plan
     for name, info in plan.items():
@@ -95,14 +97,6 @@ def plan_moe_llama_params(model, layout, vstages: list, tp_shards) -> dict:
             shards = (EXPERT_SHARD,) + info.placement.shards
             plan[name] = replace(info, placement=replace(info.placement, shards=shards))
     return plan
-
-
-def token_axes(layout) -> tuple:
-    """The axes over which ranks hold different tokens: the data axes, cp, and tp under
-    sequence_parallel (those of size > 1)."""
-    sp = layout.size("tp") > 1 and layout.option("sequence_parallel", 0)
-    axes = DATA_AXES + ("cp",) + (("tp",) if sp else ())
-    return tuple(a for a in axes if layout.size(a) > 1)
 
 
 class RoutingStats:
@@ -175,70 +169,6 @@ class AuxLoss:
         """The rows' dp_e of c aux, or None outside a train_step (engine.forward/backward:
         no auxiliary loss)."""
         return None if self.grad is None else xp.asarray(self.grad, dtype=dtype)
-
-
-class AuxLossRunner:
-    """The runner (Sequential: pp=1) with c aux added to each train_step's loss value, the
-    step's grad_scale given to AuxLoss. forward, backward and the tracer are the runner's."""
-
-    def __init__(self, runner, aux: AuxLoss):
-        self.runner, self.aux = runner, aux
-
-    @property
-    def tracer(self):
-        return self.runner.tracer
-
-    @tracer.setter
-    def tracer(self, tracer) -> None:        # a trace (parallel/tracing.py) sets it
-        self.runner.tracer = tracer
-
-    def forward(self, x, mb=0, record=True):
-        return self.runner.forward(x, mb=mb, record=record)
-
-    def backward(self, dy, mb=0):
-        return self.runner.backward(dy, mb=mb)
-
-    def train_step(self, x, t, loss, grad_scale):
-        self.aux.begin(grad_scale)
-
-        def with_aux(y, target):
-            value, dy = loss(y, target)
-            return value + self.aux.total(), dy
-        try:
-            return self.runner.train_step(x, t, with_aux, grad_scale)
-        finally:
-            self.aux.end()
-
-
-class AuxLossPipeline(AuxLossRunner):
-    """The PipelineRunner (schedule=gpipe: check_moe_layout) with c aux. Its before_action
-    hook, set once here, ends the collection at the rank's first action of a step that is not
-    a forward (every forward of the step on this stage done; its sends are non-blocking, so
-    every stage reaches the all_reduce, over pp and the token axes, before any waits for a
-    gradient); c aux joins the last stage's loss value (the one the engine broadcasts over
-    pp). inference_loop is the runner's."""
-
-    def __init__(self, runner, aux: AuxLoss):
-        super().__init__(runner, aux)
-        self.value = 0.0                     # this step's c aux, once the hook has run
-        runner.before_action = self._end_forwards
-
-    def _end_forwards(self, action) -> None:
-        if action.kind != "F" and self.aux.active:
-            self.value = self.aux.total()
-
-    def inference_loop(self, input_stream, output_stream, prepare=None):
-        return self.runner.inference_loop(input_stream, output_stream, prepare=prepare)
-
-    def train_step(self, x, t, loss, grad_scale):
-        self.value = 0.0
-        self.aux.begin(grad_scale)
-        try:
-            value, rows = self.runner.train_step(x, t, loss, grad_scale)
-        finally:
-            self.aux.end()
-        last = self.runner.stage == self.runner.pp - 1
-        return value + (self.value if last else 0.0), rows
 
 
 def sparse_layers(units):

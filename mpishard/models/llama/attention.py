@@ -1,4 +1,4 @@
-"""Llama attention: rotary positions and grouped-query attention (units of llama_layers.py).
+"""Llama attention: rotary positions and grouped-query attention (units of units.py).
 
 The activation between FusedLinear(q, k, v) and the attention core is (B, T, (Hq + 2 Hkv) Dh): the
 q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this rank computes).
@@ -17,10 +17,10 @@ taken in float64 and cast to the activations' dtype (transformers takes them in 
 """
 from __future__ import annotations
 
-from . import attention as att
-from . import functional as nn
-from .layers import Layer
-from .transformer import leading_positions
+from ...nn import attention as att
+from ...nn import functional as nn
+from ...nn.layers import Layer
+from ...nn.transformer import leading_positions
 
 
 def rope_angles(xp, positions, d_head: int, theta: float):

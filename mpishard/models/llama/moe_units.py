@@ -1,7 +1,7 @@
 """The Mixtral block's sparse MLP (HF MixtralSparseMoeBlock): x (B, T, D) -> y (B, T, D).
 
 Per token row x (n = B T rows), with E experts, k = top_k and expert e's stacked weights
-gate_e, up_e (D, F) and down_e (F, D) (spec: llama.py):
+gate_e, up_e (D, F) and down_e (F, D) (spec: spec.py):
 
     route    logits = x router 'nd,de->ne';  p = softmax(logits) over E (the model dtype)
              top-k experts by p (capacity drops: moe_routing.route, one group per sequence)
@@ -20,7 +20,7 @@ and pass no gradient; the gradient flows through the softmax weights, as PyTorch
 Load-balancing loss (router_aux_loss_coef = c > 0; HF's load_balancing_loss_func over every
 block's rows concatenated, N of them): aux = E sum_e (C_e / N) (P_e / N), C_e the top-k
 assignments to expert e, P_e the sum of p_e. C is piecewise constant, so d(c aux)/dp_e =
-c E C_e / N^2 on every row: `aux` (optional, parallel/moe_transformer.AuxLoss) collects
+c E C_e / N^2 on every row: `aux` (optional, experts.AuxLoss) collects
 (C, P, n) in forward and gives that row gradient, scaled to the engine's convention, in
 backward, added to dp before the softmax's Jacobian.
 
@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import functional as nn
-from .layers import Layer
-from .moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
+from ...nn import functional as nn
+from ...nn.layers import Layer
+from ...nn.moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
 
 
 def swiglu_expert_forward(x, gate, up, down):

@@ -24,19 +24,20 @@ backward, or GatherFromSP's reduce-scatter) like every column layer's.
 
 Units per block: Residual[RMSNorm, f, FusedLinear(q, k, v column), Rotary, GroupedQueryAttention,
 proj row + g], Residual[RMSNorm, f, FusedLinear(gate, up column), SwiGLU, down row + g], with the
-GPT's f/g (gpt_tensor_parallel.tp_linear). The embedding, head and loss are vocab-parallel.
+decoders' f/g (parallel/decoder_tensor_parallel.tp_linear). The embedding, head and loss are
+vocab-parallel.
 """
 from __future__ import annotations
 
-from ..nn import functional as nn
-from ..nn.llama_attention import KVHeads
-from ..nn.llama_layers import llama_units
-from ..nn.transformer import TiedHead, leading_positions
-from .gpt_tensor_parallel import sequence_split_params, tp_linear
-from .placement import Shard
-from .sequence_parallel import GatherFromSP, SequenceParallelGrads, split_grads_comm
-from .tensor_parallel import ColumnParallelLinear, CopyToTP
-from .vocab_parallel import VocabParallelEmbedding
+from ...nn import functional as nn
+from ...nn.transformer import TiedHead, leading_positions
+from ...parallel.decoder_tensor_parallel import sequence_split_params, tp_linear
+from ...parallel.placement import Shard
+from ...parallel.sequence_parallel import GatherFromSP, SequenceParallelGrads, split_grads_comm
+from ...parallel.tensor_parallel import ColumnParallelLinear, CopyToTP
+from ...parallel.vocab_parallel import VocabParallelEmbedding
+from .attention import KVHeads
+from .units import llama_units
 
 COLUMN, ROW = (Shard("tp", 1),), (Shard("tp", 0),)
 TP_SHARDS = {"embed/tokens": ROW, "attn/q/weights": COLUMN, "attn/proj/weights": ROW,
@@ -60,19 +61,17 @@ def llama_tp_shards(model, t: int):
 
 
 def replicated_kv_params(model, t: int) -> list:
-    """The kv weights replicated on tp (their gradients are summed over tp); none for a
-    model that is not a Llama."""
-    if getattr(model, "kind", "") != "llama" or kv_split(model, t):
+    """The kv weights replicated on tp (their gradients are summed over tp): all of them when
+    t does not divide the kv heads, else none."""
+    if kv_split(model, t):
         return []
     return [n for n in model.param_shapes() if n.endswith(KV_WEIGHTS)]
 
 
 def kv_width(model, t: int) -> int:
-    """Columns of k (and of v) per tp rank (t ranks): D / t for a model without kv heads of its
-    own (ms.GPT), else its local kv heads x Dh (all K of them when t does not divide K). A cp
-    ring sends this much of each (context_parallel.ring_bytes)."""
-    if getattr(model, "kind", "") != "llama":
-        return model.d_model // t
+    """Columns of k (and of v) per tp rank (t ranks): its local kv heads x Dh (all K of them
+    when t does not divide K). A cp ring sends this much of each
+    (context_parallel.ring_bytes)."""
     return (model.n_kv_heads // t if kv_split(model, t) else model.n_kv_heads) * model.d_head
 
 
@@ -121,7 +120,7 @@ class VocabParallelTokens(VocabParallelEmbedding):
 
 
 class LlamaTensorParallel:
-    """Builds a stage's Llama units under tp (the `units` builder of gpt.gpt_chunks)."""
+    """Builds a stage's Llama units under tp (the `units` builder of decoder_chunks)."""
 
     def __init__(self, tp, sequence_parallel: bool):
         self.tp, self.sp = tp, bool(sequence_parallel)
@@ -153,8 +152,8 @@ def memory(view, n_state) -> dict:
 def step_comm(view) -> dict:
     """The all_reduce(sum) over tp of each replicated kv weight's gradient this rank holds,
     per microbatch (SequenceParallelGrads; everything else a Llama sends under tp is the
-    GPT's f, g, vocab-parallel embedding and loss: gpt_tensor_parallel.step_comm)."""
+    decoders' f, g, vocab-parallel embedding and loss: decoder_tensor_parallel.step_comm)."""
     if view.size("tp") == 1:
         return {}
-    return {"train_step": split_grads_comm(view, replicated_kv_params(view.model,
-                                                                      view.size("tp")))}
+    return {"train_step": split_grads_comm(view, view.model.tp_replicated_params(
+        view.size("tp")))}

@@ -1,32 +1,32 @@
-"""Llama layers: the units an engine stacks into pipeline stages (spec: llama.py).
+"""Llama layers: the units an engine stacks into pipeline stages (spec: spec.py).
 
     TokenEmbedding   tokens (B, T) ints -> h (B, T, D)        embed/tokens (no positions)
     LlamaBlock i     h -> h                                   block_{i}/...
       Residual[RMSNorm ln_1, FusedLinear(q, k, v), Rotary, GroupedQueryAttention, attn proj]
       Residual[RMSNorm ln_2, FusedLinear(gate, up), SwiGLU, mlp down]
-        (n_experts set: Residual[RMSNorm ln_2, SparseMoE]: moe_layers.py)
+        (n_experts set: Residual[RMSNorm ln_2, SparseMoE]: moe_units.py)
     LlamaHead        h -> logits (B, T, V)                    ln_f, head/weights or tied
 
 Between FusedLinear(q, k, v) and the attention core the activation is (B, T, (Hq + 2 Hkv) Dh):
 the q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this rank
 computes, all of them without tp). Rotary turns q and k by position; the core serves query
 head i from kv head kv_heads[i] (HF's repeat_kv: i // (Hq / Hkv)). Under context
-parallelism the core is cp's ring (its grouped form, parallel/llama.py) or RepeatKV (q | k, v
-repeated to every query head) and Ulysses. These attention units are in llama_attention.py.
+parallelism the core is cp's ring (its grouped form, parallelize.py) or RepeatKV (q | k, v
+repeated to every query head) and Ulysses. These attention units are in attention.py.
 
 Like nn.transformer's units, every unit reaches its parameters through the access policy and
 keeps what its backward needs on its tape per microbatch. Tensor parallelism passes the same
-`linear(access, w_name, b_name, role)` factory as the GPT's Block (transformer.plain_linear
-or gpt_tensor_parallel.tp_linear) for its communication units; `FusedLinear` computes the
-column projections that read the same input as one matmul.
+`linear(access, w_name, b_name, role)` factory as the GPT's Block (nn/transformer.plain_linear
+or parallel/decoder_tensor_parallel.tp_linear) for its communication units; `FusedLinear`
+computes the column projections that read the same input as one matmul.
 """
 from __future__ import annotations
 
-from . import functional as nn
-from .layers import Composite, Layer, Linear, Residual
-from .llama_attention import GroupedQueryAttention, KVHeads, Rotary
-from .moe_layers import SparseMoE
-from .transformer import TiedHead, leading_positions, plain_linear
+from ...nn import functional as nn
+from ...nn.layers import Composite, Layer, Linear, Residual
+from ...nn.transformer import TiedHead, leading_positions, plain_linear
+from .attention import GroupedQueryAttention, KVHeads, Rotary
+from .moe_units import SparseMoE
 
 
 class RMSNorm(Layer):
@@ -179,9 +179,11 @@ class SwiGLU(Layer):
 class LlamaBlock(Composite):
     """Llama block i: h + attn(rms_1(h)), then h + mlp(rms_2(h)).
 
-    heads: a KVHeads for the heads this rank computes; linear: as transformer.Block's;
-    attention(heads): the attention units under cp (parallel/llama.py: a grouped ring, or
+    heads: a KVHeads for the heads this rank computes; linear: as the GPT's Block's;
+    attention(heads): the attention units under cp (parallelize.py: a grouped ring, or
     RepeatKV and Ulysses; None: GroupedQueryAttention); token_positions: the rotary's."""
+
+    recomputable = True        # what recompute=1 wraps (nn/recompute.py)
 
     def __init__(self, model, access, index, heads, linear=plain_linear, attention=None,
                  token_positions=leading_positions):
