@@ -28,6 +28,7 @@ from .comm.threads import pin_blas_threads
 from .comm import uncaught
 from .comm.watchdog import DEFAULT_TIMEOUT
 from .nn.losses import get_loss
+from .nn.params import ParamSpec
 from .parallel.compose import compose
 from .parallel.context_parallel import shard_sequence
 from .parallel.decode import generate as generate_ids
@@ -171,7 +172,7 @@ class MeshEngine(ShardedEngine):
         self.precision = Precision(dtype, param_dtype, comm_dtype)     # TypeError, no MPI yet
         super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads,
                          host_heap)
-        if not hasattr(model, "param_shapes"):
+        if not isinstance(model, ParamSpec):           # every spec's base (models/interface.py)
             raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
                             f"{type(model).__name__}")
         self.model = model

@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from ..models.gpt.spec import GPT
-from ..nn.losses import MSE, CrossEntropy
+from ..nn.losses import get_loss
 from ..engine import make_engine
 from ..parallel.model_costs import is_gpt
 from ..train.optim import SGD, AdamW
@@ -112,7 +112,7 @@ def build_bench(args, comm):
 
 def measure(engine, opt, x, t, steps: int, warmup: int) -> dict:
     """Collective: warm-up, then `steps` timed steps; numbers combined over ranks (max)."""
-    loss = CrossEntropy() if is_gpt(engine.model) else MSE()
+    loss = get_loss(engine.model.default_loss)
     sync = (engine.xp.cuda.get_current_stream().synchronize if engine.backend.is_gpu
             else (lambda: None))
 

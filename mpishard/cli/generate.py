@@ -254,7 +254,7 @@ def prepare_generator(args, comm):
             raise UsageError(f"--hf {args.hf}: {exc}") from None
     else:
         ckpt, model = open_checkpoint(args.checkpoint)
-        if getattr(model, "kind", None) not in ("gpt", "llama"):
+        if not model.generates:
             raise UsageError(f"--checkpoint {args.checkpoint} holds "
                              f"{ckpt.model_spec.get('class')}, not a GPT or Llama; generate "
                              f"samples from language models")

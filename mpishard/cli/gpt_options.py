@@ -7,15 +7,15 @@
 a key left out takes its value from DEFAULT_GPT. The vocabulary is the data set's (256 bytes,
 train/text.py). In a --config file, `gpt = "d_model=128,..."` or a `[gpt]` table of the same
 keys. `--model llama:KEY=VALUE,...` trains an ms.Llama the same way (the same keys and
-n_kv_heads, rope_theta, norm_eps; DEFAULT_LLAMA). Everything here is checked without MPI and
-the same on every rank; only the corpus read (in `gpt_model_and_data`, inside train's
-`agreed`) touches files.
+n_kv_heads, rope_theta, norm_eps; Llama.flag_defaults), as does any architecture of the
+registry that takes token ids and has a KEY=VALUE spelling (LANGUAGE_MODELS). Everything here
+is checked without MPI and the same on every rank; only the corpus read (in
+`gpt_model_and_data`, inside train's `agreed`) touches files.
 """
 from __future__ import annotations
 
 import logging
 
-from ..models.gpt.spec import GPT
 from ..parallel.compose import plan_params
 from ..parallel.stages import assign_stages
 from ..train.text import (BYTE_VOCAB, DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION,
@@ -25,8 +25,8 @@ from .usage import UsageError, check_flags
 
 TEXT_DATASET = "text"
 DEFAULT_GPT = {k: v for k, v in model_flag.GPT_DEFAULTS.items() if k != "vocab"}
-DEFAULT_LLAMA = {k: v for k, v in model_flag.LLAMA_DEFAULTS.items() if k != "vocab"}
-LANGUAGE_MODELS = ("gpt", "llama")    # --model gpt (or gpt:...) and --model llama:...
+# the --model KIND that train reads a text or token data set for: gpt (or gpt:...), llama:...
+LANGUAGE_MODELS = tuple(kind for kind, cls in model_flag.KEYED.items() if cls.takes_tokens)
 TEXT_FLAGS = ("corpus", "corpus_bytes", "val_fraction", "train_stride")
 # --clip when not given for a GPT: global-norm clipping at 1.0, GPT-2/nanoGPT practice (the
 # GPT of docs/training.md reaches a lower validation loss with it, as PyTorch does on the same
@@ -61,15 +61,17 @@ def gpt_spec_text(table: dict) -> str:
                     if v is not None)
 
 
-def parse_gpt_spec(text, llama=False) -> dict:
-    """--gpt text -> {key: int} over DEFAULT_GPT, or DEFAULT_LLAMA for `--model llama:...`
-    (model_flag.parse_gpt_spec's checks); the vocabulary is the data set's, so a vocab key is
-    refused."""
+def parse_gpt_spec(text, kind="gpt") -> dict:
+    """--gpt text -> {key: value} over the flag_defaults of architecture `kind` (--model
+    KIND:..., model_flag.parse_gpt_spec's checks) less vocab: the vocabulary is the data
+    set's, so a vocab key is refused."""
     keys = [item.partition("=")[0].strip() for item in str(text or "").split(",")]
     if {"vocab", "vocab_size"} & set(keys):
         raise UsageError(f"--gpt: train takes the vocabulary from the data set ({BYTE_VOCAB} "
                          f"bytes); leave vocab out")
-    return model_flag.parse_gpt_spec(text, DEFAULT_LLAMA if llama else DEFAULT_GPT)
+    cls = model_flag.KEYED[kind]
+    defaults = {k: v for k, v in cls.flag_defaults.items() if k != "vocab"}
+    return model_flag.parse_gpt_spec(text, defaults, cls.flag_types)
 
 
 def validate_gpt_args(args, layout):
@@ -90,12 +92,9 @@ def validate_gpt_args(args, layout):
                          f"cross_entropy (the mean over every token)")
     check_flags(args, ("corpus_bytes", "train_stride"), low=0, low_open=True)
     check_flags(args, ("val_fraction",), low=0, high=1, low_open=True)
-    spec = parse_gpt_spec(args.gpt, llama=args.model == "llama")
+    spec = parse_gpt_spec(args.gpt, args.model)
     try:
-        model = model_flag.llama_from_spec(spec, BYTE_VOCAB) if args.model == "llama" else \
-            GPT(vocab_size=BYTE_VOCAB, seq_len=spec["seq_len"], d_model=spec["d_model"],
-                n_heads=spec["n_heads"], n_layers=spec["n_layers"], d_ff=spec["d_ff"],
-                tied=bool(spec["tied"]))
+        model = model_flag.KEYED[args.model].from_flag(spec, BYTE_VOCAB)
         plan_params(model, layout)        # every model kind's layout checks (ep: Mixtral)
         assign_stages(model, layout)
     except ValueError as exc:
@@ -105,9 +104,9 @@ def validate_gpt_args(args, layout):
     return model
 
 
-def gpt_model_and_data(args, spec: GPT):
-    """(GPT, TextDataset): the corpus read and cut into windows of spec.seq_len, and the
-    model with the data set's vocabulary. UsageError when the corpus is missing or too small
+def gpt_model_and_data(args, spec):
+    """(decoder spec, TextDataset): the corpus read and cut into windows of spec.seq_len, and
+    the model with the data set's vocabulary. UsageError when the corpus is missing or too small
     for seq_len."""
     try:
         data = text_dataset(spec.seq_len, args.corpus, args.corpus_bytes or DEFAULT_CORPUS_BYTES,
@@ -128,7 +127,7 @@ def log_corpus(log: logging.Logger, data) -> None:
                  "loss", c["best_loss"])
 
 
-__all__ = ["DEFAULT_GPT", "DEFAULT_GPT_CLIP", "DEFAULT_LLAMA", "LANGUAGE_MODELS",
+__all__ = ["DEFAULT_GPT", "DEFAULT_GPT_CLIP", "LANGUAGE_MODELS",
            "GPT_SCHEDULE_DEFAULTS", "TEXT_DATASET",
            "add_gpt_arguments",
            "gpt_model_and_data", "gpt_spec_text", "log_corpus", "parse_gpt_spec",

@@ -95,7 +95,7 @@ def run_export(args) -> int:
         raise UsageError("export runs as one process (python -m mpishard export ..., without "
                          "mpiexec): every rank would write the same files at once")
     ckpt, model = open_checkpoint(args.checkpoint)
-    if getattr(model, "kind", None) not in ("gpt", "llama"):
+    if not model.generates:
         raise UsageError(f"--checkpoint {args.checkpoint} holds "
                          f"{ckpt.model_spec.get('class')}; only GPT and Llama export to "
                          f"Hugging Face")

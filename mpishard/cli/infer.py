@@ -45,7 +45,6 @@ from ..checkpoint import CheckpointError
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint.format import read_asset_array
 from ..engine import make_engine
-from ..models.gpt.spec import GPT
 from ..train.data import standardized
 from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_flags,
                     checked_layout, default_layout, world_comm)
@@ -109,7 +108,7 @@ def infer_rows(engine, x, batch: int, out=None, standardize=None) -> int:
     rank passes the same x and batch. Returns the number of batches."""
     dp = engine.data_parallel_size
     spans = batch_spans(int(x.shape[0]), batch)
-    tokens = isinstance(engine.model, GPT)        # token ids stay integers
+    tokens = engine.model.takes_tokens            # token ids stay integers
 
     def batches():                 # read by stage 0 only under pp; by every rank otherwise
         for start, stop in spans:
@@ -147,7 +146,7 @@ def _open_input(path, model):
         raise UsageError(f"--input {path}: an .npz archive; give one .npy array")
     if x.shape[:1] == (0,):
         raise UsageError(f"--input {path}: no rows")
-    if isinstance(model, GPT):
+    if model.takes_tokens:
         return _check_tokens(path, x, model)
     if x.ndim != 2 or x.shape[1] != model.d_in:
         raise UsageError(f"--input {path}: shape {x.shape}, the model takes (rows, "
@@ -158,7 +157,7 @@ def _open_input(path, model):
 
 
 def _check_tokens(path, x, model):
-    """A GPT's input: (rows, T) integer token ids below vocab_size, 1 <= T <= seq_len."""
+    """A decoder's input: (rows, T) integer token ids below vocab_size, 1 <= T <= seq_len."""
     if x.ndim != 2 or not 1 <= x.shape[1] <= model.seq_len:
         raise UsageError(f"--input {path}: shape {x.shape}; a GPT takes token ids (rows, T) "
                          f"with T <= seq_len={model.seq_len}")
@@ -172,10 +171,9 @@ def _check_tokens(path, x, model):
 
 
 def output_shape(model, x) -> tuple:
-    """The shape of the outputs of every row of `x`: (rows, d_out), a GPT's (rows, T, vocab)."""
-    if isinstance(model, GPT):
-        return (int(x.shape[0]), int(x.shape[1]), model.vocab_size)
-    return (int(x.shape[0]), model.d_out)
+    """The shape of the outputs of every row of `x`: (rows, d_out), a decoder's (rows, T,
+    vocab)."""
+    return tuple(int(n) for n in model.output_shape(x.shape))
 
 
 def _check_output(path, input_path):
@@ -203,7 +201,7 @@ def build_inference(args, comm):
         raise UsageError(f"--batch {args.batch} must divide by the {dp} data-parallel ranks "
                          f"of layout {layout.text!r}")
     ckpt, model = open_checkpoint(args.checkpoint)
-    if isinstance(model, GPT) and layout.size("cp") > 1:
+    if model.takes_tokens and layout.size("cp") > 1:
         raise UsageError(f"infer: layout {layout.text!r} splits the sequence (cp); a GPT's "
                          f"logits are gathered over the data axes only: leave cp out")
     x = _open_input(args.input, model)
@@ -223,7 +221,7 @@ def standardization(ckpt, model):
     except (CheckpointError, KeyError, TypeError) as exc:
         raise UsageError(f"--checkpoint {ckpt.path}: its standardisation {files!r}: {exc}"
                          ) from None
-    d_in = getattr(model, "d_in", None)
+    d_in = None if model.takes_tokens else model.d_in
     if any(a.shape != (d_in,) or a.dtype.kind != "f" for a in (mean, std)) or (std <= 0).any():
         raise UsageError(f"--checkpoint {ckpt.path}: its standardisation has mean "
                          f"{mean.shape} {mean.dtype} and std {std.shape} {std.dtype}; the model "

@@ -7,12 +7,14 @@
 
 Both GPT spellings work in every command (train, plan, inspect, bench); keys given in both
 places must not repeat. GPT keys: vocab (or vocab_size), seq_len, d_model, n_heads, n_layers,
-d_ff (default 4 d_model), tied (0/1); a key left out takes its value from GPT_DEFAULTS. A
+d_ff (default 4 d_model), tied (0/1); a key left out takes its value from GPT.flag_defaults. A
 Llama (`llama:KEY=VALUE,...`) takes the same keys and n_kv_heads (default n_heads),
-rope_theta and norm_eps (numbers; LLAMA_DEFAULTS), and for a mixture of experts (Mixtral)
-n_experts, top_k (default 2), capacity_factor and router_aux_loss_coef (numbers). `train`
-takes its vocabulary from the data set (256 bytes) and refuses a vocab key. The plan costs
-full-length sequences (T = seq_len) and counts a batch row as one sequence.
+rope_theta and norm_eps (numbers; Llama.flag_defaults), and for a mixture of experts (Mixtral)
+n_experts, top_k (default 2), capacity_factor and router_aux_loss_coef (numbers). Each
+architecture's spec gives its keys, their defaults and types (models/interface.py), the
+registry (models.ARCHITECTURES) maps KIND to it, and any other --model text is an MLP's
+dims. `train` takes its vocabulary from the data set (256 bytes) and refuses a vocab key.
+The plan costs full-length sequences (T = seq_len) and counts a batch row as one sequence.
 
 plan and inspect also take `--hf DIR` instead: the GPT-2, Llama or Mixtral that DIR's
 config.json describes, as train's --init-from-hf reads it, but from config.json alone (no
@@ -29,47 +31,50 @@ import json
 import os
 
 from ..checkpoint import CheckpointError, model_spec, read_index
-from ..checkpoint.format import spec_text
+from ..checkpoint.format import model_from_spec, spec_text
 from ..hf.convert import from_config
 from ..hf.files import CONFIG
-from ..models.gpt.spec import GPT
-from ..models.llama.spec import Llama
+from ..models import ARCHITECTURES
 from ..models.mlp.spec import MLP
 from .cluster_options import AUTO
 from .usage import UsageError, check_directory, parse_dims
 
-GPT_DEFAULTS = {"d_model": 128, "n_heads": 4, "n_layers": 4, "seq_len": 64, "d_ff": None,
-                "tied": 0, "vocab": 256}
-GPT_PREFIX = "gpt:"
-LLAMA_DEFAULTS = {**GPT_DEFAULTS, "n_kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5,
-                  "n_experts": None, "top_k": 2, "capacity_factor": None,
-                  "router_aux_loss_coef": 0.0}
-LLAMA_PREFIX = "llama:"
-# numbers; every other key is an integer (router_aux_loss_coef may be 0)
-FLOAT_KEYS = ("rope_theta", "norm_eps", "capacity_factor", "router_aux_loss_coef")
+# The architectures a `--model KIND:KEY=VALUE,...` (or a bare KIND) builds; any other --model
+# text is an MLP's dims.
+KEYED = {kind: cls for kind, cls in ARCHITECTURES.items() if cls.flag_defaults is not None}
+GPT_DEFAULTS = KEYED["gpt"].flag_defaults
 GPT_FLAG_HELP = ("comma-separated MLP dims, e.g. 64,256,256,10, or a GPT: gpt:KEY=VALUE,... or "
                  "gpt with --gpt KEY=VALUE,... (keys " + ", ".join(GPT_DEFAULTS) + "), or a "
                  "Llama: llama:KEY=VALUE,... (also n_kv_heads, rope_theta, norm_eps; a Mixtral's "
                  "experts: n_experts, top_k, capacity_factor, router_aux_loss_coef)")
 
 
-def joined_gpt_spec(model, gpt=None):
-    """The GPT spec text that --model and --gpt give together ('' for a GPT of defaults), or
-    None when --model names an MLP (UsageError if --gpt came with one)."""
-    text = str(model).strip()
-    if text != "gpt" and not text.startswith(GPT_PREFIX):
+def split_model_flag(model):
+    """(kind, KEY=VALUE text) of `--model KIND` or `--model KIND:KEY=VALUE,...` for a keyed
+    architecture (KEYED), or None for an MLP's dims."""
+    kind, colon, keys = str(model).strip().partition(":")
+    return (kind, keys if colon else "") if kind in KEYED else None
+
+
+def joined_model_spec(model, gpt=None):
+    """(kind, the KEY=VALUE text that --model and --gpt give together: '' for the defaults),
+    or None when --model names an MLP (UsageError if --gpt came with one)."""
+    split = split_model_flag(model)
+    if split is None:
         if gpt is not None:
             raise UsageError(f"--gpt applies to --model gpt, not --model {model}")
         return None
-    parts = [text[len(GPT_PREFIX):] if text != "gpt" else "", gpt or ""]
-    return ",".join(p for p in parts if p.strip())
+    kind, keys = split
+    return kind, ",".join(p for p in (keys, gpt or "") if p.strip())
 
 
-def parse_gpt_spec(text, defaults=None) -> dict:
-    """'d_model=64,n_heads=4,...' -> {key: int} over `defaults` (GPT_DEFAULTS); UsageError for
-    an unknown or repeated key, a missing '=', a value that is not a positive integer, tied not
-    0/1. The key vocab_size is read as vocab."""
+def parse_gpt_spec(text, defaults=None, types=None) -> dict:
+    """'d_model=64,n_heads=4,...' -> {key: value} over `defaults` (a spec's flag_defaults,
+    GPT's by default; `types` its flag_types): UsageError for an unknown or repeated key, a
+    missing '=', a value that is not a positive integer ("number": a positive number,
+    "weight": a number >= 0, "switch": 0 or 1). The key vocab_size is read as vocab."""
     defaults = GPT_DEFAULTS if defaults is None else defaults
+    types = KEYED["gpt"].flag_types if types is None else types
     spec, given = dict(defaults), set()
     for item in ([] if text is None else str(text).split(",")):
         if not item.strip():
@@ -84,43 +89,36 @@ def parse_gpt_spec(text, defaults=None) -> dict:
         if key in given:
             raise UsageError(f"--gpt: {key} is given twice")
         given.add(key)
-        try:
-            number = float(value) if key in FLOAT_KEYS else int(value)
-        except ValueError:
-            raise UsageError(f"--gpt: {key}={value!r} is not "
-                             f"{'a number' if key in FLOAT_KEYS else 'an integer'}") from None
-        if key == "tied" and number not in (0, 1):
-            raise UsageError(f"--gpt: tied must be 0 or 1, got {value}")
-        if key == "router_aux_loss_coef" and number < 0:
-            raise UsageError(f"--gpt: {key} must be a number >= 0, got {value}")
-        if key not in ("tied", "router_aux_loss_coef") and \
-                (number <= 0 if key in FLOAT_KEYS else number < 1):
-            raise UsageError(f"--gpt: {key} must be a positive "
-                             f"{'number' if key in FLOAT_KEYS else 'integer'}, got {value}")
-        spec[key] = number
+        spec[key] = _flag_value(key, value, types.get(key, "integer"))
     return spec
 
 
-def gpt_from_spec(spec: dict, vocab_size=None) -> GPT:
-    """ms.GPT of a parse_gpt_spec table (vocab_size: instead of the table's vocab)."""
-    return GPT(vocab_size=vocab_size or spec["vocab"], seq_len=spec["seq_len"],
-               d_model=spec["d_model"], n_heads=spec["n_heads"], n_layers=spec["n_layers"],
-               d_ff=spec["d_ff"], tied=bool(spec["tied"]))
+def _flag_value(key, value, flag_type):
+    """One KEY=VALUE's value of `flag_type` (parse_gpt_spec), or UsageError."""
+    real = flag_type in ("number", "weight")
+    try:
+        number = float(value) if real else int(value)
+    except ValueError:
+        raise UsageError(f"--gpt: {key}={value!r} is not "
+                         f"{'a number' if real else 'an integer'}") from None
+    if flag_type == "switch" and number not in (0, 1):
+        raise UsageError(f"--gpt: {key} must be 0 or 1, got {value}")
+    if flag_type == "weight" and number < 0:
+        raise UsageError(f"--gpt: {key} must be a number >= 0, got {value}")
+    if flag_type in ("number", "integer") and (number <= 0 if real else number < 1):
+        raise UsageError(f"--gpt: {key} must be a positive "
+                         f"{'number' if real else 'integer'}, got {value}")
+    return number
 
 
-def llama_from_spec(t: dict, vocab_size=None) -> Llama:
-    """ms.Llama of a parse_gpt_spec table over LLAMA_DEFAULTS (vocab_size: instead of the
-    table's vocab)."""
-    return Llama(vocab_size=vocab_size or t["vocab"], seq_len=t["seq_len"],
-                 d_model=t["d_model"], n_heads=t["n_heads"], n_layers=t["n_layers"],
-                 n_kv_heads=t["n_kv_heads"], d_ff=t["d_ff"], rope_theta=t["rope_theta"],
-                 norm_eps=t["norm_eps"], tied=bool(t["tied"]), n_experts=t["n_experts"],
-                 top_k=t["top_k"], capacity_factor=t["capacity_factor"],
-                 router_aux_loss_coef=t["router_aux_loss_coef"])
+def keyed_model(kind, text):
+    """The spec of architecture `kind` (KEYED) from its KEY=VALUE `text`."""
+    cls = KEYED[kind]
+    return cls.from_flag(parse_gpt_spec(text, cls.flag_defaults, cls.flag_types))
 
 
 def with_vocab(spec, vocab_size: int):
-    """The same GPT or Llama spec with another vocabulary (a data set's)."""
+    """The same decoder spec with another vocabulary (a data set's)."""
     kw = {k: v for k, v in vars(spec).items()
           if k in inspect.signature(type(spec)).parameters}
     return type(spec)(**{**kw, "vocab_size": vocab_size})
@@ -129,29 +127,19 @@ def with_vocab(spec, vocab_size: int):
 def model_from_flag(text, activation: str = "relu", bias: bool = True, gpt=None):
     """The model spec `--model` (and `--gpt`) name (UsageError for a malformed flag,
     ValueError for sizes the model refuses)."""
-    if str(text).strip().startswith(LLAMA_PREFIX):
-        return llama_from_spec(parse_gpt_spec(str(text).strip()[len(LLAMA_PREFIX):],
-                                              LLAMA_DEFAULTS))
-    spec = joined_gpt_spec(text, gpt)
-    if spec is not None:
-        return gpt_from_spec(parse_gpt_spec(spec))
+    joined = joined_model_spec(text, gpt)
+    if joined is not None:
+        return keyed_model(*joined)
     return MLP(parse_dims(text), activation=activation, bias=bias)
 
 
 def spec_flags(spec: dict):
-    """The train flags that rebuild a checkpoint's model spec (index.json's "model"):
-    {"model": dims} and its activation for an ms.MLP, {"model": "gpt" or "llama", "gpt":
-    KEY=VALUE,...} for an ms.GPT or ms.Llama (no vocab: train takes it from the data); None
-    for a model no flag names (ms.MoE, an MLP without bias)."""
-    cls = spec.get("class")
-    if cls == "MLP" and spec.get("bias", True) and isinstance(spec.get("dims"), list):
-        return {"model": ",".join(map(str, spec["dims"])), "activation": spec.get("activation")}
-    keys = {"GPT": GPT_DEFAULTS, "Llama": LLAMA_DEFAULTS}.get(cls)
-    if keys is None:
-        return None
-    text = ",".join(f"{k}={int(spec[k]) if isinstance(spec[k], bool) else spec[k]}"
-                    for k in keys if k != "vocab" and spec.get(k) is not None)
-    return {"model": cls.lower(), "gpt": text}
+    """The train flags that rebuild a checkpoint's model spec (index.json's "model"): the
+    rebuilt spec's flag_args ({"model": dims, "activation": ...} for an ms.MLP, {"model":
+    "KIND:KEY=VALUE,..."} for a decoder, no vocab: train takes it from the data); None for a
+    model no flag names (ms.MoE, an MLP without bias) or a spec that does not rebuild."""
+    model = model_from_spec(spec)
+    return None if model is None else model.flag_args()
 
 
 def checkpoint_model_flags(path):

@@ -36,8 +36,7 @@ from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_c
                              validate_flight_args)
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
                           add_gpt_arguments, validate_gpt_args)
-from .model_flag import (LLAMA_PREFIX, check_resumed_model, joined_gpt_spec,
-                         resumed_model_flags)
+from .model_flag import check_resumed_model, joined_model_spec, resumed_model_flags
 from .report_options import (REPORT_DEFAULTS, add_report_arguments, log_host_heap,
                              validate_report_args)
 from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_contents,
@@ -193,13 +192,10 @@ def parse_train_args(argv, parser=None):
     for key, value in (resumed or {}).items():   # --resume without --model: the checkpoint's
         merged[key] = value if merged.get(key) is None else merged[key]
     merged["model_from_checkpoint"] = bool(resumed)
-    llama = str(merged.get("model") or "").strip()
-    if llama.startswith(LLAMA_PREFIX):  # --model llama:KEY=VALUE,... (its keys ride on gpt)
-        merged.update(model="llama", gpt=llama[len(LLAMA_PREFIX):] or None)
-    gpt = joined_gpt_spec(merged["model"], merged.get("gpt")) \
-        if merged.get("model") not in (None, "llama") else None
-    if gpt is not None:                 # --model gpt:KEY=VALUE,... is --model gpt --gpt ...
-        merged.update(model="gpt", gpt=gpt or None)
+    keyed = joined_model_spec(merged["model"], merged.get("gpt")) \
+        if merged.get("model") is not None else None
+    if keyed is not None:               # --model KIND:KEY=VALUE,... is --model KIND --gpt ...
+        merged.update(model=keyed[0], gpt=keyed[1] or None)
     language = merged.get("model") in LANGUAGE_MODELS or \
         merged.get("init_from_hf") is not None or \
         is_tokens_name(merged.get("dataset"))
@@ -247,7 +243,7 @@ def validate_train_args(args, world_size: int):
                                                 or args.dtype != "float32"):
             raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
                              f"or the --dtype itself), got --dtype {args.dtype}")
-    loss = "cross_entropy" if gpt else fitting_loss(args, dims)
+    loss = gpt.default_loss if gpt else fitting_loss(args, dims)
     dp = layout.data_parallel_size
     if args.batch % (args.accumulate * dp):
         raise UsageError(f"--batch {args.batch} must divide by --accumulate {args.accumulate} "

@@ -249,7 +249,7 @@ class Trainer:
             cb.on_train_begin(self)
         self.log.info("training %s on %d rank(s), layout %s: %d steps of %d rows "
                       "(%d micro-step(s) of %d rows per data-parallel rank), %d steps/epoch",
-                      _model_text(e), e.num_devices, e.layout.text, self.total_steps,
+                      e.model.log_name(), e.num_devices, e.layout.text, self.total_steps,
                       self.batch, self.accumulate, self.batcher.local_rows,
                       self.batcher.steps_per_epoch)
         threads = e.blas_threads        # comm/threads.py: a pool it changed, it logged itself
@@ -320,7 +320,7 @@ class Trainer:
         metrics = {
             "layout": e.layout.text,
             "world_size": e.num_devices,
-            "model": _model_text(e),
+            "model": e.model.log_name(),
             "dataset": self.data.name,
             "loss": self.loss.name,
             "optimizer": type(self.optimizer).__name__,
@@ -366,11 +366,6 @@ def _pipeline_microbatches(engine) -> int:
     if engine.layout.size("pp") == 1:
         return 1
     return pipeline_options(engine.layout)[3]
-
-
-def _model_text(engine) -> str:
-    dims = getattr(engine.model, "dims", None)
-    return "->".join(map(str, dims)) if dims else repr(engine.model)
 
 
 __all__ = ["Callback", "Trainer", "TrainState", "configure_logging", "summary_table"]
