@@ -1,8 +1,8 @@
 """The calibration's whole-step measurements (cli/calibrate.py): the per-call costs of tiny
 models (`fixed`) and the mid-size reference models' train_step and AdamW step, over what the
 micro-benchmarks predict for them (`step_factor`, `optimizer_factor`: costs/step_time.py).
-Every timing goes through the `timed` passed in (calibrate.timed: every rank at once, windows
-of its WINDOW seconds), so this module needs nothing else of calibrate.py.
+Every timing goes through the `timed` passed in (costs/calibration.timed: every rank at once,
+windows of its WINDOW seconds), so this module needs nothing else of the calibration.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ REFERENCE_STEPS = {   # reference_seconds' models and batches: mid-size, fixed
 def step_seconds(model, comm, dtype, timed, batch: int = 2) -> tuple:
     """(train_step seconds, AdamW step seconds) of `model` on each rank alone (COMM_SELF),
     every rank at once, batch `batch` (2: measure_fixed's tiny models), each by
-    `timed(fn, comm)` (calibrate.timed)."""
+    `timed(fn, comm)` (costs/calibration.timed)."""
     engine = make_engine(model, "single", dtype=dtype, comm=MPI.COMM_SELF)
     engine.load_checkpoint(model.init(seed=0))
     opt = AdamW(engine, lr=1e-4)

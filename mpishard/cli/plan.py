@@ -27,12 +27,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
+from ..costs.calibration import DEFAULT_PATH, load_calibration
 from ..costs.rank_costs import COMM_KINDS, check_fit, rank_memory, step_comm_total
 from ..costs.step_time import predict_step, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
-from .calibrate import DEFAULT_PATH, calibrate, load_calibration
+from .calibrate import calibrate
 from .plan_time import validate, validation_report, validation_summary
 from .usage import UsageError, check_flags, world_rank
 

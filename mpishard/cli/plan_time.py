@@ -8,7 +8,8 @@ The K layouts predicted fastest are built once each in the current MPI job (its 
 --world-size) and warmed up (2 steps each); then `rounds` rounds run one train_step + AdamW
 step of every layout in turn, so a change in the machine's load during the run reaches every
 layout alike. A layout's measured time is the median over rounds of the slowest rank's step.
-The calibration (cli/calibrate.py) is measured first in the same job with --calibrate.
+The calibration (cli/calibrate.py, costs/calibration.py) is measured first in the same job
+with --calibrate.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from mpi4py import MPI
 from ..comm.mesh import parse_layout
 from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
+from ..costs.calibration import layer_gflops
 from ..costs.step_time import predict_step
 from ..train.optim import AdamW
-from .calibrate import layer_gflops
 
 ROUNDS, WARMUP = 9, 2
 REFERENCE = 256                   # the GEMM size validation re-times each round

@@ -15,7 +15,8 @@ import pytest
 
 import mpishard as ms
 from mpishard import cli
-from mpishard.cli import calibrate as cal_mod
+from mpishard.cli import calibrate as cal_cli
+from mpishard.costs import calibration as cal_mod
 from mpishard.cli import calibrate_steps as cal_steps
 from mpishard.cli.plan import candidate_layouts, plan_report
 from mpishard.cli.plan_time import validate, validation_report
@@ -351,7 +352,7 @@ def test_calibrate_and_validate_run(monkeypatch):
     comm = group_comm(2)
     monkeypatch.setattr(cal_mod, "WINDOW", 0.002)
     monkeypatch.setattr(cal_mod, "REPEATS", 1)
-    cal = cal_mod.calibrate(None, np.float32, comm)
+    cal = cal_cli.calibrate(None, np.float32, comm)
     assert set(cal["collectives"]) == set(KINDS) and set(cal["collectives"]["send"]) == {"2"}
     assert len(cal["gemm"]) == len(cal_mod.GEMM_SIDES) and cal["concurrency"] >= 1.0
     assert all(s >= 0 for points in cal["ops"].values() for _, s in points)
@@ -380,6 +381,6 @@ def test_a_rank_alone_gets_the_cores_its_waiting_peers_leave():
         pytest.skip("needs at least 2 ranks per core")
     a, w = (np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
             for _ in range(2))
-    alone = cal_mod.timed_alone(lambda: ms.nn.einsum("bd,df->bf", a, w), comm)
+    alone = cal_cli.timed_alone(lambda: ms.nn.einsum("bd,df->bf", a, w), comm)
     shared = cal_mod.timed(lambda: ms.nn.einsum("bd,df->bf", a, w), comm)
     assert shared / alone > 1.3, (alone, shared)
