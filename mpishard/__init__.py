@@ -11,13 +11,13 @@ from .comm.collectives import CollectiveMismatchError, CollectiveTimeout, Future
 from .comm.mesh import CommUnusable, DeviceMesh, Layout, parse_layout
 from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
 from .nn import losses
-from .models import GPT, MLP, Llama, MoE, Mixtral
+from .models import GPT, MLP, Llama, MoE, Mixtral, Qwen2
 from .train import data, optim, trainer
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "Llama", "Mixtral", "MLP", "MoE", "ShardedEngine", "MeshEngine", "SingleDevice",
-           "DeviceMesh",
+__all__ = ["GPT", "Llama", "Mixtral", "MLP", "MoE", "Qwen2", "ShardedEngine", "MeshEngine",
+           "SingleDevice", "DeviceMesh",
            "Layout", "CollectiveMismatchError", "CollectiveTimeout", "CommUnusable", "Future",
            "make_engine",
            "parse_layout",

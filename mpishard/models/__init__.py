@@ -5,6 +5,7 @@ from .gpt.spec import GPT
 from .llama.spec import Llama, Mixtral
 from .mlp.spec import MLP
 from .moe.spec import MoE
+from .qwen2.spec import Qwen2
 
 # The registry: kind (`--model KIND:...`, a checkpoint's "kind") -> spec class, one line each.
 ARCHITECTURES = {
@@ -12,6 +13,7 @@ ARCHITECTURES = {
     MoE.kind: MoE,
     GPT.kind: GPT,
     Llama.kind: Llama,
+    Qwen2.kind: Qwen2,
 }
 
-__all__ = ["ARCHITECTURES", "GPT", "Llama", "Mixtral", "MLP", "MoE"]
+__all__ = ["ARCHITECTURES", "GPT", "Llama", "Mixtral", "MLP", "MoE", "Qwen2"]

@@ -90,8 +90,8 @@ def _save(model, directory, max_shard_size):
 
 
 def hf_logits(model, x) -> np.ndarray:
-    """transformers' logits of token ids `x` (B, T), as float64 numpy. A float64 Llama or
-    Mixtral runs with float64_llama: its float32 steps in float64."""
+    """transformers' logits of token ids `x` (B, T), as float64 numpy. A float64 Llama, Qwen2
+    or Mixtral runs with float64_llama: its float32 steps in float64."""
     with torch.no_grad(), float64_llama(model):
         return model(torch.as_tensor(np.asarray(x))).logits.double().numpy()
 
@@ -101,10 +101,11 @@ def float64_llama(model):
     """transformers' LlamaForCausalLM takes three steps in float32 whatever the model's dtype:
     the rotary angles, RMSNorm (it casts its input to float32) and the eager softmax. For a
     float64 model they run in float64 here (the same math, rounded like the rest); sdpa
-    attention keeps the model's dtype. A MixtralForCausalLM has the same three and float64_moe's.
-    Other models and dtypes run as they are."""
+    attention keeps the model's dtype. A Qwen2ForCausalLM has the same three; a
+    MixtralForCausalLM has them and float64_moe's. Other models and dtypes run as they are."""
     kind = type(model).__name__
-    if kind not in ("LlamaForCausalLM", "MixtralForCausalLM") or model.dtype != torch.float64:
+    if kind not in ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM") or \
+            model.dtype != torch.float64:
         yield
         return
     cfg, rotary = model.config, model.model.rotary_emb
