@@ -114,7 +114,7 @@ def qkv_blocked(a, groups: int):
     """Our q | k | v columns (last axis 3D) reordered as [q_0 | k_0 | v_0 | q_1 | ...], one
     block per group of H/groups heads: a column split into `groups` equal parts (torch's
     ColwiseParallel under tp=groups) then gives rank r the q, k, v of its own heads, as our
-    tp does (gpt_tensor_parallel's blocked Shard). groups=1 leaves `a` as it is."""
+    tp does (models/gpt/tensor_parallel's blocked Shard). groups=1 leaves `a` as it is."""
     *lead, three_d = a.shape
     blocks = a.reshape(*lead, 3, groups, three_d // (3 * groups))
     return np.ascontiguousarray(np.swapaxes(blocks, -3, -2).reshape(a.shape))

@@ -1,6 +1,6 @@
 """The per-step expert load of a mixture-of-experts model, for the log line and the metrics.
 
-A Mixtral's blocks (parallel/moe_transformer.RoutingStats) and ms.MoE (expert_parallel.py)
+A Mixtral's blocks (models/llama/experts.RoutingStats) and ms.MoE (expert_parallel.py)
 leave in `engine.stats` the assignments routed to each expert in their last forward, summed
 over every rank holding different tokens (the same numbers on each of them):
 

@@ -23,7 +23,7 @@ shape (B, T, V). LayerNorm is PyTorch's (biased variance, eps 1e-5); no dropout.
 `init(seed)` is GPT-2's: N(0, 0.02) for the embeddings, qkv, fc and head weights, N(0, 0.02 /
 sqrt(2 n_layers)) for the two residual projections of each block (attn/proj, mlp/proj),
 LayerNorm scale 1 and shift 0, biases 0; float64 numpy, the same on every rank for a seed.
-The layers that compute all this are in transformer.py. `DecoderSpec` is what the GPT shares
+The layers that compute all this are in units.py. `DecoderSpec` is what the GPT shares
 with every decoder spec (llama.Llama): the size checks, d_head, layers, param_shapes,
 check_input and output_shape.
 """

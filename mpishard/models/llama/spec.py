@@ -28,7 +28,7 @@ and k (rotate-half: inv_freq = 1 / theta^(arange(0, Dh, 2) / Dh), angle = pos in
 cos/sin = cat(angle, angle), q' = q cos + rotate_half(q) sin, rotate_half(x) = cat(-x2, x1)),
 query head h attends with kv head h // (H / K) (grouped-query attention), causal
 softmax(q' k'^T / sqrt(Dh)) v, heads concatenated in order. Logits = rms_f(h) head/weights
-(or rms_f(h) embed/tokens^T when tied), shape (B, T, V). The units are in llama_layers.py.
+(or rms_f(h) embed/tokens^T when tied), shape (B, T, V). The units are in units.py.
 
 Mixture of experts (Mixtral; n_experts=E set, None = the dense Llama above): each block's
 mlp/* names are replaced by (ours (in, out); HF MixtralSparseMoeBlock, legacy per-expert names)
@@ -40,7 +40,7 @@ mlp/* names are replaced by (ours (in, out); HF MixtralSparseMoeBlock, legacy pe
 
 and the mlp computes, per token x: p = softmax(x router) over E, the top_k experts by p, their
 weights w = p_top / sum(p_top), y = sum_k w_k (silu(x gate_e) * (x up_e)) down_e (units:
-moe_layers.py). capacity_factor (None: no drops, as HF) drops assignments over
+moe_units.py). capacity_factor (None: no drops, as HF) drops assignments over
 ceil(cf t k / E) per expert in each sequence's t tokens of a forward (in KV-cached generation
 the prompt, then each new token, which is never dropped); router_aux_loss_coef adds HF's
 load-balancing loss to train_step's loss (on every layout; under pp with schedule=gpipe only).
