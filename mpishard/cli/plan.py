@@ -16,7 +16,7 @@ benchmarks/run_all.py's `planner` part reads.
 
 Large worlds: only step_time.representative_ranks are costed (every pp stage, the first and
 last coordinate of fsdp, cp and tp, one dp replica: the max over them is the max over all
-ranks, tests/parallel/test_step_time.py), so 1024 ranks cost at most 8 x pp ranks per layout, not
+ranks, tests/costs/test_step_time.py), so 1024 ranks cost at most 8 x pp ranks per layout, not
 1024.
 """
 from __future__ import annotations

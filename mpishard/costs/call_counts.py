@@ -2,7 +2,7 @@
 
 The step-time model (step_time.py) charges each call a latency alpha, so it needs the calls
 behind the bytes that each strategy's `step_comm` counts, as `engine.comm_calls` counts them
-(tests/parallel/test_step_time.py holds the two equal on 4 ranks, MLP and GPT layouts). Per
+(tests/costs/test_step_time.py holds the two equal on 4 ranks, MLP and GPT layouts). Per
 microbatch (m per train_step; `forwards` = 2 under recompute=1):
 
     tp          the model's own tp parts' step_calls (its spec's cost_parts): an MLP's

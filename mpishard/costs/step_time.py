@@ -39,16 +39,16 @@ of the busiest rank (the slowest of `representative_ranks`), where
   (about ranks / free cores), and `lent` the share of an idle span the others really get,
   which grows with the span against the scheduler's slice (short spans lend nothing).
 - communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
-  calls (comm_calls.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
+  calls (call_counts.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
   fsdp, the averaging axes for dp's gradients and for the loss; the model's own parts'
-  time_groups): calls x the calibrated
-  seconds of one call of that kind and group size at the mean bytes per call
-  (`call_seconds`). A calibration with `ranks_per_node` (ranks numbered tp innermost,
-  mesh.coordinates) takes a group whose ranks span more than one node from
-  `collectives_inter` (two-level alpha-beta: NVLink inside a node, the network between).
+  time_groups): calls x the calibrated seconds of one call of that kind and group size at
+  the mean bytes per call (`call_seconds`). A calibration with `ranks_per_node` (ranks
+  numbered tp innermost, mesh.coordinates) takes a group whose ranks span more than one node
+  from `collectives_inter` (two-level alpha-beta: NVLink inside a node, the network between).
 
-A calibration (costs/calibrate.py writes one; examples/calibration.example.json was measured,
-examples/calibration.h100-cluster.json is assumed from public specs) is a dict:
+A calibration (cli/calibrate.py writes one, calibration.py reads it;
+examples/calibration.example.json was measured, examples/calibration.h100-cluster.json is
+assumed from public specs) is a dict:
 {"gemm": [[flops per call, GFLOP/s], ...], "bgemm": [...], "concurrency": k,
  "ops": {op: [[elements, seconds per element], ...]},
  "fixed": {"mlp_layer"|"mlp_base"|"gpt_block"|"gpt_base"|"optimizer_tensor": seconds},

@@ -4,7 +4,7 @@ what the engine counts on every rank, under tp with kv heads split and replicate
 gradients' all_reduce), sequence parallel, cp, pp, fsdp and tied heads.
 
 MPI tests:
-`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/parallel/test_llama_costs.py`
+`mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/costs/test_llama_costs.py`
 for N in 2, 4.
 """
 import numpy as np

@@ -11,7 +11,7 @@ The exchange follows the routing, so the plan prices its expectation under unifo
 each of the n tokens a rank routes per microbatch picks k experts, E/P of them on each of the
 P ep ranks, so of its n k (token, choice) rows n k (P-1)/P travel to other ranks, and as many
 come back from them (every expert gets n k / E rows from each rank: P n k / E in all).
-`engine.comm_bytes` counts exactly that on a balanced batch (tests/parallel/test_moe_costs.py).
+`engine.comm_bytes` counts exactly that on a balanced batch (tests/costs/test_moe_costs.py).
 Per block and microbatch, as nn/moe_routing.TokenExchange and experts.RoutingStats
 run them (each forward: `forwards` = 2 under recompute=1):
 
