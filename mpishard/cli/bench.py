@@ -20,7 +20,7 @@ tokens, a batch row being one sequence of seq_len tokens). Rank 0 prints:
                    backward 2F - 2 B d_0 d_1  (dW and dx per layer; the first layer has no dx)
                  so 3F - 2 B d_0 d_1 per step (biases, activations, loss and optimizer left
                  out; work repeated on several ranks, like tp's replicated last layer, counted
-                 once); a GPT: 3 x its forward's matmul FLOPs (gpt_flops)
+                 once); a GPT: 3 x its forward's matmul FLOPs (models/gpt/costs.gpt_flops)
   comm time      the fraction of step time inside the engine's collectives (engine.comm_time:
                  blocking calls for their whole duration, non-blocking ones for the issue only;
                  pipeline receives are waits, shown as 'pipeline idle' instead), max over ranks
@@ -34,10 +34,8 @@ import time
 
 import numpy as np
 
-from ..models.gpt.spec import GPT
 from ..nn.losses import get_loss
 from ..engine import make_engine
-from ..parallel.model_costs import is_gpt
 from ..train.optim import SGD, AdamW
 from .model_flag import add_model_arguments, model_from_flag
 from .plan import COMM_KINDS, check_fit, step_comm_total
@@ -64,28 +62,6 @@ def add_bench_arguments(p):
     return p
 
 
-def model_flops(dims, batch: int) -> int:
-    """FLOPs of one training step of an MLP (module docstring): 3F - 2 B d_0 d_1."""
-    forward = 2 * batch * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
-    return 3 * forward - 2 * batch * dims[0] * dims[1]
-
-
-def gpt_flops(model: GPT, batch: int) -> int:
-    """FLOPs of one training step of a GPT (or ms.Llama) on full sequences, 3 x the forward's
-    matmuls: per layer its weight matrices (a GPT's q, k, v and output projections 4 d^2 per
-    token and MLP 2 d d_ff; a Llama's q, k, v, o, gate, up, down), scores and weighted values
-    (2 T d), and the head (d V); 2 FLOPs per multiply-add."""
-    d, T = model.d_model, model.seq_len
-    block = sum(a * b for a, b in (s for s in model.block_param_shapes(0).values()
-                                   if len(s) == 2))
-    per_token = model.n_layers * (block + 2 * T * d) + d * model.vocab_size
-    return 3 * 2 * batch * T * per_token
-
-
-def step_flops(model, batch: int) -> int:
-    return gpt_flops(model, batch) if is_gpt(model) else model_flops(model.dims, batch)
-
-
 def build_bench(args, comm):
     """Validate and build (engine, optimizer, x_local, t_local); ValueError/TypeError before
     any collective on bad input."""
@@ -102,7 +78,7 @@ def build_bench(args, comm):
     opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
            else SGD(engine, lr=args.lr))
     rng = np.random.default_rng(args.seed)
-    if is_gpt(model):
+    if model.takes_tokens:
         x, t = rng.integers(0, model.vocab_size, (2, args.batch, model.seq_len))
     else:
         x = rng.standard_normal((args.batch, model.d_in))
@@ -156,7 +132,7 @@ def format_table(engine, args, result) -> str:
     per_rank = [step_comm_total(model, layout, r, args.batch, itemsize) for r in range(world)]
     plan = {k: max(c.get(k, 0) for c in per_rank) for k in COMM_KINDS}
     med = result["median_s"]
-    flops = step_flops(model, args.batch)
+    flops = model.step_flops(args.batch)
     rows = [("step time (median)", f"{med * 1e3:.3f} ms", ""),
             ("samples/s", f"{args.batch / med:,.0f}", ""),
             ("GFLOP/s (model)", f"{flops / med / 1e9:.3f}", ""),
