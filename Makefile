@@ -182,7 +182,7 @@ HF_EXTRAS ?= dev,hf
 HF_SIZES  ?= 1 2 4
 # tests/hf, and the unit tests that check our Llama units against torch autograd (skipped by
 # `make test`, whose venv has no torch)
-HF_TESTS  ?= tests/hf $(wildcard tests/nn/test_*llama_nn.py)
+HF_TESTS  ?= tests/hf $(wildcard tests/models/llama/test_*llama_nn.py)
 test-hf: $(STAMP)
 	$(PY) -m pip install -q -e '.[$(HF_EXTRAS)]'
 	@echo "==> test-hf: $(HF_TESTS) serially, then on $(HF_SIZES) ranks, timeout $(TIMEOUT) s each"
