@@ -87,8 +87,8 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
     kinds (per kind, of that busiest rank)}; rejected = [(layout, reason)]."""
     itemsize = np.dtype(dtype).itemsize
     rows, rejected = [], []
-    for text in candidate_layouts(world_size, microbatches, getattr(model, "seq_len", None),
-                                  model.planned_experts()):
+    seq_len = model.seq_len if model.takes_tokens else None    # cp and sequence_parallel
+    for text in candidate_layouts(world_size, microbatches, seq_len, model.planned_experts()):
         try:                            # (or one a strategy has no cost model for yet)
             layout = parse_layout(text)
             check_fit(model, layout, batch)

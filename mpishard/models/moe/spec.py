@@ -164,7 +164,7 @@ class MoE(ParamSpec):
         costs.refuse_step_time(self)
 
     def planned_experts(self):
-        return None                    # its ep layouts have no cost model
+        return self.n_experts          # tried, and refused: its exchange has no cost model
 
     # -- Hugging Face (interface.py): no transformers model is a lone MoE layer
     @classmethod
