@@ -59,11 +59,11 @@ class AuxLossRunner:
 
 class AuxLossPipeline(AuxLossRunner):
     """The PipelineRunner (schedule=gpipe: the model's layout check) with c aux. Its
-    before_action hook, set once here, ends the collection at the rank's first action of a step that is not
-    a forward (every forward of the step on this stage done; its sends are non-blocking, so
-    every stage reaches the all_reduce, over pp and the token axes, before any waits for a
-    gradient); c aux joins the last stage's loss value (the one the engine broadcasts over
-    pp). inference_loop is the runner's."""
+    before_action hook, set once here, ends the collection at the rank's first action of a
+    step that is not a forward (every forward of the step on this stage done; its sends are
+    non-blocking, so every stage reaches the all_reduce, over pp and the token axes, before
+    any waits for a gradient); c aux joins the last stage's loss value (the one the engine
+    broadcasts over pp). inference_loop is the runner's."""
 
     def __init__(self, runner, aux):
         super().__init__(runner, aux)
