@@ -55,8 +55,9 @@ def add_token_arguments(model_group, data_group):
     """--init-from-hf on the model group, --tokenizer and --seq-len on the data group (each
     the group's recording add_argument)."""
     model_group("--init-from-hf", metavar="DIR", help="fine-tune the Hugging Face model in DIR "
-                "(config.json + safetensors; GPT-2, Llama or Mixtral): its spec and weights, "
-                "and its tokenizer.json unless --tokenizer is given; not with --model/--gpt")
+                "(config.json + safetensors; GPT-2, Llama, Mixtral or Qwen2): its spec and "
+                "weights, and its tokenizer.json unless --tokenizer is given; not with "
+                "--model/--gpt")
     data_group("--tokenizer", metavar="DIR|FILE|bytes", help="tokenize --text with a model "
                "directory's tokenizer.json (or the file itself); bytes: byte-level, vocab 256 "
                "(default, or DIR's with --init-from-hf)")

@@ -252,13 +252,13 @@ def _option_help(text) -> dict:
 
 
 ARCHITECTURE_NAMES = {"GPT2LMHeadModel": "GPT-2", "LlamaForCausalLM": "Llama",
-                      "MixtralForCausalLM": "Mixtral"}
+                      "MixtralForCausalLM": "Mixtral", "Qwen2ForCausalLM": "Qwen2"}
 
 
 def test_the_readme_and_train_help_name_every_hugging_face_architecture():
-    """Every architecture ms.hf reads (GPT-2, Llama, Mixtral) is named in the README's Hugging
-    Face section with its class, and in `train --help`: --init-from-hf's help, and --model's
-    for the ones --model builds (Llama and Mixtral, a Llama with experts)."""
+    """Every architecture ms.hf reads (GPT-2, Llama, Mixtral, Qwen2) is named in the README's
+    Hugging Face section with its class, and in `train --help`: --init-from-hf's help, and
+    --model's for the ones --model builds (Llama and Mixtral, a Llama with experts)."""
     from mpishard.hf import ARCHITECTURES
 
     assert set(ARCHITECTURES) == set(ARCHITECTURE_NAMES)
