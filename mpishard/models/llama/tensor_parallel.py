@@ -143,12 +143,7 @@ class LlamaTensorParallel:
                            head=head)
 
 
-# -- cost model (no MPI): what a Llama adds to the GPT's tp pricing -----------------------------
-def memory(view, n_state) -> dict:
-    """Nothing beyond the base: replicated kv weights are whole blocks in the placements."""
-    return {}
-
-
+# -- cost model (no MPI): what a Llama adds to the decoders' tp pricing (costs.py) --------------
 def step_comm(view) -> dict:
     """The all_reduce(sum) over tp of each replicated kv weight's gradient this rank holds,
     per microbatch (SequenceParallelGrads; everything else a Llama sends under tp is the

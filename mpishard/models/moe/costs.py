@@ -1,18 +1,15 @@
-"""ms.MoE's cost model (no MPI): parameter uses and what the plan cannot price.
+"""ms.MoE's cost model (no MPI): what the plan cannot price.
 
-Its router and experts are Linear units (the generic table: parallel/unit_costs.py). The ep
-exchange's bytes follow the routing (how many rows each expert is sent), so they have no
-closed form: the expert-parallel part raises ValueError (expert_parallel.step_comm) and
-`engine.comm_bytes` measures them; the step-time model refuses the model alike.
+Its router and experts are Linear units: their uses are the generic table's
+(parallel/unit_costs.py). The ep exchange's bytes follow the routing (how many rows each
+expert is sent), so they have no closed form: the expert-parallel part raises ValueError
+(expert_parallel.step_comm) and `engine.comm_bytes` measures them; the step-time model refuses
+the model alike.
 """
 from __future__ import annotations
 
 from ...parallel import expert_parallel
-from ...parallel.unit_costs import CostPart, unit_uses
-
-
-def param_uses(model, layout, name: str, held=None) -> tuple:
-    return unit_uses(name)
+from ...parallel.unit_costs import CostPart
 
 
 class ExpertExchange(CostPart):

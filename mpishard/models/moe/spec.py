@@ -12,7 +12,7 @@ from ...nn.params import ParamSpec
 from ..mlp.spec import MLP
 from . import parallelize
 from . import costs
-from ...parallel.unit_costs import unit_grad_order
+from ...parallel.unit_costs import unit_grad_order, unit_uses
 
 __all__ = ["MoE"]
 
@@ -140,7 +140,7 @@ class MoE(ParamSpec):
     calibration_key = "mlp"
 
     def param_uses(self, layout, name: str, held=None) -> tuple:
-        return costs.param_uses(self, layout, name, held)
+        return unit_uses(name)
 
     def grad_order(self, names) -> list:
         return unit_grad_order(names)
