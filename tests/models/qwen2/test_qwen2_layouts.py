@@ -1,8 +1,9 @@
 """ms.Qwen2 on every layout against single in float64 (rtol 1e-9): train_step's loss, every
 gathered gradient (the q, k and v biases included), the gathered logits and parameters, on dp,
 fsdp (zero 1-3), tp (kv heads split or replicated, sequence_parallel), pp (1f1b, zero bubble),
-cp (ring and Ulysses) and their compositions; KV-cached greedy generation equals single's;
-a checkpoint reopens as ms.Qwen2. Serially: the biases' placements follow their weights'.
+cp (ring and Ulysses) and their compositions, and on the strict device double; KV-cached
+greedy generation equals single's; a checkpoint reopens as ms.Qwen2. Serially: the biases'
+placements follow their weights'.
 
 MPI tests, for N in 1, 2, 4:
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/models/qwen2/test_qwen2_layouts.py`
@@ -16,9 +17,12 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from conftest import assert_close, group_comm
+from conftest import assert_close, assert_dicts_close, group_comm, single_reference
 from mpishard.parallel.compose import plan_params
-from test_llama_layouts import compare_with_single
+from test_device_double import MODES, device_backend
+from test_device_double_gpt import check_copies, upload
+from test_gpt_engine import make_case
+from test_llama_layouts import CE, compare_with_single
 
 
 def make_qwen2(n_layers=2, tied=False, n_kv_heads=2, vocab=13, n_heads=4, seq_len=8):
@@ -80,6 +84,34 @@ def test_four_rank_layouts_equal_single(layout, kw):
 @pytest.mark.mpi(min_size=1)
 def test_one_rank_equals_single():
     compare_with_single(group_comm(1), "dp=1", make_qwen2(tied=True))
+
+
+# -- the strict device double (tests/device_double.py) ---------------------------------------------
+DEVICE = [("single", 1, {}), ("tp=2", 2, {"n_kv_heads": 1}), ("fsdp=2", 2, {}),
+          ("cp=2", 2, {})]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout,n,kw", DEVICE, ids=[f"{v}-{kw}" for v, _, kw in DEVICE])
+def test_train_step_on_device_arrays(layout, n, kw, mode):
+    """On the stand-in for cupy (the biases fetched, added and reduced on the device), no
+    array crosses the bus but MPI's staging, and the step equals numpy single's."""
+    comm = group_comm(n)
+    backend, xp = device_backend(comm, mode)
+    model = make_qwen2(**kw)
+    params, x, t = make_case(model, rows=4)
+    ref, want_loss, want = single_reference(model, params, x, t, CE)
+    engine = ms.make_engine(model, layout, comm=comm, device=backend)
+    engine.load_checkpoint(params)
+    x_dev, t_dev = upload(engine, xp, x, t)
+    xp.copies.reset()
+    backend.staged.update(to_host=0, to_device=0)
+    loss, grads = engine.train_step(x_dev, t_dev, CE)
+    check_copies(layout, mode, engine, backend, xp, grads)
+    assert_close(loss, want_loss, what=f"Qwen2 {layout} {mode} loss")
+    assert_dicts_close({k: backend.to_host(v) for k, v in engine.gather_grads(grads).items()},
+                       want, what=f"Qwen2 {layout} {mode}")
 
 
 # -- generation, training, checkpoints -------------------------------------------------------------
