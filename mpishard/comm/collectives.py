@@ -52,7 +52,7 @@ from .retired import abandon
 from .stats import CommStats
 from .waits import Waits
 
-__all__ = ["Comm", "CommStats", "Future", "OPS"]
+__all__ = ["Comm", "OPS"]
 
 OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
