@@ -7,8 +7,8 @@ with mpi4py's buffer methods, so arrays never go through pickle. The three-argum
     send(dest)   forward  <->  receive(dest)   backward (the gradient travels the other way)
 
 `PointToPoint` is a mixin of `collectives.Comm`: it uses the host's `_mpi(group)`,
-`prepare(arr)`, `backend` (device staging), `xp`, `stats` and `watchdog` (bounded waits:
-every wait, blocking send and receive included, gives up after the timeout).
+`prepare(arr)`, `backend` (device staging), `xp`, `stats` and `watchdog` (every wait, blocking
+send and receive included: waits.py; the engine's watchdog gives up after the timeout).
 """
 from __future__ import annotations
 

@@ -60,6 +60,7 @@ BURST = 32            # yielding polls between two clock reads (a clock read per
 MIN_SLEEP = 2e-5      # the shortest sleep between two polls
 MAX_SLEEP = 1e-2      # the longest sleep between two polls
 
+
 def late_text(late, entered, silent, **_) -> str:
     """What the arrival counters say of the other members of a collective that timed out:
     the late ones, or in words why none can be named."""
