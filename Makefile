@@ -106,7 +106,7 @@ help:
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
 	@echo "make test-hf          tests/hf (installs the hf extra: transformers, CPU torch) serially and on $(HF_SIZES) ranks"
-	@echo "make test-serialized  the comm and trainer MPI tests on 2 ranks with MPI initialised at MPI_THREAD_SERIALIZED (the watchdog's polled waits)"
+	@echo "make test-serialized  the comm, health and trainer MPI tests on 2 ranks with MPI initialised at MPI_THREAD_SERIALIZED (the watchdog's polled waits)"
 	@echo "make test-newpy       test-serial and test-2 under the newest other Python ($(or $(NEWEST_PYTHON),none found)), in .venv-newpy"
 	@echo "make test-slurm       a throwaway 1-node Slurm: sbatch examples/hpc/train.slurm, then scancel a long job (root; SKIPPED otherwise)"
 	@echo "make test-hosts       one job over two network-namespace hosts over TCP: bandwidth, dp=2,tp=2 == one host (root; SKIPPED otherwise)"
@@ -168,9 +168,9 @@ $(MPI_TESTS): test-%: $(STAMP)
 
 # --- MPI_THREAD_SERIALIZED (not in `make test`; .ci/run runs it) --------------------------
 # mpi4py initialises MPI at the level MPI4PY_RC_THREAD_LEVEL names: below MPI_THREAD_MULTIPLE no
-# guard thread may call MPI, so every wait of the watchdog polls (comm/watchdog.py). The comm
-# tests and the trainer's, on 2 ranks.
-SERIALIZED_TESTS ?= tests/comm tests/train/test_trainer.py
+# guard thread may call MPI, so every wait of the watchdog polls (health/watchdog.py). The
+# comm and health tests and the trainer's, on 2 ranks.
+SERIALIZED_TESTS ?= tests/comm tests/health tests/train/test_trainer.py
 test-serialized: $(STAMP)
 	@echo "==> test-serialized: $(SERIALIZED_TESTS) on 2 ranks at MPI_THREAD_SERIALIZED"
 	$(TIMEOUT_CMD) env MPI4PY_RC_THREAD_LEVEL=serialized $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider $(SERIALIZED_TESTS)

@@ -47,7 +47,7 @@ setup(
         "numpy>=1.24",
         "ml_dtypes>=0.3",   # bfloat16 on CPU (mixed precision)
         "tqdm>=4.60",
-        "threadpoolctl>=3",  # BLAS threads per rank when ranks share a node (comm/threads.py)
+        "threadpoolctl>=3",  # BLAS threads per rank when ranks share a node (health/threads.py)
     ],
     extras_require={
         # The MPICH binary wheel: libmpi plus mpiexec (hydra) inside the virtual environment.

@@ -29,7 +29,7 @@ sched_yield()` (the watchdog's poll loop without its clock reads). `bounded_rati
 raw) is the floor of a collective whose wait is polled from Python (every collective below
 MPI_THREAD_MULTIPLE, and all_to_all_v's probes); above it the engine makes the blocking call,
 or for reduce_scatter and all_to_all_v's messages a blocking Waitall, under the guard thread
-(mpishard/comm/guard.py), which can run below it. `engine_over_bounded` is engine / bounded.
+(mpishard/health/guard.py), which can run below it. `engine_over_bounded` is engine / bounded.
 `allreduce_overhead_ratio` is the worst `all_reduce_out` ratio at 1 MiB and up: the engine
 writing into the raw call's own output buffer, literally the same buffers on both sides, so
 only the engine's code path differs. `allreduce_overhead_ratio_default` is the same for the

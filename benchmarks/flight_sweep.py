@@ -43,7 +43,7 @@ import os, signal, sys, threading, time
 import numpy as np
 from mpi4py import MPI
 import mpishard as ms
-from mpishard.comm.guard import Guard
+from mpishard.health.guard import Guard
 
 directory, timeout, inside = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 comm = MPI.COMM_WORLD
@@ -101,7 +101,7 @@ def mpiexec() -> list:
 
 
 def _mpi_segments(pid: int) -> list:
-    """The MPI library's /dev/shm files that process `pid` maps (comm/signals.py's patterns)."""
+    """The MPI library's /dev/shm files that process `pid` maps (health/signals.py's patterns)."""
     patterns = ("mpich_shm_", "sm_segment.", "vader_segment.", "ucx_shm_posix_")
     try:
         text = Path(f"/proc/{pid}/maps").read_text()

@@ -1,4 +1,4 @@
-"""What the stall watchdog costs when nothing stalls (comm/watchdog.py).
+"""What the stall watchdog costs when nothing stalls (health/watchdog.py).
 
     .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py benchmarks/watchdog_overhead.py
 

@@ -7,9 +7,11 @@
     loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t), ms.losses.MSE())
 """
 from . import checkpoint, hf, nn
-from .comm.collectives import CollectiveMismatchError, CollectiveTimeout, Future
 from .comm.mesh import CommUnusable, DeviceMesh, Layout, parse_layout
+from .comm.p2p import Future
 from .engine import MeshEngine, ShardedEngine, SingleDevice, make_engine
+from .health.debug import CollectiveMismatchError
+from .health.watchdog import CollectiveTimeout
 from .nn import losses
 from .models import GPT, MLP, Llama, MoE, Mixtral, Qwen2
 from .train import data, optim, trainer

@@ -13,7 +13,6 @@ layout): a parameter store, the gradient sync, an access policy, the stage's lay
 from __future__ import annotations
 
 import functools
-import os
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -21,12 +20,13 @@ from mpi4py import MPI
 
 from .comm.backend import Backend
 from .comm.collectives import Comm
-from .comm.heap import keep_host_heap
 from .comm.mesh import AVERAGE_AXES, DATA_AXES, DeviceMesh, parse_layout
-from .comm.signals import remove_singleton_segment_at_exit
-from .comm.threads import pin_blas_threads
-from .comm import uncaught
-from .comm.watchdog import DEFAULT_TIMEOUT
+from .health import flight, uncaught
+from .health.debug import signature_check
+from .health.heap import keep_host_heap
+from .health.signals import remove_singleton_segment_at_exit
+from .health.threads import pin_blas_threads
+from .health.watchdog import DEFAULT_TIMEOUT, Watchdog
 from .nn.losses import get_loss
 from .nn.params import ParamSpec
 from .parallel.compose import compose
@@ -55,16 +55,15 @@ class ShardedEngine(ABC):
                  host_heap=None):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
-        self.host_heap = keep_host_heap(host_heap)        # comm/heap.py: opt-in, no MPI
+        self.host_heap = keep_host_heap(host_heap)        # health/heap.py: opt-in, no MPI
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
-        remove_singleton_segment_at_exit(world)   # Open MPI's leak (comm/signals.py)
-        self.blas_threads = pin_blas_threads(world, blas_threads)    # comm/threads.py
+        remove_singleton_segment_at_exit(world)   # Open MPI's leak (health/signals.py)
+        self.blas_threads = pin_blas_threads(world, blas_threads)    # health/threads.py
         self.backend = device if isinstance(device, Backend) else Backend(device, world, cuda_aware)
         self.xp = self.backend.xp
         self.dtype = np.dtype(dtype)
-        if debug is None:
-            debug = os.environ.get("MPISHARD_DEBUG", "0") not in ("", "0")
-        self.comm = Comm(self.mesh, self.backend, debug, timeout)  # timeout: comm/watchdog.py
+        self.comm = Comm(self.mesh, self.backend, watchdog=Watchdog(self.mesh, timeout),
+                         flight=flight.FlightRecorder.shared(), check=signature_check(debug))
         self.optimizer_ref = None         # the optimizer last built on it (train/optim.py)
         self.kept_optimizer_state = None  # (state, blocks) a restore kept for the next one
 
@@ -75,7 +74,7 @@ class ShardedEngine(ABC):
     num_devices = property(lambda self: self.mesh.world.Get_size(), doc="World size.")
 
     debug = property(lambda self: self.comm.debug,
-                     lambda self, value: setattr(self.comm, "debug", bool(value)))
+                     lambda self, value: setattr(self.comm, "check", signature_check(bool(value))))
 
     def group_size(self, group=None) -> int:
         return self.mesh.size(group) if group is not None else self.num_devices
@@ -162,7 +161,7 @@ class MeshEngine(ShardedEngine):
     timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
     blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int (threads.py)
     host_heap : None (malloc as is) or "keep": freed arrays under 32 MiB stay in glibc's heap
-        instead of being page-faulted in again every step (process-wide mallopt; comm/heap.py)
+        instead of being page-faulted in again every step (process-wide mallopt; health/heap.py)
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
@@ -393,7 +392,7 @@ def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu
 
     dtype defaults to float64, the exact reference every layout is tested against (the
     `train` command defaults to float32 for speed). report_errors: make an uncaught exception
-    end the job with one report per distinct cause (comm/uncaught.py: replaces sys.excepthook,
+    end the job with one report per distinct cause (health/uncaught.py: replaces sys.excepthook,
     logged once, until every engine that installed it is closed; a constructor that raises
     keeps it for that error only); False keeps Python's hook."""
     return uncaught.held_by(lambda: MeshEngine(model, layout, comm=comm, dtype=dtype,

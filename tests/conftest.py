@@ -111,7 +111,7 @@ def run_python(args, **kwargs):
     """`subprocess.run([sys.executable, *args], **kwargs)` for a fresh interpreter that
     initialises MPI without a launcher and builds no engine: Open MPI 5 leaves such a
     singleton's shared-memory segment (sm_segment.*) in /dev/shm at every exit (an engine
-    removes its own: comm/signals.py), so the segments it left are removed here."""
+    removes its own: health/signals.py), so the segments it left are removed here."""
     before = leftovers.mpi_files()
     try:
         return subprocess.run([sys.executable, *map(str, args)], **kwargs)

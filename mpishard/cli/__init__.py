@@ -40,7 +40,7 @@ from .schedule import add_schedule_arguments, run_schedule_command
 from .tokenize import add_tokenize_arguments, run_tokenize
 from .trace_summary import add_trace_summary_arguments, run_trace_summary
 from .train import add_train_arguments, parse_train_args, run_train
-from ..comm.watchdog import CollectiveTimeout
+from ..health.watchdog import CollectiveTimeout
 from .usage import PROG, Parser, UsageError, abort_job, world_rank
 
 __all__ = ["COMMANDS", "MPI_COMMANDS", "BROKEN_PIPE_EXIT", "main", "build_parser",
@@ -92,7 +92,7 @@ COMMANDS = {
                  add_tokenize_arguments, run_tokenize),
 }
 # The commands whose processes are ranks of an MPI job: `python -m mpishard` gives them
-# comm/signals.py's SIGTERM/SIGINT handlers, which remove the MPI library's files on the way out.
+# health/signals.py's SIGTERM/SIGINT handlers, which remove the MPI library's files on the way out.
 MPI_COMMANDS = ("train", "infer", "generate", "bench", "import")
 
 

@@ -30,7 +30,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.threads import pin_blas_threads
+from ..health.threads import pin_blas_threads
 from ..costs.calibration import (VERSION, fit_alpha_beta, measure_gemms, measure_ops, timed,
                                  timed_interleaved)
 from ..engine import make_engine
@@ -45,7 +45,7 @@ COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls t
 def timed_alone(fn, comm, window=None, repeats=None) -> float:
     """Seconds per call of `fn` on rank 0 while the other ranks wait as a pipeline stage in
     its bubble does: in a receive from rank 0 of an engine on `comm`, waited by its watchdog
-    (which yields for a moment, then sleeps: comm/watchdog.py). Not in a blocking collective:
+    (which yields for a moment, then sleeps: health/watchdog.py). Not in a blocking collective:
     MPICH spins there, and three spinning ranks on 2 cores left rank 0 the share of a core
     it has with every rank busy (this measured concurrency 1.00 at 4 ranks on 2 cores, where
     a receive's wait gives 2)."""
@@ -113,7 +113,7 @@ def blas_threads(pinned) -> str:
 
 def calibrate(path, dtype=np.float32, comm=None) -> dict:
     """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`. The
-    BLAS threads are first shared out as engines share them (comm/threads.py): before that, 8
+    BLAS threads are first shared out as engines share them (health/threads.py): before that, 8
     ranks on 2 cores ran OpenBLAS's 2 threads each and the GEMM rates came out far too slow."""
     comm = MPI.COMM_WORLD if comm is None else comm
     pinned = pin_blas_threads(comm)

@@ -11,7 +11,7 @@ With --checkpoint-dir, SIGTERM and SIGUSR1 stop training at the next agreed step
 (train/preemption.py), save a checkpoint and exit PREEMPTED_EXIT = 75 (EX_TEMPFAIL) with one
 line saying why; the batch script turns 75 into a requeue (examples/hpc/). Without a
 checkpoint directory there is nothing to resume from, and the signals keep their meaning
-(comm/signals.py: clean up and exit 128 + signum).
+(health/signals.py: clean up and exit 128 + signum).
 
 `stop_signals` holds the handlers for the whole command, not only the steps: a signal while
 the data loads, the engine is built or a checkpoint is resumed is recorded, and the ranks
@@ -28,7 +28,7 @@ import signal
 from contextlib import contextmanager
 
 from ..checkpoint import is_checkpoint
-from ..comm.lines import write_line
+from ..health.lines import write_line
 from ..train.metrics import CsvSink, JsonlSink, MetricsStream, TensorBoardSink
 from ..train.preemption import PREEMPTED_EXIT, Preempted, Preemption, StopFlag, any_rank
 from .usage import PROG, UsageError, world_rank
@@ -139,7 +139,7 @@ def preempted_before_training(trainer, flag, args) -> bool:
     if signum and world_rank() == 0:
         step = trainer.state.step
         saved = step > 0 and resume_source(args) == args.checkpoint_dir
-        write_line(f"{PROG}: {Preempted(signum, step, saved)}")     # one write (comm/lines.py)
+        write_line(f"{PROG}: {Preempted(signum, step, saved)}")     # one write (health/lines.py)
     return bool(signum)
 
 

@@ -1,4 +1,4 @@
-"""`python -m mpishard flight DIR`: line up the ranks' flight-recorder dumps (comm/flight.py) and
+"""`python -m mpishard flight DIR`: line up the ranks' flight-recorder dumps (health/flight.py) and
 print the first point where they diverge. No MPI needed.
 
 Alignment: a correct program makes the same collectives on a group in the same order on every
@@ -34,7 +34,7 @@ import os
 import re
 import time
 
-from ..comm.flight import file_name
+from ..health.flight import file_name
 
 
 def add_flight_arguments(p) -> None:

@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpi4py -m mpishard train ... --checkpoint-dir ck --checkpoint-async
     python -m mpishard flight ck.flight          # after a stall: where the ranks diverged
 
---flight-dir: where the flight recorder (comm/flight.py) dumps on a timeout, an error,
+--flight-dir: where the flight recorder (health/flight.py) dumps on a timeout, an error,
 SIGUSR2 or a fatal signal. Default: $MPISHARD_FLIGHT_DIR, else DIR.flight beside
 --checkpoint-dir DIR (not inside it: a checkpoint directory is swapped whole at each save, and
 the check of a fresh --checkpoint-dir refuses one that holds other files), else the working
@@ -11,15 +11,15 @@ directory.
 --checkpoint-async: the interval saves are written by a background thread
 (checkpoint/async_writer.py); needs --checkpoint-dir.
 Every --log-every steps, rank 0 logs the straggler line when one rank stands out
-(comm/stragglers.py).
+(health/stragglers.py).
 """
 from __future__ import annotations
 
 import os
 import time
 
-from ..comm.flight import DIR_ENV
-from ..comm.stragglers import report
+from ..health.flight import DIR_ENV
+from ..health.stragglers import report
 from ..train.trainer import Callback
 from .usage import UsageError
 

@@ -1,9 +1,9 @@
 """The MPI library's files of a job that `launch` runs, removed once the job has ended.
 
 A rank that ends without MPI_Finalize (SIGKILLed, or killed by the launcher after another
-rank died) leaves its shared-memory segment in /dev/shm (comm/signals.py's MPI_SHM_PATTERNS:
+rank died) leaves its shared-memory segment in /dev/shm (health/signals.py's MPI_SHM_PATTERNS:
 MPICH's mpich_shm_*, Open MPI's sm_segment.* and vader_segment.*, UCX's), memory the node
-never gets back; comm/signals.py removes them from inside a rank that gets SIGTERM or SIGINT,
+never gets back; health/signals.py removes them from inside a rank that gets SIGTERM or SIGINT,
 and nothing can from inside a SIGKILLed one. `JobFiles` watches the job from outside: while
 it runs, every POLL seconds, it records the MPI segments mapped by the processes descended
 from the launcher it started (hydra's proxy and the ranks of this node; each runs in a
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ..comm.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_proc
+from ..health.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_proc
 
 POLL = 0.5                      # seconds between two looks at the job's processes
 

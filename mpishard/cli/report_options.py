@@ -8,7 +8,7 @@
     --metrics-json PATH the end-of-run metrics (rank 0), peak memory per phase included
 
 The host-heap line is INFO when --host-heap was given, DEBUG when it is the train command's own
-default (comm/heap.py).
+default (health/heap.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A traced step as a picture: one row per rank, compute above communication, idle between.
 
-`trace-summary DIR` writes DIR/timeline.png from the merged trace (comm/trace.py) for any run,
+`trace-summary DIR` writes DIR/timeline.png from the merged trace (health/trace.py) for any run,
 pipeline or not. The window is the last traced training step: from the earliest end of an
 optimizer step before the last one (on any rank) to the latest end of the last one, so every
 rank's whole last step is in view; a trace without optimizer steps is drawn whole. Each rank's

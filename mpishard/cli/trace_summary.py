@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from ..comm.trace import TRACE_FILE
+from ..health.trace import TRACE_FILE
 from ..parallel.schedules import Action, ScheduleStats, simulate, splits_backward
 from .schedule import draw_timeline
 from .trace_gantt import plot_ranks, union_length

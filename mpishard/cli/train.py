@@ -18,7 +18,7 @@ from ..checkpoint import FAILURE_POLICIES, CheckpointError, Checkpointer, is_che
 from ..checkpoint.storage import foreign_entries
 from ..nn.functional import ACTIVATIONS
 from ..models.mlp.spec import MLP
-from ..comm.watchdog import DEFAULT_TIMEOUT
+from ..health.watchdog import DEFAULT_TIMEOUT
 from ..engine import make_engine
 from ..train.data import DATASETS, load_dataset
 from ..train.lr import make_lr_schedule

@@ -3,12 +3,12 @@
 Bad input is a user mistake, not a crash: every rank parses the same argv and validates it
 before any collective, so all ranks fail the same way. A command builds what it needs inside
 `agreed(comm, build)`: a ValueError/TypeError raised there on any rank becomes a `UsageError` on
-every rank (`comm.collectives.agree`: one flag Allreduce). `cli.main` catches UsageError at the
+every rank (`comm.objects.agree_mpi`: one flag Allreduce). `cli.main` catches UsageError at the
 top: rank 0 prints one line, `mpishard: error: ...`, and every rank returns exit code 2 (no
 traceback, no hang; `cli.exit_cleanly` finalizes MPI before exiting so mpi4py does not abort).
 A ValueError raised later, in the middle of collectives, is not caught: it may be raised on some
 ranks only, and finishing those ranks would leave the others waiting, so it propagates, is
-reported once per distinct cause (comm/uncaught.py) and `python -m mpi4py` aborts the job.
+reported once per distinct cause (health/uncaught.py) and `python -m mpi4py` aborts the job.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import time
 
 from mpi4py import MPI
 
-from ..comm.collectives import agree
-from ..comm.flight import dump_all
 from ..comm.mesh import check_world_size, parse_layout
-from ..comm.guard import ABORT_GRACE
-from ..comm.lines import write_line
-from ..comm.signals import remove_mpi_files
-from ..comm.watchdog import DEFAULT_TIMEOUT
+from ..comm.objects import agree_mpi
+from ..health.flight import dump_all
+from ..health.guard import ABORT_GRACE
+from ..health.lines import write_line
+from ..health.signals import remove_mpi_files
+from ..health.watchdog import DEFAULT_TIMEOUT
 from ..validate import check_number
 
 PROG = "mpishard"
@@ -71,7 +71,7 @@ def agreed(comm, build):
         result = build()
     except (ValueError, TypeError) as exc:        # UsageError is a ValueError
         error = str(exc) or type(exc).__name__
-    agree(comm, error, exc=UsageError)
+    agree_mpi(comm, error, exc=UsageError)
     return result
 
 
@@ -139,12 +139,12 @@ def add_device_arguments(add, default="auto"):
 
 def abort_job(exc) -> None:
     """After a CollectiveTimeout: one line from this rank, the MPI library's files removed
-    (comm/signals.py), then MPI_Abort (exit code 1). Not a clean exit: a stalled peer would
+    (health/signals.py), then MPI_Abort (exit code 1). Not a clean exit: a stalled peer would
     keep MPI_Finalize (and collective frees) waiting. The line gets ABORT_GRACE to pass
     through the launcher before the abort tears the job down (otherwise a loaded node can end
     the job before the reason is printed)."""
-    write_line(f"{PROG}: error: {type(exc).__name__}: {exc}")     # one write (comm/lines.py)
-    dump_all(f"{type(exc).__name__}: {exc}")        # the flight recorder (comm/flight.py)
+    write_line(f"{PROG}: error: {type(exc).__name__}: {exc}")     # one write (health/lines.py)
+    dump_all(f"{type(exc).__name__}: {exc}")        # the flight recorder (health/flight.py)
     remove_mpi_files()
     time.sleep(ABORT_GRACE)
     world_comm().Abort(1)

@@ -1,1 +1,2 @@
-"""Communication: the device mesh, collectives and point-to-point on mpi4py, array backends."""
+"""Transport: the device mesh, collectives and point-to-point on mpi4py, array backends.
+What bounds and records the waits is passed in (health/)."""

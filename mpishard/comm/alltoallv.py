@@ -30,14 +30,14 @@ that have not entered the call (its arrival counters).
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from .debug import agree
+from .objects import agree_mpi
+from .recorded import recorded
 from .retired import free_retired, keep_forever, retire
 
 TAG = 0                       # on the private communicator, which carries nothing else
@@ -116,6 +116,7 @@ class PrivateComms:
 class VariableExchange:
     """all_to_all_v (module docstring)."""
 
+    @recorded
     def all_to_all_v(self, arr, send_counts, group=None, recv_counts=None):
         """Variable-count exchange along axis 0 (the result of MPI Alltoallv).
 
@@ -137,8 +138,8 @@ class VariableExchange:
             bad = (f"all_to_all_v: send_counts {sc.tolist()} must be {n} non-negative "
                    f"counts summing to the {a.shape[0]} rows given")
         if self.debug:          # counts are this rank's own: agree, so no rank waits alone
-            agree(comm, None if bad is None else f"group rank {me}: {bad}",
-                  wait=lambda req: self._wait(req, "all_to_all_v (debug check)", comm))
+            agree_mpi(comm, None if bad is None else f"group rank {me}: {bad}",
+                      wait=lambda req: self._wait(req, "all_to_all_v (debug check)", comm))
         elif bad is not None:
             raise ValueError(bad)
         wd, what = self.watchdog, "all_to_all_v"
@@ -193,9 +194,5 @@ class VariableExchange:
                     missing.remove(j)
             return not missing
 
-        if self.watchdog.timeout:
-            self.watchdog.wait_until(arrived, "all_to_all_v", comm, ticket)
-        else:              # no watchdog, no bound (polled: MPICH's blocking Mprobe was slower)
-            while not arrived():
-                os.sched_yield()
+        self.watchdog.wait_until(arrived, "all_to_all_v", comm, ticket)
         return recv, messages

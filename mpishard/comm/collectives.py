@@ -1,15 +1,15 @@
 """Comm: the collectives (and, through PointToPoint, send/receive) of one device mesh.
 
 Every collective maps onto mpi4py buffer (uppercase) calls, so arrays never go through pickle:
-one collective call, or one point-to-point message per peer where that is one round instead
-of two or measured faster (all_to_all_v: alltoallv.py; reduce_scatter: reduce_scatter.py;
-all_gather lives in gather.py), bounded by the stall watchdog (watchdog.py: at most `timeout`
-seconds, then CollectiveTimeout naming the late ranks): a collective call is MPI's blocking one
-under the guard thread's deadline (guard.py), and so is the Waitall of a collective made of
-point-to-point messages; send/receive and the `*_async` Futures are polled. `group=`
-names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the Comm's own group
-(the whole world for the engine's Comm; `comm.group("tp")` is a Comm whose calls default to
-the tp group). Each call documents its adjoint, because the strategies use them in pairs:
+one collective call, or one point-to-point message per peer where that is one round instead of
+two or measured faster (all_to_all_v: alltoallv.py; reduce_scatter: reduce_scatter.py;
+all_gather lives in gather.py), bounded by the stall watchdog (health/watchdog.py: at most
+`timeout` seconds, then CollectiveTimeout naming the late ranks): a collective call is MPI's
+blocking one under the guard thread's deadline (health/guard.py), and so is the Waitall of a
+collective made of point-to-point messages; send/receive and the `*_async` Futures are polled.
+`group=` names a mesh axis ("tp"), a tuple of axes (("dp", "fsdp")), or None for the Comm's own
+group (the whole world for the engine's Comm; `comm.group("tp")` is a Comm whose calls default
+to the tp group). Each call documents its adjoint, because the strategies use them in pairs:
 
     all_reduce(sum)        forward  <->  all_reduce(sum)        backward (of a sum over copies)
     all_gather(axis)       forward  <->  reduce_scatter(axis)   backward
@@ -22,12 +22,17 @@ the tp group). Each call documents its adjoint, because the strategies use them 
 (ring) algorithm sends: all_reduce 2(n-1)/n * size, all_gather and reduce_scatter (n-1)/n *
 full size, all_to_all (n-1)/n * size, send the message size.
 
+What keeps a job from hanging silently is passed in by whoever builds the Comm (the engine,
+from health/): `watchdog`, the bounded waits (without one, waits.Waits: unbounded); `flight`, a
+recorder of the calls (recorded.py: each entry point tells it of its calls; None: no record);
+`check`, debug mode's signature check.
+
 Results are fresh arrays of the backend (the caller owns them); all_reduce takes `out=` for a
 buffer the caller reuses (the gradient buckets reduce in place with `out=arr`).
 
-Debug mode (`debug=True`): before each collective the group compares op, dtype and shape
-(debug.py) and raises `CollectiveMismatchError` on every rank naming the difference, instead of
-corrupting data or hanging.
+Debug mode (a `check` given): before each collective the group compares op, dtype and shape
+(health/debug.py) and raises `CollectiveMismatchError` on every rank naming the difference,
+instead of corrupting data or hanging.
 """
 from __future__ import annotations
 
@@ -38,32 +43,35 @@ import numpy as np
 from mpi4py import MPI
 
 from .alltoallv import PrivateComms, VariableExchange
-from .debug import OPS, CollectiveMismatchError, agree, check_signature
-from .flight import FlightRecorder, instrument
 from .gather import Gather
+from .objects import agree_mpi
 from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
+from .recorded import recorded
 from .reduce_scatter import ScatterReduce
+from .retired import abandon
 from .stats import CommStats
-from .watchdog import DEFAULT_TIMEOUT, CollectiveTimeout, CommUnusable, Watchdog, abandon
+from .waits import Waits
 
-__all__ = ["Comm", "CommStats", "CollectiveMismatchError", "CollectiveTimeout", "CommUnusable",
-           "Future", "agree"]
+__all__ = ["Comm", "OPS"]
+
+OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
 
 class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
     """The collectives of `mesh` (a DeviceMesh) on arrays of `backend` (numpy or cupy).
 
-    Group views made by `group(axis)` share the statistics, the pending receives and
-    all_to_all_v's private communicators with the Comm they came from.
+    `watchdog`, `flight` and `check`: the waits, the recorder and debug mode's check (module
+    docstring). Group views made by `group(axis)` share the statistics, the pending receives
+    and all_to_all_v's private communicators with the Comm they came from.
     """
 
-    def __init__(self, mesh, backend, debug: bool = False, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, mesh, backend, watchdog=None, flight=None, check=None):
         self.mesh = mesh
         self.backend = backend
         self.xp = backend.xp
-        self.debug = bool(debug)
+        self.check = check                 # (comm, kind, arr, op, axis, skip_axis, wait)
         self.stats = CommStats()
-        self.watchdog = Watchdog(mesh, timeout)   # bounded waits (watchdog.py)
+        self.watchdog = Waits() if watchdog is None else watchdog   # every wait (waits.py)
         self.default_group = None
         self._groups: dict = {}
         self._by_group: dict = {}          # group argument -> communicator (shared by views)
@@ -71,7 +79,12 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         self.sends_in_flight: list = []    # send Futures kept alive until done (p2p.py)
         self.private = PrivateComms()      # all_to_all_v's communicators (alltoallv.py)
         self.watchdog.keep_on_timeout.append(self.private)
-        self.flight = FlightRecorder.shared()   # the last calls, dumped on failure (flight.py)
+        self.flight = flight               # hears every call (recorded.py)
+
+    @property
+    def debug(self) -> bool:
+        """Debug mode: each collective's signature is checked first (a `check` is set)."""
+        return self.check is not None
 
     # -- groups ------------------------------------------------------------------------------
     def group(self, axes) -> "Comm":
@@ -87,7 +100,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
     def _mpi(self, group=None):
         """The mpi4py communicator of `group` (None: this Comm's own group), looked up once
         per spelling of the group (every collective call starts here). After close() or a
-        timeout it raises CommUnusable (watchdog.py)."""
+        timeout it raises CommUnusable (waits.py)."""
         self.watchdog.check_usable()
         key = self.default_group if group is None else group
         try:
@@ -109,6 +122,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
     def rank(self, group=None) -> int:
         return self._mpi(group).Get_rank()
 
+    @recorded
     def barrier(self, group=None) -> None:
         """Blocks until every device of the group reaches this line."""
         comm = self._mpi(group)
@@ -127,7 +141,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         the timeout; not after a timeout), the receives never waited for are cancelled, and
         all_to_all_v's communicators freed; every later call raises CommUnusable.
         collective=False (this rank alone, leaving a `with` block on an exception): nothing is
-        waited for, sends in flight are kept alive (watchdog.abandon), and the communicators
+        waited for, sends in flight are kept alive (retired.abandon), and the communicators
         and the arrival block are kept too: a freed communicator's context id can be reused by
         a later one, where a peer's message that was never received would then match a
         receive and silently overwrite its data."""
@@ -163,9 +177,9 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         return a
 
     def _check(self, comm, kind, a, op="", axis=0, skip_axis=False):
-        if self.debug:
-            check_signature(comm, kind, a, op, axis, skip_axis,
-                            wait=lambda req: self._wait(req, f"{kind} (debug check)", comm))
+        if self.check is not None:
+            self.check(comm, kind, a, op, axis, skip_axis,
+                       wait=lambda req: self._wait(req, f"{kind} (debug check)", comm))
 
     @staticmethod
     def _norm_axis(a, axis):
@@ -183,6 +197,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         return self.xp.moveaxis(out, 0, axis) if axis != 0 else out
 
     # -- all_reduce --------------------------------------------------------------------------
+    @recorded
     def all_reduce(self, arr, op: str = "sum", group=None, out=None):
         """Element-wise reduction over the group, result on every rank (MPI Allreduce).
 
@@ -224,6 +239,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
             dtype_code(a.dtype)                 # in place: not through prepare
         return a, out, comm, comm.Get_size()
 
+    @recorded
     def all_reduce_async(self, arr, op: str = "sum", group=None, out=None) -> Future:
         """Non-blocking all_reduce (MPI Iallreduce); `result()` waits and returns the array.
 
@@ -249,6 +265,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
             "all_reduce_async", comm, ticket), release=lambda: self.backend.release(sbuf, rbuf))
 
     # -- reduce_scatter, all_to_all ----------------------------------------------------------
+    @recorded
     def reduce_scatter(self, arr, op: str = "sum", axis: int = 0, group=None):
         """Reduce over the group, then rank i keeps block i along `axis` (Reduce_scatter).
 
@@ -277,6 +294,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         self.stats.count("reduce_scatter", (n - 1) / n * moved.nbytes, t0)
         return self._back(out, axis)
 
+    @recorded
     def all_to_all(self, arr, axis: int = 0, group=None):
         """Split `arr` into group-size blocks along `axis`; block j goes to rank j, and the
         received blocks are concatenated along `axis` in rank order (MPI Alltoall).
@@ -302,6 +320,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         return self._back(out, axis)
 
     # -- broadcast, agree --------------------------------------------------------------------
+    @recorded
     def broadcast(self, arr, root: int = 0, group=None):
         """Every rank gets root's array (MPI Bcast). Non-root ranks may pass None: shape and
         dtype come from root. Adjoint: reduce(sum) to root.
@@ -341,13 +360,10 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
                                                               f"{root}: {msg}")
         return a, h
 
+    @recorded
     def agree(self, ok: bool, message: str = "", group=None) -> None:
         """Collective error check: if `ok` is False on any rank, every rank raises ValueError
         with the first failing rank's message (no rank is left waiting in a collective)."""
         comm = self._mpi(group)
-        agree(comm, None if ok else message, wait=lambda req: self._wait(req, "agree", comm))
-
-
-instrument(Comm, ("all_reduce", "all_reduce_async", "reduce_scatter", "all_to_all", "all_to_all_v",
-                  "all_gather", "all_gather_async", "broadcast", "barrier", "agree", "send",
-                  "send_async", "receive", "receive_async"))      # the flight recorder's events
+        agree_mpi(comm, None if ok else message,
+                  wait=lambda req: self._wait(req, "agree", comm))

@@ -4,7 +4,7 @@
 
 The blocking call may gather different lengths along the axis, so it takes two rounds: the
 lengths (an Allgather of one int64 per rank), then the rows (Allgather, or Allgatherv when the
-lengths differ). Under the guard (guard.py) both rounds run as one call with one deadline and
+lengths differ). Under the guard (health/guard.py) both rounds run as one call with one deadline and
 one arrival count. The result is a fresh array.
 all_gather_async (FSDP's prefetch) needs equal shapes and exchanges no lengths.
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from .alltoallv import blocks, mpi_type
 from .p2p import Future
+from .recorded import recorded
 
 
 def _plain(blocking, nonblocking, args, what, comm):
@@ -42,6 +43,7 @@ class Gather:
         axis = self._norm_axis(a, axis)
         return self._moved(a, axis), axis, comm, comm.Get_size()
 
+    @recorded
     def all_gather(self, arr, axis: int = 0, group=None):
         """Concatenate the group's arrays along `axis` (MPI Allgather / Allgatherv).
 
@@ -79,6 +81,7 @@ class Gather:
         backend.mpi_finish(rbuf, out)
         return out
 
+    @recorded
     def all_gather_async(self, arr, axis: int = 0, group=None) -> Future:
         """Non-blocking all_gather (MPI Iallgather); `result()` waits and returns the array.
 

@@ -244,7 +244,7 @@ class DeviceMesh:
             if a not in AXES:
                 raise ValueError(f"unknown mesh axis {a!r}; axes are {list(AXES)}")
         # axes of size 1 change neither the members nor their order: one communicator per
-        # set of axes of size > 1, so all of them can be made up front (comm/watchdog.py)
+        # set of axes of size > 1, so all of them can be made up front (health/watchdog.py)
         key = tuple(a for a in AXES if a in key and self.layout.size(a) > 1)
         if key not in self._comms:
             # color: my coordinates on every other axis; key: my index within the group.

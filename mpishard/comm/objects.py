@@ -9,7 +9,10 @@ exchanges names, regions, file hashes and error messages this way. mpi4py's lowe
 (`gather`, `scatter`) would pickle them and wait without a deadline; here each exchange is
 the uppercase non-blocking calls, lengths first and then the bytes, and each request is waited
 by the watchdog's polled wait: past the engine's timeout it raises CollectiveTimeout naming
-the ranks that have not arrived (watchdog.py). Arrays never travel here.
+the ranks that have not arrived (health/watchdog.py). Arrays never travel here.
+
+`agree_mpi` is the same check over a plain mpi4py communicator, waited by a function given
+(the Comm's debug mode and `Comm.agree` pass their watchdog's wait; the CLI's usage check none).
 """
 from __future__ import annotations
 
@@ -18,7 +21,30 @@ import json
 import numpy as np
 from mpi4py import MPI
 
-from .debug import agree as _agree
+
+def agree_mpi(comm, error, exc=ValueError, wait=None) -> None:
+    """Collective over the mpi4py communicator `comm`: `error` is None on a rank that is fine,
+    else a message; if any rank has one, every rank raises `exc` with the first failing rank's
+    message, so no rank is left waiting alone in a later collective.
+
+    One Allreduce of a flag when every rank is fine; the messages travel (their lengths, then
+    their UTF-8 bytes) only when one is not. `wait`: how to wait for each request (a watchdog,
+    so every round is bounded).
+    """
+    wait = wait or MPI.Request.Wait
+    flag = np.array([0 if error is None else 1], dtype=np.int64)
+    total = np.empty(1, dtype=np.int64)
+    wait(comm.Iallreduce(flag, total, op=MPI.SUM))
+    if total[0]:
+        mine = np.frombuffer(b"" if error is None else str(error).encode(), dtype=np.uint8)
+        lengths = np.empty(comm.Get_size(), dtype=np.int64)
+        wait(comm.Iallgather(np.array([mine.size], dtype=np.int64), lengths))
+        counts = lengths.tolist()
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).tolist()
+        text = np.empty(sum(counts), dtype=np.uint8)
+        wait(comm.Iallgatherv([mine, MPI.BYTE], [text, counts, starts, MPI.BYTE]))
+        msgs = [bytes(text[a:a + n]).decode() for a, n in zip(starts, counts) if n]
+        raise exc(msgs[0] if msgs else "a rank failed without a message")
 
 
 def wait(comm, request, what: str) -> None:
@@ -28,8 +54,8 @@ def wait(comm, request, what: str) -> None:
 
 def agree(comm, error, exc=ValueError, what: str = "agree") -> None:
     """Collective: `error` is None where this rank is fine, else a message; when any rank has
-    one, every rank raises `exc` with the first failing rank's message (comm/debug.py)."""
-    _agree(comm.mpi, error, exc, wait=lambda request: wait(comm, request, what))
+    one, every rank raises `exc` with the first failing rank's message (agree_mpi)."""
+    agree_mpi(comm.mpi, error, exc, wait=lambda request: wait(comm, request, what))
 
 
 def _plain(o):

@@ -7,8 +7,8 @@ with mpi4py's buffer methods, so arrays never go through pickle. The three-argum
     send(dest)   forward  <->  receive(dest)   backward (the gradient travels the other way)
 
 `PointToPoint` is a mixin of `collectives.Comm`: it uses the host's `_mpi(group)`,
-`prepare(arr)`, `backend` (device staging), `xp`, `stats` and `watchdog` (bounded waits:
-every wait, blocking send and receive included, gives up after the timeout).
+`prepare(arr)`, `backend` (device staging), `xp`, `stats` and `watchdog` (every wait, blocking
+send and receive included: waits.py; the engine's watchdog gives up after the timeout).
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+
+from .recorded import recorded
 
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
@@ -117,6 +119,7 @@ class Future:
 class PointToPoint:
     """send / receive / send_async / receive_async, with `group=` naming a mesh axis."""
 
+    @recorded
     def send(self, dest_id: int, arr, tag: int = 0, group=None) -> None:
         """Blocking send of `arr` (any shape/dtype) to `dest_id`; adjoint: receive."""
         t0 = time.perf_counter()
@@ -129,10 +132,12 @@ class PointToPoint:
                                 "send", comm, dest_id)
         self.stats.count("send", a.nbytes, t0)
 
+    @recorded
     def receive(self, src_id: int, tag: int = 0, group=None):
         """Blocking receive of an array sent with `send`; shape and dtype travel with it."""
         return self.receive_async(src_id, tag=tag, group=group).result()
 
+    @recorded
     def send_async(self, arr, dst=None, target_device_id=None, *, dest=None, tag: int = 0,
                    group=None) -> Future:
         """Non-blocking send (Isend); returns a Future.
@@ -173,6 +178,7 @@ class PointToPoint:
         self.sends_in_flight.append(fut)
         return fut
 
+    @recorded
     def receive_async(self, src_id: int, out=None, tag: int = 0, group=None) -> Future:
         """Non-blocking receive (Irecv); `result()` returns the array.
 

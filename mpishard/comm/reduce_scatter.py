@@ -5,7 +5,7 @@
 The engine does the pairwise exchange of MPI's own long-message algorithm itself: block j of
 the rows goes to rank j as one message, each rank receives its block from every peer into a
 scratch buffer, then adds the n contributions in rank order (xp.add in place: rank 0's first,
-the same order on every run). Under the guard (guard.py) the messages are waited by MPI's own
+the same order on every run). Under the guard (health/guard.py) the messages are waited by MPI's own
 Waitall, bounded like a blocking collective; below MPI_THREAD_MULTIPLE they are polled.
 Why not Reduce_scatter_block: it was chosen against when every wait had to be pollable
 (MPICH's Ireduce_scatter_block polled to completion is slower than its blocking form), and

@@ -11,6 +11,9 @@ So a finalizer only `retire`s its communicators (a list append: no MPI call, no 
 `free_retired()` frees them from plain code where no MPI call is in progress: before a mesh
 splits new communicators or a new duplicate is made (MPI_Comm_free is local: the ranks may
 free theirs at different times). What is still retired at MPI_Finalize is MPI's to reclaim.
+
+Requests given up on (a timeout, a rank leaving on an exception) are kept the same way
+(`abandon`): MPI may still complete them and write into their buffers.
 """
 from __future__ import annotations
 
@@ -18,6 +21,13 @@ from mpi4py import MPI
 
 _RETIRED: list = []
 _NEVER_FREED: list = []
+_ABANDONED: list = []
+
+
+def abandon(pending) -> None:
+    """Keep requests (or Futures, which hold their buffers) that were given up on alive for
+    the process's life: MPI may still complete them and write into their buffers."""
+    _ABANDONED.extend(pending)
 
 
 def keep_forever(comms) -> None:

@@ -1,5 +1,5 @@
 """Per-rank communication counters: bytes sent, calls and seconds per kind; and the hook of
-a trace (comm/trace.py): with `tracer` set, every counted call is also a trace span."""
+a trace (health/trace.py): with `tracer` set, every counted call is also a trace span."""
 from __future__ import annotations
 
 import time
@@ -13,7 +13,7 @@ class CommStats:
 
     def __init__(self):
         self.kinds: dict = {}                  # kind -> [calls, bytes, seconds]
-        self.tracer = None                     # a comm.trace.Tracer while tracing
+        self.tracer = None                     # a health.trace.Tracer while tracing
 
     def count(self, kind, nbytes, t0) -> None:
         dt = time.perf_counter() - t0

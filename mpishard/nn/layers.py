@@ -198,7 +198,7 @@ class Linear(Layer):
 
 class Sequential:
     """Runs layers in order, the backward in reverse order: the runner of a one-stage
-    pipeline (pp=1). `tracer` (comm.trace.Tracer, set while tracing): a span per layer."""
+    pipeline (pp=1). `tracer` (health.trace.Tracer, set while tracing): a span per layer."""
 
     tracer = None
 

@@ -77,7 +77,7 @@ class PipelineRunner:
         # raises ValueError (e.g. interleaved with microbatches % pp != 0) before any comm
         self.schedule = make_schedule(self.schedule_name, self.pp, self.m, self.v)[self.stage]
         self.split = splits_backward(self.schedule)       # zero bubble: B and W separately
-        self.tracer = None                                 # a comm.trace.Tracer while tracing
+        self.tracer = None                                 # a health.trace.Tracer while tracing
         self.before_action = lambda action: None  # train_step calls it first in each action
         self._sends, self._idle, self._peak = [], 0.0, 0
 

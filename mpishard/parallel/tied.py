@@ -15,7 +15,7 @@ a + b and b + a are the same float, so both copies get the same gradient and, fr
 optimizer state, the same update: they stay equal bit for bit. It travels over the pp
 communicator (the pair is its first and last rank) as tagged point-to-point messages, bounded
 by the watchdog like every receive: a sub-communicator of the pair would share the pp
-group's arrival counter (comm/watchdog.py counts per set of axes), so the middle stages,
+group's arrival counter (health/watchdog.py counts per set of axes), so the middle stages,
 which take no part, would be named late after any later pp timeout.
 
 It runs in the engine's gradient sync, after fsdp's reduce-scatter and the dp average

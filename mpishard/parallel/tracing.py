@@ -1,5 +1,5 @@
 """engine.trace(DIR): record this engine's compute, communication and pipeline spans on every
-rank and write one merged Chrome/Perfetto trace, DIR/trace.json (comm/trace.py).
+rank and write one merged Chrome/Perfetto trace, DIR/trace.json (health/trace.py).
 
     with engine.trace("runs/trace"):          # collective: enter and leave on every rank
         for step in range(3):
@@ -16,7 +16,7 @@ DIR` prints compute / comm / idle per rank.
 """
 from __future__ import annotations
 
-from ..comm.trace import Tracer
+from ..health.trace import Tracer
 
 
 class Trace:

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ..comm.lines import write_line
+from ..health.lines import write_line
 from ..nn.losses import get_loss
 from ..parallel.stages import pipeline_options
 from ..validate import check_number
@@ -54,7 +54,7 @@ LOG_FORMAT = "%(asctime)s [rank %(rank)d] %(levelname)s %(name)s: %(message)s"
 # -- logging -----------------------------------------------------------------------------------
 class _TqdmHandler(logging.StreamHandler):
     """Writes around tqdm's bar so log lines do not tear it; each line is one write
-    (comm/lines.py), so the lines of several ranks never run together."""
+    (health/lines.py), so the lines of several ranks never run together."""
 
     def emit(self, record):
         try:
@@ -195,7 +195,7 @@ class Trainer:
 
     def _train_step(self) -> float:
         e, k, st = self.engine, self.accumulate, self.state
-        e.comm.context(step=st.step + 1)       # named by a CollectiveTimeout (comm/watchdog.py)
+        e.comm.context(step=st.step + 1)       # named by a CollectiveTimeout (health/watchdog.py)
         if self.schedule is not None:
             self.optimizer.lr = self.schedule(st.step)
         local_sum, value, grads = 0.0, 0.0, None
@@ -252,7 +252,7 @@ class Trainer:
                       e.model.log_name(), e.num_devices, e.layout.text, self.total_steps,
                       self.batch, self.accumulate, self.batcher.local_rows,
                       self.batcher.steps_per_epoch)
-        threads = e.blas_threads        # comm/threads.py: a pool it changed, it logged itself
+        threads = e.blas_threads        # health/threads.py: a pool it changed, it logged itself
         self.log.log(logging.INFO if threads.threads == threads.before else logging.DEBUG,
                      "BLAS threads per rank: %s (%s)", threads.threads or "as started",
                      threads.why)

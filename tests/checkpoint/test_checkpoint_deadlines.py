@@ -23,7 +23,7 @@ SCRIPT = """
 import sys, time
 from mpi4py import MPI
 import mpishard as ms
-from mpishard.comm.watchdog import CollectiveTimeout
+from mpishard.health.watchdog import CollectiveTimeout
 
 mode, path, timeout, late_s = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 comm = MPI.COMM_WORLD

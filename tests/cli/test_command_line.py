@@ -82,7 +82,7 @@ def test_head_reads_the_first_line_of_a_long_output():
 def test_generate_on_two_ranks_piped_into_head_leaves_no_mpi_file(tmp_path):
     """`mpiexec -n 2 ... generate | head -c 1`: head exits, mpiexec dies of SIGPIPE writing
     the next token, and MPICH's proxies SIGKILL the ranks mid-generation, where nothing of
-    theirs runs. The node's watcher (comm/reaper.py) removes the job's /dev/shm segment and
+    theirs runs. The node's watcher (health/reaper.py) removes the job's /dev/shm segment and
     the proxy's topology file once the ranks are gone; nothing says "Traceback"."""
     ckpt = tmp_path / "ckpt"
     assert cli.main(["train", *MODELS["gpt"], "--steps", "1", "--checkpoint-dir", str(ckpt)]) == 0

@@ -146,7 +146,7 @@ def test_a_send_never_waited_for_leaves_no_pending_reference(tmp_path, close):
 
 def _bases(engine, comm):
     """Every rank's arrival-counter block of `engine` (the same on all, or late ranks are
-    misnamed: comm/arrivals.py)."""
+    misnamed: health/arrivals.py)."""
     return comm.allgather(engine.comm.watchdog.base)
 
 

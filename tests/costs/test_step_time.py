@@ -374,7 +374,7 @@ def test_a_rank_alone_gets_the_cores_its_waiting_peers_leave():
     than with every rank busy; when the others waited in a blocking collective, which MPICH
     spins in, 0.9x, and concurrency came out 1.00."""
     from mpi4py import MPI
-    from mpishard.comm.threads import node_share
+    from mpishard.health.threads import node_share
     comm = MPI.COMM_WORLD
     cpus, _, sharing = node_share(comm)
     if sharing < 2 * len(cpus):

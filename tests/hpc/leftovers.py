@@ -4,19 +4,19 @@
     ... the stage ...
     python tests/hpc/leftovers.py after STATE       # exit 1 naming each file the stage left
 
-MPI's files are the /dev/shm segments named like comm/signals.py's MPI_SHM_PATTERNS (MPICH's
+MPI's files are the /dev/shm segments named like health/signals.py's MPI_SHM_PATTERNS (MPICH's
 mpich_shm_*, Open MPI's sm_segment.* and vader_segment.*, UCX's) and MPICH hydra's
 /tmp/hydra_hwloc_xmlfile_*. A file the stage left is one that did not exist before it, still
 exists after it and that no running process maps or holds open (a job still running, here or
 beside the stage, keeps its own). Jobs that end normally remove theirs in MPI_Finalize; an
-aborted job removes them through comm/signals.py; this check finds the ones that got away.
+aborted job removes them through health/signals.py; this check finds the ones that got away.
 """
 import glob
 import json
 import os
 import sys
 
-# comm/signals.py's MPI_SHM_PATTERNS (tests/hpc/test_faults.py checks they agree), copied: this
+# health/signals.py's MPI_SHM_PATTERNS (tests/hpc/test_faults.py checks they agree), copied: this
 # script must not import mpishard, whose import initialises MPI, and an Open MPI singleton
 # leaves a segment of its own behind
 MPI_SHM_PATTERNS = ("mpich_shm_*", "sm_segment.*", "vader_segment.*", "ucx_shm_posix_*")

@@ -4,8 +4,8 @@ Serial test: it launches its own 2-rank job with `mpiexec -n 2 python -m mpi4py 
 script rank 1 raises inside train_step (in the loss, after a collective) while rank 0 goes on
 into the gradient all-reduce, which rank 1 never joins: without `python -m mpi4py` rank 0
 would wait there forever; with it, the uncaught exception calls MPI_Abort and mpiexec ends
-both ranks. An uncaught exception is reported once per distinct cause (comm/uncaught.py), and
-the aborted job leaves none of the MPI library's files behind (comm/signals.py).
+both ranks. An uncaught exception is reported once per distinct cause (health/uncaught.py), and
+the aborted job leaves none of the MPI library's files behind (health/signals.py).
 """
 import json
 import os
@@ -58,13 +58,13 @@ def test_rank_exception_aborts_the_job(tmp_path):
         ["mpishard: error: RuntimeError: rank 1 fails mid-step (rank 1)"]
 
 
-# -- one report per distinct cause, nothing left behind (comm/uncaught.py, comm/signals.py) ------
+# -- one report per distinct cause, nothing left behind (health/uncaught.py, health/signals.py) ----
 REPORT_SCRIPT = '''
 import json, sys
 import numpy as np
 from mpi4py import MPI
 import mpishard as ms
-from mpishard.comm.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_own_maps
+from mpishard.health.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_own_maps
 
 comm = MPI.COMM_WORLD
 engine = ms.make_engine(ms.MLP([4, 8, 2]), f"dp={comm.Get_size()}", comm=comm)

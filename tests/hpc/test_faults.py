@@ -1,6 +1,6 @@
 """Faults injected into real jobs: each one ends the job non-zero within `timeout + 10 s` of the
 fault (the faulty rank prints `fault at T`), with a message naming the cause (issue 14; the stall
-watchdog is comm/watchdog.py).
+watchdog is health/watchdog.py).
 
 Serial tests: each launches `mpiexec -n 2` (layout dp=2) or `-n 4` (dp=2,tp=2) running SCRIPT
 under `python -m mpi4py`, with a 2 s engine timeout. The last rank is the faulty one; at step 3
@@ -9,7 +9,7 @@ the loss, or skips a collective (the last one, so its peers wait in it; or, in d
 in the middle of the loop, so the signature check sees the next collective instead). Last, the
 last rank's checkpoint write fails (through the `writer.write_block` hook) under each
 --checkpoint-failures policy. Every job records the MPI library's files it uses (its /dev/shm
-segments, hydra's topology file) and none may be left after the abort (comm/signals.py), except
+segments, hydra's topology file) and none may be left after the abort (health/signals.py), except
 after a SIGKILL, which no process of the job can clean up after: that test removes them itself.
 """
 import json
@@ -30,7 +30,7 @@ import json, os, signal, sys, time
 import numpy as np
 from mpi4py import MPI
 import mpishard as ms
-from mpishard.comm.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_own_maps
+from mpishard.health.signals import launcher_files, mapped_shm_paths, mpi_shm_paths, read_own_maps
 
 mode, timeout = sys.argv[1], float(sys.argv[2])
 comm = MPI.COMM_WORLD
@@ -291,5 +291,5 @@ def test_a_rank_s_checkpoint_write_fails_and_training_continues(tmp_path, n):
 def test_the_leftover_check_knows_the_mpi_library_s_file_names():
     """tests/hpc/leftovers.py keeps its own copy (it must not import mpishard, which starts MPI)."""
     import leftovers
-    from mpishard.comm.signals import MPI_SHM_PATTERNS
+    from mpishard.health.signals import MPI_SHM_PATTERNS
     assert leftovers.MPI_SHM_PATTERNS == MPI_SHM_PATTERNS

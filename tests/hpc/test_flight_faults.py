@@ -1,4 +1,4 @@
-"""The flight recorder on injected faults (comm/flight.py, cli/flight.py): real jobs of 2 or 4
+"""The flight recorder on injected faults (health/flight.py, cli/flight.py): real jobs of 2 or 4
 ranks (dp=2 or dp=2,tp=2) with a 2 s engine timeout, whose last rank skips the final world
 all_reduce, sleeps past the timeout in the loss of step 3, raises there, or calls a barrier
 where the others call the final all_reduce. The ranks that time out dump their rings into DIR;
@@ -22,7 +22,7 @@ import sys, time
 import numpy as np
 from mpi4py import MPI
 import mpishard as ms
-from mpishard.comm.flight import FlightRecorder
+from mpishard.health.flight import FlightRecorder
 
 mode, directory = sys.argv[1], sys.argv[2]
 comm = MPI.COMM_WORLD

@@ -5,16 +5,17 @@ Each test enforces one rule and, when it fails, lists every offender as `file:li
 - no import cycles among the package's modules;
 - no import of the package's own modules inside a function (lazy imports are only for
   optional third-party packages: cupy, torch, matplotlib, sklearn);
-- layering: validate < comm < nn < parallel < hfmap < models < engine < train < checkpoint < hf
-  < cli; a module never imports a later layer (checkpoint may import train, train never imports
+- layering: validate < comm < health < nn < parallel < hfmap < models < costs < engine < train
+  < checkpoint < hf < cli; a module never imports a later layer (checkpoint may import train,
+  train never imports
   checkpoint; hf, the Hugging Face converters, may import checkpoint, never the reverse);
   the top-level `__init__.py` and `__main__.py` may import anything;
 - no underscore name imported from another module of the package (`from .x import _y`);
 - no private API of other libraries (`MPI._typedict`, argparse's `_subparsers`, ...);
 - no file over 400 lines;
 - the only top-level modules are `__init__.py`, `__main__.py`, `engine.py` and `validate.py`;
-  everything else lives in a package (comm/, nn/, parallel/, hfmap/, models/, train/,
-  checkpoint/, hf/, cli/);
+  everything else lives in a package (comm/, health/, nn/, parallel/, hfmap/, models/, costs/,
+  train/, checkpoint/, hf/, cli/);
 - a layout is parsed where its text enters (the engine, the mesh, the CLI) and travels as a
   `Layout`: nn/, parallel/ and train/ never call `parse_layout`.
 
@@ -32,8 +33,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "mpishard"
 
 # Lower layers first; a module may import its own layer and the layers before it.
-LAYERS = ["validate", "comm", "nn", "parallel", "hfmap", "models", "costs", "engine", "train",
-          "checkpoint", "hf", "cli"]
+LAYERS = ["validate", "comm", "health", "nn", "parallel", "hfmap", "models", "costs", "engine",
+          "train", "checkpoint", "hf", "cli"]
 TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "engine.py", "validate.py"}
 MAX_LINES = 400
 # argparse internals that are tempting to reach for; flagged on any object.

@@ -314,9 +314,9 @@ def test_a_resumed_runs_throughput_counts_its_own_steps(monkeypatch, capsys, kin
 
 @pytest.mark.parametrize("changed", [False, True])
 def test_the_blas_threads_line_is_said_once(capsys, changed):
-    """comm/threads.py logs a pool it changed (WARNING); the trainer says the threads at INFO
+    """health/threads.py logs a pool it changed (WARNING); the trainer says the threads at INFO
     only when nothing was changed, so a run prints the notice once either way."""
-    from mpishard.comm.threads import BlasThreads
+    from mpishard.health.threads import BlasThreads
 
     t = make_trainer("single", None, steps=1, logger=configure_logging(0))
     t.engine.blas_threads = BlasThreads(1, 2 if changed else 1, "2 rank(s) share 2 CPU(s)")

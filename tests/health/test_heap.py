@@ -1,4 +1,4 @@
-"""comm/heap.py: glibc heap tuning is an opt-in (make_engine(host_heap="keep")), off by default.
+"""health/heap.py: glibc heap tuning is an opt-in (make_engine(host_heap="keep")), off by default.
 
 The process-wide effect is read in a fresh interpreter: whether a 16 MiB array gets a mapping
 of its own (glibc's default) or comes from the heap (mmap threshold raised), by mallinfo2's
@@ -11,7 +11,7 @@ import pytest
 
 import mpishard as ms
 from conftest import MALLINFO_PROBE, run_python
-from mpishard.comm import heap
+from mpishard.health import heap
 
 PROBE = """
 import ctypes, json, logging, sys

@@ -1,4 +1,4 @@
-"""comm/threads.py: ranks sharing a node's cores share out the BLAS threads.
+"""health/threads.py: ranks sharing a node's cores share out the BLAS threads.
 
 The share rule alone (serial), the user's choice respected (THREAD_VARS, None, an int), a
 real pool limited in a fresh interpreter whose BLAS started several threads, and under MPI:
@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import mpishard as ms
 from conftest import MALLINFO_PROBE, run_python
-from mpishard.comm.threads import THREAD_VARS, BlasThreads, cpu_set, pin_blas_threads, \
+from mpishard.health.threads import THREAD_VARS, BlasThreads, cpu_set, pin_blas_threads, \
     threads_for
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
@@ -53,7 +53,7 @@ import json, sys
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info
-from mpishard.comm.threads import pin_blas_threads
+from mpishard.health.threads import pin_blas_threads
 before = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
 got = pin_blas_threads(MPI.COMM_SELF, json.loads(sys.argv[1]))
 after = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
@@ -121,7 +121,7 @@ def test_the_engine_pins_when_built_and_leaves_a_user_choice_alone():
     ("/usr/lib/python3/dist-packages/torch/lib/libmkl_core.so", False),
 ])
 def test_only_numpys_blas_is_ever_limited(path, numpys):
-    from mpishard.comm.threads import is_numpys_blas
+    from mpishard.health.threads import is_numpys_blas
     assert is_numpys_blas(path, "/venv/lib/python3.11/site-packages/numpy") == numpys
 
 

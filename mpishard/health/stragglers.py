@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 
-from .objects import gather_json
+from ..comm.objects import gather_json
 
 SHARE = 0.75          # the late rank of at least this fraction of its collectives with one
 MIN_CALLS = 8         # collectives with a late rank it took part in, at least

@@ -1,18 +1,20 @@
-"""Debug mode's signature check: the group compares what each rank is about to call; `agree`,
-the one "same error on every rank" helper.
+"""Debug mode's signature check: the group compares what each rank is about to call.
 
-Called before any check that depends on this rank's array (dtype, axis range, divisibility),
-so such a mistake on one rank is reported on every rank, not raised on that rank alone while
-the others wait in the collective.
+The engine in debug mode gives `check_signature` to its Comm, which calls it at the start of
+each collective (comm/collectives.py), before any check that depends on this rank's array
+(dtype, axis range, divisibility), so such a mistake on one rank is reported on every rank, not
+raised on that rank alone while the others wait in the collective.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from mpi4py import MPI
 
-from .p2p import DTYPES
+from ..comm.collectives import OPS
+from ..comm.p2p import DTYPES
 
-OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier",
          "all_to_all_v"]
 _DIMS = 10
@@ -50,6 +52,14 @@ def describe(sig) -> str:
             f"shape={tuple(dims)}, {'root' if kind == 'broadcast' else 'axis'}={sig[3]})")
 
 
+def signature_check(debug):
+    """What a Comm checks before each collective: `check_signature` in debug mode (`debug`
+    true; None: the environment's MPISHARD_DEBUG is set and not 0), else None (no check)."""
+    if debug is None:
+        debug = os.environ.get("MPISHARD_DEBUG", "0") not in ("", "0")
+    return check_signature if debug else None
+
+
 def check_signature(comm, kind, a, op="", axis=0, skip_axis=False, wait=None) -> None:
     """Collective over the mpi4py `comm`: every rank compares (kind, op, dtype, shape, axis)
     and raises CollectiveMismatchError on every rank if they differ. `wait`: how to wait for
@@ -60,28 +70,3 @@ def check_signature(comm, kind, a, op="", axis=0, skip_axis=False, wait=None) ->
     if (allsig != allsig[0]).any():
         ranks = "; ".join(f"group rank {r}: {describe(s)}" for r, s in enumerate(allsig))
         raise CollectiveMismatchError(f"collective mismatch in {kind}: {ranks}")
-
-
-def agree(comm, error, exc=ValueError, wait=None) -> None:
-    """Collective over the mpi4py communicator `comm`: `error` is None on a rank that is fine,
-    else a message; if any rank has one, every rank raises `exc` with the first failing rank's
-    message, so no rank is left waiting alone in a later collective.
-
-    One Allreduce of a flag when every rank is fine; the messages travel (their lengths, then
-    their UTF-8 bytes) only when one is not. `wait`: how to wait for each request (a watchdog,
-    so every round is bounded).
-    """
-    wait = wait or MPI.Request.Wait
-    flag = np.array([0 if error is None else 1], dtype=np.int64)
-    total = np.empty(1, dtype=np.int64)
-    wait(comm.Iallreduce(flag, total, op=MPI.SUM))
-    if total[0]:
-        mine = np.frombuffer(b"" if error is None else str(error).encode(), dtype=np.uint8)
-        lengths = np.empty(comm.Get_size(), dtype=np.int64)
-        wait(comm.Iallgather(np.array([mine.size], dtype=np.int64), lengths))
-        counts = lengths.tolist()
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).tolist()
-        text = np.empty(sum(counts), dtype=np.uint8)
-        wait(comm.Iallgatherv([mine, MPI.BYTE], [text, counts, starts, MPI.BYTE]))
-        msgs = [bytes(text[a:a + n]).decode() for a, n in zip(starts, counts) if n]
-        raise exc(msgs[0] if msgs else "a rank failed without a message")

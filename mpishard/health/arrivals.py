@@ -23,7 +23,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .mesh import AXES
+from ..comm.mesh import AXES
 
 SLOTS = 1 << len(AXES)     # one counter per set of mesh axes (bit i: AXES[i])
 BLOCKS = 256               # engines open at once on one window (a block of SLOTS counters each)

@@ -1,4 +1,4 @@
-"""How a rank waits (comm/watchdog.py): blocking collectives under the guard's deadline, polled
+"""How a rank waits (health/watchdog.py): blocking collectives under the guard's deadline, polled
 waits below MPI_THREAD_MULTIPLE, the late ranks read with one deadline for all of them, and an
 engine that timed out refusing every later call.
 
@@ -15,10 +15,10 @@ from mpi4py import MPI
 
 import mpishard as ms
 from conftest import run_mpi, world
-from mpishard.comm import arrivals
-from mpishard.comm.arrivals import Arrivals
+from mpishard.health import arrivals
+from mpishard.health.arrivals import Arrivals
 from mpishard import CommUnusable
-from mpishard.comm.watchdog import Watchdog
+from mpishard.health.watchdog import Watchdog
 
 
 def make(timeout=600.0):
@@ -177,7 +177,7 @@ def test_the_guard_still_fires_when_naming_the_late_ranks_fails():
     """Building the timeout's message makes MPI calls (the peers' counters); if that raises,
     the guard thread must still report and abort, not die and leave every later blocking
     call unbounded (review of issue 31: the exception ended the daemon thread silently)."""
-    from mpishard.comm.guard import Guard
+    from mpishard.health.guard import Guard
 
     guard = Guard()                          # a guard of its own, not the process's
     fired = []

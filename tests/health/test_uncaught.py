@@ -1,4 +1,4 @@
-"""The uncaught-exception report (mpishard/comm/uncaught.py): its text, and that make_engine
+"""The uncaught-exception report (mpishard/health/uncaught.py): its text, and that make_engine
 installs it only when asked (the jobs that raise are in tests/hpc/test_abort.py)."""
 import sys
 
@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.comm import uncaught
+from mpishard.health import uncaught
 
 
 def test_rank_ranges_fold_runs():

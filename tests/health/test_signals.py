@@ -1,5 +1,5 @@
 """A cancelled job cleans up (issue 15): SIGTERM/SIGINT make every rank unlink the MPI library's
-/dev/shm files it mapped, print one line and exit 128 + signum (mpishard/comm/signals.py); a
+/dev/shm files it mapped, print one line and exit 128 + signum (mpishard/health/signals.py); a
 user's own shared memory, mapped by the same ranks, stays (issue 31, defect 7)."""
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import ROOT, mpiexec_cmd
-from mpishard.comm.signals import mapped_shm_paths, mpi_shm_paths
+from mpishard.health.signals import mapped_shm_paths, mpi_shm_paths
 
 MAPS = """\
 55d0c0a00000-55d0c0a01000 r--p 00000000 08:01 1234  /usr/bin/python3.11
@@ -111,7 +111,7 @@ def test_sigterm_to_the_launcher_unlinks_the_jobs_shared_memory(tmp_path):
     # stderr shows it, and PRRTE removes its sm_segment.* files itself too): nothing to read.
     if "MPICH" not in MPI.Get_library_version():
         return
-    # The ranks' lines arrive in any order, but each whole (one write: comm/lines.py): a
+    # The ranks' lines arrive in any order, but each whole (one write: health/lines.py): a
     # SIGTERM line never shares a line with rank 0's step line or another rank's.
     said = [line for line in text.splitlines() if "received SIGTERM" in line]
     assert 1 <= len(said) <= 2, text
@@ -124,7 +124,7 @@ HOLDER = """
 import json, os, sys, time
 from multiprocessing import resource_tracker, shared_memory
 from mpi4py import MPI
-from mpishard.comm.signals import install_cleanup_handlers
+from mpishard.health.signals import install_cleanup_handlers
 
 comm = MPI.COMM_WORLD
 install_cleanup_handlers(rank=comm.Get_rank())
@@ -181,7 +181,7 @@ def test_sigterm_leaves_the_users_shared_memory_in_place(tmp_path):
 
 def test_a_singleton_that_builds_an_engine_leaves_no_mpi_file():
     """Run without a launcher (`python script.py`), Open MPI 5 leaves its 16 MiB sm_segment in
-    /dev/shm at every exit; an engine's process removes its own (comm/signals.py), on a clean
+    /dev/shm at every exit; an engine's process removes its own (health/signals.py), on a clean
     exit and after an uncaught exception alike (MPICH leaves none either way)."""
     import leftovers
     for code in ("import mpishard as ms; ms.make_engine(ms.MLP([2, 2]))",

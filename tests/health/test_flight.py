@@ -1,4 +1,4 @@
-"""The flight recorder (comm/flight.py) and its reader (cli/flight.py).
+"""The flight recorder (health/flight.py) and its reader (cli/flight.py).
 
 Recording runs at any world size (the tests marked mpi, under mpiexec -n 1, 2, 4): every
 rank's events name the op, the group, its sequence number, the array, the step, and a receive
@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import mpishard as ms
 from mpishard.cli.flight import verdict
-from mpishard.comm.flight import FlightRecorder
+from mpishard.health.flight import FlightRecorder
 
 WORLD = MPI.COMM_WORLD
 
@@ -195,7 +195,7 @@ def test_a_rank_whose_ring_wrapped_past_a_group_is_not_blamed_for_it():
 
 FATAL = '''
 import faulthandler, sys
-from mpishard.comm.flight import FlightRecorder
+from mpishard.health.flight import FlightRecorder
 rec = FlightRecorder()
 rec.redirect(sys.argv[1])
 faulthandler._sigsegv()
@@ -224,7 +224,7 @@ def test_a_fatal_signal_writes_the_stacks_to_the_flight_dir(tmp_path):
 
 CLEAN = '''
 import sys
-from mpishard.comm.flight import FlightRecorder
+from mpishard.health.flight import FlightRecorder
 FlightRecorder().redirect(sys.argv[1])
 FlightRecorder().redirect(sys.argv[2])
 '''

@@ -1,4 +1,4 @@
-"""comm/reaper.py: the watcher removes its files only once its processes are gone, and no
+"""health/reaper.py: the watcher removes its files only once its processes are gone, and no
 watcher is started under `mpishard launch` (which cleans up after its jobs itself). The 2-rank
 job piped into `head` is tests/cli/test_command_line.py's."""
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mpishard.comm.reaper import WATCHER
+from mpishard.health.reaper import WATCHER
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 
@@ -34,7 +34,7 @@ def test_the_watcher_waits_for_every_process_then_unlinks(tmp_path):
         watcher.kill()
 
 
-PROBE = ("import sys; sys.path.insert(0, sys.argv[1]); from mpishard.comm.reaper import "
+PROBE = ("import sys; sys.path.insert(0, sys.argv[1]); from mpishard.health.reaper import "
          "under_launch; print(under_launch())")
 
 

@@ -1,4 +1,4 @@
-"""The straggler line (comm/stragglers.py): the rule on hand-made waits, and on real
+"""The straggler line (health/stragglers.py): the rule on hand-made waits, and on real
 collectives where one rank sleeps before each (marked mpi: 2 ranks or more), and in `train`
 (serial: it launches 2- and 4-rank jobs): a healthy pipeline prints none, a slow rank among the
 peers of its stage still stands out."""
@@ -10,8 +10,8 @@ import pytest
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.comm.flight import FlightRecorder
-from mpishard.comm.stragglers import report, straggler, waits
+from mpishard.health.flight import FlightRecorder
+from mpishard.health.stragglers import report, straggler, waits
 
 WORLD = MPI.COMM_WORLD
 

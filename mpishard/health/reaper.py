@@ -1,6 +1,6 @@
 """Remove a node's MPI files once all its ranks are gone, however they ended (SIGKILL too).
 
-comm/signals.py removes them when a rank is told to stop (SIGTERM, SIGINT). A rank that is
+health/signals.py removes them when a rank is told to stop (SIGTERM, SIGINT). A rank that is
 SIGKILLed runs nothing: that is how MPICH's launcher ends a job whose mpiexec died, e.g. of
 SIGPIPE when its output was piped into `head` that has exited (`mpiexec ... generate | head
 -c 1`): each rank's process-manager proxy kills its ranks and the node's `mpich_shm_*`

@@ -33,10 +33,10 @@ import traceback
 
 from mpi4py import MPI
 
+from ..comm.retired import abandon
 from .flight import dump_all
 from .lines import write_line
 from .signals import remove_mpi_files
-from .watchdog import abandon
 
 __all__ = ["install", "held_by", "release", "uninstall", "installed", "report", "format_report",
            "rank_ranges", "REPORT_WINDOW"]

@@ -1,17 +1,18 @@
 """The flight recorder: each rank's last N communication calls, dumped when the job goes wrong.
 
 Every call of a Comm's communication entry points (all_reduce, reduce_scatter, all_gather,
-all_to_all(_v), broadcast, barrier, agree, send/receive and their `_async` forms) is one event
-in a ring of the last N (default EVENTS = 256; the environment's MPISHARD_FLIGHT_EVENTS, 0:
-off): the op, the group (its name and COMM_WORLD ranks), the call's sequence number on that
-group (1, 2, ... per process: the k-th collective on a group is the same call on every member
-of a correct program; point-to-point calls count per peer and direction instead), the peer of
-a send/receive, the array's bytes, dtype and shape, the wall-clock enter and exit times (exit
-None: still inside, or it raised), the step and microbatch (Comm.context) and the seconds the
-process had waited on peers in sends and receives so far (`note_peer_wait`). A call made
-inside another recorded call (receive inside receive_async's wrapper) is not recorded twice.
-Recording costs two clock reads and a list store per call (docs/reliability.md has the
-measured overhead); nothing is communicated.
+all_to_all(_v), broadcast, barrier, agree, send/receive and their `_async` forms: the engine
+passes the recorder to its Comm, whose entry points tell it through comm/recorded.py's hook,
+`enter` and `leave`) is one event in a ring of the last N (default EVENTS = 256; the
+environment's MPISHARD_FLIGHT_EVENTS, 0: off): the op, the group (its name and COMM_WORLD
+ranks), the call's sequence number on that group (1, 2, ... per process: the k-th collective on
+a group is the same call on every member of a correct program; point-to-point calls count per
+peer and direction instead), the peer of a send/receive, the array's bytes, dtype and shape,
+the wall-clock enter and exit times (exit None: still inside, or it raised), the step and
+microbatch (Comm.context) and the seconds the process had waited on peers in sends and receives
+so far (`note_peer_wait`). A call made inside another recorded call (receive inside
+receive_async's wrapper) is not recorded twice. Recording costs two clock reads and a list
+store per call (docs/reliability.md has the measured overhead); nothing is communicated.
 
 Dumps: `FlightRecorder.dump(reason)` writes DIR/flight-rank<R>.json (the ring, oldest first, the
 group table, and after a timeout what its arrival counters found: `note_arrivals`) and
@@ -35,8 +36,6 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import functools
-import inspect
 import json
 import os
 import signal
@@ -54,7 +53,6 @@ DIR_ENV = "MPISHARD_FLIGHT_DIR"
 FIELDS = ("op", "group", "seq", "peer", "bytes", "dtype", "shape", "enter", "exit", "step",
           "microbatch", "peer_wait")
 P2P = {"send": "send", "send_async": "send", "receive": "recv", "receive_async": "recv"}
-PEER_ARGS = ("dest_id", "src_id", "target_device_id", "dest", "dst")
 MADE = ".mpishard-made"     # in a flight directory that `redirect` made (module docstring)
 
 
@@ -145,6 +143,10 @@ class FlightRecorder:
         self.ring[self.count % self.size] = event
         self.count += 1
         return event
+
+    def leave(self, event) -> None:
+        """Record the end of the call of `event` (it returned)."""
+        event[8] = time.time()
 
     def events(self) -> list:
         """The ring, oldest first, as dicts."""
@@ -260,47 +262,3 @@ def dump_all(reason: str) -> None:
     """The process's recorder, if any, dumps (the hooks of the module docstring)."""
     if FlightRecorder.SHARED is not None:
         FlightRecorder.SHARED.dump(reason)
-
-
-def recorded(name: str, method):
-    """`method` (a Comm's entry point `name`) recording one event per outermost call."""
-    params = list(inspect.signature(method).parameters)[1:]
-    where = [(p, params.index(p) if p in params else 99) for p in ("arr", "group")]
-    (_, a_at), (_, g_at) = where
-    peers = [(p, params.index(p)) for p in PEER_ARGS if p in params] if name in P2P else []
-
-    def peer_of(args, kwargs):
-        for p, i in peers:
-            v = kwargs[p] if p in kwargs else args[i] if i < len(args) else None
-            if v is not None:
-                return int(v)
-        return None
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        rec = self.flight
-        if rec is None or rec.depth:
-            return method(self, *args, **kwargs)
-        n = len(args)
-        try:
-            event = rec.enter(self, name,
-                              kwargs["arr"] if "arr" in kwargs else args[a_at] if a_at < n
-                              else None,
-                              kwargs["group"] if "group" in kwargs else args[g_at] if g_at < n
-                              else None, peer_of(args, kwargs) if peers else None)
-        except Exception:                  # a bad group or a closed Comm: the call says why
-            return method(self, *args, **kwargs)
-        rec.depth = 1
-        try:
-            out = method(self, *args, **kwargs)
-        finally:
-            rec.depth = 0
-        event[8] = time.time()
-        return out
-    return call
-
-
-def instrument(cls, names) -> None:
-    """Record the calls of methods `names` of `cls` (collectives.Comm)."""
-    for name in names:
-        setattr(cls, name, recorded(name, getattr(cls, name)))

@@ -19,7 +19,7 @@ calls, so it can run inside a signal handler. Without /proc nothing is found.
 
 `install_cleanup_handlers` (the CLI's, once per process of an MPI command) replaces the
 SIGTERM/SIGINT handlers with: remove_mpi_files, one stderr line written with one os.write to
-fd 2 (comm/lines.py: never run together with another rank's line; a handler that prints could
+fd 2 (health/lines.py: never run together with another rank's line; a handler that prints could
 re-enter sys.stderr's buffer), and os._exit(128 + signum), the shell's code for "killed by
 signal". No MPI_Finalize: it is a collective, peers may be stuck
 or gone, and a handler must not block. Python runs the handler in the main thread between

@@ -1,4 +1,4 @@
-"""A line is one write (mpishard/comm/lines.py): the logging handler mpishard installs, the
+"""A line is one write (mpishard/health/lines.py): the logging handler mpishard installs, the
 guard's and the uncaught-exception report's error lines and the signal handler's line reach
 the file descriptor in one os.write each, newline included, so the lines of several ranks
 sharing a launcher's stream never run together."""
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mpishard.comm import lines, uncaught
+from mpishard.health import lines, uncaught
 from mpishard.train.trainer import configure_logging
 
 

@@ -1,5 +1,8 @@
 """The stall watchdog: every blocking collective and receive waits at most `timeout` seconds.
 
+The engine gives its Comm a `Watchdog`, which bounds each wait of the interface the Comm calls
+(comm/waits.py: `run`, `wait_for_requests`, `wait_collective`, `wait_peer`, `wait_until`).
+
 Blocking collectives (`Watchdog.run`: all_reduce, all_gather, all_to_all, broadcast, barrier)
 are the blocking MPI call itself (Allreduce, ...), bounded by the guard (guard.py): a thread
 that sleeps beside the call and, past its deadline, prints the CollectiveTimeout line and
@@ -42,11 +45,13 @@ import time
 
 from mpi4py import MPI
 
+from ..comm.mesh import AXES, coordinates
+from ..comm.retired import abandon
+from ..comm.waits import Waits
 from ..validate import check_number
 from .arrivals import Arrivals
 from .flight import dump_all, note_arrivals, note_peer_wait
 from .guard import Guard, thread_multiple
-from .mesh import AXES, CommUnusable, coordinates
 
 DEFAULT_TIMEOUT = 600.0
 YIELD = 0.1           # seconds of yielding polls before the polls sleep
@@ -54,16 +59,6 @@ BURST = 32            # yielding polls between two clock reads (a clock read per
                       # the peers that share this rank's core)
 MIN_SLEEP = 2e-5      # the shortest sleep between two polls
 MAX_SLEEP = 1e-2      # the longest sleep between two polls
-
-# Requests a polled timeout gave up on: MPI may still complete them (a late peer arrives) and
-# write into their buffers, which mpi4py keeps alive with the request; so they are kept too.
-_ABANDONED: list = []
-
-
-def abandon(pending) -> None:
-    """Keep requests (or Futures, which hold their buffers) that were given up on alive for
-    the process's life: MPI may still complete them and write into their buffers."""
-    _ABANDONED.extend(pending)
 
 
 def late_text(late, entered, silent, **_) -> str:
@@ -84,19 +79,18 @@ class CollectiveTimeout(RuntimeError):
     """A collective or a receive waited longer than the engine's timeout."""
 
 
-class Watchdog:
-    """Bounded waits for one engine's Comm (shared by its group views)."""
+class Watchdog(Waits):
+    """Bounded waits for one engine's Comm (shared by its group views). A polled timeout
+    leaves its requests to comm/retired.py's `abandon` (MPI may still complete them)."""
 
     def __init__(self, mesh, timeout=DEFAULT_TIMEOUT):
+        super().__init__()
         self.timeout = check_number("timeout", timeout, low=0)
         self.timeout_ns = int(self.timeout * 1e9)   # the guard's deadline (guard.py)
         self.mesh = mesh
-        self.where: dict = {}                 # step, microbatch: set by Comm.context
         self.groups: dict = {}                # communicator handle -> Watchdog.group
-        self.tracer = None                    # a comm.trace.Tracer while tracing: wait times
-        self.unusable = None                  # why later calls are refused (CommUnusable)
+        self.tracer = None                    # a health.trace.Tracer while tracing: wait times
         self.returned = False                 # the arrival block was given back (close)
-        self.keep_on_timeout: list = []       # more communicators to keep (Comm.__init__)
         self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
         self.cells = self.arrivals.cells if self.timeout else None     # its counters
         self.base = self.arrivals.take_block() if self.timeout else 0
@@ -115,12 +109,7 @@ class Watchdog:
         if give_back and not self.returned and self.arrivals is not None:
             self.arrivals.give_back(self.base)
             self.returned = True
-        self.unusable = self.unusable or why
-
-    def check_usable(self) -> None:
-        """Raise CommUnusable after close() or a timeout."""
-        if self.unusable is not None:
-            raise CommUnusable(self.unusable)
+        super().close(why)
 
     def group(self, comm) -> tuple:
         """(counter index, world ranks, name) of the group of `comm`, a communicator of the
@@ -233,16 +222,12 @@ class Watchdog:
             peer = ranks[rank] if 0 <= rank < len(ranks) else rank
             self.timed_out(what, comm, f"[{peer}] (the peer)", requests)
 
-    def waiter(self, what: str, comm, ticket=None, rank=None):
-        """A Future's wait: the collective's (counted in at issue) or the peer's."""
-        if rank is not None:
-            return lambda requests: self.wait_peer(requests, what, comm, rank)
-        return lambda requests: self.wait_collective(requests, what, comm, ticket)
-
     def wait_until(self, test, what: str, comm, ticket) -> None:
         """Poll `test()` (e.g. matched probes: comm/alltoallv.py) until it returns True, at
         most the timeout; then CollectiveTimeout naming the members of `comm` that have not
-        arrived (`ticket` from `arrive`). Needs a timeout (no requests to Waitall on)."""
+        arrived (`ticket` from `arrive`). Without a timeout: Waits' unbounded poll."""
+        if not self.timeout:
+            return super().wait_until(test, what, comm, ticket)
         self.check_usable()
         if not self.poll_until(test):
             self.timed_out(what, comm, self.late(comm, ticket), [])
