@@ -8,7 +8,7 @@ parallel/tied.py), FSDP ZeRO-3 splits every parameter along dim 0, zero=1/2 and 
 replicated, cp replicates them and the layout checks are check_decoder_layout's.
 
 Tensor parallelism (tp, sequence_parallel) is tensor_parallel.py: each parameter's tp split
-(`llama_tp_shards`) comes first in its placement, then fsdp's.
+(the spec's `tp_table`) comes first in its placement, then fsdp's.
 
 A Mixtral (n_experts set) adds expert parallelism inside the blocks: experts.py.
 
@@ -27,23 +27,23 @@ from ...parallel.decoder import build_decoder, check_decoder_layout, plan_decode
 from ...parallel.vocab_parallel import ReplicatedOutput, VocabParallelOutput
 from .attention import RepeatKV, merge_qkv, split_qkv
 from .experts import attach_experts, plan_moe_llama_params
-from .tensor_parallel import LlamaTensorParallel, llama_tp_shards
+from .tensor_parallel import LlamaTensorParallel, tp_shards
 from .units import llama_units
 
 
 def plan_params(model, layout) -> dict:
     """name -> ParamInfo(full_shape, Placement) for every Llama parameter (a decoder's plan
-    with the Llama's tp table); ValueError (the same on every rank) for a layout it cannot
+    with the spec's tp_table); ValueError (the same on every rank) for a layout it cannot
     run."""
     vstages = layer_stages(model, layout)
-    tp_shards = llama_tp_shards(model, layout.size("tp"))
+    shards = tp_shards(model.tp_table(layout.size("tp")))
     if model.n_experts is not None:                 # Mixtral: experts split over ep
-        return plan_moe_llama_params(model, layout, vstages, tp_shards)
+        return plan_moe_llama_params(model, layout, vstages, shards)
     if layout.size("ep") > 1:
         raise ValueError(f"layout {layout.text!r}: ep={layout.size('ep')} splits experts; "
                          f"{model!r} has none (ms.Llama(..., n_experts=E))")
     check_decoder_layout(model, layout)
-    return plan_decoder_params(model, layout, vstages, tp_shards)
+    return plan_decoder_params(model, layout, vstages, shards)
 
 
 def build(model, layout, comm, access, stats: dict) -> RankUnits:

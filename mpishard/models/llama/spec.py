@@ -45,6 +45,10 @@ ceil(cf t k / E) per expert in each sequence's t tokens of a forward (in KV-cach
 the prompt, then each new token, which is never dropped); router_aux_loss_coef adds HF's
 load-balancing loss to train_step's loss (on every layout; under pp with schedule=gpipe only).
 
+A Llama-derived spec (models/qwen2) adds parameters by overriding block_param_shapes, the
+block's q | k | v unit (`qkv_projection`), the tp table (`tp_table`) and the parameters whose
+gradients tp sums (`tp_replicated_params`); the plan and units ask the spec for these.
+
 `init(seed)` is Hugging Face's LlamaPreTrainedModel init: N(0, 0.02) for every weight and the
 embedding, RMSNorm scales 1; float64 numpy, the same on every rank for a seed.
 """
@@ -55,6 +59,7 @@ import numpy as np
 from ..gpt.spec import GPT, DecoderSpec, positive_int
 from . import hf, hf_mixtral, parallelize, tensor_parallel
 from . import costs
+from .units import FusedLinear
 
 INIT_STD = 0.02
 
@@ -128,6 +133,17 @@ class Llama(DecoderSpec):
 
     def tp_replicated_params(self, tp: int) -> list:
         return tensor_parallel.replicated_kv_params(self, tp)
+
+    # -- what a Llama-derived spec overrides for parameters of its own (models/qwen2) ---------
+    def qkv_projection(self, access, prefix: str):
+        """Block `prefix`'s q | k | v projection unit (units.LlamaBlock): one FusedLinear on
+        its three weights."""
+        return FusedLinear(access, [f"{prefix}/attn/{w}/weights" for w in "qkv"])
+
+    def tp_table(self, tp: int) -> dict:
+        """{name suffix: tp steps of its placement} on tp = `tp` ranks (tensor_parallel.py);
+        a parameter no suffix ends is replicated on tp."""
+        return tensor_parallel.tp_table(self, tp)
 
     def kv_width(self, tp: int) -> int:
         return tensor_parallel.kv_width(self, tp)

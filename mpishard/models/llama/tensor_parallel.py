@@ -18,9 +18,9 @@ r H/t .. (r+1) H/t - 1 and holds
 Replicated kv weights are used by every tp rank for its own query heads only: the forward is
 a broadcast of the weight to the tp ranks and its adjoint the sum of their gradients, one
 all_reduce(sum) over tp per gradient (sequence_parallel.SequenceParallelGrads does exactly
-that for the names it is given; with sequence_parallel the RMSNorm scales join them, as the
-GPT's LayerNorms do). The dL/dx of the shared input is summed over tp by f (CopyToTP's
-backward, or GatherFromSP's reduce-scatter) like every column layer's.
+that for the spec's tp_replicated_params; with sequence_parallel the RMSNorm scales join
+them, as the GPT's LayerNorms do). The dL/dx of the shared input is summed over tp by f
+(CopyToTP's backward, or GatherFromSP's reduce-scatter) like every column layer's.
 
 Units per block: Residual[RMSNorm, f, FusedLinear(q, k, v column), Rotary, GroupedQueryAttention,
 proj row + g], Residual[RMSNorm, f, FusedLinear(gate, up column), SwiGLU, down row + g], with the
@@ -51,10 +51,14 @@ def kv_split(model, t: int) -> bool:
     return model.n_kv_heads % t == 0
 
 
-def llama_tp_shards(model, t: int):
-    """name -> the tp steps of its placement (() = replicated on tp), for tp = t ranks."""
-    table = dict(TP_SHARDS, **{w: COLUMN for w in KV_WEIGHTS if kv_split(model, t)})
+def tp_table(model, t: int) -> dict:
+    """The Llama's {name suffix: tp steps of its placement} for tp = t ranks (the spec's
+    `tp_table`, which a Llama-derived spec extends for its own parameters)."""
+    return dict(TP_SHARDS, **{w: COLUMN for w in KV_WEIGHTS if kv_split(model, t)})
 
+
+def tp_shards(table: dict):
+    """name -> the tp steps of its placement from a suffix table (() = replicated on tp)."""
     def shards(name: str) -> tuple:
         return next((s for suffix, s in table.items() if name.endswith(suffix)), ())
     return shards
@@ -129,7 +133,7 @@ class LlamaTensorParallel:
     def __call__(self, model, access, blocks, first: bool, last: bool, attention=None,
                  token_positions=leading_positions) -> list:
         """attention, token_positions: as llama_units' (context parallelism sets both)."""
-        summed = replicated_kv_params(model, self.n) + \
+        summed = model.tp_replicated_params(self.n) + \
             (sequence_split_params(model) if self.sp else [])
         if summed:                  # replicated on tp, each rank's use partial: sum the grads
             access = SequenceParallelGrads(access, self.tp, summed)

@@ -101,22 +101,28 @@ class FusedLinear(Linear):
               backward_weights adds the dW_i later (last first, as a Composite would)
 
     Under tp each W_i is this rank's column block (whole heads), so y is [q_r | k_r | v_r].
-    The tape, `deferred` and backward are Linear's."""
+    The tape, `deferred` and backward are Linear's. A subclass with more parameters (biases)
+    extends param_names and overrides forward and add_grads; the weights stay `weights`."""
 
     def __init__(self, access, w_names):
         super().__init__(access, w_names[0])
-        self.param_names = tuple(w_names)
+        self.weights = self.param_names = tuple(w_names)
 
     def __repr__(self):
-        return f"FusedLinear({', '.join(n.rsplit('/', 2)[-2] for n in self.param_names)})"
+        return f"{type(self).__name__}({', '.join(n.rsplit('/', 2)[-2] for n in self.weights)})"
+
+    def _fetched(self, names, mb, axis):
+        """The parameters `names` through the access policy, joined along `axis`, and their
+        sizes along it."""
+        arrays = [self.access.get(n, mb) for n in names]
+        joined = nn.array_module(arrays[0]).concatenate(arrays, axis=axis)
+        for n in names:
+            self.access.release(n, mb)
+        return joined, [a.shape[axis] for a in arrays]
 
     def _joined(self, mb):
         """W = cat(W_1, W_2, ...) along the columns, and the widths of the W_i."""
-        ws = [self.access.get(n, mb) for n in self.param_names]
-        w = nn.array_module(ws[0]).concatenate(ws, axis=1)
-        for n in self.param_names:
-            self.access.release(n, mb)
-        return w, [x.shape[1] for x in ws]
+        return self._fetched(self.weights, mb, axis=1)
 
     def forward(self, x, mb=0, record=True):
         w, widths = self._joined(mb)
@@ -133,14 +139,20 @@ class FusedLinear(Linear):
         x, dy, widths = self.deferred.pop(mb)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         ends = [sum(widths[:i + 1]) for i in range(len(widths))]
-        for name, end, width in reversed(list(zip(self.param_names, ends, widths))):
-            self.access.add_grad(name, nn.einsum("bd,bf->df", x2, dy2[:, end - width:end]))
+        for i in reversed(range(len(widths))):
+            self.add_grads(i, x2, dy2[:, ends[i] - widths[i]:ends[i]])
+
+    def add_grads(self, i: int, x2, dy_i) -> None:
+        """Projection i's gradients from x (rows flattened) and its columns dy_i of dy:
+        dW_i = x^T dy_i 'bd,bf->df'."""
+        self.access.add_grad(self.weights[i], nn.einsum("bd,bf->df", x2, dy_i))
 
 
-def fused_column(linear, access, w_names) -> list:
-    """The units of projections `w_names` read from one input, as `linear` (Block's factory)
-    builds a column layer: its communication units in front (once), then one FusedLinear."""
-    return linear(access, w_names[0], None, "column")[:-1] + [FusedLinear(access, w_names)]
+def fused_column(linear, access, fused) -> list:
+    """The units of `fused` (a FusedLinear: projections read from one input) as `linear`
+    (Block's factory) builds a column layer: its communication units in front (once), then
+    `fused`."""
+    return linear(access, fused.weights[0], None, "column")[:-1] + [fused]
 
 
 class SwiGLU(Layer):
@@ -179,7 +191,9 @@ class SwiGLU(Layer):
 class LlamaBlock(Composite):
     """Llama block i: h + attn(rms_1(h)), then h + mlp(rms_2(h)).
 
-    heads: a KVHeads for the heads this rank computes; linear: as the GPT's Block's;
+    The q | k | v projection is the spec's `qkv_projection(access, prefix)` (a Llama-derived
+    spec's own unit; the Llama's FusedLinear). heads: a KVHeads for the heads this rank
+    computes; linear: as the GPT's Block's;
     attention(heads): the attention units under cp (parallelize.py: a grouped ring, or
     RepeatKV and Ulysses; None: GroupedQueryAttention); token_positions: the rotary's."""
 
@@ -190,7 +204,7 @@ class LlamaBlock(Composite):
         p, eps = f"block_{index}", model.norm_eps
         core = [GroupedQueryAttention(heads)] if attention is None else list(attention(heads))
         attn = Residual([RMSNorm(access, f"{p}/ln_1", eps),
-                         *fused_column(linear, access, [f"{p}/attn/{w}/weights" for w in "qkv"]),
+                         *fused_column(linear, access, model.qkv_projection(access, p)),
                          Rotary(heads.n_q, heads.n_kv, model.d_head, model.rope_theta,
                                 token_positions),
                          *core,
@@ -199,8 +213,8 @@ class LlamaBlock(Composite):
             mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps), SparseMoE(model, access, index)])
         else:
             mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps),
-                            *fused_column(linear, access, [f"{p}/mlp/gate/weights",
-                                                           f"{p}/mlp/up/weights"]),
+                            *fused_column(linear, access, FusedLinear(
+                                access, [f"{p}/mlp/gate/weights", f"{p}/mlp/up/weights"])),
                             SwiGLU(),
                             *linear(access, f"{p}/mlp/down/weights", None, "row")])
         super().__init__([attn, mlp])

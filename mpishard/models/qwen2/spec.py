@@ -22,7 +22,7 @@ import numpy as np
 
 from ..llama.spec import Llama
 from . import hf, parallelize
-from .units import BIASED
+from .units import BIASED, BiasedFusedLinear
 
 EXPERT_KEYS = ("n_experts", "top_k", "capacity_factor", "router_aux_loss_coef")
 
@@ -49,15 +49,17 @@ class Qwen2(Llama):
     def hf_map(self):
         return hf
 
-    # -- parallel plan (interface.py): the Llama's, with the biases (parallelize.py) ----------
-    def plan_params(self, layout) -> dict:
-        return parallelize.plan_params(self, layout)
+    # -- parallel plan: the Llama's (llama/parallelize.py), asking these for the biases -------
+    def qkv_projection(self, access, prefix: str):
+        """Block `prefix`'s q | k | v projection with its biases (units.py)."""
+        return BiasedFusedLinear(access, [f"{prefix}/{p}/weights" for p in BIASED],
+                                 [f"{prefix}/{p}/bias" for p in BIASED])
 
-    def build(self, layout, comm, access, stats: dict):
-        return parallelize.build(self, layout, comm, access, stats)
+    def tp_table(self, tp: int) -> dict:
+        return parallelize.tp_table(super().tp_table(tp))
 
     def tp_replicated_params(self, tp: int) -> list:
-        return parallelize.replicated_params(self, tp)
+        return parallelize.tp_replicated_params(super().tp_replicated_params(tp))
 
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:
