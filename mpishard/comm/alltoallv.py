@@ -108,7 +108,7 @@ class PrivateComms:
         dups, self.dups = self.dups, {}
         keep_forever(dups.values())
 
-    def __del__(self):
+    def __del__(self, retire=retire):               # bound: globals may be None at exit
         dups, self.dups = getattr(self, "dups", {}), {}
         retire(dups.values())                       # freed later: comm/retired.py
 

@@ -214,9 +214,10 @@ class DeviceMesh:
         comms, self._comms, self.closed = self._comms, {}, True
         keep_forever(comms.values())
 
-    def __del__(self):
+    def __del__(self, retire=retire):
         """A mesh collected without `close()`: its communicators are handed over to be freed
-        at the next Split (comm/retired.py: a finalizer must never call MPI)."""
+        at the next Split (comm/retired.py: a finalizer must never call MPI). `retire` is
+        bound as a default: at interpreter exit the module's globals may already be None."""
         comms, self._comms = getattr(self, "_comms", {}), {}
         retire(comms.values())
 

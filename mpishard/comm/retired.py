@@ -37,9 +37,10 @@ def keep_forever(comms) -> None:
     _NEVER_FREED.extend(comms)
 
 
-def retire(comms) -> None:
-    """Hand communicators over to be freed by the next `free_retired()` (safe in __del__)."""
-    _RETIRED.extend(comms)
+def retire(comms, _retired=_RETIRED) -> None:
+    """Hand communicators over to be freed by the next `free_retired()` (safe in __del__, even
+    at interpreter exit, when module globals may already be None: hence the bound list)."""
+    _retired.extend(comms)
 
 
 def free_retired() -> int:
