@@ -6,8 +6,13 @@ the methods below, and may read the numbers they expose (an expert count, a head
 A new architecture is a folder `models/<name>/` whose spec implements this protocol, plus one
 line in the registry (models/__init__.py).
 
-The protocol is structural (typing.Protocol): a spec implements it by having the methods; it
-does not inherit from it. Each method's docstring says what the generic code does with it.
+Every spec subclasses nn/params.ParamSpec (param_names, num_params, check_params), and the
+engine refuses anything else; this Protocol documents the rest, method by method, with what
+the generic code does with each. Besides these, generic code reads `n_layers` (the layers a
+pipeline balances: parallel/stages.py, parallel/compose.py), `num_params()` (cli/) and
+`check_params(params)` (engine, checkpoint/, hf/). Decoders also provide the contract in
+parallel/decoder.py's docstring (d_model, n_heads, d_ff, tied, vocab_size, seq_len,
+embed_param_shapes, head_param_shapes) that the shared decoder plan reads.
 """
 from __future__ import annotations
 
@@ -69,7 +74,9 @@ class ModelSpec(Protocol):
         """The output's shape for a batch whose inputs or targets start with `lead_shape`."""
 
     def layers(self) -> list:
-        """The units a pipeline cuts between (stages.assign_stages balances their parameters)."""
+        """Specs a pipeline can cut (with `n_layers`): the units it cuts between
+        (stages.assign_stages balances their parameters). A spec whose plan_params refuses pp
+        (ms.MoE, one layer) has neither."""
 
     # -- data and command line (cli/, train/: what data a model reads, how --model builds it)
     takes_tokens: bool
@@ -119,8 +126,8 @@ class ModelSpec(Protocol):
         """The name map this spec saves with (one of hf_maps()), or None when it has no
         Hugging Face form (hf.save refuses it)."""
 
-    # -- parallel plan (parallel/compose.py, nn/recompute.py, parallel/decode.py ask these;
-    #    models/<name>/parallelize.py answers)
+    # -- parallel plan (parallel/compose.py and nn/recompute.py ask these; parallel/decode.py
+    #    reads only `generates`, `vocab_size` and `seq_len`; models/<name>/parallelize.py answers)
     def plan_params(self, layout) -> dict:
         """name -> parallel.placement.ParamInfo (full shape, Placement) of every parameter under
         `layout`; ValueError, the same on every rank before any collective, for a layout the
@@ -140,10 +147,6 @@ class ModelSpec(Protocol):
         """Whether recompute=1|attn applies: the units hold blocks that say
         `recomputable = True` (and attention cores that say `attention_core = True`)."""
 
-    def tp_replicated_params(self, tp: int) -> list:
-        """Parameters replicated on tp = `tp` ranks of which each rank uses a part (a Llama's
-        kv weights when tp does not divide its kv heads): their gradients are summed over tp."""
-
     def kv_width(self, tp: int) -> int:
         """Decoders: the columns of k (and of v) per tp rank, what a cp ring sends."""
 
@@ -160,7 +163,8 @@ class ModelSpec(Protocol):
 
     def boundary_width(self, layout, layer) -> int:
         """Elements per batch row of the activation a pipeline stage ending with `layer` (one
-        of layers()) sends on, and of the gradient that comes back."""
+        of layers()) sends on, and of the gradient that comes back (specs a pipeline can cut;
+        the others raise ValueError)."""
 
     def check_costs(self, layout) -> None:
         """ValueError for a layout the cost models cannot price, beyond plan_params' refusals
@@ -182,7 +186,8 @@ class ModelSpec(Protocol):
         the calibrated seconds of one call; fixed: the calibration's per-call costs."""
 
     def step_flops(self, batch: int) -> int:
-        """Model FLOPs of one training step on `batch` rows (bench's GFLOP/s)."""
+        """Model FLOPs of one training step on `batch` rows (bench's GFLOP/s); ValueError for a
+        spec the step-time model cannot price (ms.MoE)."""
 
     def planned_experts(self) -> int | None:
         """The expert count the planner may split over ep (None: it tries no ep layout)."""

@@ -8,8 +8,7 @@ import mpishard as ms
 from mpishard.models import ARCHITECTURES
 from mpishard.parallel.compose import plan_params
 
-PLAN_METHODS = ("plan_params", "build", "grads_overlap", "supports_recompute",
-                "tp_replicated_params")
+PLAN_METHODS = ("plan_params", "build", "grads_overlap", "supports_recompute")
 UNKEYED = {"mlp": lambda: ms.MLP([4, 8, 3]), "moe": lambda: ms.MoE(4, 8, n_experts=4)}
 
 
@@ -35,7 +34,6 @@ def test_every_architecture_plans_single_whole_on_stage_0(kind):
     assert plan_params(model, layout) == plan
     assert isinstance(model.grads_overlap(layout), bool)
     assert isinstance(model.supports_recompute(), bool)
-    assert model.tp_replicated_params(1) == []
 
 
 @pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
@@ -43,3 +41,9 @@ def test_every_architecture_refuses_a_layout_it_cannot_run(kind):
     """ep=3 divides no example's experts (and the dense ones have none)."""
     with pytest.raises(ValueError, match="ep"):
         example(kind).plan_params(ms.parse_layout("ep=3"))
+
+
+def test_a_spec_no_pipeline_can_cut_says_so():
+    """ms.MoE is one layer (plan_params refuses pp): its boundary_width is a ValueError."""
+    with pytest.raises(ValueError, match="pipeline cannot cut"):
+        ms.MoE(4, 8, n_experts=4).boundary_width(ms.parse_layout("single"), None)

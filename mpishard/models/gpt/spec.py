@@ -197,9 +197,6 @@ class GPT(DecoderSpec):
         """Not when tied: embed/tokens gets the embedding's and the head's gradient."""
         return not self.tied
 
-    def tp_replicated_params(self, tp: int) -> list:
-        return []
-
     def kv_width(self, tp: int) -> int:
         """D / tp: k and v have as many heads as q."""
         return self.d_model // tp

@@ -131,9 +131,6 @@ class Llama(DecoderSpec):
         """Not when tied (embed/tokens gets two gradients), nor with experts over ep."""
         return not (self.tied or layout.size("ep") > 1)
 
-    def tp_replicated_params(self, tp: int) -> list:
-        return tensor_parallel.replicated_kv_params(self, tp)
-
     # -- what a Llama-derived spec overrides for parameters of its own (models/qwen2) ---------
     def qkv_projection(self, access, prefix: str):
         """Block `prefix`'s q | k | v projection unit (units.LlamaBlock): one FusedLinear on
@@ -144,6 +141,12 @@ class Llama(DecoderSpec):
         """{name suffix: tp steps of its placement} on tp = `tp` ranks (tensor_parallel.py);
         a parameter no suffix ends is replicated on tp."""
         return tensor_parallel.tp_table(self, tp)
+
+    def tp_replicated_params(self, tp: int) -> list:
+        """Parameters replicated on tp = `tp` ranks of which each rank uses a part (the kv
+        weights when tp does not divide the kv heads): tensor_parallel.py sums their gradients
+        over tp, and costs.py prices that sum."""
+        return tensor_parallel.replicated_kv_params(self, tp)
 
     def kv_width(self, tp: int) -> int:
         return tensor_parallel.kv_width(self, tp)

@@ -145,9 +145,6 @@ class MLP(ParamSpec):
     def supports_recompute(self) -> bool:
         return False
 
-    def tp_replicated_params(self, tp: int) -> list:
-        return []
-
     # -- cost model (interface.py): costs.py ---------------------------------------------------
     calibration_key = "mlp"
 

@@ -133,9 +133,6 @@ class MoE(ParamSpec):
     def supports_recompute(self) -> bool:
         return False
 
-    def tp_replicated_params(self, tp: int) -> list:
-        return []
-
     # -- cost model (interface.py): costs.py; the plan prices no ms.MoE exchange ---------------
     calibration_key = "mlp"
 
@@ -146,7 +143,7 @@ class MoE(ParamSpec):
         return unit_grad_order(names)
 
     def boundary_width(self, layout, layer) -> int:
-        return self.d_out
+        raise ValueError("an ms.MoE model is one layer: a pipeline cannot cut it (pp is refused)")
 
     def check_costs(self, layout) -> None:
         """Nothing beyond plan_params' checks."""
