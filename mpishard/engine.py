@@ -27,6 +27,7 @@ from .health.heap import keep_host_heap
 from .health.signals import remove_singleton_segment_at_exit
 from .health.threads import pin_blas_threads
 from .health.watchdog import DEFAULT_TIMEOUT, Watchdog
+from .models import ARCHITECTURES
 from .nn.losses import get_loss
 from .nn.params import ParamSpec
 from .parallel.compose import compose
@@ -151,7 +152,7 @@ class MeshEngine(ShardedEngine):
 
     Parameters
     ----------
-    model : ms.MLP, ms.MoE or ms.GPT
+    model : a registered spec (models.ARCHITECTURES: ms.MLP, ms.GPT, ms.Llama, ...)
     layout : str  e.g. "dp=2,tp=2", "fsdp=4,zero=2", "pp=4,microbatches=8,schedule=1f1b"
     comm : mpi4py communicator (default COMM_WORLD)
     dtype : np.float64 or np.float32 (parameters, activations and gradients)
@@ -172,8 +173,8 @@ class MeshEngine(ShardedEngine):
         super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads,
                          host_heap)
         if not isinstance(model, ParamSpec):           # every spec's base (models/interface.py)
-            raise TypeError(f"model must be an ms.MLP, ms.MoE or ms.GPT spec, got "
-                            f"{type(model).__name__}")
+            names = ", ".join(f"ms.{cls.__name__}" for cls in ARCHITECTURES.values())
+            raise TypeError(f"model must be a model spec ({names}), got {type(model).__name__}")
         self.model = model
         parts = compose(model, self.layout, self.comm, self.dtype, self.precision)
         self.plan, self.store, self.stats = parts.plan, parts.store, parts.stats
@@ -190,10 +191,7 @@ class MeshEngine(ShardedEngine):
     grad_placements = property(lambda self: self.store.grad_placements)
     full_shapes = property(lambda self: self.store.full_shapes)
     local_names = property(lambda self: self.store.local_names)
-
-    @property
-    def layers(self) -> list:
-        return [layer for chunk in self.chunks for layer in chunk]
+    layers = property(lambda self: [layer for chunk in self.chunks for layer in chunk])
 
     # -- checkpoint in -------------------------------------------------------------------------
     def load_checkpoint(self, params: dict) -> None:

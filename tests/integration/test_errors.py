@@ -95,6 +95,8 @@ def test_bad_model_and_dtype():
     raises_everywhere(comm, TypeError, r"float32 or float64, got int32",
                       lambda: ms.make_engine(ms.MLP([4, 4]), f"dp={n}", dtype=np.int32,
                                              comm=comm))
+    raises_everywhere(comm, TypeError, r"model spec \(ms\.MLP, .*ms\.Qwen2\), got list",
+                      lambda: ms.make_engine([4, 4], f"dp={n}", comm=comm))
 
 
 # -- checkpoints -------------------------------------------------------------------------------
