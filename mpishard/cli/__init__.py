@@ -41,7 +41,8 @@ from .tokenize import add_tokenize_arguments, run_tokenize
 from .trace_summary import add_trace_summary_arguments, run_trace_summary
 from .train import add_train_arguments, parse_train_args, run_train
 from ..health.watchdog import CollectiveTimeout
-from .usage import PROG, Parser, UsageError, abort_job, world_rank
+from .model_flag import HF_NAMES
+from .usage import KEYED, PROG, Parser, UsageError, abort_job, world_rank
 
 __all__ = ["COMMANDS", "MPI_COMMANDS", "BROKEN_PIPE_EXIT", "main", "build_parser",
            "exit_cleanly", "run_and_exit", "PipeSafeStdout", "UsageError"]
@@ -50,7 +51,8 @@ __all__ = ["COMMANDS", "MPI_COMMANDS", "BROKEN_PIPE_EXIT", "main", "build_parser
 # -- the command table ---------------------------------------------------------------------------
 # name -> (help, add_arguments(parser) -> parser, run(args) -> exit code).
 COMMANDS = {
-    "train": ("train an MLP or a GPT on a layout (python -m mpi4py -m mpishard train ...)",
+    "train": (f"train an MLP or a language model ({', '.join(KEYED)}) on a layout "
+              "(python -m mpi4py -m mpishard train ...)",
               add_train_arguments, run_train),
     "schedule": ("print a pipeline schedule's timeline, bubble and memory (no MPI needed)",
                  add_schedule_arguments, run_schedule_command),
@@ -64,17 +66,18 @@ COMMANDS = {
     "infer": ("run a checkpoint over the rows of an .npy file on a layout (python -m mpi4py "
               "-m mpishard infer --checkpoint DIR --input X.npy --output Y.npy ...)",
               add_infer_arguments, run_infer),
-    "generate": ("sample text from a GPT/Llama checkpoint or a Hugging Face directory on a "
-                 "layout, prompts batched (python -m mpishard generate --checkpoint DIR|--hf DIR "
-                 "--prompt TEXT ... --max-new-tokens N --temperature T --top-k K --top-p P)",
+    "generate": ("sample text from a language model's checkpoint or a Hugging Face directory "
+                 "on a layout, prompts batched (python -m mpishard generate --checkpoint "
+                 "DIR|--hf DIR --prompt TEXT ... --max-new-tokens N --temperature T --top-k K "
+                 "--top-p P)",
                  add_generate_arguments, run_generate),
     "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
              "(plan --model DIMS|--hf DIR --world-size N --batch B)", add_plan_arguments,
              run_plan),
-    "import": ("a Hugging Face GPT-2 or Llama directory into a checkpoint, each rank reading "
+    "import": (f"a Hugging Face directory ({HF_NAMES}) into a checkpoint, each rank reading "
                "its slices (python -m mpi4py -m mpishard import --hf DIR --checkpoint CKPT)",
                add_import_arguments, run_import),
-    "export": ("a GPT or Llama checkpoint as a Hugging Face directory transformers loads "
+    "export": ("a language model's checkpoint as a Hugging Face directory transformers loads "
                "(python -m mpishard export --checkpoint CKPT --hf OUT [--dtype bfloat16])",
                add_export_arguments, run_export),
     "bench": ("time training steps of a layout on synthetic data: step time, samples/s, "

@@ -42,7 +42,8 @@ from ..parallel.decode import Decoder
 from ..train.memory import PhasePeaks, gather_peaks
 from ..validate import check_number
 from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
-from .usage import (CUDA_AWARE, UsageError, agreed, check_directory, check_flags,
+from .model_flag import HF_NAMES
+from .usage import (CUDA_AWARE, KEYED, UsageError, agreed, check_directory, check_flags,
                     checked_layout, default_layout, world_comm)
 
 DEFAULT_NEW_TOKENS = 200
@@ -51,10 +52,11 @@ BYTES = "bytes"
 
 def add_generate_arguments(p):
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="a GPT or Llama checkpoint "
-                        "directory, e.g. from train --model gpt (any layout and world size)")
+    source.add_argument("--checkpoint", metavar="DIR", help="a language model's checkpoint "
+                        f"directory ({', '.join(KEYED)}), e.g. from train --model gpt (any "
+                        "layout and world size)")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory "
-                        "(config.json + safetensors, GPT-2 or Llama): no conversion step")
+                        f"(config.json + safetensors: {HF_NAMES}): no conversion step")
     p.add_argument("--layout", help="mesh layout, e.g. dp=2 or tp=2,pp=2 (default: dp over "
                    "all ranks, single on one)")
     p.add_argument("--prompt", action="append", help="a text to continue (UTF-8; repeatable: "
@@ -140,6 +142,15 @@ class Text:
         head, text = self.tok.decode(context), self.tok.decode(context + list(ids))
         return text[len(head):] if text.startswith(head) else self.tok.decode(ids)
 
+    def check_ids(self, rows: list, vocab_size: int) -> None:
+        """UsageError (every rank: `rows` are the same on each) for a sampled id that bytes
+        cannot decode: a model of another vocabulary recorded as trained on bytes."""
+        bad = [i for row in rows for i in row if not 0 <= i < 256] if self.tok is None else []
+        if bad:
+            raise UsageError(f"the model sampled id {bad[0]}, which is no byte: the bytes "
+                             f"tokenizer decodes ids 0..255, the model's vocabulary has "
+                             f"{vocab_size} ids; give --tokenizer DIR (the model's tokenizer)")
+
     def whole(self, ids: list, context=()) -> str:
         """The text of `ids` at once (continuing the prompt ids `context`)."""
         if self.tok is None:
@@ -147,9 +158,11 @@ class Text:
         return self._after(ids, list(context))
 
     def decode(self, ids: list, final=False) -> str:
-        """The text of `ids` not returned before (ids: all new ids so far, in order)."""
+        """The text of `ids` not returned before (ids: all new ids so far, in order); bytes
+        show nothing for an id that is no byte (check_ids then refuses the run)."""
         if self.tok is None:
-            return self.bytes.decode(bytes(ids[-1:]) if ids else b"", final=final)
+            last = ids[-1:] if ids and 0 <= ids[-1] < 256 else []
+            return self.bytes.decode(bytes(last), final=final)
         text = self._after(ids, self.context)
         if not final:                        # a split multi-byte character: wait for it
             text = text.rstrip("\ufffd")
@@ -256,8 +269,8 @@ def prepare_generator(args, comm):
         ckpt, model = open_checkpoint(args.checkpoint)
         if not model.generates:
             raise UsageError(f"--checkpoint {args.checkpoint} holds "
-                             f"{ckpt.model_spec.get('class')}, not a GPT or Llama; generate "
-                             f"samples from language models")
+                             f"{ckpt.model_spec.get('class')}, not a language model "
+                             f"({', '.join(KEYED)}); generate samples from language models")
         eos = args.eos or carried_eos(ckpt)
     text = open_tokenizer(args, model, ckpt)
     prompts = [text.encode(p) for p in read_prompts(args)]
@@ -304,6 +317,7 @@ def run_generate(args) -> int:
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos=eos or None,
                           kv_cache=not args.no_kv_cache, on_token=show if stream else None)
     peaks.switch(None)
+    text.check_ids(out, engine.model.vocab_size)
     if stream:
         sys.stdout.write(text.decode(new, final=True) + "\n")
     elif shown is not None:

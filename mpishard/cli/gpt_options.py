@@ -61,17 +61,17 @@ def gpt_spec_text(table: dict) -> str:
                     if v is not None)
 
 
-def parse_gpt_spec(text, kind="gpt") -> dict:
+def parse_gpt_spec(text, kind="gpt", flag="--gpt") -> dict:
     """--gpt text -> {key: value} over the flag_defaults of architecture `kind` (--model
     KIND:..., model_flag.parse_gpt_spec's checks) less vocab: the vocabulary is the data
-    set's, so a vocab key is refused."""
+    set's, so a vocab key is refused. `flag` (the flag the text came from) labels messages."""
     keys = [item.partition("=")[0].strip() for item in str(text or "").split(",")]
     if {"vocab", "vocab_size"} & set(keys):
-        raise UsageError(f"--gpt: train takes the vocabulary from the data set ({BYTE_VOCAB} "
+        raise UsageError(f"{flag}: train takes the vocabulary from the data set ({BYTE_VOCAB} "
                          f"bytes); leave vocab out")
     cls = model_flag.KEYED[kind]
     defaults = {k: v for k, v in cls.flag_defaults.items() if k != "vocab"}
-    return model_flag.parse_gpt_spec(text, defaults, cls.flag_types)
+    return model_flag.parse_gpt_spec(text, defaults, cls.flag_types, flag)
 
 
 def validate_gpt_args(args, layout):
@@ -92,13 +92,14 @@ def validate_gpt_args(args, layout):
                          f"cross_entropy (the mean over every token)")
     check_flags(args, ("corpus_bytes", "train_stride"), low=0, low_open=True)
     check_flags(args, ("val_fraction",), low=0, high=1, low_open=True)
-    spec = parse_gpt_spec(args.gpt, args.model)
+    flag = getattr(args, "gpt_flag", "--gpt")      # train's: the flag the keys came from
+    spec = parse_gpt_spec(args.gpt, args.model, flag)
     try:
         model = model_flag.KEYED[args.model].from_flag(spec, BYTE_VOCAB)
         plan_params(model, layout)        # every model kind's layout checks (ep: Mixtral)
         assign_stages(model, layout)
     except ValueError as exc:
-        raise UsageError(f"--gpt {gpt_spec_text(spec)}: {exc}") from None
+        raise UsageError(f"{flag} {gpt_spec_text(spec)}: {exc}") from None
     if args.clip is None:                # not given: a GPT trains with clipping (see above)
         args.clip = DEFAULT_GPT_CLIP
     return model

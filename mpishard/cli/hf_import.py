@@ -1,4 +1,4 @@
-"""`import`: a Hugging Face directory into a checkpoint of ours (GPT-2 or Llama).
+"""`import`: a Hugging Face directory (an architecture hf.ARCHITECTURES names) into a checkpoint.
 
     mpiexec -n 4 python -m mpi4py -m mpishard import --hf ./gpt2 --checkpoint gpt2-ckpt
     python -m mpishard import --hf ./SmolLM2-135M --checkpoint smol --layout single
@@ -22,13 +22,14 @@ from .. import hf
 from ..checkpoint import save as save_checkpoint
 from ..engine import make_engine
 from ..train.tokenizer import TOKENIZER_JSON
+from .model_flag import HF_NAMES
 from .token_options import load_tokenizer
 from .usage import UsageError, agreed, checked_layout, print_report, world_comm
 
 
 def add_import_arguments(p):
     p.add_argument("--hf", metavar="DIR", required=True, help="a Hugging Face model "
-                   "directory (config.json + safetensors): GPT2LMHeadModel or LlamaForCausalLM")
+                   f"directory (config.json + safetensors): {HF_NAMES}")
     p.add_argument("--checkpoint", metavar="DIR", required=True, help="the checkpoint to write")
     p.add_argument("--layout", help="the mesh to load through (default fsdp over all ranks, "
                    "single on one): each rank reads only its blocks")

@@ -1,4 +1,4 @@
-"""`--model` (and `--gpt`) of every command: an MLP's dims or a GPT's sizes, no MPI.
+"""`--model` (and `--gpt`) of every command: an MLP's dims or a language model's sizes, no MPI.
 
     --model 784,512,256,10                                   ms.MLP (with --activation, --no-bias)
     --model gpt:d_model=64,n_heads=4,n_layers=2,seq_len=32   ms.GPT
@@ -16,9 +16,9 @@ registry (models.ARCHITECTURES) maps KIND to it, and any other --model text is a
 dims. `train` takes its vocabulary from the data set (256 bytes) and refuses a vocab key.
 The plan costs full-length sequences (T = seq_len) and counts a batch row as one sequence.
 
-plan and inspect also take `--hf DIR` instead: the GPT-2, Llama or Mixtral that DIR's
-config.json describes, as train's --init-from-hf reads it, but from config.json alone (no
-weights read: a model can be planned before its weights are downloaded).
+plan and inspect also take `--hf DIR` instead: the model (of any architecture hf.ARCHITECTURES
+names) that DIR's config.json describes, as train's --init-from-hf reads it, but from
+config.json alone (no weights read: a model can be planned before its weights are downloaded).
 
 `train --resume` without --model takes these flags from the checkpoint's model spec
 (`checkpoint_model_flags`); a --model that builds another model is refused naming both
@@ -32,21 +32,20 @@ import os
 
 from ..checkpoint import CheckpointError, model_spec, read_index
 from ..checkpoint.format import model_from_spec, spec_text
-from ..hf.convert import from_config
+from ..hf.convert import ARCHITECTURES as HF_ARCHITECTURES, from_config
 from ..hf.files import CONFIG
-from ..models import ARCHITECTURES
 from ..models.mlp.spec import MLP
 from .cluster_options import AUTO
-from .usage import UsageError, check_directory, parse_dims
+from .usage import KEYED, UsageError, check_directory, parse_dims
 
-# The architectures a `--model KIND:KEY=VALUE,...` (or a bare KIND) builds; any other --model
-# text is an MLP's dims.
-KEYED = {kind: cls for kind, cls in ARCHITECTURES.items() if cls.flag_defaults is not None}
 GPT_DEFAULTS = KEYED["gpt"].flag_defaults
-GPT_FLAG_HELP = ("comma-separated MLP dims, e.g. 64,256,256,10, or a GPT: gpt:KEY=VALUE,... or "
-                 "gpt with --gpt KEY=VALUE,... (keys " + ", ".join(GPT_DEFAULTS) + "), or a "
-                 "Llama: llama:KEY=VALUE,... (also n_kv_heads, rope_theta, norm_eps; a Mixtral's "
-                 "experts: n_experts, top_k, capacity_factor, router_aux_loss_coef)")
+# The registry's keyed kinds and their keys, and the Hugging Face architectures: the help texts
+# list them, so a new architecture needs no CLI edit.
+KEYED_HELP = ("a language model, KIND:KEY=VALUE,... (KIND --gpt KEY=VALUE,... is the same) "
+              "with KIND and its keys: " + "; ".join(f"{kind}: {', '.join(cls.flag_defaults)}"
+                                                     for kind, cls in KEYED.items()))
+HF_NAMES = ", ".join(HF_ARCHITECTURES)
+GPT_FLAG_HELP = "comma-separated MLP dims, e.g. 64,256,256,10, or " + KEYED_HELP
 
 
 def split_model_flag(model):
@@ -54,6 +53,13 @@ def split_model_flag(model):
     architecture (KEYED), or None for an MLP's dims."""
     kind, colon, keys = str(model).strip().partition(":")
     return (kind, keys if colon else "") if kind in KEYED else None
+
+
+def keys_flag(model, gpt=None) -> str:
+    """The flag(s) the KEY=VALUE text of joined_model_spec came from, for its messages."""
+    split = split_model_flag(model)
+    keys = split is not None and split[1].strip()
+    return "--model" if not (gpt or "").strip() else "--model/--gpt" if keys else "--gpt"
 
 
 def joined_model_spec(model, gpt=None):
@@ -68,11 +74,12 @@ def joined_model_spec(model, gpt=None):
     return kind, ",".join(p for p in (keys, gpt or "") if p.strip())
 
 
-def parse_gpt_spec(text, defaults=None, types=None) -> dict:
+def parse_gpt_spec(text, defaults=None, types=None, flag="--gpt") -> dict:
     """'d_model=64,n_heads=4,...' -> {key: value} over `defaults` (a spec's flag_defaults,
     GPT's by default; `types` its flag_types): UsageError for an unknown or repeated key, a
     missing '=', a value that is not a positive integer ("number": a positive number,
-    "weight": a number >= 0, "switch": 0 or 1). The key vocab_size is read as vocab."""
+    "weight": a number >= 0, "switch": 0 or 1). The key vocab_size is read as vocab; `flag`
+    (the flag the text came from) labels the messages."""
     defaults = GPT_DEFAULTS if defaults is None else defaults
     types = KEYED["gpt"].flag_types if types is None else types
     spec, given = dict(defaults), set()
@@ -82,39 +89,39 @@ def parse_gpt_spec(text, defaults=None, types=None) -> dict:
         key, eq, value = (s.strip() for s in item.partition("="))
         key = "vocab" if key == "vocab_size" else key
         if not eq:
-            raise UsageError(f"--gpt {text!r}: expected KEY=VALUE pairs joined by commas, "
+            raise UsageError(f"{flag} {text!r}: expected KEY=VALUE pairs joined by commas, "
                              f"e.g. d_model=128,n_heads=4, got {item!r}")
         if key not in defaults:
-            raise UsageError(f"--gpt: unknown key {key!r}; known keys: {', '.join(defaults)}")
+            raise UsageError(f"{flag}: unknown key {key!r}; known keys: {', '.join(defaults)}")
         if key in given:
-            raise UsageError(f"--gpt: {key} is given twice")
+            raise UsageError(f"{flag}: {key} is given twice")
         given.add(key)
-        spec[key] = _flag_value(key, value, types.get(key, "integer"))
+        spec[key] = _flag_value(key, value, types.get(key, "integer"), flag)
     return spec
 
 
-def _flag_value(key, value, flag_type):
+def _flag_value(key, value, flag_type, flag):
     """One KEY=VALUE's value of `flag_type` (parse_gpt_spec), or UsageError."""
     real = flag_type in ("number", "weight")
     try:
         number = float(value) if real else int(value)
     except ValueError:
-        raise UsageError(f"--gpt: {key}={value!r} is not "
+        raise UsageError(f"{flag}: {key}={value!r} is not "
                          f"{'a number' if real else 'an integer'}") from None
     if flag_type == "switch" and number not in (0, 1):
-        raise UsageError(f"--gpt: {key} must be 0 or 1, got {value}")
+        raise UsageError(f"{flag}: {key} must be 0 or 1, got {value}")
     if flag_type == "weight" and number < 0:
-        raise UsageError(f"--gpt: {key} must be a number >= 0, got {value}")
+        raise UsageError(f"{flag}: {key} must be a number >= 0, got {value}")
     if flag_type in ("number", "integer") and (number <= 0 if real else number < 1):
-        raise UsageError(f"--gpt: {key} must be a positive "
+        raise UsageError(f"{flag}: {key} must be a positive "
                          f"{'number' if real else 'integer'}, got {value}")
     return number
 
 
-def keyed_model(kind, text):
-    """The spec of architecture `kind` (KEYED) from its KEY=VALUE `text`."""
+def keyed_model(kind, text, flag="--gpt"):
+    """The spec of architecture `kind` (KEYED) from its KEY=VALUE `text` (from `flag`)."""
     cls = KEYED[kind]
-    return cls.from_flag(parse_gpt_spec(text, cls.flag_defaults, cls.flag_types))
+    return cls.from_flag(parse_gpt_spec(text, cls.flag_defaults, cls.flag_types, flag))
 
 
 def with_vocab(spec, vocab_size: int):
@@ -129,7 +136,7 @@ def model_from_flag(text, activation: str = "relu", bias: bool = True, gpt=None)
     ValueError for sizes the model refuses)."""
     joined = joined_model_spec(text, gpt)
     if joined is not None:
-        return keyed_model(*joined)
+        return keyed_model(*joined, keys_flag(text, gpt))
     return MLP(parse_dims(text), activation=activation, bias=bias)
 
 
@@ -175,7 +182,7 @@ def check_resumed_model(model, path, flag: str) -> None:
 
 
 def model_from_hf(path):
-    """The ms.GPT or ms.Llama of Hugging Face directory `path`'s config.json, by the rules of
+    """The model spec of Hugging Face directory `path`'s config.json, by the rules of
     ms.hf.read_model (the same architectures and fields), without reading its weights."""
     check_directory("--hf", path)
     try:
@@ -193,7 +200,8 @@ def model_from_args(args, command: str):
     (model_from_hf): exactly one of them; UsageError naming `command` otherwise."""
     hf = getattr(args, "hf", None)
     if (hf is None) == (args.model is None):
-        raise UsageError(f"{command}: give --model DIMS|gpt:...|llama:... or --hf DIR"
+        raise UsageError(f"{command}: give --model DIMS|{'|'.join(k + ':...' for k in KEYED)} "
+                         f"or --hf DIR"
                          + (", not both" if hf is not None else ""))
     if hf is not None and args.gpt is not None:
         raise UsageError(f"{command}: --gpt applies to --model gpt, not to --hf {hf}")
@@ -213,5 +221,5 @@ def add_model_arguments(p, required=True, hf=False):
     p.add_argument("--gpt", metavar="KEY=VALUE,...", help="with --model gpt: the GPT's sizes, "
                    "the same keys as gpt:KEY=VALUE,...")
     if hf:
-        p.add_argument("--hf", metavar="DIR", help="instead of --model: the GPT-2, Llama or "
-                       "Mixtral of a Hugging Face directory's config.json (no weights read)")
+        p.add_argument("--hf", metavar="DIR", help="instead of --model: the model of a Hugging "
+                       f"Face directory's config.json ({HF_NAMES}; no weights read)")

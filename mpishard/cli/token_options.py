@@ -37,7 +37,7 @@ import os
 from ..hf import load_into, read_model, source
 from ..hf import tokenizer as hf_tokenizer
 from ..hf.tokenizer import eos_token, from_files
-from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
+from ..train.text import BYTE_VOCAB, DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.data import carried
 from ..train.tokenizer import (BYTES, TOKENIZER_JSON, ByteTokenizer, HFTokenizer,
                                RecordedTokenizer, read_tokenizer_files, same_tokenizer)
@@ -45,7 +45,7 @@ from ..train.tokens import (is_tokens_name, token_dataset, tokenized_text_datase
                             tokenizer_files, tokens_directory)
 from .gpt_options import (DEFAULT_GPT_CLIP, LANGUAGE_MODELS, TEXT_DATASET, gpt_model_and_data,
                           log_corpus, validate_gpt_args)
-from .model_flag import with_vocab
+from .model_flag import HF_NAMES, with_vocab
 from .usage import UsageError, check_flags
 
 TOKEN_DEFAULTS = {"tokenizer": None, "init_from_hf": None, "seq_len": None}
@@ -55,7 +55,7 @@ def add_token_arguments(model_group, data_group):
     """--init-from-hf on the model group, --tokenizer and --seq-len on the data group (each
     the group's recording add_argument)."""
     model_group("--init-from-hf", metavar="DIR", help="fine-tune the Hugging Face model in DIR "
-                "(config.json + safetensors; GPT-2, Llama, Mixtral or Qwen2): its spec and "
+                f"(config.json + safetensors; {HF_NAMES}): its spec and "
                 "weights, and its tokenizer.json unless --tokenizer is given; not with "
                 "--model/--gpt")
     data_group("--tokenizer", metavar="DIR|FILE|bytes", help="tokenize --text with a model "
@@ -198,7 +198,8 @@ def lm_model_and_data(args, spec):
     """(model, TextDataset) of a language-model run: the byte-level corpus (gpt_options), a
     corpus tokenized in memory, or a token file; the model is `spec` (--init-from-hf) or a GPT
     of spec's sizes with the data's vocabulary. UsageError for a tokenizer that does not match
-    the token file or whose ids the model's vocabulary does not cover."""
+    the token file, whose ids the model's vocabulary does not cover, or bytes for an
+    --init-from-hf model whose vocabulary is not 256 ids (generate could not decode it)."""
     tok = run_tokenizer(args)
     hf = args.init_from_hf is not None
     seq_len = args.seq_len or spec.seq_len
@@ -233,6 +234,12 @@ def lm_model_and_data(args, spec):
         raise UsageError(str(exc) if str(exc).startswith(flag) else f"{flag}: {exc}") from None
     if not hf:
         return with_vocab(spec, data.n_classes), data
+    if getattr(data.tokenizer, "name", None) == BYTES and spec.vocab_size != BYTE_VOCAB:
+        given = "--tokenizer bytes" if args.tokenizer == BYTES else \
+            f"--dataset {args.dataset} (tokenized by bytes)"
+        raise UsageError(f"{given}: the model's vocabulary has {spec.vocab_size} ids, bytes "
+                         f"have {BYTE_VOCAB} (--init-from-hf {args.init_from_hf}); give "
+                         f"--tokenizer DIR")
     if data.n_classes > spec.vocab_size:
         what = data.corpus.get("tokenizer", {}).get("name", BYTES)
         raise UsageError(f"the tokenizer {what} has {data.n_classes} ids but the model of "

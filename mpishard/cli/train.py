@@ -36,7 +36,8 @@ from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_c
                              validate_flight_args)
 from .gpt_options import (GPT_SCHEDULE_DEFAULTS, LANGUAGE_MODELS, TEXT_DATASET,
                           add_gpt_arguments, validate_gpt_args)
-from .model_flag import check_resumed_model, joined_model_spec, resumed_model_flags
+from .model_flag import (KEYED_HELP, check_resumed_model, joined_model_spec, keys_flag,
+                         resumed_model_flags)
 from .report_options import (REPORT_DEFAULTS, add_report_arguments, log_host_heap,
                              validate_report_args)
 from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_contents,
@@ -82,11 +83,8 @@ def add_train_arguments(p):
     options = {}
     m = _recording(p.add_argument_group("model and layout"), options)
     m("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, single on one)")
-    m("--model", help="comma-separated layer dims, e.g. 64,128,128,10, or gpt (see --gpt; "
-      "gpt:KEY=VALUE,... is the same as gpt --gpt KEY=VALUE,...), or a Llama (ms.Llama): "
-      "llama:KEY=VALUE,... (the --gpt keys and n_kv_heads, rope_theta, norm_eps), a Mixtral "
-      "with n_experts (and top_k, capacity_factor, router_aux_loss_coef); with --resume: the "
-      "checkpoint's; default: by dataset, "
+    m("--model", help="comma-separated layer dims, e.g. 64,128,128,10, or " + KEYED_HELP +
+      " (no vocab: the data set's); with --resume: the checkpoint's; default: by dataset, "
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
     m("--activation", choices=sorted(ACTIVATIONS), help="hidden activation (default relu)")
     m("--dtype", choices=("float32", "float64"), help="default float32 for speed (the "
@@ -195,7 +193,8 @@ def parse_train_args(argv, parser=None):
     keyed = joined_model_spec(merged["model"], merged.get("gpt")) \
         if merged.get("model") is not None else None
     if keyed is not None:               # --model KIND:KEY=VALUE,... is --model KIND --gpt ...
-        merged.update(model=keyed[0], gpt=keyed[1] or None)
+        merged.update(model=keyed[0], gpt=keyed[1] or None,
+                      gpt_flag=keys_flag(merged["model"], merged.get("gpt")))
     language = merged.get("model") in LANGUAGE_MODELS or \
         merged.get("init_from_hf") is not None or \
         is_tokens_name(merged.get("dataset"))

@@ -25,6 +25,7 @@ from ..health.guard import ABORT_GRACE
 from ..health.lines import write_line
 from ..health.signals import remove_mpi_files
 from ..health.watchdog import DEFAULT_TIMEOUT
+from ..models import ARCHITECTURES
 from ..validate import check_number
 
 PROG = "mpishard"
@@ -93,7 +94,18 @@ def check_directory(flag: str, path) -> None:
                                                "the directory does not exist"))
 
 
+# The architectures a `--model KIND:KEY=VALUE,...` (or a bare KIND) builds; any other --model
+# text is an MLP's dims.
+KEYED = {kind: cls for kind, cls in ARCHITECTURES.items() if cls.flag_defaults is not None}
+
+
 def parse_dims(text) -> list:
+    """An MLP's --model dims; UsageError (naming the keyed kinds for a KIND: text)."""
+    kind, colon, _ = str(text).partition(":")
+    if colon:
+        raise UsageError(f"--model {text!r}: {kind.strip()!r} is not a model kind; "
+                         f"KIND:KEY=VALUE,... takes KIND {', '.join(KEYED)} (an MLP's dims "
+                         f"are comma-separated integers like 64,128,10)")
     try:
         dims = [int(s) for s in str(text).split(",")]
     except ValueError:

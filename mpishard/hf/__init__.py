@@ -1,4 +1,4 @@
-"""Hugging Face models in and out: GPT-2, Llama and Mixtral directories as ms.GPT / ms.Llama.
+"""Hugging Face models in and out: a registered architecture's directories as its spec.
 
     model, params = ms.hf.load("gpt2")          # spec + full params (our names, file dtype)
     model = ms.hf.read_model("gpt2")            # the spec alone (config.json, tensor headers)
@@ -11,9 +11,9 @@
 A directory is `config.json` plus `model.safetensors`, or shards named by
 `model.safetensors.index.json`; tensors are read with the safetensors library's numpy API
 (never pickle or torch.load). Supported: the architectures of the registry's specs
-(models.ARCHITECTURES, each spec's `hf_maps()`): `GPT2LMHeadModel` (models/gpt/hf.py),
-`LlamaForCausalLM` (models/llama/hf.py) and `MixtralForCausalLM` (models/llama/hf_mixtral.py:
-ms.Llama with n_experts); another architecture, or a config field whose math mpishard lacks,
+(models.ARCHITECTURES): each spec's `hf_maps()` names its transformers architectures, whose
+name maps live in its folder (models/<name>/hf*.py), and ARCHITECTURES here maps each name
+to its map; another architecture, or a config field whose math mpishard lacks,
 raises ValueError naming it. Each architecture keeps one name map (built from hfmap/'s field
 readers and lazy views) used by every direction:
   files.py      the directory, lazily sliced safetensors (byte counting)

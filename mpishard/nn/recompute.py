@@ -12,8 +12,8 @@ it stays correct under any strategy the inner units implement, at the price of o
 forward of the wrapped units. The wrapper knows nothing of what it wraps.
 
 Layout option `recompute=`:
-    1      every transformer block (the units that say `recomputable = True`: a GPT's Block,
-           a Llama's LlamaBlock, each two residual branches: attention and MLP)
+    1      every transformer block (the units that say `recomputable = True`: a decoder's
+           blocks, each two residual branches: attention and MLP)
     attn   only the attention core (CausalSelfAttention, or cp's ring or Ulysses unit), "selective"
            recompute: its q | k | v input is kept, the per-head copies, output and
            log-sum-exp are not
@@ -67,7 +67,7 @@ def recompute_chunks(model, chunks: list, mode, layout_text: str = "") -> list:
         return chunks
     if not model.supports_recompute():
         raise ValueError(f"layout {layout_text!r}: recompute={mode} recomputes transformer "
-                         f"blocks; {model!r} has none (use an ms.GPT or ms.Llama model)")
+                         f"blocks; {model!r} has none (use a decoder: a language model)")
     if mode == "1":
         return [[Recompute(u) if getattr(u, "recomputable", False) else u for u in chunk]
                 for chunk in chunks]

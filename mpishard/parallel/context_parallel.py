@@ -345,7 +345,7 @@ def refuse_cp(layout) -> None:
     """ValueError (the same on every rank) for a cp layout of a model without a sequence."""
     if layout.size("cp") > 1:
         raise ValueError(f"layout {layout.text!r}: cp={layout.size('cp')} splits a sequence; "
-                         f"only ms.GPT and ms.Llama models have one")
+                         f"only a decoder (a language model) has one")
 
 
 def context_units(model, layout, cp) -> dict:

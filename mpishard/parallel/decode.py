@@ -100,7 +100,7 @@ class Decoder:
 def check_generate(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos):
     """The prompts as lists of ints and the eos ids as a set (ValueError/TypeError, no MPI)."""
     if not model.generates:
-        raise TypeError(f"generate needs a language model (ms.GPT or ms.Llama), got {model!r}")
+        raise TypeError(f"generate needs a language model (a decoder spec), got {model!r}")
     v = model.vocab_size
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("generate: prompts must be a non-empty list of token-id lists")

@@ -18,6 +18,7 @@ import mpishard as ms
 from mpishard import cli
 from mpishard.cli.generate import Text, carried_eos
 from mpishard.train.data import STANDARDIZE_FILES, digits
+from mpishard.train.tokenizer import ByteTokenizer
 
 from conftest import assert_close, world
 from test_tokens import EOS, VOCAB, shared_dir, train_bpe, write_corpus
@@ -114,6 +115,29 @@ def test_bytes_are_refused_where_the_ids_are_not_bytes(root, tmp_path, capsys):
     assert cli.main(["generate", "--checkpoint", str(byte_ckpt), "--prompt", "d",
                      "--max-new-tokens", "3", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("d")
+
+
+def test_a_bytes_checkpoint_whose_model_samples_no_byte_is_one_error_line(tmp_path, capsys):
+    """A checkpoint recorded as trained on bytes whose model has 300 ids (train now refuses
+    to write one) and samples id 299: generate says which id and vocabulary, no traceback,
+    streamed or not."""
+    model = ms.GPT(vocab_size=300, seq_len=16, d_model=16, n_heads=2, n_layers=1)
+    params = model.init(seed=0)
+    params["ln_f/scale"][:] = 0.0            # the final norm's output: its shift, all ones
+    params["ln_f/shift"][:] = 1.0
+    params["head/weights"][:] = 0.0
+    params["head/weights"][:, 299] = 1.0     # so every step's logits pick id 299
+    engine = ms.SingleDevice(model)
+    engine.load_checkpoint(params)
+    ms.checkpoint.save(str(tmp_path / "ck"), engine,
+                       extra={"tokenizer": ByteTokenizer().carried()[0]})
+    gen = ["generate", "--checkpoint", str(tmp_path / "ck"), "--max-new-tokens", "2",
+           "--temperature", "0", "--prompt", "ab"]
+    for argv in (gen, [*gen, "--prompt", "cd"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "the model sampled id 299, which is no byte" in err and "300 ids" in err, err
+        assert "Traceback" not in err and err.count("\n") == 1
 
 
 def test_a_token_directory_carries_its_tokenizer_into_the_checkpoint(root, tmp_path, capsys):

@@ -204,10 +204,11 @@ def test_plan_and_inspect_name_a_bad_hf_flag(tmp_path, capfd):
     assert cli.main(["inspect", "--layout", "dp=2", "--hf", str(tmp_path)]) == 2
     assert "config.json" in one_error_line(capfd)
     assert cli.main(["plan", "--hf", str(tmp_path), "--model", "4,8,2", "--world-size", "2"]) == 2
-    assert one_error_line(capfd).endswith("give --model DIMS|gpt:...|llama:... or --hf DIR, "
-                                          "not both")
+    assert one_error_line(capfd).endswith("give --model DIMS|gpt:...|llama:...|qwen2:... or "
+                                          "--hf DIR, not both")
     assert cli.main(["plan", "--world-size", "2"]) == 2
-    assert one_error_line(capfd).endswith("give --model DIMS|gpt:...|llama:... or --hf DIR")
+    assert one_error_line(capfd).endswith("give --model DIMS|gpt:...|llama:...|qwen2:... or "
+                                          "--hf DIR")
 
 
 def placement(line) -> str:
@@ -232,7 +233,7 @@ def test_inspect_says_which_tensors_are_sharded(capsys):
                                     "dp=2,ep=2,tp=2"])
 def test_what_inspect_calls_sharded_is_what_each_rank_holds(capsys, layout):
     """For every parameter, each `dim D over AXIS` is a split of dim D into that axis' size
-    (rounded up where padded) in the block every rank holds (parallel/costs.py's, the
+    (rounded up where padded) in the block every rank holds (costs/rank_costs.py's, the
     engine's placements); a replicated one is whole on each rank holding it."""
     spec = "llama:vocab=30,seq_len=8,d_model=16,n_heads=4,n_kv_heads=2,n_layers=2,n_experts=2"
     model = model_from_flag(spec)

@@ -112,6 +112,27 @@ def test_bad_gpt_flags(argv, world, message):
         validate_train_args(parse_train_args(["--model", "gpt", *argv]), world)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "qwen2:vocab=256,seq=32,d_model=64", "--world-size", "2"],
+     "plan: --model: unknown key 'seq'"),
+    (["plan", "--model", "gpt", "--gpt", "seq=32", "--world-size", "2"],
+     "plan: --gpt: unknown key 'seq'"),
+    (["plan", "--model", "qwen:d_model=64", "--world-size", "2"],
+     "'qwen' is not a model kind; KIND:KEY=VALUE,... takes KIND gpt, llama, qwen2"),
+    (["inspect", "--layout", "dp=2", "--model", "Qwen2:d_model=64"],
+     "'Qwen2' is not a model kind; KIND:KEY=VALUE,... takes KIND gpt, llama, qwen2"),
+    (["train", "--model", "qwen2:vocab=256,d_model=64,n_heads=2"],
+     "--model: train takes the vocabulary from the data set"),
+    (["train", "--model", "qwen:d_model=64"], "'qwen' is not a model kind"),
+])
+def test_keyed_model_errors_name_the_flag_and_the_kinds(capsys, argv, message):
+    """A --model KIND:... text's errors say --model (--gpt's say --gpt), and a KIND the
+    registry does not key lists the kinds that are."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
 def test_text_flags_need_a_gpt():
     with pytest.raises(cli.UsageError, match="--corpus applies to --model gpt"):
         validate_train_args(parse_train_args(["--corpus", "x.txt"]), 1)

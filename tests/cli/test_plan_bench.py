@@ -5,7 +5,7 @@
 
 The MPI test runs one `train_step` and one optimizer step per layout and requires the bytes the
 engine counted (`engine.comm_bytes`, per kind, per phase, on every rank) to equal
-`parallel.costs.step_comm` (the sum of every strategy file's `step_comm`) exactly: all group
+`costs.rank_costs.step_comm` (the sum of every strategy file's `step_comm`) exactly: all group
 sizes here are powers of two, for which the engine's per-call ring formulas give integers.
 The model widths are chosen so that fsdp pads (12 and 6 rows do not divide by 4 or 8), tp
 leaves an odd last layer replicated, and a pipeline boundary falls after a column-parallel
@@ -184,7 +184,7 @@ def test_plan_and_inspect_know_gpt(capsys):
     out = capsys.readouterr().out
     assert "embed/tokens" in out and "head/weights" in out
     assert cli.main(["plan", "--model", "gpt:d_model=16,depth=2", "--world-size", "2"]) == 2
-    assert "--gpt: unknown key 'depth'; known keys: d_model" in capsys.readouterr().err
+    assert "--model: unknown key 'depth'; known keys: d_model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["plan", "--world-size", "2"],
@@ -197,7 +197,7 @@ def test_both_gpt_spellings_name_the_same_model(capsys, command):
     assert cli.main([*command, "--model", "gpt", "--gpt", sizes]) == 0
     assert capsys.readouterr().out == prefixed and "GPT(vocab_size=16, seq_len=8" in prefixed
     assert cli.main([*command, "--model", "gpt:d_model=16", "--gpt", "d_model=32"]) == 2
-    assert "--gpt: d_model is given twice" in capsys.readouterr().err
+    assert "--model/--gpt: d_model is given twice" in capsys.readouterr().err
     assert cli.main([*command, "--model", "12,16,6", "--gpt", "d_model=32"]) == 2
     assert "--gpt applies to --model gpt" in capsys.readouterr().err
 

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import mpiexec_cmd
 from mpishard.cli import build_parser
+from mpishard.cli.usage import KEYED
 
 try:
     import tomllib
@@ -257,8 +258,9 @@ ARCHITECTURE_NAMES = {"GPT2LMHeadModel": "GPT-2", "LlamaForCausalLM": "Llama",
 
 def test_the_readme_and_train_help_name_every_hugging_face_architecture():
     """Every architecture ms.hf reads (GPT-2, Llama, Mixtral, Qwen2) is named in the README's
-    Hugging Face section with its class, and in `train --help`: --init-from-hf's help, and
-    --model's for the ones --model builds (Llama and Mixtral, a Llama with experts)."""
+    Hugging Face section with its class, and in `train --help`: its class in --init-from-hf's
+    help, and every kind --model builds (KIND:KEY=VALUE,...) with its keys in --model's (a
+    Mixtral is a llama with n_experts). The help texts are built from the registries."""
     from mpishard.hf import ARCHITECTURES
 
     assert set(ARCHITECTURES) == set(ARCHITECTURE_NAMES)
@@ -267,9 +269,11 @@ def test_the_readme_and_train_help_name_every_hugging_face_architecture():
         assert f"{name} (`{cls}`)" in section, cls
     option = _option_help(build_parser().commands["train"].format_help())
     print({flag: option[flag] for flag in ("--init-from-hf DIR", "--model MODEL")})
-    for name in ARCHITECTURE_NAMES.values():
-        assert name in option["--init-from-hf DIR"], name
-    assert "Llama" in option["--model MODEL"] and "Mixtral" in option["--model MODEL"]
+    for cls in ARCHITECTURE_NAMES:
+        assert cls in option["--init-from-hf DIR"], cls
+    for kind, spec in KEYED.items():
+        assert f"{kind}: {', '.join(spec.flag_defaults)}" in option["--model MODEL"], kind
+    assert "n_experts" in option["--model MODEL"]
 
 
 CLOCK, DURATION = r"\d\d:\d\d:\d\d\.\d{3}", r"for \d+\.\d\d s"
