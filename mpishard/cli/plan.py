@@ -4,8 +4,8 @@
     python -m mpishard plan --hf ./Mixtral-8x7B --world-size 64 --batch 32   # its config.json
 
 Each candidate layout (every factorisation over dp, fsdp with zero=1, 2, 3, pp and tp; for a
-GPT also cp, ring and Ulysses, and tp with sequence_parallel=1) is checked as the engine would
-check it, then costed with parallel/costs.py: the busiest rank's memory (parameters +
+decoder also cp, ring and Ulysses, and tp with sequence_parallel=1) is checked as the engine would
+check it, then costed with costs/rank_costs.py: the busiest rank's memory (parameters +
 gradients + optimizer state) and bytes sent per training step, which the strategy files
 compute for their own part (tests/cli/test_plan_bench.py holds them to the engine's counters).
 Layouts that do not fit are listed with the engine's reason (the first MAX_REJECTED).

@@ -24,7 +24,8 @@ from .units import BIASED
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 MODEL_TYPE = "qwen2"
-# what to_config writes; a source config's head_dim and bias flags (no Qwen2Config fields) go too
+# what to_config writes, and the Llama's head_dim and bias flags (no Qwen2Config fields), which
+# to_config drops: listed here, save copies none of them from a source config either
 SIZE_FIELDS = llama.SIZE_FIELDS + ("use_sliding_window",)
 # Qwen2Config's fields that only matter with use_sliding_window true (transformers sets
 # sliding_window to None otherwise); layer_types stays the Llama's check (full_attention only:
