@@ -1,4 +1,4 @@
-"""`export`: a GPT or Llama checkpoint of ours as a Hugging Face directory.
+"""`export`: a language model's checkpoint of ours as a Hugging Face directory.
 
     python -m mpishard export --checkpoint ckpt --hf out              # then, in transformers:
     python -m mpishard export --checkpoint ckpt --hf out --dtype bfloat16
@@ -29,12 +29,12 @@ from ..hf.convert import DTYPE_NAMES, MAX_SHARD_SIZE, shard_size
 from ..hf.tokenizer import carried, from_files, is_bytes
 from ..train.tokenizer import HFTokenizer, read_tokenizer_files
 from .infer import open_checkpoint
-from .usage import UsageError, print_report, world_comm
+from .usage import KEYED, UsageError, print_report, world_comm
 
 
 def add_export_arguments(p):
-    p.add_argument("--checkpoint", metavar="DIR", required=True, help="a GPT or Llama "
-                   "checkpoint (any layout and world size)")
+    p.add_argument("--checkpoint", metavar="DIR", required=True, help="a language model's "
+                   f"checkpoint ({', '.join(KEYED)}; any layout and world size)")
     p.add_argument("--hf", metavar="OUT", required=True, help="the Hugging Face directory to "
                    "write (config.json + model.safetensors)")
     p.add_argument("--dtype", choices=tuple(DTYPE_NAMES), help="the file's dtype "
@@ -97,8 +97,8 @@ def run_export(args) -> int:
     ckpt, model = open_checkpoint(args.checkpoint)
     if not model.generates:
         raise UsageError(f"--checkpoint {args.checkpoint} holds "
-                         f"{ckpt.model_spec.get('class')}; only GPT and Llama export to "
-                         f"Hugging Face")
+                         f"{ckpt.model_spec.get('class')}; only a language model "
+                         f"({', '.join(KEYED)}) exports to Hugging Face")
     try:
         max_bytes = shard_size(args.max_shard_size)
     except ValueError as exc:

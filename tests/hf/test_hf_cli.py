@@ -65,7 +65,7 @@ def test_export_dtype_and_errors(tmp_path):
     engine.load_checkpoint(mlp.init())
     ms.checkpoint.save(tmp_path / "mlp", engine)
     proc = export(tmp_path / "mlp", tmp_path / "x")
-    assert proc.returncode == 2 and "holds MLP; only GPT and Llama" in proc.stderr
+    assert proc.returncode == 2 and "holds MLP; only a language model" in proc.stderr
     proc = run_mpi(2, "-m", "mpishard", "export", "--checkpoint", tmp_path / "ckpt", "--hf",
                    tmp_path / "two")                   # two ranks would write the same files
     assert proc.returncode == 2 and "export runs as one process" in proc.stderr
