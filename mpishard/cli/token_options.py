@@ -37,7 +37,7 @@ import os
 from ..hf import load_into, read_model, source
 from ..hf import tokenizer as hf_tokenizer
 from ..hf.tokenizer import eos_token, from_files
-from ..train.text import BYTE_VOCAB, DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
+from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.data import carried
 from ..train.tokenizer import (BYTES, TOKENIZER_JSON, ByteTokenizer, HFTokenizer,
                                RecordedTokenizer, read_tokenizer_files, same_tokenizer)
@@ -198,8 +198,7 @@ def lm_model_and_data(args, spec):
     """(model, TextDataset) of a language-model run: the byte-level corpus (gpt_options), a
     corpus tokenized in memory, or a token file; the model is `spec` (--init-from-hf) or a GPT
     of spec's sizes with the data's vocabulary. UsageError for a tokenizer that does not match
-    the token file, whose ids the model's vocabulary does not cover, or bytes for an
-    --init-from-hf model whose vocabulary is not 256 ids (generate could not decode it)."""
+    the token file or whose ids the model's vocabulary does not cover."""
     tok = run_tokenizer(args)
     hf = args.init_from_hf is not None
     seq_len = args.seq_len or spec.seq_len
@@ -234,12 +233,6 @@ def lm_model_and_data(args, spec):
         raise UsageError(str(exc) if str(exc).startswith(flag) else f"{flag}: {exc}") from None
     if not hf:
         return with_vocab(spec, data.n_classes), data
-    if getattr(data.tokenizer, "name", None) == BYTES and spec.vocab_size != BYTE_VOCAB:
-        given = "--tokenizer bytes" if args.tokenizer == BYTES else \
-            f"--dataset {args.dataset} (tokenized by bytes)"
-        raise UsageError(f"{given}: the model's vocabulary has {spec.vocab_size} ids, bytes "
-                         f"have {BYTE_VOCAB} (--init-from-hf {args.init_from_hf}); give "
-                         f"--tokenizer DIR")
     if data.n_classes > spec.vocab_size:
         what = data.corpus.get("tokenizer", {}).get("name", BYTES)
         raise UsageError(f"the tokenizer {what} has {data.n_classes} ids but the model of "

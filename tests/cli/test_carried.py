@@ -118,9 +118,9 @@ def test_bytes_are_refused_where_the_ids_are_not_bytes(root, tmp_path, capsys):
 
 
 def test_a_bytes_checkpoint_whose_model_samples_no_byte_is_one_error_line(tmp_path, capsys):
-    """A checkpoint recorded as trained on bytes whose model has 300 ids (train now refuses
-    to write one) and samples id 299: generate says which id and vocabulary, no traceback,
-    streamed or not."""
+    """A checkpoint trained on bytes whose model has 300 ids (a fine-tune of a larger
+    vocabulary on bytes) that samples id 299: generate says which id and vocabulary, no
+    traceback, streamed or not."""
     model = ms.GPT(vocab_size=300, seq_len=16, d_model=16, n_heads=2, n_layers=1)
     params = model.init(seed=0)
     params["ln_f/scale"][:] = 0.0            # the final norm's output: its shift, all ones
