@@ -24,6 +24,8 @@ from mpishard import cli
 from mpishard.cli import plan
 from mpishard.comm.mesh import rank_of
 from mpishard.costs import rank_costs as costs
+from mpishard.costs.call_counts import step_calls
+from mpishard.costs.rank_costs import rank_view
 from mpishard.models.gpt.costs import gpt_flops
 from mpishard.models.mlp.costs import model_flops
 
@@ -77,6 +79,24 @@ def check_step_bytes(comm, model, layout, params, x, t, loss, dtype=np.float64) 
     assert got_step == want["train_step"], f"{layout} rank {comm.Get_rank()}"
     assert got_opt == want["optimizer"], f"{layout} rank {comm.Get_rank()}"
     return value
+
+
+def check_decoder_step(comm, model, layout) -> None:
+    """A decoder's train_step and AdamW step under `layout` on random tokens: the bytes
+    (check_step_bytes) and the calls per kind the engine counted equal the plan's."""
+    rng = np.random.default_rng(3)
+    x, t = (rng.integers(0, model.vocab_size, (BATCH, 8)) for _ in range(2))
+    check_step_bytes(comm, model, layout, model.init(seed=1), x, t, "cross_entropy")
+    engine = ms.make_engine(model, layout, comm=comm)
+    engine.load_checkpoint(model.init(seed=1))
+    opt = ms.optim.AdamW(engine, lr=1e-3)
+    engine.reset_comm_stats()
+    opt.step(engine.train_step(engine.shard_batch(x), engine.shard_batch(t),
+                               "cross_entropy")[1])
+    got = {k: v for k, v in engine.comm_calls.items() if v}
+    want = step_calls(rank_view(model, engine.layout, comm.Get_rank(), 8, BATCH))
+    print(f"{model!r} {layout} rank {comm.Get_rank()}: calls {got} (plan {want})")
+    assert got == want
 
 
 @pytest.mark.mpi(min_size=2)

@@ -7,7 +7,6 @@ MPI tests:
 `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/costs/test_llama_costs.py`
 for N in 2, 4.
 """
-import numpy as np
 import pytest
 
 import mpishard as ms
@@ -16,11 +15,10 @@ from mpishard import cli
 from mpishard.models.gpt.costs import gpt_flops
 from mpishard.cli.model_flag import model_from_flag
 from mpishard.cli.usage import UsageError
-from mpishard.costs.call_counts import step_calls
 from mpishard.costs.rank_costs import rank_view
 from mpishard.costs.step_time import elementwise_seconds, train_elementwise_seconds
 from test_llama_layouts import make_llama
-from test_plan_bench import BATCH, check_step_bytes
+from test_plan_bench import check_decoder_step
 from test_step_time import flat
 
 CASES = [(2, "tp=2", {"n_kv_heads": 1}), (2, "tp=2", {"tied": True}),
@@ -35,21 +33,7 @@ CASES = [(2, "tp=2", {"n_kv_heads": 1}), (2, "tp=2", {"tied": True}),
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("n,layout,kw", CASES, ids=[f"{c[1]}-{c[2]}" for c in CASES])
 def test_llama_comm_bytes_and_calls_match_the_plan(n, layout, kw):
-    comm = group_comm(n)
-    model = make_llama(**kw)
-    rng = np.random.default_rng(3)
-    x, t = (rng.integers(0, model.vocab_size, (BATCH, 8)) for _ in range(2))
-    check_step_bytes(comm, model, layout, model.init(seed=1), x, t, "cross_entropy")
-    engine = ms.make_engine(model, layout, comm=comm)
-    engine.load_checkpoint(model.init(seed=1))
-    opt = ms.optim.AdamW(engine, lr=1e-3)
-    engine.reset_comm_stats()
-    opt.step(engine.train_step(engine.shard_batch(x), engine.shard_batch(t),
-                               "cross_entropy")[1])
-    got = {k: v for k, v in engine.comm_calls.items() if v}
-    want = step_calls(rank_view(model, engine.layout, comm.Get_rank(), 8, BATCH))
-    print(f"{layout} {kw} rank {comm.Get_rank()}: calls {got} (plan {want})")
-    assert got == want
+    check_decoder_step(group_comm(n), make_llama(**kw), layout)
 
 
 def test_plan_inspect_and_bench_know_llama(capsys):
