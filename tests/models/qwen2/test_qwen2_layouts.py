@@ -17,12 +17,10 @@ import numpy as np
 import pytest
 
 import mpishard as ms
-from conftest import assert_close, assert_dicts_close, group_comm, single_reference
+from conftest import assert_close, group_comm
 from mpishard.parallel.compose import plan_params
-from test_device_double import MODES, device_backend
-from test_device_double_gpt import check_copies, upload
-from test_gpt_engine import make_case
-from test_llama_layouts import CE, compare_with_single
+from test_device_double import MODES
+from test_llama_layouts import check_device_step, compare_with_single
 
 
 def make_qwen2(n_layers=2, tied=False, n_kv_heads=2, vocab=13, n_heads=4, seq_len=8):
@@ -97,21 +95,7 @@ DEVICE = [("single", 1, {}), ("tp=2", 2, {"n_kv_heads": 1}), ("fsdp=2", 2, {}),
 def test_train_step_on_device_arrays(layout, n, kw, mode):
     """On the stand-in for cupy (the biases fetched, added and reduced on the device), no
     array crosses the bus but MPI's staging, and the step equals numpy single's."""
-    comm = group_comm(n)
-    backend, xp = device_backend(comm, mode)
-    model = make_qwen2(**kw)
-    params, x, t = make_case(model, rows=4)
-    ref, want_loss, want = single_reference(model, params, x, t, CE)
-    engine = ms.make_engine(model, layout, comm=comm, device=backend)
-    engine.load_checkpoint(params)
-    x_dev, t_dev = upload(engine, xp, x, t)
-    xp.copies.reset()
-    backend.staged.update(to_host=0, to_device=0)
-    loss, grads = engine.train_step(x_dev, t_dev, CE)
-    check_copies(layout, mode, engine, backend, xp, grads)
-    assert_close(loss, want_loss, what=f"Qwen2 {layout} {mode} loss")
-    assert_dicts_close({k: backend.to_host(v) for k, v in engine.gather_grads(grads).items()},
-                       want, what=f"Qwen2 {layout} {mode}")
+    check_device_step(make_qwen2(**kw), layout, n, mode, logits=False)
 
 
 # -- generation, training, checkpoints -------------------------------------------------------------
