@@ -45,7 +45,7 @@ QWEN2_GEN = ("{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\n
              "assistant.<|im_end|>\n' }}{%- endif %}\n{%- for message in messages %}\n"
              "    {{- '<|im_start|>' + message.role + '\n' }}\n"
              "    {%- if message.role == 'assistant' %}\n"
-             "        {%- generation %}{{- message.content + '<|im_end|>\n' }}{%- endgeneration %}\n"
+             "      {%- generation %}{{- message.content + '<|im_end|>\n' }}{%- endgeneration %}\n"
              "    {%- else %}\n        {{- message.content + '<|im_end|>\n' }}\n    {%- endif %}\n"
              "{%- endfor %}\n{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
              "{%- endif %}\n")
