@@ -33,7 +33,9 @@ from .nn.params import ParamSpec
 from .parallel.compose import compose
 from .parallel.context_parallel import shard_sequence
 from .parallel.decode import generate as generate_ids
+from .parallel.pipeline import step_microbatches
 from .parallel.precision import Precision
+from .parallel.token_batch import check_targets, count_targets, set_documents, step_loss
 from .parallel.tracing import trace_engine
 
 
@@ -93,20 +95,12 @@ class ShardedEngine(ABC):
         self.comm.stats.reset()
 
     # -- the collectives and point-to-point calls: the engine's Comm ---------------------------
-    barrier = _comm_method("barrier")
-    send = _comm_method("send")
-    receive = _comm_method("receive")
-    send_async = _comm_method("send_async")
-    receive_async = _comm_method("receive_async")
-    all_reduce = _comm_method("all_reduce")
-    all_reduce_async = _comm_method("all_reduce_async")
-    all_gather = _comm_method("all_gather")
-    all_gather_async = _comm_method("all_gather_async")
-    reduce_scatter = _comm_method("reduce_scatter")
-    all_to_all = _comm_method("all_to_all")
-    all_to_all_v = _comm_method("all_to_all_v")
-    broadcast = _comm_method("broadcast")
-    agree = _comm_method("agree")
+    (barrier, send, receive, send_async, receive_async, all_reduce, all_reduce_async,
+     all_gather, all_gather_async, reduce_scatter, all_to_all, all_to_all_v, broadcast,
+     agree) = (_comm_method(name) for name in (
+        "barrier", "send", "receive", "send_async", "receive_async", "all_reduce",
+        "all_reduce_async", "all_gather", "all_gather_async", "reduce_scatter", "all_to_all",
+        "all_to_all_v", "broadcast", "agree"))
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -181,7 +175,9 @@ class MeshEngine(ShardedEngine):
         self.grad_sync, self.access = parts.grad_sync, parts.access
         self.chunks, self.runner, self.output = parts.chunks, parts.runner, parts.output
         self.meter = parts.meter               # activation bytes on the tapes (memory_report)
+        self.documents = parts.documents       # packed rows' document ids, for the units
         self.stage = self.mesh.coords["pp"]
+        self.microbatches = step_microbatches(self.layout)   # a train_step's, 1 without pp
         self.loaded = False
 
     # -- the parameter store's views -----------------------------------------------------------
@@ -244,10 +240,12 @@ class MeshEngine(ShardedEngine):
         return self.model.check_input(self.backend.asarray(x), self.dtype)
 
     # -- compute -------------------------------------------------------------------------------
-    def forward(self, x, mb: int = 0):
-        """Forward this rank's rows, recording activations for `backward`."""
+    def forward(self, x, mb: int = 0, documents=None):
+        """Forward this rank's rows, recording activations for `backward` (documents: see
+        train_step)."""
         self._require_loaded()
         x = None if x is None else self._input(x)
+        set_documents(self.documents, documents, x, self._to_device, 1, mb)
         self._drop_tape(mb)          # a forward that never got its backward is forgotten
         return self.runner.forward(x, mb=mb, record=True)
 
@@ -257,10 +255,11 @@ class MeshEngine(ShardedEngine):
         for layer in self.layers:
             layer.clear() if mb is None else layer.forget(mb)
 
-    def predict(self, x):
-        """Forward without an activation tape (inference)."""
+    def predict(self, x, documents=None):
+        """Forward without an activation tape (inference; documents: as train_step's)."""
         self._require_loaded()
         x = None if x is None else self._input(x)
+        set_documents(self.documents, documents, x, self._to_device, 1, -1)
         return self.runner.forward(x, mb=-1, record=False)
 
     generate = generate_ids      # generate(prompts, max_new_tokens, ...): parallel/decode.py
@@ -295,30 +294,34 @@ class MeshEngine(ShardedEngine):
         self.grad_sync.sync(self.grads)
 
     def train_step(self, x, t, loss, *, accumulate: bool = False, sync: bool = True,
-                   grad_scale: float = 1.0):
+                   grad_scale: float = 1.0, count=None, documents=None):
         """One forward + loss + backward. Returns (loss, grads).
 
         loss: the global mean loss, the same float on every rank (with sync=False, the
         local mean, without communication). grads: this rank's gradient shards.
         For gradient accumulation over k micro-steps call with grad_scale=1/k,
         accumulate=(i > 0), sync=(i == k - 1).
+        count: the counted targets of the global batch, all micro-steps' (count_targets): the
+        loss is sum(token losses) / count (grad_scale then without 1/k); None: each rank's
+        mean over its own. documents: packed rows' (rows, T) ids (nn/documents.py) or None.
         """
         self._require_loaded()
         loss = self.output.loss(get_loss(loss))   # GPT under tp: vocab-parallel cross-entropy
+        loss = step_loss(loss, count, self.mesh.size(AVERAGE_AXES), self.microbatches)
         x = None if x is None else self._input(x)
-        if t is not None:
-            t = self._to_device(t)             # float targets in the engine dtype, labels as is
-            # check the targets on every rank before any communication (under pp the loss
-            # itself runs on the last stage only): a shape-only stand-in for the output
-            stand_in = self.xp.broadcast_to(self.xp.zeros((), self.dtype),
-                                            self.model.output_shape(t.shape))
-            loss.check(stand_in, t)
+        set_documents(self.documents, documents, x, self._to_device, self.microbatches, 0)
+        if t is not None:                      # float targets in the engine dtype, labels as is
+            t = check_targets(loss, self._to_device(t), self.model, self.xp, self.dtype)
         self._begin_backward(accumulate, sync)
         self._drop_tape()
         self.meter.reset_peak()                # activations_peak: this step's
         value, _ = self.runner.train_step(x, t, loss, grad_scale)
         self._end_backward(sync)
         return (self.global_mean(value) if sync else value), self.grads
+
+    def count_targets(self, t, loss="cross_entropy") -> int:
+        """Collective (data axes, cp): the targets `loss` counts in all ranks' `t`."""
+        return count_targets(self.comm, self.mesh, get_loss(loss), self.backend.asarray(t))
 
     def global_mean(self, value: float) -> float:
         """Mean of a per-rank scalar over the data axes and cp (and from the last pp stage)."""

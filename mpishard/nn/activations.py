@@ -17,7 +17,7 @@ Weights gathered by FSDP are counted by the access policy (`gathered_peak`), not
 """
 from __future__ import annotations
 
-from .layers import Layer
+from .layers import every_layer
 
 
 class TapeMeter:
@@ -100,17 +100,6 @@ def meter_tapes(chunks, meter: TapeMeter) -> None:
     """Give every layer in `chunks` (lists of layers), and every layer inside them (a
     composite's units, a wrapper's inner unit, a Linear's communication unit), a MeteredTape
     reporting to `meter`."""
-    seen: set = set()
-    stack = [layer for chunk in chunks for layer in chunk]
-    while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
+    for layer in every_layer(chunks):
         if not isinstance(layer.tape, MeteredTape):
             layer.tape = MeteredTape(meter, layer.tape)
-        for v in vars(layer).values():
-            if isinstance(v, Layer):
-                stack.append(v)
-            elif isinstance(v, (list, tuple)):
-                stack.extend(u for u in v if isinstance(u, Layer))

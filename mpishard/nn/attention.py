@@ -90,7 +90,7 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None):
 
     offset None: every query sees every key; an int: the causal mask of causal_mask.
     visible: None, or a bool mask broadcastable to (B, H, Tq, Tk), False hiding a key from a
-    query (with offset, a key must pass both; forward only: the backward takes no mask). A row
+    query (with offset, a key must pass both; the backward takes the same mask). A row
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
     keep_probs: also return the probabilities p^T (B, H, Tk, Tq), for a backward that keeps
@@ -127,7 +127,8 @@ def merge_blocks(out_a, lse_a, out_b, lse_b):
     return wa * out_a + wb * out_b, lse
 
 
-def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, probs=None):
+def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, probs=None,
+                             visible=None):
     """One block's share of (dq, dk, dv), given dL/dout and the final out and lse.
 
     p  = exp(s - lse)                    the final softmax on this block's keys (recomputed,
@@ -140,13 +141,14 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
 
     into: three (B, H, T, Dh) arrays (views allowed) to write dq, dk, dv to, e.g. the views
     of split_heads_grads; None: fresh arrays. probs: the p^T the forward kept (keep_probs),
-    used as it is (read only) instead of recomputed from q, k and lse.
+    used as it is (read only) instead of recomputed from q, k and lse. visible: the forward's
+    mask (attention_block), hiding the same keys when p is recomputed.
     """
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     p = probs
     if p is None:
-        p = _masked_scores_t(q, k, offset)                   # s^T, then p^T in place
+        p = _masked_scores_t(q, k, offset, visible)          # s^T, then p^T in place
         p -= _finite_or_zero(xp, lse)[..., None, :]
         xp.exp(p, out=p)
     dq, dk, dv = (None, None, None) if into is None else into
@@ -162,16 +164,18 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     return dq, dk, dv
 
 
-def causal_attention_forward(q, k, v, keep_probs=False):
+def causal_attention_forward(q, k, v, keep_probs=False, visible=None):
     """Causal self-attention of a whole sequence: (out, lse), one block at offset 0 (and the
-    probabilities with keep_probs)."""
-    return attention_block(q, k, v, offset=0, keep_probs=keep_probs)
+    probabilities with keep_probs); visible: a further mask, e.g. packed documents'
+    (nn.documents.visible)."""
+    return attention_block(q, k, v, offset=0, keep_probs=keep_probs, visible=visible)
 
 
-def causal_attention_backward(dout, q, k, v, out, lse, into=None, probs=None):
+def causal_attention_backward(dout, q, k, v, out, lse, into=None, probs=None, visible=None):
     """Undo causal_attention_forward: (dq, dk, dv) (written to `into` when given; `probs`:
-    the forward's kept probabilities, else recomputed)."""
-    return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into, probs=probs)
+    the forward's kept probabilities, else recomputed under the same `visible`)."""
+    return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into, probs=probs,
+                                    visible=visible)
 
 
 # -- heads ---------------------------------------------------------------------------------------

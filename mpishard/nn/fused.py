@@ -86,9 +86,11 @@ dydz = h * s;
 
 _CE_GRAD = """
 const long long r = i / c;
+if (!k[r]) { g = (T)0; } else {
 T e = exp((y - m[r]) - logs[r]);
 if (i - r * c == (long long)t[r]) e -= (T)1;
 g = e / n;
+}
 """
 
 
@@ -104,7 +106,7 @@ def kernels(cupy) -> dict:
         "gelu": ew("T z", "T y, T dydz", _GELU, "mpishard_gelu_tanh", options=_NO_FMA),
         "sumexp": cupy.ReductionKernel("T y, T m", "T s", "exp(y - m)", "a + b", "s = a", "0",
                                        "mpishard_sumexp", options=_NO_FMA),
-        "ce_grad": ew("T y, raw T m, raw T logs, raw I t, int64 c, T n", "T g", _CE_GRAD,
+        "ce_grad": ew("T y, raw T m, raw T logs, raw I t, raw bool k, int64 c, T n", "T g", _CE_GRAD,
                       "mpishard_ce_grad", options=_NO_FMA),
     }
 
@@ -150,16 +152,18 @@ def gelu(xp, z):
     return y, dydz
 
 
-def cross_entropy(xp, y2, t):
-    """(value, dy) of the mean softmax cross entropy of logits y2 (N, C) at labels t (cupy)."""
-    n, c = y2.shape
+def cross_entropy(xp, y2, t, keep, n):
+    """(value, dy) of the softmax cross entropy of logits y2 (N, C) at labels t, summed over
+    the rows where `keep` (N,) is True and divided by n (cupy); 0 gradient on the others."""
+    c = y2.shape[1]
     y2 = xp.ascontiguousarray(y2)
-    labels = xp.ascontiguousarray(t.reshape(-1))
+    keep = xp.ascontiguousarray(keep)
+    labels = xp.ascontiguousarray(xp.where(keep, t.reshape(-1), 0))
     m = y2.max(axis=-1, keepdims=True)
     logs = xp.log(kernels(xp)["sumexp"](y2, xp.broadcast_to(m, y2.shape), axis=-1,
                                         keepdims=True))
-    rows = xp.arange(n)
-    value = float(-((y2[rows, labels] - m[:, 0]) - logs[:, 0]).mean())
+    rows = xp.arange(y2.shape[0])
+    value = float(-(((y2[rows, labels] - m[:, 0]) - logs[:, 0]) * keep).sum() / n)
     g = xp.empty_like(y2)
-    kernels(xp)["ce_grad"](y2, m, logs, labels, c, y2.dtype.type(n), g)
+    kernels(xp)["ce_grad"](y2, m, logs, labels, keep, c, y2.dtype.type(n), g)
     return value, g

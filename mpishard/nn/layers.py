@@ -196,6 +196,24 @@ class Linear(Layer):
             self.access.add_grad(self.b_name, db)                # undoes the broadcast of b
 
 
+def every_layer(chunks):
+    """Each layer in `chunks` (lists of layers) and every layer inside them (a composite's
+    units, a wrapper's inner unit, a Linear's communication unit), once."""
+    seen: set = set()
+    stack = [layer for chunk in chunks for layer in chunk]
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield layer
+        for v in vars(layer).values():
+            if isinstance(v, Layer):
+                stack.append(v)
+            elif isinstance(v, (list, tuple)):
+                stack.extend(u for u in v if isinstance(u, Layer))
+
+
 class Sequential:
     """Runs layers in order, the backward in reverse order: the runner of a one-stage
     pipeline (pp=1). `tracer` (health.trace.Tracer, set while tracing): a span per layer."""

@@ -9,9 +9,20 @@ the single-device numbers of the mean over the global batch.
 - `BCE`: mean over all elements of -(t log y + (1-t) log(1-y)) on probabilities, each log
   clamped at -100                                       (torch.nn.BCELoss())
 - `CrossEntropy`: logits (B, C), integer labels (B,), mean over rows of -log softmax(y)[t];
-  logits (B, T, C) with labels (B, T): mean over all B*T tokens  (torch.nn.CrossEntropyLoss())
+  logits (B, T, C) with labels (B, T): mean over all B*T tokens  (torch.nn.CrossEntropyLoss());
+  a label equal to `ignore_index` (-100, PyTorch's default) counts nowhere: the mean is over
+  the counted labels, and the ignored positions get a zero gradient.
+
+The global-token mean. With ignored labels, ranks count different numbers of targets, and the
+mean of per-rank means is not the mean over the global batch. `loss.over(n)` is the same loss
+divided by n instead of its own count (`counted(t)`): the engine gives each rank n = (counted
+targets of the global batch) / (ranks averaged over x microbatches), so that the engines'
+average over ranks and microbatches is sum(token losses) / (global count) exactly
+(engine.train_step's `count`).
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 
@@ -30,6 +41,19 @@ class Loss:
 
     def grad(self, y, t):
         raise NotImplementedError
+
+    denominator = None       # over(n): divide by n instead of counted(t)
+
+    def counted(self, t) -> int:
+        """How many target elements this loss averages over: all of them (CrossEntropy: the
+        labels that are not ignore_index)."""
+        return int(t.size)
+
+    def over(self, denominator: float) -> "Loss":
+        """This loss with its sum divided by `denominator` instead of counted(t): a copy
+        (module docstring, the global-token mean). Cross-entropy only."""
+        raise ValueError(f"{self.name}: a global target count (count=) applies to "
+                         f"cross_entropy only")
 
     def check(self, y, t):
         if y.shape[0] != t.shape[0]:
@@ -79,11 +103,24 @@ class BCE(Loss):
 
 
 class CrossEntropy(Loss):
-    """Softmax cross entropy on logits with integer labels, mean over every labelled position:
+    """Softmax cross entropy on logits with integer labels, mean over every counted position:
     logits (B, C) with labels (B,), or a sequence model's (B, T, C) with (B, T) (the mean over
-    all B*T tokens, like torch.nn.CrossEntropyLoss on the flattened (B*T, C))."""
+    the B*T tokens, like torch.nn.CrossEntropyLoss on the flattened (B*T, C)). A label equal
+    to `ignore_index` (default -100, as PyTorch's) is not counted: no loss, zero gradient; a
+    call where every label is ignored gives 0.0 and a zero gradient (PyTorch: nan)."""
 
     name = "cross_entropy"
+
+    def __init__(self, ignore_index: int = -100):
+        self.ignore_index = int(ignore_index)
+
+    def over(self, denominator: float) -> "CrossEntropy":
+        out = copy.copy(self)
+        out.denominator = float(denominator)
+        return out
+
+    def counted(self, t) -> int:
+        return int((t != self.ignore_index).sum())
 
     def check(self, y, t):
         super().check(y, t)
@@ -93,9 +130,18 @@ class CrossEntropy(Loss):
                              f"{tuple(t.shape)}")
         if t.dtype.kind not in "iu":
             raise TypeError(f"cross_entropy: labels must be integers, got {t.dtype}")
-        if t.size and (int(t.min()) < 0 or int(t.max()) >= y.shape[-1]):
-            raise ValueError(f"cross_entropy: labels must lie in [0, {y.shape[-1]}), got "
-                             f"[{int(t.min())}, {int(t.max())}]")
+        if t.size:
+            kept = t[t != self.ignore_index]
+            if kept.size and (int(kept.min()) < 0 or int(kept.max()) >= y.shape[-1]):
+                raise ValueError(f"cross_entropy: labels must lie in [0, {y.shape[-1]}) or be "
+                                 f"ignore_index={self.ignore_index}, got [{int(kept.min())}, "
+                                 f"{int(kept.max())}]")
+
+    def divisor(self, t) -> float:
+        """What the summed token losses are divided by: `denominator` when set (over), else
+        the counted labels; 1 where nothing counts (the sum is then 0)."""
+        n = self.counted(t) if self.denominator is None else self.denominator
+        return n if n > 0 else 1.0
 
     @staticmethod
     def _log_softmax(y):
@@ -107,31 +153,49 @@ class CrossEntropy(Loss):
         """(value, dy) from one log-softmax."""
         self.check(y, t)
         xp = array_module(y)
+        flat_t = t.reshape(-1)
+        keep = flat_t != self.ignore_index
+        n = self.divisor(t)
         if fused.use(xp):                                            # cupy: 4 passes, not ~11
-            value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t)
+            value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t, keep, n)
             return value, dy.reshape(y.shape)
         lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
-        return self._value(lp, t), self._grad(lp, t).reshape(y.shape)
+        return self._value(lp, flat_t, keep, n), self._grad(lp, flat_t, keep, n).reshape(y.shape)
 
     def value(self, y, t):
         self.check(y, t)
-        return self._value(self._log_softmax(y.reshape(-1, y.shape[-1])), t)
+        flat_t = t.reshape(-1)
+        return self._value(self._log_softmax(y.reshape(-1, y.shape[-1])), flat_t,
+                           flat_t != self.ignore_index, self.divisor(t))
 
     def grad(self, y, t):
-        return self._grad(self._log_softmax(y.reshape(-1, y.shape[-1])), t).reshape(y.shape)
+        flat_t = t.reshape(-1)
+        return self._grad(self._log_softmax(y.reshape(-1, y.shape[-1])), flat_t,
+                          flat_t != self.ignore_index, self.divisor(t)).reshape(y.shape)
 
     @staticmethod
-    def _value(lp, t) -> float:
+    def _value(lp, t, keep, n) -> float:
+        """sum over counted rows of -log softmax[t], over n."""
         xp = array_module(lp)
-        return float(-lp[xp.arange(lp.shape[0]), t.reshape(-1)].mean())
+        if bool(keep.all()):                                          # nothing ignored
+            return float(-lp[xp.arange(lp.shape[0]), t].sum() / n)
+        picked = lp[xp.arange(lp.shape[0]), xp.where(keep, t, 0)]   # (N,)
+        return float(-(picked * keep).sum() / n)                      # an ignored row: 0
 
     @staticmethod
-    def _grad(lp, t):
-        """(softmax - onehot) / N, in place on lp (the caller's temporary)."""
+    def _grad(lp, t, keep, n):
+        """(softmax - onehot) / n on counted rows, 0 on ignored ones, in place on lp (the
+        caller's temporary)."""
         xp = array_module(lp)
         p = xp.exp(lp, out=lp)                                       # softmax, (N, C)
-        p[xp.arange(p.shape[0]), t.reshape(-1)] -= 1.0               # softmax - onehot
-        p /= p.shape[0]
+        rows = xp.arange(p.shape[0])
+        if bool(keep.all()):                                          # nothing ignored
+            p[rows, t] -= 1.0                                        # softmax - onehot
+            p /= n
+            return p
+        p[rows, xp.where(keep, t, 0)] -= keep                        # softmax - onehot
+        p /= n
+        p *= keep[:, None]                                           # 0 on ignored rows
         return p
 
 

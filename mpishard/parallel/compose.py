@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 from ..comm.mesh import DATA_AXES
 from ..nn.activations import TapeMeter, meter_tapes
+from ..nn.documents import Documents
+from ..nn.documents import attach as attach_documents
 from ..nn.layers import LocalAccess, Sequential
 from ..nn.recompute import recompute_chunks
 from .aux_loss import AuxLossPipeline, AuxLossRunner
@@ -84,6 +86,7 @@ class EngineParts:
     stats: dict = field(default_factory=dict)   # measurements of the last step
     meter: object = None             # nn.activations.TapeMeter: bytes on the activation tapes
     output: object = field(default_factory=ReplicatedOutput)   # the loss and gather_batch
+    documents: object = field(default_factory=Documents)   # packed rows (nn/documents.py)
 
 
 def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
@@ -120,6 +123,8 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         access.prefetcher.install(chunks)
     meter = TapeMeter()                 # activation bytes on the layers' tapes (memory_report)
     meter_tapes(chunks, meter)
+    documents = Documents()             # the document ids of packed rows, for the units
+    attach_documents(chunks, documents)
     if pp > 1:                                                      # 6. pp
         # Group communicators are made by a world-wide Split on first use; inside a pipeline
         # ranks reach their first tp/pp call at different times, so make them all here,
@@ -134,4 +139,5 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         runner = Sequential(chunks[0])
         if aux is not None:                   # the model's auxiliary loss
             runner = AuxLossRunner(runner, aux)
-    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter, output)
+    return EngineParts(plan, store, grad_sync, access, chunks, runner, stats, meter, output,
+                       documents)

@@ -36,6 +36,8 @@ rank.
 """
 from __future__ import annotations
 
+import copy
+
 from ..nn import functional as nn
 from ..nn.layers import Layer
 from ..nn.losses import CrossEntropy, Loss
@@ -116,15 +118,26 @@ class VocabParallelEmbedding(Layer):
 class VocabParallelCrossEntropy(Loss):
     """CrossEntropy on vocab-sharded logits (B, T, v) with global integer targets (B, T):
     the token-mean loss and its gradient, reducing max, sum-exp and target logit over tp.
+    A target equal to `full.ignore_index` counts nowhere, as in nn.losses.CrossEntropy, and
+    `over(n)` divides by n instead of the counted targets (the global-token mean).
 
-    vocab: the full V; sequence_parallel: T must divide by tp (checked with the targets)."""
+    vocab: the full V; sequence_parallel: T must divide by tp (checked with the targets);
+    full: the user's CrossEntropy (its ignore_index and denominator)."""
 
     name = "cross_entropy"
 
-    def __init__(self, tp, vocab: int, sequence_parallel=False):
+    def __init__(self, tp, vocab: int, sequence_parallel=False, full=None):
         self.tp, self.vocab, self.sp = tp, vocab, bool(sequence_parallel)
-        self.full = CrossEntropy()
+        self.full = full if full is not None else CrossEntropy()
         self.seen_shapes: list = []      # logits shapes this loss was called on (tests)
+
+    def counted(self, t) -> int:
+        return self.full.counted(t)
+
+    def over(self, denominator: float) -> "VocabParallelCrossEntropy":
+        out = copy.copy(self)
+        out.full = self.full.over(denominator)
+        return out
 
     def check(self, y, t):
         """Targets against the full (B, T, V) output shape (a stand-in is enough)."""
@@ -137,11 +150,14 @@ class VocabParallelCrossEntropy(Loss):
     def __call__(self, y, t):
         """(global token-mean loss, dL/dy_local); y: this rank's (B, T, v) vocab shard, the
         padded columns (global index >= V) masked to -inf."""
-        value, e, se, idx, inside = self._forward(y, t)
+        value, e, se, idx, inside, keep, n = self._forward(y, t)
         xp = nn.array_module(y)
         p = e / se[..., None]                                       # softmax, local columns
         onehot = (xp.arange(y.shape[-1]) == idx) & inside[..., None]
-        return value, (p - onehot) / t.size                         # d mean / d logits
+        g = (p - onehot) / n                                        # d mean / d logits
+        if keep is not None:
+            g *= keep[..., None]                                    # 0 on ignored targets
+        return value, g
 
     def value(self, y, t) -> float:
         """The global token-mean loss alone: the forward of __call__, no gradient arrays
@@ -149,7 +165,8 @@ class VocabParallelCrossEntropy(Loss):
         return self._forward(y, t)[0]
 
     def _forward(self, y, t):
-        """(loss, exp(y - m), se, the target's local column, whether it is local)."""
+        """(loss, exp(y - m), se, the target's local column, whether it is local, the counted
+        targets' mask or None when all count, the divisor)."""
         n, v = self.tp.size(), y.shape[-1]
         if v != vocab_width(self.vocab, n) or y.ndim != 3:
             raise ValueError(f"vocab-parallel cross_entropy expects (B, T, "
@@ -164,13 +181,19 @@ class VocabParallelCrossEntropy(Loss):
         z = y - m[..., None]
         e = xp.exp(z)
         se = self.tp.all_reduce(e.sum(axis=-1), op="sum")           # global sum-exp (B, T)
-        local = t - self.tp.rank() * v
-        inside = (local >= 0) & (local < v)
+        local = t - self.tp.rank() * v                              # an ignored target (-100)
+        inside = (local >= 0) & (local < v)                         # is no rank's column
         idx = xp.where(inside, local, 0)[..., None]
         tgt_local = xp.where(inside, xp.take_along_axis(z, idx, axis=-1)[..., 0], 0.0)
         tgt = self.tp.all_reduce(tgt_local, op="sum")               # target logit - m
-        value = float((xp.log(se) - tgt).mean())                    # -log softmax[t], mean
-        return value, e, se, idx, inside
+        keep = t != self.full.ignore_index
+        divisor = self.full.divisor(t)
+        if bool(keep.all()):
+            keep = None
+            value = float((xp.log(se) - tgt).sum() / divisor)       # -log softmax[t], mean
+        else:
+            value = float(((xp.log(se) - tgt) * keep).sum() / divisor)
+        return value, e, se, idx, inside, keep, divisor
 
 
 class VocabParallelOutput:
@@ -187,7 +210,7 @@ class VocabParallelOutput:
         if not isinstance(loss, CrossEntropy):
             raise ValueError(f"a GPT under tp={self.tp.size()} trains with cross_entropy only "
                              f"(its logits are split over the vocabulary), got {loss.name}")
-        return VocabParallelCrossEntropy(self.tp, self.vocab, self.sp)
+        return VocabParallelCrossEntropy(self.tp, self.vocab, self.sp, full=loss)
 
     def gather(self, y):
         """(B, T, v) vocab shards -> (B, T, V): all-gather along the last axis, the padded

@@ -1,0 +1,111 @@
+"""Packed rows: several documents in one row, attention kept inside each, positions restarted.
+
+A packed batch carries, beside its token ids (B, T), the document id of every token (B, T):
+equal ids in one contiguous run are one document, -1 marks padding. Then
+
+    positions  pos[b, i] = i - (the index where token i's run starts)        (B, T)
+    attention  query i sees key j  iff  j <= i (causal)  and  doc[b, i] == doc[b, j]
+               (block-diagonal causal: the (B, 1, Tq, Tk) mask `visible`)
+
+so a packed row computes exactly what its documents compute alone, each from position 0
+(learned positions and rotary alike). Padding is a document of its own: it sees only padding,
+and no real token sees it.
+
+`Documents` is the per-rank context the units read it from. The engine sets the document ids
+of a step (`set`, keyed by microbatch: a pipeline's microbatch k gets rows k*b:(k+1)*b) before
+it runs the layers, and the units that need them (the position embedding, every attention
+path) hold the one `Documents` object of their rank (`attach`, like nn.activations.meter_tapes)
+and ask `rows(mb)`: the (B_mb, T) ids of the whole sequence in global order (a context-parallel
+rank cuts its own tokens from it), or None when the batch is not packed. Nothing here
+communicates: every rank of a row's tp/pp/cp peers is given the same rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .functional import array_module
+from .layers import every_layer
+
+PADDING = -1
+"""The document id of padding tokens."""
+
+
+def check_documents(ids, shape) -> np.ndarray:
+    """ids as an int64 host array of `shape` (B, T) whose equal ids are contiguous runs
+    (ValueError, before any communication, naming the row otherwise)."""
+    ids = np.asarray(ids)
+    if ids.shape != tuple(shape) or ids.dtype.kind not in "iu":
+        raise ValueError(f"documents must be integer ids of the tokens' shape {tuple(shape)}, "
+                         f"got {ids.dtype} {ids.shape}")
+    ids = ids.astype(np.int64, copy=False)
+    for b, row in enumerate(ids):
+        starts = np.flatnonzero(np.diff(row)) + 1                 # where a new run begins
+        runs = row[np.concatenate([[0], starts])] if row.size else row
+        if np.unique(runs).size != runs.size:
+            raise ValueError(f"documents: row {b} has a document id in two separate runs; a "
+                             f"document's tokens must be contiguous")
+    return ids
+
+
+def positions(ids):
+    """(B, T) position of each token within its document (0 at each run's start)."""
+    xp = array_module(ids)
+    t = ids.shape[-1]
+    index = xp.broadcast_to(xp.arange(t), ids.shape)
+    new = xp.ones(ids.shape, dtype=bool)
+    new[..., 1:] = ids[..., 1:] != ids[..., :-1]                   # a run starts here
+    start = xp.where(new, index, 0)
+    return index - _running_max(start)
+
+
+def _running_max(a):
+    """Running maximum along the last axis (cumulative), on any array module: log2(T)
+    doubling steps of element-wise maxima."""
+    xp = array_module(a)
+    out, shift = a.copy(), 1
+    while shift < a.shape[-1]:
+        xp.maximum(out[..., shift:], out[..., :-shift].copy(), out=out[..., shift:])
+        shift *= 2
+    return out
+
+
+def visible(ids_q, ids_k):
+    """(B, 1, Tq, Tk) bool: query i may see key j only within its document (the causal part
+    is the attention's own offset mask)."""
+    return (ids_q[:, None, :, None] == ids_k[:, None, None, :])
+
+
+class Documents:
+    """The document ids of the current batch on this rank, by microbatch (module docstring)."""
+
+    def __init__(self):
+        self._rows: dict = {}
+
+    def set(self, ids, microbatches: int = 1, mb: int = 0) -> None:
+        """ids (B, T) on the device, or None (an unpacked batch); split into `microbatches`
+        equal row blocks keyed mb .. mb + microbatches - 1."""
+        self._rows = {}
+        if ids is None:
+            return
+        b = ids.shape[0] // microbatches
+        for k in range(microbatches):
+            self._rows[mb + k] = ids[k * b:(k + 1) * b]
+
+    def rows(self, mb: int):
+        """Microbatch mb's (B_mb, T) document ids, or None when the batch is not packed."""
+        return self._rows.get(mb)
+
+    @property
+    def packed(self) -> bool:
+        return bool(self._rows)
+
+
+def attach(chunks, documents: Documents) -> None:
+    """Give `documents` to every layer in `chunks` (lists of layers), or inside them (a
+    composite's units, a wrapper's inner unit), that reads document ids: those whose class
+    declares a `documents` attribute."""
+    for layer in every_layer(chunks):
+        if hasattr(type(layer), "documents"):
+            layer.documents = documents
+
+__all__ = ["Documents", "PADDING", "attach", "check_documents", "positions", "visible"]

@@ -1,0 +1,75 @@
+"""What a step's batch brings besides x and t: a global target count and packed documents.
+
+The global-token mean. A fine-tune's targets are masked (ignore_index, -100): the prompt,
+the padding, a document's last token. Ranks then count different numbers of targets, and the
+mean of per-rank means (what averaging gradients over the data axes gives) weighs a rank's
+few targets as much as another's many. With `count` = the counted targets of the whole global
+batch (every data-parallel and cp rank's, every accumulation micro-step's), each rank divides
+its summed token losses by
+
+    n = count / (R * m)        R: ranks averaged over (comm.mesh.AVERAGE_AXES),
+                               m: the pipeline's microbatches (averaged over by the runner)
+
+so that the engine's averages over ranks and microbatches give sum(token losses) / count
+exactly: the single-device loss and gradient of the global batch (nn.losses, `over`).
+`count_targets` is the collective that counts: an all_reduce(sum) of this rank's count over
+the averaging axes (adjoint: none, the count is data).
+
+Packed documents (nn/documents.py): the ids (B_local, T) of the whole sequence, checked on the
+host before any communication, moved to the device and split into the runner's microbatches.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm.mesh import AVERAGE_AXES
+from ..nn.documents import check_documents
+
+
+def step_loss(loss, count, ranks: int, microbatches: int):
+    """`loss` divided by count / (ranks * microbatches) instead of its own counted targets
+    (module docstring); `loss` itself when count is None."""
+    if count is None:
+        return loss
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise ValueError(f"count must be the number of counted targets of the global batch "
+                         f"(an int >= 0), got {count!r}")
+    return loss.over(int(count) / (ranks * microbatches))
+
+
+def check_targets(loss, t, model, xp, dtype):
+    """t, after `loss` checked it against the model's output shape on every rank before any
+    communication (under pp the loss itself runs on the last stage only): a shape-only
+    stand-in for the output."""
+    stand_in = xp.broadcast_to(xp.zeros((), dtype), model.output_shape(t.shape))
+    loss.check(stand_in, t)
+    return t
+
+
+def count_targets(comm, mesh, loss, t) -> int:
+    """Collective over the averaging axes: the counted targets (loss.counted) of every rank's
+    `t` (this rank's rows, cut by cp); the same int on every rank."""
+    n = np.array([loss.counted(t)], dtype=np.int64)
+    if mesh.size(AVERAGE_AXES) > 1:
+        n = comm.all_reduce(n, op="sum", group=AVERAGE_AXES)
+    return int(comm.backend.to_host(n)[0])
+
+
+def set_documents(documents, ids, x, to_device, microbatches: int = 1, mb: int = 0):
+    """Give the rank's units (documents: nn.documents.Documents) the batch's document ids:
+    None (not packed), or (B_local, T) ids of the whole sequence for the rows of x (this
+    rank's input or None; its T cut by cp or not); ValueError before any communication when
+    they do not fit."""
+    if ids is None:
+        documents.set(None)
+        return
+    if np.ndim(ids) != 2:
+        raise ValueError(f"documents must be (rows, T) ids, got shape {np.shape(ids)}")
+    if x is not None and np.shape(ids)[0] != x.shape[0]:
+        raise ValueError(f"documents have {np.shape(ids)[0]} rows, the batch has "
+                         f"{x.shape[0]}")
+    ids = check_documents(ids, np.shape(ids))
+    documents.set(to_device(ids), microbatches, mb)
+
+
+__all__ = ["check_targets", "count_targets", "set_documents", "step_loss"]
