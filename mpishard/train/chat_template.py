@@ -1,6 +1,6 @@
 """Chat templates: a conversation rendered and tokenized exactly as `transformers` does it.
 
-    template = find_chat_template(tokenizer.files)          # or load_chat_template("t.jinja")
+    template = chat_template_for(tokenizer, override=None)  # or a --chat-template FILE
     text = render_chat(template, messages, special_tokens=template_tokens(tokenizer.files))
     ids, mask = encode_chat(tokenizer, template, messages)  # int64 ids, uint8 answer mask
 
@@ -15,7 +15,8 @@ tokenizer_config.json, a string or a list of {"name", "template"} of which "defa
 else the legacy processor file `chat_template.json` ({"chat_template": ...}), which a
 tokenizer alone never reads but a model directory may hold. None when there is none.
 `load_chat_template(path)` reads a `--chat-template FILE` override: the template's text, or
-for a .json file its "chat_template" key.
+for a .json file its "chat_template" key. `chat_template_for(tokenizer, override=None)`: the
+override when given, else the tokenizer's own, else a ValueError naming --chat-template.
 
 Rendering (`render_chat`): jinja2 configured as transformers' `_compile_jinja_template`: an
 ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the loopcontrols extension,
@@ -33,7 +34,8 @@ The mask is 1 on the tokens of the assistant turns. A template with `{% generati
 blocks marks them itself, and the mask is then transformers' `return_assistant_tokens_mask`.
 Otherwise each assistant turn i is what rendering messages[:i+1] adds to messages[:i] with
 the generation prompt: its content and the template's end-of-turn text (Llama 3's
-"<|eot_id|>", ChatML's "<|im_end|>\\n"). A template that renders a turn differently once
+"<|eot_id|>", ChatML's "<|im_end|>\\n"; a template that ignores add_generation_prompt
+counts the turn's header too). A template that renders a turn differently once
 later messages follow (the prefixes do not nest) is refused: give a template with
 `{% generation %}` blocks. A token overlapping an assistant span counts (transformers'
 rule). The tokenizer is an HFTokenizer (its `tokenizer` is a `tokenizers.Tokenizer`, whose
@@ -124,6 +126,18 @@ def load_chat_template(path) -> str:
     found = _pick((_json({path: raw}, path) or {}).get("chat_template"), path)
     if found is None:
         raise ValueError(f"{path}: no chat_template key")
+    return found
+
+
+def chat_template_for(tokenizer, override=None) -> str:
+    """The template a run uses: the `--chat-template FILE` override when given, else the one
+    among the tokenizer's files (find_chat_template); ValueError when there is neither."""
+    if override is not None:
+        return load_chat_template(override)
+    found = find_chat_template(getattr(tokenizer, "files", None) or {})
+    if found is None:
+        raise ValueError(f"{tokenizer!r} has no chat template (no chat_template.jinja, no "
+                         f"chat_template in tokenizer_config.json); give --chat-template FILE")
     return found
 
 
@@ -355,5 +369,6 @@ def encode_chat(tokenizer, template: str, messages) -> tuple:
     return ids, span_mask(offsets, spans)
 
 
-__all__ = ["assistant_spans", "check_messages", "encode_chat", "find_chat_template",
+__all__ = ["assistant_spans", "chat_template_for", "check_messages", "encode_chat",
+           "find_chat_template",
            "load_chat_template", "render_chat", "span_mask", "template_tokens"]

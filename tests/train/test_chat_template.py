@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpishard.train.chat_template import check_messages, encode_chat, find_chat_template, \
-    load_chat_template, render_chat, template_tokens
+from mpishard.train.chat_template import chat_template_for, check_messages, encode_chat, \
+    find_chat_template, load_chat_template, render_chat, template_tokens
 from mpishard.train.tokenizer import ByteTokenizer
 
 pytest.importorskip("jinja2")
@@ -59,6 +59,9 @@ def test_an_override_file_is_its_text_or_a_json_files_key(tmp_path):
     (tmp_path / "none.json").write_text("{}")
     with pytest.raises(ValueError, match="no chat_template key"):
         load_chat_template(tmp_path / "none.json")
+    assert chat_template_for(ByteTokenizer(), tmp_path / "t.jinja") == CHATML
+    with pytest.raises(ValueError, match="no chat template.*--chat-template FILE"):
+        chat_template_for(ByteTokenizer())
 
 
 def test_special_tokens_are_read_as_transformers_reads_them():
