@@ -49,6 +49,33 @@ QWEN2_GEN = ("{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\n
              "    {%- else %}\n        {{- message.content + '<|im_end|>\n' }}\n    {%- endif %}\n"
              "{%- endfor %}\n{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
              "{%- endif %}\n")
+# Qwen2.5-Instruct's template without its tool-call branches ({%- and tojson, namespace)
+QWEN25 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}
+    {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. '
+            + 'You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(turns=0) %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+           or (message.role == "assistant") %}
+        {%- set ns.turns = ns.turns + 1 %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"},
@@ -95,8 +122,9 @@ def reference(tok, messages, mask=False):
 
 
 @pytest.mark.parametrize("template,bos_pp", [(LLAMA3, True), (LLAMA3_GEN, False),
-                                             (QWEN2, False), (QWEN2_GEN, False)],
-                         ids=["llama3", "llama3-generation", "qwen2", "qwen2-generation"])
+                                             (QWEN2, False), (QWEN2_GEN, False), (QWEN25, False)],
+                         ids=["llama3", "llama3-generation", "qwen2", "qwen2-generation",
+                              "qwen2.5"])
 def test_ids_equal_apply_chat_template(tmp_path, template, bos_pp):
     tok, ours = saved(tmp_path, template, bos_in_post_processor=bos_pp)
     found = find_chat_template(ours.files)
