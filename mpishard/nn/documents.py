@@ -58,6 +58,23 @@ def positions(ids):
     return index - _running_max(start)
 
 
+def local_positions(ids, where):
+    """The positions, within their documents, of the tokens `where` of rows whose document ids
+    (B, T) of the whole sequence are `ids`: (B, t) ints. `where` is what a unit's
+    token_positions(t) gives, a slice (the leading tokens) or a tuple of slices (a cp rank's
+    chunks, taken in order); ids None (an unpacked batch): `where` itself, unchanged. The
+    learned position embedding and the rotary both take either form."""
+    if ids is None:
+        return where
+    if not isinstance(where, (slice, tuple)):
+        raise ValueError("packed rows take their positions from the document ids; a unit "
+                         "given per-row positions (a KV cache) cannot also be packed")
+    pos = positions(ids)
+    if isinstance(where, slice):
+        return pos[:, where]
+    return array_module(ids).concatenate([pos[:, s] for s in where], axis=1)
+
+
 def _running_max(a):
     """Running maximum along the last axis (cumulative), on any array module: log2(T)
     doubling steps of element-wise maxima."""
@@ -108,4 +125,5 @@ def attach(chunks, documents: Documents) -> None:
         if hasattr(type(layer), "documents"):
             layer.documents = documents
 
-__all__ = ["Documents", "PADDING", "attach", "check_documents", "positions", "visible"]
+__all__ = ["Documents", "PADDING", "attach", "check_documents", "local_positions", "positions",
+           "visible"]
