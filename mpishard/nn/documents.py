@@ -21,6 +21,8 @@ communicates: every rank of a row's tp/pp/cp peers is given the same rows.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from .functional import array_module
@@ -75,6 +77,27 @@ def local_positions(ids, where):
     return array_module(ids).concatenate([pos[:, s] for s in where], axis=1)
 
 
+def local_positions(ids, where):
+    """(B, t) positions within their documents of the t tokens a rank holds, ids (B, T) being
+    the whole sequence's: `where` says which of the T they are, in the form of a unit's
+    `token_positions(t)` (nn/transformer.py): a slice (0 .. t-1 without cp), or a tuple of
+    slices taken in order (a cp rank's two chunks). ValueError for per-row positions (a KV
+    cache's: decoding never packs documents)."""
+    pos = positions(ids)
+    if isinstance(where, slice):
+        return pos[:, where]
+    if isinstance(where, tuple):
+        return array_module(pos).concatenate([pos[:, s] for s in where], axis=1)
+    raise ValueError("packed documents take the tokens' places in the whole sequence (slices);"
+                     " per-row positions (a KV cache's) decode unpacked rows only")
+
+
+def rows_of(documents, mb: int):
+    """documents.rows(mb), or None where a unit was given no Documents (built outside an
+    engine) or the batch is not packed."""
+    return None if documents is None else documents.rows(mb)
+
+
 def _running_max(a):
     """Running maximum along the last axis (cumulative), on any array module: log2(T)
     doubling steps of element-wise maxima."""
@@ -112,9 +135,30 @@ class Documents:
         """Microbatch mb's (B_mb, T) document ids, or None when the batch is not packed."""
         return self._rows.get(mb)
 
+    @contextmanager
+    def holding(self, mb: int, ids):
+        """Within: rows(mb) is `ids` (the ids a unit saved at its first forward; a recomputed
+        forward sees them even after the engine moved on to other rows); restored after."""
+        saved = self._rows.pop(mb, None)
+        if ids is not None:
+            self._rows[mb] = ids
+        try:
+            yield self
+        finally:
+            self._rows.pop(mb, None)
+            if saved is not None:
+                self._rows[mb] = saved
+
     @property
     def packed(self) -> bool:
         return bool(self._rows)
+
+
+def document_rows(documents, mb: int):
+    """Microbatch mb's (B_mb, T) document ids as a unit reads them from its `documents` (a
+    Documents, or None: a unit never attached, e.g. built outside an engine), or None when
+    the batch is not packed."""
+    return None if documents is None else documents.rows(mb)
 
 
 def attach(chunks, documents: Documents) -> None:
@@ -125,5 +169,5 @@ def attach(chunks, documents: Documents) -> None:
         if hasattr(type(layer), "documents"):
             layer.documents = documents
 
-__all__ = ["Documents", "PADDING", "attach", "check_documents", "local_positions", "positions",
-           "visible"]
+__all__ = ["Documents", "PADDING", "attach", "check_documents", "document_rows",
+           "local_positions", "positions", "visible"]
