@@ -61,23 +61,6 @@ def positions(ids):
 
 
 def local_positions(ids, where):
-    """The positions, within their documents, of the tokens `where` of rows whose document ids
-    (B, T) of the whole sequence are `ids`: (B, t) ints. `where` is what a unit's
-    token_positions(t) gives, a slice (the leading tokens) or a tuple of slices (a cp rank's
-    chunks, taken in order); ids None (an unpacked batch): `where` itself, unchanged. The
-    learned position embedding and the rotary both take either form."""
-    if ids is None:
-        return where
-    if not isinstance(where, (slice, tuple)):
-        raise ValueError("packed rows take their positions from the document ids; a unit "
-                         "given per-row positions (a KV cache) cannot also be packed")
-    pos = positions(ids)
-    if isinstance(where, slice):
-        return pos[:, where]
-    return array_module(ids).concatenate([pos[:, s] for s in where], axis=1)
-
-
-def local_positions(ids, where):
     """(B, t) positions within their documents of the t tokens a rank holds, ids (B, T) being
     the whole sequence's: `where` says which of the T they are, in the form of a unit's
     `token_positions(t)` (nn/transformer.py): a slice (0 .. t-1 without cp), or a tuple of
@@ -154,13 +137,6 @@ class Documents:
         return bool(self._rows)
 
 
-def document_rows(documents, mb: int):
-    """Microbatch mb's (B_mb, T) document ids as a unit reads them from its `documents` (a
-    Documents, or None: a unit never attached, e.g. built outside an engine), or None when
-    the batch is not packed."""
-    return None if documents is None else documents.rows(mb)
-
-
 def attach(chunks, documents: Documents) -> None:
     """Give `documents` to every layer in `chunks` (lists of layers), or inside them (a
     composite's units, a wrapper's inner unit), that reads document ids: those whose class
@@ -169,5 +145,5 @@ def attach(chunks, documents: Documents) -> None:
         if hasattr(type(layer), "documents"):
             layer.documents = documents
 
-__all__ = ["Documents", "PADDING", "attach", "check_documents", "document_rows",
-           "local_positions", "positions", "visible"]
+__all__ = ["Documents", "PADDING", "attach", "check_documents", "local_positions", "positions",
+           "rows_of", "visible"]
