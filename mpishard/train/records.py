@@ -1,0 +1,294 @@
+"""Fine-tune records: JSONL, Parquet and saved Hugging Face datasets, read through `datasets`.
+
+    records = open_records("jsonl:data/chat-*.jsonl")        # the kind found from record 1
+    records = open_records("parquet:qa.parquet", kind=PROMPT_COMPLETION)
+    records = open_records("hfdisk:saved", text_field="body")  # plain text in column "body"
+    for record in records:                                    # every pass reads from the start
+        record.fields, record.where     # {"messages": [...]}, "data/chat-1.jsonl line 7"
+
+The `--dataset` names (`is_records_name`): `jsonl:FILE|GLOB` (JSON Lines, one object per
+line), `parquet:FILE|GLOB` and `hfdisk:DIR` (a Dataset, or a DatasetDict's only or "train"
+split, written by `save_to_disk`). A glob's files are read sorted by name, one after the
+other. The `datasets` library does the reading (an optional package: the `sft` extra, `pip
+install 'mpishard[sft]'`); JSONL and Parquet files stream (`load_dataset(..., streaming=True)`,
+one file at a time, a block of rows in memory), a saved dataset is memory-mapped Arrow
+(`load_from_disk`) iterated row by row, so no set is materialised whole.
+
+Kinds (`KINDS`), one per data set, found from the first record unless `kind` is given:
+- MESSAGES: a `messages` field, the OpenAI chat format: a non-empty list of {"role": str,
+  "content": str} (chat_template.check_messages; other keys pass through to the template,
+  keys whose value is None are dropped: Arrow adds them when it unifies the rows' structs);
+- PROMPT_COMPLETION: string fields `prompt` and `completion`;
+- TEXT: the string field `text_field` ("text" unless given; naming one implies TEXT).
+The first of these a record has decides (a field that is null counts as absent: Arrow fills
+the fields other rows have with null). Every record must then be of the same kind: one that
+lacks its fields or holds another type is a ValueError naming where it is, and every rank,
+reading the same data, raises the same one. `Record.fields` holds the values under the kind's
+canonical names (`FIELDS`: {"text"}, {"prompt", "completion"}, {"messages"}).
+
+Where a record is (`Record.where`): "FILE line N" for JSONL (N counts from 1, as an editor
+does), "FILE row N" for Parquet and "DIR row N" for a saved dataset (N counts from 0, the
+index `Dataset[N]` and pandas use). The JSON loader gives rows, not lines: it reads the
+objects of a file in order and skips blank (whitespace-only) lines, so row i is the i-th
+non-blank line, and a line counter walks the file beside the rows (one line in memory). A
+file that is one JSON array, not JSON Lines, is refused at the start, since its rows are not
+lines. When the loader itself fails on a file (a line that is not JSON, or a type that Arrow
+cannot unify), the file is scanned line by line with `json` and the first line that is not a
+valid record of the kind is named; an error that no single line explains is reported with the
+file's name.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import NamedTuple
+
+from .chat_template import INSTALL, check_messages
+
+JSONL, PARQUET, HFDISK = "jsonl", "parquet", "hfdisk"
+FORMATS = (JSONL, PARQUET, HFDISK)
+TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt_completion", "messages"
+KINDS = (TEXT, PROMPT_COMPLETION, MESSAGES)
+FIELDS = {TEXT: ("text",), PROMPT_COMPLETION: ("prompt", "completion"),
+          MESSAGES: ("messages",)}
+DEFAULT_TEXT_FIELD = "text"
+BLANK = b" \t\r\n"                  # JSON's whitespace: a line of only these holds no record
+# the JSON loader logs its failure before raising; the error raised here names the line instead
+JSON_LOADER_LOG = "datasets.packaged_modules.json.json"
+
+
+def is_records_name(name) -> bool:
+    """Whether a --dataset name is jsonl:, parquet: or hfdisk:."""
+    return isinstance(name, str) and name.split(":", 1)[0] in FORMATS and ":" in name
+
+
+class Record(NamedTuple):
+    """One record: its values under the kind's canonical names, and where it is."""
+    fields: dict
+    where: str
+
+
+def _datasets():
+    """The datasets module (an optional package: the `sft` extra)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"reading JSONL, Parquet and saved datasets needs the Hugging Face "
+                         f"datasets library: {INSTALL}") from None
+    return datasets
+
+
+def _files(name: str, fmt: str, path: str) -> list:
+    """The files of FILE|GLOB, sorted (ValueError when none, or for a directory)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--dataset {name}: {path} is a directory; give a file or a glob "
+                         f"({os.path.join(path, '*.' + fmt)})")
+    files = [path] if os.path.isfile(path) else sorted(
+        f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    if not files:
+        raise ValueError(f"--dataset {name}: no file matches {path}")
+    return files
+
+
+def _check_jsonl(path: str):
+    """ValueError for a file whose first non-blank character opens a JSON array."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip(BLANK):
+                if line.lstrip(BLANK).startswith(b"["):
+                    raise ValueError(f"{path} line 1: a JSON array, not JSON Lines (one "
+                                     f"object per line)")
+                return
+
+
+def _nonblank_lines(path: str):
+    """The 1-based numbers of the lines of `path` that hold something but whitespace."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip(BLANK):
+                yield number
+
+
+def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
+    """The canonical fields of `row` for `kind` (module docstring), or a ValueError."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a record is a JSON object, not {type(row).__name__}")
+    names = (text_field,) if kind == TEXT else FIELDS[kind]
+    for name in names:
+        if row.get(name) is None:
+            raise ValueError(f"{where}: the record lacks the field {name!r} (the data set's "
+                             f"records are {_describe(kind, text_field)})")
+    if kind == MESSAGES:
+        try:
+            check_messages(row["messages"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: field 'messages': {exc}") from None
+        return {"messages": [{k: v for k, v in m.items() if v is not None}
+                             for m in row["messages"]]}
+    for name in names:
+        if not isinstance(row[name], str):
+            raise ValueError(f"{where}: field {name!r} must be a string "
+                             f"({type(row[name]).__name__})")
+    return dict(zip(FIELDS[kind], (row[n] for n in names)))
+
+
+def _describe(kind: str, text_field: str) -> str:
+    return {TEXT: f"plain text in {text_field!r}", PROMPT_COMPLETION: "prompt/completion pairs",
+            MESSAGES: "chat messages"}[kind]
+
+
+def detect_kind(row, text_field: str, where: str) -> str:
+    """The kind a first record shows: messages, else prompt and completion, else text_field
+    (fields that are null count as absent); ValueError naming its fields when none fits."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a record is a JSON object, not {type(row).__name__}")
+    present = sorted(k for k, v in row.items() if v is not None)
+    if "messages" in present:
+        return MESSAGES
+    if "prompt" in present and "completion" in present:
+        return PROMPT_COMPLETION
+    if text_field in present:
+        return TEXT
+    raise ValueError(f"{where}: a record needs the field {text_field!r} (or --text-field "
+                     f"NAME), 'prompt' and 'completion', or 'messages'; it has {present}")
+
+
+class Records:
+    """The records of a `--dataset` name (module docstring): iterate for `Record`s, each pass
+    from the start. `kind` and `fields` (the data set's own field names) are known once made;
+    `info()` is what a token file's header records of the source."""
+
+    def __init__(self, name: str, kind=None, text_field=None):
+        if not is_records_name(name):
+            raise ValueError(f"--dataset {name!r} is not one of "
+                             f"{', '.join(f + ':' for f in FORMATS)}")
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"record kind {kind!r} is not one of {', '.join(KINDS)}")
+        if text_field is not None and kind not in (None, TEXT):
+            raise ValueError(f"a text field applies to plain text records, not {kind}")
+        self.name = name
+        self.format, self.path = name.split(":", 1)
+        if not self.path:
+            raise ValueError(f"--dataset {name!r}: give a path, {self.format}:PATH")
+        self.text_field = text_field or DEFAULT_TEXT_FIELD
+        _datasets()
+        if self.format == HFDISK:
+            if not os.path.isdir(self.path):
+                raise ValueError(f"--dataset {name}: {self.path} is not a directory")
+            self.files = [self.path]
+        else:
+            self.files = _files(name, self.format, self.path)
+            if self.format == JSONL:
+                for f in self.files:
+                    _check_jsonl(f)
+        self.kind = TEXT if text_field is not None and kind is None else kind
+        if self.kind is None:
+            first = next(self._rows(), None)
+            if first is None:
+                raise ValueError(f"--dataset {name}: no records")
+            self.kind = detect_kind(first[0], self.text_field, first[1])
+        self.fields = [self.text_field] if self.kind == TEXT else list(FIELDS[self.kind])
+
+    def info(self) -> dict:
+        return {"source": self.name, "format": self.format, "files": len(self.files),
+                "kind": self.kind, "fields": list(self.fields)}
+
+    def __iter__(self):
+        count = 0
+        for row, where in self._rows():
+            count += 1
+            yield Record(_check_fields(row, self.kind, self.text_field, where), where)
+        if not count:
+            raise ValueError(f"--dataset {self.name}: no records")
+
+    def __repr__(self) -> str:
+        return f"Records({self.name}, {self.kind}, {len(self.files)} file(s))"
+
+    # -- the formats -------------------------------------------------------------------------
+    def _rows(self):
+        """(row dict, where) of every record, in order."""
+        if self.format == HFDISK:
+            yield from self._saved()
+            return
+        for path in self.files:
+            yield from (self._jsonl(path) if self.format == JSONL else self._parquet(path))
+
+    def _stream(self, builder: str, path: str):
+        return iter(_datasets().load_dataset(builder, data_files=[path], split="train",
+                                             streaming=True))
+
+    def _jsonl(self, path: str):
+        lines = _nonblank_lines(path)
+        logging.getLogger(JSON_LOADER_LOG).setLevel(logging.CRITICAL)
+        try:
+            rows = self._stream("json", path)
+        except Exception as exc:             # the loader's own error: find the line at fault
+            raise self._jsonl_error(path, exc) from None
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as exc:
+                raise self._jsonl_error(path, exc) from None
+            yield row, f"{path} line {next(lines, '?')}"
+
+    def _jsonl_error(self, path: str, exc: Exception) -> ValueError:
+        """The ValueError for a file the JSON loader failed on: the first line that is not
+        JSON or not a record of this data set's kind, else the loader's message."""
+        kind = self.kind
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip(BLANK):
+                    continue
+                where = f"{path} line {number}"
+                try:
+                    row = json.loads(line)
+                except ValueError as bad:
+                    return ValueError(f"{where}: not valid JSON ({bad})")
+                try:
+                    kind = kind or detect_kind(row, self.text_field, where)
+                    _check_fields(row, kind, self.text_field, where)
+                except ValueError as bad:
+                    return bad
+        return ValueError(f"{path}: the datasets JSON loader failed: {type(exc).__name__}: "
+                          f"{exc}")
+
+    def _parquet(self, path: str):
+        try:
+            for number, row in enumerate(self._stream("parquet", path)):
+                yield row, f"{path} row {number}"
+        except Exception as exc:             # pyarrow's errors name no file
+            raise ValueError(f"{path}: the datasets Parquet loader failed: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+    def _saved(self):
+        datasets = _datasets()
+        try:
+            saved = datasets.load_from_disk(self.path)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ValueError(f"--dataset {self.name}: not a saved dataset ({exc})") from None
+        where = self.path
+        if isinstance(saved, datasets.DatasetDict):
+            split = next(iter(saved)) if len(saved) == 1 else "train"
+            if split not in saved:
+                raise ValueError(f"--dataset {self.name}: a DatasetDict of splits "
+                                 f"{sorted(saved)}, none named 'train'; save the split to "
+                                 f"train on")
+            saved, where = saved[split], f"{self.path} split {split}"
+        for number, row in enumerate(saved):
+            yield row, f"{where} row {number}"
+
+
+def open_records(name: str, kind=None, text_field=None) -> Records:
+    """The Records of `name` (jsonl:FILE|GLOB, parquet:FILE|GLOB or hfdisk:DIR); kind: one of
+    KINDS or None to find it from the first record; text_field: the plain-text field (naming
+    it implies TEXT). ValueError for a bad name, no files, or a first record of no kind."""
+    return Records(name, kind, text_field)
+
+
+__all__ = ["FIELDS", "FORMATS", "HFDISK", "JSONL", "KINDS", "MESSAGES", "PARQUET",
+           "PROMPT_COMPLETION", "Record", "Records", "TEXT", "detect_kind", "is_records_name",
+           "open_records"]
