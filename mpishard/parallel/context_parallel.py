@@ -1,12 +1,10 @@
 """Context parallelism: the sequence split over the cp group, attention across the split.
 
-With c = cp ranks and T tokens, the sequence is cut into 2c chunks of n = T / (2c) tokens and
-cp rank r holds chunks r and 2c-1-r, concatenated (its local T/c tokens). Under the causal mask
-a chunk late in the sequence attends to more keys than an early one; pairing an early chunk
-with a late one gives every rank the same work. Everything outside attention is per token, so
+Cp rank r holds chunks r and 2c-1-r of the sequence's 2c (sequence_split.py: the balanced
+split, every rank the same causal work). Everything outside attention is per token, so
 LayerNorm, the projections, the MLP and the head run on the local tokens unchanged; only the
-embedding needs the global positions of its tokens (`token_positions`). Parameters are
-replicated on cp: their gradients are averaged over cp like over a data axis
+embedding and the rotary need the global positions of its tokens (`token_positions`).
+Parameters are replicated on cp: their gradients are averaged over cp like over a data axis
 (comm.mesh.AVERAGE_AXES), each rank's loss being the mean over its (equally many) tokens.
 
 Ring attention (`cp=N`, `RingAttention`). The local queries stay; the keys and values travel:
@@ -25,62 +23,26 @@ block's home rank. Adjoints: the forward's (k, v) send to r+1 is undone by the (
 travels the same way and arrives home from r-1 (a send's adjoint is the matching receive of
 the gradient, summed where the block was used several times).
 
-Ulysses (`cp=N,cp_kind=ulysses`, `UlyssesAttention`): all_to_all from sequence-sharded
-(B, H, T/c, Dh) to head-sharded (B, H/c, T, Dh), the chunks put back in global order, full
-causal attention on the local heads, then the inverse. The adjoint of each all_to_all is the
-inverse all_to_all (here the same exchange with the roles of the two split axes swapped).
+Packed rows (nn/documents.py): every cp peer holds the same rows' document ids of the whole
+sequence, so each (query chunk, key chunk) pair takes its block-diagonal mask from the two
+chunks' ids, with no communication; a pair whose queries and keys share no document is
+skipped like a future one (exact: its block would add out 0 at lse -inf, and no gradient).
+
+Ulysses (`cp=N,cp_kind=ulysses`): ulysses.py.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..nn import attention as att
+from ..nn import documents as docs
 from ..nn.functional import array_module
 from ..nn.layers import Layer
+from .sequence_split import (TokenPositions, check_cp_length, chunk_ids, sequence_part,
+                             to_global_order)
+from .ulysses import UlyssesAttention
 from .unit_costs import decoder_stage
 
 FUTURE = "future"
 """pair_offset's answer for a key chunk wholly after the query chunk (skipped)."""
-
-
-# -- the balanced sequence split (no MPI) ----------------------------------------------------------
-def check_cp_length(t: int, c: int) -> None:
-    """ValueError unless the sequence length divides into the 2c balanced chunks."""
-    if t % (2 * c):
-        raise ValueError(f"cp={c} cuts the sequence into 2*cp = {2 * c} chunks, but its length "
-                         f"T={t} does not divide by {2 * c}")
-
-
-def chunk_ids(r: int, c: int) -> tuple:
-    """The two global chunks cp rank r holds, in local order: (r, 2c-1-r)."""
-    return r, 2 * c - 1 - r
-
-
-def global_order(c: int) -> list:
-    """For global chunk g = 0..2c-1, its slot in rank order (slot 2s + h: rank s's h-th chunk)."""
-    return [2 * g if g < c else 2 * (2 * c - 1 - g) + 1 for g in range(2 * c)]
-
-
-def reorder_chunks(x, axis: int, order: list):
-    """x cut into len(order) equal chunks along `axis`, chunk order[i] put i-th."""
-    xp = array_module(x)
-    n = x.shape[axis] // len(order)
-    index = [slice(None)] * x.ndim
-
-    def chunk(i):
-        index[axis] = slice(i * n, (i + 1) * n)
-        return x[tuple(index)]
-    return xp.concatenate([chunk(i) for i in order], axis=axis)
-
-
-def to_global_order(x, axis: int, c: int):
-    """Rank-ordered chunks (all_gather or all_to_all over cp) -> the global sequence order."""
-    return reorder_chunks(x, axis, global_order(c))
-
-
-def to_rank_order(x, axis: int, c: int):
-    """Inverse of to_global_order."""
-    return reorder_chunks(x, axis, list(np.argsort(global_order(c))))
 
 
 def shard_sequence(arr, mesh):
@@ -88,19 +50,6 @@ def shard_sequence(arr, mesh):
     sequence_part over cp; `arr` itself without cp."""
     c = mesh.layout.size("cp")
     return arr if c == 1 else sequence_part(arr, c, mesh.coords["cp"])
-
-
-def sequence_part(arr, c: int, r: int):
-    """(B, T, ...) -> (B, T/c, ...): chunks r and 2c-1-r of 2c along axis 1 (ValueError when
-    T does not divide by 2c or `arr` has no sequence axis)."""
-    arr = arr if hasattr(arr, "shape") else np.asarray(arr)     # a device array stays there
-    if arr.ndim < 2:
-        raise ValueError(f"cp={c} splits the sequence (axis 1): the batch needs (batch, T, ...) "
-                         f"dims, got shape {tuple(arr.shape)}")
-    check_cp_length(arr.shape[1], c)
-    n = arr.shape[1] // (2 * c)
-    parts = [arr[:, g * n:(g + 1) * n] for g in chunk_ids(r, c)]
-    return array_module(arr).concatenate(parts, axis=1)
 
 
 def gather_sequence(cp, y):
@@ -127,22 +76,6 @@ class SequenceOutput:
 def sequence_output(output, layout, cp):
     """`output` wrapped in a SequenceOutput under cp > 1, else `output` itself."""
     return SequenceOutput(output, cp) if layout.size("cp") > 1 else output
-
-
-class TokenPositions:
-    """The global positions of the tokens cp rank r holds: t local tokens -> two slices
-    (chunks r and 2c-1-r of n = t/2 each; nn.transformer.position_rows takes them, with no
-    index array to copy to a device). Given to the Embedding unit."""
-
-    def __init__(self, c: int, r: int, seq_len: int):
-        self.c, self.r, self.seq_len = c, r, seq_len
-
-    def __call__(self, t: int):
-        if t % 2 or t * self.c > self.seq_len:
-            raise ValueError(f"cp={self.c}: a rank holds two equal chunks, {t} local tokens "
-                             f"are {t * self.c} in all, seq_len={self.seq_len}")
-        n = t // 2
-        return tuple(slice(g * n, (g + 1) * n) for g in chunk_ids(self.r, self.c))
 
 
 def pair_offset(q0: int, k0: int, n: int):
@@ -177,9 +110,12 @@ class RingAttention(Layer):
     this unit has built, in elements (a measurement for tests and reports). `split`, `merge`,
     `expand` and `reduce` are where grouped-query attention (models/llama) differs: its
     (k, v) travel with their kv heads only and are repeated to the query heads per block.
+    `documents` (nn/documents.py): when microbatch mb is packed, each chunk pair is masked to
+    its documents (module docstring); the forward's ids stay on the tape for the backward.
     """
 
     attention_core = True      # recompute=attn wraps it like CausalSelfAttention
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
 
     KV, KV_BACK, DKV = 0, 1, 2            # message tags: forward (k, v), backward (k, v), (dk, dv)
 
@@ -205,18 +141,30 @@ class RingAttention(Layer):
     def reduce(self, dkv_part):                          # undoes expand on a gradient
         return dkv_part
 
-    def _pairs(self, step, t_local):
-        """Block of step `step` comes from rank s = r - step; its visible chunk pairs."""
+    def _pairs(self, step, t_local, ids):
+        """Block of step `step` comes from rank s = r - step: (query slice, key slice, causal
+        offset, document mask) of its chunk pairs, less those wholly in the future and, in
+        packed rows (ids: the rows' (B, T) document ids, else None), those wholly in other
+        documents."""
         n = t_local // 2
         s = (self.r - step) % self.c
-        return [(slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), offset)
-                for qi, ki, offset in visible_pairs(self.r, s, self.c, n)]
+        pairs = []
+        for qi, ki, offset in visible_pairs(self.r, s, self.c, n):
+            mask = None
+            if ids is not None:                          # the two chunks' ids, global order
+                qg, kg = chunk_ids(self.r, self.c)[qi], chunk_ids(s, self.c)[ki]
+                mask = docs.visible(ids[:, qg * n:(qg + 1) * n], ids[:, kg * n:(kg + 1) * n])
+                if not bool(mask.any()):                 # no shared document: skipped
+                    continue
+            pairs.append((slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), offset,
+                          mask))
+        return pairs
 
-    def _attend(self, q, kv, step, state):
+    def _attend(self, q, kv, step, state, ids):
         """Merge this block's visible pairs into the running (out, lse) of each query chunk."""
-        for qs, ks, offset in self._pairs(step, q.shape[2]):
+        for qs, ks, offset, mask in self._pairs(step, q.shape[2], ids):
             o, lse = att.attention_block(q[:, :, qs], self.expand(kv[0][:, :, ks]),
-                                         self.expand(kv[1][:, :, ks]), offset)
+                                         self.expand(kv[1][:, :, ks]), offset, visible=mask)
             b, h, tq, tk = q.shape[0], q.shape[1], qs.stop - qs.start, ks.stop - ks.start
             self.peak_scores = max(self.peak_scores, b * h * tq * tk)   # 'bhtd,bhsd->bhts'
             key = qs.start
@@ -229,35 +177,36 @@ class RingAttention(Layer):
             raise ValueError(f"RingAttention: a cp rank holds two equal chunks, got "
                              f"{q.shape[2]} tokens")
         kv, state, sends = xp.stack([k, v]), {}, []      # (2, B, H, 2n, Dh): what travels
+        ids = docs.rows_of(self.documents, mb)           # packed: (B, T), else None
         for step in range(self.c):
             if step < self.c - 1:                        # the next block, while computing
                 sends.append(self.cp.send_async(kv, self.next, tag=self.KV))
                 coming = self.cp.receive_async(self.prev, tag=self.KV)
-            self._attend(q, kv, step, state)             # online softmax over the blocks
+            self._attend(q, kv, step, state, ids)        # online softmax over the blocks
             if step < self.c - 1:
                 kv = coming.result()
         for f in sends:
             f.result()
         out = xp.concatenate([state[key][0] for key in sorted(state)], axis=2)
         lse = xp.concatenate([state[key][1] for key in sorted(state)], axis=2)
-        self.save(mb, record, (q, k, v, out, lse))
+        self.save(mb, record, (q, k, v, out, lse, ids))
         return att.merge_heads(out)                      # heads concatenated
 
-    def _attend_backward(self, dout, q, kv, out, lse, step, dq):
+    def _attend_backward(self, dout, q, kv, out, lse, step, dq, ids):
         """This rank's share of (dk, dv) for the visiting block; dq accumulated in place."""
         dkv = array_module(q).zeros_like(kv)
-        for qs, ks, offset in self._pairs(step, q.shape[2]):
+        for qs, ks, offset, mask in self._pairs(step, q.shape[2], ids):
             dq_part, dk_part, dv_part = att.attention_block_backward(
                 dout[:, :, qs], q[:, :, qs], self.expand(kv[0][:, :, ks]),
                 self.expand(kv[1][:, :, ks]), out[:, :, qs], lse[:, :, qs],
-                offset)                                  # undoes attention_block + merge
+                offset, visible=mask)                    # undoes attention_block + merge
             dq[:, :, qs] += dq_part
             dkv[0][:, :, ks] += self.reduce(dk_part)     # (and expand)
             dkv[1][:, :, ks] += self.reduce(dv_part)
         return dkv
 
     def backward(self, dy, mb=0):
-        q, k, v, out, lse = self.pop(mb)
+        q, k, v, out, lse, ids = self.pop(mb)
         xp = array_module(q)
         dout = att.merge_heads_backward(dy, self.n_heads)   # undoes merge_heads
         dq, kv, sends, arriving = xp.zeros_like(q), xp.stack([k, v]), [], None
@@ -265,7 +214,7 @@ class RingAttention(Layer):
             if step < self.c - 1:                        # (k, v) again, ahead of the compute
                 sends.append(self.cp.send_async(kv, self.next, tag=self.KV_BACK))
                 coming = self.cp.receive_async(self.prev, tag=self.KV_BACK)
-            dkv = self._attend_backward(dout, q, kv, out, lse, step, dq)
+            dkv = self._attend_backward(dout, q, kv, out, lse, step, dq, ids)
             if arriving is not None:                     # the shares of the ranks before
                 dkv += arriving.result()
             # adjoint of the forward's (k, v) send: the block's (dk, dv) follows it; after
@@ -281,54 +230,6 @@ class RingAttention(Layer):
 
 
 # -- Ulysses ---------------------------------------------------------------------------------------
-class UlyssesAttention(Layer):
-    """(B, T/c, 3 D_local) -> (B, T/c, D_local) by head-sharded attention: all_to_all to
-    (B, H/c, T, Dh) on this rank's heads (sequence in global order), causal attention, and the
-    inverse all_to_all back. No parameters; cp: the Comm of the cp group."""
-
-    attention_core = True      # recompute=attn wraps it like CausalSelfAttention
-
-    def __init__(self, n_heads, cp):
-        super().__init__()
-        self.n_heads, self.cp = n_heads, cp
-        self.c = cp.mesh.layout.size("cp")
-        assert n_heads % self.c == 0, "check_cp refuses heads that do not divide by cp"
-
-    def __repr__(self):
-        return f"UlyssesAttention(heads={self.n_heads}, cp={self.c})"
-
-    def to_heads(self, x):
-        """(m, B, H, T/c, Dh) sequence-sharded -> (m, B, H/c, T, Dh) head-sharded, global
-        order. all_to_all over cp; adjoint: to_sequence."""
-        m, b, h, t, d = x.shape
-        x = x.reshape(m, b, self.c, h // self.c, t, d).transpose(2, 0, 1, 3, 4, 5)
-        x = self.cp.all_to_all(x, axis=0)                # head group j to rank j; (src, m, ...)
-        x = x.transpose(1, 2, 3, 0, 4, 5).reshape(m, b, h // self.c, self.c * t, d)
-        return to_global_order(x, 3, self.c)             # rank order -> sequence order
-
-    def to_sequence(self, x):
-        """Inverse of to_heads: (m, B, H/c, T, Dh) -> (m, B, H, T/c, Dh)."""
-        m, b, h, t, d = x.shape
-        x = to_rank_order(x, 3, self.c)                  # undoes to_global_order
-        x = x.reshape(m, b, h, self.c, t // self.c, d).transpose(3, 0, 1, 2, 4, 5)
-        x = self.cp.all_to_all(x, axis=0)                # undoes the all_to_all of to_heads
-        return x.transpose(1, 2, 0, 3, 4, 5).reshape(m, b, h * self.c, t // self.c, d)
-
-    def forward(self, a, mb=0, record=True):
-        xp = array_module(a)
-        q, k, v = self.to_heads(xp.stack(att.split_heads(a, self.n_heads)))   # (B, h, T, Dh)
-        out, lse = att.causal_attention_forward(q, k, v)
-        self.save(mb, record, (q, k, v, out, lse))
-        return att.merge_heads(self.to_sequence(out[None])[0])
-
-    def backward(self, dy, mb=0):
-        q, k, v, out, lse = self.pop(mb)
-        xp = array_module(q)
-        dout = self.to_heads(att.merge_heads_backward(dy, self.n_heads)[None])[0]  # undoes
-        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, lse)  # the last two
-        return att.split_heads_backward(*self.to_sequence(xp.stack([dq, dk, dv])))  # 1st two
-
-
 # -- composition -----------------------------------------------------------------------------------
 def check_cp(model, layout) -> None:
     """The same ValueError on every rank, before any communication, for a cp layout this

@@ -15,9 +15,9 @@ import mpishard as ms
 from conftest import group_comm
 from mpishard.comm.mesh import coordinates, parse_layout
 from mpishard.parallel.compose import plan_params
-from mpishard.parallel.context_parallel import (RingAttention, chunk_ids, ring_bytes,
-                                                sequence_part, to_global_order, to_rank_order,
-                                                visible_pairs)
+from mpishard.parallel.context_parallel import RingAttention, ring_bytes, visible_pairs
+from mpishard.parallel.sequence_split import (chunk_ids, sequence_part, to_global_order,
+                                              to_rank_order)
 from test_gpt_engine import compare_with_single
 from test_gpt_nn import perturbed
 

@@ -13,7 +13,7 @@ import pytest
 import mpishard as ms
 from conftest import group_comm
 from mpishard.models.llama.attention import Rotary, rope_angles
-from mpishard.parallel.context_parallel import TokenPositions
+from mpishard.parallel.sequence_split import TokenPositions
 from test_llama_layouts import compare_with_single, make_llama
 
 
