@@ -72,7 +72,9 @@ def sequence_part(arr, c: int, r: int):
 class TokenPositions:
     """The global positions of the tokens cp rank r holds: t local tokens -> two slices
     (chunks r and 2c-1-r of n = t/2 each; nn.transformer.position_rows takes them, with no
-    index array to copy to a device). Given to the Embedding unit."""
+    index array to copy to a device). Given to the embedding and the rotary; in packed rows
+    they cut the positions within each document to the same slices
+    (nn.documents.local_positions)."""
 
     def __init__(self, c: int, r: int, seq_len: int):
         self.c, self.r, self.seq_len = c, r, seq_len
