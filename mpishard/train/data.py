@@ -44,7 +44,8 @@ class Dataset:
     'binary' (float 0/1 targets of shape (N, 1), BCE on a sigmoid output).
     standardize: None, or {"mean": (d_in,), "std": (d_in,)} arrays when x_train and x_test
     are the raw features standardised, (raw - mean) / std. tokenizer: the HFTokenizer whose
-    ids the inputs are (None for numbers and bytes).
+    ids the inputs are (None for numbers and bytes). d_train, d_test: None, or the document
+    ids (N, T) of packed rows (nn/documents.py), row for row with x_train and x_test.
     """
 
     name: str
@@ -56,6 +57,14 @@ class Dataset:
     n_classes: int = 0
     standardize: Any = None
     tokenizer: Any = None
+    d_train: Any = None
+    d_test: Any = None
+
+    @property
+    def masked(self) -> bool:
+        """Whether targets may hold the loss' ignore index (fine-tune rows, sft_rows.py): the
+        Trainer then divides by the global count of counted targets."""
+        return False
 
     @property
     def d_in(self) -> int:
@@ -177,13 +186,16 @@ class DistributedBatcher:
     Batches are drawn without replacement from a permutation of the training rows; a last
     partial batch is dropped (DataLoader's drop_last), so every step sees `batch` rows.
     `position(step)` maps a global step to (epoch, batch index), so a resumed run continues
-    from the same rows.
+    from the same rows. `documents`: None, or packed rows' document ids (N, T), whose rows
+    `micro_documents` takes as `micro_batches` takes x's and t's.
     """
 
-    def __init__(self, x, t, batch, dp_size=1, dp_rank=0, seed=0, accumulate=1, shuffle=True):
+    def __init__(self, x, t, batch, dp_size=1, dp_rank=0, seed=0, accumulate=1, shuffle=True,
+                 documents=None):
         n = len(x)
-        if len(t) != n:
-            raise ValueError(f"inputs have {n} rows but targets have {len(t)}")
+        if len(t) != n or (documents is not None and len(documents) != n):
+            raise ValueError(f"inputs have {n} rows but targets have {len(t)}"
+                             + ("" if documents is None else f", documents {len(documents)}"))
         for what, v in (("batch", batch), ("accumulate", accumulate), ("dp_size", dp_size)):
             check_number(what, v, low=1, integer=True)
         if batch % (accumulate * dp_size):
@@ -193,7 +205,7 @@ class DistributedBatcher:
             raise ValueError(f"global batch {batch} is larger than the {n} training rows")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
-        self.x, self.t = x, t
+        self.x, self.t, self.documents = x, t, documents
         self.n, self.batch, self.accumulate = n, int(batch), int(accumulate)
         self.dp_size, self.dp_rank = int(dp_size), int(dp_rank)
         self.seed, self.shuffle = int(seed), bool(shuffle)
@@ -203,9 +215,10 @@ class DistributedBatcher:
         self._perm_epoch, self._perm = None, None
 
     @classmethod
-    def for_engine(cls, engine, x, t, batch, seed=0, accumulate=1, shuffle=True):
+    def for_engine(cls, engine, x, t, batch, seed=0, accumulate=1, shuffle=True,
+                   documents=None):
         return cls(x, t, batch, engine.data_parallel_size, engine.data_parallel_rank, seed,
-                   accumulate, shuffle)
+                   accumulate, shuffle, documents)
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order of the training rows in `epoch` (the same on every rank)."""
@@ -241,6 +254,15 @@ class DistributedBatcher:
             idx = self.local_indices(epoch, index, micro)
             out.append((self.x[idx], self.t[idx]))
         return out
+
+    def micro_documents(self, step: int) -> list:
+        """The document ids of micro_batches(step)'s rows, one array per micro-step (None
+        each when the rows are not packed)."""
+        epoch, index = self.position(step)
+        if self.documents is None:
+            return [None] * self.accumulate
+        return [self.documents[self.local_indices(epoch, index, micro)]
+                for micro in range(self.accumulate)]
 
 
 def eval_chunks(n_rows: int, chunk: int, dp_size: int, dp_rank: int):

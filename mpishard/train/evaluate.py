@@ -14,9 +14,11 @@ it runs in the engine's dtype. Nothing is gathered but four scalars at the end.
 Padding counts nowhere: a rank cuts its padded rows from its output and targets before the loss
 (the tp peers of a rank hold the same rows, so they cut alike). The test loss is the mean over
 what the loss averages (tokens, rows or output elements) of the scored rows: each rank adds
-`value * count` for its rows, on the last pipeline stage where the output is, and the sums of
-those and of the counts are taken over the data axes and cp (engine.global_mean, the same ratio
-as a sum). Padding takes no expert capacity either: `predict_rows` runs the forward inside
+`value * count` for its rows (count: `loss.counted`, so fine-tune rows' ignored targets, -100,
+count nowhere; packed rows are predicted with their document ids, data.d_test), on the last
+pipeline stage where the output is, and the sums of those and of the counts are taken over the
+data axes and cp (engine.global_mean, the same ratio as a sum); nan when nothing counted.
+Padding takes no expert capacity either: `predict_rows` runs the forward inside
 nn/moe_routing.valid_tokens with this rank's real rows, so a mixture of experts routes the
 padded rows to no expert and a batch's real rows get the drops they would get alone.
 """
@@ -46,12 +48,12 @@ def check_eval_args(rows, max_batches, dp: int, layout: str) -> None:
         check_number("eval_batches", max_batches, low=0, integer=True)
 
 
-def predict_rows(engine, x, real: int):
+def predict_rows(engine, x, real: int, documents=None):
     """engine.predict on this rank's rows, of which the first `real` are data and the rest
-    padding (never scored, and routed to no expert)."""
+    padding (never scored, and routed to no expert); documents: packed rows' ids or None."""
     rows = len(x)
     with valid_tokens(engine.chunks, None if real == rows else np.arange(rows) < real):
-        return engine.predict(x)
+        return engine.predict(x) if documents is None else engine.predict(x, documents)
 
 
 def evaluate(engine, data, loss, rows: int, max_batches=None) -> dict:
@@ -70,18 +72,20 @@ def evaluate(engine, data, loss, rows: int, max_batches=None) -> dict:
             break
         scored += real
         mine = min(max(real - rank * share, 0), share)          # this rank's real rows
-        y = predict_rows(engine, sequence_cut(engine, data.x_test[idx]), mine)
+        documents = None if data.d_test is None else data.d_test[idx]
+        y = predict_rows(engine, sequence_cut(engine, data.x_test[idx]), mine, documents)
         if y is None or mine == 0:           # not the last pipeline stage, or padding only
             continue
         y, t = y[:mine], _targets(engine, sequence_cut(engine, data.t_test[idx[:mine]]))
-        sums[0] += scorer.value(y, t) * t.size
-        sums[1] += t.size
+        counted = scorer.counted(t)
+        sums[0] += scorer.value(y, t) * counted
+        sums[1] += counted
         if data.task in ACCURACY_TASKS:
             hits = y.argmax(axis=-1) == t if data.task == "classification" else \
                 (y >= 0.5) == (t >= 0.5)
             sums[2] += int(hits.sum())
     loss_sum, count, hits = (engine.global_mean(float(v)) for v in sums)  # sums' ratios
-    result = {"test_loss": loss_sum / count}
+    result = {"test_loss": loss_sum / count if count else float("nan")}
     if data.task in ACCURACY_TASKS:          # a count of items: exact, as a plain mean is
         items = scored * math.prod(data.t_test.shape[1:])
         result["test_accuracy"] = round(hits / count * items) / items

@@ -5,7 +5,8 @@
 A train record (rank 0 writes it; every rank takes part in the memory gather):
 
     {"kind": "train", "step": 200, "loss": 1.93, "lr": 0.003, "grad_norm": 0.41 | null,
-     "samples_per_s": 812.0, "tokens_per_s": 52000.0 (language models), "step_time_s": 0.079,
+     "samples_per_s": 812.0, "tokens_per_s": 52000.0 (language models; fine-tune rows: the
+     counted targets), "step_time_s": 0.079,
      "rss_mib": [412.1, 408.9], "time": 1764170000.1}
 
 plus, for a mixture-of-experts model (expert_load.py: the step's tokens per expert),
@@ -154,10 +155,10 @@ class MetricsStream(Callback):
 
     def __init__(self, sinks, saver=None):
         self.sinks, self.saver = list(sinks), saver
-        self._mark = None                    # (step, train_time) at the previous record
+        self._mark = None            # (step, train_time, run_tokens) at the previous record
 
     def on_train_begin(self, trainer) -> None:
-        self._mark = (trainer.state.step, trainer.train_time)
+        self._mark = (trainer.state.step, trainer.train_time, trainer.run_tokens)
         if trainer.rank == 0:
             for sink in self.sinks:
                 sink.open(trainer.state.step)
@@ -170,12 +171,15 @@ class MetricsStream(Callback):
         if trainer.rank != 0:
             return
         steps, seconds = st.step - self._mark[0], trainer.train_time - self._mark[1]
-        self._mark = (st.step, trainer.train_time)
+        tokens = trainer.run_tokens - self._mark[2]
+        self._mark = (st.step, trainer.train_time, trainer.run_tokens)
         record = {"kind": "train", "step": st.step, "loss": st.loss_history[-1],
                   "lr": st.lr_history[-1],
                   "grad_norm": st.grad_norm_history[-1] if trainer.clip else None,
                   "samples_per_s": steps * trainer.batch / seconds if seconds > 0 else 0.0}
-        if trainer.data.task == "language":
+        if trainer.data.masked:              # fine-tune rows: the counted targets
+            record["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+        elif trainer.data.task == "language":
             record["tokens_per_s"] = record["samples_per_s"] * trainer.data.x_train.shape[1]
         record.update(getattr(trainer, "expert_load", {}))   # a mixture of experts' load
         record.update(step_time_s=seconds / steps if steps else 0.0, rss_mib=rss,

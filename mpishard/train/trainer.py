@@ -15,6 +15,13 @@ One optimizer step with gradient accumulation over k micro-steps (DDP's `no_sync
     # (global_mean(sum of the first k-1 local losses) + loss_{k-1}) / k.
     clip_grad_norm(engine, grads, clip); optimizer.step(grads)
 
+A masked data set (fine-tune rows, sft_rows.py: labels of -100 count nowhere) is averaged over
+the counted targets of the whole step instead: one collective counts them over the step's
+micro-batches and every rank (count = engine.count_targets), each micro-step is given
+count= (and its rows' document ids when packed) with grad_scale 1, not 1/k, and contributes
+its share sum(token losses) / count, so the step's loss is the sum of the k contributions:
+the single-device mean over the global batch's counted tokens, whichever rank holds how many.
+
 Checkpoints plug in as a callback: `TrainState` (history.py) holds the step (the data position
 follows from it, see DistributedBatcher.position) and the bounded histories, and
 `Callback.on_step_end` runs after every optimizer step on every rank (the checkpoint package's
@@ -150,7 +157,7 @@ class Trainer:
         self.engine, self.optimizer, self.data = engine, optimizer, data
         self.loss = get_loss(loss or data.default_loss)
         self.batcher = DistributedBatcher.for_engine(engine, data.x_train, data.t_train, batch,
-                                                     seed, accumulate, shuffle)
+                                                     seed, accumulate, shuffle, data.d_train)
         m = _pipeline_microbatches(engine)
         if self.batcher.local_rows % m:      # train_step would raise it mid-fit otherwise
             raise ValueError(f"microbatches={m} does not divide the {self.batcher.local_rows} "
@@ -175,6 +182,7 @@ class Trainer:
         self.log = logger or logging.getLogger("mpishard")
         self.state = TrainState()
         self.train_time, self.run_samples = 0.0, 0    # this Trainer's: throughput (resumes)
+        self.run_tokens = 0          # counted targets trained on (masked data sets)
         self.memory = PhasePeaks()            # peak memory per phase (memory.py)
         self.eval_notice_s = EVAL_NOTICE_S     # a longer evaluation logs that it still runs
         self.expert_load = {}        # the last step's (expert_load.py); {} for a dense model
@@ -198,14 +206,24 @@ class Trainer:
         e.comm.context(step=st.step + 1)       # named by a CollectiveTimeout (health/watchdog.py)
         if self.schedule is not None:
             self.optimizer.lr = self.schedule(st.step)
+        batches = [(sequence_cut(e, x), sequence_cut(e, t))      # cp: this rank's chunks
+                   for x, t in self.batcher.micro_batches(st.step)]
+        masked, counted = {}, 0
+        if self.data.masked:                   # the global-token mean (module docstring)
+            counted = e.count_targets(np.concatenate([t for _, t in batches]), self.loss)
+            masked = [{"count": counted, "documents": d}
+                      for d in self.batcher.micro_documents(st.step)]
         local_sum, value, grads = 0.0, 0.0, None
-        for i, (x, t) in enumerate(self.batcher.micro_batches(st.step)):
-            x, t = sequence_cut(e, x), sequence_cut(e, t)     # cp: this rank's chunks
+        for i, (x, t) in enumerate(batches):
             value, grads = e.train_step(x, t, self.loss, accumulate=i > 0, sync=i == k - 1,
-                                        grad_scale=self.loss_scale / k)
+                                        grad_scale=self.loss_scale / (1 if masked else k),
+                                        **(masked[i] if masked else {}))
             if i < k - 1:
                 local_sum += value                       # local losses: no communication yet
-        loss = (e.global_mean(local_sum) + value) / k if k > 1 else value
+        loss = value
+        if k > 1:                 # masked: the micro-steps' shares add up to the step's mean
+            loss = e.global_mean(local_sum) + value
+            loss = loss if masked else loss / k
         if not self.nonfinite.allows_update(loss):     # on_nonfinite='skip': drop the update
             if self.clip is not None:
                 st.grad_norm_history.append(float("nan"))
@@ -222,6 +240,7 @@ class Trainer:
         st.step += 1
         st.samples += self.batch
         self.run_samples += self.batch
+        self.run_tokens += counted
         return loss
 
     @property
@@ -252,6 +271,8 @@ class Trainer:
                       e.model.log_name(), e.num_devices, e.layout.text, self.total_steps,
                       self.batch, self.accumulate, self.batcher.local_rows,
                       self.batcher.steps_per_epoch)
+        if self.data.masked:            # fine-tune rows: real tokens, counted targets
+            self.log.info("%s", self.data.rows_text(self.batch))
         threads = e.blas_threads        # health/threads.py: a pool it changed, it logged itself
         self.log.log(logging.INFO if threads.threads == threads.before else logging.DEBUG,
                      "BLAS threads per rank: %s (%s)", threads.threads or "as started",
@@ -350,9 +371,17 @@ class Trainer:
         if self.data.task == "language":      # nats and bits per byte/token, tokens/s, corpus
             unit = self.data.unit
             metrics.update(val_loss=final.get("test_loss"), corpus=self.data.corpus,
-                           tokens_per_s=self.samples_per_s * self.data.x_train.shape[1],
+                           tokens_per_s=self.tokens_per_s,
                            **{f"val_bits_per_{unit}": final.get(f"val_bits_per_{unit}")})
         return metrics
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second of a language model's rows: the counted targets for a masked
+        data set (padding and prompts are no work the loss sees), every position else."""
+        if self.data.masked:
+            return self.run_tokens / self.train_time if self.train_time > 0 else 0.0
+        return self.samples_per_s * self.data.x_train.shape[1]
 
     @property
     def samples_per_s(self) -> float:
