@@ -20,6 +20,7 @@ Kinds (`KINDS`), one per data set, found from the first record unless `kind` is 
   keys whose value is None are dropped: Arrow adds them when it unifies the rows' structs);
 - PROMPT_COMPLETION: string fields `prompt` and `completion`;
 - TEXT: the string field `text_field` ("text" unless given; naming one implies TEXT).
+Strings must be Unicode text (JSON can spell a lone surrogate, which no tokenizer encodes).
 The first of these a record has decides (a field that is null counts as absent: Arrow fills
 the fields other rows have with null). Every record must then be of the same kind: one that
 lacks its fields or holds another type is a ValueError naming where it is, and every rank,
@@ -125,13 +126,20 @@ def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
             check_messages(row["messages"])
         except ValueError as exc:
             raise ValueError(f"{where}: field 'messages': {exc}") from None
-        return {"messages": [{k: v for k, v in m.items() if v is not None}
-                             for m in row["messages"]]}
-    for name in names:
-        if not isinstance(row[name], str):
-            raise ValueError(f"{where}: field {name!r} must be a string "
-                             f"({type(row[name]).__name__})")
-    return dict(zip(FIELDS[kind], (row[n] for n in names)))
+        fields = {"messages": [{k: v for k, v in m.items() if v is not None}
+                               for m in row["messages"]]}
+    else:
+        for name in names:
+            if not isinstance(row[name], str):
+                raise ValueError(f"{where}: field {name!r} must be a string "
+                                 f"({type(row[name]).__name__})")
+        fields = dict(zip(FIELDS[kind], (row[n] for n in names)))
+    try:
+        json.dumps(fields, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: the record holds a lone surrogate, which is not Unicode "
+                         f"text") from None
+    return fields
 
 
 def _describe(kind: str, text_field: str) -> str:

@@ -18,6 +18,11 @@ ceil(n * val_fraction) tokens move to val.bin (text.split_point), so the two fil
 the tokens and the split that the in-memory path (`tokenized_text_dataset`) cuts from the same
 corpus and tokenizer: the same windows, batches and losses either way.
 
+Version 2 (example_tokens.py, `tokenize --dataset jsonl:...`) adds one example per record, a
+loss mask and the examples' starts beside each split's tokens (EXAMPLE_FILES, named in the
+header's "examples"); its train.bin and val.bin are version 1's, so `token_dataset` reads
+either version as flat tokens.
+
 The tokenizer travels with its tokens: a run on DIR carries the files DIR holds
 (`tokenizer_files`, read as plain names inside DIR like every other name of the header), never
 a tokenizer at the path `tokenizer.name` gives (shown, never followed). A header without
@@ -46,6 +51,10 @@ from .untrusted import file_in, whole_number
 TOKENS_PREFIX = "tokens:"
 HEADER, TRAIN_FILE, VAL_FILE = "tokens.json", "train.bin", "val.bin"
 FORMAT, VERSION = "mpishard-tokens", 1
+EXAMPLES_VERSION = 2               # example_tokens.py's: version 1 plus masks and starts
+VERSIONS = (VERSION, EXAMPLES_VERSION)
+# the example files a version-2 directory adds (example_tokens.py), per split
+EXAMPLE_FILES = ("train.mask.bin", "train.starts.bin", "val.mask.bin", "val.starts.bin")
 COPY_TOKENS = 1 << 22              # tokens per chunk when moving the tail to val.bin
 
 
@@ -101,9 +110,9 @@ def read_header(directory: str) -> dict:
         raise ValueError(f"{where}: {HEADER} is not readable JSON ({exc})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{where}: {HEADER} is not an {FORMAT} header")
-    if header.get("version") != VERSION:
+    if header.get("version") not in VERSIONS:
         raise ValueError(f"{where}: {HEADER} has version {header.get('version')!r}; this "
-                         f"mpishard reads version {VERSION}")
+                         f"mpishard reads versions {', '.join(map(str, VERSIONS))}")
     try:
         dtype = np.dtype(header["dtype"])
         vocab = whole_number(header["vocab_size"], "vocab_size", low=1)
@@ -225,21 +234,13 @@ class _Reading:
 # -- writing ---------------------------------------------------------------------------------
 def write_tokens(out: str, tokenizer, corpus=None, max_bytes=None,
                  val_fraction=DEFAULT_VAL_FRACTION) -> dict:
-    """Tokenize `corpus` with `tokenizer` into DIR `out` (created; a directory that holds
-    anything but a previous token file is refused); returns the header written. The
-    tokenizer's files (`_files_of`) are written beside the tokens and named in the header,
-    those of a previous tokenizer removed. The files are written under temporary names and
-    renamed, the header last."""
+    """Tokenize `corpus` with `tokenizer` into DIR `out` (prepare_directory); returns the
+    header written (publish: the tokenizer's files beside the tokens, the header last)."""
     split_point(1, val_fraction)                           # ValueError for a bad fraction
     if max_bytes is not None:
         check_max_bytes(max_bytes)
-    if os.path.exists(out) and (not os.path.isdir(out) or set(os.listdir(out))
-                                - {HEADER, TRAIN_FILE, VAL_FILE, *TOKENIZER_FILES}):
-        raise ValueError(f"--out {out} exists and is not a token directory; refusing to "
-                         f"write into it")
-    os.makedirs(out, exist_ok=True)
+    prepare_directory(out)
     dtype = token_dtype(tokenizer.vocab_size)
-    files = _files_of(tokenizer)
     docs = _Reading(corpus, max_bytes)
     train_tmp, val_tmp = (os.path.join(out, f + ".tmp") for f in (TRAIN_FILE, VAL_FILE))
     count, max_id = 0, -1
@@ -250,13 +251,33 @@ def write_tokens(out: str, tokenizer, corpus=None, max_bytes=None,
             f.write(ids.astype(dtype).tobytes())
             count += ids.size
     cut = split_point(count, val_fraction)
-    _move_tail(train_tmp, val_tmp, dtype, cut, count)
+    move_tail(train_tmp, val_tmp, dtype, cut, count)
+    files = files_of(tokenizer)
     header = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
               "vocab_size": int(tokenizer.vocab_size), "eos_id": tokenizer.eos_id,
               "max_id": max_id, "tokenizer": dict(tokenizer.identity(), files=sorted(files)),
               "train": {"file": TRAIN_FILE, "count": cut},
               "val": {"file": VAL_FILE, "count": count - cut}, "val_fraction": val_fraction,
               "corpus": docs.info()}
+    publish(out, files, (TRAIN_FILE, VAL_FILE), header)
+    return header
+
+
+def prepare_directory(out: str):
+    """Create DIR `out`; a directory that holds anything but a previous token directory's
+    files is refused (ValueError)."""
+    if os.path.exists(out) and (not os.path.isdir(out) or set(os.listdir(out)) - {
+            HEADER, TRAIN_FILE, VAL_FILE, *EXAMPLE_FILES, *TOKENIZER_FILES}):
+        raise ValueError(f"--out {out} exists and is not a token directory; refusing to "
+                         f"write into it")
+    os.makedirs(out, exist_ok=True)
+
+
+def publish(out: str, files: dict, names, header: dict):
+    """Finish a token directory: the tokenizer's `files` ({name: bytes}) written, those of a
+    previous tokenizer removed, each of `names` renamed from its NAME.tmp, the header written
+    (under a temporary name, renamed last), then a previous version's example files that
+    `names` lacks removed."""
     for name in TOKENIZER_FILES:
         if name in files:
             with open(os.path.join(out, name + ".tmp"), "wb") as f:
@@ -264,16 +285,18 @@ def write_tokens(out: str, tokenizer, corpus=None, max_bytes=None,
             os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
         elif os.path.isfile(os.path.join(out, name)):
             os.remove(os.path.join(out, name))             # a previous tokenizer's
-    for tmp, final in ((train_tmp, TRAIN_FILE), (val_tmp, VAL_FILE)):
-        os.replace(tmp, os.path.join(out, final))
+    for name in names:
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
     tmp = os.path.join(out, HEADER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(header, f, indent=1)
     os.replace(tmp, os.path.join(out, HEADER))
-    return header
+    for name in EXAMPLE_FILES:
+        if name not in names and os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))             # a previous version's
 
 
-def _files_of(tokenizer) -> dict:
+def files_of(tokenizer) -> dict:
     """{file name: bytes} a token directory keeps of `tokenizer`: none for bytes; an
     HFTokenizer's files, or its canonical JSON as tokenizer.json when it was made in memory."""
     if tokenizer.identity().get("name") == BYTES:
@@ -284,7 +307,7 @@ def _files_of(tokenizer) -> dict:
     return files
 
 
-def _move_tail(train_path, val_path, dtype, cut: int, count: int):
+def move_tail(train_path, val_path, dtype, cut: int, count: int):
     """Tokens cut..count of train_path to val_path (a chunk at a time), then train_path cut
     to its first `cut` tokens."""
     source = TokenFile(train_path, dtype, count)
@@ -294,6 +317,7 @@ def _move_tail(train_path, val_path, dtype, cut: int, count: int):
     os.truncate(train_path, cut * dtype.itemsize)
 
 
-__all__ = ["HEADER", "TOKENS_PREFIX", "TRAIN_FILE", "TokenFile", "VAL_FILE", "is_tokens_name",
-           "read_header", "token_dataset", "tokenized_text_dataset", "tokenizer_files",
-           "tokens_directory", "write_tokens"]
+__all__ = ["EXAMPLES_VERSION", "EXAMPLE_FILES", "HEADER", "TOKENS_PREFIX", "TRAIN_FILE",
+           "TokenFile", "VAL_FILE", "files_of", "is_tokens_name", "move_tail",
+           "prepare_directory", "publish", "read_header", "token_dataset",
+           "tokenized_text_dataset", "tokenizer_files", "tokens_directory", "write_tokens"]

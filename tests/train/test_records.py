@@ -105,6 +105,7 @@ def test_a_glob_reads_its_files_sorted_and_a_text_field(tmp_path):
      r"NAME\), 'prompt' and 'completion', or 'messages'; it has \['question'\]"),
     (TEXTS[:2] + ['{"text": "cut'], (2,), "line 5: not valid JSON"),
     (TEXTS[:1] + ["[1, 2]"], (), "line 2: a record is a JSON object, not list"),
+    (TEXTS[:1] + ['{"text": "b \\ud800"}'], (), "line 2: the record holds a lone surrogate"),
 ])
 def test_a_bad_jsonl_record_names_its_file_and_line(tmp_path, rows, blank, message):
     path = write_jsonl(tmp_path / "bad.jsonl", rows, blank)

@@ -177,7 +177,7 @@ def _broken(directory, **change):
 
 @pytest.mark.parametrize("change,message", [
     ({"format": "other"}, "is not an mpishard-tokens header"),
-    ({"version": 2}, "has version 2; this mpishard reads version 1"),
+    ({"version": 3}, "has version 3; this mpishard reads versions 1, 2"),
     ({"dtype": "uint32"}, "dtype uint32 does not hold a vocabulary of 320"),
     ({"max_id": 320}, "largest id 320 is outside the vocabulary of 320"),
     ({"train": {"file": "train.bin", "count": 10**6}}, "train.bin should hold 1000000 uint16"),
