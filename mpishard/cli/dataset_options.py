@@ -5,19 +5,23 @@ import argparse
 
 from ..train.data import DATASETS, DIGITS_CLASSES, DIGITS_FEATURES
 from ..train.npy_data import is_npy_name, npy_task
+from ..train.records import is_records_name
 from ..train.tokens import is_tokens_name
 from .gpt_options import TEXT_DATASET
 from .usage import UsageError
 
 
 def dataset_name(text):
-    """--dataset: a built-in name, npy:DIR or tokens:DIR."""
+    """--dataset: a built-in name, npy:DIR, tokens:DIR or fine-tune records
+    (jsonl:FILE|GLOB, parquet:FILE|GLOB, hfdisk:DIR)."""
     if text in DATASETS + (TEXT_DATASET,) or (is_npy_name(text) and len(text) > 4) or \
-            (is_tokens_name(text) and len(text) > 7):
+            (is_tokens_name(text) and len(text) > 7) or \
+            (is_records_name(text) and text.partition(":")[2]):
         return text
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
-                                     f"{', '.join(DATASETS + (TEXT_DATASET,))}, npy:DIR or "
-                                     f"tokens:DIR)")
+                                     f"{', '.join(DATASETS + (TEXT_DATASET,))}, npy:DIR, "
+                                     f"tokens:DIR, jsonl:FILE|GLOB, parquet:FILE|GLOB or "
+                                     f"hfdisk:DIR)")
 
 
 def fitting_loss(args, dims) -> str:

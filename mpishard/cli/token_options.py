@@ -39,6 +39,7 @@ from ..hf import tokenizer as hf_tokenizer
 from ..hf.tokenizer import eos_token, from_files
 from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.data import carried
+from ..train.records import is_records_name
 from ..train.tokenizer import (BYTES, TOKENIZER_JSON, ByteTokenizer, HFTokenizer,
                                RecordedTokenizer, read_tokenizer_files, same_tokenizer)
 from ..train.tokens import (is_tokens_name, token_dataset, tokenized_text_dataset,
@@ -46,6 +47,7 @@ from ..train.tokens import (is_tokens_name, token_dataset, tokenized_text_datase
 from .gpt_options import (DEFAULT_GPT_CLIP, LANGUAGE_MODELS, TEXT_DATASET, gpt_model_and_data,
                           log_corpus, validate_gpt_args)
 from .model_flag import HF_NAMES, with_vocab
+from .sft_options import examples_dataset, log_examples, validate_sft_args
 from .usage import UsageError, check_flags
 
 TOKEN_DEFAULTS = {"tokenizer": None, "init_from_hf": None, "seq_len": None}
@@ -139,10 +141,12 @@ def validate_lm_args(args, layout):
     flags), or None for everything else (after refusing --tokenizer / --seq-len where they do
     not apply). Raises UsageError."""
     hf, tokens = args.init_from_hf, is_tokens_name(args.dataset)
-    language = hf or tokens or args.model in LANGUAGE_MODELS or args.dataset == TEXT_DATASET
+    records = validate_sft_args(args)       # jsonl:, parquet:, hfdisk: (sft_options.py)
+    language = hf or tokens or records or args.model in LANGUAGE_MODELS or \
+        args.dataset == TEXT_DATASET
     if args.tokenizer is not None and not language:
         raise UsageError("--tokenizer applies to a language model (--model gpt, "
-                         "--init-from-hf, --dataset text or tokens:DIR)")
+                         "--init-from-hf, --dataset text, tokens:DIR or records)")
     if args.seq_len is not None and not hf:
         raise UsageError("--seq-len applies to --init-from-hf (a --model gpt takes seq_len "
                          "from --gpt)")
@@ -154,7 +158,7 @@ def validate_lm_args(args, layout):
                                  f"own tokens and split")
     if hf:
         return _validate_hf(args)
-    if not tokens:
+    if not (tokens or records):
         return None
     if args.model not in (None, *LANGUAGE_MODELS):
         raise UsageError(f"--dataset {args.dataset} trains --model gpt or --init-from-hf DIR "
@@ -173,9 +177,10 @@ def _validate_hf(args):
                              if v is not None)
         raise UsageError(f"--init-from-hf {args.init_from_hf} takes the model from its "
                          f"config.json; leave out {given}")
-    if args.dataset != TEXT_DATASET and not is_tokens_name(args.dataset):
-        raise UsageError(f"--init-from-hf trains on --dataset text or tokens:DIR, not "
-                         f"{args.dataset}")
+    if args.dataset != TEXT_DATASET and not is_tokens_name(args.dataset) and \
+            not validate_sft_args(args):
+        raise UsageError(f"--init-from-hf trains on --dataset text, tokens:DIR or "
+                         f"jsonl:|parquet:|hfdisk: records, not {args.dataset}")
     if args.loss not in (None, "cross_entropy"):
         raise UsageError(f"--loss {args.loss} does not fit a language model; its loss is "
                          f"cross_entropy")
@@ -202,9 +207,15 @@ def lm_model_and_data(args, spec):
     tok = run_tokenizer(args)
     hf = args.init_from_hf is not None
     seq_len = args.seq_len or spec.seq_len
+    records = is_records_name(args.dataset)
     try:
-        if is_tokens_name(args.dataset):
-            data = token_dataset(args.dataset, seq_len, args.train_stride)
+        if records:                     # fine-tune records, encoded here (bytes by default)
+            tok = tok or ByteTokenizer()
+            data = examples_dataset(args, tok, seq_len)
+            data.tokenizer = tok
+        elif is_tokens_name(args.dataset):
+            data = examples_dataset(args, None, seq_len) or \
+                token_dataset(args.dataset, seq_len, args.train_stride)
             made = data.corpus["tokenizer"]
             if tok is not None and not same_tokenizer(tok.identity(), made):
                 raise UsageError(f"--dataset {args.dataset} was tokenized by {made['name']} "
@@ -229,7 +240,7 @@ def lm_model_and_data(args, spec):
     except (OSError, ValueError) as exc:
         if isinstance(exc, UsageError):
             raise
-        flag = "--dataset" if is_tokens_name(args.dataset) else "--text"
+        flag = "--dataset" if is_tokens_name(args.dataset) or records else "--text"
         raise UsageError(str(exc) if str(exc).startswith(flag) else f"{flag}: {exc}") from None
     if not hf:
         return with_vocab(spec, data.n_classes), data
@@ -274,6 +285,8 @@ def log_lm_data(log, data) -> None:
                     "record the tokenizer %s (sha256 %s) by name only, and generate will need "
                     "--tokenizer DIR; pass --tokenizer DIR to carry it", data.name, t["name"],
                     str(t["sha256"])[:16])
+    if data.masked:                     # fine-tune examples
+        return log_examples(log, data)
     log.info("corpus %s: %d file(s), %d bytes, sha256 %s; tokenizer %s (vocab %d, eos %s, "
              "sha256 %s): %d train tokens in %d windows, %d validation tokens in %d "
              "windows of %d+1 tokens", c["source"], c["files"], c["bytes"], c["sha256"][:16],

@@ -24,6 +24,7 @@ from ..train.data import DATASETS, load_dataset
 from ..train.lr import make_lr_schedule
 from ..train.nonfinite import DEFAULT_MAX_NONFINITE, NONFINITE_POLICIES
 from ..train.npy_data import is_npy_name, load_npy_dataset
+from ..train.records import is_records_name
 from ..train.tokens import is_tokens_name
 from ..train.optim import SGD, AdamW
 from ..train.trainer import Trainer, configure_logging, summary_table
@@ -40,6 +41,7 @@ from .model_flag import (KEYED_HELP, check_resumed_model, joined_model_spec, key
                          resumed_model_flags)
 from .report_options import (REPORT_DEFAULTS, add_report_arguments, log_host_heap,
                              validate_report_args)
+from .sft_options import SFT_DEFAULTS, add_sft_arguments
 from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_contents,
                             lm_model_and_data, load_initial_params, log_lm_data,
                             validate_lm_args)
@@ -72,7 +74,7 @@ TRAIN_DEFAULTS = {
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
-    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **CLUSTER_DEFAULTS, **FLIGHT_DEFAULTS, **REPORT_DEFAULTS,
+    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **SFT_DEFAULTS, **CLUSTER_DEFAULTS, **FLIGHT_DEFAULTS, **REPORT_DEFAULTS,
 }
 DEFAULT_EPOCHS = 10
 
@@ -99,7 +101,8 @@ def add_train_arguments(p):
     d = _recording(p.add_argument_group("data"), options)
     d("--dataset", type=dataset_name, help=f"{', '.join(DATASETS + (TEXT_DATASET,))}, "
       "npy:DIR (memory-mapped DIR/x.npy, y.npy, optional x_test.npy, y_test.npy; needs "
-      "--model) or tokens:DIR (`mpishard tokenize`'s token files, memory-mapped); default "
+      "--model), tokens:DIR (`mpishard tokenize`'s token files, memory-mapped) or fine-tune "
+      "records jsonl:FILE|GLOB, parquet:FILE|GLOB, hfdisk:DIR (the sft extra); default "
       "digits (text with --model gpt or --init-from-hf: windows of --corpus)")
     d("--loss", choices=LOSS_CHOICES, help="default by dataset: mse for regression, "
       "cross_entropy for classes, bce for one output (sigmoid added)")
@@ -108,6 +111,7 @@ def add_train_arguments(p):
     d("--seed", type=int, help="data split, shuffling and initialisation (0)")
     add_gpt_arguments(m, d)
     add_token_arguments(m, d)
+    add_sft_arguments(d)
     o = _recording(p.add_argument_group("optimisation"), options)
     o("--optimizer", choices=("adamw", "sgd"), help="default adamw")
     o("--lr", type=float, help="peak learning rate (default 1e-3)")
@@ -197,7 +201,7 @@ def parse_train_args(argv, parser=None):
                       gpt_flag=keys_flag(merged["model"], merged.get("gpt")))
     language = merged.get("model") in LANGUAGE_MODELS or \
         merged.get("init_from_hf") is not None or \
-        is_tokens_name(merged.get("dataset"))
+        is_tokens_name(merged.get("dataset")) or is_records_name(merged.get("dataset"))
     if merged.get("dataset") is None and language:
         merged["dataset"] = TEXT_DATASET
     if language and merged.get("schedule") is None:
