@@ -90,8 +90,9 @@ COMMANDS = {
                "...)", add_launch_arguments, run_launch),
     "plot": ("loss, validation and throughput curves of train --metrics-jsonl files into a "
              "PNG, no MPI (plot RUN.jsonl [...] --out FILE.png)", add_plot_arguments, run_plot),
-    "tokenize": ("tokenize a corpus into token files for train --dataset tokens:DIR, no MPI "
-                 "(tokenize --tokenizer DIR|bytes --text FILE|DIR|GLOB --out DIR)",
+    "tokenize": ("tokenize a corpus or fine-tune records into token files for train "
+                 "--dataset tokens:DIR, no MPI (tokenize --tokenizer DIR|bytes --text "
+                 "FILE|DIR|GLOB | --dataset jsonl:FILE|parquet:FILE|hfdisk:DIR --out DIR)",
                  add_tokenize_arguments, run_tokenize),
 }
 # The commands whose processes are ranks of an MPI job: `python -m mpishard` gives them

@@ -94,6 +94,14 @@ def check_directory(flag: str, path) -> None:
                                                "the directory does not exist"))
 
 
+def refuse_flags(args, flags: dict, where: str) -> None:
+    """UsageError for the first of `flags` ({dest: flag}) given in `args` (not None): it
+    applies to `where` only."""
+    given = [flag for dest, flag in flags.items() if getattr(args, dest) is not None]
+    if given:
+        raise UsageError(f"{given[0]} applies to {where}")
+
+
 # The architectures a `--model KIND:KEY=VALUE,...` (or a bare KIND) builds; any other --model
 # text is an MLP's dims.
 KEYED = {kind: cls for kind, cls in ARCHITECTURES.items() if cls.flag_defaults is not None}

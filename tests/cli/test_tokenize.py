@@ -17,10 +17,15 @@ from mpi4py import MPI
 import mpishard as ms
 from mpishard import cli
 from mpishard.cli.train import build_training, parse_train_args, validate_train_args
+from mpishard.cli.token_options import load_tokenizer
 from mpishard.cli.usage import UsageError
+from mpishard.train.example_tokens import read_examples
+from mpishard.train.examples import encode_records
+from mpishard.train.records import open_records
 from mpishard.train.tokens import read_header
 
 from conftest import RTOL64, assert_close, engine_lines, run_mpi, world
+from test_records import CHAT, PAIRS, write_jsonl
 from test_tokens import EOS, VOCAB, shared_dir, train_bpe, write_corpus
 
 pytest.importorskip("tokenizers")
@@ -111,6 +116,77 @@ def test_tokenize_refuses_other_directories_and_tokenizers(root, capsys):
     (open(os.path.join(root, "garbage.json"), "w")).write("{")
     assert cli.main(["tokenize", "--tokenizer", f"{root}/garbage.json", "--out", "x"]) == 2
     assert "not a readable tokenizer.json" in capsys.readouterr().err
+
+
+# -- fine-tune records: tokenize --dataset --------------------------------------------------------
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}")
+
+
+def tokenize_records(root, out, dataset, *extra):
+    return cli.main(["tokenize", "--tokenizer", os.path.join(root, "tokenizer.json"),
+                     "--dataset", dataset, "--out", os.path.join(root, out), *extra])
+
+
+def test_tokenize_dataset_writes_the_examples_encode_records_makes(root, tmp_path, capsys):
+    """`tokenize --dataset jsonl:...` (prompt/completion, --text-field, messages with
+    --chat-template FILE): the directory holds what encode_records makes in memory, and the
+    report says how many examples and counted tokens it wrote."""
+    pytest.importorskip("datasets")
+    pairs = write_jsonl(tmp_path / "qa.jsonl", PAIRS * 4, blank=(2,))
+    assert tokenize_records(root, "qa", f"jsonl:{pairs}", "--val-fraction", "0.25") == 0
+    out = capsys.readouterr().out
+    splits, h = read_examples(os.path.join(root, "qa"))
+    memory, info = encode_records(open_records(f"jsonl:{pairs}"),
+                                  load_tokenizer(os.path.join(root, "tokenizer.json")),
+                                  val_fraction=0.25)
+    for split in ("train", "val"):
+        assert splits[split].starts.tolist() == memory[split].starts.tolist()
+        assert splits[split].counted() == memory[split].counted() > 0
+    ex = h["examples"]
+    assert (ex["train"]["count"], ex["val"]["count"]) == (9, 3)
+    assert f"records jsonl:{pairs}: 12 prompt_completion record(s) (fields prompt, " \
+           f"completion) from 1 file(s), sha256 {info['records']['sha256'][:16]}" in out
+    assert f"wrote {root}/qa: 9 train + 3 validation examples, {h['train']['count']} + " \
+           f"{h['val']['count']} tokens as uint16, {ex['train']['counted']} + " \
+           f"{ex['val']['counted']} counted in the loss" in out
+    body = write_jsonl(tmp_path / "body.jsonl", [{"body": f"text {i}"} for i in range(4)])
+    assert tokenize_records(root, "body", f"jsonl:{body}", "--text-field", "body") == 0
+    assert read_header(os.path.join(root, "body"))["records"]["fields"] == ["body"]
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    chat = write_jsonl(tmp_path / "chat.jsonl", CHAT * 3)
+    assert tokenize_records(root, "chat", f"jsonl:{chat}", "--chat-template",
+                            str(template)) == 0
+    assert "6 messages record(s)" in capsys.readouterr().out
+    r = read_header(os.path.join(root, "chat"))["records"]
+    assert r["kind"] == "messages" and len(r["chat_template"]["sha256"]) == 64
+
+
+def test_tokenize_dataset_errors_are_one_line(root, tmp_path, capsys):
+    pytest.importorskip("datasets")
+    pairs = write_jsonl(tmp_path / "qa.jsonl", PAIRS)
+    bad = write_jsonl(tmp_path / "bad.jsonl", PAIRS[:2] + [{"prompt": "p"}], blank=(1,))
+    cases = [
+        ([f"jsonl:{bad}"], f"tokenize: {bad} line 5: the record lacks the field 'completion'"),
+        ([f"jsonl:{pairs}", "--chat-template", str(tmp_path / "none.jinja")], "none.jinja"),
+        ([f"jsonl:{pairs}", "--text", "x"], "--text applies to a text corpus, not --dataset"),
+        ([f"jsonl:{pairs}", "--corpus-bytes", "9"], "--corpus-bytes applies to a text corpus"),
+        (["csv:x"], "--dataset 'csv:x': give jsonl:FILE|GLOB, parquet:FILE|GLOB or "
+         "hfdisk:DIR"),
+        ([f"jsonl:{tmp_path}/no*.jsonl"], "no file matches"),
+    ]
+    template = tmp_path / "t.jinja"
+    template.write_text(CHATML)
+    cases.append(([f"jsonl:{pairs}", "--chat-template", str(template)],
+                  "--chat-template applies to messages records; jsonl:"))
+    for extra, message in cases:
+        assert tokenize_records(root, "bad", *extra) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    for flag in ("--text-field", "--chat-template"):
+        assert tokenize(root, "bad", flag, "x") == 2
+        assert f"{flag} applies to --dataset jsonl:|parquet:|hfdisk:" in capsys.readouterr().err
 
 
 # -- train's flags -----------------------------------------------------------------------------
