@@ -179,8 +179,8 @@ def _validate_hf(args):
                          f"config.json; leave out {given}")
     if args.dataset != TEXT_DATASET and not is_tokens_name(args.dataset) and \
             not validate_sft_args(args):
-        raise UsageError(f"--init-from-hf trains on --dataset text, tokens:DIR or "
-                         f"jsonl:|parquet:|hfdisk: records, not {args.dataset}")
+        raise UsageError(f"--init-from-hf trains on --dataset text or tokens:DIR, not "
+                         f"{args.dataset} (or on jsonl:|parquet:|hfdisk: records)")
     if args.loss not in (None, "cross_entropy"):
         raise UsageError(f"--loss {args.loss} does not fit a language model; its loss is "
                          f"cross_entropy")
