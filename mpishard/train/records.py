@@ -10,9 +10,17 @@ The `--dataset` names (`is_records_name`): `jsonl:FILE|GLOB` (JSON Lines, one ob
 line), `parquet:FILE|GLOB` and `hfdisk:DIR` (a Dataset, or a DatasetDict's only or "train"
 split, written by `save_to_disk`). A glob's files are read sorted by name, one after the
 other. The `datasets` library does the reading (an optional package: the `sft` extra, `pip
-install 'mpishard[sft]'`); JSONL and Parquet files stream (`load_dataset(..., streaming=True)`,
-one file at a time, a block of rows in memory), a saved dataset is memory-mapped Arrow
-(`load_from_disk`) iterated row by row, so no set is materialised whole.
+install 'mpishard[sft]'`): JSONL and Parquet files stream (`load_dataset(..., streaming=True)`,
+one file at a time), a saved dataset is memory-mapped Arrow (`load_from_disk`); either is
+read ROWS_PER_READ rows at a time (`.iter(batch_size=...)`, several times faster than row by
+row), so no set is materialised whole.
+
+JSON Lines stream through datasets' `text` builder, one row per line of the file, and each
+line is parsed here with `json`; blank (whitespace-only) lines are skipped. Row i is then line
+i + 1 exactly, and every valid JSON Lines file reads. The `json` builder would not do: it
+gives rows, not lines (it skips blank lines, and a line it cannot parse fails the whole
+block), and it fixes the columns from the first block of the file, so a field that first
+appears past that block (valid JSON Lines) stops it.
 
 Kinds (`KINDS`), one per data set, found from the first record unless `kind` is given:
 - MESSAGES: a `messages` field, the OpenAI chat format: a non-empty list of {"role": str,
@@ -20,30 +28,23 @@ Kinds (`KINDS`), one per data set, found from the first record unless `kind` is 
   keys whose value is None are dropped: Arrow adds them when it unifies the rows' structs);
 - PROMPT_COMPLETION: string fields `prompt` and `completion`;
 - TEXT: the string field `text_field` ("text" unless given; naming one implies TEXT).
-Strings must be Unicode text (JSON can spell a lone surrogate, which no tokenizer encodes).
 The first of these a record has decides (a field that is null counts as absent: Arrow fills
 the fields other rows have with null). Every record must then be of the same kind: one that
 lacks its fields or holds another type is a ValueError naming where it is, and every rank,
-reading the same data, raises the same one. `Record.fields` holds the values under the kind's
-canonical names (`FIELDS`: {"text"}, {"prompt", "completion"}, {"messages"}).
+reading the same data, raises the same one. Strings must be Unicode text: JSON can spell a
+lone surrogate (which no tokenizer encodes), Arrow cannot. `Record.fields` holds the values
+under the kind's canonical names (`FIELDS`: {"text"}, {"prompt", "completion"}, {"messages"}).
 
 Where a record is (`Record.where`): "FILE line N" for JSONL (N counts from 1, as an editor
 does), "FILE row N" for Parquet and "DIR row N" for a saved dataset (N counts from 0, the
-index `Dataset[N]` and pandas use). The JSON loader gives rows, not lines: it reads the
-objects of a file in order and skips blank (whitespace-only) lines, so row i is the i-th
-non-blank line, and a line counter walks the file beside the rows (one line in memory). A
-file that is one JSON array, not JSON Lines, is refused at the start, since its rows are not
-lines. When the loader itself fails on a file (a line that is not JSON, or a type that Arrow
-cannot unify), the file is scanned line by line with `json` and the first line that is not a
-valid record of the kind is named; an error that no single line explains is reported with the
-file's name.
+index `Dataset[N]` and pandas use).
 """
 from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
+import re
 from typing import NamedTuple
 
 from .chat_template import INSTALL, check_messages
@@ -55,9 +56,8 @@ KINDS = (TEXT, PROMPT_COMPLETION, MESSAGES)
 FIELDS = {TEXT: ("text",), PROMPT_COMPLETION: ("prompt", "completion"),
           MESSAGES: ("messages",)}
 DEFAULT_TEXT_FIELD = "text"
-BLANK = b" \t\r\n"                  # JSON's whitespace: a line of only these holds no record
-# the JSON loader logs its failure before raising; the error raised here names the line instead
-JSON_LOADER_LOG = "datasets.packaged_modules.json.json"
+ROWS_PER_READ = 256
+SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")   # a JSON escape of a UTF-16 surrogate
 
 
 def is_records_name(name) -> bool:
@@ -93,25 +93,6 @@ def _files(name: str, fmt: str, path: str) -> list:
     return files
 
 
-def _check_jsonl(path: str):
-    """ValueError for a file whose first non-blank character opens a JSON array."""
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip(BLANK):
-                if line.lstrip(BLANK).startswith(b"["):
-                    raise ValueError(f"{path} line 1: a JSON array, not JSON Lines (one "
-                                     f"object per line)")
-                return
-
-
-def _nonblank_lines(path: str):
-    """The 1-based numbers of the lines of `path` that hold something but whitespace."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip(BLANK):
-                yield number
-
-
 def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
     """The canonical fields of `row` for `kind` (module docstring), or a ValueError."""
     if not isinstance(row, dict):
@@ -134,11 +115,6 @@ def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
                 raise ValueError(f"{where}: field {name!r} must be a string "
                                  f"({type(row[name]).__name__})")
         fields = dict(zip(FIELDS[kind], (row[n] for n in names)))
-    try:
-        json.dumps(fields, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{where}: the record holds a lone surrogate, which is not Unicode "
-                         f"text") from None
     return fields
 
 
@@ -188,9 +164,6 @@ class Records:
             self.files = [self.path]
         else:
             self.files = _files(name, self.format, self.path)
-            if self.format == JSONL:
-                for f in self.files:
-                    _check_jsonl(f)
         self.kind = TEXT if text_field is not None and kind is None else kind
         if self.kind is None:
             first = next(self._rows(), None)
@@ -223,51 +196,25 @@ class Records:
         for path in self.files:
             yield from (self._jsonl(path) if self.format == JSONL else self._parquet(path))
 
-    def _stream(self, builder: str, path: str):
-        return iter(_datasets().load_dataset(builder, data_files=[path], split="train",
-                                             streaming=True))
-
     def _jsonl(self, path: str):
-        lines = _nonblank_lines(path)
-        logging.getLogger(JSON_LOADER_LOG).setLevel(logging.CRITICAL)
-        try:
-            rows = self._stream("json", path)
-        except Exception as exc:             # the loader's own error: find the line at fault
-            raise self._jsonl_error(path, exc) from None
+        """Each non-blank line of `path` parsed (module docstring)."""
+        lines = _stream("text", path)
+        number = 0
         while True:
             try:
-                row = next(rows)
+                batch = next(lines)
             except StopIteration:
                 return
-            except Exception as exc:
-                raise self._jsonl_error(path, exc) from None
-            yield row, f"{path} line {next(lines, '?')}"
-
-    def _jsonl_error(self, path: str, exc: Exception) -> ValueError:
-        """The ValueError for a file the JSON loader failed on: the first line that is not
-        JSON or not a record of this data set's kind, else the loader's message."""
-        kind = self.kind
-        with open(path, "rb") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip(BLANK):
-                    continue
-                where = f"{path} line {number}"
-                try:
-                    row = json.loads(line)
-                except ValueError as bad:
-                    return ValueError(f"{where}: not valid JSON ({bad})")
-                try:
-                    kind = kind or detect_kind(row, self.text_field, where)
-                    _check_fields(row, kind, self.text_field, where)
-                except ValueError as bad:
-                    return bad
-        return ValueError(f"{path}: the datasets JSON loader failed: {type(exc).__name__}: "
-                          f"{exc}")
+            except UnicodeDecodeError:
+                raise ValueError(_not_utf8(path)) from None
+            for line in batch["text"]:
+                number += 1
+                if line.strip():
+                    yield _parse(line, f"{path} line {number}"), f"{path} line {number}"
 
     def _parquet(self, path: str):
         try:
-            for number, row in enumerate(self._stream("parquet", path)):
-                yield row, f"{path} row {number}"
+            yield from _numbered(_stream("parquet", path), f"{path} row")
         except Exception as exc:             # pyarrow's errors name no file
             raise ValueError(f"{path}: the datasets Parquet loader failed: "
                              f"{type(exc).__name__}: {exc}") from None
@@ -286,8 +233,51 @@ class Records:
                                  f"{sorted(saved)}, none named 'train'; save the split to "
                                  f"train on")
             saved, where = saved[split], f"{self.path} split {split}"
-        for number, row in enumerate(saved):
-            yield row, f"{where} row {number}"
+        yield from _numbered(saved.iter(batch_size=ROWS_PER_READ), f"{where} row")
+
+
+def _stream(builder: str, path: str):
+    """The batches ({column: values}) of one file, streamed by a datasets builder."""
+    return iter(_datasets().load_dataset(builder, data_files=[path], split="train",
+                                         streaming=True).iter(batch_size=ROWS_PER_READ))
+
+
+def _numbered(batches, where: str):
+    """(row dict, "WHERE N") of each row of columnar batches, N from 0."""
+    number = 0
+    for batch in batches:
+        names = list(batch)
+        for values in zip(*batch.values()):
+            yield dict(zip(names, values)), f"{where} {number}"
+            number += 1
+
+
+def _parse(line: str, where: str):
+    """A JSON line's value; ValueError naming `where` for bad JSON or a lone surrogate."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    if SURROGATE.search(line):
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: the record holds a lone surrogate, which is not "
+                             f"Unicode text") from None
+    return row
+
+
+def _not_utf8(path: str) -> str:
+    """The error for a file the text reader could not decode: its first line that is not
+    UTF-8."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return f"{path} line {number}: not UTF-8 text ({exc.reason} at byte " \
+                       f"{exc.start})"
+    return f"{path}: not UTF-8 text"
 
 
 def open_records(name: str, kind=None, text_field=None) -> Records:

@@ -56,9 +56,9 @@ def read(name, **kwargs):
 
 
 def test_the_three_formats_and_kinds(tmp_path):
-    """JSONL (blank lines skipped but counted), Parquet and a saved dataset give the same
-    canonical fields; the kind comes from the first record; a message's null keys (Arrow's
-    struct unification) are dropped."""
+    """JSONL (blank lines skipped but counted; fields that differ from line to line),
+    Parquet and a saved dataset give the same canonical fields; the kind comes from the first
+    record; a message's null keys (Arrow's struct unification) are dropped."""
     jsonl = write_jsonl(tmp_path / "chat.jsonl", CHAT, blank=(0, 1))
     got = read(f"jsonl:{jsonl}")
     assert [w for _, w in got] == [f"{jsonl} line 3", f"{jsonl} line 6"]
@@ -132,6 +132,8 @@ def test_names_and_sources_that_are_refused(tmp_path, monkeypatch):
     assert not is_records_name("tokens:x") and not is_records_name("jsonl")
     array = tmp_path / "array.jsonl"
     array.write_text(json.dumps(PAIRS))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "a"}\n{"text": "caf\xe9 ok"}\n')
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     dd = datasets.DatasetDict(a=datasets.Dataset.from_list(TEXTS),
@@ -140,7 +142,8 @@ def test_names_and_sources_that_are_refused(tmp_path, monkeypatch):
     cases = [("jsonl:", {}, "give a path"),
              (f"jsonl:{tmp_path}/none*.jsonl", {}, "no file matches"),
              (f"jsonl:{tmp_path}", {}, "is a directory; give a file or a glob"),
-             (f"jsonl:{array}", {}, "line 1: a JSON array, not JSON Lines"),
+             (f"jsonl:{array}", {}, "line 1: a record is a JSON object, not list"),
+             (f"jsonl:{latin}", {}, r"line 2: not UTF-8 text \(invalid continuation byte"),
              (f"jsonl:{empty}", {}, "no records"),
              (f"hfdisk:{tmp_path}/nothing", {}, "is not a directory"),
              (f"hfdisk:{tmp_path}/dd", {}, r"splits \['a', 'b'\], none named 'train'"),
