@@ -1,6 +1,6 @@
 """A supervised fine-tune on chat data, end to end (a serial test that starts its own jobs):
-a random-init `transformers` LlamaForCausalLM with a ChatML tokenizer (a byte-level BPE
-trained here, its chat template in tokenizer_config.json; no download), a generated JSONL of
+a random-init `transformers` LlamaForCausalLM with a ChatML tokenizer (test_chat_template_hf's
+byte-level BPE, its chat template in tokenizer_config.json; no download), a generated JSONL of
 300 conversations in which the assistant says the user's words backwards, `mpishard
 tokenize`, then `train --init-from-hf DIR --dataset tokens:OUT --pack` under dp=2,tp=2 on 4
 ranks, `export`, and `generate --hf` on the export.
@@ -14,7 +14,6 @@ export loads in transformers, and generate on it runs.
     pytest -q -s tests/hf/test_sft_end_to_end.py
 """
 import json
-import os
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ import pytest
 from conftest import ROOT, run_mpi, run_python
 from mpishard.cli.train import parse_train_args, prepare_training
 from mpishard.train.data import DistributedBatcher
+from test_chat_template_hf import saved
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,7 +30,6 @@ pytest.importorskip("datasets")
 pytest.importorskip("jinja2")
 
 WORDS = "red green blue cat dog sun moon tree".split()
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt "
           "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -56,20 +55,10 @@ def conversations(n=300, seed=0):
 
 
 def llama_with_chat_tokenizer(directory):
-    """A ChatML byte-level BPE (saved by transformers, the chat template in its
-    tokenizer_config.json) and a random-init float32 LlamaForCausalLM of its vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    corpus = [" ".join(WORDS), "reverse: " + " ".join(WORDS), "user assistant system"] * 20
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    fast.chat_template = CHATML
-    fast.save_pretrained(directory)
+    """test_chat_template_hf's byte-level BPE with the chat special tokens, saved by
+    transformers with the ChatML template, and a random-init float32 LlamaForCausalLM of its
+    vocabulary beside it."""
+    fast, _ = saved(directory, CHATML)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
