@@ -74,7 +74,8 @@ TRAIN_DEFAULTS = {
     "checkpoint_failures": "stop",
     "gpt": None, "corpus": None, "corpus_bytes": None, "val_fraction": None,   # gpt_options.py
     "train_stride": None, "on_nonfinite": "stop", "max_nonfinite": DEFAULT_MAX_NONFINITE,
-    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **SFT_DEFAULTS, **CLUSTER_DEFAULTS, **FLIGHT_DEFAULTS, **REPORT_DEFAULTS,
+    **TRACE_DEFAULTS, **TOKEN_DEFAULTS, **SFT_DEFAULTS, **CLUSTER_DEFAULTS, **FLIGHT_DEFAULTS,
+    **REPORT_DEFAULTS,
 }
 DEFAULT_EPOCHS = 10
 
