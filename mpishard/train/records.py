@@ -93,10 +93,14 @@ def _files(name: str, fmt: str, path: str) -> list:
     return files
 
 
-def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
-    """The canonical fields of `row` for `kind` (module docstring), or a ValueError."""
+def _check_object(row, where: str):
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a record is a JSON object, not {type(row).__name__}")
+
+
+def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
+    """The canonical fields of `row` for `kind` (module docstring), or a ValueError."""
+    _check_object(row, where)
     names = (text_field,) if kind == TEXT else FIELDS[kind]
     for name in names:
         if row.get(name) is None:
@@ -107,15 +111,13 @@ def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
             check_messages(row["messages"])
         except ValueError as exc:
             raise ValueError(f"{where}: field 'messages': {exc}") from None
-        fields = {"messages": [{k: v for k, v in m.items() if v is not None}
-                               for m in row["messages"]]}
-    else:
-        for name in names:
-            if not isinstance(row[name], str):
-                raise ValueError(f"{where}: field {name!r} must be a string "
-                                 f"({type(row[name]).__name__})")
-        fields = dict(zip(FIELDS[kind], (row[n] for n in names)))
-    return fields
+        return {"messages": [{k: v for k, v in m.items() if v is not None}
+                             for m in row["messages"]]}
+    for name in names:
+        if not isinstance(row[name], str):
+            raise ValueError(f"{where}: field {name!r} must be a string "
+                             f"({type(row[name]).__name__})")
+    return dict(zip(FIELDS[kind], (row[n] for n in names)))
 
 
 def _describe(kind: str, text_field: str) -> str:
@@ -126,8 +128,7 @@ def _describe(kind: str, text_field: str) -> str:
 def detect_kind(row, text_field: str, where: str) -> str:
     """The kind a first record shows: messages, else prompt and completion, else text_field
     (fields that are null count as absent); ValueError naming its fields when none fits."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: a record is a JSON object, not {type(row).__name__}")
+    _check_object(row, where)
     present = sorted(k for k, v in row.items() if v is not None)
     if "messages" in present:
         return MESSAGES
