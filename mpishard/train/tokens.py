@@ -84,6 +84,8 @@ class TokenFile:
         return self.count
 
     def __getitem__(self, idx):
+        if not self.count:                           # an empty file cannot be mapped
+            return np.zeros(0, self.dtype)[idx]
         mapped = np.memmap(self.path, self.dtype, "r", 0, (self.count,))
         out = np.array(mapped[idx])
         del mapped                                   # unmapped here: only the copy stays

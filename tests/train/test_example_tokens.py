@@ -234,3 +234,17 @@ def test_example_tokens_in_memory():
     assert ex.lengths().tolist() == [2, 0, 4]
     assert [a.tolist() for a in ex.example(2)] == [[2, 3, 4, 5], [1, 0, 0, 1]]
     assert [a.tolist() for a in ex.example(1)] == [[], []]
+
+
+def test_empty_examples_and_an_empty_split_read_back(tmp_path):
+    """An empty text of the byte tokenizer is an example of no tokens; a validation split of
+    only such examples is a file of no tokens, which reads back (nothing to map)."""
+    rows = [{"text": "abc"}, {"text": ""}, {"text": "de"}, {"text": ""}]
+    data = records(tmp_path, rows)
+    memory, _ = encode_records(data, ByteTokenizer(), val_fraction=0.25)
+    write_examples(str(tmp_path / "tok"), ByteTokenizer(), data, val_fraction=0.25)
+    disk, header = read_examples(str(tmp_path / "tok"))
+    assert header["val"]["count"] == 0 and disk["val"].starts.tolist() == [0, 0]
+    assert examples(disk) == examples(memory) == [([97, 98, 99], [1, 1, 1]), ([], []),
+                                                  ([100, 101], [1, 1]), ([], [])]
+    assert disk["val"].counted() == 0 and disk["train"].lengths().tolist() == [3, 0, 2]
