@@ -55,9 +55,9 @@ def add_tokenize_arguments(p):
                    help="fine-tune records instead of --text: JSON Lines, Parquet or a "
                    "dataset saved with save_to_disk (needs the sft extra); one example per "
                    "record, with a loss mask")
-    p.add_argument("--text-field", metavar="NAME", help="with --dataset: the field of plain "
-                   "text records (default: text; otherwise the kind is found from the first "
-                   "record: messages, prompt/completion, text)")
+    p.add_argument("--text-field", metavar="NAME", help="with --dataset: every record is "
+                   "plain text in field NAME (without it the kind comes from the first "
+                   "record: messages, else prompt and completion, else text)")
     p.add_argument("--chat-template", metavar="FILE", help="with --dataset of messages: the "
                    "jinja chat template (a .jinja file, or a .json with a chat_template key) "
                    "instead of the tokenizer's")
