@@ -8,7 +8,8 @@ ranks, `export`, and `generate --hf` on the export.
 Checks: step 0's loss is transformers' loss on the same batch, computed one example at a time
 (each packed example alone, from position 0) over the assistant tokens only, so packing,
 positions, attention inside each example and the answer-only mean hold through the whole
-pipeline; the loss on the assistant tokens falls clearly (training and validation); the
+pipeline; `--dataset jsonl:` encoded in memory with the --init-from-hf directory's tokenizer
+gives the same batch as the token directory; the loss on the assistant tokens falls clearly (training and validation); the
 export loads in transformers, and generate on it runs.
 
     pytest -q -s tests/hf/test_sft_end_to_end.py
@@ -123,6 +124,10 @@ def test_chat_fine_tune_packed_export_and_generate(tmp_path):
             "--metrics-json", str(tmp_path / "train.json")]
     x, t, documents = first_batch(argv)
     assert x.shape == (BATCH, SEQ) and (documents > 0).any()    # several examples per row
+    at = argv.index("--dataset") + 1                  # the records encoded in memory instead:
+    in_memory = argv[:at] + [f"jsonl:{chat}", "--val-fraction", "0.1"] + argv[at + 1:]
+    for got, want in zip(first_batch(in_memory), (x, t, documents)):   # the same batch
+        np.testing.assert_array_equal(got, want)
     proc = run_mpi(RANKS, "-m", "mpishard", "train", *argv, timeout=JOB_TIMEOUT_S)
     check_ok(proc, "train")
     assert "% real tokens" in proc.stderr and "counted targets" in proc.stderr
