@@ -118,11 +118,12 @@ class Encoder:
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.eos = np.zeros(0, np.int64) if tokenizer.eos_id is None else \
             np.array([tokenizer.eos_id], np.int64)
-        self.count, self.size, self.max_id = 0, 0, -1
-        self.sha = hashlib.sha256()
 
     def examples(self):
-        """Yield (ids of self.dtype, mask uint8) per record, ENCODE_BATCH records at a time."""
+        """Yield (ids of self.dtype, mask uint8) per record, ENCODE_BATCH records at a time
+        (each pass tallies afresh)."""
+        self.count, self.size, self.max_id = 0, 0, -1
+        self.sha = hashlib.sha256()
         batch = []
         for record in self.records:
             self._tally(record)

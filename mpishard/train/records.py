@@ -13,7 +13,8 @@ other. The `datasets` library does the reading (an optional package: the `sft` e
 install 'mpishard[sft]'`): JSONL and Parquet files stream (`load_dataset(..., streaming=True)`,
 one file at a time), a saved dataset is memory-mapped Arrow (`load_from_disk`); either is
 read ROWS_PER_READ rows at a time (`.iter(batch_size=...)`, several times faster than row by
-row), so no set is materialised whole.
+row), so no set is materialised whole. (A streamed dataset imports torch when it is
+installed: datasets' IterableDataset shares its epoch counter with torch's workers.)
 
 JSON Lines stream through datasets' `text` builder, one row per line of the file, and each
 line is parsed here with `json`; blank (whitespace-only) lines are skipped. Row i is then line
