@@ -9,8 +9,8 @@ Checks: step 0's loss is transformers' loss on the same batch, computed one exam
 (each packed example alone, from position 0) over the assistant tokens only, so packing,
 positions, attention inside each example and the answer-only mean hold through the whole
 pipeline; `--dataset jsonl:` encoded in memory with the --init-from-hf directory's tokenizer
-gives the same batch as the token directory; the loss on the assistant tokens falls clearly (training and validation); the
-export loads in transformers, and generate on it runs.
+gives the same batch as the token directory; the loss on the assistant tokens falls clearly
+(training and validation); the export loads in transformers, and generate on it runs.
 
     pytest -q -s tests/hf/test_sft_end_to_end.py
 """
