@@ -16,11 +16,9 @@ One optimizer step with gradient accumulation over k micro-steps (DDP's `no_sync
     clip_grad_norm(engine, grads, clip); optimizer.step(grads)
 
 A masked data set (fine-tune rows, sft_rows.py: labels of -100 count nowhere) is averaged over
-the counted targets of the whole step instead: one collective counts them over the step's
-micro-batches and every rank (count = engine.count_targets), each micro-step is given
-count= (and its rows' document ids when packed) with grad_scale 1, not 1/k, and contributes
-its share sum(token losses) / count, so the step's loss is the sum of the k contributions:
-the single-device mean over the global batch's counted tokens, whichever rank holds how many.
+the step's counted targets instead: one engine.count_targets over its micro-batches and ranks
+gives `count`, each micro-step gets count= (and packed rows' documents=) and grad_scale 1, not
+1/k, and the step's loss is the sum of the k shares: one device's mean over the global batch.
 
 Checkpoints plug in as a callback: `TrainState` (history.py) holds the step (the data position
 follows from it, see DistributedBatcher.position) and the bounded histories, and
@@ -208,22 +206,18 @@ class Trainer:
             self.optimizer.lr = self.schedule(st.step)
         batches = [(sequence_cut(e, x), sequence_cut(e, t))      # cp: this rank's chunks
                    for x, t in self.batcher.micro_batches(st.step)]
-        masked, counted = {}, 0
-        if self.data.masked:                   # the global-token mean (module docstring)
-            counted = e.count_targets(np.concatenate([t for _, t in batches]), self.loss)
-            masked = [{"count": counted, "documents": d}
-                      for d in self.batcher.micro_documents(st.step)]
+        count = e.count_targets(np.concatenate([t for _, t in batches]), self.loss) \
+            if self.data.masked else None      # the global-token mean (module docstring)
         local_sum, value, grads = 0.0, 0.0, None
-        for i, (x, t) in enumerate(batches):
+        for i, ((x, t), d) in enumerate(zip(batches, self.batcher.micro_documents(st.step))):
+            extra = {} if count is None else {"count": count, "documents": d}
             value, grads = e.train_step(x, t, self.loss, accumulate=i > 0, sync=i == k - 1,
-                                        grad_scale=self.loss_scale / (1 if masked else k),
-                                        **(masked[i] if masked else {}))
+                                        grad_scale=self.loss_scale / (k if count is None else 1),
+                                        **extra)
             if i < k - 1:
                 local_sum += value                       # local losses: no communication yet
-        loss = value
-        if k > 1:                 # masked: the micro-steps' shares add up to the step's mean
-            loss = e.global_mean(local_sum) + value
-            loss = loss if masked else loss / k
+        loss = (e.global_mean(local_sum) + value) / (k if count is None else 1) if k > 1 \
+            else value
         if not self.nonfinite.allows_update(loss):     # on_nonfinite='skip': drop the update
             if self.clip is not None:
                 st.grad_norm_history.append(float("nan"))
@@ -240,7 +234,7 @@ class Trainer:
         st.step += 1
         st.samples += self.batch
         self.run_samples += self.batch
-        self.run_tokens += counted
+        self.run_tokens += count or 0
         return loss
 
     @property
