@@ -22,14 +22,13 @@ types stops the run with one line naming its file and line, on every rank (train
 """
 from __future__ import annotations
 
-from ..train.chat_template import load_chat_template
 from ..train.example_tokens import read_examples
-from ..train.examples import encode_records
-from ..train.records import MESSAGES, is_records_name, open_records
+from ..train.examples import encode_records, open_with_template
+from ..train.records import is_records_name
 from ..train.sft_rows import LOSS_ON, example_dataset
 from ..train.text import DEFAULT_VAL_FRACTION
 from ..train.tokens import EXAMPLES_VERSION, is_tokens_name, read_header, tokens_directory
-from .usage import UsageError
+from .usage import refuse_flags
 
 SFT_DEFAULTS = {"text_field": None, "chat_template": None, "pack": None, "loss_on": None}
 RECORDS = "--dataset jsonl:|parquet:|hfdisk:"
@@ -61,19 +60,13 @@ def validate_sft_args(args) -> bool:
     fine-tune flag where it does not apply."""
     records = is_records_name(args.dataset)
     if not records:
-        _refuse(args, RECORDS_ONLY, f"{RECORDS} (tokenize takes it for tokens:DIR)")
+        refuse_flags(args, RECORDS_ONLY, f"{RECORDS} (tokenize takes it for tokens:DIR)")
         if not is_tokens_name(args.dataset):
-            _refuse(args, ROWS_ONLY, f"fine-tune examples: {RECORDS} or tokens:DIR made by "
-                    f"`tokenize --dataset`")
+            refuse_flags(args, ROWS_ONLY, f"fine-tune examples: {RECORDS} or tokens:DIR "
+                         f"made by `tokenize --dataset`")
     else:
-        _refuse(args, NOT_WITH_RECORDS, f"--dataset text; {args.dataset} holds records")
+        refuse_flags(args, NOT_WITH_RECORDS, f"--dataset text; {args.dataset} holds records")
     return records
-
-
-def _refuse(args, flags: dict, where: str):
-    given = [flag for dest, flag in flags.items() if getattr(args, dest) is not None]
-    if given:
-        raise UsageError(f"{given[0]} applies to {where}")
 
 
 def examples_dataset(args, tokenizer, seq_len: int):
@@ -84,22 +77,18 @@ def examples_dataset(args, tokenizer, seq_len: int):
     if is_tokens_name(args.dataset):
         directory = tokens_directory(args.dataset)
         if read_header(directory)["version"] != EXAMPLES_VERSION:
-            _refuse(args, ROWS_ONLY, f"examples; {args.dataset} holds flat tokens (`tokenize "
-                    f"--text`), `tokenize --dataset` writes examples")
+            refuse_flags(args, ROWS_ONLY, f"examples; {args.dataset} holds flat tokens "
+                         f"(`tokenize --text`), `tokenize --dataset` writes examples")
             return None
-        _refuse(args, {"train_stride": "--train-stride"}, f"windows of flat tokens; "
-                f"{args.dataset} holds examples")
+        refuse_flags(args, {"train_stride": "--train-stride"}, f"windows of flat tokens; "
+                     f"{args.dataset} holds examples")
         splits, header = read_examples(directory)
         info = dict(header["corpus"], tokenizer=header["tokenizer"], eos_id=header["eos_id"],
                     records=header["records"], dtype=header["dtype"])
         vocab = int(header["vocab_size"])
     else:
-        template = None if args.chat_template is None else \
-            load_chat_template(args.chat_template)
-        records = open_records(args.dataset, text_field=args.text_field)
-        if template is not None and records.kind != MESSAGES:
-            raise ValueError(f"--chat-template applies to messages records; {args.dataset} "
-                             f"holds {records.kind} records")
+        records, template = open_with_template(args.dataset, args.text_field,
+                                               args.chat_template)
         splits, encoded = encode_records(records, tokenizer, chat_template=template,
                                          val_fraction=args.val_fraction or DEFAULT_VAL_FRACTION)
         info = dict(encoded["corpus"], tokenizer=encoded["tokenizer"],
