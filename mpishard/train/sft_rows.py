@@ -73,9 +73,11 @@ def first_fit_decreasing(lengths, capacity: int) -> tuple:
         placed[e], used = row, max(used, row + 1)
         free[node] -= need
         node //= 2
-        while node:
-            free[node] = max(free[2 * node], free[2 * node + 1])
-            node //= 2
+        while node:                        # up while the maximum changes
+            top = max(free[2 * node], free[2 * node + 1])
+            if free[node] == top:
+                break
+            free[node], node = top, node // 2
     by_row = np.argsort(placed, kind="stable")     # within a row: example index order ...
     rank = np.empty(n, dtype=np.int64)             # ... made placement order below
     rank[np.argsort(-lengths, kind="stable")] = np.arange(n)
