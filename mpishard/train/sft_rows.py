@@ -64,8 +64,8 @@ def first_fit_decreasing(lengths, capacity: int) -> tuple:
         size *= 2
     free = [capacity] * (2 * size)         # leaves: rows, all empty; inner nodes: max
     placed = np.empty(n, dtype=np.int64)
-    used = 0
-    for e in np.argsort(-lengths, kind="stable").tolist():
+    used, decreasing = 0, np.argsort(-lengths, kind="stable")
+    for e in decreasing.tolist():
         need, node = int(lengths[e]), 1
         while node < size:                 # the leftmost leaf with room
             node = 2 * node if free[2 * node] >= need else 2 * node + 1
@@ -78,10 +78,7 @@ def first_fit_decreasing(lengths, capacity: int) -> tuple:
             if free[node] == top:
                 break
             free[node], node = top, node // 2
-    by_row = np.argsort(placed, kind="stable")     # within a row: example index order ...
-    rank = np.empty(n, dtype=np.int64)             # ... made placement order below
-    rank[np.argsort(-lengths, kind="stable")] = np.arange(n)
-    order = by_row[np.lexsort((rank[by_row], placed[by_row]))]
+    order = decreasing[np.argsort(placed[decreasing], kind="stable")]   # by row, as placed
     row_starts = np.zeros(used + 1, dtype=np.int64)
     np.cumsum(np.bincount(placed, minlength=used), out=row_starts[1:])
     return order, row_starts
