@@ -112,8 +112,7 @@ class ExampleRows:
         """Share of the rows' input positions that hold a real token (not padding)."""
         if not len(self):
             return 0.0
-        used = np.add.reduceat(self.lengths[self.order], self.row_starts[:-1]) \
-            if len(self.order) else np.zeros(0)
+        used = np.add.reduceat(self.lengths[self.order], self.row_starts[:-1])
         return float(np.minimum(used, self.seq_len).sum()) / (len(self) * self.seq_len)
 
     @property
