@@ -27,7 +27,7 @@ Encoding, per kind of record (records.KINDS):
 - messages: rendered with the chat template and tokenized as transformers'
   apply_chat_template does (chat_template.encode_chat), nothing appended; the assistant
   turns' tokens count. The template is `chat_template` (its text: a --chat-template FILE) or
-  else the tokenizer's own (chat_template.find_chat_template of its files).
+  else the tokenizer's own (chat_template.chat_template_for).
 A record that does not encode (a template that raises) is a ValueError naming where it is.
 
 Validation: the last ceil(n * val_fraction) examples (text.split_point over examples), so the
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chat_template import encode_chat, find_chat_template, load_chat_template, span_mask
+from .chat_template import chat_template_for, encode_chat, load_chat_template, span_mask
 from .records import MESSAGES, PROMPT_COMPLETION, TEXT, Records, open_records
 from .text import BYTES, DEFAULT_VAL_FRACTION, split_point
 from .tokenizer import ENCODE_BATCH, encode_documents, token_dtype
@@ -82,20 +82,6 @@ class ExampleTokens:
                    for s in range(0, self.n_tokens, COUNT_CHUNK))
 
 
-def chat_template_of(tokenizer, kind: str, chat_template=None):
-    """The template messages render with: `chat_template` (a template's text) when given,
-    else the tokenizer's (find_chat_template of its files); None for other kinds.
-    ValueError for messages with neither."""
-    if kind != MESSAGES:
-        return None
-    template = chat_template if chat_template is not None else \
-        find_chat_template(getattr(tokenizer, "files", None) or {})
-    if template is None:
-        raise ValueError(f"chat messages need a chat template and the tokenizer "
-                         f"{tokenizer.identity()['name']} has none; give --chat-template FILE")
-    return template
-
-
 def open_with_template(name: str, text_field=None, chat_template_file=None) -> tuple:
     """(records.open_records(name, text_field=...), the template of a --chat-template FILE or
     None): what `tokenize --dataset` and `train --dataset` encode. ValueError when a template
@@ -114,7 +100,10 @@ class Encoder:
     def __init__(self, records, tokenizer, kind=None, chat_template=None):
         self.records, self.tokenizer = records, tokenizer
         self.kind = kind or records.kind
-        self.template = chat_template_of(tokenizer, self.kind, chat_template)
+        self.template = None                  # messages: the given text, else the tokenizer's
+        if self.kind == MESSAGES:
+            self.template = chat_template if chat_template is not None else \
+                chat_template_for(tokenizer)
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.eos = np.zeros(0, np.int64) if tokenizer.eos_id is None else \
             np.array([tokenizer.eos_id], np.int64)
@@ -236,5 +225,5 @@ def encode_records(records, tokenizer, kind=None, chat_template=None,
     return splits, info
 
 
-__all__ = ["COUNT_CHUNK", "Encoder", "ExampleTokens", "chat_template_of", "encode_records",
-           "open_with_template", "split_examples"]
+__all__ = ["COUNT_CHUNK", "Encoder", "ExampleTokens", "encode_records", "open_with_template",
+           "split_examples"]
