@@ -15,6 +15,9 @@ every product and sum rounds as the xp op does):
                                   1 / 1 when d = 0), lse = m + log d.  Three reads of the
                                   visible half and one write, instead of ~11 full passes
                                   (mask add, max halvings, subtract, exp, sum, scale).
+                                  The causal mask only: attention with a further `visible`
+                                  mask (packed documents, a KV cache's padding) runs the
+                                  xp ops instead (attention.attention_block), the same math.
     softmax_grad_t(ds, row, p)    ds = (ds - row) p in place (attention backward), one pass.
     matmul_tn(a, b)               a^T b of batched matrices without cupy's copy of a^T (the
                                   attention's p^T v and ds^T k: 2 x 400 MB copies per layer).

@@ -9,7 +9,9 @@ The recomputed forward calls every inner unit exactly as the first one did: the 
 parameter gets through the access policy (FSDP all-gathers the weights again), the same
 collectives in the same order on every rank (a tp/sp all-reduce or all-gather, a cp ring), so
 it stays correct under any strategy the inner units implement, at the price of one more
-forward of the wrapped units. The wrapper knows nothing of what it wraps.
+forward of the wrapped units. The wrapper knows nothing of what it wraps; it keeps, beside
+x, the packed rows' document ids its first forward saw (nn/documents.py), and the recomputed
+forward sees those again, whatever rows the engine was given since.
 
 Layout option `recompute=`:
     1      every transformer block (the units that say `recomputable = True`: a decoder's
@@ -21,6 +23,7 @@ Layout option `recompute=`:
 """
 from __future__ import annotations
 
+from .documents import rows_of
 from .layers import Composite, Layer
 
 MODES = ("0", "1", "attn")
@@ -28,6 +31,8 @@ MODES = ("0", "1", "attn")
 
 class Recompute(Layer):
     """Wraps one unit: forward without its tape, backward = forward again + backward."""
+
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
 
     def __init__(self, inner):
         super().__init__()
@@ -47,12 +52,16 @@ class Recompute(Layer):
 
     def forward(self, x, mb=0, record=True):
         y = self.inner.forward(x, mb, record=False)     # nothing of f's internals is kept
-        self.save(mb, record, x)                        # ... only its input
+        self.save(mb, record, (x, rows_of(self.documents, mb)))   # ... only its input
         return y
 
     def backward(self, dy, mb=0):
-        x = self.pop(mb)
-        self.inner.forward(x, mb, record=True)          # recompute f(x), saving its internals
+        x, ids = self.pop(mb)
+        if ids is None:
+            self.inner.forward(x, mb, record=True)      # recompute f(x), saving its internals
+        else:
+            with self.documents.holding(mb, ids):       # ... in the same documents
+                self.inner.forward(x, mb, record=True)
         return self.inner.backward(dy, mb)              # undoes forward (pops what it saved)
 
 

@@ -6,6 +6,11 @@
     TiedHead             h -> logits (B, T, V)       embed/tokens^T
     position_rows, add_position_grads: the rows of a learned positions table and their adjoint
 
+Packed rows (nn/documents.py): the units that depend on where a token sits, the attention
+core and the embedding's positions, read the rank's `documents` (set by documents.attach);
+when a microbatch is packed, attention is block-diagonal causal and positions restart at 0 at
+each document, so a packed row computes what its documents compute alone.
+
 Activations are (B, T, features); a Linear treats the leading dims as rows ('bd,df->bf' with
 b = B*T). Like nn.layers.Linear, every unit reaches its parameters through the access policy
 (`get` before use, `release` after, `add_grad` for the gradient), so FSDP's gather-before-use
@@ -19,6 +24,7 @@ every layout.
 from __future__ import annotations
 
 from . import attention as att
+from . import documents as docs
 from . import functional as nn
 from .layers import Layer, Linear
 
@@ -56,9 +62,12 @@ class LayerNorm(Layer):
 class CausalSelfAttention(Layer):
     """(B, T, 3 D_local) q | k | v -> (B, T, D_local): causal softmax attention of `n_heads`
     heads (the local count under tp). No parameters. `cache`: a kv_cache.KVCache while
-    decoding (set by kv_cache.caching): the T new positions attend to the cached ones too."""
+    decoding (set by kv_cache.caching): the T new positions attend to the cached ones too.
+    `documents` (nn/documents.py): when microbatch mb is packed, a query sees only the keys
+    of its own document (the probabilities kept for backward carry that mask)."""
 
     attention_core = True      # what recompute=attn wraps (so do cp's ring and Ulysses units)
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
 
     def __init__(self, n_heads):
         super().__init__()
@@ -73,8 +82,11 @@ class CausalSelfAttention(Layer):
         if self.cache is not None:                                # decoding: no tape
             assert not record, "a KV-cached forward is inference only"
             return att.merge_heads(self.cache.attend(self, q, k, v))
-        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True)  # softmax(q k^T /
-        self.save(mb, record, (q, k, v, out, p))                 # sqrt Dh) v; p for backward
+        ids = docs.rows_of(self.documents, mb)                    # packed: (B, T) or None
+        visible = None if ids is None else docs.visible(ids, ids)
+        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True,   # softmax(q k^T
+                                                 visible=visible)    # / sqrt Dh) v, in docs
+        self.save(mb, record, (q, k, v, out, p))                 # p for backward
         return att.merge_heads(out)                               # heads concatenated
 
     def backward(self, dy, mb=0):
@@ -88,6 +100,15 @@ class CausalSelfAttention(Layer):
 def leading_positions(t: int):
     """The positions of a whole sequence's first t tokens: 0 .. t-1."""
     return slice(0, t)
+
+
+def unit_positions(unit, t: int, mb: int):
+    """The positions of the t tokens a unit with `token_positions` and `documents` embeds in
+    microbatch mb: token_positions(t), or when mb is packed, the (B, t) positions within their
+    documents of those tokens (documents.local_positions)."""
+    where = unit.token_positions(t)
+    ids = docs.rows_of(unit.documents, mb)
+    return where if ids is None else docs.local_positions(ids, where)
 
 
 def position_rows(pos, where, lo=0, n=None):
@@ -123,7 +144,10 @@ class Embedding(Layer):
 
     token_positions(t): the global positions of the t tokens this rank holds (default 0..t-1;
     context parallelism gives its two chunks'; a KV cache per-row (B, t) positions, see
-    position_rows). The tokens need no gradient: backward returns None."""
+    position_rows). Packed rows (`documents`): each token's position within its document
+    instead (unit_positions). The tokens need no gradient: backward returns None."""
+
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
 
     def __init__(self, access, tokens="embed/tokens", positions="embed/positions",
                  token_positions=leading_positions):
@@ -138,18 +162,18 @@ class Embedding(Layer):
 
     def forward(self, ids, mb=0, record=True):
         table, pos = self.access.get(self.tokens, mb), self.access.get(self.positions, mb)
-        where = self.token_positions(ids.shape[1])
+        where = unit_positions(self, ids.shape[1], mb)
         h = nn.embedding_forward(table, ids) + position_rows(pos, where)   # rows, + positions
-        self.save(mb, record, (ids, table.shape[0], pos.shape[0]))
+        self.save(mb, record, (ids, where, table.shape[0], pos.shape[0]))
         self.access.release(self.tokens, mb)
         self.access.release(self.positions, mb)
         return h
 
     def backward(self, dy, mb=0):
-        ids, n_tokens, n_positions = self.pop(mb)
+        ids, where, n_tokens, n_positions = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
-        add_position_grads(dpos, self.token_positions(ids.shape[1]), dy)   # undoes + positions
+        add_position_grads(dpos, where, dy)                       # undoes + positions
         self.access.add_grad(self.tokens, nn.embedding_backward(dy, ids, n_tokens))  # scatter
         self.access.add_grad(self.positions, dpos)
         return None

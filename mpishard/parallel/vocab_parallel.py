@@ -41,7 +41,7 @@ import copy
 from ..nn import functional as nn
 from ..nn.layers import Layer
 from ..nn.losses import CrossEntropy, Loss
-from ..nn.transformer import add_position_grads, leading_positions, position_rows
+from ..nn.transformer import add_position_grads, leading_positions, position_rows, unit_positions
 from .placement import Shard
 
 # the vocabulary's tp split, padded to a multiple of tp (the module docstring); any
@@ -58,9 +58,13 @@ def vocab_width(vocab: int, n: int) -> int:
 class VocabParallelEmbedding(Layer):
     """ids (B, T) -> h (B, T, D), or (B, T/t, D) with `sequence_parallel`: vocab-parallel
     token rows + replicated positions. tp: the Comm of this rank's tp group; token_positions:
-    as nn.transformer.Embedding's (context parallelism: the global positions of its tokens).
+    as nn.transformer.Embedding's (context parallelism: the global positions of its tokens);
+    packed rows (`documents`): positions within each document, as Embedding's (with
+    sequence_parallel, rows lo .. lo + n - 1 of them: this rank's tokens).
 
     The ids need no gradient: backward returns None."""
+
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
 
     def __init__(self, access, tp, sequence_parallel=False, tokens="embed/tokens",
                  positions="embed/positions", token_positions=leading_positions):
@@ -92,21 +96,22 @@ class VocabParallelEmbedding(Layer):
             lo = self.tp.rank() * h.shape[1]
         else:                            # all-reduce(sum) forward / identity backward
             h, lo = self.tp.all_reduce(partial, op="sum"), 0
-        h = h + position_rows(pos, self.token_positions(t), lo, h.shape[1])   # + positions
+        where = unit_positions(self, t, mb)
+        h = h + position_rows(pos, where, lo, h.shape[1])          # + positions
         self.access.release(self.tokens, mb)
         self.access.release(self.positions, mb)
-        self.save(mb, record, (local, inside, table.shape[0], pos.shape[0], lo, t))
+        self.save(mb, record, (local, inside, table.shape[0], pos.shape[0], lo, t, where))
         return h
 
     def backward(self, dy, mb=0):
-        local, inside, rows, n_positions, lo, t = self.pop(mb)
+        local, inside, rows, n_positions, lo, t, where = self.pop(mb)
         xp = nn.array_module(dy)
         dpos = xp.zeros((n_positions, dy.shape[-1]), dtype=dy.dtype)
         part = dy
         if self.sp:              # this rank's tokens lo .. lo + n - 1 of the t; the rest add 0
             part = xp.zeros(dy.shape[:1] + (t,) + dy.shape[2:], dtype=dy.dtype)
             part[:, lo:lo + dy.shape[1]] = dy
-        add_position_grads(dpos, self.token_positions(t), part)    # undoes + positions
+        add_position_grads(dpos, where, part)                      # undoes + positions
         if self.sp:
             dy = self.tp.all_gather(dy, axis=1)                    # undoes the reduce-scatter
         # the all-reduce's adjoint is the identity: dy is dL/dpartial on every rank
