@@ -11,8 +11,10 @@ Both with train_step's `count` = the examples' counted targets (the same tokens 
 so both are the mean over the same token losses. In float64 (rtol 1e-9) the packed run on
 every layout gives the separate run's loss and every gradient, the GPT's learned positions and
 the Llama's rotary restarting at each example, attention kept inside it. predict's logits of
-the packed rows equal the separate rows' at the same tokens. Documents that are not contiguous
-runs are refused on every rank before any communication; under cp, T still divides by 2 cp.
+the packed rows equal the separate rows' at the same tokens. The same on the strict CPU
+stand-in for cupy (tests/device_double.py: no host array meets a device one on the packed
+paths). Documents that are not contiguous runs are refused on every rank before any
+communication; under cp, T still divides by 2 cp.
 
 MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
 tests/parallel/test_packing.py` for N in 1, 2, 4.
@@ -22,6 +24,7 @@ import pytest
 
 import mpishard as ms
 from conftest import assert_close, assert_dicts_close, group_comm
+from test_device_double import device_backend
 from test_gpt_engine import make_case
 
 CE = ms.losses.CrossEntropy()
@@ -103,11 +106,11 @@ def data_rows(engine, arr):
     return arr[rows * i:rows * (i + 1)]
 
 
-def check_packed(comm, layout, kind, **kw):
+def check_packed(comm, layout, kind, device="cpu", **kw):
     model, params, exs = case(kind, **kw)
     want_loss, want_grads, want_logits = separate_reference(model, params, exs)
     x, t, docs, where = packed_batch(exs)
-    engine = ms.make_engine(model, layout, comm=comm)
+    engine = ms.make_engine(model, layout, comm=comm, device=device)
     engine.load_checkpoint(params)
     t_local = engine.shard_batch(t)
     count = engine.count_targets(t_local)
@@ -116,7 +119,8 @@ def check_packed(comm, layout, kind, **kw):
                                      documents=data_rows(engine, docs))
     what = f"{kind} {layout} {kw}"
     assert_close(value, want_loss, what=f"{what} loss")
-    assert_dicts_close(engine.gather_grads(grads), want_grads, what=what)
+    assert_dicts_close({k: engine.backend.to_host(g) for k, g in
+                        engine.gather_grads(grads).items()}, want_grads, what=what)
     y = engine.backend.to_host(engine.gather_batch(
         engine.predict(engine.shard_batch(x), documents=data_rows(engine, docs))))
     for i, ((ids, _), (r, col)) in enumerate(zip(exs, where)):
@@ -146,6 +150,20 @@ LAYOUTS = [  # (ranks, layout, model, kw)
                          ids=[f"{n}-{lay}-{k}-{kw}" for n, lay, k, kw in LAYOUTS])
 def test_packed_rows_equal_separate_examples(ranks, layout, kind, kw):
     check_packed(group_comm(ranks), layout, kind, **kw)
+
+
+DEVICE_LAYOUTS = [(1, "single", "gpt"), (1, "single", "llama"),
+                  (2, "tp=2,sequence_parallel=1", "gpt"), (2, "cp=2", "gpt"),
+                  (2, "cp=2,cp_kind=ulysses", "llama"),
+                  (2, "pp=2,schedule=1f1b,microbatches=2,recompute=attn", "gpt")]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("ranks,layout,kind", DEVICE_LAYOUTS,
+                         ids=[f"{n}-{lay}-{k}" for n, lay, k in DEVICE_LAYOUTS])
+def test_packed_rows_on_device_arrays(ranks, layout, kind):
+    comm = group_comm(ranks)
+    check_packed(comm, layout, kind, device=device_backend(comm, "staged")[0])
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
