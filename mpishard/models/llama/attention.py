@@ -10,6 +10,10 @@ q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this ra
     RepeatKV               q | k, v repeated to every query head: the (B, T, 3 Hq Dh) input
                            of cp's ring or Ulysses unit
 
+Packed rows (nn/documents.py): the rotary turns each token by its position within its document
+(cos/sin per row, (B, T, 1, Dh)) and the attention core keeps each query to the keys of its
+own document; cp's ring and Ulysses units do the same for the attention (context_parallel.py).
+
 RoPE: inv_freq = 1 / theta^(arange(0, Dh, 2) / Dh), angle = pos inv_freq, cos/sin =
 cat(angle, angle), x' = x cos + rotate_half(x) sin with rotate_half(x) = cat(-x2, x1); its
 adjoint is dx = dx' cos - rotate_half(dx' sin) (rotate_half^T = -rotate_half). The angles are
@@ -18,9 +22,10 @@ taken in float64 and cast to the activations' dtype (transformers takes them in 
 from __future__ import annotations
 
 from ...nn import attention as att
+from ...nn import documents as docs
 from ...nn import functional as nn
 from ...nn.layers import Layer
-from ...nn.transformer import leading_positions
+from ...nn.transformer import leading_positions, unit_positions
 
 
 def rope_angles(xp, positions, d_head: int, theta: float):
@@ -43,12 +48,16 @@ class Rotary(Layer):
     """(B, T, (Hq + 2 Hkv) Dh) q | k | v -> the same with q and k rotated by position:
     x' = x cos + rotate_half(x) sin (HF's apply_rotary_pos_emb); v passes through. No
     parameters. token_positions(t): the global positions of the t tokens (a slice, cp's tuple
-    of slices, or a (B, t) array while decoding; kv_cache.caching sets it). The angles are
-    taken in float64 and cast to the activations' dtype (HF takes them in float32).
+    of slices, or a (B, t) array while decoding; kv_cache.caching sets it); in a packed
+    microbatch (`documents`) each token's position within its document instead, so cos/sin
+    are per row (nn.transformer.unit_positions). The angles are taken in float64 and cast to
+    the activations' dtype (HF takes them in float32).
 
     backward  dx = dx' cos - rotate_half(dx' sin)   (rotate_half^T = -rotate_half)
     Both run half by half: x' = cat(x1 c - x2 s, x2 c + x1 s), c, s the angle's cos and sin.
     """
+
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
 
     def __init__(self, n_q, n_kv, d_head, theta, token_positions=leading_positions):
         super().__init__()
@@ -64,7 +73,8 @@ class Rotary(Layer):
 
     def forward(self, a, mb=0, record=True):
         xp, h = nn.array_module(a), self.d_head // 2
-        cos, sin = rope_angles(xp, self.token_positions(a.shape[1]), self.d_head, self.theta)
+        cos, sin = rope_angles(xp, unit_positions(self, a.shape[1], mb), self.d_head,
+                               self.theta)        # (T, 1, Dh); packed: (B, T, 1, Dh)
         c = cos[..., :h].astype(a.dtype, copy=False)             # cos/sin = cat(angle, angle):
         s = sin[..., :h].astype(a.dtype, copy=False)             # one half is enough
         x = self._heads(a)[:, :, :self.n_rot]
@@ -130,9 +140,12 @@ class GroupedQueryAttention(Layer):
     """(B, T, (Hq + 2 Hkv) Dh) q | k | v -> (B, T, Hq Dh): causal softmax attention, query
     head i against kv head kv_heads[i] (heads: a KVHeads). No parameters. `cache`: a
     kv_cache.KVCache while decoding; it gets the un-repeated k, v (B, Hkv, t, Dh) when the
-    grouping is uniform (repeated ones otherwise: tp with replicated kv heads)."""
+    grouping is uniform (repeated ones otherwise: tp with replicated kv heads). `documents`:
+    when microbatch mb is packed, a query sees only the keys of its own document (the
+    probabilities kept for backward carry that mask)."""
 
     attention_core = True      # what recompute=attn wraps
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
 
     def __init__(self, heads):
         super().__init__()
@@ -151,7 +164,9 @@ class GroupedQueryAttention(Layer):
                 k, v = h.repeat(k), h.repeat(v)
             return att.merge_heads(self.cache.attend(self, q, k, v))
         k, v = h.repeat(k), h.repeat(v)                           # (B, Hq, T, Dh)
-        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True)
+        ids = docs.rows_of(self.documents, mb)                    # packed: (B, T) or None
+        visible = None if ids is None else docs.visible(ids, ids)
+        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True, visible=visible)
         self.save(mb, record, (q, k, v, out, p))
         return att.merge_heads(out)                               # heads concatenated
 
