@@ -1,6 +1,7 @@
 """Packed rows under context parallelism: ring and Ulysses attention kept inside each example,
-positions restarting per example on the rank's two chunks, for the GPT (learned positions) and
-the Llama (rotary, grouped kv heads), with tp, dp, pp, recompute and cp=4 beside them.
+positions restarting per example on the rank's two chunks, for the GPT (learned positions), the
+Llama (rotary, grouped kv heads) and the Qwen2 (the Llama's units), with tp, dp, pp, recompute
+and cp=4 beside them.
 
 Each layout runs test_packing.check_packed: the packed rows' loss, every gradient and the
 logits equal the examples run alone on single, one example per row, in float64 (rtol 1e-9),
@@ -52,6 +53,21 @@ def test_cp4_packed_rows_equal_separate_examples(layout, kind, monkeypatch):
     monkeypatch.setattr(test_packing, "PACKS", [[3, 4, 5, 4], [2, 6, 2, 5], [7, 5, 3],
                                                 [3, 3, 3, 6]])
     check_packed(group_comm(4), layout, kind)
+
+
+def qwen2(tied=False):
+    """A Qwen2 (the Llama's rotary and attention units, biased q | k | v) of test_packing's
+    sizes."""
+    return ms.Qwen2(vocab_size=13, seq_len=test_packing.T, d_model=16, n_heads=4, n_layers=2,
+                    n_kv_heads=2, d_ff=24, rope_theta=500.0, tied=tied)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("ranks,layout", [(1, "single"), (2, "cp=2"),
+                                          (2, "cp=2,cp_kind=ulysses"), (4, "dp=2,cp=2")])
+def test_qwen2_packed_rows_equal_separate_examples(ranks, layout, monkeypatch):
+    monkeypatch.setitem(test_packing.MODELS, "qwen2", qwen2)
+    check_packed(group_comm(ranks), layout, "qwen2")
 
 
 def expected_blocks(docs, r, c):
