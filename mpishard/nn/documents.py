@@ -101,7 +101,8 @@ def visible(ids_q, ids_k):
 class Documents:
     """The document ids of the current batch on this rank, by microbatch (module docstring)."""
 
-    def __init__(self):
+    def __init__(self, sequence_ranks: int = 1):
+        self.sequence_ranks = int(sequence_ranks)   # cp: each rank holds T / cp of a row
         self._rows: dict = {}
 
     def set(self, ids, microbatches: int = 1, mb: int = 0) -> None:

@@ -123,7 +123,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
         access.prefetcher.install(chunks)
     meter = TapeMeter()                 # activation bytes on the layers' tapes (memory_report)
     meter_tapes(chunks, meter)
-    documents = Documents()             # the document ids of packed rows, for the units
+    documents = Documents(layout.size("cp"))   # packed rows' document ids, for the units
     attach_documents(chunks, documents)
     if pp > 1:                                                      # 6. pp
         # Group communicators are made by a world-wide Split on first use; inside a pipeline

@@ -68,6 +68,11 @@ def set_documents(documents, ids, x, to_device, microbatches: int = 1, mb: int =
     if x is not None and np.shape(ids)[0] != x.shape[0]:
         raise ValueError(f"documents have {np.shape(ids)[0]} rows, the batch has "
                          f"{x.shape[0]}")
+    c = documents.sequence_ranks
+    if x is not None and x.ndim == 2 and np.shape(ids)[1] != x.shape[1] * c:
+        raise ValueError(f"documents cover {np.shape(ids)[1]} tokens of a row, the batch's rows "
+                         f"{x.shape[1]}" + (f" x cp={c}: give the whole sequence's ids, not "
+                                           f"cut by cp" if c > 1 else ""))
     ids = check_documents(ids, np.shape(ids))
     documents.set(to_device(ids), microbatches, mb)
 

@@ -207,3 +207,15 @@ def test_cp_still_needs_two_chunks_per_rank():
     x = np.ones((2, 5), np.int64)
     with pytest.raises(ValueError, match="two equal chunks"):
         engine.train_step(x, x, CE, documents=np.zeros((2, 10), np.int64))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_documents_cut_by_cp_are_refused():
+    """Documents are the whole sequence's ids: ids cut to a cp rank's own tokens are refused
+    on every rank, before any communication, naming cp."""
+    model, params, _ = case("gpt")
+    engine = ms.make_engine(model, "cp=2", comm=group_comm(2))
+    engine.load_checkpoint(params)
+    x = np.ones((2, 6), np.int64)
+    with pytest.raises(ValueError, match="not cut by cp"):
+        engine.train_step(x, x, CE, documents=np.zeros((2, 6), np.int64))
