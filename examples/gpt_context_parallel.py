@@ -31,7 +31,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
-from mpishard.parallel.context_parallel import RingAttention, chunk_ids
+from mpishard.parallel.context_parallel import RingAttention
+from mpishard.parallel.sequence_split import chunk_ids
 
 SEQ, D_MODEL, HEADS, LAYERS, ROWS, STEPS, LR, RTOL = 16, 32, 4, 2, 8, 3, 1e-2, 1e-9
 

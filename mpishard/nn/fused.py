@@ -109,8 +109,8 @@ def kernels(cupy) -> dict:
         "gelu": ew("T z", "T y, T dydz", _GELU, "mpishard_gelu_tanh", options=_NO_FMA),
         "sumexp": cupy.ReductionKernel("T y, T m", "T s", "exp(y - m)", "a + b", "s = a", "0",
                                        "mpishard_sumexp", options=_NO_FMA),
-        "ce_grad": ew("T y, raw T m, raw T logs, raw I t, raw bool k, int64 c, T n", "T g", _CE_GRAD,
-                      "mpishard_ce_grad", options=_NO_FMA),
+        "ce_grad": ew("T y, raw T m, raw T logs, raw I t, raw bool k, int64 c, T n", "T g",
+                      _CE_GRAD, "mpishard_ce_grad", options=_NO_FMA),
     }
 
 

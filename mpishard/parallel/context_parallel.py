@@ -5,7 +5,8 @@ split, every rank the same causal work). Everything outside attention is per tok
 LayerNorm, the projections, the MLP and the head run on the local tokens unchanged; only the
 embedding and the rotary need the global positions of its tokens (`token_positions`).
 Parameters are replicated on cp: their gradients are averaged over cp like over a data axis
-(comm.mesh.AVERAGE_AXES), each rank's loss being the mean over its (equally many) tokens.
+(comm.mesh.AVERAGE_AXES), each rank's loss being the mean over its (equally many) tokens, or
+with masked targets its sum over the global count (parallel/token_batch.py).
 
 Ring attention (`cp=N`, `RingAttention`). The local queries stay; the keys and values travel:
 
@@ -60,8 +61,9 @@ def gather_sequence(cp, y):
 
 class SequenceOutput:
     """The engine's output seam under cp around another one (`inner`, e.g. vocab-parallel):
-    the loss unchanged (each rank's is the mean over its tokens), gather_batch also puts the
-    sequence chunks back in order over cp (cp: the Comm of the cp group)."""
+    the loss unchanged (each rank's is the mean over its tokens, or its sum over the global
+    count: parallel/token_batch.py), gather_batch also puts the sequence chunks back in order
+    over cp (cp: the Comm of the cp group)."""
 
     def __init__(self, inner, cp):
         self.inner, self.cp = inner, cp
@@ -229,7 +231,6 @@ class RingAttention(Layer):
         return self.merge(dq, dk, dv)                    # undoes split
 
 
-# -- Ulysses ---------------------------------------------------------------------------------------
 # -- composition -----------------------------------------------------------------------------------
 def check_cp(model, layout) -> None:
     """The same ValueError on every rank, before any communication, for a cp layout this

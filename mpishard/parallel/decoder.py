@@ -12,8 +12,9 @@ replicated.
 
 Tensor parallelism: each parameter's tp split (the model's table; the vocabulary's padded
 split for embed/tokens and head/weights: vocab_parallel.py) comes first in its placement,
-then fsdp's. Context parallelism (cp, ring or Ulysses) is context_parallel.py: the attention
-unit and the embedding's token positions, parameters replicated on cp.
+then fsdp's. Context parallelism (cp) is context_parallel.py (ring), ulysses.py and
+sequence_split.py: the attention unit and the embedding's token positions, parameters
+replicated on cp.
 
 A tied decoder (tied=True) under pp holds embed/tokens on the first stage and a copy on the
 last (its placement's tied_stages), for the tied head; tied.py sums their gradients (Megatron).

@@ -56,12 +56,13 @@ class UlyssesAttention(Layer):
         ids = docs.rows_of(self.documents, mb)           # packed: (B, T), else None
         visible = None if ids is None else docs.visible(ids, ids)
         out, lse = att.causal_attention_forward(q, k, v, visible=visible)
-        self.save(mb, record, (q, k, v, out, lse, visible))
+        self.save(mb, record, (q, k, v, out, lse, ids))  # the ids, not the (B,1,T,T) mask
         return att.merge_heads(self.to_sequence(out[None])[0])
 
     def backward(self, dy, mb=0):
-        q, k, v, out, lse, visible = self.pop(mb)
+        q, k, v, out, lse, ids = self.pop(mb)
         xp = array_module(q)
+        visible = None if ids is None else docs.visible(ids, ids)   # the forward's mask
         dout = self.to_heads(att.merge_heads_backward(dy, self.n_heads)[None])[0]  # undoes
         dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, lse,   # the last two
                                                    visible=visible)

@@ -267,9 +267,11 @@ def write_tokens(out: str, tokenizer, corpus=None, max_bytes=None,
 
 def prepare_directory(out: str):
     """Create DIR `out`; a directory that holds anything but a previous token directory's
-    files is refused (ValueError)."""
-    if os.path.exists(out) and (not os.path.isdir(out) or set(os.listdir(out)) - {
-            HEADER, TRAIN_FILE, VAL_FILE, *EXAMPLE_FILES, *TOKENIZER_FILES}):
+    files, or the NAME.tmp files a failed or killed write of one left, is refused
+    (ValueError). The leftovers are overwritten by the next write (its temporary names)."""
+    ours = {HEADER, TRAIN_FILE, VAL_FILE, *EXAMPLE_FILES, *TOKENIZER_FILES}
+    if os.path.exists(out) and (not os.path.isdir(out) or set(os.listdir(out)) - ours
+                                - {name + ".tmp" for name in ours}):
         raise ValueError(f"--out {out} exists and is not a token directory; refusing to "
                          f"write into it")
     os.makedirs(out, exist_ok=True)

@@ -187,6 +187,10 @@ def test_tokenize_dataset_errors_are_one_line(root, tmp_path, capsys):
     for flag in ("--text-field", "--chat-template"):
         assert tokenize(root, "bad", flag, "x") == 2
         assert f"{flag} applies to --dataset jsonl:|parquet:|hfdisk:" in capsys.readouterr().err
+    # the bad record's run left its temporary files in --out: the fixed data writes there
+    assert any(name.endswith(".tmp") for name in os.listdir(os.path.join(root, "bad")))
+    assert tokenize_records(root, "bad", f"jsonl:{pairs}") == 0, capsys.readouterr().err
+    assert not any(name.endswith(".tmp") for name in os.listdir(os.path.join(root, "bad")))
 
 
 # -- train's flags -----------------------------------------------------------------------------

@@ -51,9 +51,14 @@ def gelu_and_loss(xp, dtype, seed=1):
     rng = np.random.default_rng(seed)
     z = xp.asarray((4 * rng.standard_normal((5, 7, 33))).astype(dtype))
     logits = xp.asarray((3 * rng.standard_normal((3, 5, 29))).astype(dtype))
-    labels = xp.asarray(rng.integers(0, 29, (3, 5)))
-    value, dy = ms.losses.CrossEntropy()(logits, labels)
-    return nn.gelu_forward(z) + (xp.asarray(np.array(value)), dy)
+    labels = rng.integers(0, 29, (3, 5))
+    labels[rng.random((3, 5)) < 0.3] = -100                     # ignored targets (ignore_index)
+    labels = xp.asarray(labels)
+    loss = ms.losses.CrossEntropy()
+    value, dy = loss(logits, labels)
+    over, d_over = loss.over(7.5)(logits, labels)                # the global-token divisor
+    return nn.gelu_forward(z) + (xp.asarray(np.array(value)), dy,
+                                 xp.asarray(np.array(over)), d_over)
 
 
 def host(a, xp):

@@ -1,5 +1,5 @@
 """ms.Llama under context parallelism: ring attention (rotary angles from each chunk's global
-positions, the zigzag chunks of context_parallel.py) and Ulysses, alone and with dp, tp
+positions, the zigzag chunks of sequence_split.py) and Ulysses, alone and with dp, tp
 (kv heads split and replicated), pp, recompute and a tied head, against single in float64
 (rtol 1e-9): loss, every gathered gradient, gathered logits and parameters.
 

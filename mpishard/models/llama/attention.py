@@ -12,7 +12,8 @@ q | k | v columns, each cut into heads of Dh columns (Hq, Hkv: the heads this ra
 
 Packed rows (nn/documents.py): the rotary turns each token by its position within its document
 (cos/sin per row, (B, T, 1, Dh)) and the attention core keeps each query to the keys of its
-own document; cp's ring and Ulysses units do the same for the attention (context_parallel.py).
+own document; cp's ring and Ulysses units do the same for the attention (context_parallel.py,
+ulysses.py).
 
 RoPE: inv_freq = 1 / theta^(arange(0, Dh, 2) / Dh), angle = pos inv_freq, cos/sin =
 cat(angle, angle), x' = x cos + rotate_half(x) sin with rotate_half(x) = cat(-x2, x1); its
