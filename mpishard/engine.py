@@ -31,11 +31,11 @@ from .models import ARCHITECTURES
 from .nn.losses import get_loss
 from .nn.params import ParamSpec
 from .parallel.compose import compose
-from .parallel.context_parallel import shard_sequence
 from .parallel.decode import generate as generate_ids
 from .parallel.pipeline import step_microbatches
 from .parallel.precision import Precision
-from .parallel.token_batch import check_targets, count_targets, set_documents, step_loss
+from .parallel.token_batch import (check_targets, count_targets, global_mean, local_rows,
+                                   set_documents, step_loss)
 from .parallel.tracing import trace_engine
 
 
@@ -95,12 +95,20 @@ class ShardedEngine(ABC):
         self.comm.stats.reset()
 
     # -- the collectives and point-to-point calls: the engine's Comm ---------------------------
-    (barrier, send, receive, send_async, receive_async, all_reduce, all_reduce_async,
-     all_gather, all_gather_async, reduce_scatter, all_to_all, all_to_all_v, broadcast,
-     agree) = (_comm_method(name) for name in (
-        "barrier", "send", "receive", "send_async", "receive_async", "all_reduce",
-        "all_reduce_async", "all_gather", "all_gather_async", "reduce_scatter", "all_to_all",
-        "all_to_all_v", "broadcast", "agree"))
+    barrier = _comm_method("barrier")
+    send = _comm_method("send")
+    receive = _comm_method("receive")
+    send_async = _comm_method("send_async")
+    receive_async = _comm_method("receive_async")
+    all_reduce = _comm_method("all_reduce")
+    all_reduce_async = _comm_method("all_reduce_async")
+    all_gather = _comm_method("all_gather")
+    all_gather_async = _comm_method("all_gather_async")
+    reduce_scatter = _comm_method("reduce_scatter")
+    all_to_all = _comm_method("all_to_all")
+    all_to_all_v = _comm_method("all_to_all_v")
+    broadcast = _comm_method("broadcast")
+    agree = _comm_method("agree")
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -212,12 +220,7 @@ class MeshEngine(ShardedEngine):
     def shard_batch(self, arr):
         """The rows of a global batch this rank is fed: block data_parallel_rank of
         data_parallel_size along axis 0 (tp, pp peers: the same rows; cp: shard_sequence)."""
-        n, i = self.data_parallel_size, self.data_parallel_rank
-        rows = np.shape(arr)[0]
-        if rows % n:
-            raise ValueError(f"batch of {rows} rows does not divide by the {n} data-parallel "
-                             f"ranks of layout {self.layout.text!r}")
-        return self._to_device(shard_sequence(arr[rows // n * i:rows // n * (i + 1)], self.mesh))
+        return self._to_device(local_rows(arr, self.mesh))
 
     def _to_device(self, a):
         a = self.backend.asarray(a)
@@ -325,12 +328,7 @@ class MeshEngine(ShardedEngine):
 
     def global_mean(self, value: float) -> float:
         """Mean of a per-rank scalar over the data axes and cp (and from the last pp stage)."""
-        v = np.array([value], dtype=np.float64)
-        if self.layout.size("pp") > 1:
-            v = self.comm.broadcast(v, root=self.layout.size("pp") - 1, group="pp")
-        if self.mesh.size(AVERAGE_AXES) > 1:
-            v = self.comm.all_reduce(v, op="avg", group=AVERAGE_AXES)
-        return float(self.backend.to_host(v)[0])
+        return global_mean(self.comm, self.mesh, value)
 
     # -- what the optimizer and checkpoints see ------------------------------------------------
     def replication(self, name) -> int:

@@ -17,13 +17,18 @@ the averaging axes (adjoint: none, the count is data).
 
 Packed documents (nn/documents.py): the ids (B_local, T) of the whole sequence, checked on the
 host before any communication, moved to the device and split into the runner's microbatches.
+
+And the engine's two other batch helpers: `local_rows` (the rows of a global batch a rank is
+fed: its data-parallel block, cut by cp) and `global_mean` (a per-rank scalar averaged over
+the ranks that hold different rows, from the last pipeline stage).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..comm.mesh import AVERAGE_AXES
+from ..comm.mesh import AVERAGE_AXES, DATA_AXES
 from ..nn.documents import check_documents
+from .context_parallel import shard_sequence
 
 
 def step_loss(loss, count, ranks: int, microbatches: int):
@@ -44,6 +49,30 @@ def check_targets(loss, t, model, xp, dtype):
     stand_in = xp.broadcast_to(xp.zeros((), dtype), model.output_shape(t.shape))
     loss.check(stand_in, t)
     return t
+
+
+def local_rows(arr, mesh):
+    """The rows of a global batch (host array) this rank is fed: block dp_rank of the data
+    axes' ranks along axis 0 (tp, pp peers: the same rows), then its cp chunks
+    (context_parallel.shard_sequence); ValueError when the rows do not divide."""
+    n, i = mesh.size(DATA_AXES), mesh.coord(DATA_AXES)
+    rows = np.shape(arr)[0]
+    if rows % n:
+        raise ValueError(f"batch of {rows} rows does not divide by the {n} data-parallel "
+                         f"ranks of layout {mesh.layout.text!r}")
+    return shard_sequence(arr[rows // n * i:rows // n * (i + 1)], mesh)
+
+
+def global_mean(comm, mesh, value: float) -> float:
+    """Collective: the mean of a per-rank scalar over the data axes and cp, taken from the
+    last pp stage (broadcast over pp first); the same float on every rank."""
+    v = np.array([value], dtype=np.float64)
+    pp = mesh.layout.size("pp")
+    if pp > 1:
+        v = comm.broadcast(v, root=pp - 1, group="pp")
+    if mesh.size(AVERAGE_AXES) > 1:
+        v = comm.all_reduce(v, op="avg", group=AVERAGE_AXES)
+    return float(comm.backend.to_host(v)[0])
 
 
 def count_targets(comm, mesh, loss, t) -> int:
@@ -77,4 +106,5 @@ def set_documents(documents, ids, x, to_device, microbatches: int = 1, mb: int =
     documents.set(to_device(ids), microbatches, mb)
 
 
-__all__ = ["check_targets", "count_targets", "set_documents", "step_loss"]
+__all__ = ["check_targets", "count_targets", "global_mean", "local_rows", "set_documents",
+           "step_loss"]
