@@ -103,3 +103,22 @@ def test_unmasked_data_sets_say_so():
     digits_like = ms.train.data.synthetic_classification(32, 8, d_in=4, n_classes=3)
     assert not digits_like.masked and digits_like.d_train is None
     assert dataset(True).masked
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_tokens_per_s_counts_the_counted_targets(pack):
+    """A masked set's tokens/s is its counted targets over the training time (padding and
+    prompts are not counted), in the final metrics and the per-step stream alike."""
+    data = dataset(pack)
+    m = model()
+    engine = ms.make_engine(m, "single")
+    engine.load_checkpoint(m.init(seed=4))
+    trainer = Trainer(engine, SGD(engine, lr=0.0), data, batch=BATCH, steps=3, progress=False,
+                      log_every=0, seed=7, eval_batches=0)
+    counted = 0
+    for step in range(3):
+        rows = trainer.batcher.global_indices(*trainer.batcher.position(step))
+        counted += int((data.t_train[rows] != IGNORE_INDEX).sum())
+    metrics = trainer.fit()
+    assert trainer.run_tokens == counted < 3 * BATCH * SEQ
+    assert_close(metrics["tokens_per_s"], counted / trainer.train_time, what="tokens/s")
