@@ -5,6 +5,11 @@
     mpiexec -n 4 python -m mpi4py -m mpishard generate --hf ./gpt2 --layout tp=2,pp=2 \\
         --prompt "Hello" --prompt "The capital of France is" --temperature 0
     python -m mpishard generate --checkpoint ckpt --prompts prompts.txt   # a prompt per line
+    python -m mpishard generate --hf ./llama-sft --prompt-file prompt.txt  # the file is one
+
+`--prompt-file` keeps its file's content byte for byte: `--prompt "$(cat prompt.txt)"` loses
+the trailing newline to the shell, and a chat prompt must end with the assistant's header
+and its newline (ChatML's "<|im_start|>assistant\n") for the model to answer.
 
 Every rank builds the model (from the checkpoint's index, or config.json with --hf), makes the
 engine for `--layout` (default dp over all ranks, single on one) and loads its shard (--hf:
@@ -61,8 +66,12 @@ def add_generate_arguments(p):
                    "all ranks, single on one)")
     p.add_argument("--prompt", action="append", help="a text to continue (UTF-8; repeatable: "
                    "the prompts are generated as one batch; default a newline)")
+    p.add_argument("--prompt-file", action="append", metavar="FILE", help="a file whose whole "
+                   "content, byte for byte (trailing newlines kept), is one prompt: a chat "
+                   "prompt ending in the assistant's header and its newline (repeatable; after "
+                   "the --prompt ones)")
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line (empty "
-                   "lines skipped); with --prompt, these come after")
+                   "lines skipped); with --prompt/--prompt-file, these come after")
     p.add_argument("--tokenizer", metavar="DIR|bytes", help="a directory with tokenizer.json "
                    "or `bytes` (default: the --hf directory's, or the one the checkpoint "
                    "carries; bytes for a vocabulary of 256)")
@@ -172,7 +181,17 @@ class Text:
 
 
 def read_prompts(args) -> list:
+    """The prompts' texts: each --prompt, each --prompt-file's whole content, then the lines
+    of --prompts; UsageError for a file that does not read or an empty prompt."""
     prompts = list(args.prompt or [])
+    for path in args.prompt_file or []:
+        try:
+            with open(path, encoding="utf-8", newline="") as f:
+                prompts.append(f.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--prompt-file {path}: {exc}") from None
+        if prompts[-1] == "":
+            raise UsageError(f"--prompt-file {path} is empty; give at least one character")
     if args.prompts is not None:
         try:
             with open(args.prompts, encoding="utf-8") as f:
