@@ -121,9 +121,11 @@ def add_train_arguments(p):
     o("--beta1", type=float, help="adamw beta1 (0.9)")
     o("--beta2", type=float, help="adamw beta2 (0.999)")
     o("--eps", type=float, help="adamw eps (1e-8)")
-    o("--schedule", choices=("constant", "cosine"), help="lr schedule (constant; for --model "
-      "gpt: cosine with --warmup 20)")
-    o("--warmup", type=int, help="linear warm-up steps (0)")
+    o("--schedule", choices=("constant", "cosine"), help="lr schedule (constant; for a "
+      "language model, i.e. --model gpt/llama, --init-from-hf or --dataset tokens:/jsonl:/"
+      "parquet:/hfdisk:, cosine with --warmup 20)")
+    o("--warmup", type=int, help="linear warm-up steps (0; 20 for a language model when "
+      "--schedule is not given)")
     o("--min-lr", type=float, help="cosine floor (0)")
     o("--batch", type=int, help="global batch, rows per optimizer step (64)")
     o("--epochs", type=int, help=f"passes over the training set (default {DEFAULT_EPOCHS} "
