@@ -105,7 +105,8 @@ def _check_fields(row, kind: str, text_field: str, where: str) -> dict:
     names = (text_field,) if kind == TEXT else FIELDS[kind]
     for name in names:
         if row.get(name) is None:
-            raise ValueError(f"{where}: the record lacks the field {name!r} (the data set's "
+            what = "is null" if name in row else "is missing"
+            raise ValueError(f"{where}: the record's field {name!r} {what} (the data set's "
                              f"records are {_describe(kind, text_field)})")
     if kind == MESSAGES:
         try:

@@ -168,7 +168,7 @@ def test_tokenize_dataset_errors_are_one_line(root, tmp_path, capsys):
     pairs = write_jsonl(tmp_path / "qa.jsonl", PAIRS)
     bad = write_jsonl(tmp_path / "bad.jsonl", PAIRS[:2] + [{"prompt": "p"}], blank=(1,))
     cases = [
-        ([f"jsonl:{bad}"], f"tokenize: {bad} line 5: the record lacks the field 'completion'"),
+        ([f"jsonl:{bad}"], f"tokenize: {bad} line 5: the record's field 'completion' is missing"),
         ([f"jsonl:{pairs}", "--chat-template", str(tmp_path / "none.jinja")], "none.jinja"),
         ([f"jsonl:{pairs}", "--text", "x"], "--text applies to a text corpus, not --dataset"),
         ([f"jsonl:{pairs}", "--corpus-bytes", "9"], "--corpus-bytes applies to a text corpus"),

@@ -94,17 +94,19 @@ def test_a_glob_reads_its_files_sorted_and_a_text_field(tmp_path):
 
 
 @pytest.mark.parametrize("rows,blank,message", [
-    (PAIRS[:1] + [{"prompt": "p"}], (1,), "line 4: the record lacks the field 'completion' "
+    (PAIRS[:1] + [{"prompt": "p"}], (1,), "line 4: the record's field 'completion' is missing "
      r"\(the data set's records are prompt/completion pairs\)"),
     (PAIRS[:2] + [{"prompt": "p", "completion": 5}], (), "line 3: field 'completion' must be "
      r"a string \(int\)"),
     (TEXTS[:1] + [{"text": ["a"]}], (1,), r"line 4: field 'text' must be a string \(list\)"),
-    (TEXTS[:1] + [{"text": None}], (), "line 2: the record lacks the field 'text'"),
+    (TEXTS[:1] + [{"text": None}], (), "line 2: the record's field 'text' is null"),
+    (PAIRS[:1] + [{"prompt": "p", "completion": None}], (), "line 2: the record's field "
+     "'completion' is null"),
     (CHAT[:1] + [{"messages": [{"role": "user", "content": 3}]}], (1,),
      r"line 4: field 'messages': message 0: 'content' must be a string \(int\)"),
     (CHAT[:1] + [{"messages": []}], (), "line 2: field 'messages': messages must be a "
      "non-empty list"),
-    (CHAT[:1] + PAIRS[:1], (), "line 2: the record lacks the field 'messages'"),
+    (CHAT[:1] + PAIRS[:1], (), "line 2: the record's field 'messages' is missing"),
     ([{"question": "q"}], (), r"line 1: a record needs the field 'text' \(or --text-field "
      r"NAME\), 'prompt' and 'completion', or 'messages'; it has \['question'\]"),
     (TEXTS[:2] + ['{"text": "cut'], (2,), "line 5: not valid JSON"),
@@ -119,11 +121,11 @@ def test_a_bad_jsonl_record_names_its_file_and_line(tmp_path, rows, blank, messa
 
 def test_a_bad_row_of_parquet_or_a_saved_dataset_names_it(tmp_path):
     path = write_parquet(tmp_path / "bad.parquet", PAIRS[:2] + [{"prompt": "p"}])
-    with pytest.raises(ValueError, match=f"^{path} row 2: the record lacks the field "
-                       "'completion'"):
+    with pytest.raises(ValueError, match=f"^{path} row 2: the record's field "
+                       "'completion' is null"):
         read(f"parquet:{path}")
     saved = save_to_disk(tmp_path / "bad", [{"text": "a"}, {"text": None}])
-    with pytest.raises(ValueError, match=f"^{saved} row 1: the record lacks the field 'text'"):
+    with pytest.raises(ValueError, match=f"^{saved} row 1: the record's field 'text' is null"):
         read(f"hfdisk:{saved}")
 
 
@@ -165,5 +167,5 @@ def test_a_told_kind_is_required_of_every_record(tmp_path):
                                                     "completion": "c"}, {"text": "u"}])
     assert open_records(f"jsonl:{path}", kind=TEXT).kind == TEXT
     assert len(read(f"jsonl:{path}", kind=TEXT)) == 2
-    with pytest.raises(ValueError, match="line 2: the record lacks the field 'prompt'"):
+    with pytest.raises(ValueError, match="line 2: the record's field 'prompt' is missing"):
         read(f"jsonl:{path}")                       # the first record is a prompt/completion
