@@ -7,9 +7,15 @@
     python -m mpishard generate --checkpoint ckpt --prompts prompts.txt   # a prompt per line
     python -m mpishard generate --hf ./llama-sft --prompt-file prompt.txt  # the file is one
 
+    python -m mpishard generate --hf ./llama-sft --chat "Hello"   # rendered with its template
+
 `--prompt-file` keeps its file's content byte for byte: `--prompt "$(cat prompt.txt)"` loses
 the trailing newline to the shell, and a chat prompt must end with the assistant's header
-and its newline (ChatML's "<|im_start|>assistant\n") for the model to answer.
+and its newline (ChatML's "<|im_start|>assistant\n") for the model to answer. `--chat MESSAGE`
+makes that prompt itself: a one-turn user conversation rendered with the tokenizer's chat
+template (train/chat_template.py; `--chat-template FILE` overrides it) and the generation
+prompt, encoded without adding special tokens, as transformers' apply_chat_template(
+add_generation_prompt=True) does.
 
 Every rank builds the model (from the checkpoint's index, or config.json with --hf), makes the
 engine for `--layout` (default dp over all ranks, single on one) and loads its shard (--hf:
@@ -44,7 +50,9 @@ from ..checkpoint.format import CheckpointError
 from ..engine import make_engine
 from ..hf.tokenizer import carried, from_files, is_bytes
 from ..parallel.decode import Decoder
+from ..train.chat_template import chat_template_for, render_chat, template_tokens
 from ..train.memory import PhasePeaks, gather_peaks
+from ..train.tokenizer import read_tokenizer_files
 from ..validate import check_number
 from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
 from .model_flag import HF_NAMES
@@ -70,8 +78,13 @@ def add_generate_arguments(p):
                    "content, byte for byte (trailing newlines kept), is one prompt: a chat "
                    "prompt ending in the assistant's header and its newline (repeatable; after "
                    "the --prompt ones)")
+    p.add_argument("--chat", action="append", metavar="MESSAGE", help="a user message, "
+                   "rendered with the tokenizer's chat template and its generation prompt as "
+                   "one prompt (repeatable; after the --prompt-file ones)")
+    p.add_argument("--chat-template", metavar="FILE", help="with --chat: this template (.jinja, "
+                   "or .json with a chat_template key) instead of the tokenizer's")
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line (empty "
-                   "lines skipped); with --prompt/--prompt-file, these come after")
+                   "lines skipped); with --prompt/--prompt-file/--chat, these come after")
     p.add_argument("--tokenizer", metavar="DIR|bytes", help="a directory with tokenizer.json "
                    "or `bytes` (default: the --hf directory's, or the one the checkpoint "
                    "carries; bytes for a vocabulary of 256)")
@@ -130,8 +143,8 @@ class Text:
     space that sentencepiece-style tokenizers (Metaspace: "▁Paris") strip at the start of a
     text, printing "...France isParis"."""
 
-    def __init__(self, tokenizer=None):
-        self.tok = tokenizer
+    def __init__(self, tokenizer=None, files=None, name=BYTES):
+        self.tok, self.files, self.name = tokenizer, dict(files or {}), name
         self.vocab = 256 if tokenizer is None else tokenizer.get_vocab_size()
         self.reset()
 
@@ -141,8 +154,15 @@ class Text:
         self.shown = ""
         self.context = list(context)
 
-    def encode(self, text: str) -> list:
-        return list(text.encode("utf-8")) if self.tok is None else self.tok.encode(text).ids
+    def encode(self, text: str, special=True) -> list:
+        """The ids of `text`; special=False: without the tokenizer's added special tokens (a
+        rendered chat holds its own)."""
+        if self.tok is None:
+            return list(text.encode("utf-8"))
+        return self.tok.encode(text, add_special_tokens=special).ids
+
+    def __repr__(self) -> str:
+        return f"the tokenizer {self.name}"
 
     def _after(self, ids: list, context: list) -> str:
         """The tokenizer's text of `ids` as they continue `context`."""
@@ -202,7 +222,27 @@ def read_prompts(args) -> list:
         raise UsageError(f"--prompts {args.prompts}: no prompt in the file")
     if any(p == "" for p in prompts):
         raise UsageError("--prompt is empty; give at least one character")
-    return prompts or ["\n"]
+    return prompts or ([] if args.chat else ["\n"])
+
+
+def all_prompts(args, text) -> list:
+    """[(prompt text, whether encoding adds special tokens)]: read_prompts' texts, the --chat
+    messages rendered with `text`'s chat template (the --prompts lines last)."""
+    texts = read_prompts(args)
+    if not args.chat:
+        return [(p, True) for p in texts]
+    if text.tok is None:
+        raise UsageError("--chat needs a tokenizer with a chat template (give --tokenizer DIR); "
+                         "bytes have none")
+    try:
+        template = chat_template_for(text, args.chat_template)
+        chats = [render_chat(template, [{"role": "user", "content": m}], True,
+                             template_tokens(text.files)) for m in args.chat]
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--chat: {exc}") from None
+    first = len(args.prompt or []) + len(args.prompt_file or [])
+    return [(p, True) for p in texts[:first]] + [(c, False) for c in chats] + \
+        [(p, True) for p in texts[first:]]
 
 
 def open_tokenizer(args, model, ckpt=None):
@@ -213,7 +253,7 @@ def open_tokenizer(args, model, ckpt=None):
         try:
             record, files = carried(ckpt)
             if files:
-                return Text(from_files(files, record))
+                return Text(from_files(files, record), files, record.get("name"))
         except (CheckpointError, ValueError, ImportError) as exc:
             raise UsageError(f"--checkpoint {args.checkpoint}: its tokenizer: {exc}") from None
         if record is not None and not is_bytes(record):
@@ -232,7 +272,7 @@ def open_tokenizer(args, model, ckpt=None):
     if tok is None:
         raise UsageError(f"{'--tokenizer' if args.tokenizer else '--hf'} {where}: no "
                          f"tokenizer.json (give --tokenizer DIR or --tokenizer bytes)")
-    return Text(tok)
+    return Text(tok, read_tokenizer_files(where), where)
 
 
 def carried_eos(ckpt) -> list:
@@ -292,7 +332,7 @@ def prepare_generator(args, comm):
                              f"({', '.join(KEYED)}); generate samples from language models")
         eos = args.eos or carried_eos(ckpt)
     text = open_tokenizer(args, model, ckpt)
-    prompts = [text.encode(p) for p in read_prompts(args)]
+    prompts = [text.encode(p, special) for p, special in all_prompts(args, text)]
     empty = [i for i, ids in enumerate(prompts) if not ids]
     if empty:
         raise UsageError(f"prompt {empty[0]} encodes to no tokens with this tokenizer")
@@ -318,7 +358,7 @@ def build_generator(args, comm):
 def run_generate(args) -> int:
     comm = world_comm()
     engine, text, prompts, eos = agreed(comm, lambda: build_generator(args, comm))
-    shown = read_prompts(args) if comm.Get_rank() == 0 else None   # rank 0 prints
+    shown = [p for p, _ in all_prompts(args, text)] if comm.Get_rank() == 0 else None
     stream = shown is not None and len(prompts) == 1
     new = []
 

@@ -76,3 +76,11 @@ def test_generate_continues_the_files_whole_content(tmp_path, checkpoint, capfd)
         assert capfd.readouterr().out.startswith("def f(x):\n")
         ids[name] = json.loads(out.read_text())["ids"]
     assert ids["file"] == ids["text"] and len(ids["file"][0]) == 4
+
+
+def test_chat_on_bytes_is_refused(checkpoint):
+    """--chat renders a chat template: bytes have none."""
+    args = parsed("--chat", "hi")
+    args.checkpoint = str(checkpoint)
+    with pytest.raises(UsageError, match="--chat needs a tokenizer with a chat template"):
+        prepare_generator(args, MPI.COMM_SELF)
