@@ -51,8 +51,10 @@ def add_gpt_arguments(model_group, data_group):
                "N bytes (default seq_len; 1: every offset, i.e. random offsets per batch)")
     data_group("--corpus-bytes", type=int, help="--dataset text: read at most this many bytes "
                f"of the corpus (default {DEFAULT_CORPUS_BYTES})")
-    data_group("--val-fraction", type=float, help="--dataset text: the last fraction of the "
-               f"bytes that is the validation split (default {DEFAULT_VAL_FRACTION})")
+    data_group("--val-fraction", type=float, help="--dataset text or jsonl:|parquet:|hfdisk: "
+               "records: the last fraction of the bytes (of the examples) that is the "
+               f"validation split, > 0 (default {DEFAULT_VAL_FRACTION}; tokens:DIR holds its "
+               "own)")
 
 
 def gpt_spec_text(table: dict) -> str:

@@ -8,15 +8,17 @@
 (train/records.py, the `sft` extra) encoded in memory on every rank with the run's tokenizer
 (--tokenizer, else the --init-from-hf directory's, else bytes) into examples with a loss mask
 (train/examples.py): plain text (`--text-field`), prompt/completion pairs or chat `messages`
-(rendered with `--chat-template FILE`, else the tokenizer's own template). The last
---val-fraction of the examples is the validation split. `--dataset tokens:DIR` of a version-2
+(rendered with `--chat-template FILE`, else the tokenizer's own template; a given template
+travels with the tokenizer into the checkpoints, as its chat_template.jinja). The last
+--val-fraction of the examples is the validation split (> 0). `--dataset tokens:DIR` of a version-2
 directory (`tokenize --dataset ...`) holds the same examples on disk, read a row at a time.
 
 The examples become rows of seq_len + 1 tokens (train/sft_rows.py): one example per row,
 padded, or with `--pack` several whole examples per row, attention kept inside each. The loss
 counts the completion or assistant tokens (`--loss-on completion`, the default: the mask the
 tokenizing made; every token of a plain-text record) or every real token (`--loss-on all`);
-never padding, nor an example's last token. A record that lacks its fields or has the wrong
+never padding, nor an example's last token; an example longer than a row is cut to it
+(the start-up log counts them per split). A record that lacks its fields or has the wrong
 types stops the run with one line naming its file and line, on every rank (train's
 `prepare_training` is agreed on every rank).
 """
@@ -28,7 +30,7 @@ from ..train.records import is_records_name
 from ..train.sft_rows import LOSS_ON, example_dataset
 from ..train.text import DEFAULT_VAL_FRACTION
 from ..train.tokens import EXAMPLES_VERSION, is_tokens_name, read_header, tokens_directory
-from .usage import refuse_flags
+from .usage import UsageError, refuse_flags
 
 SFT_DEFAULTS = {"text_field": None, "chat_template": None, "pack": None, "loss_on": None}
 RECORDS = "--dataset jsonl:|parquet:|hfdisk:"
@@ -69,10 +71,21 @@ def validate_sft_args(args) -> bool:
     return records
 
 
+def check_val_fraction(args) -> None:
+    """UsageError for --val-fraction 0 (or below): the validation split needs one example
+    (of records) or one window (of text), so a split of none is refused, not taken as the
+    default."""
+    if args.val_fraction is not None and args.val_fraction <= 0:
+        raise UsageError(f"--val-fraction must be > 0, got {args.val_fraction:g}: the "
+                         f"validation split needs at least one example (or window); leave "
+                         f"it out for the default {DEFAULT_VAL_FRACTION}")
+
+
 def examples_dataset(args, tokenizer, seq_len: int):
-    """The ExampleDataset (rows of seq_len) of --dataset records, encoded by `tokenizer`, or
-    of tokens:DIR of version 2; None for a version-1 tokens:DIR (windows of flat tokens,
-    refusing --pack and --loss-on). ValueError for a bad record or directory."""
+    """The ExampleDataset (rows of seq_len) of --dataset records, encoded by `tokenizer`
+    (its `tokenizer`: that one, carrying a --chat-template), or of tokens:DIR of version 2;
+    None for a version-1 tokens:DIR (windows of flat tokens, refusing --pack and --loss-on).
+    ValueError for a bad record or directory."""
     pack, loss_on = bool(args.pack), args.loss_on or LOSS_ON[0]
     if is_tokens_name(args.dataset):
         directory = tokens_directory(args.dataset)
@@ -89,26 +102,37 @@ def examples_dataset(args, tokenizer, seq_len: int):
     else:
         records, template = open_with_template(args.dataset, args.text_field,
                                                args.chat_template)
+        if template is not None:        # the checkpoints carry the template rendered with
+            tokenizer = tokenizer.with_chat_template(template)
+        fraction = DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction
         splits, encoded = encode_records(records, tokenizer, chat_template=template,
-                                         val_fraction=args.val_fraction or DEFAULT_VAL_FRACTION)
+                                         val_fraction=fraction,
+                                         require_counted=loss_on == LOSS_ON[0])
         info = dict(encoded["corpus"], tokenizer=encoded["tokenizer"],
                     eos_id=encoded["eos_id"], records=encoded["records"])
         vocab = int(tokenizer.vocab_size)
     info.update(pack=pack, loss_on=loss_on,
                 **{f"{k}_examples": len(v) for k, v in splits.items()})
-    return example_dataset(args.dataset, splits, seq_len, vocab, info, pack, loss_on)
+    data = example_dataset(args.dataset, splits, seq_len, vocab, info, pack, loss_on)
+    data.tokenizer = tokenizer          # records: the one that encoded them (None: tokens:)
+    return data
 
 
 def log_examples(log, data) -> None:
-    """One line on fine-tune examples: the records, the tokenizer, the examples and rows."""
+    """One line on fine-tune examples: the records, the tokenizer, the examples and rows,
+    and how many examples of each split were cut to a row."""
     c = data.corpus
     r, t = c["records"], c["tokenizer"]
     log.info("records %s: %d %s record(s), sha256 %s; tokenizer %s (vocab %d, eos %s); %d "
-             "train + %d validation examples in %d + %d %s rows of %d tokens", r["source"],
+             "train + %d validation examples in %d + %d %s rows of %d tokens; %d train + %d "
+             "validation examples longer than seq_len + 1 tokens cut to it%s", r["source"],
              r["count"], r["kind"], str(r["sha256"])[:16], t["name"], data.n_classes,
              c["eos_id"], c["train_examples"], c["val_examples"], c["train_rows"],
-             c["val_rows"], "packed" if data.pack else "padded", data.seq_len)
+             c["val_rows"], "packed" if data.pack else "padded", data.seq_len,
+             c["train_truncated"], c["val_truncated"],
+             " (their tokens past the cut count nowhere; a longer --seq-len keeps them)"
+             if c["train_truncated"] or c["val_truncated"] else "")
 
 
-__all__ = ["SFT_DEFAULTS", "add_sft_arguments", "examples_dataset", "log_examples",
-           "validate_sft_args"]
+__all__ = ["SFT_DEFAULTS", "add_sft_arguments", "check_val_fraction", "examples_dataset",
+           "log_examples", "validate_sft_args"]

@@ -47,8 +47,9 @@ from ..train.tokens import (is_tokens_name, token_dataset, tokenized_text_datase
 from .gpt_options import (DEFAULT_GPT_CLIP, LANGUAGE_MODELS, TEXT_DATASET, gpt_model_and_data,
                           log_corpus, validate_gpt_args)
 from .model_flag import HF_NAMES, with_vocab
-from .sft_options import examples_dataset, log_examples, validate_sft_args
-from .usage import UsageError, check_flags
+from .sft_options import (RECORDS, check_val_fraction, examples_dataset, log_examples,
+                          validate_sft_args)
+from .usage import UsageError, check_flags, refuse_flags
 
 TOKEN_DEFAULTS = {"tokenizer": None, "init_from_hf": None, "seq_len": None}
 
@@ -151,11 +152,14 @@ def validate_lm_args(args, layout):
         raise UsageError("--seq-len applies to --init-from-hf (a --model gpt takes seq_len "
                          "from --gpt)")
     if tokens:
-        for name, flag in (("corpus", "--text"), ("corpus_bytes", "--corpus-bytes"),
-                           ("val_fraction", "--val-fraction")):
+        for name, flag in (("corpus", "--text"), ("corpus_bytes", "--corpus-bytes")):
             if getattr(args, name) is not None:
                 raise UsageError(f"{flag} applies to --dataset text; {args.dataset} holds its "
                                  f"own tokens and split")
+        refuse_flags(args, {"val_fraction": "--val-fraction"}, f"--dataset text and "
+                     f"{RECORDS}; {args.dataset} holds its own split (made by `tokenize "
+                     f"--val-fraction`)")
+    check_val_fraction(args)
     if hf:
         return _validate_hf(args)
     if not (tokens or records):
@@ -168,6 +172,19 @@ def validate_lm_args(args, layout):
     model = validate_gpt_args(as_text, layout)
     args.clip = as_text.clip
     return model
+
+
+def check_seq_len(args, spec, layout) -> None:
+    """UsageError unless the rows' length (--seq-len, else the model's seq_len) divides into
+    the 2*cp chunks context parallelism cuts each row into (ring and Ulysses alike), so a
+    length that does not is refused by name before any model is loaded."""
+    cp = layout.sizes.get("cp", 1)
+    seq_len = args.seq_len or spec.seq_len
+    if cp > 1 and seq_len % (2 * cp):
+        what = f"--seq-len {seq_len}" if args.seq_len else f"the model's seq_len {seq_len}"
+        raise UsageError(f"{what} does not divide by 2*cp = {2 * cp}: layout "
+                         f"{layout.text!r} cuts each row into 2*cp chunks; give a multiple "
+                         f"of {2 * cp}")
 
 
 def _validate_hf(args):
@@ -210,9 +227,7 @@ def lm_model_and_data(args, spec):
     records = is_records_name(args.dataset)
     try:
         if records:                     # fine-tune records, encoded here (bytes by default)
-            tok = tok or ByteTokenizer()
-            data = examples_dataset(args, tok, seq_len)
-            data.tokenizer = tok
+            data = examples_dataset(args, tok or ByteTokenizer(), seq_len)  # its tokenizer
         elif is_tokens_name(args.dataset):
             data = examples_dataset(args, None, seq_len) or \
                 token_dataset(args.dataset, seq_len, args.train_stride)
@@ -294,6 +309,6 @@ def log_lm_data(log, data) -> None:
              c["train_windows"], c["val_tokens"], c["val_windows"], data.seq_len)
 
 
-__all__ = ["TOKEN_DEFAULTS", "add_token_arguments", "checkpoint_contents", "lm_model_and_data",
-           "load_initial_params", "load_tokenizer", "log_lm_data", "run_tokenizer",
-           "validate_lm_args"]
+__all__ = ["TOKEN_DEFAULTS", "add_token_arguments", "check_seq_len", "checkpoint_contents",
+           "lm_model_and_data", "load_initial_params", "load_tokenizer", "log_lm_data",
+           "run_tokenizer", "validate_lm_args"]

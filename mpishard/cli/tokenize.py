@@ -26,7 +26,10 @@ library, a record at a time: plain text (`--text-field`, default "text"), prompt
 pairs or `messages` (rendered with the tokenizer's chat template, or `--chat-template FILE`),
 the kind found from the first record. Each record is one example, written with its loss mask
 and the examples' starts (a version-2 token directory, train/example_tokens.py); the last
---val-fraction of the examples is the validation split. A record that lacks its fields or has
+--val-fraction of the examples is the validation split. A --chat-template is written among
+the tokenizer's files as its chat_template.jinja, so training on DIR carries it into the
+checkpoints and an export. Records whose training split counts no token (chat messages
+without an 'assistant' role, e.g. ShareGPT's human/gpt) are refused, naming the roles found. A record that lacks its fields or has
 the wrong types stops the command with a one-line error naming its file and line.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..train.examples import open_with_template
 from ..train.records import is_records_name
 from ..train.text import DEFAULT_VAL_FRACTION
 from ..train.tokens import write_tokens
+from .sft_options import check_val_fraction
 from .token_options import load_tokenizer
 from .usage import UsageError, check_flags, print_report, refuse_flags
 
@@ -74,6 +78,7 @@ def add_tokenize_arguments(p):
 
 def run_tokenize(args) -> int:
     check_flags(args, ("corpus_bytes",), low=0, low_open=True)
+    check_val_fraction(args)
     check_flags(args, ("val_fraction",), low=0, high=1, low_open=True)
     if args.dataset is not None:
         return _tokenize_records(args)

@@ -42,9 +42,9 @@ from .model_flag import (KEYED_HELP, check_resumed_model, joined_model_spec, key
 from .report_options import (REPORT_DEFAULTS, add_report_arguments, log_host_heap,
                              validate_report_args)
 from .sft_options import SFT_DEFAULTS, add_sft_arguments
-from .token_options import (TOKEN_DEFAULTS, add_token_arguments, checkpoint_contents,
-                            lm_model_and_data, load_initial_params, log_lm_data,
-                            validate_lm_args)
+from .token_options import (TOKEN_DEFAULTS, add_token_arguments, check_seq_len,
+                            checkpoint_contents, lm_model_and_data, load_initial_params,
+                            log_lm_data, validate_lm_args)
 from .train_config import config_tokens, load_toml
 from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
                             trace_lines, validate_trace_args)
@@ -232,6 +232,8 @@ def validate_train_args(args, world_size: int):
         args.model = args.model or DATASET_MODELS[args.dataset]
         gpt = validate_gpt_args(args, layout)          # None: an MLP on a table data set
     dims = gpt or parse_dims(args.model)
+    if gpt:
+        check_seq_len(args, gpt, layout)        # cp's 2*cp chunks, before any model load
     _check_numbers(args)
     if args.steps is not None and args.epochs is not None:
         raise UsageError(f"give --steps or --epochs, not both (got --steps {args.steps} and "
@@ -315,7 +317,8 @@ def prepare_training(args, comm):
                     final_activation="sigmoid" if loss == "bce" else None)
     if args.batch > len(data.x_train):
         raise UsageError(f"--batch {args.batch} is larger than the {len(data.x_train)} "
-                         f"training rows of {args.dataset}")
+                         f"training rows of {args.dataset}"
+                         + (f" ({data.rows_hint()})" if data.masked else ""))
     if resume_source(args) and args.init_from_hf is None and \
             not getattr(args, "model_from_checkpoint", False):
         check_resumed_model(model, resume_source(args), args.model if isinstance(dims, list)

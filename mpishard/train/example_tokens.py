@@ -48,9 +48,13 @@ def write_examples(out: str, tokenizer, records, kind=None, chat_template=None,
                    val_fraction=DEFAULT_VAL_FRACTION) -> dict:
     """Encode `records` (records.Records; kind/chat_template as examples.encode_records) with
     `tokenizer` into the version-2 token directory `out` (tokens.prepare_directory); returns
-    the header written. ValueError for a bad record, naming where it is."""
+    the header written. A given chat template is written among the tokenizer's files, as
+    its chat_template.jinja. ValueError for a bad record, naming where it is, and when the
+    training split counts no token (examples.Encoder.check_counted)."""
     split_point(1, val_fraction)                           # ValueError for a bad fraction
     prepare_directory(out)
+    if chat_template is not None:                          # the directory carries it
+        tokenizer = tokenizer.with_chat_template(chat_template)
     encoder = Encoder(records, tokenizer, kind, chat_template)
     tmp = {name: os.path.join(out, name + ".tmp")
            for names in SPLIT_FILES.values() for name in names}
@@ -72,6 +76,7 @@ def write_examples(out: str, tokenizer, records, kind=None, chat_template=None,
     at, total = int(starts[cut]), int(starts[-1])
     for k, dtype in ((0, encoder.dtype), (1, MASK)):
         move_tail(tmp[SPLIT_FILES["train"][k]], tmp[SPLIT_FILES["val"][k]], dtype, at, total)
+    encoder.check_counted(cut, sum(counted[:cut]))         # a split that trains nothing
     parts = {"train": (starts[:cut + 1], sum(counted[:cut])),
              "val": (starts[cut:] - at, sum(counted[cut:]))}
     for split, (split_starts, _) in parts.items():

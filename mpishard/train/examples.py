@@ -111,7 +111,7 @@ class Encoder:
     def examples(self):
         """Yield (ids of self.dtype, mask uint8) per record, ENCODE_BATCH records at a time
         (each pass tallies afresh)."""
-        self.count, self.size, self.max_id = 0, 0, -1
+        self.count, self.size, self.max_id, self.roles = 0, 0, -1, {}
         self.sha = hashlib.sha256()
         batch = []
         for record in self.records:
@@ -145,11 +145,29 @@ class Encoder:
             yield ids.astype(self.dtype), mask
 
     def _chat(self, record):
+        self.roles.update((m["role"], None) for m in record.fields["messages"])
         try:
             ids, mask = encode_chat(self.tokenizer, self.template, record.fields["messages"])
         except ValueError as exc:
             raise ValueError(f"{record.where}: {exc}") from None
         return ids, mask
+
+    def check_counted(self, examples: int, counted: int) -> None:
+        """ValueError when the training split's `examples` count no target (`counted` 0):
+        training on them would learn nothing. Messages count their assistant turns only, so
+        the hint names the roles found (ShareGPT's human/gpt count none)."""
+        if counted:
+            return
+        if self.kind == MESSAGES:
+            hint = (f"only the assistant turns count, and the messages' roles are "
+                    f"{', '.join(map(repr, self.roles))}; the assistant turns must have role "
+                    f"'assistant' (or train on every token: train --dataset "
+                    f"{getattr(self.records, 'name', 'RECORDS')} --loss-on all)")
+        else:
+            hint = "every " + ("completion" if self.kind == PROMPT_COMPLETION else "text") + \
+                " is empty"
+        raise ValueError(f"the {examples} training example(s) count no token in the loss: "
+                         f"{hint}")
 
     def info(self, splits: dict) -> dict:
         """What was encoded (module docstring); splits: {name: (examples, tokens, counted)}."""
@@ -206,10 +224,12 @@ def split_examples(ids, mask, starts, val_fraction) -> dict:
 
 
 def encode_records(records, tokenizer, kind=None, chat_template=None,
-                   val_fraction=DEFAULT_VAL_FRACTION) -> tuple:
+                   val_fraction=DEFAULT_VAL_FRACTION, require_counted=True) -> tuple:
     """({"train", "val"} ExampleTokens, info) of `records` (a records.Records, or any
     iterable of records.Record with `kind` given) encoded by `tokenizer` in memory; the same
-    values example_tokens.write_examples writes and read_examples reads back."""
+    values example_tokens.write_examples writes and read_examples reads back. ValueError
+    (Encoder.check_counted) when the training split counts no token and `require_counted`
+    (a loss on every token, train's --loss-on all, does not ask it)."""
     split_point(1, val_fraction)                           # ValueError for a bad fraction
     encoder = Encoder(records, tokenizer, kind, chat_template)
     ids, masks = [], []
@@ -221,6 +241,8 @@ def encode_records(records, tokenizer, kind=None, chat_template=None,
     splits = split_examples(np.concatenate(ids) if ids else np.zeros(0, encoder.dtype),
                             np.concatenate(masks) if masks else np.zeros(0, np.uint8),
                             starts, val_fraction)
+    if require_counted:
+        encoder.check_counted(len(splits["train"]), splits["train"].counted())
     info = encoder.info({k: (len(s), s.n_tokens, s.counted()) for k, s in splits.items()})
     return splits, info
 

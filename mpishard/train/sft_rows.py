@@ -108,6 +108,12 @@ class ExampleRows:
         return len(self.row_starts) - 1
 
     @property
+    def truncated(self) -> int:
+        """How many examples are longer than a row (seq_len + 1 tokens) and were cut to it:
+        their tokens past the cut count nowhere."""
+        return int((np.diff(self.starts) > self.seq_len + 1).sum())
+
+    @property
     def real_share(self) -> float:
         """Share of the rows' input positions that hold a real token (not padding)."""
         if not len(self):
@@ -251,6 +257,15 @@ class ExampleDataset(TextDataset):
     def masked(self) -> bool:
         return True
 
+    def rows_hint(self) -> str:
+        """What the training rows are and what gives more of them (for a --batch that is
+        larger than their number)."""
+        if self.pack:
+            return (f"packed rows of seq_len + 1 = {self.seq_len + 1} tokens, each holding "
+                    f"whole examples: a smaller --batch, a lower --seq-len or more data gives "
+                    f"more rows")
+        return "padded rows, one example each: a smaller --batch or more data gives more rows"
+
     def rows_text(self, batch: int) -> str:
         """One line: the rows, their share of real tokens and the counted targets."""
         rows = self.x_train.source
@@ -271,13 +286,28 @@ def example_dataset(name: str, splits: dict, seq_len: int, vocab_size: int, info
         if not len(rows) or not rows.counted:
             raise ValueError(f"the {split} split has {len(rows)} row(s) and no target that "
                              f"counts (loss on {loss_on}): nothing to "
-                             f"{'train on' if split == 'train' else 'evaluate'}")
+                             f"{'train on' if split == 'train' else 'evaluate'}"
+                             + _cut_hint(rows))
         views[split] = [RowView(rows, f) for f in RowView.FIELDS]
         info = dict(info, **{f"{split}_rows": len(rows), f"{split}_counted": rows.counted,
-                             f"{split}_real_share": rows.real_share})
+                             f"{split}_real_share": rows.real_share,
+                             f"{split}_truncated": rows.truncated})
     (x0, t0, d0), (x1, t1, d1) = views["train"], views["val"]
     return ExampleDataset(name, x0, t0, x1, t1, "language", vocab_size, corpus=info,
                           d_train=d0 if pack else None, d_test=d1 if pack else None, pack=pack)
+
+
+def _cut_hint(rows: ExampleRows) -> str:
+    """'; ...raise --seq-len' when the examples count targets that all lie past the cut at
+    seq_len + 1 tokens (else '')."""
+    if not rows.truncated:
+        return ""
+    longest = int(np.diff(rows.starts).max())
+    if not ExampleRows(rows.examples, longest - 1, False, rows.loss_on).counted:
+        return ""                                    # uncut, they count nothing either
+    return (f"; {rows.truncated} example(s) are longer than seq_len + 1 = {rows.seq_len + 1} "
+            f"tokens and every counted target lies past that cut: raise --seq-len (the "
+            f"longest example has {longest} tokens)")
 
 
 __all__ = ["ExampleDataset", "ExampleRows", "IGNORE_INDEX", "LOSS_ON", "RowView",

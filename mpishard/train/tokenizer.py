@@ -23,12 +23,13 @@ another one is refused by name. The byte tokenizer's identity is {"name": "bytes
 
 Files: a tokenizer read from a directory keeps the bytes of its tokenizer.json and of the
 companions present beside it (TOKENIZER_FILES: tokenizer_config.json, special_tokens_map.json,
-the chat template), so a checkpoint carries them (`carried()`: the record a checkpoint's
-extra["tokenizer"] keeps, and the files) and `generate` and `export` use the very tokenizer
-the model was trained with.
+the chat template; `with_chat_template` puts a given one in), so a checkpoint carries them
+(`carried()`: the record a checkpoint's extra["tokenizer"] keeps, and the files) and
+`generate` and `export` use the very tokenizer (and chat template) the model was trained with.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 
@@ -40,8 +41,9 @@ EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 ENCODE_BATCH = 64                   # documents per call to the Rust encoder
 TOKENIZER_JSON = "tokenizer.json"
 # what a tokenizer is on disk, beside tokenizer.json (what transformers' save_pretrained writes)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"     # read before any other template (transformers)
 TOKENIZER_FILES = (TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json")
+                   CHAT_TEMPLATE_FILE, "chat_template.json")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -65,6 +67,11 @@ class ByteTokenizer:
 
     def encode(self, docs: list) -> list:
         return [np.frombuffer(d, dtype=np.uint8) for d in docs]
+
+    def with_chat_template(self, template: str):
+        """Itself: the byte tokenizer carries no files (it has no Hugging Face form), so a
+        chat template it rendered with stays with the run that gave it."""
+        return self
 
     def carried(self) -> tuple:
         """(record, no files): a checkpoint records that its ids are bytes."""
@@ -103,6 +110,16 @@ class HFTokenizer:
         and file names in extra["tokenizer"], and {file name: bytes} to store beside it."""
         record = dict(self.identity(), eos_id=self.eos_id, files=sorted(self.files))
         return record, dict(self.files)
+
+    def with_chat_template(self, template: str) -> "HFTokenizer":
+        """A copy whose files hold `template` as chat_template.jinja, the file that
+        transformers and chat_template.find_chat_template read before any other: a
+        --chat-template override then travels with the tokenizer into the token directory,
+        the checkpoints and an export. Its identity (tokenizer.json's sha256) is unchanged."""
+        out = copy.copy(self)
+        out.files = dict(self.files or {TOKENIZER_JSON: self.tokenizer.to_str().encode()})
+        out.files[CHAT_TEMPLATE_FILE] = template.encode("utf-8")
+        return out
 
     def encode(self, docs: list) -> list:
         texts = [d.decode("utf-8", errors="replace") for d in docs]
@@ -176,7 +193,6 @@ def encode_corpus(tokenizer, docs) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-__all__ = ["BYTES", "ByteTokenizer", "EOS_TOKENS", "HFTokenizer", "RecordedTokenizer",
-           "TOKENIZER_FILES",
-           "TOKENIZER_JSON", "encode_corpus", "encode_documents", "read_tokenizer_files",
-           "same_tokenizer", "token_dtype"]
+__all__ = ["BYTES", "ByteTokenizer", "CHAT_TEMPLATE_FILE", "EOS_TOKENS", "HFTokenizer",
+           "RecordedTokenizer", "TOKENIZER_FILES", "TOKENIZER_JSON", "encode_corpus",
+           "encode_documents", "read_tokenizer_files", "same_tokenizer", "token_dtype"]
