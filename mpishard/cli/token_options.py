@@ -16,7 +16,10 @@ sha256), or the run stops naming both.
 The tokenizer travels with the model: the run's checkpoints carry its tokenizer.json and
 companion files (train/data.py's `carried`), or for --dataset tokens:DIR without --tokenizer
 the tokenizer files DIR holds (written there by `tokenize`, checked against the recorded
-sha256). The path the header's tokenizer.name gives is never followed: it is input, not a
+sha256); with --tokenizer (or --init-from-hf's), that one carrying the chat template DIR
+holds, the one its examples were rendered with (directory_template). A --chat-template of
+records encoded in memory travels likewise (sft_options.py). The path the header's
+tokenizer.name gives is never followed: it is input, not a
 place to read from. A token directory without tokenizer files (an older `tokenize`) gives
 only the name and sha256, and a warning says so; byte-level runs record `bytes`.
 
@@ -40,8 +43,9 @@ from ..hf.tokenizer import eos_token, from_files
 from ..train.text import DEFAULT_CORPUS_BYTES, DEFAULT_VAL_FRACTION, text_dataset
 from ..train.data import carried
 from ..train.records import is_records_name
-from ..train.tokenizer import (BYTES, TOKENIZER_JSON, ByteTokenizer, HFTokenizer,
-                               RecordedTokenizer, read_tokenizer_files, same_tokenizer)
+from ..train.tokenizer import (BYTES, CHAT_TEMPLATE_FILE, TOKENIZER_JSON, ByteTokenizer,
+                               HFTokenizer, RecordedTokenizer, read_tokenizer_files,
+                               same_tokenizer)
 from ..train.tokens import (is_tokens_name, token_dataset, tokenized_text_dataset,
                             tokenizer_files, tokens_directory)
 from .gpt_options import (DEFAULT_GPT_CLIP, LANGUAGE_MODELS, TEXT_DATASET, gpt_model_and_data,
@@ -121,6 +125,14 @@ def header_tokenizer(made: dict, directory: str):
         raise ValueError(f"{where}: its {TOKENIZER_JSON} has sha256 {tok.sha256[:16]}..., "
                          f"tokens.json records {str(made.get('sha256'))[:16]}...")
     return tok
+
+
+def directory_template(tok, made: dict, directory: str):
+    """`tok` (the same tokenizer as the token directory's, `made`) carrying the chat template
+    the directory holds as its chat_template.jinja, the one its examples were rendered with
+    (a `tokenize --chat-template`), so the checkpoints carry it; `tok` when it holds none."""
+    template = (tokenizer_files(directory, made) or {}).get(CHAT_TEMPLATE_FILE)
+    return tok if template is None else tok.with_chat_template(template.decode("utf-8"))
 
 
 def run_tokenizer(args):
@@ -237,7 +249,9 @@ def lm_model_and_data(args, spec):
                                  f"(sha256 {str(made['sha256'])[:12]}), not by {tok.name} "
                                  f"(sha256 {str(tok.identity()['sha256'])[:12]}); pass "
                                  f"--tokenizer naming the file's tokenizer")
-            data.tokenizer = tok or header_tokenizer(made, tokens_directory(args.dataset))
+            directory = tokens_directory(args.dataset)
+            data.tokenizer = header_tokenizer(made, directory) if tok is None else \
+                directory_template(tok, made, directory)
         elif (tok is None or tok.name == BYTES) and not hf:
             model, data = gpt_model_and_data(args, spec)
             data.tokenizer = ByteTokenizer()

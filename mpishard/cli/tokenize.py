@@ -29,8 +29,9 @@ and the examples' starts (a version-2 token directory, train/example_tokens.py);
 --val-fraction of the examples is the validation split. A --chat-template is written among
 the tokenizer's files as its chat_template.jinja, so training on DIR carries it into the
 checkpoints and an export. Records whose training split counts no token (chat messages
-without an 'assistant' role, e.g. ShareGPT's human/gpt) are refused, naming the roles found. A record that lacks its fields or has
-the wrong types stops the command with a one-line error naming its file and line.
+without an 'assistant' role, e.g. ShareGPT's human/gpt) are refused, naming the roles
+found. A record that lacks its fields or has the wrong types stops the command with a
+one-line error naming its file and line.
 """
 from __future__ import annotations
 

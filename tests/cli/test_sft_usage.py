@@ -67,6 +67,9 @@ def test_a_chat_template_flag_is_carried_as_the_tokenizers_jinja_file(root):
     assert JINJA in record["files"] and files[JINJA] == TEMPLATE.encode()
     trained = prepared([*GPT, "--dataset", f"tokens:{directory}"])[-1]
     assert trained.tokenizer.carried()[1][JINJA] == TEMPLATE.encode()
+    given = prepared([*GPT, "--dataset", f"tokens:{directory}", "--tokenizer",
+                      str(root / "tokenizer.json")])[-1]           # its own has no template
+    assert given.tokenizer.carried()[1][JINJA] == TEMPLATE.encode()
     # in memory: the run's tokenizer carries it; its identity is tokenizer.json's alone
     memory = prepared([*GPT, "--dataset", f"jsonl:{root / 'chat.jsonl'}", "--tokenizer",
                        str(root / "tokenizer.json"), "--chat-template",
