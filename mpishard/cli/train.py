@@ -122,7 +122,7 @@ def add_train_arguments(p):
     o("--beta2", type=float, help="adamw beta2 (0.999)")
     o("--eps", type=float, help="adamw eps (1e-8)")
     o("--schedule", choices=("constant", "cosine"), help="lr schedule (constant; for a "
-      "language model, i.e. --model gpt/llama, --init-from-hf or --dataset tokens:/jsonl:/"
+      "language model, i.e. --model gpt/llama/qwen2, --init-from-hf or --dataset tokens:/jsonl:/"
       "parquet:/hfdisk:, cosine with --warmup 20)")
     o("--warmup", type=int, help="linear warm-up steps (0; 20 for a language model when "
       "--schedule is not given)")
@@ -355,6 +355,8 @@ def build_training(args, comm=None, flag=None):
     if args.schedule != "constant" or args.warmup:
         trainer.schedule = make_lr_schedule(args.schedule, args.lr, trainer.total_steps,
                                             args.warmup, args.min_lr)
+    log.info("lr %g, %s schedule, %d warm-up step(s)%s", args.lr, args.schedule, args.warmup,
+             f", floor {args.min_lr:g}" if args.schedule == "cosine" else "")
     saver = None
     if args.checkpoint_dir:
         extra, assets = checkpoint_contents(args, model, data)
