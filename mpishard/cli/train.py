@@ -27,7 +27,7 @@ from ..train.npy_data import is_npy_name, load_npy_dataset
 from ..train.records import is_records_name
 from ..train.tokens import is_tokens_name
 from ..train.optim import SGD, AdamW
-from ..train.trainer import Trainer, configure_logging, summary_table
+from ..train.trainer import Callback, Trainer, configure_logging, summary_table
 from .cluster_options import (AUTO, CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
                               preempted_before_training, resume_source, stop_signals,
@@ -355,8 +355,6 @@ def build_training(args, comm=None, flag=None):
     if args.schedule != "constant" or args.warmup:
         trainer.schedule = make_lr_schedule(args.schedule, args.lr, trainer.total_steps,
                                             args.warmup, args.min_lr)
-    log.info("lr %g, %s schedule, %d warm-up step(s)%s", args.lr, args.schedule, args.warmup,
-             f", floor {args.min_lr:g}" if args.schedule == "cosine" else "")
     saver = None
     if args.checkpoint_dir:
         extra, assets = checkpoint_contents(args, model, data)
@@ -371,7 +369,20 @@ def build_training(args, comm=None, flag=None):
     add_trace_callback(args, trainer)
     add_cluster_callbacks(args, trainer, saver, flag)  # metrics; SIGTERM/SIGUSR1 -> exit 75
     add_flight_callbacks(args, trainer, saver)    # flight dumps, straggler line, async saves
+    trainer.callbacks.append(ScheduleLine(
+        f"lr {args.lr:g}, {args.schedule} schedule, {args.warmup} warm-up step(s)"
+        + (f", floor {args.min_lr:g}" if args.schedule == "cosine" else "")))
     return trainer
+
+
+class ScheduleLine(Callback):
+    """Logs the lr schedule in force as training begins (a default warm-up is not silent)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def on_train_begin(self, trainer) -> None:
+        trainer.log.info("%s", self.text)
 
 
 def run_train(args) -> int:
