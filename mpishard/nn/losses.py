@@ -130,9 +130,10 @@ class CrossEntropy(Loss):
                              f"{tuple(t.shape)}")
         if t.dtype.kind not in "iu":
             raise TypeError(f"cross_entropy: labels must be integers, got {t.dtype}")
-        if t.size:
-            kept = t[t != self.ignore_index]
-            if kept.size and (int(kept.min()) < 0 or int(kept.max()) >= y.shape[-1]):
+        if t.size:                             # one host read; the message's only on error
+            bad = (t != self.ignore_index) & ((t < 0) | (t >= y.shape[-1]))
+            if bool(bad.any()):
+                kept = t[t != self.ignore_index]
                 raise ValueError(f"cross_entropy: labels must lie in [0, {y.shape[-1]}) or be "
                                  f"ignore_index={self.ignore_index}, got [{int(kept.min())}, "
                                  f"{int(kept.max())}]")
@@ -159,6 +160,7 @@ class CrossEntropy(Loss):
         if fused.use(xp):                                            # cupy: 4 passes, not ~11
             value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t, keep, n)
             return value, dy.reshape(y.shape)
+        keep = None if bool(keep.all()) else keep                    # one host read per call
         lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
         return self._value(lp, flat_t, keep, n), self._grad(lp, flat_t, keep, n).reshape(y.shape)
 
@@ -166,18 +168,23 @@ class CrossEntropy(Loss):
         self.check(y, t)
         flat_t = t.reshape(-1)
         return self._value(self._log_softmax(y.reshape(-1, y.shape[-1])), flat_t,
-                           flat_t != self.ignore_index, self.divisor(t))
+                           self._kept(flat_t), self.divisor(t))
 
     def grad(self, y, t):
         flat_t = t.reshape(-1)
         return self._grad(self._log_softmax(y.reshape(-1, y.shape[-1])), flat_t,
-                          flat_t != self.ignore_index, self.divisor(t)).reshape(y.shape)
+                          self._kept(flat_t), self.divisor(t)).reshape(y.shape)
+
+    def _kept(self, flat_t):
+        """The counted labels' mask (N,), or None when every label counts."""
+        keep = flat_t != self.ignore_index
+        return None if bool(keep.all()) else keep
 
     @staticmethod
     def _value(lp, t, keep, n) -> float:
-        """sum over counted rows of -log softmax[t], over n."""
+        """sum over counted rows (keep; None: all) of -log softmax[t], over n."""
         xp = array_module(lp)
-        if bool(keep.all()):                                          # nothing ignored
+        if keep is None:                                              # nothing ignored
             return float(-lp[xp.arange(lp.shape[0]), t].sum() / n)
         picked = lp[xp.arange(lp.shape[0]), xp.where(keep, t, 0)]   # (N,)
         return float(-(picked * keep).sum() / n)                      # an ignored row: 0
@@ -189,7 +196,7 @@ class CrossEntropy(Loss):
         xp = array_module(lp)
         p = xp.exp(lp, out=lp)                                       # softmax, (N, C)
         rows = xp.arange(p.shape[0])
-        if bool(keep.all()):                                          # nothing ignored
+        if keep is None:                                              # nothing ignored
             p[rows, t] -= 1.0                                        # softmax - onehot
             p /= n
             return p
