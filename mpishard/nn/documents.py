@@ -32,13 +32,12 @@ PADDING = -1
 """The document id of padding tokens."""
 
 
-def check_documents(ids, shape) -> np.ndarray:
-    """ids as an int64 host array of `shape` (B, T) whose equal ids are contiguous runs
-    (ValueError, before any communication, naming the row otherwise)."""
+def check_documents(ids) -> np.ndarray:
+    """ids (B, T) as an int64 host array whose equal ids are contiguous runs (ValueError,
+    before any communication, naming the row otherwise)."""
     ids = np.asarray(ids)
-    if ids.shape != tuple(shape) or ids.dtype.kind not in "iu":
-        raise ValueError(f"documents must be integer ids of the tokens' shape {tuple(shape)}, "
-                         f"got {ids.dtype} {ids.shape}")
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"documents must be integer ids, got {ids.dtype}")
     ids = ids.astype(np.int64, copy=False)
     for b, row in enumerate(ids):
         starts = np.flatnonzero(np.diff(row)) + 1                 # where a new run begins
@@ -62,11 +61,15 @@ def positions(ids):
 
 def local_positions(ids, where):
     """(B, t) positions within their documents of the t tokens a rank holds, ids (B, T) being
-    the whole sequence's: `where` says which of the T they are, in the form of a unit's
+    the whole sequence's: `where` says which of the T they are (take_positions)."""
+    return take_positions(positions(ids), where)
+
+
+def take_positions(pos, where):
+    """pos (B, T) (positions(ids)) at the t tokens `where` names, in the form of a unit's
     `token_positions(t)` (nn/transformer.py): a slice (0 .. t-1 without cp), or a tuple of
     slices taken in order (a cp rank's two chunks). ValueError for per-row positions (a KV
     cache's: decoding never packs documents)."""
-    pos = positions(ids)
     if isinstance(where, slice):
         return pos[:, where]
     if isinstance(where, tuple):
@@ -79,6 +82,12 @@ def rows_of(documents, mb: int):
     """documents.rows(mb), or None where a unit was given no Documents (built outside an
     engine) or the batch is not packed."""
     return None if documents is None else documents.rows(mb)
+
+
+def positions_of(documents, mb: int):
+    """positions(rows_of(documents, mb)), computed once per microbatch's ids and shared by
+    the units that ask (every block's rotary), or None when not packed."""
+    return None if documents is None else documents.positions(mb)
 
 
 def _running_max(a):
@@ -104,20 +113,35 @@ class Documents:
     def __init__(self, sequence_ranks: int = 1):
         self.sequence_ranks = int(sequence_ranks)   # cp: each rank holds T / cp of a row
         self._rows: dict = {}
+        self._positions: dict = {}                   # mb -> (the ids, positions(ids))
 
     def set(self, ids, microbatches: int = 1, mb: int = 0) -> None:
         """ids (B, T) on the device, or None (an unpacked batch); split into `microbatches`
         equal row blocks keyed mb .. mb + microbatches - 1."""
-        self._rows = {}
+        self._rows, self._positions = {}, {}
         if ids is None:
             return
         b = ids.shape[0] // microbatches
         for k in range(microbatches):
             self._rows[mb + k] = ids[k * b:(k + 1) * b]
 
+    @property
+    def packed(self) -> bool:
+        return bool(self._rows)
+
     def rows(self, mb: int):
         """Microbatch mb's (B_mb, T) document ids, or None when the batch is not packed."""
         return self._rows.get(mb)
+
+    def positions(self, mb: int):
+        """positions(rows(mb)), cached for those very ids (None when not packed)."""
+        ids = self._rows.get(mb)
+        if ids is None:
+            return None
+        cached = self._positions.get(mb)
+        if cached is None or cached[0] is not ids:
+            cached = self._positions[mb] = (ids, positions(ids))
+        return cached[1]
 
     @contextmanager
     def holding(self, mb: int, ids):
@@ -133,10 +157,6 @@ class Documents:
             if saved is not None:
                 self._rows[mb] = saved
 
-    @property
-    def packed(self) -> bool:
-        return bool(self._rows)
-
 
 def attach(chunks, documents: Documents) -> None:
     """Give `documents` to every layer in `chunks` (lists of layers), or inside them (a
@@ -146,5 +166,6 @@ def attach(chunks, documents: Documents) -> None:
         if hasattr(type(layer), "documents"):
             layer.documents = documents
 
+
 __all__ = ["Documents", "PADDING", "attach", "check_documents", "local_positions", "positions",
-           "rows_of", "visible"]
+           "positions_of", "rows_of", "take_positions", "visible"]

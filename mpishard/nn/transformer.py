@@ -107,8 +107,8 @@ def unit_positions(unit, t: int, mb: int):
     microbatch mb: token_positions(t), or when mb is packed, the (B, t) positions within their
     documents of those tokens (documents.local_positions)."""
     where = unit.token_positions(t)
-    ids = docs.rows_of(unit.documents, mb)
-    return where if ids is None else docs.local_positions(ids, where)
+    pos = docs.positions_of(unit.documents, mb)
+    return where if pos is None else docs.take_positions(pos, where)
 
 
 def position_rows(pos, where, lo=0, n=None):

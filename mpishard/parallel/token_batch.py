@@ -102,7 +102,7 @@ def set_documents(documents, ids, x, to_device, microbatches: int = 1, mb: int =
         raise ValueError(f"documents cover {np.shape(ids)[1]} tokens of a row, the batch's rows "
                          f"{x.shape[1]}" + (f" x cp={c}: give the whole sequence's ids, not "
                                            f"cut by cp" if c > 1 else ""))
-    ids = check_documents(ids, np.shape(ids))
+    ids = check_documents(ids)
     documents.set(to_device(ids), microbatches, mb)
 
 
