@@ -3,6 +3,7 @@
     agree(comm, error, exc=CheckpointError, what="checkpoint save")
     everything = gather_json(comm, mine, "checkpoint save")      # a list on rank 0, else None
     mine = scatter_json(comm, per_rank, "checkpoint save")       # per_rank: a list on rank 0
+    same = broadcast_json(comm, obj, "serve step")               # rank 0's obj everywhere
 
 `comm` is an engine's Comm (`engine.comm`): its whole group takes part. The checkpoint code
 exchanges names, regions, file hashes and error messages this way. mpi4py's lowercase calls
@@ -106,3 +107,15 @@ def scatter_json(comm, objs, what: str, root: int = 0):
     send = [np.concatenate(parts), counts, MPI.BYTE] if rank == root else None
     wait(comm, mpi.Iscatterv(send, [received, MPI.BYTE], root), what)
     return _decode(received)
+
+
+def broadcast_json(comm, obj, what: str, root: int = 0):
+    """Collective: `root`'s JSON-able `obj` on every rank (its length, then its bytes)."""
+    mpi = comm.mpi
+    mine = mpi.Get_rank() == root
+    data = _encode(obj) if mine else None
+    count = np.array([data.size if mine else 0], dtype=np.int64)
+    wait(comm, mpi.Ibcast([count, MPI.INT64_T], root), what)
+    buf = data if mine else np.empty(int(count[0]), dtype=np.uint8)
+    wait(comm, mpi.Ibcast([buf, MPI.BYTE], root), what)
+    return obj if mine else _decode(buf)

@@ -34,7 +34,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mpishard"
 
 # Lower layers first; a module may import its own layer and the layers before it.
 LAYERS = ["validate", "comm", "health", "nn", "parallel", "hfmap", "models", "costs", "engine",
-          "train", "checkpoint", "hf", "cli"]
+          "train", "checkpoint", "hf", "serve", "cli"]
 TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "engine.py", "validate.py"}
 MAX_LINES = 400
 # argparse internals that are tempting to reach for; flagged on any object.
