@@ -283,6 +283,16 @@ else
 	@echo "==> bench: benchmarks/run_all.py not found, nothing to run"
 endif
 
+# `make bench-serve`: benchmarks/serve_bench.py (SERVE_BENCH_ARGS): continuous batching
+# (`mpishard serve`) against static batching through engine.generate and transformers'
+# generate, tokens/s and time to first token at 1, 8 and 32 clients; a few minutes.
+SERVE_BENCH_ARGS ?=
+.PHONY: bench-serve
+bench-serve: $(STAMP)
+	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS)]' httpx
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout -k 10 $(BENCH_TIMEOUT) \
+	    $(PY) benchmarks/serve_bench.py $(SERVE_BENCH_ARGS)
+
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_DIRS)
 
