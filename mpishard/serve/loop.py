@@ -33,9 +33,10 @@ broadcast, bounded by the engine's watchdog (comm/objects.py): a rank that stall
 busy, ends the job with the watchdog's named-rank error instead of a silent hang, and an idle
 server never trips it as long as heartbeat < the engine's timeout.
 
-Drain (intake.drain(): SIGTERM, SIGINT or SIGUSR1 on rank 0): no request is admitted from
-then on, the running rows go on for at most `drain_timeout` seconds, then the rest end with
-"abort", and the loop returns on every rank.
+Drain (intake.drain(): SIGTERM, SIGINT or SIGUSR1 on rank 0): the Intake takes no new
+request from then on; the ones it had accepted, running or waiting for a slot, go on for at
+most `drain_timeout` seconds, then the rest end with "abort", and the loop returns on every
+rank.
 """
 from __future__ import annotations
 
@@ -108,9 +109,10 @@ class ServeLoop:
             intake.wait(self.heartbeat)
         if intake.draining and self.drain_since is None:
             self.drain_since = self.clock()
-        draining = self.drain_since is not None
+        late = self.drain_since is not None and \
+            self.clock() - self.drain_since > self.drain_timeout
         free = {r: self._free(r) for r in range(self.replicas)}
-        tickets, cancels = intake.take(0 if draining else sum(map(len, free.values())))
+        tickets, cancels = intake.take(0 if late else sum(map(len, free.values())))
         joins = []
         for t in tickets:
             r = max(range(self.replicas), key=lambda k: (len(free[k]), -k))  # the emptiest
@@ -121,15 +123,12 @@ class ServeLoop:
                           "seed": secrets.randbits(63) if seed is None else int(seed),
                           **{k: t.params[k] for k in ("max_tokens", "temperature", "top_k",
                                                       "top_p")}})
-        stop = False
-        if draining:
-            late = self.clock() - self.drain_since > self.drain_timeout
-            left = [rid for used in self.slots for rid in used.values()]
-            if late:
-                cancels = sorted(set(cancels) | set(left))
-            stop = late or not left
-            if stop:
-                intake.abort_waiting()
+        left = [rid for used in self.slots for rid in used.values()]
+        stop = self.drain_since is not None and (late or not (left or intake.depth))
+        if late:
+            cancels = sorted(set(cancels) | set(left))
+        if stop:
+            intake.abort_waiting()
         for rid in cancels:
             self._forget(rid, "abort")
         return {"joins": joins, "cancels": cancels, "stop": stop}
