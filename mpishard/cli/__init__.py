@@ -6,7 +6,7 @@
 
 Commands live in `COMMANDS`: name -> (help, add_arguments(parser), run(args) -> exit code),
 one file per command in this package: train.py, infer.py, generate.py, bench.py, schedule.py,
-plan.py, inspect.py, hf_import.py (import), hf_export.py (export) (model_flag.py: every
+plan.py, inspect.py, hf_import.py (import), hf_export.py (export), serve.py (model_flag.py: every
 command's --model/--gpt; gpt_options.py: train's text corpus flags). A new command is one file
 and one entry there.
 
@@ -37,6 +37,7 @@ from .inspect import add_inspect_arguments, run_inspect
 from .plan import add_plan_arguments, run_plan
 from .plot import add_plot_arguments, run_plot
 from .schedule import add_schedule_arguments, run_schedule_command
+from .serve import add_serve_arguments, run_serve
 from .tokenize import add_tokenize_arguments, run_tokenize
 from .trace_summary import add_trace_summary_arguments, run_trace_summary
 from .train import add_train_arguments, parse_train_args, run_train
@@ -71,6 +72,9 @@ COMMANDS = {
                  "DIR|--hf DIR --prompt TEXT ... --max-new-tokens N --temperature T --top-k K "
                  "--top-p P)",
                  add_generate_arguments, run_generate),
+    "serve": ("serve a language model over an OpenAI-compatible HTTP API with continuous "
+              "batching, rank 0 listening (python -m mpi4py -m mpishard serve --hf DIR|"
+              "--checkpoint DIR --layout L --port 8000)", add_serve_arguments, run_serve),
     "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
              "(plan --model DIMS|--hf DIR --world-size N --batch B)", add_plan_arguments,
              run_plan),
@@ -97,7 +101,7 @@ COMMANDS = {
 }
 # The commands whose processes are ranks of an MPI job: `python -m mpishard` gives them
 # health/signals.py's SIGTERM/SIGINT handlers, which remove the MPI library's files on the way out.
-MPI_COMMANDS = ("train", "infer", "generate", "bench", "import")
+MPI_COMMANDS = ("train", "infer", "generate", "bench", "import", "serve")
 
 
 def build_parser():

@@ -32,6 +32,11 @@ signalled directly (Slurm's `--signal=USR1@T` without `B:`, `scancel --signal=US
 kill; the supervisor exits 75 for the batch script to requeue. A signal that comes while no
 job runs (after one died, before its restart) starts none: the supervisor exits 75 at once
 (its checkpoint is the newest one there is).
+
+`launch -- serve ...` supervises a server the same way, without checkpoints: it needs no
+--checkpoint-dir, a restart runs the same command again (no --resume), and the SIGUSR1 that a
+first SIGTERM/SIGUSR1 becomes asks the server to drain: it finishes its running requests and
+exits 0, and so does the supervisor.
 """
 from __future__ import annotations
 
@@ -70,8 +75,8 @@ def add_launch_arguments(p):
                    help="ranks (passed to the launcher as -n N)")
     p.add_argument("--max-restarts", type=int, default=3, metavar="K", help="relaunch a job "
                    "that died at most K times with --resume auto (with its --resume PATH while "
-                   "--checkpoint-dir holds no checkpoint yet) (3; 0: never); needs train "
-                   "--checkpoint-dir")
+                   "--checkpoint-dir holds no checkpoint yet; serve: as it was) (3; 0: "
+                   "never); train needs --checkpoint-dir")
     p.add_argument("--launcher", metavar="CMD", help="the site's launcher, e.g. \"srun "
                    "--mpi=pmi2\" or \"mpiexec -f hosts\" (default: the mpiexec beside this "
                    "Python, else on PATH); -n N is appended")
@@ -223,8 +228,8 @@ def run_launch(args) -> int:
     if args.np < 1 or args.max_restarts < 0:
         raise UsageError(f"launch: -n must be >= 1 and --max-restarts >= 0, got -n {args.np} "
                          f"--max-restarts {args.max_restarts}")
-    if args.max_restarts and not {"--checkpoint-dir", "--config"} & {
-            t.split("=")[0] for t in args.job}:
+    if args.max_restarts and args.job[:1] == ["train"] and not {
+            "--checkpoint-dir", "--config"} & {t.split("=")[0] for t in args.job}:
         raise UsageError("launch --max-restarts needs train --checkpoint-dir DIR (a restart "
                          "resumes from it); give one, or --max-restarts 0")
     state = {"proc": None, "signalled": None, "sent": False}
@@ -266,6 +271,9 @@ def _supervise(args, state) -> int:
             _say(f"job ended ({why}); no restart left of {args.max_restarts}")
             return rc if rc >= 0 else 128 - rc
         restarts += 1
+        if args.job[:1] != ["train"]:   # a server (serve) or a batch job: run it again as is
+            _say(f"job ended ({why}); restart {restarts} of {args.max_restarts}")
+            continue
         resume, source = restart_resume(args.job)
         _say(f"job ended ({why}); restart {restarts} of {args.max_restarts} with --resume "
              f"{resume}: {source}")
