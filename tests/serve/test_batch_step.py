@@ -17,6 +17,7 @@ from mpishard.parallel.decode import Decoder, _cached_logits
 from mpishard.serve.batch_step import Stepper
 from mpishard.serve.replicas import replica_comm, split_replicas
 from mpishard.serve.slots import kv_pool_bytes
+from test_device_double import MODES, device_backend
 
 SEQ, MAX_BATCH = 32, 3
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 200, 100, 50, 9, 17], [250, 3, 3],
@@ -141,6 +142,19 @@ def test_a_step_the_pool_or_the_vocabulary_cannot_take_is_refused():
             stepper.forward(slots, starts, chunks)
     with pytest.raises(ValueError, match="seq_len"):
         Stepper(engine_on(gpt()), 2, SEQ + 1)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_stepper_on_device_arrays(mode):
+    """On the strict stand-in for cupy (a stray np. call on a device array raises): the pool,
+    its indices and masks live on the device; the numbers are numpy single's."""
+    comm = group_comm(1)
+    backend, _ = device_backend(comm, mode)
+    model = mixtral()
+    with ms.make_engine(model, "single", comm=comm, device=backend) as engine:
+        engine.load_checkpoint(model.init(seed=3))
+        check_served(engine, engine_on(model))
 
 
 # -- layouts ---------------------------------------------------------------------------------------
