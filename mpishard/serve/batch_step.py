@@ -33,8 +33,10 @@ from .slots import SlotCache
 
 class Stepper:
     """The model side of the serving loop on every rank of one replica (collective calls,
-    same arguments on every rank). microbatches: the groups a step's rows go through a
-    pipeline in (default: the layout's microbatches, 1 without pp)."""
+    same arguments on every rank, the constructor included: a one-token forward allocates the
+    KV pool, so a pool that does not fit fails at start-up, not under load; the engine must
+    hold its weights). microbatches: the groups a step's rows go through a pipeline in
+    (default: the layout's microbatches, 1 without pp)."""
 
     def __init__(self, engine, max_batch: int, max_len: int, microbatches=None):
         layout, model = engine.layout, engine.model
@@ -50,12 +52,15 @@ class Stepper:
         self.microbatches = check_number("microbatches", m, low=1, integer=True)
         self.engine, self.vocab = engine, model.vocab_size
         self.cache = SlotCache(max_batch, max_len, engine.xp)
+        self.forward([0], [0], [[0]])   # allocates the whole pool now (its junk key at slot 0,
+        #                                 position 0 is overwritten by the slot's first row)
 
     def __repr__(self):
         return f"Stepper({self.cache!r}, microbatches={self.microbatches})"
 
     def nbytes(self) -> int:
-        """Bytes the KV pool holds on this rank (slots.kv_pool_bytes: before the first step)."""
+        """Bytes the KV pool holds on this rank, all of it from the start (slots.kv_pool_bytes
+        gives them, at most, before any engine is built)."""
         return self.cache.nbytes()
 
     def check(self, slots, starts, chunks) -> None:

@@ -107,7 +107,9 @@ def served(stepper, prompts, schedule):
 def check_served(engine, reference, prompts=PROMPTS, schedule=SCHEDULE, microbatches=None):
     """The stepper on `engine` against `reference` (a single-device engine) alone."""
     stepper = Stepper(engine, MAX_BATCH, SEQ, microbatches=microbatches)
+    pool = stepper.nbytes()                       # allocated by the constructor, never grown
     got = served(stepper, prompts, schedule)
+    assert stepper.nbytes() == pool > 0
     for r, (p, _, _, n_new, _) in enumerate(schedule):
         want_ids, want_logits = alone(reference, prompts[p], n_new)
         assert want_ids == reference.generate([prompts[p]], n_new, temperature=0.0)[0]
