@@ -92,17 +92,19 @@ def text_of(ids) -> str:
 
 
 class ServeJob:
-    """One `mpishard serve` job on `n` ranks (see the module docstring)."""
+    """One `mpishard serve` job on `n` ranks (see the module docstring); `argv`: start this
+    command line instead (a batch script that starts the job), with `args` ignored."""
 
-    def __init__(self, n: int, args, timeout: float = 120.0, env=None):
+    def __init__(self, n: int, args, timeout: float = 120.0, env=None, argv=None):
         self.before = leftovers.mpi_files()
         self.lines: list = []
-        argv = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", "-m", "mpishard", "serve",
-                *map(str, args), "--port", "0"]
+        argv = argv or [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", "-m", "mpishard",
+                        "serve", *map(str, args), "--port", "0"]
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(list(map(str, argv)), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                                     start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.url = self._wait_listening(timeout)
