@@ -75,7 +75,8 @@ def add_serve_arguments(p):
                    "tokens read per step (a longer prompt is read in chunks over several "
                    "steps, beside the others' decode) (512)")
     p.add_argument("--microbatches", type=int, default=None, metavar="M", help="under pp: "
-                   "the rows go through the stages in M groups (default: pp)")
+                   "the rows go through the stages in M groups (default: the layout's "
+                   "microbatches=, else pp)")
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` "
                    "(default: the MPISHARD_API_KEY environment variable, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API "
@@ -203,7 +204,8 @@ def run_serve(args) -> int:
     control = engine.comm if replicas == 1 else \
         control_comm(world, replicas, engine.comm.watchdog.timeout)
     stepper = Stepper(engine, args.max_batch, args.max_model_len,
-                      microbatches=args.microbatches or engine.layout.size("pp"))
+                      microbatches=args.microbatches or engine.layout.option(
+                          "microbatches", engine.layout.size("pp")))
     intake = Intake(args.max_queue) if rank == 0 else None
     front = agreed(world, lambda: _front(args, text, model, eos, template, files, intake)
                    if rank == 0 else None)
