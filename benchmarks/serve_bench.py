@@ -33,9 +33,12 @@ the moment they hold the last token of the previous one.
                 wait is part of its time to first token.
     hf          transformers' generate (left-padded, attention mask, greedy), batched the same
                 static way; token times from a streamer.
-tokens/s counts each request's own output tokens over the level's wall time. The levels run
-in order, and within a level the systems alternate their order level by level; the ratio
-continuous / static at the largest level is taken within that level. One BLAS / torch thread
+tokens/s counts each request's own output tokens over the level's wall time. --rounds R runs
+every level R times (round by round, the levels in order, the systems' order alternating from
+level to level and round to round): tokens/s is the median of the rounds (their range in
+brackets), the TTFT percentiles are over every round's requests, and the ratio continuous /
+static at the largest level is the median of the rounds' ratios, each taken within one round,
+the two runs back to back. One BLAS / torch thread
 everywhere (OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 for the server; torch.set_num_threads(1)).
 """
 from __future__ import annotations
@@ -87,11 +90,25 @@ def make_requests(n, vocab, prompt_len, output_len, seed):
 
 
 def summary(ttft, tokens, wall, outputs):
-    """One system's figures at one level."""
-    ms_ = np.asarray(ttft) * 1e3
-    return dict(tokens=int(tokens), wall_s=round(wall, 3), tokens_per_s=round(tokens / wall, 1),
-                ttft_p50_ms=round(float(np.percentile(ms_, 50)), 1),
-                ttft_p99_ms=round(float(np.percentile(ms_, 99)), 1), outputs=outputs)
+    """One system's run at one level: its times to first token (s), tokens, wall time (s)
+    and outputs."""
+    return dict(ttft=list(ttft), tokens=int(tokens), wall=wall, outputs=outputs)
+
+
+def figures(runs, base):
+    """One system at one level over the rounds: tokens/s (median, min, max of the rounds),
+    TTFT percentiles over every round's requests, and how many outputs equal `base`'s (the
+    static runs of the same rounds)."""
+    rates = [r["tokens"] / r["wall"] for r in runs]
+    ttft = np.concatenate([r["ttft"] for r in runs]) * 1e3
+    same = sum(agreement(r["outputs"], b["outputs"]) for r, b in zip(runs, base)) \
+        if base else None
+    return dict(tokens_per_s=round(float(np.median(rates)), 1),
+                tokens_per_s_range=[round(min(rates), 1), round(max(rates), 1)],
+                ttft_p50_ms=round(float(np.percentile(ttft, 50)), 1),
+                ttft_p99_ms=round(float(np.percentile(ttft, 99)), 1),
+                wall_s=[round(r["wall"], 2) for r in runs], same_as_static=same,
+                compared=sum(len(r["outputs"]) for r in runs))
 
 
 def run_static(generate, reqs, clients):
@@ -207,15 +224,16 @@ def agreement(a, b):
 
 def table(res):
     """The results as markdown."""
-    lines = ["| clients | requests | system | tokens/s | TTFT p50 ms | TTFT p99 ms | wall s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| clients | requests | system | tokens/s (rounds' range) | TTFT p50 ms | "
+             "TTFT p99 ms | same ids as static |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for level in res["levels"]:
         for s in SYSTEMS:
             if s in level:
                 r = level[s]
+                lo, hi = r["tokens_per_s_range"]
                 lines.append(f"| {level['clients']} | {level['requests']} | {s} | "
-                             f"{r['tokens_per_s']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
-                             f"{r['wall_s']} |")
+                             f"{r['tokens_per_s']} ({lo}-{hi}) | {r['ttft_p50_ms']} | "
+                             f"{r['ttft_p99_ms']} | {r['same_as_static']}/{r['compared']} |")
     return "\n".join(lines)
 
 
@@ -241,32 +259,34 @@ def run(args):
     res = dict(model=dict(vocab=args.vocab, d_model=args.d_model, heads=args.heads,
                           layers=args.layers, dtype="float32"), levels=[],
                load_before=os.getloadavg()[0])
+    runs = {(c, s): [] for c in clients for s in systems}
     try:
         warm = [(reqs[0][0][:16], 4)] * 2
         for s in systems:
             runners[s](warm, 2)
-        for k, (c, n) in enumerate(zip(clients, counts)):
-            level = dict(clients=c, requests=n)
-            for s in (systems if k % 2 == 0 else systems[::-1]):
-                level[s] = runners[s](reqs[:n], c)
-                print(f"clients {c}: {s} {level[s]['tokens_per_s']} tokens/s, TTFT p50 "
-                      f"{level[s]['ttft_p50_ms']} ms p99 {level[s]['ttft_p99_ms']} ms",
-                      flush=True)
-            base = level.get("static", {}).get("outputs")
-            for s in systems:
-                level[s]["same_as_static"] = agreement(level[s].pop("outputs"), base) \
-                    if base else None
-            res["levels"].append(level)
+        for rnd in range(args.rounds):
+            for k, (c, n) in enumerate(zip(clients, counts)):
+                for s in (systems if (k + rnd) % 2 == 0 else systems[::-1]):
+                    runs[c, s].append(runners[s](reqs[:n], c))
+                    print(f"round {rnd}, {c} clients, {s}: "
+                          f"{runs[c, s][-1]['tokens'] / runs[c, s][-1]['wall']:.1f} tokens/s",
+                          flush=True)
     finally:
         if proc is not None:
             proc.terminate()
             res["server_exit"] = proc.wait(timeout=60)
         tmp.cleanup()
     res["load_after"] = os.getloadavg()[0]
-    top = res["levels"][-1]
-    if "continuous" in top and "static" in top:
-        res["continuous_over_static"] = round(
-            top["continuous"]["tokens_per_s"] / top["static"]["tokens_per_s"], 3)
+    for c, n in zip(clients, counts):
+        base = runs.get((c, "static"))
+        res["levels"].append(dict(clients=c, requests=n, **{
+            s: figures(runs[c, s], base) for s in systems}))
+    top = clients[-1]
+    if "continuous" in systems and "static" in systems:
+        ratios = [a["tokens"] / a["wall"] / (b["tokens"] / b["wall"])
+                  for a, b in zip(runs[top, "continuous"], runs[top, "static"])]
+        res["continuous_over_static"] = round(float(np.median(ratios)), 3)
+        res["continuous_over_static_rounds"] = [round(x, 3) for x in ratios]
     return res
 
 
@@ -282,17 +302,15 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="repeat every level and system")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     res = run(args)
     print(table(res))
-    for level in res["levels"]:
-        print(f"clients {level['clients']}: outputs equal to static's: " + ", ".join(
-            f"{s} {level[s]['same_as_static']}/{level['requests']}" for s in SYSTEMS
-            if s in level))
     if "continuous_over_static" in res:
         print(f"continuous / static tokens/s at {res['levels'][-1]['clients']} clients: "
-              f"{res['continuous_over_static']} (target >= 2)")
+              f"{res['continuous_over_static']} (rounds: {res['continuous_over_static_rounds']}; "
+              f"target >= 2)")
     print(f"load average {res['load_before']:.2f} before, {res['load_after']:.2f} after")
     write_json(args.json, res)
     return 0
