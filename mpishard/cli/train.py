@@ -10,12 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 
 import numpy as np
 
-from ..checkpoint import FAILURE_POLICIES, CheckpointError, Checkpointer, is_checkpoint, resume
-from ..checkpoint.storage import foreign_entries
+from ..checkpoint import FAILURE_POLICIES, CheckpointError, Checkpointer, resume
 from ..nn.functional import ACTIVATIONS
 from ..models.mlp.spec import MLP
 from ..health.watchdog import DEFAULT_TIMEOUT
@@ -30,8 +28,9 @@ from ..train.optim import SGD, AdamW
 from ..train.trainer import Callback, Trainer, configure_logging, summary_table
 from .cluster_options import (AUTO, CLUSTER_DEFAULTS, PREEMPTED_EXIT, add_cluster_callbacks,
                               add_metrics_arguments, add_resume_argument, fit_or_preempted,
-                              preempted_before_training, resume_source, stop_signals,
-                              validate_cluster_args)
+                              preempted_before_training, resume_source, stop_signals)
+from . import auto_layout
+from .checkpoint_flags import validate_checkpoint_args
 from .dataset_options import dataset_name, fitting_loss
 from .flight_options import (FLIGHT_DEFAULTS, add_flight_arguments, add_flight_callbacks,
                              validate_flight_args)
@@ -85,7 +84,9 @@ def add_train_arguments(p):
     may set to its argparse Action (returns p)."""
     options = {}
     m = _recording(p.add_argument_group("model and layout"), options)
-    m("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, single on one)")
+    m("--layout", help="mesh layout, e.g. dp=2,tp=2, or auto: the plan's best that fits in "
+      "--max-memory (default: dp over all ranks, single on one)")
+    auto_layout.add_auto_arguments(m)                 # --max-memory, --calibration
     m("--model", help="comma-separated layer dims, e.g. 64,128,128,10, or " + KEYED_HELP +
       " (no vocab: the data set's); with --resume: the checkpoint's; default: by dataset, "
       + ", ".join(f"{k} {v}" for k, v in DATASET_MODELS.items()) + ")")
@@ -259,7 +260,7 @@ def validate_train_args(args, world_size: int):
                          f"{args.accumulate * dp}")
     if args.dataset.startswith("synthetic") and args.batch > args.n_train:
         raise UsageError(f"--batch {args.batch} is larger than --n-train {args.n_train}")
-    _validate_checkpoint_args(args)
+    validate_checkpoint_args(args)
     validate_trace_args(args)
     validate_flight_args(args)
     validate_report_args(args, layout)  # evaluation batches, --metrics-json
@@ -280,30 +281,13 @@ def _check_numbers(args):
         check_flags(args, ("clip",), low=0, low_open=True)
 
 
-def _validate_checkpoint_args(args):
-    """--checkpoint-dir / --checkpoint-every / --resume (no MPI; the same on every rank)."""
-    if args.checkpoint_dir is None:
-        if args.checkpoint_every:
-            raise UsageError("--checkpoint-every needs --checkpoint-dir DIR")
-        return validate_cluster_args(args, False)
-    path = os.path.abspath(args.checkpoint_dir)
-    if not os.path.isdir(os.path.dirname(path)):
-        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: directory "
-                         f"{os.path.dirname(path)} does not exist")
-    complete = is_checkpoint(path)
-    validate_cluster_args(args, complete)
-    if not complete and os.path.exists(path) and (not os.path.isdir(path) or
-                                                  foreign_entries(path)):  # not a crashed save's
-        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a "
-                         f"checkpoint; refusing to replace it")
-
-
 # -- build and run -----------------------------------------------------------------------------
 def prepare_training(args, comm):
     """Everything that can fail without a collective: the flags, and every file read (--text,
     --tokenizer, tokens:DIR, npy:DIR, --init-from-hf's config and headers). Returns (layout,
     dims, loss, model, data); a rank that raises here (a copy its node lacks) cannot leave the
     others waiting inside make_engine, as build_training agrees on it first."""
+    auto = auto_layout.provisional(args)     # --layout auto: dp until the model is built
     layout, dims, loss = validate_train_args(args, comm.Get_size())
     if not isinstance(dims, list):                     # a GPT or a Hugging Face model
         model, data = lm_model_and_data(args, dims)
@@ -315,6 +299,9 @@ def prepare_training(args, comm):
                             n_test=args.n_test, seed=args.seed)
         model = MLP(dims, activation=args.activation,
                     final_activation="sigmoid" if loss == "bce" else None)
+    if auto:
+        layout, dims, loss = auto_layout.train_layout(args, model, comm.Get_size(),
+                                                      validate_train_args)
     if args.batch > len(data.x_train):
         raise UsageError(f"--batch {args.batch} is larger than the {len(data.x_train)} "
                          f"training rows of {args.dataset}"
@@ -331,7 +318,9 @@ def build_training(args, comm=None, flag=None):
     then (engine, optimizer, trainer) built; returns the Trainer (`flag`: the StopFlag the
     Preemption callback checks, see add_cluster_callbacks)."""
     comm = comm or world_comm()
+    auto_layout.agree_memory_limit(args, comm)      # --layout auto: the smallest rank's
     layout, dims, loss, model, data = agreed(comm, lambda: prepare_training(args, comm))
+    auto_layout.agree_choice(args, comm, layout.text)
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                          device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          param_dtype=args.param_dtype, comm_dtype=args.comm_dtype,
@@ -344,6 +333,7 @@ def build_training(args, comm=None, flag=None):
         opt = SGD(engine, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     log = configure_logging(engine.device_id, getattr(logging, args.log_level))
     log_host_heap(log, engine, getattr(args, "host_heap_asked", True))
+    auto_layout.log_choice(log, args)
     if not isinstance(dims, list):
         log_lm_data(log, data)
     trainer = Trainer(engine, opt, data, loss, batch=args.batch, steps=args.steps,

@@ -1,0 +1,124 @@
+"""`--max-memory`: the bytes one rank may use, as given or as this job is allowed.
+
+    --max-memory 12G        # K, M, G, T: powers of 1024 (12G = 12 x 2^30 bytes); a B or iB
+                            # after the letter is allowed (12GiB), a plain number is bytes
+
+Left out, the default is the memory this job may use on its node, divided by the ranks the
+job runs on that node, from the first source that sets it:
+
+  1. the cgroup limit: v2 /sys/fs/cgroup/memory.max (not `max`), else v1
+     /sys/fs/cgroup/memory/memory.limit_in_bytes (not the "unlimited" 2^63 rounded to pages);
+     a container's or a Slurm job's cgroup limits the whole node's share of the job;
+  2. Slurm: SLURM_MEM_PER_NODE (MiB, per node), else SLURM_MEM_PER_CPU (MiB) x
+     SLURM_CPUS_PER_TASK (1 when unset): already per rank, not divided again;
+  3. the node's MemTotal (/proc/meminfo).
+
+The ranks on the node: under MPI the size of the job's shared-memory group
+(MPI_COMM_TYPE_SHARED); without a communicator the launcher's variables
+(OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE), else 1.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from mpi4py import MPI
+
+UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+CGROUP = "/sys/fs/cgroup"
+MEMINFO = "/proc/meminfo"
+UNLIMITED_V1 = 2 ** 60           # v1 reports "no limit" as 2^63 rounded down to a page
+LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def parse_bytes(text) -> int:
+    """'12G' -> 12 x 2^30; ValueError naming the expected form for anything else."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text),
+                        flags=re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"--max-memory {text!r}: expected a positive number of bytes with an "
+                         f"optional K, M, G or T suffix, like 12G or 512M")
+    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def cgroup_limit(root: str = CGROUP):
+    """(bytes, file) of the cgroup's memory limit (v2, then v1), or None without one."""
+    for name in ("memory.max", os.path.join("memory", "memory.limit_in_bytes")):
+        path = os.path.join(root, name)
+        text = (_read(path) or "").strip()
+        if text.isdigit() and int(text) < UNLIMITED_V1:
+            return int(text), path
+    return None
+
+
+def mem_total(meminfo: str = MEMINFO):
+    """The node's MemTotal in bytes (/proc/meminfo's kB), or None."""
+    for line in (_read(meminfo) or "").splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def job_memory(environ=None, root: str = CGROUP, meminfo: str = MEMINFO) -> tuple:
+    """(bytes, where from, whether already per rank) of the module docstring's first source;
+    (None, 'unknown', False) when none answers."""
+    env = os.environ if environ is None else environ
+    limit = cgroup_limit(root)
+    if limit is not None:
+        return limit[0], f"cgroup {limit[1]}", False
+    if env.get("SLURM_MEM_PER_NODE", "").isdigit():
+        return int(env["SLURM_MEM_PER_NODE"]) * 2 ** 20, "SLURM_MEM_PER_NODE", False
+    if env.get("SLURM_MEM_PER_CPU", "").isdigit():
+        cpus = int(env.get("SLURM_CPUS_PER_TASK", "1") or 1)
+        return int(env["SLURM_MEM_PER_CPU"]) * 2 ** 20 * cpus, \
+            f"SLURM_MEM_PER_CPU x {cpus} cpus per task", True
+    total = mem_total(meminfo)
+    return (total, "MemTotal of /proc/meminfo", False) if total else (None, "unknown", False)
+
+
+def node_ranks(comm=None, environ=None) -> int:
+    """Ranks of this job on this node: `comm`'s shared-memory group's size, else the
+    launcher's variables, else 1."""
+    if comm is not None:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        size = node.Get_size()
+        node.Free()
+        return size
+    env = os.environ if environ is None else environ
+    for name in LOCAL_SIZE_VARIABLES:
+        if env.get(name, "").isdigit() and int(env[name]) > 0:
+            return int(env[name])
+    return 1
+
+
+def default_max_memory(comm=None, environ=None, root: str = CGROUP,
+                       meminfo: str = MEMINFO) -> tuple:
+    """(bytes per rank, where from): job_memory over node_ranks (the module docstring)."""
+    total, source, per_rank = job_memory(environ, root, meminfo)
+    if total is None:
+        raise ValueError("--max-memory: this job's memory is unknown (no cgroup limit, no "
+                         "Slurm memory, no /proc/meminfo); give --max-memory BYTES")
+    ranks = 1 if per_rank else node_ranks(comm, environ)
+    return total // ranks, (source if per_rank else f"{source} / {ranks} rank(s) on the node")
+
+
+def max_memory(text, comm=None) -> tuple:
+    """(bytes per rank, where from) of --max-memory `text`, or its default when None."""
+    if text is None:
+        return default_max_memory(comm)
+    return parse_bytes(text), "--max-memory"
+
+
+def add_max_memory_argument(add) -> None:
+    """--max-memory through `add` (a parser's or a group's add_argument)."""
+    add("--max-memory", metavar="BYTES", help="memory one rank may use, with K, M, G or T "
+        "(e.g. 12G); --layout auto picks among the layouts predicted to fit (default: the "
+        "job's cgroup or Slurm memory, else the node's, over its ranks on the node)")

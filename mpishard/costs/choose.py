@@ -1,0 +1,113 @@
+"""Which layout to run: the fastest candidate predicted to fit under a memory limit (no MPI).
+
+`plan`'s rows (cli/plan.plan_layouts: every layout the engine accepts, its busiest rank's
+memory and bytes sent per step, and with a calibration its predicted step time) are ranked
+by one of two keys, the smallest first, among the rows whose memory is at most the limit:
+
+  calibrated    the predicted seconds per step (costs/step_time.py).
+  rule          without a calibration, a rule of thumb: (pipeline idle fraction, bytes sent
+                per step by the busiest rank, memory). Every axis but pp splits the step's
+                arithmetic evenly over its ranks, so the ranks' compute is alike across
+                layouts except for the pipeline schedule's idle fraction (its simulated
+                bubble, step_time.bubble), which costs that share of every step on a core
+                per rank: it goes first. Among layouts idling alike, the bytes sent decide
+                (ZeRO-3's re-gathers, tp's activations, dp's gradients); the smaller memory
+                breaks a tie. So a pipeline is chosen only when nothing without one fits.
+
+For generation (`generate`, `serve`) there is no decode cost model yet; the rule there:
+fits in memory (the parameters, no gradients or optimizer state), then a KV cache (the
+layouts decoder.check_decode allows: not cp, not sequence_parallel, which recompute the
+context every token), then the fewest bytes the busiest rank sends per decoded token
+(`decode_bytes`), then the smaller memory.
+"""
+from __future__ import annotations
+
+from math import ceil
+
+from ..comm.mesh import parse_layout
+from ..parallel import data_parallel, fsdp, tied
+from ..parallel.decode import decodes_with_cache
+from .rank_costs import check_fit, rank_memory, rank_view, strategy_costs
+from .step_time import bubble, representative_ranks
+
+PURPOSES = ("train", "generate")
+RULES = {
+    "calibrated": "the predicted step time (--calibration)",
+    "rule": "a rule of thumb, as no --calibration was given: the least pipeline idle "
+            "time, then the fewest bytes sent per step, then the least memory",
+    "generate": "fits, then a KV cache, then the fewest bytes sent per decoded token, then "
+                "the least memory (no decode cost model yet)",
+}
+
+
+def train_key(row: dict, calibrated: bool) -> tuple:
+    """The ranking key of one plan row (module docstring); smaller is better."""
+    if calibrated:
+        return (row["step_s"], row["memory"], row["layout"])
+    return (row.get("bubble", 0.0), row["comm"], row["memory"], len(row["layout"]),
+            row["layout"])
+
+
+def generate_key(row: dict) -> tuple:
+    return (not row["cached"], row["comm"], row["memory"], len(row["layout"]), row["layout"])
+
+
+def rank_rows(rows: list, max_memory: float, purpose: str = "train",
+              calibrated: bool = False) -> dict:
+    """{'fit': the rows at most `max_memory`, best first; 'over': the others, least memory
+    first; 'rule': RULES' key of the ranking used; 'best': the first fitting row or None}.
+    Train rows without 'bubble' get it from their layout (step_time.bubble)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
+    if purpose == "train":
+        for row in rows:
+            row.setdefault("bubble", bubble(parse_layout(row["layout"])))
+        rule = "calibrated" if calibrated else "rule"
+        key = lambda r: train_key(r, calibrated)     # noqa: E731
+    else:
+        rule, key = "generate", generate_key
+    fit = sorted((r for r in rows if r["memory"] <= max_memory), key=key)
+    over = sorted((r for r in rows if r["memory"] > max_memory),
+                  key=lambda r: (r["memory"], r["layout"]))
+    return {"fit": fit, "over": over, "rule": rule, "best": fit[0] if fit else None}
+
+
+def decode_bytes(model, layout, rank: int, rows: int, itemsize: int = 4) -> float:
+    """Bytes `rank` sends per decode step of `rows` prompts (one new token each), estimated
+    from the training step's cost model: the strategies that move activations (all but dp's
+    and ZeRO-1/2's gradient exchange and the tied copies') send the same bytes forward as
+    backward, so half their train_step bytes per trained token, times this rank's rows; a
+    ZeRO-3 forward gathers the rank's weights once per step (half of a microbatch's gathers,
+    the other half being the backward's)."""
+    m = check_fit(model, layout)
+    data = layout.data_parallel_size
+    view = rank_view(model, layout, rank, itemsize, batch=m * data)
+    tokens = view.rows * (model.seq_len if model.takes_tokens else 1)
+    moved = 0.0
+    for strategy in strategy_costs(model):
+        if strategy in (data_parallel, fsdp, tied):
+            continue
+        moved += sum(strategy.step_comm(view).get("train_step", {}).values())
+    gathers = fsdp.step_comm(view).get("train_step", {}).get("all_gather", 0)
+    return moved / 2 / tokens * ceil(rows / data) + gathers / m / 2
+
+
+def generate_rows(model, layouts, rows: int = 1, itemsize: int = 4) -> tuple:
+    """(rows, rejected) like plan_layouts' for generation: per layout text of `layouts` the
+    busiest rank's parameters ('memory'), decode_bytes ('comm') and whether it decodes with a
+    KV cache ('cached'); rejected = [(layout, the engine's reason)]."""
+    out, rejected = [], []
+    for text in layouts:
+        try:
+            layout = parse_layout(text)
+            check_fit(model, layout)
+            ranks = representative_ranks(layout)
+            memory = max(rank_memory(model, layout, r, itemsize, "sgd")["parameters"]
+                         for r in ranks)
+            comm = max(decode_bytes(model, layout, r, rows, itemsize) for r in ranks)
+        except ValueError as exc:
+            rejected.append((text, str(exc)))
+            continue
+        out.append({"layout": text, "memory": memory, "comm": comm,
+                    "cached": decodes_with_cache(layout), "step_s": None})
+    return out, rejected
