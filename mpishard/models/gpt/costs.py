@@ -154,3 +154,38 @@ def gpt_flops(model, batch: int) -> int:
                                    if len(s) == 2))
     per_token = model.n_layers * (block + 2 * T * d) + d * model.vocab_size
     return 3 * 2 * batch * T * per_token
+
+
+def activation_elements(model, view, recompute: str) -> dict:
+    """Per batch row, the elements this rank's units keep for backward and the largest
+    transients (costs/peak_memory.py adds them up), from the blocks' local shapes: T = seq_len
+    / cp tokens, D, F = d_ff, H heads, tp; n norm tokens (T / tp under sequence_parallel).
+
+    per block (recompute=0): two LayerNorms' xhat and rstd 2 n (D + 1), the qkv and fc inputs
+    2 T D, q | k | v (views of one array) 3 T D / tp, the attention output (the proj input is
+    a view of it) T D / tp, the kept probabilities H T S / tp (S = seq_len keys per query of
+    the T; cp: H seq^2 / (tp cp)), the GELU's derivative and output 2 T F / tp.
+    recompute=1: the block input n D, and in backward one block's internals (workspace);
+    recompute=attn: the probabilities are not kept.
+    workspace: the attention backward's ds, one probabilities-sized array. First stage: the
+    token ids (int64). Last stage: ln_f n (D + 1), the head input T D, the logits T v (v the
+    vocabulary, per tp rank padded: vocab-parallel) and the head's weight block D v."""
+    layout = view.layout
+    tp, cp = layout.size("tp"), layout.size("cp")
+    t, d, f = local_tokens(model, layout), model.d_model, model.d_ff
+    n = t // tp if tp > 1 and layout.option("sequence_parallel", 0) else t
+    probs = model.n_heads * t * model.seq_len // tp if cp == 1 else \
+        model.n_heads * model.seq_len ** 2 // (tp * cp)
+    block = 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * f // tp
+    blocks = len({name.split("/")[0] for name in view.params if name.startswith("block_")})
+    kept = {"0": block + probs, "attn": block, "1": n * d}[recompute]
+    out = {"saved": blocks * kept, "workspace": probs + (block + probs) * (recompute == "1"),
+           "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,
+           "input_bytes": 2 * 8 * model.seq_len // cp}
+    if holds_embedding(view.params):
+        out["saved"] += t * 8 // view.itemsize                   # the token ids (int64)
+    if HEAD_MARK in view.params:
+        v = -(-model.vocab_size // tp)
+        out["saved"] += n * (d + 1) + t * d
+        out.update(logits=t * v, head_weights=d * v, padded=v * tp != model.vocab_size)
+    return out

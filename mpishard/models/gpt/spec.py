@@ -222,6 +222,9 @@ class GPT(DecoderSpec):
     def planned_experts(self):
         return None
 
+    def activation_elements(self, view, recompute: str) -> dict:
+        return costs.activation_elements(self, view, recompute)
+
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:
         d, f, p = self.d_model, self.d_ff, f"block_{i}"

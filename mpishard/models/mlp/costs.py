@@ -13,6 +13,7 @@ activation and bias (forward + backward) and the MSE, CopyToTP's dx under tp.
 from __future__ import annotations
 
 from ...parallel import tensor_parallel
+from ...parallel.placement import local_shape
 from ...parallel.tensor_parallel import output_width, tp_role
 from ...parallel.unit_costs import CostPart, unit_uses
 
@@ -79,3 +80,24 @@ def model_flops(dims, batch: int) -> int:
     first layer's dx: 3F - 2 B d_0 d_1; 2 FLOPs per multiply-add."""
     forward = 2 * batch * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
     return 3 * forward - 2 * batch * dims[0] * dims[1]
+
+
+def activation_elements(model, view, recompute: str) -> dict:
+    """Per batch row, the elements this rank's layers keep for backward (costs/peak_memory.py
+    adds them up), from each weight's tp-local (d_in, d_out) block (fsdp gathers it whole):
+    each Linear keeps its input d_in, each hidden activation its input d_out; the last layer's
+    output d_out is the loss's input (logits) and its weight block the head's. The layout's
+    recompute option changes nothing here (an MLP has no recomputable unit)."""
+    sizes = {**view.layout.sizes, "fsdp": 1}
+    saved, logits, head = 0, 0, 0
+    for spec in view.layers:
+        name = f"layer_{spec.index}/weights"
+        d_in, d_out = local_shape(view.params[name].full_shape, view.params[name].placement,
+                                  sizes)
+        last = spec.index == model.n_layers - 1
+        saved += d_in + (0 if last else d_out)
+        if last:
+            logits, head = d_out, d_in * d_out
+    return {"saved": saved, "workspace": 0, "logits": logits, "head_weights": head,
+            "vocab_parallel": False, "padded": False, "input_bytes": model.dims[0] * view.itemsize
+            + 8}

@@ -172,6 +172,9 @@ class MLP(ParamSpec):
     def step_flops(self, batch: int) -> int:
         return costs.model_flops(self.dims, batch)
 
+    def activation_elements(self, view, recompute: str) -> dict:
+        return costs.activation_elements(self, view, recompute)
+
     def planned_experts(self):
         return None
 

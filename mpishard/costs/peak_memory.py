@@ -1,0 +1,181 @@
+"""A rank's peak memory in one training step (no MPI): what `plan` and `inspect` show.
+
+    rank_peak(model, layout, rank, batch) -> {component: bytes, ..., "total": bytes}
+
+Components (itemsize bytes per element; r = rows per microbatch = batch / data ranks / m):
+
+    parameters, gradients, optimizer
+        rank_costs.rank_memory: the stored blocks, gradient blocks (ZeRO-1/2: owned slices)
+        and n_state optimizer-state blocks (AdamW 2), with the strategies' additions
+    gathered
+        FSDP ZeRO-3 (fsdp > 1): the largest parameter gathered whole (its tp block) and its
+        whole gradient before the reduce-scatter, twice the weight with prefetch=1 (the next
+        layer's gather is in flight)
+    activations
+        what the units keep for backward: the model's `activation_elements(view, recompute)`
+        per row (models/*/costs.py: the units' saved tensors from their local shapes) x r x
+        the most microbatches in flight on the rank (the pipeline schedule's own action list
+        walked: a forward adds its chunk's share, a backward, or zb1p's W, removes it;
+        1 without pp), plus the larger of two transients: the backward's workspace (a
+        decoder's attention ds, under recompute=1 one block's internals) and the weight
+        gradient x^T dy of the largest weight block before it is added into the gradient
+    logits
+        last stage: L = r x logits bytes. The loss holds the logits, their shifted copy and
+        its exponent (3 L; vocab-parallel: the logits, exp, softmax, gradient and the one-hot
+        mask, 4 L + L / itemsize, and L more where the vocabulary is padded); then the head's
+        backward holds logits, their gradient and the head's weight gradient (2 L + W). The
+        larger of the two.
+    buffers
+        the rank's batch (inputs and targets), pipeline receive buffers (every microbatch's
+        activation in, and gradient back, r x the boundary width, posted at step start),
+        FSDP ZeRO-2/3 gradient buckets (bucket_mb queued plus its packed copy)
+    evaluation
+        with eval_batch (global rows): what an evaluation forward needs beyond the step's
+        dynamic peak: its logits and the loss's two temporaries (3 L_eval) and one workspace
+    kv_cache
+        with generate=(rows, max_len): k and v of every block the rank holds, rows x max_len
+        x the model's kv_width(tp), plus the prefill's logits
+
+A model without `activation_elements` (a Llama, Qwen2 or MoE spec for now) is priced without
+activations, logits and workspace: only its held state, gathered weights and buffers.
+"""
+from __future__ import annotations
+
+from ..parallel import fsdp
+from ..parallel.data_parallel import DEFAULT_BUCKET_MB
+from ..parallel.placement import local_shape
+from ..parallel.pipeline import boundary_widths
+from ..parallel.schedules import make_schedule
+from ..parallel.stages import pipeline_options
+from .rank_costs import rank_memory, rank_view
+
+COMPONENTS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits",
+              "buffers", "evaluation", "kv_cache")
+MiB = 1 << 20
+
+
+def in_flight(layout, stage: int) -> float:
+    """The most microbatches whose activations `stage` holds at once, in units of one
+    microbatch of its whole stage (a chunk of v counts 1/v): the schedule's actions walked."""
+    pp, name, v, m = pipeline_options(layout)
+    if pp == 1:
+        return 1.0
+    held, most = 0, 0
+    split = any(a.kind == "W" for a in make_schedule(name, pp, m, v)[stage])
+    for a in make_schedule(name, pp, m, v)[stage]:
+        held += 1 if a.kind == "F" else -1 if a.kind == ("W" if split else "B") else 0
+        most = max(most, held)
+    return most / v
+
+
+def tp_block(view, name) -> tuple:
+    """The block of `name` the rank computes with: its stored block with fsdp gathered."""
+    info = view.params[name]
+    return local_shape(info.full_shape, info.placement, {**view.layout.sizes, "fsdp": 1})
+
+
+def gathered_bytes(view) -> int:
+    """FSDP ZeRO-3: the largest sharded parameter whole (x2 with prefetch) and its gradient."""
+    sharded = [view.nbytes(tp_block(view, n)) for n, i in view.params.items()
+               if view.size("fsdp") > 1 and fsdp.zero_stage(i.placement, view.layout) == 3]
+    if not sharded:
+        return 0
+    return (2 if view.layout.option("prefetch", 0) else 1) * max(sharded) + max(sharded)
+
+
+def weight_grad_bytes(view) -> int:
+    """The largest weight gradient x^T dy before it is added (a fresh array)."""
+    return max((view.nbytes(tp_block(view, n)) for n in view.params), default=0)
+
+
+def loss_bytes(parts, rows, itemsize) -> int:
+    """The logits component (module docstring) for `rows` rows of logits."""
+    logits = rows * parts["logits"] * itemsize
+    if not logits:
+        return 0
+    if parts["vocab_parallel"]:
+        loss = 4 * logits + logits // itemsize + logits * parts["padded"]
+    else:
+        loss = 3 * logits
+    return max(loss, 2 * logits + parts["head_weights"] * itemsize)
+
+
+def buffer_bytes(model, view, rows_mb) -> int:
+    """The batch, pipeline receive buffers and FSDP gradient buckets (module docstring)."""
+    layout = view.layout
+    total = view.rows * input_bytes(model, view)
+    pp, _, v, m = pipeline_options(layout)
+    if pp > 1:
+        widths = boundary_widths(model, layout)
+        stage = view.coords["pp"]
+        for k in (stage + c * pp for c in range(v)):
+            if k > 0:                                          # activation received
+                total += m * rows_mb * widths[k - 1] * view.itemsize
+            if k < pp * v - 1:                                 # gradient received
+                total += m * rows_mb * widths[k] * view.itemsize
+    if view.size("fsdp") > 1 and layout.option("zero", 3) >= 2:
+        bucket = layout.option("bucket_mb", DEFAULT_BUCKET_MB) * MiB
+        grads = sum(view.nbytes(tp_block(view, n)) for n in view.params)
+        total += 2 * min(bucket, grads)
+    return total
+
+
+def input_bytes(model, view) -> int:
+    parts = activation_parts(model, view, "0")
+    return parts["input_bytes"] if parts else 0
+
+
+def activation_parts(model, view, recompute):
+    """The model's activation_elements, or None for a model without them."""
+    hook = getattr(model, "activation_elements", None)
+    return None if hook is None else hook(view, recompute)
+
+
+def rank_peak(model, layout, rank: int, batch: int, itemsize: int = 4,
+              optimizer: str = "adamw", momentum: float = 0.0, recompute=None,
+              eval_batch=None, generate=None) -> dict:
+    """Bytes of each component of `rank`'s peak in a training step of `batch` global rows
+    (module docstring), and their 'total'. recompute: '0', '1' or 'attn' instead of the
+    layout's option; eval_batch: global rows of an evaluation between steps; generate:
+    (rows, max_len) of a KV-cached generation. Raises rank_costs.check_fit's ValueError."""
+    view = rank_view(model, layout, rank, itemsize, batch)
+    held = rank_memory(model, layout, rank, itemsize, optimizer, momentum)
+    recompute = str(layout.option("recompute", 0) if recompute is None else recompute)
+    rows_mb = view.rows // view.microbatches
+    out = {k: held[k] for k in ("parameters", "gradients", "optimizer")}
+    out["gathered"] = gathered_bytes(view)
+    parts = activation_parts(model, view, recompute)
+    if parts is None:
+        out.update(activations=0, logits=0)
+    else:
+        saved = parts["saved"] * itemsize * rows_mb * in_flight(layout, view.coords["pp"])
+        transient = max(parts["workspace"] * itemsize * rows_mb, weight_grad_bytes(view))
+        out["activations"] = int(saved) + transient
+        out["logits"] = loss_bytes(parts, rows_mb, itemsize)
+    out["buffers"] = buffer_bytes(model, view, rows_mb)
+    out["evaluation"] = evaluation_bytes(view, parts, eval_batch, out)
+    out["kv_cache"] = kv_cache_bytes(model, view, parts, generate)
+    out["total"] = sum(out[k] for k in COMPONENTS)
+    return out
+
+
+def evaluation_bytes(view, parts, eval_batch, out) -> int:
+    """What an evaluation forward of `eval_batch` global rows needs beyond the step's own
+    activations + logits (0 when it fits in them)."""
+    if not eval_batch or parts is None:
+        return 0
+    rows = eval_batch // view.layout.data_parallel_size
+    need = 3 * rows * parts["logits"] * view.itemsize + \
+        rows * parts["workspace"] * view.itemsize
+    return max(0, need - out["activations"] - out["logits"])
+
+
+def kv_cache_bytes(model, view, parts, generate) -> int:
+    """k and v of the rank's blocks for generate=(rows, max_len), plus the prefill logits."""
+    if not generate:
+        return 0
+    rows, max_len = generate
+    blocks = len({n.split("/")[0] for n in view.params if n.startswith("block_")})
+    width = model.kv_width(view.size("tp"))
+    cache = 2 * blocks * rows * max_len * width * view.itemsize
+    return cache + (rows * parts["logits"] * view.itemsize if parts else 0)
