@@ -37,6 +37,7 @@ import numpy as np
 from ..nn.losses import get_loss
 from ..engine import make_engine
 from ..train.optim import SGD, AdamW
+from .auto_layout import add_auto_arguments, agree_choice, agree_memory_limit, chosen
 from .model_flag import add_model_arguments, model_from_flag
 from .plan import COMM_KINDS, check_fit, step_comm_total
 from .usage import (CUDA_AWARE, add_device_arguments, agreed, check_flags, checked_layout,
@@ -44,8 +45,9 @@ from .usage import (CUDA_AWARE, add_device_arguments, agreed, check_flags, check
 
 
 def add_bench_arguments(p):
-    p.add_argument("--layout", help="mesh layout, e.g. dp=2,tp=2 (default: dp over all ranks, "
-                   "single on one)")
+    p.add_argument("--layout", help="mesh layout, e.g. dp=2,tp=2, or auto: the plan's best "
+                   "that fits in --max-memory (default: dp over all ranks, single on one)")
+    add_auto_arguments(p.add_argument)          # --max-memory, --calibration
     add_model_arguments(p)
     p.add_argument("--activation", default="relu", help="hidden activation (relu)")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
@@ -68,8 +70,9 @@ def build_bench(args, comm):
     check_flags(args, ("batch", "steps", "lr"), low=0, low_open=True)
     check_flags(args, ("warmup", "seed"), low=0)
     world = comm.Get_size()
-    layout = checked_layout(args.layout or default_layout(world), world)
     model = model_from_flag(args.model, args.activation, gpt=args.gpt)
+    text = chosen(args, model, world, "train", args.batch, args.optimizer)   # --layout auto
+    layout = checked_layout(text or default_layout(world), world)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
                             device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
@@ -155,11 +158,14 @@ def format_table(engine, args, result) -> str:
 
 def run_bench(args) -> int:
     comm = world_comm()
+    agree_memory_limit(args, comm)
     engine, opt, x, t = agreed(comm, lambda: build_bench(args, comm))
+    agree_choice(args, comm, engine.layout.text)
     if args.trace is None:
         result = measure(engine, opt, x, t, args.steps, args.warmup)
     else:
         with engine.trace(args.trace) as trace:
             result = measure(engine, opt, x, t, args.steps, args.warmup)
     text = format_table(engine, args, result)
+    text = f"{args.layout_line}\n{text}" if getattr(args, "layout_line", None) else text
     return print_report(text + (f"\ntrace: {trace.path}" if args.trace else ""))

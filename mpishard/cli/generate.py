@@ -17,10 +17,9 @@ template (train/chat_template.py; `--chat-template FILE` overrides it) and the g
 prompt, encoded without adding special tokens, as transformers' apply_chat_template(
 add_generation_prompt=True) does.
 
-Every rank builds the model (from the checkpoint's index, or config.json with --hf), makes the
-engine for `--layout` (default dp over all ranks, single on one) and loads its shard (--hf:
-ms.hf.load_into, each rank reading only its slices). The prompts are encoded with the
-tokenizer: `--tokenizer DIR|bytes`, else the directory's tokenizer.json with --hf, else the
+Every rank builds the model (the checkpoint's index, or --hf's config.json), makes the engine
+for `--layout` (default dp; auto: cli/auto_layout.py) and loads its shard. Prompts are encoded
+by `--tokenizer DIR|bytes`, else the directory's tokenizer.json with --hf, else the
 one the checkpoint carries (train --tokenizer, --init-from-hf, tokens:DIR: its files, checked
 against the sha256 it records), else bytes (UTF-8) for a model of vocabulary 256. Bytes for a
 model of another vocabulary, not trained on bytes, is refused: its ids are not bytes, and the
@@ -54,6 +53,7 @@ from ..train.chat_template import chat_template_for, render_chat, template_token
 from ..train.memory import PhasePeaks, gather_peaks
 from ..train.tokenizer import read_tokenizer_files
 from ..validate import check_number
+from .auto_layout import add_auto_arguments, agree_choice, agree_memory_limit, chosen
 from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
 from .model_flag import HF_NAMES
 from .usage import (CUDA_AWARE, KEYED, UsageError, agreed, check_directory, check_flags,
@@ -70,8 +70,9 @@ def add_generate_arguments(p):
                         "layout and world size)")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory "
                         f"(config.json + safetensors: {HF_NAMES}): no conversion step")
-    p.add_argument("--layout", help="mesh layout, e.g. dp=2 or tp=2,pp=2 (default: dp over "
-                   "all ranks, single on one)")
+    p.add_argument("--layout", help="mesh layout, e.g. dp=2 or tp=2,pp=2, or auto: fits in "
+                   "--max-memory, then the fewest bytes per token (default: dp over all ranks)")
+    add_auto_arguments(p.add_argument, calibration=False)     # --max-memory
     p.add_argument("--prompt", action="append", help="a text to continue (UTF-8; repeatable: "
                    "the prompts are generated as one batch; default a newline)")
     p.add_argument("--prompt-file", action="append", metavar="FILE", help="a file whose whole "
@@ -306,8 +307,6 @@ def prepare_generator(args, comm):
     """Validate argv, the tokenizer, the prompts and the model's spec: no collective, so a
     rank that raises here (a file its node lacks) cannot leave the others waiting inside
     make_engine. Returns (layout, Text, prompt id lists, eos ids, model, checkpoint or None)."""
-    size = comm.Get_size()
-    layout = checked_layout(args.layout or default_layout(size), size)
     check_flags(args, ("max_new_tokens", "top_k", "seed"), low=0)
     check_number("--temperature", args.temperature, low=0, error=UsageError)
     check_number("--top-p", args.top_p, low=0, low_open=True, error=UsageError)
@@ -343,13 +342,17 @@ def prepare_generator(args, comm):
                          f"{model.vocab_size}")
     if any(not 0 <= e < model.vocab_size for e in eos):
         raise UsageError(f"--eos {eos}: ids must lie in [0, {model.vocab_size})")
-    return layout, text, prompts, eos, model, ckpt
+    size = comm.Get_size()
+    layout = chosen(args, model, size, "generate", rows=len(prompts)) or default_layout(size)
+    return checked_layout(layout, size), text, prompts, eos, model, ckpt
 
 
 def build_generator(args, comm):
     """Collective: prepare_generator agreed on every rank (the same UsageError everywhere),
     then the engine made and loaded; returns (engine, Text, prompt id lists, eos ids)."""
+    agree_memory_limit(args, comm)              # --layout auto: the smallest rank's limit
     layout, text, prompts, eos, model, ckpt = agreed(comm, lambda: prepare_generator(args, comm))
+    agree_choice(args, comm, layout.text, show=True)
     engine = (hf_engine(args, model, layout, comm) if ckpt is None else
               checkpoint_engine(ckpt, model, layout, args, comm))
     return engine, text, prompts, eos

@@ -35,8 +35,8 @@ RULES = {
     "calibrated": "the predicted step time (--calibration)",
     "rule": "a rule of thumb, as no --calibration was given: the least pipeline idle "
             "time, then the fewest bytes sent per step, then the least memory",
-    "generate": "fits, then a KV cache, then the fewest bytes sent per decoded token, then "
-                "the least memory (no decode cost model yet)",
+    "generate": "a KV cache, then the fewest bytes sent per decode step (a token for every "
+                "prompt), then the least memory (no decode cost model yet)",
 }
 
 
