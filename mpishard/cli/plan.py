@@ -28,17 +28,19 @@ from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
 from ..costs.calibration import DEFAULT_PATH, load_calibration
+from ..costs.choose import RULES, rank_rows
 from ..costs.rank_costs import COMM_KINDS, check_fit, rank_memory, step_comm_total
 from ..costs.step_time import predict_step, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
 from .calibrate import calibrate
+from .memory_limit import add_max_memory_argument, max_memory
 from .plan_time import validate, validation_report, validation_summary
 from .usage import UsageError, check_flags, world_rank
 
 __all__ = ["COMM_KINDS", "check_fit", "step_comm_total", "candidate_layouts", "plan_layouts",
-           "plan_report", "plan_json", "add_plan_arguments", "run_plan"]
+           "plan_report", "plan_json", "explain_report", "add_plan_arguments", "run_plan"]
 
 
 def _divisors(n: int) -> list:
@@ -163,6 +165,28 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     return "\n".join(lines)
 
 
+def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 10) -> str:
+    """`plan --explain`: `--layout auto`'s ranking (costs/choose.rank_rows) of the `top`
+    candidates, with the numbers that decide it (memory against the limit, and the predicted
+    step or the rule's pipeline idle fraction and bytes sent), then the nearest misses."""
+    ranked = rank_rows(rows, limit, "train", calibrated)
+    lines = [f"explain: --layout auto ranks by {RULES[ranked['rule']]}",
+             f"         memory limit {format_bytes(limit)} per rank ({source}); "
+             f"{len(ranked['fit'])} of {len(rows)} layouts fit",
+             f"{'':4}{'layout':<36}{'memory':>11}{'of limit':>9}" +
+             (f"{'step':>11}" if calibrated else f"{'pp idle':>9}{'comm/step':>11}")]
+    for i, r in enumerate(ranked["fit"][:top], 1):
+        decide = f"{r['step_s'] * 1e3:>8.2f} ms" if calibrated else \
+            f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}"
+        lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
+                     f"{100 * r["memory"] / limit:>8.1f}%{decide}")
+    lines += [f"  over the limit: {r['layout']} needs {format_bytes(r['memory'])}"
+              for r in ranked["over"][:3]]
+    if ranked["best"] is None:
+        lines.append("  no layout fits: --layout auto would refuse to run")
+    return "\n".join(lines)
+
+
 def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) -> dict:
     """What `plan --json FILE` writes: every layout that fits (bytes; predicted seconds or
     null without a calibration), the predicted best, the rejected ones with the reason, and
@@ -200,6 +224,10 @@ def add_plan_arguments(p):
     p.add_argument("--validate", type=int, metavar="K", help="run the K layouts predicted "
                    "fastest for a few steps in this MPI job (its size = --world-size) and "
                    "print predicted vs measured")
+    p.add_argument("--explain", action="store_true", help="show how --layout auto ranks the "
+                   "top layouts: memory against --max-memory, the predicted step time (with "
+                   "a calibration) or the rule of thumb's numbers")
+    add_max_memory_argument(p.add_argument)
     p.add_argument("--json", metavar="FILE", help="also write the layouts, and with --validate "
                    "the predicted vs measured times and their summary, to FILE (rank 0)")
     return p
@@ -223,6 +251,9 @@ def run_plan(args) -> int:
                            optimizer=args.optimizer, momentum=args.momentum,
                            microbatches=args.microbatches, top=args.top, sort=args.sort,
                            calibration=calibration, layouts=layouts)
+        if args.explain:
+            text += "\n\n" + explain_report(layouts[0], *max_memory(args.max_memory),
+                                             calibration is not None, args.top)
         summary = None
         if args.validate:
             if MPI.COMM_WORLD.Get_size() != args.world_size:
