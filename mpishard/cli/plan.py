@@ -179,7 +179,7 @@ def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 1
         decide = f"{r['step_s'] * 1e3:>8.2f} ms" if calibrated else \
             f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}"
         lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
-                     f"{100 * r["memory"] / limit:>8.1f}%{decide}")
+                     f"{100 * r['memory'] / limit:>8.1f}%{decide}")
     lines += [f"  over the limit: {r['layout']} needs {format_bytes(r['memory'])}"
               for r in ranked["over"][:3]]
     if ranked["best"] is None:
