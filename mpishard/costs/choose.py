@@ -25,7 +25,7 @@ from __future__ import annotations
 from math import ceil
 
 from ..comm.mesh import parse_layout
-from ..parallel import data_parallel, fsdp, tied
+from ..parallel import data_parallel, fsdp, pipeline, tied
 from ..parallel.decode import decodes_with_cache
 from .rank_costs import check_fit, rank_memory, rank_view, strategy_costs
 from .step_time import bubble, representative_ranks
@@ -76,9 +76,11 @@ def decode_bytes(model, layout, rank: int, rows: int, itemsize: int = 4) -> floa
     """Bytes `rank` sends per decode step of `rows` prompts (one new token each), estimated
     from the training step's cost model: the strategies that move activations (all but dp's
     and ZeRO-1/2's gradient exchange and the tied copies') send the same bytes forward as
-    backward, so half their train_step bytes per trained token, times this rank's rows; a
-    ZeRO-3 forward gathers the rank's weights once per step (half of a microbatch's gathers,
-    the other half being the backward's)."""
+    backward on each rank, so half their train_step bytes per trained token, times this
+    rank's rows; the pipeline's stages send one way each (activations on, gradients back),
+    so its busiest rank's bytes are the forward's, not halved; a ZeRO-3 forward gathers the
+    rank's weights once per step (half of a microbatch's gathers, the backward has the
+    other half)."""
     m = check_fit(model, layout)
     data = layout.data_parallel_size
     view = rank_view(model, layout, rank, itemsize, batch=m * data)
@@ -87,9 +89,10 @@ def decode_bytes(model, layout, rank: int, rows: int, itemsize: int = 4) -> floa
     for strategy in strategy_costs(model):
         if strategy in (data_parallel, fsdp, tied):
             continue
-        moved += sum(strategy.step_comm(view).get("train_step", {}).values())
+        sent = sum(strategy.step_comm(view).get("train_step", {}).values())
+        moved += sent if strategy is pipeline else sent / 2
     gathers = fsdp.step_comm(view).get("train_step", {}).get("all_gather", 0)
-    return moved / 2 / tokens * ceil(rows / data) + gathers / m / 2
+    return moved / tokens * ceil(rows / data) + gathers / m / 2
 
 
 def generate_rows(model, layouts, rows: int = 1, itemsize: int = 4) -> tuple:

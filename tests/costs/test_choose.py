@@ -1,0 +1,109 @@
+"""`--layout auto`'s choice (costs/choose.py, cli/auto_layout.choose_layout), no MPI.
+
+The ranking on synthetic plan rows (each key in its place: memory limit, pipeline idle, bytes,
+memory; predicted time with a calibration; the KV cache for generation), the choice on a real
+model's plan against a brute-force minimum over plan_layouts' rows, the refusal when nothing
+fits, and decode_bytes against what each strategy sends in a forward."""
+import json
+from pathlib import Path
+
+import pytest
+
+from mpishard.cli.auto_layout import choose_layout
+from mpishard.cli.model_flag import model_from_flag
+from mpishard.cli.plan import explain_report, plan_layouts
+from mpishard.cli.usage import UsageError
+from mpishard.comm.mesh import parse_layout
+from mpishard.costs.choose import decode_bytes, generate_rows, rank_rows
+from mpishard.costs.step_time import bubble
+
+ROOT = Path(__file__).resolve().parents[2]
+MB = 2 ** 20
+
+
+def row(layout, memory, comm, step_s=None, bubble_=None, cached=True):
+    r = {"layout": layout, "memory": memory, "comm": comm, "step_s": step_s, "cached": cached}
+    if bubble_ is not None:
+        r["bubble"] = bubble_
+    return r
+
+
+def test_rule_orders_by_idle_then_bytes_then_memory_under_the_limit():
+    rows = [row("dp=4", 9 * MB, 5 * MB), row("tp=4", 3 * MB, 1 * MB),
+            row("fsdp=4", 2 * MB, 1 * MB), row("pp=4", 1 * MB, 0.1 * MB),
+            row("dp=2,tp=2", 20 * MB, 0.5 * MB)]
+    ranked = rank_rows(rows, 10 * MB)
+    assert ranked["rule"] == "rule"
+    assert [r["layout"] for r in ranked["fit"]] == ["fsdp=4", "tp=4", "dp=4", "pp=4"]
+    assert [r["layout"] for r in ranked["over"]] == ["dp=2,tp=2"]
+    assert ranked["fit"][-1]["bubble"] == pytest.approx(bubble(parse_layout("pp=4")))
+    assert ranked["fit"][-1]["bubble"] > 0
+    assert rank_rows(rows, 2.5 * MB)["best"]["layout"] == "fsdp=4"
+    assert rank_rows(rows, 1.5 * MB)["best"]["layout"] == "pp=4"    # only a pipeline fits
+    assert rank_rows(rows, 0.5 * MB)["best"] is None
+
+
+def test_calibration_orders_by_predicted_time():
+    rows = [row("dp=4", 4 * MB, 5 * MB, 0.030), row("tp=4", 3 * MB, 1 * MB, 0.050),
+            row("pp=4", 1 * MB, 0.1 * MB, 0.020)]
+    ranked = rank_rows(rows, 10 * MB, calibrated=True)
+    assert [r["layout"] for r in ranked["fit"]] == ["pp=4", "dp=4", "tp=4"]
+    assert rank_rows(rows, 2 * MB, calibrated=True)["best"]["layout"] == "pp=4"
+
+
+def test_generation_prefers_a_kv_cache_then_fewer_bytes():
+    rows = [row("cp=2", 1 * MB, 0, cached=False), row("tp=2", 2 * MB, 100),
+            row("dp=2", 4 * MB, 0)]
+    assert [r["layout"] for r in rank_rows(rows, 8 * MB, "generate")["fit"]] == \
+        ["dp=2", "tp=2", "cp=2"]
+    assert rank_rows(rows, 3 * MB, "generate")["best"]["layout"] == "tp=2"
+    with pytest.raises(ValueError, match="purpose"):
+        rank_rows(rows, MB, "serve-me")
+
+
+@pytest.mark.parametrize("spec,batch,calibrated", [("784,256,256,10", 64, False),
+                                                   ("784,256,256,10", 64, True),
+                                                   ("gpt", 8, False)])
+def test_choice_is_the_plans_best_that_fits(spec, batch, calibrated):
+    model = model_from_flag(spec, "relu", gpt="d_model=32,n_heads=4,n_layers=2,seq_len=16"
+                            if spec == "gpt" else None)
+    cal = json.loads((ROOT / "examples/calibration.example.json").read_text()) \
+        if calibrated else None
+    rows, _ = plan_layouts(model, 4, batch, calibration=cal)
+    limit = sorted(r["memory"] for r in rows)[len(rows) // 2]        # about half fit
+    fit = [r for r in rows if r["memory"] <= limit]
+    key = (lambda r: r["step_s"]) if calibrated else \
+        (lambda r: (bubble(parse_layout(r["layout"])), r["comm"], r["memory"]))
+    choice = choose_layout(model, 4, limit, batch, calibration=cal)
+    best = min(fit, key=key)
+    assert key(next(r for r in rows if r["layout"] == choice["layout"])) == key(best)
+    assert choice["layout"] in choice["line"] and f"of {len(rows)} layouts fit" in choice["line"]
+    assert ("predicted" in choice["line"]) == calibrated
+    assert ("no --calibration" in choice["line"]) == (not calibrated)
+    text = explain_report(rows, limit, "--max-memory", calibrated, top=3)
+    assert choice["layout"] in text.splitlines()[3] and "over the limit" in text
+
+
+def test_nothing_fits_names_the_smallest_need():
+    model = model_from_flag("64,128,10", "relu")
+    rows, _ = plan_layouts(model, 2, 64)
+    least = min(rows, key=lambda r: r["memory"])
+    with pytest.raises(UsageError, match=f"no layout of 2 rank.s. fits in 1.0 KiB per rank "
+                                         f".--max-memory.: the smallest, {least['layout']}"):
+        choose_layout(model, 2, 1024, 64)
+
+
+def test_decode_bytes_per_strategy():
+    model = model_from_flag("gpt", "relu", gpt="d_model=32,n_heads=4,n_layers=2,seq_len=16")
+    d = model.d_model
+
+    def sent(text, rows=4):
+        return max(decode_bytes(model, parse_layout(text), r, rows) for r in range(4))
+    assert sent("dp=4") == 0 and sent("fsdp=4,zero=1") == 0 and sent("fsdp=4,zero=2") == 0
+    assert sent("fsdp=4,zero=3") > 4 * 1000        # the weights gathered every step
+    # pp: one activation row of d_model floats per prompt per boundary, forward only
+    assert sent("pp=2,dp=2", rows=4) == pytest.approx(2 * d * 4, rel=0.01)
+    assert sent("tp=4", rows=4) > sent("tp=4", rows=1) > 0
+    rows, rejected = generate_rows(model, ["dp=4", "cp=4", "tp=4", "tp=3"], rows=2)
+    assert [r["cached"] for r in rows] == [True, False, True] and rejected[0][0] == "tp=3"
+    assert choose_layout(model, 4, 2 ** 30, purpose="generate", rows=2)["layout"] == "dp=4"
