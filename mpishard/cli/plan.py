@@ -5,12 +5,14 @@
 
 Each candidate layout (every factorisation over dp, fsdp with zero=1, 2, 3, pp and tp; for a
 decoder also cp, ring and Ulysses, and tp with sequence_parallel=1) is checked as the engine would
-check it, then costed with costs/rank_costs.py: the busiest rank's memory (parameters +
-gradients + optimizer state) and bytes sent per training step, which the strategy files
-compute for their own part (tests/cli/test_plan_bench.py holds them to the engine's counters).
+check it, then costed: the busiest rank's predicted peak memory in a training step
+(costs/peak_memory.py: parameters, gradients, optimizer state, gathered weights, activations
+with the pipeline schedule's in-flight microbatches, the loss's logits, buffers;
+benchmarks/memory_check.py holds it to the measured high-water mark) and bytes sent per
+training step (costs/rank_costs.py), which the strategy files compute for their own part
+(tests/cli/test_plan_bench.py holds them to the engine's counters).
 Layouts that do not fit are listed with the engine's reason (the first MAX_REJECTED).
-Activations are not in the memory column: what sequence_parallel, cp and recompute save
-shows in the running engine's memory_report(). `--json FILE` also writes the table (every
+`--memory-parts` adds a column per component of the peak. `--json FILE` also writes the table (every
 layout that fits), the rejected layouts and --validate's numbers as JSON (plan_json), which
 benchmarks/run_all.py's `planner` part reads.
 
@@ -29,7 +31,8 @@ from mpi4py import MPI
 from ..comm.mesh import parse_layout
 from ..costs.calibration import DEFAULT_PATH, load_calibration
 from ..costs.choose import RULES, rank_rows
-from ..costs.rank_costs import COMM_KINDS, check_fit, rank_memory, step_comm_total
+from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
+from ..costs.rank_costs import COMM_KINDS, check_fit, step_comm_total
 from ..costs.step_time import predict_step, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
@@ -84,9 +87,10 @@ def _option_sets(nf, pp, cp, tp, microbatches, gpt: bool) -> list:
 def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
                  optimizer: str = "adamw", momentum: float = 0.0, microbatches=None,
                  calibration=None):
-    """(rows, rejected): a row per layout that fits, {layout, memory (max over ranks of
-    parameters + gradients + optimizer state), comm (max over ranks of bytes sent per step),
-    kinds (per kind, of that busiest rank)}; rejected = [(layout, reason)]."""
+    """(rows, rejected): a row per layout that fits, {layout, memory (max over ranks of the
+    predicted peak: costs/peak_memory.rank_peak), parts (that rank's peak by component), comm
+    (max over ranks of bytes sent per step), kinds (per kind, of that busiest rank)};
+    rejected = [(layout, reason)]."""
     itemsize = np.dtype(dtype).itemsize
     rows, rejected = [], []
     seq_len = model.seq_len if model.takes_tokens else None    # cp and sequence_parallel
@@ -95,8 +99,8 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
             layout = parse_layout(text)
             check_fit(model, layout, batch)
             ranks = representative_ranks(layout)      # the max over them is over all
-            memory = max(rank_memory(model, layout, r, itemsize, optimizer, momentum)["total"]
-                         for r in ranks)
+            peak = max((rank_peak(model, layout, r, batch, itemsize, optimizer, momentum)
+                        for r in ranks), key=lambda p: p["total"])
             comms = [step_comm_total(model, layout, r, batch, itemsize) for r in ranks]
         except ValueError as exc:
             rejected.append((text, str(exc)))
@@ -104,8 +108,9 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
         busiest = max(comms, key=lambda c: sum(c.values()))
         step = (predict_step(model, layout, batch, calibration, itemsize)["step_s"]
                 if calibration else None)
-        rows.append({"layout": text, "memory": memory, "comm": sum(busiest.values()),
-                     "kinds": busiest, "step_s": step})
+        rows.append({"layout": text, "memory": peak["total"], "comm": sum(busiest.values()),
+                     "kinds": busiest, "step_s": step,
+                     "parts": {k: peak[k] for k in PEAK_COMPONENTS}})
     return rows, rejected
 
 
@@ -119,9 +124,10 @@ SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
 
 def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                 momentum=0.0, microbatches=None, top=None, sort="memory",
-                calibration=None, layouts=None) -> str:
+                calibration=None, layouts=None, memory_parts=False) -> str:
     """The `plan` command's table; `layouts`: plan_layouts' (rows, rejected) for these
-    arguments when the caller has them already."""
+    arguments when the caller has them already; memory_parts: a column per component of the
+    peak too."""
     if sort not in SORT_KEYS:
         raise ValueError(f"sort must be one of {sorted(SORT_KEYS)}, got {sort!r}")
     if top is not None:
@@ -135,17 +141,20 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              f"batch {batch}, {np.dtype(dtype).name}, optimizer {optimizer}",
              f"       {len(rows)} layouts fit, {len(rejected)} do not; showing {len(shown)}, "
              f"sorted by {sort}",
-             "memory: max over ranks of parameters + gradients + optimizer state (activations "
-             "and gathered weights not included)",
+             "memory: max over ranks of the predicted peak in a training step (parameters, "
+             "gradients, optimizer state, gathered weights, activations, logits, buffers; "
+             "--memory-parts: each)",
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
                  ["step:   predicted seconds per train_step + optimizer step "
                   "(costs/step_time.py and the calibration); * the predicted best"]
                  if calibration else []) + [""]
     timed = [] if not calibration else ["step"]
+    parts = [k for k in PEAK_COMPONENTS if any(r["parts"][k] for r in shown)] \
+        if memory_parts else []
     widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \
-        [11] * len(timed) + [max(11, len(k)) for k in kinds]
-    header = ["layout", "memory", "comm/step"] + timed + kinds
+        [11] * len(timed) + [max(11, len(k)) for k in parts + kinds]
+    header = ["layout", "memory", "comm/step"] + timed + parts + kinds
     fastest = min(rows, key=SORT_KEYS["time"])["layout"] if calibration and rows else None
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                            for i, (h, w) in enumerate(zip(header, widths))))
@@ -153,7 +162,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
         cells = [r["layout"] + (" *" if r["layout"] == fastest else ""),
                  format_bytes(r["memory"]), format_bytes(r["comm"])] + \
             [f"{r['step_s'] * 1e3:.2f} ms" for _ in timed] + \
-            [format_bytes(r["kinds"].get(k, 0)) for k in kinds]
+            [format_bytes(r["parts"][k]) for k in parts] + [format_bytes(r["kinds"].get(k, 0)) for k in kinds]
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(cells, widths))))
     if rejected:
@@ -194,7 +203,8 @@ def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) 
     timed = [r for r in rows if r["step_s"] is not None]
     return {"model": repr(model), "parameters": model.num_params(), "world_size": world_size,
             "batch": batch, "dtype": np.dtype(dtype).name,
-            "layouts": [{k: r[k] for k in ("layout", "memory", "comm", "kinds", "step_s")}
+            "layouts": [{k: r[k] for k in ("layout", "memory", "parts", "comm", "kinds",
+                                           "step_s")}
                         for r in rows],
             "predicted_best": min(timed, key=SORT_KEYS["time"])["layout"] if timed else None,
             "rejected": [{"layout": text, "reason": reason} for text, reason in rejected],
@@ -213,6 +223,9 @@ def add_plan_arguments(p):
     p.add_argument("--no-bias", action="store_true", help="layers without bias")
     p.add_argument("--microbatches", type=int, help="pp layouts: microbatches per step "
                    "(default: the engine's, pp)")
+    p.add_argument("--memory-parts", action="store_true", help="a column per component of "
+                   "the peak memory (parameters, gradients, optimizer, gathered, activations, "
+                   "logits, buffers)")
     p.add_argument("--top", type=int, default=10, help="show the best K layouts (10)")
     p.add_argument("--sort", default="memory", choices=sorted(SORT_KEYS),
                    help="memory (then comm, default; time with a calibration), comm (then "
@@ -250,7 +263,8 @@ def run_plan(args) -> int:
         text = plan_report(model, args.world_size, args.batch, dtype=args.dtype,
                            optimizer=args.optimizer, momentum=args.momentum,
                            microbatches=args.microbatches, top=args.top, sort=args.sort,
-                           calibration=calibration, layouts=layouts)
+                           calibration=calibration, layouts=layouts,
+                           memory_parts=args.memory_parts)
         if args.explain:
             text += "\n\n" + explain_report(layouts[0], *max_memory(args.max_memory),
                                              calibration is not None, args.top)
