@@ -278,7 +278,8 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[$(BENCH_EXTRAS)]'
 ifneq ($(wildcard benchmarks/run_all.py),)
 	@echo "==> bench: benchmarks/run_all.py, timeout $(BENCH_TIMEOUT) s"
-	timeout -k 10 $(BENCH_TIMEOUT) $(PY) benchmarks/run_all.py --mpiexec "$(MPIEXEC) $(MPIEXEC_FLAGS)"
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE timeout -k 10 $(BENCH_TIMEOUT) \
+	    $(PY) benchmarks/run_all.py --mpiexec "$(MPIEXEC) $(MPIEXEC_FLAGS)"
 else
 	@echo "==> bench: benchmarks/run_all.py not found, nothing to run"
 endif

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from kernels import true_kernel_env
+
 HERE = Path(__file__).resolve()
 GPT_SIZES = {"small": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4),
              "big": dict(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=4)}
@@ -93,7 +95,8 @@ def worker(args) -> None:
 
 # -- driver ----------------------------------------------------------------------------------
 def launch(tree: Path, n: int, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(args.threads))
+    env = dict(true_kernel_env(os.environ), PYTHONPATH=str(tree),
+               OMP_NUM_THREADS=str(args.threads))
     for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS"):
         env.pop(var, None)
     cmd = [args.mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", str(HERE), "--worker",

@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kernels import true_kernel_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 JOB = '''
@@ -130,7 +132,8 @@ def stop_once(workdir, n: int, victim: int, delay, timeout: float = 2.0) -> dict
     script, directory = workdir / "job.py", workdir / "flight"
     script.write_text(JOB)
     out_path, err_path = workdir / "out.txt", workdir / "err.txt"
-    env = dict(os.environ, **ENV, PYTHONPATH=str(ROOT))     # this tree's mpishard, in the ranks too
+    # this tree's mpishard, in the ranks too
+    env = dict(true_kernel_env(os.environ), **ENV, PYTHONPATH=str(ROOT))
     with open(out_path, "w") as out, open(err_path, "w") as err:
         job = subprocess.Popen([*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py",
                                 str(script), str(directory), str(timeout),
@@ -179,7 +182,7 @@ def snapshot_once(workdir, n: int, delay: float) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     script, directory = workdir / "job.py", workdir / "flight"
     script.write_text(JOB)
-    env = dict(os.environ, **ENV, PYTHONPATH=str(ROOT))
+    env = dict(true_kernel_env(os.environ), **ENV, PYTHONPATH=str(ROOT))
     job = subprocess.Popen([*mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script),
                             str(directory), "30", "-1"], cwd=ROOT, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

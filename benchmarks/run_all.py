@@ -19,7 +19,11 @@ is recorded without losing the others):
                  tp=2 vs DTensor tensor parallel (parallelize_module), full AdamW steps
     gpt          benchmarks/gpt.py: the issue's GPT, single rank: MFU against plain matmul on
                  the same GEMMs, and the step time over PyTorch CPU eager's (same weights)
-    planner      `python -m mpishard plan ... --validate K --json` at 4 ranks: the planner's
+    kernels      benchmarks/kernels.py: the peers' GPT job on numpy's own kernel and with
+                 OPENBLAS_CORETYPE=Haswell forced, alternated in 5 rounds (ratio medians)
+    gpt-small    benchmarks/gpt_small.py: gpt_mfu_fraction of a GPT-2-small-shaped step at one
+                 rank, and where the step's time goes (a profile by function)
+    planner      `python -m mpishard plan ... --validate K --json` at 8 ranks: the planner's
                  predicted step times against measured ones (calibrated in the first job, the
                  calibration reused by the second), an MLP and a GPT
     scaling-dp   benchmarks/scaling.py dp / tp (2 ranks) and pp (4 ranks; with zb1p's
@@ -29,6 +33,10 @@ is recorded without losing the others):
 results.json's `meta.commit` is the commit measured (`-dirty` when tracked files differed
 from it), named again in results.md's first line.
 
+Every child runs numpy's BLAS on the kernel the CPU supports: OPENBLAS_CORETYPE and
+OPENBLAS_L2_SIZE are removed from its environment (benchmarks/kernels.py; tests and CI keep
+them), and every result records the BLAS it ran on (numpy's and PyTorch's, under 'blas';
+results.json's meta.blas is a child's: benchmarks/kernels.py's).
 Every child gets OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = MKL_NUM_THREADS = BLAS_THREADS
 (default 1: ranks share the cores; the Makefile exports the same), and torch runs with
 torch.set_num_threads(1), so both sides use one thread per rank.
@@ -48,6 +56,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import gpt_small
+import kernels
+
 HERE = Path(__file__).resolve().parent
 TARGETS = {  # headline key: (comparison, target)
     "mfu_fraction": (">=", 0.75),
@@ -62,7 +73,7 @@ TARGETS = {  # headline key: (comparison, target)
     "vs_torch_ddp_gpt_step_ratio": ("<=", 1.0),
     "vs_torch_fsdp_gpt_step_ratio": ("<=", 1.0),
     "vs_torch_tp_gpt_step_ratio": ("<=", 1.0),
-    "gpt_mfu_fraction": (">=", 0.5),
+    "gpt_mfu_fraction": (">=", 0.85),
     "vs_torch_gpt_step_ratio": ("<=", 1.3),
     "planner_median_error": ("<=", 0.20),
     "planner_best_gap": ("<=", 0.10),
@@ -83,10 +94,10 @@ PART_OF = {**{k: "collective_overhead" for k in COLLECTIVE_KEYS.values()},
            "vs_torch_gpt_step_ratio": "gpt", "gpt_vs_torch_step_ratio": "gpt",
            "planner_median_error": "planner", "planner_best_gap": "planner",
            "zb1p_bubble_ratio": "scaling"}     # headline key -> its part's results key
-PARTS = ["mfu", "collectives", "peers", "gpt", "planner", "scaling-dp",
+PARTS = ["mfu", "collectives", "peers", "kernels", "gpt", "gpt-small", "planner", "scaling-dp",
          "scaling-tp", "scaling-pp"]
 MIB = 1024 * 1024
-PLANNER_RANKS = 4
+PLANNER_RANKS = 8
 PLANNER_MODELS = {  # mode: [(name, --model, batch, layouts validated)]; full: docs/performance.md's
     "full": [("mlp", "784,512,512,10", 256, 12),
              ("gpt", "gpt:vocab=256,seq_len=64,d_model=128,n_heads=4,n_layers=4", 16, 12)],
@@ -116,7 +127,7 @@ class Runner:
     def __init__(self, args):
         self.args = args
         self.mpiexec = shlex.split(args.mpiexec)
-        self.env = dict(os.environ)
+        self.env = kernels.true_kernel_env(os.environ)
         threads = os.environ.get("BLAS_THREADS", "1")
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             self.env[var] = os.environ.get(var, threads)
@@ -312,6 +323,8 @@ def headline(results: dict) -> dict:
     for k in ("gpt_mfu_fraction", "gpt_vs_torch_step_ratio", "vs_torch_gpt_step_ratio"):
         if k in results.get("gpt", {}):
             h[k] = results["gpt"][k]
+    if "gpt_mfu_fraction" in results.get("gpt_small", {}):
+        h["gpt2_small_mfu_fraction"] = results["gpt_small"]["gpt_mfu_fraction"]
     for k in ("planner_median_error", "planner_best_gap"):
         if k in results.get("planner", {}):
             h[k] = results["planner"][k]
@@ -359,6 +372,9 @@ def markdown(results: dict) -> str:
              f"{meta['machine']} with `{meta['command']}` "
              f"({meta['mode']} mode, {meta['threads_per_rank']} BLAS thread per rank, "
              f"wall {meta['wall_s']:.0f} s).", "",
+             kernels.describe(meta.get("blas", {})) + " (OPENBLAS_CORETYPE and "
+             "OPENBLAS_L2_SIZE removed from every benchmark command; set here: "
+             f"{meta.get('kernel_vars_removed') or 'none'}).", "",
              "| figure | value | target | met |", "| --- | --- | --- | --- |"]
     for key, (cmp, target) in TARGETS.items():
         v = h.get(key)
@@ -369,7 +385,7 @@ def markdown(results: dict) -> str:
                           if key in spread else "")
         lines.append(f"| `{key}` | {cell} | {cmp} {target} | "
                      f"{'yes' if _met(v, cmp, target) else 'no'} |")
-    for key in ("dp_1_to_2_efficiency", "tp2_speedup"):
+    for key in ("gpt2_small_mfu_fraction", "dp_1_to_2_efficiency", "tp2_speedup"):
         if key in h:
             lines.append(f"| `{key}` | {_fmt(h[key])} | - | - |")
     lines += ["", "Collective overhead ratios (`allreduce_overhead_ratio` ... "
@@ -383,7 +399,7 @@ def markdown(results: dict) -> str:
               "`vs_torch_gpt_step_ratio` is also written as `gpt_vs_torch_step_ratio`; "
               "`vs_torch_{ddp,fsdp,tp}_gpt_step_ratio`: the GPT at 2 ranks, dp=2 over DDP, "
               "fsdp=2 over FSDP2, tp=2 over DTensor tensor parallel, table below). "
-              "`planner_*`: the planner's validation at 4 ranks, the worse of the MLP and the "
+              "`planner_*`: the planner's validation at 8 ranks, the worse of the MLP and the "
               "GPT below. `zb1p_bubble_ratio`: zb1p's measured bubble over 1F1B's, same pp "
               "and microbatches (pipeline table below)."]
     mfu = results.get("mfu", {})
@@ -415,6 +431,10 @@ def markdown(results: dict) -> str:
                       f"{cc['max_grad_rel_diff']:.1e}, 3 AdamW steps "
                       f"{cc['adamw_loss_rel_diff']:.1e}."]
     lines += _gpt_peer_lines(results.get("peers", {}).get("gpt2", {}))
+    if "kernels" in results:
+        lines += kernels.markdown_lines(results["kernels"])
+    if "gpt_small" in results:
+        lines += gpt_small.markdown_lines(results["gpt_small"])
     coll = results.get("collective_overhead", {})
     kinds = tuple(COLLECTIVE_KEYS)
     rows = [(n, v) for n, v in coll.items() if isinstance(v, dict) and "rows" in v]
@@ -572,8 +592,12 @@ def main(argv=None):
         results["collective_overhead"] = part_collectives(r)
     if "peers" in parts:
         results["peers"] = part_peers(r)
+    if "kernels" in parts:
+        results["kernels"] = kernels.part_kernels(r)
     if "gpt" in parts:
         results["gpt"] = part_gpt(r)
+    if "gpt-small" in parts:
+        results["gpt_small"] = r.serial("gpt_small.py", timeout=r.args.part_timeout)
     if "planner" in parts:
         results["planner"] = part_planner(r)
     for mode in ("dp", "tp", "pp"):
@@ -585,6 +609,7 @@ def main(argv=None):
     results["meta"] = meta(args, r, time.perf_counter() - t0)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     md = markdown(results)
+    md += kept_sections(Path(args.md), md)
     Path(args.md).write_text(md)
     print(md)
     print(f"wrote {args.out} and {args.md}")
@@ -592,6 +617,17 @@ def main(argv=None):
     for where, msg in failed:
         print(f"FAILED {where}: {msg}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def kept_sections(path: Path, generated: str) -> str:
+    """The `## ` sections of the results.md at `path` that this run does not write (written by
+    other benchmarks: serving, memory, flight sweep), kept after the generated text."""
+    if not path.exists():
+        return ""
+    ours = set(re.findall(r"^## (.+)$", generated, re.MULTILINE))
+    parts = re.split(r"^(?=## )", path.read_text(), flags=re.MULTILINE)[1:]
+    kept = [s for s in parts if s.splitlines()[0][3:].strip() not in ours]
+    return "".join("\n" + s.rstrip("\n") + "\n" for s in kept)
 
 
 def failures(results: dict, where: str = "") -> list:
@@ -635,6 +671,9 @@ def meta(args, r: Runner, wall) -> dict:
             "python": platform.python_version(), "numpy": numpy.__version__, "mpi": mpi,
             "torch": torch_version, "mode": r.mode, "parts": args.parts,
             "threads_per_rank": int(r.env["OMP_NUM_THREADS"]),
+            "blas": r.run([sys.executable, HERE / "kernels.py"], timeout=300).get("blas"),
+            "kernel_vars_removed": {
+                k: os.environ[k] for k in kernels.KERNEL_VARS if k in os.environ},
             "mpiexec": args.mpiexec, "command": cmd, "wall_s": wall, "runs": r.log}
 
 
