@@ -23,9 +23,10 @@ from starlette.testclient import TestClient  # noqa: E402
 from mpishard.serve.api import build_app  # noqa: E402
 from mpishard.serve.intake import Intake  # noqa: E402
 from mpishard.serve.metrics import make_metrics  # noqa: E402
+from test_detok import byte_level, metaspace  # noqa: E402
 
 ANSWER = "Bonjour, ça va? 日本 ✓ END."
-EOS, VOCAB, MAX_LEN, MODEL = 256, 257, 256, "tiny"
+EOS, MAX_LEN, MODEL = 256, 256, "tiny"
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -34,18 +35,32 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 class FakeLoop(threading.Thread):
     """The decode loop's side of the Intake: one token per row per step, `max_batch` rows."""
 
-    def __init__(self, intake: Intake, max_batch: int = 4):
+    def __init__(self, intake: Intake, max_batch: int = 4, answers=None, eos=EOS):
         super().__init__(daemon=True)
-        self.intake, self.max_batch = intake, max_batch
+        self.intake, self.max_batch, self.answers, self.eos = intake, max_batch, answers, eos
         self.rows, self.joined, self.cancelled = {}, [], []
         self.halt = threading.Event()
 
     def script(self, ticket) -> list:
+        if self.answers is not None:
+            return self.answers(ticket.ids)
         if bytes(ticket.ids).startswith(b"slow"):
             return [ord("a")] * MAX_LEN
         return list(ANSWER.encode()) + [EOS]
 
     def run(self) -> None:
+        """Steps until halted; an error ends every row with "abort" (the test then fails on
+        the error, raised again by Served, rather than hanging)."""
+        self.error = None
+        try:
+            self.steps()
+        except BaseException as e:
+            self.error = e
+            for rid in self.rows:
+                self.intake.deliver(rid, None, "abort")
+            self.intake.abort_waiting()
+
+    def steps(self) -> None:
         while not self.halt.is_set():
             self.intake.wait(0.01)
             joins, cancels = self.intake.take(self.max_batch - len(self.rows))
@@ -60,7 +75,7 @@ class FakeLoop(threading.Thread):
                 ticket, step = row
                 token = self.script(ticket)[step]
                 row[1] = step + 1
-                finish = ("stop" if token == EOS else
+                finish = ("stop" if token == self.eos else
                           "length" if row[1] >= ticket.params["max_tokens"] else None)
                 self.intake.deliver(rid, token, finish)
                 if finish:
@@ -75,29 +90,42 @@ class FakeLoop(threading.Thread):
 
 
 class Served:
-    """An app on a fresh Intake served by a FakeLoop (a context manager)."""
+    """An app on a fresh Intake served by a FakeLoop, and a TestClient of it (a context
+    manager). The loop halts before the client's event loop closes: a loop delivering to a
+    ticket whose event loop is closed fails."""
 
-    def __init__(self, max_queue=8, api_key=None, template=TEMPLATE):
+    def __init__(self, max_queue=8, api_key=None, template=TEMPLATE, tok=None, answers=None,
+                 eos=EOS):
         self.intake, self.metrics = Intake(max_queue), make_metrics()
-        self.loop = FakeLoop(self.intake)
-        self.app = build_app(self.intake, None, model_name=MODEL, max_model_len=MAX_LEN,
-                             vocab_size=VOCAB, chat_template=template, special_tokens={},
-                             eos=[EOS], api_key=api_key, metrics=self.metrics)
+        self.loop = FakeLoop(self.intake, answers=answers, eos=eos)
+        self.app = build_app(self.intake, tok, model_name=MODEL, max_model_len=MAX_LEN,
+                             vocab_size=eos + 1, chat_template=template, special_tokens={},
+                             eos=[eos], api_key=api_key, metrics=self.metrics)
 
     def __enter__(self):
         self.loop.start()
+        self.client = TestClient(self.app).__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def halt(self) -> None:
         self.loop.halt.set()
         self.loop.join(5)
+        if self.loop.error is not None:
+            raise self.loop.error
+
+    def __exit__(self, *exc):
+        try:
+            self.halt()
+        finally:
+            self.client.__exit__(*exc)
 
 
 class Uvicorn:
     """The app on 127.0.0.1 with a port the system picks, in a thread."""
 
-    def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+    def __init__(self, served: Served):
+        self.served = served
+        self.server = uvicorn.Server(uvicorn.Config(served.app, host="127.0.0.1", port=0,
                                                     log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -111,14 +139,16 @@ class Uvicorn:
         return self
 
     def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
+        try:
+            self.served.halt()
+        finally:
+            self.server.should_exit = True
+            self.thread.join(10)
 
 
 @pytest.fixture
 def served():
-    with Served() as s, TestClient(s.app) as client:
-        s.client = client
+    with Served() as s:
         yield s
 
 
@@ -274,14 +304,16 @@ def test_malformed_json_bad_chat_and_routes(served):
 
 
 def test_chat_without_template():
-    with Served(template=None) as s, TestClient(s.app) as client:
+    with Served(template=None) as s:
+        client = s.client
         err = error(client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}), 400, "messages")
         assert "no chat template" in err["message"]
 
 
 def test_api_key():
-    with Served(api_key="sk-1") as s, TestClient(s.app) as client:
+    with Served(api_key="sk-1") as s:
+        client = s.client
         body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer sk-2"}, {"Authorization": "sk-1"}):
             assert error(client.post("/v1/completions", json=body, headers=headers),
@@ -294,11 +326,13 @@ def test_api_key():
 
 def test_full_queue_and_draining():
     body = {"model": MODEL, "prompt": "x"}
-    with Served(max_queue=0) as s, TestClient(s.app) as client:
+    with Served(max_queue=0) as s:
+        client = s.client
         r = client.post("/v1/completions", json=body)
         error(r, 429)
         assert int(r.headers["Retry-After"]) >= 1
-    with Served() as s, TestClient(s.app) as client:
+    with Served() as s:
+        client = s.client
         s.intake.drain()
         r = client.post("/v1/chat/completions",
                         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
@@ -326,7 +360,7 @@ def test_metrics(served):
 
 
 def test_openai_client_over_uvicorn():
-    with Served() as s, Uvicorn(s.app) as server:
+    with Served() as s, Uvicorn(s) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=100, seed=1)
         assert done.choices[0].text == ANSWER and done.choices[0].finish_reason == "stop"
@@ -352,7 +386,7 @@ def test_openai_client_over_uvicorn():
 
 
 def test_a_client_that_goes_away_cancels_its_row():
-    with Served() as s, Uvicorn(s.app) as server:
+    with Served() as s, Uvicorn(s) as server:
         body = {"model": MODEL, "prompt": "slow", "max_tokens": MAX_LEN - 4, "stream": True}
         with httpx.Client(base_url=server.url) as client:
             with client.stream("POST", "/v1/completions", json=body) as r:
@@ -365,3 +399,32 @@ def test_a_client_that_goes_away_cancels_its_row():
             assert s.loop.wait_cancelled(rid), "the abandoned request did not cancel its row"
             ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
             assert ok.json()["choices"][0]["text"] == ANSWER.encode()[:16].decode()
+
+
+@pytest.mark.parametrize("make", [byte_level, metaspace], ids=["byte_level", "metaspace"])
+def test_a_real_tokenizer_streams_the_text_it_answers_whole(make):
+    """The loop's ids are the tokenizer's own for prompt + answer: the completion's text is the
+    tokenizer's text of the answer as it continues the prompt (its leading space kept),
+    streamed or not."""
+    tok = make()
+    eos = tok.get_vocab_size()
+    prompt, answer = "Paris is the capital of", " France. 日本語 🐙 straße 😀!"
+    whole = tok.encode(prompt + answer).ids
+    answer = tok.decode(whole)[len(tok.decode(tok.encode(prompt).ids)):]   # unknown chars gone
+    assert answer.startswith(" France. 日本語 ")
+
+    def answers(ids):
+        assert ids == whole[:len(ids)]
+        return whole[len(ids):] + [eos]
+
+    with Served(tok=tok, answers=answers, eos=eos) as s:
+        client = s.client
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 100}
+        plain = post(client, "/v1/completions", body).json()
+        assert plain["choices"][0]["text"] == answer
+        assert plain["usage"]["completion_tokens"] == len(whole) - len(tok.encode(prompt).ids) + 1
+        chunks = post(client, "/v1/completions", dict(body, stream=True))
+        pieces = [c["choices"][0]["text"] for c in chunks]
+        assert "".join(pieces) == answer and not any("\ufffd" in p for p in pieces)
+        cut = post(client, "/v1/completions", dict(body, stop=[answer[10:15]])).json()
+        assert cut["choices"][0]["text"] == " France. 日"
