@@ -166,7 +166,7 @@ def _common(body: dict, limits: Limits, ids: list, max_tokens, param: str) -> Re
               "temperature": _float(body, "temperature", 1.0, 0.0, 2.0),
               "top_p": _float(body, "top_p", 1.0, 0.0, 1.0),
               "top_k": _int(body, "top_k", 0, low=0),
-              "seed": _int(body, "seed", None)}
+              "seed": _int(body, "seed", None, low=0)}      # numpy seeds are non-negative
     if params["top_p"] == 0.0:
         raise _bad("top_p", "'top_p' must be above 0 (use temperature 0 for greedy decoding)")
     return Request(ids, params, stops, stream, include_usage)

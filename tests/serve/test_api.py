@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("jinja2")
+pytest.importorskip("tokenizers")
 
 from starlette.testclient import TestClient  # noqa: E402
 
@@ -273,6 +274,11 @@ def error(r, status, param=None):
     ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": MODEL, "prompt": "x", "seed": 1.5}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": -1}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "stream_options": 1}, 400, "stream_options"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ([1, 2], 400, None),
 ])
 def test_bad_requests_answer_openai_errors_and_the_server_keeps_serving(served, body, status,
