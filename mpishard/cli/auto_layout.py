@@ -65,13 +65,13 @@ def choice_line(ranked: dict, limit: int, source: str, candidates: int) -> str:
 def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
                   purpose: str = "train", dtype="float32", optimizer: str = "adamw",
                   momentum: float = 0.0, microbatches=None, calibration=None, rows: int = 1,
-                  source: str = "--max-memory") -> dict:
+                  max_len=None, source: str = "--max-memory") -> dict:
     """{'layout': the chosen layout's text, 'line': why (choice_line), 'ranked':
     costs/choose.rank_rows' result}: the best of `world_size`'s layouts predicted to fit in
     `max_memory` bytes per rank. purpose 'train' (also bench): a training step of global
     `batch` rows with `optimizer` (`calibration`: a loaded calibration dict, ranks by its
-    predicted step time); 'generate' (also serve): decoding `rows` prompts together. No
-    MPI. UsageError naming the smallest need when no layout fits."""
+    predicted step time); 'generate' (also serve): decoding `rows` prompts together, each
+    up to `max_len` tokens (default the model's seq_len) in the KV cache. No MPI. UsageError naming the smallest need when no layout fits."""
     itemsize = np.dtype(dtype).itemsize
     if purpose == "train":
         rows_, rejected = plan_layouts(model, world_size, batch, dtype, optimizer, momentum,
@@ -80,7 +80,7 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
         seq_len = model.seq_len if model.takes_tokens else None
         rows_, rejected = generate_rows(
             model, candidate_layouts(world_size, None, seq_len, model.planned_experts()),
-            rows, itemsize)
+            rows, itemsize, max_len)
     ranked = rank_rows(rows_, max_memory, purpose, calibration is not None)
     if ranked["best"] is None:
         if not ranked["over"]:
@@ -114,11 +114,13 @@ def agree_memory_limit(args, comm) -> None:
 
 
 def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64,
-           optimizer: str = "adamw", momentum: float = 0.0, rows: int = 1) -> str:
+           optimizer: str = "adamw", momentum: float = 0.0, prompts=()) -> str:
     """No MPI: with --layout auto, choose_layout's layout for `args` (args.layout_line keeps
-    its line), else args.layout itself."""
+    its line), else args.layout itself. generate: `prompts`, the id lists, and
+    args.max_new_tokens size the KV cache."""
     if args.layout != AUTO:
         return args.layout
+    longest = max(map(len, prompts), default=0) + getattr(args, "max_new_tokens", 0)
     calibration = None
     if getattr(args, "calibration", None):
         try:
@@ -128,7 +130,9 @@ def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64
     limit, source = args.max_memory_limit
     choice = choose_layout(model, world_size, limit, batch, purpose,
                            getattr(args, "dtype", None) or "float32", optimizer, momentum,
-                           calibration=calibration, rows=rows, source=source)
+                           calibration=calibration, rows=max(1, len(prompts)),
+                           max_len=min(longest, getattr(model, "seq_len", 1)) or None,
+                           source=source)
     args.layout_line = choice["line"]
     return choice["layout"]
 

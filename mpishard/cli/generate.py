@@ -343,7 +343,7 @@ def prepare_generator(args, comm):
     if any(not 0 <= e < model.vocab_size for e in eos):
         raise UsageError(f"--eos {eos}: ids must lie in [0, {model.vocab_size})")
     size = comm.Get_size()
-    layout = chosen(args, model, size, "generate", rows=len(prompts)) or default_layout(size)
+    layout = chosen(args, model, size, "generate", prompts=prompts) or default_layout(size)
     return checked_layout(layout, size), text, prompts, eos, model, ckpt
 
 

@@ -15,7 +15,8 @@ by one of two keys, the smallest first, among the rows whose memory is at most t
                 breaks a tie. So a pipeline is chosen only when nothing without one fits.
 
 For generation (`generate`, `serve`) there is no decode cost model yet; the rule there:
-fits in memory (the parameters, no gradients or optimizer state), then a KV cache (the
+fits in memory (generate_memory: the parameters, ZeRO-3's gathered weights and the KV
+cache, no gradients or optimizer state), then a KV cache (the
 layouts decoder.check_decode allows: not cp, not sequence_parallel, which recompute the
 context every token), then the fewest bytes the busiest rank sends per decoded token
 (`decode_bytes`), then the smaller memory.
@@ -27,7 +28,8 @@ from math import ceil
 from ..comm.mesh import parse_layout
 from ..parallel import data_parallel, fsdp, pipeline, tied
 from ..parallel.decode import decodes_with_cache
-from .rank_costs import check_fit, rank_memory, rank_view, strategy_costs
+from .peak_memory import rank_peak
+from .rank_costs import check_fit, rank_view, strategy_costs
 from .step_time import bubble, representative_ranks
 
 PURPOSES = ("train", "generate")
@@ -95,22 +97,36 @@ def decode_bytes(model, layout, rank: int, rows: int, itemsize: int = 4) -> floa
     return moved / tokens * ceil(rows / data) + gathers / m / 2
 
 
-def generate_rows(model, layouts, rows: int = 1, itemsize: int = 4) -> tuple:
+def generate_memory(model, layout, rank: int, rows: int, max_len: int, itemsize: int = 4,
+                    cached: bool = True) -> int:
+    """Bytes `rank` holds to generate `rows` prompts of up to `max_len` tokens: its parameters,
+    the weights ZeRO-3 gathers for a forward and its rows' KV cache (peak_memory.rank_peak's
+    parameters, gathered and kv_cache; no gradients, optimizer state or saved activations)."""
+    m, data = check_fit(model, layout), layout.data_parallel_size
+    peak = rank_peak(model, layout, rank, m * data, itemsize, "sgd",
+                     generate=(ceil(rows / data), max_len) if cached else None)
+    return peak["parameters"] + peak["gathered"] + peak["kv_cache"]
+
+
+def generate_rows(model, layouts, rows: int = 1, itemsize: int = 4, max_len=None) -> tuple:
     """(rows, rejected) like plan_layouts' for generation: per layout text of `layouts` the
-    busiest rank's parameters ('memory'), decode_bytes ('comm') and whether it decodes with a
-    KV cache ('cached'); rejected = [(layout, the engine's reason)]."""
+    busiest rank's generate_memory ('memory'; `max_len` default the model's seq_len),
+    decode_bytes ('comm') and whether it decodes with a KV cache ('cached'); rejected =
+    [(layout, the engine's reason)]."""
     out, rejected = [], []
+    max_len = max_len or getattr(model, "seq_len", 1)
     for text in layouts:
         try:
             layout = parse_layout(text)
             check_fit(model, layout)
             ranks = representative_ranks(layout)
-            memory = max(rank_memory(model, layout, r, itemsize, "sgd")["parameters"]
+            cached = decodes_with_cache(layout)
+            memory = max(generate_memory(model, layout, r, rows, max_len, itemsize, cached)
                          for r in ranks)
             comm = max(decode_bytes(model, layout, r, rows, itemsize) for r in ranks)
         except ValueError as exc:
             rejected.append((text, str(exc)))
             continue
-        out.append({"layout": text, "memory": memory, "comm": comm,
-                    "cached": decodes_with_cache(layout), "step_s": None})
+        out.append({"layout": text, "memory": memory, "comm": comm, "cached": cached,
+                    "step_s": None})
     return out, rejected

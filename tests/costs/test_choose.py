@@ -15,6 +15,7 @@ from mpishard.cli.plan import explain_report, plan_layouts
 from mpishard.cli.usage import UsageError
 from mpishard.comm.mesh import parse_layout
 from mpishard.costs.choose import decode_bytes, generate_rows, rank_rows
+from mpishard.costs.rank_costs import rank_memory
 from mpishard.costs.step_time import bubble
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +108,12 @@ def test_decode_bytes_per_strategy():
     rows, rejected = generate_rows(model, ["dp=4", "cp=4", "tp=4", "tp=3"], rows=2)
     assert [r["cached"] for r in rows] == [True, False, True] and rejected[0][0] == "tp=3"
     assert choose_layout(model, 4, 2 ** 30, purpose="generate", rows=2)["layout"] == "dp=4"
+    (dp, tp), _ = generate_rows(model, ["dp=4", "tp=4"], rows=8)
+    params = rank_memory(model, parse_layout("dp=4"), 0, 4)["parameters"]
+    kv = 2 * model.n_layers * 2 * model.seq_len * d * 4        # k, v: 2 rows per dp rank
+    assert dp["memory"] >= params + kv and tp["memory"] < dp["memory"]
+    limit = (dp["memory"] + tp["memory"]) // 2                  # dp=4 no longer fits
+    choice = choose_layout(model, 4, limit, purpose="generate", rows=8)
+    best = choice["ranked"]["best"]
+    assert best["layout"] != "dp=4" and best["cached"] and best["memory"] <= limit
+    assert best["comm"] == min(r["comm"] for r in choice["ranked"]["fit"] if r["cached"])
