@@ -191,8 +191,8 @@ class Server:
 
 async def _http_error(request, exc):
     """Starlette's own refusals (an unknown path, a wrong method) as OpenAI-style errors."""
-    err = ApiError(exc.status_code, exc.detail or "error", code=None)
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+    err = ApiError(exc.status_code, exc.detail or "error", headers=exc.headers)
+    return error_response(err)
 
 
 def build_app(intake, text, *, model_name: str, max_model_len: int, vocab_size: int,
