@@ -97,7 +97,7 @@ PART_OF = {**{k: "collective_overhead" for k in COLLECTIVE_KEYS.values()},
 PARTS = ["mfu", "collectives", "peers", "kernels", "gpt", "gpt-small", "planner", "scaling-dp",
          "scaling-tp", "scaling-pp"]
 MIB = 1024 * 1024
-PLANNER_RANKS = 8
+PLANNER_RANKS = {"full": 8, "quick": 8, "tiny": 4}   # tiny: the smoke test's toy models
 PLANNER_MODELS = {  # mode: [(name, --model, batch, layouts validated)]; full: docs/performance.md's
     "full": [("mlp", "784,512,512,10", 256, 12),
              ("gpt", "gpt:vocab=256,seq_len=64,d_model=128,n_heads=4,n_layers=4", 16, 12)],
@@ -271,19 +271,20 @@ def part_gpt(r: Runner) -> dict:
 
 
 def part_planner(r: Runner) -> dict:
-    """`plan --validate K --json` at PLANNER_RANKS ranks per model of PLANNER_MODELS: the
+    """`plan --validate K --json` at PLANNER_RANKS[mode] ranks per model of PLANNER_MODELS: the
     first job calibrates the machine (full and quick; tiny reads the example calibration),
     the next reuses that file. The headline is the worst model's median absolute error and
     best gap."""
-    out: dict = {"ranks": PLANNER_RANKS, "models": {}}
+    ranks = PLANNER_RANKS[r.mode]
+    out: dict = {"ranks": ranks, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         cal = str(HERE.parent / "examples" / "calibration.example.json") \
             if r.mode == "tiny" else str(Path(tmp) / "calibration.json")
         for name, model, batch, k in PLANNER_MODELS[r.mode]:
             source = ["--calibrate", cal] if not Path(cal).exists() else ["--calibration", cal]
-            res = r.run(r.mpiexec + ["-n", str(PLANNER_RANKS), sys.executable, "-m", "mpi4py",
+            res = r.run(r.mpiexec + ["-n", str(ranks), sys.executable, "-m", "mpi4py",
                                      "-m", "mpishard", "plan", "--model", model,
-                                     "--world-size", str(PLANNER_RANKS), "--batch",
+                                     "--world-size", str(ranks), "--batch",
                                      str(batch), *source, "--validate", str(k), "--top", "1"],
                         timeout=r.args.part_timeout)
             if "validate" in res:
