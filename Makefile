@@ -206,7 +206,7 @@ test-hf: $(STAMP)
 SERVE_EXTRAS     ?= dev,serve,hf
 SERVE_TEST_TOOLS ?= openai httpx
 SERVE_SIZES      ?= 2 4
-SERVE_TIMEOUT    ?= 300
+SERVE_TIMEOUT    ?= 600
 test-serve: $(STAMP)
 	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS)]' $(SERVE_TEST_TOOLS)
 	@echo "==> test-serve: tests/serve serially, then on $(SERVE_SIZES) ranks, timeout $(SERVE_TIMEOUT) s each"

@@ -2,9 +2,8 @@
 a tiny model on its layout, answers a request, and the SIGUSR1 that Slurm sends before the time
 limit (--signal=B:USR1@120) reaches the ranks through the script's trap: the server drains and
 the script exits 0. Its `serve` command line parses and its layout fits its #SBATCH ranks.
-`launch -- serve` (docs/serving.md) drains on the SIGUSR1 launch forwards and exits 0.
 
-Serial tests: the script and launch start their own `mpiexec -n 2` jobs.
+Serial test: the script starts its own `mpiexec -n 2` job.
 """
 import re
 import shlex
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, mpiexec_cmd
+from conftest import ROOT
 from mpishard.cli import build_parser
 from serve_job import ServeJob, references, text_of, write_model
 
@@ -54,22 +53,3 @@ def test_the_script_serves_and_drains_on_sigusr1(tmp_path):
     assert "batch shell got SIGUSR1" in out
     assert rc == 0 and not job.left, (rc, job.left)
 
-
-def test_a_server_under_launch_drains_on_sigusr1(tmp_path):
-    """`launch -- serve`: no --checkpoint-dir needed; the SIGUSR1 launch forwards drains the
-    server, which exits 0, and launch with it."""
-    directory = write_model(tmp_path / "llama", "llama")
-    launcher = shlex.join(mpiexec_cmd(2)[:-2])           # mpiexec $MPIEXEC_FLAGS
-    job = ServeJob(2, [], argv=[sys.executable, "-m", "mpishard", "launch", "-n", "2",
-                                "--launcher", launcher, "--", "serve", "--hf", directory,
-                                "--layout", "pp=2", "--tokenizer", "bytes", "--port", "0"])
-    try:
-        r = httpx.post(f"{job.url}/v1/completions", timeout=60, json={
-            "model": "llama", "prompt": "launch", "max_tokens": 5, "temperature": 0})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == text_of(references(directory, [b"launch"],
-                                                                    5)[0])
-    finally:
-        rc, out = job.stop(signal.SIGUSR1)
-    print(out[-3000:])
-    assert rc == 0 and not job.left, (rc, job.left)
