@@ -12,8 +12,10 @@ prints the mesh (each rank's coordinates, the groups of every axis), each parame
 every rank, how it is split (which dim over which mesh axis, or replicated, and over which
 axes the same block is copied) and each rank's memory, all from parallel/compose.py's
 plan_params and costs/rank_costs.py: the engine's own placements, so what it prints is what the
-engine will hold. `--hf DIR` instead of --model (here and in plan) is the model of a Hugging
-Face directory's config.json (model_flag.model_from_hf; no weights read).
+engine will hold; beside it each rank's predicted peak in a training step of `--batch`
+rows (costs/peak_memory.py; `--memory-parts`: its transient parts). `--hf DIR` instead of
+--model (here and in plan) is the model of a Hugging Face directory's config.json
+(model_flag.model_from_hf; no weights read).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ..checkpoint import CheckpointError, describe, load
 from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.compose import plan_params
+from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import check_fit, rank_memory
 from .model_flag import add_model_arguments, model_from_args
 from .usage import UsageError, print_report, world_comm
@@ -37,10 +40,15 @@ def format_bytes(n: float) -> str:
 
 
 def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
-                  momentum: float = 0.0, shapes: bool = True) -> str:
+                  momentum: float = 0.0, shapes: bool = True, batch=None,
+                  memory_parts: bool = False) -> str:
     """Text report: the mesh groups, each rank's shard shapes and memory (no MPI); `layout`
-    is a parsed Layout."""
-    check_fit(model, layout)       # the engine's own ValueError for a layout it would refuse
+    is a parsed Layout. Memory: each rank's held state and its predicted peak in a training
+    step of `batch` global rows (costs/peak_memory.rank_peak; None: the fewest rows the
+    layout takes, one per data-parallel rank and microbatch), with memory_parts each of the
+    peak's transient components too."""
+    microbatches = check_fit(model, layout)   # the engine's ValueError for a layout it refuses
+    batch = layout.data_parallel_size * microbatches if batch is None else batch
     itemsize = np.dtype(dtype).itemsize
     world = layout.world_size
     lines = [f"model  {model!r}: {model.num_params():,} parameters",
@@ -64,13 +72,19 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
     lines.append(f"dtype  {np.dtype(dtype).name} assumed" + (
         " (make_engine's default; --dtype float32 for train's)"
         if np.dtype(dtype) == np.float64 else " (train's default; make_engine's is float64)"))
-    lines.append(f"memory per rank ({np.dtype(dtype).name}, optimizer {optimizer}; "
-                 "activations not included)")
-    lines.append(f"{'rank':>4}  {'parameters':>12}  {'gradients':>12}  {'optimizer':>12}  "
-                 f"{'total':>12}")
-    for r, m in enumerate(mems):
-        lines.append(f"{r:>4}  " + "  ".join(f"{format_bytes(m[k]):>12}" for k in
-                                             ("parameters", "gradients", "optimizer", "total")))
+    peaks = [rank_peak(model, layout, r, batch, itemsize, optimizer, momentum)
+             for r in range(world)]
+    parts = [k for k in PEAK_COMPONENTS[3:] if any(p[k] for p in peaks)] if memory_parts \
+        else []
+    lines.append(f"memory per rank ({np.dtype(dtype).name}, optimizer {optimizer}; peak: "
+                 f"predicted in a training step of global batch {batch}, "
+                 + ("its transient parts beside it)" if memory_parts else
+                    "--memory-parts: its transient parts)"))
+    columns = ["parameters", "gradients", "optimizer", "peak"] + parts
+    lines.append(f"{'rank':>4}  " + "  ".join(f"{c:>12}" for c in columns))
+    for r, p in enumerate(peaks):
+        cells = [format_bytes(p["total" if k == "peak" else k]) for k in columns]
+        lines.append(f"{r:>4}  " + "  ".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
 
 
@@ -134,6 +148,11 @@ def add_inspect_arguments(p):
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="with --layout: optimizer whose state is counted (default adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
+    p.add_argument("--batch", type=int, help="with --layout: global rows per training step "
+                   "the peak memory is predicted for (default: one per data-parallel rank and "
+                   "microbatch)")
+    p.add_argument("--memory-parts", action="store_true", help="with --layout: the peak "
+                   "memory's transient parts (gathered weights, activations, logits, buffers)")
     p.add_argument("--env", action="store_true", help="the MPI library, CUDA-aware yes/no and "
                    "why, cupy, the visible GPUs and each rank's GPU (collective under mpiexec)")
     return p
@@ -186,7 +205,7 @@ def _run_inspect_layout(args) -> int:
                          "inspect --layout dp=2,tp=2 --model 64,256,256,10")
     return report_mlp("inspect", args, lambda model: layout_report(
         model, parse_layout(args.layout), dtype=args.dtype, optimizer=args.optimizer,
-        momentum=args.momentum))
+        momentum=args.momentum, batch=args.batch, memory_parts=args.memory_parts))
 
 
 def report_mlp(command, args, report) -> int:

@@ -7,24 +7,22 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
     parameters, gradients, optimizer
         rank_costs.rank_memory: the stored blocks, gradient blocks (ZeRO-1/2: owned slices)
         and n_state optimizer-state blocks (AdamW 2), with the strategies' additions
-    gathered
-        FSDP ZeRO-3 (fsdp > 1): the largest parameter gathered whole (its tp block) and its
-        whole gradient before the reduce-scatter, twice the weight with prefetch=1 (the next
-        layer's gather is in flight)
-    activations
-        what the units keep for backward: the model's `activation_elements(view, recompute)`
-        per row (models/*/costs.py: the units' saved tensors from their local shapes) x r x
-        the most microbatches in flight on the rank (the pipeline schedule's own action list
-        walked: a forward adds its chunk's share, a backward, or zb1p's W, removes it;
-        1 without pp), plus the larger of two transients: the backward's workspace (a
-        decoder's attention ds, under recompute=1 one block's internals) and the weight
-        gradient x^T dy of the largest weight block before it is added into the gradient
-    logits
-        last stage: L = r x logits bytes. The loss holds the logits, their shifted copy and
-        its exponent (3 L; vocab-parallel: the logits, exp, softmax, gradient and the one-hot
-        mask, 4 L + L / itemsize, and L more where the vocabulary is padded); then the head's
-        backward holds logits, their gradient and the head's weight gradient (2 L + W). The
-        larger of the two.
+    gathered, activations, logits
+        the largest of three moments of the step (`moments`), each on top of the saved
+        activations: what the units keep for backward, the model's
+        `activation_elements(view, recompute)` per row (models/*/costs.py: the units' saved
+        tensors from their local shapes) x r x the most microbatches in flight on the rank
+        (the pipeline schedule's own action list walked: a forward adds its chunk's share, a
+        backward, or zb1p's W, removes it; 1 without pp). The moments:
+        - the largest weight's backward: the backward's workspace (a decoder's attention ds;
+          under recompute=1 one block's internals), the weight's gradient x^T dy (a fresh
+          array before it is added) and, under FSDP ZeRO-3, the weight gathered whole (twice
+          with prefetch=1: the next one's gather in flight);
+        - the loss (last stage), L = r x the logits' bytes: the logits, their shifted copy and
+          its exponent, 3 L (vocab-parallel: logits, exp, softmax, gradient and the one-hot
+          mask, 4 L + L / itemsize, and L more where the vocabulary is padded);
+        - the head's backward: the logits and their gradient 2 L, the head's weight gradient
+          W, and under ZeRO-3 the head weight gathered whole.
     buffers
         the rank's batch (inputs and targets), pipeline receive buffers (every microbatch's
         activation in, and gradient back, r x the boundary width, posted at step start),
@@ -74,30 +72,34 @@ def tp_block(view, name) -> tuple:
     return local_shape(info.full_shape, info.placement, {**view.layout.sizes, "fsdp": 1})
 
 
-def gathered_bytes(view) -> int:
-    """FSDP ZeRO-3: the largest sharded parameter whole (x2 with prefetch) and its gradient."""
+def moments(view, parts, rows_mb) -> list:
+    """The step's candidate peak moments beyond the held state, each {component: bytes}: the
+    loss, the head's backward and the largest block's backward (module docstring)."""
+    itemsize, layout = view.itemsize, view.layout
+    saved = int(parts["saved"] * itemsize * rows_mb * in_flight(layout, view.coords["pp"]))
+    whole = {n: view.nbytes(tp_block(view, n)) for n in view.params}
+    zero3 = {n for n, i in view.params.items()
+             if view.size("fsdp") > 1 and fsdp.zero_stage(i.placement, layout) == 3}
+    gathers = 2 if layout.option("prefetch", 0) else 1
+    head = parts["head_weights"] * itemsize
+    biggest = max(whole, key=whole.get, default=None)
+    out = [{"activations": saved + parts["workspace"] * itemsize * rows_mb + whole.get(biggest, 0),
+            "gathered": gathers * whole[biggest] if biggest in zero3 else 0}]
+    logits = rows_mb * parts["logits"] * itemsize
+    if logits:
+        factor = 4 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else 3
+        out.append({"activations": saved, "logits": int(factor * logits)})
+        head_zero3 = head if any(whole[n] == head for n in zero3) else 0
+        out.append({"activations": saved, "logits": 2 * logits + head,
+                    "gathered": gathers * head_zero3})
+    return out
+
+
+def gathered_only(view) -> int:
+    """FSDP ZeRO-3 alone: the largest sharded parameter whole (x2 with prefetch)."""
     sharded = [view.nbytes(tp_block(view, n)) for n, i in view.params.items()
                if view.size("fsdp") > 1 and fsdp.zero_stage(i.placement, view.layout) == 3]
-    if not sharded:
-        return 0
-    return (2 if view.layout.option("prefetch", 0) else 1) * max(sharded) + max(sharded)
-
-
-def weight_grad_bytes(view) -> int:
-    """The largest weight gradient x^T dy before it is added (a fresh array)."""
-    return max((view.nbytes(tp_block(view, n)) for n in view.params), default=0)
-
-
-def loss_bytes(parts, rows, itemsize) -> int:
-    """The logits component (module docstring) for `rows` rows of logits."""
-    logits = rows * parts["logits"] * itemsize
-    if not logits:
-        return 0
-    if parts["vocab_parallel"]:
-        loss = 4 * logits + logits // itemsize + logits * parts["padded"]
-    else:
-        loss = 3 * logits
-    return max(loss, 2 * logits + parts["head_weights"] * itemsize)
+    return (2 if view.layout.option("prefetch", 0) else 1) * max(sharded, default=0)
 
 
 def buffer_bytes(model, view, rows_mb) -> int:
@@ -143,15 +145,12 @@ def rank_peak(model, layout, rank: int, batch: int, itemsize: int = 4,
     recompute = str(layout.option("recompute", 0) if recompute is None else recompute)
     rows_mb = view.rows // view.microbatches
     out = {k: held[k] for k in ("parameters", "gradients", "optimizer")}
-    out["gathered"] = gathered_bytes(view)
     parts = activation_parts(model, view, recompute)
     if parts is None:
-        out.update(activations=0, logits=0)
+        peak = {"gathered": gathered_only(view)}
     else:
-        saved = parts["saved"] * itemsize * rows_mb * in_flight(layout, view.coords["pp"])
-        transient = max(parts["workspace"] * itemsize * rows_mb, weight_grad_bytes(view))
-        out["activations"] = int(saved) + transient
-        out["logits"] = loss_bytes(parts, rows_mb, itemsize)
+        peak = max(moments(view, parts, rows_mb), key=lambda m: sum(m.values()))
+    out.update({k: int(peak.get(k, 0)) for k in ("gathered", "activations", "logits")})
     out["buffers"] = buffer_bytes(model, view, rows_mb)
     out["evaluation"] = evaluation_bytes(view, parts, eval_batch, out)
     out["kv_cache"] = kv_cache_bytes(model, view, parts, generate)
