@@ -123,7 +123,10 @@ class Intake:
         with self._lock:
             ticket = self._tickets.get(rid) if finish is None else self._tickets.pop(rid, None)
         if ticket is not None:
-            ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, (token, finish))
+            try:
+                ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, (token, finish))
+            except RuntimeError:         # its event loop has closed: nobody is listening
+                pass
 
     def abort_waiting(self) -> None:
         """End every request still waiting for a slot with "abort" (the drain's grace is up)."""
