@@ -31,6 +31,8 @@ GPT2 = {"kind": "gpt", "vocab": 50257, "seq": 256, "d": 768, "heads": 12, "layer
 GPT_MID = {"kind": "gpt", "vocab": 8192, "seq": 256, "d": 512, "heads": 8, "layers": 4}
 MLP_BIG = {"kind": "mlp", "dims": [1024, 4096, 4096, 4096, 1024]}
 MLP_WIDE = {"kind": "mlp", "dims": [2048, 8192, 8192, 2048]}
+GPT_CI = {"kind": "gpt", "vocab": 8192, "seq": 128, "d": 384, "heads": 6, "layers": 4}
+MLP_CI = {"kind": "mlp", "dims": [1024, 2048, 2048, 1024]}
 
 # name -> (model, layout, global batch, ranks)
 CASES = {
@@ -46,7 +48,12 @@ CASES = {
     "mlp-big-tp2": (MLP_BIG, "tp=2", 4096, 2),
     "mlp-big-fsdp4": (MLP_BIG, "fsdp=4", 4096, 4),
     "mlp-wide-dp2-pp2": (MLP_WIDE, "dp=2,pp=2,microbatches=4", 4096, 4),
+    # smaller ones for CI (tests/costs/test_peak_memory.py): about 100-200 MB per rank
+    "ci-gpt-tp2": (GPT_CI, "tp=2", 4, 2),
+    "ci-gpt-pp2-gpipe": (GPT_CI, "pp=2,schedule=gpipe,microbatches=4", 8, 2),
+    "ci-mlp-fsdp2": (MLP_CI, "fsdp=2", 2048, 2),
 }
+BIG = [name for name in CASES if not name.startswith("ci-")]
 TARGET = 0.15
 
 
@@ -144,12 +151,13 @@ def table(rows) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", nargs="*", choices=sorted(CASES), help="these cases only")
+    p.add_argument("--only", nargs="*", choices=sorted(CASES), help="these cases only "
+                   "(default: every case but the ci- ones)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     rows = []
-    for name in args.only or CASES:
+    for name in args.only or BIG:
         rows += check(name, args.steps)
         print(table(rows[-CASES[name][3]:]).split("\n\n")[0].split("\n", 2)[-1], flush=True)
     print(table(rows))

@@ -20,9 +20,11 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
           with prefetch=1: the next one's gather in flight);
         - the loss (last stage), L = r x the logits' bytes: the logits, their shifted copy and
           its exponent, 3 L (vocab-parallel: logits, exp, softmax, gradient and the one-hot
-          mask, 4 L + L / itemsize, and L more where the vocabulary is padded);
-        - the head's backward: the logits and their gradient 2 L, the head's weight gradient
-          W, and under ZeRO-3 the head weight gathered whole.
+          mask, 4 L + L / itemsize, and L more where the vocabulary is padded), and the
+          logits' gradients of the other microbatches in flight (the runner keeps each until
+          its backward: under GPipe all m), (k - 1) L for k in flight;
+        - the head's backward: the last logits and the k gradients (1 + k) L, the head's
+          weight gradient W, and under ZeRO-3 the head weight gathered whole.
     buffers
         the rank's batch (inputs and targets), pipeline receive buffers (every microbatch's
         activation in, and gradient back, r x the boundary width, posted at step start),
@@ -86,11 +88,12 @@ def moments(view, parts, rows_mb) -> list:
     out = [{"activations": saved + parts["workspace"] * itemsize * rows_mb + whole.get(biggest, 0),
             "gathered": gathers * whole[biggest] if biggest in zero3 else 0}]
     logits = rows_mb * parts["logits"] * itemsize
-    if logits:
+    if logits:                       # the runner keeps each in-flight microbatch's dlogits
+        waiting = int(-(-in_flight(layout, view.coords["pp"]) // 1)) * logits
         factor = 4 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else 3
-        out.append({"activations": saved, "logits": int(factor * logits)})
+        out.append({"activations": saved, "logits": int(factor * logits) + waiting - logits})
         head_zero3 = head if any(whole[n] == head for n in zero3) else 0
-        out.append({"activations": saved, "logits": 2 * logits + head,
+        out.append({"activations": saved, "logits": logits + waiting + head,
                     "gathered": gathers * head_zero3})
     return out
 
