@@ -93,8 +93,11 @@ async def drive(url, model, plan, clients: int) -> tuple:
             while not queue.empty():
                 i, prompt, n, stream = queue.get_nowait()
                 t0 = time.monotonic()
-                answers.setdefault(i, []).append(
-                    await one_request(client, url, model, prompt, n, stream))
+                try:
+                    got = await one_request(client, url, model, prompt, n, stream)
+                except (httpx.HTTPError, AssertionError) as e:     # a problem, not a crash
+                    got = {"error": f"{type(e).__name__}: {e}"}
+                answers.setdefault(i, []).append(got)
                 seconds[i] = time.monotonic() - t0
         await asyncio.gather(*(worker() for _ in range(clients)))
     return answers, seconds
@@ -103,7 +106,7 @@ async def drive(url, model, plan, clients: int) -> tuple:
 def check(plan, answers, want) -> list:
     """Every problem found: lost, duplicated, mixed up or wrong answers."""
     problems = []
-    ids = [a["id"] for got in answers.values() for a in got]
+    ids = [a["id"] for got in answers.values() for a in got if "id" in a]
     if len(ids) != len(set(ids)):
         problems.append(f"{len(ids) - len(set(ids))} response ids repeat")
     for i, prompt, n, stream in plan:
@@ -112,6 +115,9 @@ def check(plan, answers, want) -> list:
             problems.append(f"request {i}: {len(got)} answers")
             continue
         a = got[0]
+        if "error" in a:
+            problems.append(f"request {i} ({prompt!r}, {n}, stream={stream}): {a['error']}")
+            continue
         if a["text"] != text_of(want[prompt][:n]) or a["finish"] != "length":
             problems.append(f"request {i} ({prompt!r}, {n}, stream={stream}): {a['text']!r} "
                             f"finish {a['finish']}, want {text_of(want[prompt][:n])!r}")
@@ -146,7 +152,7 @@ def run(clients: int, requests: int, prompts: int = 50, seed: int = 0, url=None,
     lat = sorted(seconds.values())
     tokens = sum(n for _, _, n, _ in plan)
     problems = check(plan, answers, want)
-    if rc != 0:
+    if rc != 0 or problems:
         problems.append(f"the server exited {rc}:\n{out[-3000:]}")
     return {"clients": clients, "requests": requests, "distinct_prompts": prompts,
             "layout": layout or "default", "ranks": ranks, "max_batch": max_batch,
@@ -155,7 +161,7 @@ def run(clients: int, requests: int, prompts: int = 50, seed: int = 0, url=None,
             "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
             "latency_p99_s": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3)
             if lat else None,
-            "retried": sum(a["retries"] for got in answers.values() for a in got),
+            "retried": sum(a.get("retries", 0) for got in answers.values() for a in got),
             "answered": sum(map(len, answers.values())), "problems": problems}
 
 
