@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 from ..costs.calibration import load_calibration
-from ..costs.choose import RULES, generate_rows, rank_rows
+from ..costs.choose import RULES, add_calls, generate_rows, rank_rows
 from .inspect import format_bytes
 from .memory_limit import add_max_memory_argument, max_memory
 from .plan import candidate_layouts, plan_layouts
@@ -49,7 +49,7 @@ def describe(row: dict, rule: str) -> str:
         return (f"{'KV cache' if row['cached'] else 'no KV cache'}, "
                 f"{format_bytes(row['comm'])} sent per decode step, {mem}")
     return (f"pipeline idle {100 * row['bubble']:.0f}%, {format_bytes(row['comm'])} sent per "
-            f"step, {mem}")
+            f"step in {row.get('calls', '?')} calls, {mem}")
 
 
 def choice_line(ranked: dict, limit: int, source: str, candidates: int) -> str:
@@ -71,7 +71,8 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
     `max_memory` bytes per rank. purpose 'train' (also bench): a training step of global
     `batch` rows with `optimizer` (`calibration`: a loaded calibration dict, ranks by its
     predicted step time); 'generate' (also serve): decoding `rows` prompts together, each
-    up to `max_len` tokens (default the model's seq_len) in the KV cache. No MPI. UsageError naming the smallest need when no layout fits."""
+    up to `max_len` tokens (default the model's seq_len) in the KV cache. No MPI.
+    UsageError naming the smallest need when no layout fits."""
     itemsize = np.dtype(dtype).itemsize
     if purpose == "train":
         rows_, rejected = plan_layouts(model, world_size, batch, dtype, optimizer, momentum,
@@ -81,6 +82,8 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
         rows_, rejected = generate_rows(
             model, candidate_layouts(world_size, None, seq_len, model.planned_experts()),
             rows, itemsize, max_len)
+    if purpose == "train" and calibration is None:
+        add_calls(rows_, model, batch, itemsize)
     ranked = rank_rows(rows_, max_memory, purpose, calibration is not None)
     if ranked["best"] is None:
         if not ranked["over"]:

@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
 from ..costs.calibration import DEFAULT_PATH, load_calibration
-from ..costs.choose import RULES, rank_rows
+from ..costs.choose import RULES, add_calls, rank_rows
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import COMM_KINDS, check_fit, step_comm_total
 from ..costs.step_time import predict_step, representative_ranks
@@ -177,16 +177,18 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
 def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 10) -> str:
     """`plan --explain`: `--layout auto`'s ranking (costs/choose.rank_rows) of the `top`
     candidates, with the numbers that decide it (memory against the limit, and the predicted
-    step or the rule's pipeline idle fraction and bytes sent), then the nearest misses."""
+    step or the rule's pipeline idle fraction, bytes sent and calls: costs/choose.add_calls
+    on `rows` first), then the nearest misses."""
     ranked = rank_rows(rows, limit, "train", calibrated)
     lines = [f"explain: --layout auto ranks by {RULES[ranked['rule']]}",
              f"         memory limit {format_bytes(limit)} per rank ({source}); "
              f"{len(ranked['fit'])} of {len(rows)} layouts fit",
              f"{'':4}{'layout':<36}{'memory':>11}{'of limit':>9}" +
-             (f"{'step':>11}" if calibrated else f"{'pp idle':>9}{'comm/step':>11}")]
+             (f"{'step':>11}" if calibrated else
+              f"{'pp idle':>9}{'comm/step':>11}{'calls':>7}")]
     for i, r in enumerate(ranked["fit"][:top], 1):
         decide = f"{r['step_s'] * 1e3:>8.2f} ms" if calibrated else \
-            f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}"
+            f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}{r.get('calls', ''):>7}"
         lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
                      f"{100 * r['memory'] / limit:>8.1f}%{decide}")
     lines += [f"  over the limit: {r['layout']} needs {format_bytes(r['memory'])}"
@@ -266,7 +268,9 @@ def run_plan(args) -> int:
                            calibration=calibration, layouts=layouts,
                            memory_parts=args.memory_parts)
         if args.explain:
-            text += "\n\n" + explain_report(layouts[0], *max_memory(args.max_memory),
+            rows = layouts[0] if calibration else add_calls(
+                layouts[0], model, args.batch, np.dtype(args.dtype).itemsize)
+            text += "\n\n" + explain_report(rows, *max_memory(args.max_memory),
                                              calibration is not None, args.top)
         summary = None
         if args.validate:

@@ -6,13 +6,16 @@ by one of two keys, the smallest first, among the rows whose memory is at most t
 
   calibrated    the predicted seconds per step (costs/step_time.py).
   rule          without a calibration, a rule of thumb: (pipeline idle fraction, bytes sent
-                per step by the busiest rank, memory). Every axis but pp splits the step's
-                arithmetic evenly over its ranks, so the ranks' compute is alike across
-                layouts except for the pipeline schedule's idle fraction (its simulated
-                bubble, step_time.bubble), which costs that share of every step on a core
-                per rank: it goes first. Among layouts idling alike, the bytes sent decide
-                (ZeRO-3's re-gathers, tp's activations, dp's gradients); the smaller memory
-                breaks a tie. So a pipeline is chosen only when nothing without one fits.
+                per step by the busiest rank, communication calls per step, memory). Every
+                axis but pp splits the step's arithmetic evenly over its ranks, so the
+                ranks' compute is alike across layouts except for the pipeline schedule's
+                idle fraction (its simulated bubble, step_time.bubble), which costs that
+                share of every step on a core per rank: it goes first. Among layouts idling
+                alike, the bytes sent decide (ZeRO-3's re-gathers, tp's activations, dp's
+                gradients); at equal bytes (dp's all-reduce against ZeRO-1/2's
+                reduce-scatter and all-gather) the fewer calls (call_counts.step_calls: each
+                pays a latency and a pass over its buffer), then the smaller memory. So a
+                pipeline is chosen only when nothing without one fits.
 
 For generation (`generate`, `serve`) there is no decode cost model yet; the rule there:
 fits in memory (generate_memory: the parameters, ZeRO-3's gathered weights and the KV
@@ -28,6 +31,7 @@ from math import ceil
 from ..comm.mesh import parse_layout
 from ..parallel import data_parallel, fsdp, pipeline, tied
 from ..parallel.decode import decodes_with_cache
+from . import call_counts
 from .peak_memory import rank_peak
 from .rank_costs import check_fit, rank_view, strategy_costs
 from .step_time import bubble, representative_ranks
@@ -36,7 +40,8 @@ PURPOSES = ("train", "generate")
 RULES = {
     "calibrated": "the predicted step time (--calibration)",
     "rule": "a rule of thumb, as no --calibration was given: the least pipeline idle "
-            "time, then the fewest bytes sent per step, then the least memory",
+            "time, then the fewest bytes sent per step, then the fewest calls, then the least "
+            "memory",
     "generate": "a KV cache, then the fewest bytes sent per decode step (a token for every "
                 "prompt), then the least memory (no decode cost model yet)",
 }
@@ -46,8 +51,19 @@ def train_key(row: dict, calibrated: bool) -> tuple:
     """The ranking key of one plan row (module docstring); smaller is better."""
     if calibrated:
         return (row["step_s"], row["memory"], row["layout"])
-    return (row.get("bubble", 0.0), row["comm"], row["memory"], len(row["layout"]),
-            row["layout"])
+    return (row.get("bubble", 0.0), row["comm"], row.get("calls", 0), row["memory"],
+            len(row["layout"]), row["layout"])
+
+
+def add_calls(rows: list, model, batch: int, itemsize: int = 4) -> list:
+    """`rows` (plan rows, changed in place and returned) with 'calls': the communication
+    calls per training step of the busiest representative rank (the rule's third key)."""
+    for row in rows:
+        layout = parse_layout(row["layout"])
+        row["calls"] = max(sum(call_counts.step_calls(rank_view(model, layout, r, itemsize,
+                                                                batch)).values())
+                           for r in representative_ranks(layout))
+    return rows
 
 
 def generate_key(row: dict) -> tuple:

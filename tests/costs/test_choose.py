@@ -14,8 +14,9 @@ from mpishard.cli.model_flag import model_from_flag
 from mpishard.cli.plan import explain_report, plan_layouts
 from mpishard.cli.usage import UsageError
 from mpishard.comm.mesh import parse_layout
-from mpishard.costs.choose import decode_bytes, generate_rows, rank_rows
-from mpishard.costs.rank_costs import rank_memory
+from mpishard.costs.choose import add_calls, decode_bytes, generate_rows, rank_rows
+from mpishard.costs.call_counts import step_calls
+from mpishard.costs.rank_costs import rank_memory, rank_view
 from mpishard.costs.step_time import bubble
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,13 +30,17 @@ def row(layout, memory, comm, step_s=None, bubble_=None, cached=True):
     return r
 
 
-def test_rule_orders_by_idle_then_bytes_then_memory_under_the_limit():
+def test_rule_orders_by_idle_then_bytes_then_calls_then_memory_under_the_limit():
     rows = [row("dp=4", 9 * MB, 5 * MB), row("tp=4", 3 * MB, 1 * MB),
+            row("fsdp=4,zero=1", 8 * MB, 5 * MB), row("dp=2,fsdp=2", 1.8 * MB, 5 * MB),
             row("fsdp=4", 2 * MB, 1 * MB), row("pp=4", 1 * MB, 0.1 * MB),
             row("dp=2,tp=2", 20 * MB, 0.5 * MB)]
     ranked = rank_rows(rows, 10 * MB)
     assert ranked["rule"] == "rule"
-    assert [r["layout"] for r in ranked["fit"]] == ["fsdp=4", "tp=4", "dp=4", "pp=4"]
+    rows[0]["calls"], rows[2]["calls"], rows[3]["calls"] = 2, 3, 4   # equal bytes: calls
+    ranked = rank_rows(rows, 10 * MB)
+    assert [r["layout"] for r in ranked["fit"]] == ["fsdp=4", "tp=4", "dp=4", "fsdp=4,zero=1",
+                                                    "dp=2,fsdp=2", "pp=4"]
     assert [r["layout"] for r in ranked["over"]] == ["dp=2,tp=2"]
     assert ranked["fit"][-1]["bubble"] == pytest.approx(bubble(parse_layout("pp=4")))
     assert ranked["fit"][-1]["bubble"] > 0
@@ -73,15 +78,20 @@ def test_choice_is_the_plans_best_that_fits(spec, batch, calibrated):
     rows, _ = plan_layouts(model, 4, batch, calibration=cal)
     limit = sorted(r["memory"] for r in rows)[len(rows) // 2]        # about half fit
     fit = [r for r in rows if r["memory"] <= limit]
+    calls = {r["layout"]: max(sum(step_calls(rank_view(model, parse_layout(r["layout"]), k,
+                                                       4, batch)).values()) for k in range(4))
+             for r in rows}
     key = (lambda r: r["step_s"]) if calibrated else \
-        (lambda r: (bubble(parse_layout(r["layout"])), r["comm"], r["memory"]))
+        (lambda r: (bubble(parse_layout(r["layout"])), r["comm"], calls[r["layout"]],
+                    r["memory"]))
     choice = choose_layout(model, 4, limit, batch, calibration=cal)
     best = min(fit, key=key)
     assert key(next(r for r in rows if r["layout"] == choice["layout"])) == key(best)
     assert choice["layout"] in choice["line"] and f"of {len(rows)} layouts fit" in choice["line"]
     assert ("predicted" in choice["line"]) == calibrated
     assert ("no --calibration" in choice["line"]) == (not calibrated)
-    text = explain_report(rows, limit, "--max-memory", calibrated, top=3)
+    text = explain_report(rows if calibrated else add_calls(rows, model, batch), limit,
+                          "--max-memory", calibrated, top=3)
     assert choice["layout"] in text.splitlines()[3] and "over the limit" in text
 
 
