@@ -28,7 +28,9 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
     buffers
         the rank's batch (inputs and targets), pipeline receive buffers (every microbatch's
         activation in, and gradient back, r x the boundary width, posted at step start),
-        FSDP ZeRO-2/3 gradient buckets (bucket_mb queued plus its packed copy)
+        FSDP ZeRO-2/3 gradient buckets (bucket_mb queued plus its packed copy), and under dp
+        the all-reduce's own copy of the largest gradient bucket (bucket_mb, or a larger
+        gradient alone: the MPI library reduces into a temporary of the message's size)
     evaluation
         with eval_batch (global rows): what an evaluation forward needs beyond the step's
         dynamic peak: its logits and the loss's two temporaries (3 L_eval) and one workspace
@@ -118,10 +120,13 @@ def buffer_bytes(model, view, rows_mb) -> int:
                 total += m * rows_mb * widths[k - 1] * view.itemsize
             if k < pp * v - 1:                                 # gradient received
                 total += m * rows_mb * widths[k] * view.itemsize
+    bucket = layout.option("bucket_mb", DEFAULT_BUCKET_MB) * MiB
     if view.size("fsdp") > 1 and layout.option("zero", 3) >= 2:
-        bucket = layout.option("bucket_mb", DEFAULT_BUCKET_MB) * MiB
         grads = sum(view.nbytes(tp_block(view, n)) for n in view.params)
         total += 2 * min(bucket, grads)
+    if view.size("dp") > 1:            # the MPI library's receive copy of one bucket
+        grads = [view.nbytes(view.grad_blocks[n]) for n in view.params]
+        total += max(min(bucket, sum(grads)), max(grads, default=0))
     return total
 
 

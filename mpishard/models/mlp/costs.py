@@ -86,18 +86,24 @@ def activation_elements(model, view, recompute: str) -> dict:
     """Per batch row, the elements this rank's layers keep for backward (costs/peak_memory.py
     adds them up), from each weight's tp-local (d_in, d_out) block (fsdp gathers it whole):
     each Linear keeps its input d_in, each hidden activation its input d_out; the last layer's
-    output d_out is the loss's input (logits) and its weight block the head's. The layout's
-    recompute option changes nothing here (an MLP has no recomputable unit)."""
-    sizes = {**view.layout.sizes, "fsdp": 1}
-    saved, logits, head = 0, 0, 0
+    output d_out is the loss's input (logits) and its weight block the head's.
+    workspace: the most a layer's backward holds beyond everything saved, less the later
+    layers' saves it has freed: its input, its dy d_out and its dx d_in (twice for a column
+    layer under tp, whose dx is all-reduced into a new array). The layout's recompute option
+    changes nothing here (an MLP has no recomputable unit)."""
+    sizes, tp = {**view.layout.sizes, "fsdp": 1}, view.layout.size("tp")
+    saved, logits, head, moments = 0, 0, 0, []
     for spec in view.layers:
         name = f"layer_{spec.index}/weights"
         d_in, d_out = local_shape(view.params[name].full_shape, view.params[name].placement,
                                   sizes)
         last = spec.index == model.n_layers - 1
+        copies = 2 if tp > 1 and spec.index and tp_role(spec.index, model.n_layers) == \
+            "column" else 1
+        moments.append(saved + d_in + d_out + copies * d_in)
         saved += d_in + (0 if last else d_out)
         if last:
             logits, head = d_out, d_in * d_out
-    return {"saved": saved, "workspace": 0, "logits": logits, "head_weights": head,
-            "vocab_parallel": False, "padded": False, "input_bytes": model.dims[0] * view.itemsize
-            + 8}
+    return {"saved": saved, "workspace": max(0, max(moments) - saved), "logits": logits,
+            "head_weights": head, "vocab_parallel": False, "padded": False,
+            "input_bytes": model.dims[0] * view.itemsize + 8}
