@@ -6,8 +6,9 @@
 Left out, the default is the memory this job may use on its node, divided by the ranks the
 job runs on that node, from the first source that sets it:
 
-  1. the cgroup limit: v2 /sys/fs/cgroup/memory.max (not `max`), else v1
-     /sys/fs/cgroup/memory/memory.limit_in_bytes (not the "unlimited" 2^63 rounded to pages);
+  1. the cgroup limit: v2 memory.max (not `max`), else v1 memory/memory.limit_in_bytes (not
+     the "unlimited" 2^63 rounded to pages), each first of this process's own cgroup
+     (/proc/self/cgroup) under /sys/fs/cgroup, then of the mount's root (a container's);
      a container's or a Slurm job's cgroup limits the whole node's share of the job;
   2. Slurm: SLURM_MEM_PER_NODE (MiB, per node), else SLURM_MEM_PER_CPU (MiB) x
      SLURM_CPUS_PER_TASK (1 when unset): already per rank, not divided again;
@@ -27,6 +28,7 @@ from mpi4py import MPI
 UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 CGROUP = "/sys/fs/cgroup"
 MEMINFO = "/proc/meminfo"
+PROC_CGROUP = "/proc/self/cgroup"
 UNLIMITED_V1 = 2 ** 60           # v1 reports "no limit" as 2^63 rounded down to a page
 LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 
@@ -49,9 +51,27 @@ def _read(path):
         return None
 
 
-def cgroup_limit(root: str = CGROUP):
-    """(bytes, file) of the cgroup's memory limit (v2, then v1), or None without one."""
-    for name in ("memory.max", os.path.join("memory", "memory.limit_in_bytes")):
+def own_cgroups(proc_cgroup: str = PROC_CGROUP) -> tuple:
+    """This process's (v2 cgroup path, v1 memory cgroup path) from /proc/self/cgroup's
+    `0::/PATH` and `N:...memory...:/PATH` lines ('' where absent)."""
+    v2 = v1 = ""
+    for line in (_read(proc_cgroup) or "").splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            v2 = path.strip().lstrip("/")
+        elif "memory" in controllers.split(","):
+            v1 = path.strip().lstrip("/")
+    return v2, v1
+
+
+def cgroup_limit(root: str = CGROUP, proc_cgroup: str = PROC_CGROUP):
+    """(bytes, file) of the cgroup's memory limit, or None without one: v2 then v1, each of
+    this process's own cgroup, then of the mount's root (as inside a container)."""
+    v2, v1 = own_cgroups(proc_cgroup)
+    v1_file = os.path.join("memory", v1, "memory.limit_in_bytes")
+    names = ([os.path.join(v2, "memory.max")] if v2 else []) + ["memory.max"] + \
+        ([v1_file] if v1 else []) + [os.path.join("memory", "memory.limit_in_bytes")]
+    for name in names:
         path = os.path.join(root, name)
         text = (_read(path) or "").strip()
         if text.isdigit() and int(text) < UNLIMITED_V1:
@@ -67,11 +87,12 @@ def mem_total(meminfo: str = MEMINFO):
     return None
 
 
-def job_memory(environ=None, root: str = CGROUP, meminfo: str = MEMINFO) -> tuple:
+def job_memory(environ=None, root: str = CGROUP, meminfo: str = MEMINFO,
+               proc_cgroup: str = PROC_CGROUP) -> tuple:
     """(bytes, where from, whether already per rank) of the module docstring's first source;
     (None, 'unknown', False) when none answers."""
     env = os.environ if environ is None else environ
-    limit = cgroup_limit(root)
+    limit = cgroup_limit(root, proc_cgroup)
     if limit is not None:
         return limit[0], f"cgroup {limit[1]}", False
     if env.get("SLURM_MEM_PER_NODE", "").isdigit():

@@ -48,6 +48,24 @@ def test_sources_in_order(tmp_path):
     assert job_memory({}, root, str(tmp_path / "none"))[0] is None
 
 
+def test_own_cgroup_first(tmp_path):
+    root, meminfo = fake(tmp_path, v2=str(8 * GIB), total_kb=64 * 2 ** 20)
+    (tmp_path / "cgroup" / "job" / "step").mkdir(parents=True)
+    (tmp_path / "cgroup" / "job" / "step" / "memory.max").write_text(f"{3 * GIB}\n")
+    proc = tmp_path / "self_cgroup"
+    proc.write_text("0::/job/step\n")
+    assert job_memory({}, root, meminfo, str(proc))[:2] == \
+        (3 * GIB, f"cgroup {root}/job/step/memory.max")
+    (tmp_path / "cgroup" / "job" / "step" / "memory.max").write_text("max\n")
+    assert job_memory({}, root, meminfo, str(proc))[0] == 8 * GIB     # unlimited: the root's
+    root, meminfo = fake(tmp_path / "v1", v1=str(2 ** 63 - 4096), total_kb=64 * 2 ** 20)
+    (tmp_path / "v1" / "cgroup" / "memory" / "slurm" / "job_7").mkdir(parents=True)
+    (tmp_path / "v1" / "cgroup" / "memory" / "slurm" / "job_7" / "memory.limit_in_bytes"
+     ).write_text(f"{5 * GIB}\n")
+    proc.write_text("9:name=systemd:/\n4:memory:/slurm/job_7\n3:cpuset:/\n0::/\n")
+    assert job_memory({}, root, meminfo, str(proc))[0] == 5 * GIB
+
+
 def test_default_divides_by_the_ranks_on_the_node(tmp_path):
     root, meminfo = fake(tmp_path, v2=str(8 * GIB), total_kb=64 * 2 ** 20)
     limit, source = default_max_memory(None, {"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, root, meminfo)
