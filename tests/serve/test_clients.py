@@ -212,3 +212,25 @@ def test_a_full_queue_answers_429_with_retry_after(one_slot):
     assert set(r.json()["error"]) == ERROR_KEYS
     waiting.join(60)
     assert queued["r"].status_code == 200, queued["r"].text
+
+
+def test_a_stop_string_cuts_the_text_streamed_and_not(llama, client):
+    """The first printable ASCII character of the answer after its second, as a stop string:
+    the text ends before it and finish_reason is "stop", streamed or not."""
+    [ids] = references(llama[1], [b"stop here"], 20)
+    full = text_of(ids)
+    stop = next(c for c in full[2:] if c.isascii() and c.isprintable())
+    want = full[:full.index(stop)]
+    whole = client.completions.create(model="llama", prompt="stop here", max_tokens=20,
+                                      temperature=0, stop=[stop])
+    chunks = list(client.completions.create(model="llama", prompt="stop here", max_tokens=20,
+                                            temperature=0, stop=stop, stream=True))
+    print(repr(full), repr(stop), repr(whole.choices[0].text))
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == want
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_without_a_template_is_a_400_that_says_so(one_slot):
+    r = httpx.post(f"{one_slot.url}/v1/chat/completions", timeout=30, json={
+        "model": "long", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 400 and "template" in r.json()["error"]["message"], r.text
