@@ -5,17 +5,20 @@ memory and bytes sent per step, and with a calibration its predicted step time) 
 by one of two keys, the smallest first, among the rows whose memory is at most the limit:
 
   calibrated    the predicted seconds per step (costs/step_time.py).
-  rule          without a calibration, a rule of thumb: (pipeline idle fraction, bytes sent
-                per step by the busiest rank, communication calls per step, memory). Every
-                axis but pp splits the step's arithmetic evenly over its ranks, so the
-                ranks' compute is alike across layouts except for the pipeline schedule's
-                idle fraction (its simulated bubble, step_time.bubble), which costs that
-                share of every step on a core per rank: it goes first. Among layouts idling
-                alike, the bytes sent decide (ZeRO-3's re-gathers, tp's activations, dp's
-                gradients); at equal bytes (dp's all-reduce against ZeRO-1/2's
-                reduce-scatter and all-gather) the fewer calls (call_counts.step_calls: each
-                pays a latency and a pass over its buffer), then the smaller memory. So a
-                pipeline is chosen only when nothing without one fits.
+  rule          without a calibration, a rule of thumb: (pipeline idle fraction, bytes
+                sent per step by the busiest rank + CALL_BYTES per communication call,
+                memory). Every axis but pp splits the step's arithmetic evenly over its
+                ranks, so the ranks' compute is alike across layouts except for the
+                pipeline schedule's idle fraction (its simulated bubble, step_time.bubble),
+                which costs that share of every step on a core per rank: it goes first.
+                Among layouts idling alike, the communication decides: its bytes (ZeRO-3's
+                re-gathers, tp's activations, dp's gradients) and its calls
+                (call_counts.step_calls), each of which pays a latency and makes every rank
+                of its group wait for the slowest (tp's per-layer all-reduces); the smaller
+                memory breaks a tie. So a pipeline is chosen only when nothing without one
+                fits. CALL_BYTES was set on this project's CPU runs
+                (benchmarks/layout_auto_check.py, docs/planning-and-tracing.md): below
+                1e5 the rule picked tp layouts 70% slower than the fastest at 8 ranks.
 
 For generation (`generate`, `serve`) there is no decode cost model yet; the rule there:
 fits in memory (generate_memory: the parameters, ZeRO-3's gathered weights and the KV
@@ -37,11 +40,12 @@ from .rank_costs import check_fit, rank_view, strategy_costs
 from .step_time import bubble, representative_ranks
 
 PURPOSES = ("train", "generate")
+CALL_BYTES = 100_000      # the rule prices a communication call as this many bytes sent
 RULES = {
     "calibrated": "the predicted step time (--calibration)",
     "rule": "a rule of thumb, as no --calibration was given: the least pipeline idle "
-            "time, then the fewest bytes sent per step, then the fewest calls, then the least "
-            "memory",
+            "time, then the fewest bytes sent per step counting 100 kB per call, then the "
+            "least memory",
     "generate": "a KV cache, then the fewest bytes sent per decode step (a token for every "
                 "prompt), then the least memory (no decode cost model yet)",
 }
@@ -51,8 +55,8 @@ def train_key(row: dict, calibrated: bool) -> tuple:
     """The ranking key of one plan row (module docstring); smaller is better."""
     if calibrated:
         return (row["step_s"], row["memory"], row["layout"])
-    return (row.get("bubble", 0.0), row["comm"], row.get("calls", 0), row["memory"],
-            len(row["layout"]), row["layout"])
+    return (row.get("bubble", 0.0), row["comm"] + CALL_BYTES * row.get("calls", 0),
+            row["memory"], len(row["layout"]), row["layout"])
 
 
 def add_calls(rows: list, model, batch: int, itemsize: int = 4) -> list:

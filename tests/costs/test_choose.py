@@ -30,7 +30,7 @@ def row(layout, memory, comm, step_s=None, bubble_=None, cached=True):
     return r
 
 
-def test_rule_orders_by_idle_then_bytes_then_calls_then_memory_under_the_limit():
+def test_rule_orders_by_idle_then_bytes_and_calls_then_memory_under_the_limit():
     rows = [row("dp=4", 9 * MB, 5 * MB), row("tp=4", 3 * MB, 1 * MB),
             row("fsdp=4,zero=1", 8 * MB, 5 * MB), row("dp=2,fsdp=2", 1.8 * MB, 5 * MB),
             row("fsdp=4", 2 * MB, 1 * MB), row("pp=4", 1 * MB, 0.1 * MB),
@@ -38,9 +38,10 @@ def test_rule_orders_by_idle_then_bytes_then_calls_then_memory_under_the_limit()
     ranked = rank_rows(rows, 10 * MB)
     assert ranked["rule"] == "rule"
     rows[0]["calls"], rows[2]["calls"], rows[3]["calls"] = 2, 3, 4   # equal bytes: calls
+    rows[1]["calls"] = 60                 # 1 MiB + 60 x 100 kB > 5 MiB + 4 x 100 kB
     ranked = rank_rows(rows, 10 * MB)
-    assert [r["layout"] for r in ranked["fit"]] == ["fsdp=4", "tp=4", "dp=4", "fsdp=4,zero=1",
-                                                    "dp=2,fsdp=2", "pp=4"]
+    assert [r["layout"] for r in ranked["fit"]] == ["fsdp=4", "dp=4", "fsdp=4,zero=1",
+                                                    "dp=2,fsdp=2", "tp=4", "pp=4"]
     assert [r["layout"] for r in ranked["over"]] == ["dp=2,tp=2"]
     assert ranked["fit"][-1]["bubble"] == pytest.approx(bubble(parse_layout("pp=4")))
     assert ranked["fit"][-1]["bubble"] > 0
@@ -82,7 +83,7 @@ def test_choice_is_the_plans_best_that_fits(spec, batch, calibrated):
                                                        4, batch)).values()) for k in range(4))
              for r in rows}
     key = (lambda r: r["step_s"]) if calibrated else \
-        (lambda r: (bubble(parse_layout(r["layout"])), r["comm"], calls[r["layout"]],
+        (lambda r: (bubble(parse_layout(r["layout"])), r["comm"] + 1e5 * calls[r["layout"]],
                     r["memory"]))
     choice = choose_layout(model, 4, limit, batch, calibration=cal)
     best = min(fit, key=key)
