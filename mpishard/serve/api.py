@@ -133,14 +133,16 @@ class Server:
         if req.stream:
             base = head(prefix + uuid.uuid4().hex, "chat.completion.chunk" if chat
                         else "text_completion", self.limits.model_name)
-            events = (chat_events if chat else completion_events)(run, base, req.include_usage)
+            events = (chat_events if chat else completion_events)(run, base, req.include_usage,
+                                                                  req.token_ids)
             return EventStream(events, run)
         base = head(prefix + uuid.uuid4().hex, "chat.completion" if chat else "text_completion",
                     self.limits.model_name)
         text = await self._collect(request, run)
         if text is None:
             return Response(status_code=499)
-        return JSONResponse((chat_body if chat else completion_body)(run, text, base))
+        return JSONResponse((chat_body if chat else completion_body)(run, text, base,
+                                                                     req.token_ids))
 
     async def _collect(self, request, run: Run):
         """The whole text of a plain answer; None (the row cancelled) if the client left."""

@@ -11,7 +11,9 @@ type, a prompt that with its max_tokens does not fit the model), 404 (a model th
 not serve) or 401/429/503 (api.py). Parameters the server does not implement are accepted with
 the neutral value clients send by default (presence_penalty 0, logprobs false, a user, ...);
 any other value is refused by name, and so is a parameter nobody defined, rather than being
-ignored silently. `n` must be 1. The sampling parameters handed to the decode loop are
+ignored silently. `n` must be 1. `return_token_ids: true` (vLLM's extension) adds the prompt's
+and the completion's token ids to each choice (to each chunk: the ids it carries). The sampling
+parameters handed to the decode loop are
 {"max_tokens", "temperature", "top_p", "top_k" (0: off), "seed" (None: unseeded)}.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ NEUTRAL_CHAT = dict(NEUTRAL_COMMON, logprobs=(False,), top_logprobs=(0,), tools=
                     tool_choice=("none", "auto"), parallel_tool_calls=ANY,
                     response_format=({"type": "text"},), modalities=(["text"],))
 COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream",
-          "stream_options")
+          "stream_options", "return_token_ids")
 COMPLETION_KEYS = COMMON + ("prompt",)
 CHAT_KEYS = COMMON + ("messages", "max_completion_tokens")
 DEFAULT_COMPLETION_TOKENS = 16           # OpenAI's default max_tokens for /v1/completions
@@ -69,6 +71,7 @@ class Request:
     stops: list = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    token_ids: bool = False
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -169,7 +172,8 @@ def _common(body: dict, limits: Limits, ids: list, max_tokens, param: str) -> Re
               "seed": _int(body, "seed", None, low=0)}      # numpy seeds are non-negative
     if params["top_p"] == 0.0:
         raise _bad("top_p", "'top_p' must be above 0 (use temperature 0 for greedy decoding)")
-    return Request(ids, params, stops, stream, include_usage)
+    return Request(ids, params, stops, stream, include_usage,
+                   _bool(body, "return_token_ids", False))
 
 
 def _prompt_ids(prompt, limits: Limits, tok) -> list:

@@ -29,6 +29,7 @@ class Run:
         self.ticket, self.eos, self.metrics, self.arrived = ticket, set(eos), metrics, arrived
         self.detok = Detokenizer(tok, prompt_ids)
         self.stop = StopMatcher(stops)
+        self.prompt_ids, self.ids, self.shown = list(prompt_ids), [], 0
         self.prompt_tokens, self.completion_tokens = len(prompt_ids), 0
         self.finish = None
         self._last = None
@@ -51,6 +52,7 @@ class Run:
                 piece = ""
                 if token is not None:
                     self._count(token)
+                    self.ids.append(token)
                     if token not in self.eos:
                         piece = self.detok.add(token)
                 if finish is not None:
@@ -79,15 +81,25 @@ def head(rid: str, kind: str, model: str) -> dict:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
 
-def completion_body(run: Run, text: str, base: dict) -> dict:
-    return dict(base, choices=[{"index": 0, "text": text, "logprobs": None,
-                                "finish_reason": run.finish}], usage=run.usage())
+def with_ids(run: Run, choice: dict, wanted: bool, first: bool = True) -> dict:
+    """`choice` with vLLM's return_token_ids fields when `wanted`: the completion's ids not
+    given in an earlier chunk (a whole body: all of them), and on the first the prompt's."""
+    if not wanted:
+        return choice
+    new, run.shown = run.ids[run.shown:], len(run.ids)
+    return dict(choice, token_ids=new, **({"prompt_token_ids": run.prompt_ids} if first else {}))
 
 
-def chat_body(run: Run, text: str, base: dict) -> dict:
-    return dict(base, choices=[{"index": 0, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": run.finish}],
+def completion_body(run: Run, text: str, base: dict, ids: bool = False) -> dict:
+    return dict(base, choices=[with_ids(run, {"index": 0, "text": text, "logprobs": None,
+                                               "finish_reason": run.finish}, ids)],
                 usage=run.usage())
+
+
+def chat_body(run: Run, text: str, base: dict, ids: bool = False) -> dict:
+    return dict(base, choices=[with_ids(run, {
+        "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "finish_reason": run.finish}, ids)], usage=run.usage())
 
 
 def event(obj: dict) -> str:
@@ -107,24 +119,31 @@ async def _tail(run: Run, base: dict, include_usage: bool):
     yield DONE
 
 
-async def completion_events(run: Run, base: dict, include_usage: bool):
+async def completion_events(run: Run, base: dict, include_usage: bool, ids: bool = False):
     """SSE of a /v1/completions answer (object "text_completion"): a chunk per piece, the
-    finish reason on an empty last chunk, the usage chunk when asked for, then [DONE]."""
+    finish reason on an empty last chunk, the usage chunk when asked for, then [DONE]; `ids`:
+    each chunk carries its token ids (with_ids)."""
+    first = True
     async for piece in run.pieces():
-        yield _chunk(base, {"text": piece, "finish_reason": None}, include_usage)
-    yield _chunk(base, {"text": "", "finish_reason": run.finish}, include_usage)
+        yield _chunk(base, with_ids(run, {"text": piece, "finish_reason": None}, ids, first),
+                     include_usage)
+        first = False
+    yield _chunk(base, with_ids(run, {"text": "", "finish_reason": run.finish}, ids, first),
+                 include_usage)
     async for line in _tail(run, base, include_usage):
         yield line
 
 
-async def chat_events(run: Run, base: dict, include_usage: bool):
+async def chat_events(run: Run, base: dict, include_usage: bool, ids: bool = False):
     """SSE of a /v1/chat/completions answer (object "chat.completion.chunk"): a first delta
     with the assistant role, a delta per piece, an empty delta with the finish reason, the
-    usage chunk when asked for, then [DONE]."""
-    yield _chunk(base, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None},
-                 include_usage)
+    usage chunk when asked for, then [DONE]; `ids`: as completion_events."""
+    yield _chunk(base, with_ids(run, {"delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}, ids), include_usage)
     async for piece in run.pieces():
-        yield _chunk(base, {"delta": {"content": piece}, "finish_reason": None}, include_usage)
-    yield _chunk(base, {"delta": {}, "finish_reason": run.finish}, include_usage)
+        yield _chunk(base, with_ids(run, {"delta": {"content": piece}, "finish_reason": None},
+                                    ids, False), include_usage)
+    yield _chunk(base, with_ids(run, {"delta": {}, "finish_reason": run.finish}, ids, False),
+                 include_usage)
     async for line in _tail(run, base, include_usage):
         yield line

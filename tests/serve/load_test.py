@@ -47,7 +47,7 @@ def make_prompts(count: int, seed: int) -> list:
 async def one_request(client, url, model, prompt, n, stream) -> dict:
     """The answer as {"id", "text", "usage", "finish", "retries"}."""
     body = {"model": model, "prompt": prompt.decode(), "max_tokens": n, "temperature": 0,
-            "stream": stream}
+            "stream": stream, "return_token_ids": True}
     retries = 0
     while True:
         if not stream:
@@ -59,7 +59,8 @@ async def one_request(client, url, model, prompt, n, stream) -> dict:
             r.raise_for_status()
             got, choice = r.json(), r.json()["choices"][0]
             return {"id": got["id"], "text": choice["text"], "usage": got["usage"],
-                    "finish": choice["finish_reason"], "retries": retries}
+                    "finish": choice["finish_reason"], "retries": retries,
+                    "token_ids": choice["token_ids"]}
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code in (429, 503):
                 retries += 1
@@ -78,7 +79,8 @@ async def one_request(client, url, model, prompt, n, stream) -> dict:
             assert len(ids) == 1, ids
             return {"id": ids.pop(), "text": "".join(c["choices"][0]["text"] for c in chunks),
                     "usage": None, "finish": chunks[-1]["choices"][0]["finish_reason"],
-                    "retries": retries}
+                    "retries": retries,
+                    "token_ids": [t for c in chunks for t in c["choices"][0]["token_ids"]]}
 
 
 async def drive(url, model, plan, clients: int) -> tuple:
@@ -118,7 +120,8 @@ def check(plan, answers, want) -> list:
         if "error" in a:
             problems.append(f"request {i} ({prompt!r}, {n}, stream={stream}): {a['error']}")
             continue
-        if a["text"] != text_of(want[prompt][:n]) or a["finish"] != "length":
+        if a["token_ids"] != want[prompt][:n] or a["text"] != text_of(want[prompt][:n]) \
+                or a["finish"] != "length":
             problems.append(f"request {i} ({prompt!r}, {n}, stream={stream}): {a['text']!r} "
                             f"finish {a['finish']}, want {text_of(want[prompt][:n])!r}")
         if a["usage"] is not None and a["usage"]["completion_tokens"] != n or \

@@ -193,6 +193,25 @@ def test_completion_plain_and_streamed(served):
     assert len(chunks) > 10                                # streamed, not sent at once
 
 
+def test_return_token_ids_whole_and_streamed(served):
+    """vLLM's return_token_ids: a whole answer's ids, and a stream's split over its chunks
+    (the prompt's on the first chunk only), the eos included as it is counted."""
+    want = list(ANSWER.encode()) + [EOS]
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        body = dict(body, model=MODEL, max_tokens=200, return_token_ids=True)
+        choice = post(served.client, path, body).json()["choices"][0]
+        assert choice["token_ids"] == want
+        prompt = served.loop.joined[-1].ids
+        assert choice["prompt_token_ids"] == prompt
+        chunks = post(served.client, path, dict(body, stream=True))
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
+        assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    plain = post(served.client, "/v1/completions", {"model": MODEL, "prompt": "Hi"}).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
 def test_length_and_usage_chunk(served):
     cut = len("Bonjour, ç".encode()) - 1                   # the ç's first byte only
     body = {"model": MODEL, "prompt": [72, 105], "max_tokens": cut, "stream": True,

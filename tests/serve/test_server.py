@@ -1,6 +1,7 @@
 """`mpishard serve` end to end: greedy answers under every layout equal engine.generate of each
-prompt alone, whatever else is in the batch and whenever it arrived; a seeded sampled answer
-too; SIGTERM drains and every rank exits 0; the server listens on the loopback only.
+prompt alone, whatever else is in the batch and whenever it arrived, id for id (the request's
+`return_token_ids`; the bytes tokenizer's text hides which byte >= 128 was drawn); a seeded
+sampled answer too; SIGTERM drains and every rank exits 0; the server listens on the loopback only.
 
 Serial tests: each starts its own `mpiexec -n N ... mpishard serve` job (serve_job.py) on
 tiny float64 GPT-2, Llama and Mixtral (capacity_factor=None) directories of vocabulary 256.
@@ -42,7 +43,7 @@ def models(tmp_path_factory):
 
 def complete(base, model_name, prompt: bytes, max_tokens: int, **params) -> dict:
     body = {"model": model_name, "prompt": prompt.decode(), "max_tokens": max_tokens,
-            "temperature": 0.0, **params}
+            "temperature": 0.0, "return_token_ids": True, **params}
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -84,12 +85,15 @@ def test_greedy_answers_equal_generate_alone(models, kind, layout):
     for (prompt, n, _), ids, got in zip(REQUESTS, want, answers):
         choice = got["choices"][0]
         print(prompt, n, repr(choice["text"]), got["usage"])
+        assert choice["token_ids"] == ids[:n], (prompt, choice["token_ids"], ids[:n])
+        assert choice["prompt_token_ids"] == list(prompt)
         assert choice["text"] == text_of(ids[:n]), (prompt, choice["text"], ids[:n])
         assert got["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n,
                                 "total_tokens": len(prompt) + n}, got["usage"]
         assert choice["finish_reason"] == "length"
     prompt, n, temperature, seed = SEEDED
     [engine_ids] = references(directory, [prompt], n, temperature=temperature, seed=seed)
+    assert answers[-1]["choices"][0]["token_ids"] == engine_ids
     assert answers[-1]["choices"][0]["text"] == text_of(engine_ids)
 
 
