@@ -3,7 +3,7 @@
     cache = KVCache(capacity=model.seq_len)
     cache.extend(real)                    # (B, t) bool: which new tokens are real (optional)
     with caching(chunks, cache):          # every unit of this rank's stage(s)
-        logits = forward(new_tokens)      # (B, t) -> (B, t, V): only the t new slots
+        logits = forward(new_tokens)      # (B, t) -> (B, 1, V): the newest slot's logits
     cache.advance(t)
 
 Each attention unit keeps, in the cache under its own key, buffers k, v of shape
@@ -123,6 +123,11 @@ class KVCache:
                                  visible=visible)
         return out.reshape(b, hq, t, dh)
 
+    def last_tokens(self, h):
+        """h (B, t, d) -> (B, 1, d): each row's last slot, its newest token (left padding
+        puts every row's last real token there): the only logits a decode step uses."""
+        return h[:, -1:]
+
     def advance(self, t: int) -> None:
         """After a forward of t new tokens through every unit: they are cached now."""
         self._check_room(t)
@@ -143,22 +148,27 @@ def walk_units(units):
 
 
 def cache_units(units):
-    """(attention units with a `cache` hook, units with `token_positions`) below `units`."""
+    """(attention units with a `cache` hook, units with `token_positions`, heads with a
+    `keep_last` hook) below `units`."""
     every = list(walk_units(units))
     return ([u for u in every if hasattr(u, "cache")],
-            [u for u in every if hasattr(u, "token_positions")])
+            [u for u in every if hasattr(u, "token_positions")],
+            [u for u in every if hasattr(u, "keep_last")])
 
 
 @contextmanager
 def caching(chunks, cache: KVCache):
     """Within: the units of `chunks` (lists of units) decode against `cache` (attention reads
-    and appends it, units with positions take them from it); restored afterwards."""
-    attention, embeddings = cache_units([u for chunk in chunks for u in chunk])
+    and appends it, units with positions take them from it, heads compute the logits of the
+    positions `cache.last_tokens` keeps); restored afterwards."""
+    attention, embeddings, heads = cache_units([u for chunk in chunks for u in chunk])
     saved = [(u, u.token_positions) for u in embeddings]
     for u in attention:
         u.cache = cache
     for u in embeddings:
         u.token_positions = cache.positions
+    for u in heads:
+        u.keep_last = cache.last_tokens
     try:
         yield cache
     finally:
@@ -166,6 +176,8 @@ def caching(chunks, cache: KVCache):
             u.cache = None
         for u, positions in saved:
             u.token_positions = positions
+        for u in heads:
+            u.keep_last = None
 
 
 __all__ = ["KVCache", "cache_units", "caching", "walk_units"]

@@ -320,6 +320,23 @@ class Composite(Layer):
             u.backward_weights(mb)                               # W of each, same order
 
 
+class Head(Composite):
+    """A model's final norm and output head, run in order (a Composite).
+
+    `keep_last` is None, or a function h (B, t, d) -> h (B, 1, d): each row's position whose
+    logits are wanted, which nn/kv_cache.caching sets while decoding. A forward without a
+    tape then runs the norm and the head on that position only: a prefill of t tokens
+    computes one row of logits per prompt, not t (the head, d x V, is most of a decode
+    step's work for a small model with a large vocabulary; transformers' logits_to_keep=1)."""
+
+    keep_last = None
+
+    def forward(self, x, mb=0, record=True):
+        if self.keep_last is not None and not record:
+            x = self.keep_last(x)
+        return super().forward(x, mb, record)
+
+
 class Residual(Composite):
     """x + branch(x): the sub-layers are the branch.
 

@@ -97,12 +97,10 @@ class Stepper:
         self.cache.select(slots, starts, t, lengths)
         with caching(engine.chunks, self.cache), \
                 valid_tokens(engine.chunks, engine.shard_batch(real)):
-            y = engine.predict(engine.shard_batch(ids))            # (n, t, V) or None
+            y = engine.predict(engine.shard_batch(ids))            # (n, 1, V) or None
         if y is None:
             return None
-        xp = engine.xp
-        last = xp.asarray(np.asarray(lengths) - 1)
-        return xp.ascontiguousarray(y[xp.arange(len(chunks)), last])   # 'n t v -> n v'
+        return engine.xp.ascontiguousarray(y[:, 0])   # 'n 1 v -> n v': the Head kept the last
 
 
 __all__ = ["Stepper"]

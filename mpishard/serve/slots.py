@@ -77,10 +77,17 @@ class SlotCache:
         real = np.arange(t) < np.asarray(lengths)[:, None]                     # (n, t)
         rows, cols = np.nonzero(real)                                          # real tokens
         self.t, self.end = t, int((start + lengths).max())
+        self.last = xp.asarray(np.asarray(lengths, dtype=np.int64) - 1)          # (n,)
         self.slots = xp.asarray(np.asarray(slots, dtype=np.int64))
         self.pos = xp.asarray(pos)
         self.write = tuple(xp.asarray(a) for a in
                            (np.asarray(slots)[rows], pos[rows, cols], rows, cols))
+
+    def last_tokens(self, h):
+        """h (n, t, d) -> (n, 1, d): each selected row's last real token (its chunk's end,
+        before the right padding): the only logits a step uses (nn/layers.Head)."""
+        xp = array_module(h)
+        return h[xp.arange(h.shape[0]), self.last][:, None]
 
     def positions(self, t: int):
         """The (n, t) int64 positions of the selected rows' new tokens (the units'

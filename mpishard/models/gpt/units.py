@@ -16,7 +16,7 @@ vocab-parallel head the same way (tensor_parallel.py).
 """
 from __future__ import annotations
 
-from ...nn.layers import Activation, Composite, Linear, Residual
+from ...nn.layers import Activation, Composite, Head, Linear, Residual
 from ...nn.transformer import (CausalSelfAttention, Embedding, LayerNorm, TiedHead,
                                leading_positions, plain_linear)
 
@@ -51,7 +51,7 @@ class Block(Composite):
         return f"Block({self.index})"
 
 
-class FinalNormHead(Composite):
+class FinalNormHead(Head):
     """ln_f, then the head: logits (B, T, V) = ln_f(h) head/weights, or ln_f(h) embed/tokens^T
     when `tied`. head: replacement head units (e.g. a vocab-parallel head)."""
 

@@ -23,7 +23,7 @@ computes the column projections that read the same input as one matmul.
 from __future__ import annotations
 
 from ...nn import functional as nn
-from ...nn.layers import Composite, Layer, Linear, Residual
+from ...nn.layers import Composite, Head, Layer, Linear, Residual
 from ...nn.transformer import TiedHead, leading_positions, plain_linear
 from .attention import GroupedQueryAttention, KVHeads, Rotary
 from .moe_units import SparseMoE
@@ -224,7 +224,7 @@ class LlamaBlock(Composite):
         return f"LlamaBlock({self.index})"
 
 
-class LlamaHead(Composite):
+class LlamaHead(Head):
     """rms_f, then the head: logits = rms_f(h) head/weights, or rms_f(h) embed/tokens^T when
     tied. head: replacement head units (e.g. a vocab-parallel head)."""
 
