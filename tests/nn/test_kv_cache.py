@@ -5,10 +5,11 @@ positions; position_rows/add_position_grads in the (B, t) array form."""
 import numpy as np
 import pytest
 
+import mpishard as ms
 from conftest import RTOL64, assert_close
 from mpishard.nn.attention import causal_attention_forward
 from mpishard.nn.functional import embedding_backward
-from mpishard.nn.kv_cache import KVCache
+from mpishard.nn.kv_cache import KVCache, caching
 from mpishard.nn.transformer import add_position_grads, position_rows
 
 rng = np.random.default_rng(0)
@@ -71,3 +72,19 @@ def test_position_rows_and_their_gradient_in_every_form():
         add_position_grads(dpos, form, dy)
         idx = np.broadcast_to(np.asarray(rows), (2, 3))       # each row's positions
         assert_close(dpos, embedding_backward(dy, idx, 10), rtol=RTOL64, what=f"{form}")
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_cached_forward_computes_the_head_on_the_last_slot_only(kind):
+    """Under caching the model's Head (nn.layers.Head) runs on each row's last slot: the
+    logits are (B, 1, V) and equal the full forward's last position; outside it, (B, T, V)."""
+    sizes = dict(vocab_size=64, seq_len=16, d_model=16, n_heads=4, n_layers=2)
+    model = ms.GPT(**sizes) if kind == "gpt" else ms.Llama(**sizes, n_kv_heads=2, d_ff=24)
+    engine = ms.make_engine(model, "single", report_errors=False)
+    engine.load_checkpoint(model.init(seed=0))
+    ids = rng.integers(0, 64, size=(2, 6))
+    full = engine.predict(ids)
+    with caching(engine.chunks, KVCache(8)):
+        last = engine.predict(ids)
+    assert full.shape == (2, 6, 64) and last.shape == (2, 1, 64)
+    assert_close(last, full[:, -1:], rtol=RTOL64, what=kind)
