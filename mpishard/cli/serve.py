@@ -17,6 +17,8 @@ Layouts: tp, pp (the rows go through the stages as --microbatches groups) and bo
 axis makes replicas, each running its own rows, rank 0 giving each request to the replica
 with the most free slots. fsdp, cp, ep and sequence_parallel are refused (no KV cache under
 cp and sequence_parallel; the others shard what a server would gather every step).
+`--layout auto` picks among the layouts serve runs (cli/serve_layout.py): one that fits in
+--max-memory, then the fewest bytes sent per decode step.
 
 SIGTERM, SIGINT and SIGUSR1 (the signal `launch` forwards) drain the server: new requests
 get 503, running ones finish within --drain-timeout seconds (the rest end with
@@ -31,23 +33,26 @@ import signal
 import socket
 import threading
 
+import numpy as np
+
 from .. import hf
-from ..parallel.decoder import check_decode
 from ..serve.api import build_app
 from ..serve.metrics import make_metrics
 from ..serve.batch_step import Stepper
 from ..serve.control import control_comm
 from ..serve.intake import Intake
 from ..serve.loop import ServeLoop
-from ..serve.replicas import replica_comm, split_replicas
+from ..serve.replicas import replica_comm
 from ..train.chat_template import (CONFIG_FILE, JINJA_FILE, find_chat_template,
                                    load_chat_template, template_tokens)
 from ..train.preemption import StopFlag
 from ..validate import check_number
+from .auto_layout import add_auto_arguments, agree_choice, agree_memory_limit
 from .generate import carried_eos, hf_engine, hf_eos, open_tokenizer
 from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
 from .model_flag import HF_NAMES
-from .usage import KEYED, UsageError, agreed, checked_layout, world_comm
+from .serve_layout import AUTO, auto_layout, serve_layout
+from .usage import KEYED, UsageError, agreed, world_comm
 
 log = logging.getLogger("mpishard")
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -61,7 +66,9 @@ def add_serve_arguments(p):
     source.add_argument("--hf", metavar="DIR", help=f"a Hugging Face model directory "
                         f"({HF_NAMES})")
     p.add_argument("--layout", help="mesh layout: tp, pp and dp (replicas), e.g. tp=2,pp=2 or "
-                   "dp=2,tp=2 (default: dp over all ranks, single on one)")
+                   "dp=2,tp=2, or auto: fits in --max-memory, fewest bytes sent per decode "
+                   "step (default: dp over all ranks, single on one)")
+    add_auto_arguments(p.add_argument, calibration=False)     # --max-memory
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: "
                    "this node only; 0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 picks a free one)")
@@ -96,18 +103,6 @@ def add_serve_arguments(p):
     return p
 
 
-def serve_layout(args, size: int) -> tuple:
-    """(the layout, replicas, one replica's layout text) after serve's checks (UsageError, no
-    MPI): dp makes replicas (serve/replicas.py); every replica decodes with a KV cache."""
-    layout = checked_layout(args.layout or ("single" if size == 1 else f"dp={size}"), size)
-    try:
-        replicas, inner = split_replicas(layout.text, size)
-        check_decode(layout)
-    except ValueError as exc:
-        raise UsageError(f"--layout: {exc}") from None
-    return layout, replicas, inner
-
-
 def prepare_server(args, comm):
     """Validate argv, the model, the tokenizer and the chat template on every rank (no
     collective). Returns (layout, model, checkpoint or None, Text, eos ids, template)."""
@@ -115,7 +110,6 @@ def prepare_server(args, comm):
     if missing:
         raise UsageError(f"serve needs the serve extra ({', '.join(missing)} missing): pip "
                          f"install 'mpishard[serve]'")
-    layout = serve_layout(args, comm.Get_size())
     for flag, low in (("max_batch", 1), ("max_queue", 0), ("prefill_tokens", 1),
                       ("port", 0), ("drain_timeout", 0), ("heartbeat", 0.01)):
         check_number("--" + flag.replace("_", "-"), getattr(args, flag), low=low,
@@ -143,6 +137,11 @@ def prepare_server(args, comm):
                          f"{model.seq_len} positions")
     if any(not 0 <= e < model.vocab_size for e in eos):
         raise UsageError(f"--eos {eos}: ids must lie in [0, {model.vocab_size})")
+    if args.layout == AUTO:
+        dtype = args.dtype or ("float32" if ckpt is None else
+                               next(iter(ckpt.values())).dtype.name)
+        args.layout = auto_layout(args, model, comm.Get_size(), np.dtype(dtype).itemsize)
+    layout = serve_layout(args, comm.Get_size())
     text = open_tokenizer(args, model, ckpt)
     return layout, model, ckpt, text, eos, chat_files(args, text)
 
@@ -196,8 +195,10 @@ def _front(args, text, model, eos, template, files, intake):
 def run_serve(args) -> int:
     world = world_comm()
     rank = world.Get_rank()
+    agree_memory_limit(args, world)               # --layout auto: the smallest rank's limit
     (layout, replicas, inner), model, ckpt, text, eos, (template, files) = agreed(
         world, lambda: prepare_server(args, world))
+    agree_choice(args, world, layout.text, show=True)
     comm, replica = replica_comm(world, replicas)
     engine = agreed(world, lambda: hf_engine(args, model, inner, comm) if ckpt is None else
                     checkpoint_engine(ckpt, model, inner, args, comm))
@@ -238,4 +239,4 @@ def run_serve(args) -> int:
     return 0
 
 
-__all__ = ["add_serve_arguments", "prepare_server", "run_serve", "serve_layout"]
+__all__ = ["add_serve_arguments", "chat_files", "prepare_server", "run_serve"]
