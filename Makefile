@@ -203,7 +203,7 @@ test-hf: $(STAMP)
 # prometheus-client) and the `hf` extra first, plus the test clients; `make test` ignores
 # tests/serve. The serial part starts its own mpiexec jobs (1, 2 and 4 ranks); the MPI part
 # checks the batched step against engine.generate on SERVE_SIZES ranks.
-SERVE_EXTRAS     ?= dev,serve,hf
+SERVE_EXTRAS     ?= dev,serve
 SERVE_TEST_TOOLS ?= openai httpx
 SERVE_SIZES      ?= 2 4
 SERVE_TIMEOUT    ?= 600
@@ -290,7 +290,7 @@ endif
 SERVE_BENCH_ARGS ?=
 .PHONY: bench-serve
 bench-serve: $(STAMP)
-	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS)]' httpx
+	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS),hf]' httpx
 	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout -k 10 $(BENCH_TIMEOUT) \
 	    $(PY) benchmarks/serve_bench.py $(SERVE_BENCH_ARGS)
 

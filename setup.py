@@ -37,7 +37,8 @@ TEST_TOOLS = [
 SFT = ["datasets>=2.19", "jinja2>=3.1"]
 # `mpishard serve` (serve/): uvicorn runs the Starlette app on rank 0, prometheus-client
 # writes /metrics, jinja2 renders chat templates. No MPI wheel: safe next to a site MPI.
-SERVE = ["uvicorn>=0.30", "starlette>=0.37", "prometheus-client>=0.20", "jinja2>=3.1"]
+SERVE = ["uvicorn>=0.30", "starlette>=0.37", "prometheus-client>=0.20", "jinja2>=3.1",
+         "tokenizers>=0.19"]
 TEST_TOOLS += SFT
 
 setup(

@@ -27,15 +27,16 @@ finish_reason "abort"), and every rank exits 0.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import signal
 import socket
+import sys
 import threading
 
 import numpy as np
 
 from .. import hf
+from ..health.lines import write_line
 from ..serve.api import build_app
 from ..serve.metrics import make_metrics
 from ..serve.batch_step import Stepper
@@ -54,9 +55,8 @@ from .model_flag import HF_NAMES
 from .serve_layout import AUTO, auto_layout, serve_layout
 from .usage import KEYED, UsageError, agreed, world_comm
 
-log = logging.getLogger("mpishard")
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-SERVE_EXTRA = ("uvicorn", "starlette", "prometheus_client", "jinja2")
+SERVE_EXTRA = ("uvicorn", "starlette", "prometheus_client", "jinja2", "tokenizers")
 
 
 def add_serve_arguments(p):
@@ -129,6 +129,9 @@ def prepare_server(args, comm):
         if not model.generates:
             raise UsageError(f"--checkpoint {args.checkpoint} holds no language model")
         eos = args.eos or carried_eos(ckpt)
+    args.lifted_capacity = getattr(model, "capacity_factor", None)
+    if args.lifted_capacity is not None:   # experts' capacity is counted per forward: a row's
+        model.capacity_factor = None       # experts would depend on the rows beside it
     if args.max_model_len is None:
         args.max_model_len = model.seq_len
     check_number("--max-model-len", args.max_model_len, low=2, integer=True, error=UsageError)
@@ -192,6 +195,12 @@ def _front(args, text, model, eos, template, files, intake):
     return server, thread, sock, metrics
 
 
+def say(text: str, stream=None) -> None:
+    """One line of rank 0's, written at once (default stderr; the listening line: stdout),
+    so that a launcher merging the two never splits it."""
+    write_line(f"mpishard serve: {text}", stream)
+
+
 def run_serve(args) -> int:
     world = world_comm()
     rank = world.Get_rank()
@@ -226,11 +235,18 @@ def run_serve(args) -> int:
             if not server.started:
                 raise RuntimeError("the HTTP server did not start (its error is above)")
             host, port = sock.getsockname()[:2]
-            log.info("serve: layout %s: %d replica(s) of %s, %d slots x %d positions each; "
-                     "KV cache %.1f MiB on this rank", layout.text, replicas, inner,
-                     args.max_batch, args.max_model_len, stepper.nbytes() / 2**20)
-            print(f"mpishard serve: listening on http://{host}:{port}", flush=True)
+            if args.lifted_capacity is not None:
+                say(f"the model's capacity_factor={args.lifted_capacity:g} is lifted (None, "
+                    f"as Hugging Face serves Mixtral): with a capacity, which experts a row's "
+                    f"tokens reach would depend on the other rows of the batch")
+            say(f"layout {layout.text}: {replicas} replica(s) of {inner}, {args.max_batch} "
+                f"slots x {args.max_model_len} positions each; KV cache "
+                f"{stepper.nbytes() / 2**20:.1f} MiB on rank 0")
+            sys.stdout.flush()
+            say(f"listening on http://{host}:{port}", sys.stdout)
         loop.run()
+        if rank == 0:
+            say(f"drained: {loop.summary()}")
     finally:
         flag.restore()
         if front is not None:

@@ -95,8 +95,9 @@ class Server:
     def _authorize(self, request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                  self.api_key.encode()):
             raise ApiError(401, "incorrect or missing API key: send 'Authorization: Bearer "
                                 "KEY' with the server's --api-key", code="invalid_api_key")
 

@@ -100,7 +100,10 @@ class Stepper:
             y = engine.predict(engine.shard_batch(ids))            # (n, 1, V) or None
         if y is None:
             return None
-        return engine.xp.ascontiguousarray(y[:, 0])   # 'n 1 v -> n v': the Head kept the last
+        xp = engine.xp
+        if y.shape[1] != 1:              # a head that is no nn.layers.Head computed every t
+            y = y[xp.arange(len(chunks)), xp.asarray(np.asarray(lengths) - 1)][:, None]
+        return xp.ascontiguousarray(y[:, 0])   # 'n 1 v -> n v': each row's last real token
 
 
 __all__ = ["Stepper"]

@@ -23,7 +23,8 @@ from collections import deque
 
 
 class QueueFull(Exception):
-    """The queue holds max_queue waiting requests: answer 429 with Retry-After."""
+    """max_queue requests wait beyond the slots the next step frees: answer 429 with
+    Retry-After."""
 
     def __init__(self, waiting: int, retry_after: float = 1.0):
         super().__init__(f"the server's queue is full ({waiting} requests waiting)")
@@ -67,6 +68,7 @@ class Intake:
         self._tickets: dict = {}
         self._ids = itertools.count(1)
         self.draining = False
+        self.free = 0                    # slots free after the last step (the loop sets it)
 
     def submit(self, ids: list, params: dict) -> Ticket:
         """Queue a request (from inside the HTTP server's event loop)."""
@@ -74,8 +76,8 @@ class Intake:
         with self._lock:
             if self.draining:
                 raise Draining("the server is shutting down and accepts no new requests")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(len(self._waiting))
+            if len(self._waiting) >= self.max_queue + self.free:   # a request for a free
+                raise QueueFull(len(self._waiting))                # slot waits a step only
             ticket = Ticket(self, next(self._ids), ids, params, loop)
             self._tickets[ticket.rid] = ticket
             self._waiting.append(ticket)

@@ -93,6 +93,10 @@ class ServeLoop:
         self.slots = [dict() for _ in range(replicas)]   # rank 0: replica -> {slot: rid}
         self.drain_since = None
         self.steps = 0
+        self.lengths: dict = {}                  # rank 0: rid -> positions its row holds
+        self.busy = {"steps": 0, "rows": 0, "kv": 0.0, "requests": 0}   # rank 0's summary
+        if intake is not None:
+            intake.free = max_batch * replicas
 
     # -- rank 0: what changes at this step ---------------------------------------------------------
     def _free(self, replica: int) -> list:
@@ -118,6 +122,8 @@ class ServeLoop:
             r = max(range(self.replicas), key=lambda k: (len(free[k]), -k))  # the emptiest
             slot = free[r].pop(0)
             self.slots[r][slot] = t.rid
+            self.lengths[t.rid] = len(t.ids)
+            self.busy["requests"] += 1
             seed = t.params.get("seed")
             joins.append({"rid": t.rid, "replica": r, "slot": slot, "ids": t.ids,
                           "seed": secrets.randbits(63) if seed is None else int(seed),
@@ -135,6 +141,7 @@ class ServeLoop:
 
     def _forget(self, rid: int, finish) -> None:
         """Rank 0: the row's slot is free; its ticket gets `finish` (None: nothing more)."""
+        self.lengths.pop(rid, None)
         for used in self.slots:
             for slot, held in list(used.items()):
                 if held == rid:
@@ -197,6 +204,8 @@ class ServeLoop:
         for rid, token, finish in events:
             if finish is not None:
                 self._forget(rid, None)
+            elif token is not None and rid in self.lengths:
+                self.lengths[rid] += 1
             self.intake.deliver(rid, token, finish)
 
     def run(self) -> int:
@@ -210,10 +219,31 @@ class ServeLoop:
             events = self.compute()
             self.report(events)
             self.steps += 1
-            if self.metrics is not None:
-                running = sum(len(s) for s in self.slots)
-                self.metrics.set_queue(self.intake.depth)
-                self.metrics.set_batch(running, self.max_batch * self.replicas)
+            if self.intake is not None:
+                self._account()
+
+    def _account(self) -> None:
+        """Rank 0, after a step: the Intake's free slots, the metrics' gauges, the summary."""
+        slots = self.max_batch * self.replicas
+        running = sum(len(s) for s in self.slots)
+        kv = sum(self.lengths.values()) / (slots * self.max_len)
+        self.intake.free = slots - running
+        if running:
+            self.busy["steps"] += 1
+            self.busy["rows"] += running
+            self.busy["kv"] += kv
+        if self.metrics is not None:
+            self.metrics.set_queue(self.intake.depth)
+            self.metrics.set_batch(running, slots)
+            self.metrics.set_kv_usage(kv)
+
+    def summary(self) -> str:
+        """Rank 0: what the server did, in one line (logged when it stops)."""
+        n = max(self.busy["steps"], 1)
+        return (f"{self.busy['requests']} requests in {self.busy['steps']} busy steps of "
+                f"{self.steps}: {self.busy['rows'] / n:.1f} rows of "
+                f"{self.max_batch * self.replicas} slots per busy step, the KV cache "
+                f"{100 * self.busy['kv'] / n:.0f}% used on average")
 
 
 __all__ = ["Row", "ServeLoop"]

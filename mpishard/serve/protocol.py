@@ -14,7 +14,8 @@ any other value is refused by name, and so is a parameter nobody defined, rather
 ignored silently. `n` must be 1. `return_token_ids: true` (vLLM's extension) adds the prompt's
 and the completion's token ids to each choice (to each chunk: the ids it carries). The sampling
 parameters handed to the decode loop are
-{"max_tokens", "temperature", "top_p", "top_k" (0: off), "seed" (None: unseeded)}.
+{"max_tokens", "temperature", "top_p", "top_k" (0: off; a request's -1 too, as vLLM's), "seed"
+(None: unseeded).
 """
 from __future__ import annotations
 
@@ -137,6 +138,11 @@ def _common(body: dict, limits: Limits, ids: list, max_tokens, param: str) -> Re
     """The parameters both endpoints share, and the length check of prompt + max_tokens."""
     if not ids:
         raise _bad(param, "the prompt is empty: give at least one token")
+    outside = [i for i in ids if not 0 <= i < limits.vocab_size]
+    if outside:                          # a tokenizer with more ids than the model has
+        raise _bad(param, f"the prompt encodes to token id {outside[0]}, outside the model's "
+                          f"vocabulary (0..{limits.vocab_size - 1}): the tokenizer does not "
+                          f"match the model")
     room = limits.max_model_len - len(ids)
     if room <= 0:
         raise ApiError(400, f"this model's maximum context length is {limits.max_model_len} "
@@ -168,7 +174,7 @@ def _common(body: dict, limits: Limits, ids: list, max_tokens, param: str) -> Re
     params = {"max_tokens": max_tokens,
               "temperature": _float(body, "temperature", 1.0, 0.0, 2.0),
               "top_p": _float(body, "top_p", 1.0, 0.0, 1.0),
-              "top_k": _int(body, "top_k", 0, low=0),
+              "top_k": max(_int(body, "top_k", 0, low=-1), 0),   # -1: off, as vLLM
               "seed": _int(body, "seed", None, low=0)}      # numpy seeds are non-negative
     if params["top_p"] == 0.0:
         raise _bad("top_p", "'top_p' must be above 0 (use temperature 0 for greedy decoding)")
@@ -243,7 +249,7 @@ def parse_chat(body, limits: Limits, tok, template, special_tokens) -> Request:
     try:
         text = render_chat(template, messages, add_generation_prompt=True,
                            special_tokens=special_tokens)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:          # a bad message: the template's error
         raise _bad("messages", str(e)) from None
     ids = encode(tok, text, special=False)
     max_tokens = _int(body, "max_completion_tokens", None, low=1)
