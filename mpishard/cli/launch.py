@@ -7,8 +7,9 @@ A thin supervisor around the site's launcher (this project's torchrun): it runs
 and when the job dies (a rank killed, a node lost, a collective timeout: any exit code but 0,
 75, and 2, a usage error a relaunch would repeat) relaunches it, at most K times, with
 `--resume auto` in place of any --resume it had, so each restart continues from the newest
-complete checkpoint of --checkpoint-dir (restarts need one); a job given `--resume PATH` whose --checkpoint-dir holds no checkpoint yet (it
-died before its first save there) restarts with `--resume PATH` again, not from step 0. Each
+complete checkpoint of --checkpoint-dir (restarts need one); a job given `--resume PATH`
+whose --checkpoint-dir holds no checkpoint yet (it died before its first save there) restarts
+with `--resume PATH` again, not from step 0. Each
 restart is logged in one line with its cause and what it resumes from: the exit code, the
 signal that ended the launcher or a rank, and the rank when the job's output named it (hydra's
 "BAD TERMINATION": the pid and host of the rank that ended first and why; MPICH's "Abort ...
