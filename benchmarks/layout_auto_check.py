@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     if comm.Get_rank() == 0:
         for r in results:
             spec, gpt, batch = MODELS[r["model"]]
-            print(f"{r['model']} {spec} {gpt or ''} batch {batch} at {r['world_size']} ranks, median of {r['rounds']} rounds:")
+            print(f"{r['model']} {spec} {gpt or ''} batch {batch} at {r['world_size']} ranks, "
+                  f"median of {r['rounds']} rounds:")
             for text, t in sorted(r["measured_s"].items(), key=lambda kv: kv[1]):
                 marks = [m for m, k in (("rule", "rule_choice"), ("calibrated",
                                                                    "calibrated_choice"))

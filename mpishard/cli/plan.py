@@ -162,7 +162,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
         cells = [r["layout"] + (" *" if r["layout"] == fastest else ""),
                  format_bytes(r["memory"]), format_bytes(r["comm"])] + \
             [f"{r['step_s'] * 1e3:.2f} ms" for _ in timed] + \
-            [format_bytes(r["parts"][k]) for k in parts] + [format_bytes(r["kinds"].get(k, 0)) for k in kinds]
+            [format_bytes(r["parts"][k]) for k in parts] + \
+            [format_bytes(r["kinds"].get(k, 0)) for k in kinds]
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(cells, widths))))
     if rejected:
