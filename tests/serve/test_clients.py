@@ -201,7 +201,10 @@ def test_a_full_queue_answers_429_with_retry_after(one_slot):
         f"{one_slot.url}/v1/completions", timeout=60,
         json={"model": "long", "prompt": "queued", "max_tokens": 2})))
     waiting.start()
-    time.sleep(0.5)                     # it waits in the queue of one
+    deadline = time.monotonic() + 30    # until it waits in the queue of one
+    while "mpishard_serve_queue_depth 1.0" not in httpx.get(f"{one_slot.url}/metrics").text:
+        assert time.monotonic() < deadline, "the second request never queued"
+        time.sleep(0.05)
     try:
         r = httpx.post(f"{one_slot.url}/v1/completions", timeout=30,
                        json={"model": "long", "prompt": "full", "max_tokens": 2})

@@ -104,12 +104,18 @@ def test_launch_restarts_a_killed_server_and_drains_it_on_sigterm(tmp_path):
         assert len(ranks) == 2, job.lines
         os.kill(ranks[-1], signal.SIGKILL)
         second = job.url(2)
-        answer = {}
-        t = threading.Thread(target=lambda: answer.update(complete(second, b"launch", 50)))
-        t.start()
-        time.sleep(0.1)                      # the request is running: the drain lets it end
-        job.proc.send_signal(signal.SIGTERM)
-        t.join(120)
+        body = json.dumps({"model": "gpt", "prompt": "launch", "max_tokens": 50,
+                           "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(second + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        chunks = []
+        with urllib.request.urlopen(req, timeout=120) as stream:
+            for raw in stream:                   # the request is running when the drain
+                line = raw.decode().strip()      # starts: it still ends, whole
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:])["choices"][0])
+                    if len(chunks) == 1:
+                        job.proc.send_signal(signal.SIGTERM)
     finally:
         rc, out = job.finish()
     assert rc == 0, out[-3000:]
@@ -117,8 +123,8 @@ def test_launch_restarts_a_killed_server_and_drains_it_on_sigterm(tmp_path):
     starts = [s for s in lines if "starting:" in s]
     assert len(starts) == 2 and all("--resume" not in s for s in starts), lines
     assert any(re.search(r"job ended \(.*\); restart 1 of 1$", s) for s in lines), lines
-    assert answer["choices"][0]["text"] == bytes(want).decode("utf-8", errors="replace")
-    assert answer["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["text"] for c in chunks) == bytes(want).decode("utf-8", errors="replace")
+    assert chunks[-1]["finish_reason"] == "length"
 
 
 def test_launch_does_not_restart_a_job_that_refused_its_arguments(tmp_path):
