@@ -76,8 +76,8 @@ def add_serve_arguments(p):
                    help="rows decoded together per replica: the KV cache's slots (8)")
     p.add_argument("--max-model-len", type=int, metavar="T", help="positions per slot: "
                    "prompt + completion (default: the model's seq_len)")
-    p.add_argument("--max-queue", type=int, default=64, metavar="Q", help="requests waiting "
-                   "for a slot before new ones get 429 (64)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="Q", help="requests that may "
+                   "wait beyond the slots the next step frees before new ones get 429 (64)")
     p.add_argument("--prefill-tokens", type=int, default=512, metavar="N", help="prompt "
                    "tokens read per step (a longer prompt is read in chunks over several "
                    "steps, beside the others' decode) (512)")

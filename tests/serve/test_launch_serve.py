@@ -55,8 +55,9 @@ class Supervised:
             time.sleep(0.05)
         raise AssertionError("no listening line:\n" + "\n".join(self.lines))
 
-    def rank_pids(self, directory) -> list:
-        """The pids of the ranks serving `directory` (mpiexec runs in a session of its own)."""
+    def rank_pids(self, directory, ranks_only: bool = True) -> list:
+        """The pids of the ranks serving `directory` (mpiexec runs in a session of its own);
+        ranks_only=False: mpiexec's too."""
         found = []
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
@@ -64,21 +65,23 @@ class Supervised:
                     argv = f.read().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "mpiexec" not in argv[0] and argv[1:5] == ["-m", "mpi4py", "-m", "mpishard"] \
-                    and directory in argv:
+            rank = "mpiexec" not in argv[0] and argv[1:5] == ["-m", "mpi4py", "-m", "mpishard"]
+            if directory in argv and "serve" in argv and (rank or not ranks_only) \
+                    and int(entry) != self.proc.pid:
                 found.append(int(entry))
         return sorted(found)
 
-    def finish(self, timeout: float = 120.0):
+    def finish(self, directory, timeout: float = 120.0):
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.lines.append(f"(still running after {timeout} s: killed)")
         finally:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for pid in [self.proc.pid] + self.rank_pids(directory, ranks_only=False):
+                try:                     # mpiexec and its ranks left by a failed test too
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             for path in leftovers.left_since(self.before):
                 os.unlink(path)
         return self.proc.returncode, "\n".join(self.lines)
@@ -117,7 +120,7 @@ def test_launch_restarts_a_killed_server_and_drains_it_on_sigterm(tmp_path):
                     if len(chunks) == 1:
                         job.proc.send_signal(signal.SIGTERM)
     finally:
-        rc, out = job.finish()
+        rc, out = job.finish(directory)
     assert rc == 0, out[-3000:]
     lines = [s for s in out.splitlines() if s.startswith("mpishard launch:")]
     starts = [s for s in lines if "starting:" in s]
