@@ -56,6 +56,7 @@ from .serve_layout import AUTO, auto_layout, serve_layout
 from .usage import KEYED, UsageError, agreed, world_comm
 
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+KEEP_ALIVE_S = 75
 SERVE_EXTRA = ("uvicorn", "starlette", "prometheus_client", "jinja2", "tokenizers")
 
 
@@ -189,7 +190,11 @@ def _front(args, text, model, eos, template, files, intake):
         sock.bind((args.host, args.port))
     except OSError as exc:
         raise UsageError(f"--host {args.host} --port {args.port}: {exc.strerror}") from None
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    # an idle connection is kept 75 s (uvicorn's default: 5): a client pool that reuses it
+    # after its own 5 s (httpx, hence openai) never meets one the server is closing, where a
+    # POST sent into the close is lost with a read error and never reaches the server
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="mpishard-http", daemon=True)
     return server, thread, sock, metrics
