@@ -291,7 +291,7 @@ SERVE_BENCH_ARGS ?=
 .PHONY: bench-serve
 bench-serve: $(STAMP)
 	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS),hf]' httpx
-	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout -k 10 $(BENCH_TIMEOUT) \
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout -k 10 $(BENCH_TIMEOUT) \
 	    $(PY) benchmarks/serve_bench.py $(SERVE_BENCH_ARGS)
 
 lint: $(STAMP)
