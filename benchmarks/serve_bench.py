@@ -41,7 +41,7 @@ static at the largest level is the median of the rounds' ratios, each taken with
 the two runs back to back. One BLAS / torch thread
 everywhere (OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 for the server; torch.set_num_threads(1)).
 
-Measured on the shared 2-core machine: benchmarks/results.md, "Serving" (continuous 1.65x
+Measured on the shared 2-core machine: benchmarks/results.md, "Serving" (continuous 1.18x
 static at 32 clients; this request mix bounds the gain of batching alone at 1.88x).
 """
 from __future__ import annotations
