@@ -200,7 +200,7 @@ test-hf: $(STAMP)
 # --- the OpenAI-compatible server (not in `make test`; .ci/run runs it) ---------------------
 # tests/serve start `mpishard serve` jobs of their own and drive them with the official openai
 # client and curl, so the stage installs the `serve` extra (uvicorn, starlette,
-# prometheus-client) and the `hf` extra first, plus the test clients; `make test` ignores
+# prometheus-client, jinja2, tokenizers) first, plus the test clients; `make test` ignores
 # tests/serve. The serial part starts its own mpiexec jobs (1, 2 and 4 ranks); the MPI part
 # checks the batched step against engine.generate on SERVE_SIZES ranks.
 SERVE_EXTRAS     ?= dev,serve

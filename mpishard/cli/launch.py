@@ -4,12 +4,11 @@ A thin supervisor around the site's launcher (this project's torchrun): it runs
 
     CMD -n N python -m mpi4py -m mpishard train ...         (CMD: mpiexec by default, or srun)
 
-and when the job dies (a rank killed, a node lost, a collective timeout: any exit code but 0,
-75, and 2, a usage error a relaunch would repeat) relaunches it, at most K times, with
-`--resume auto` in place of any --resume it had, so each restart continues from the newest
-complete checkpoint of --checkpoint-dir (restarts need one); a job given `--resume PATH`
-whose --checkpoint-dir holds no checkpoint yet (it died before its first save there) restarts
-with `--resume PATH` again, not from step 0. Each
+and when the job dies (a rank killed, a node lost, a collective timeout: any exit code but 0
+and 75) relaunches it, at most K times, with `--resume auto` in place of any --resume it had,
+so each restart continues from the newest complete checkpoint of --checkpoint-dir (restarts
+need one); a job given `--resume PATH` whose --checkpoint-dir holds no checkpoint yet (it
+died before its first save there) restarts with `--resume PATH` again, not from step 0. Each
 restart is logged in one line with its cause and what it resumes from: the exit code, the
 signal that ended the launcher or a rank, and the rank when the job's output named it (hydra's
 "BAD TERMINATION": the pid and host of the rank that ended first and why; MPICH's "Abort ...
@@ -60,7 +59,6 @@ from .train import parse_train_args
 from .usage import PROG, UsageError
 
 PREEMPTED = 75                            # train/preemption.py PREEMPTED_EXIT (no MPI import)
-USAGE = 2                                 # cli.main's exit code for a UsageError
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CHECKPOINT = (signal.SIGTERM, signal.SIGUSR1)      # reach the ranks as SIGUSR1: checkpoint, 75
 # What a job's output says about a rank: (pattern, template); the first one found is the cause.
@@ -264,9 +262,6 @@ def _supervise(args, state) -> int:
             if state["signalled"]:
                 _say(f"stopped on {signal.Signals(state['signalled']).name}: exit code {rc}")
             return rc if rc >= 0 else 128 - rc
-        if rc == USAGE:                # the command refused its own flags: the same again
-            _say("job refused its arguments (exit code 2, the error above): not restarted")
-            return USAGE
         if rc == PREEMPTED:            # the ranks were signalled directly: requeue, not here
             _say("job stopped on a signal to its ranks and saved a checkpoint: exit code 75, "
                  "not restarted (requeue the job)")

@@ -130,9 +130,10 @@ def prepare_server(args, comm):
         if not model.generates:
             raise UsageError(f"--checkpoint {args.checkpoint} holds no language model")
         eos = args.eos or carried_eos(ckpt)
-    args.lifted_capacity = getattr(model, "capacity_factor", None)
-    if args.lifted_capacity is not None:   # experts' capacity is counted per forward: a row's
-        model.capacity_factor = None       # experts would depend on the rows beside it
+    args.lifted_capacity = getattr(model, "capacity_factor", None) \
+        if getattr(model, "n_experts", None) else None
+    if args.lifted_capacity is not None:   # capacity is counted per forward call: a decode
+        model.capacity_factor = None       # step or a prefill chunk, not a whole prompt
     if args.max_model_len is None:
         args.max_model_len = model.seq_len
     check_number("--max-model-len", args.max_model_len, low=2, integer=True, error=UsageError)
@@ -242,8 +243,9 @@ def run_serve(args) -> int:
             host, port = sock.getsockname()[:2]
             if args.lifted_capacity is not None:
                 say(f"the model's capacity_factor={args.lifted_capacity:g} is lifted (None, "
-                    f"as Hugging Face serves Mixtral): with a capacity, which experts a row's "
-                    f"tokens reach would depend on the other rows of the batch")
+                    f"as Hugging Face serves Mixtral): a capacity is counted per forward "
+                    f"call, here a decode step or a prefill chunk, so tokens would reach "
+                    f"other experts than in one pass over the whole prompt")
             say(f"layout {layout.text}: {replicas} replica(s) of {inner}, {args.max_batch} "
                 f"slots x {args.max_model_len} positions each; KV cache "
                 f"{stepper.nbytes() / 2**20:.1f} MiB on rank 0")

@@ -41,8 +41,8 @@ class ServeMetrics:
         self._slots = Gauge(p + "batch_slots", "rows the batch can hold (--max-batch)",
                             registry=r)
         self._occupancy = Gauge(p + "batch_occupancy", "running rows / slots", registry=r)
-        self._kv = Gauge(p + "kv_cache_usage", "positions the running rows hold / the KV "
-                         "cache's positions (slots x --max-model-len)", registry=r)
+        self._kv = Gauge(p + "kv_cache_usage", "positions the running rows take (prompt and "
+                         "tokens drawn) / the KV cache's (slots x --max-model-len)", registry=r)
         self._ttft = Histogram(p + "time_to_first_token_seconds",
                                "from a request's arrival to its first token",
                                buckets=TTFT_BUCKETS, registry=r)

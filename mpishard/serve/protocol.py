@@ -15,7 +15,7 @@ ignored silently. `n` must be 1. `return_token_ids: true` (vLLM's extension) add
 and the completion's token ids to each choice (to each chunk: the ids it carries). The sampling
 parameters handed to the decode loop are
 {"max_tokens", "temperature", "top_p", "top_k" (0: off; a request's -1 too, as vLLM's), "seed"
-(None: unseeded).
+(None: unseeded)}.
 """
 from __future__ import annotations
 

@@ -2,12 +2,8 @@
 Intake (take/deliver) with deterministic tokens: the bytes of ANSWER then an eos, or for a
 prompt starting "slow" an endless run of "a" until max_tokens. In-process through
 starlette's TestClient, and over loopback through uvicorn for the official openai client and
-for clients that go away."""
+for clients that go away (test_api_uvicorn.py)."""
 from __future__ import annotations
-
-import json
-import threading
-import time
 
 import pytest
 
@@ -19,156 +15,13 @@ pytest.importorskip("prometheus_client")
 pytest.importorskip("jinja2")
 pytest.importorskip("tokenizers")
 
-from starlette.testclient import TestClient  # noqa: E402
-
-from mpishard.serve.api import build_app  # noqa: E402
-from mpishard.serve.intake import Intake  # noqa: E402
-from mpishard.serve.metrics import make_metrics  # noqa: E402
-from test_detok import byte_level, metaspace  # noqa: E402
-
-ANSWER = "Bonjour, ça va? 日本 ✓ END."
-EOS, MAX_LEN, MODEL = 256, 256, "tiny"
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-class FakeLoop(threading.Thread):
-    """The decode loop's side of the Intake: one token per row per step, `max_batch` rows."""
-
-    def __init__(self, intake: Intake, max_batch: int = 4, answers=None, eos=EOS):
-        super().__init__(daemon=True)
-        self.intake, self.max_batch, self.answers, self.eos = intake, max_batch, answers, eos
-        self.rows, self.joined, self.cancelled = {}, [], []
-        self.halt = threading.Event()
-
-    def script(self, ticket) -> list:
-        if self.answers is not None:
-            return self.answers(ticket.ids)
-        if bytes(ticket.ids).startswith(b"slow"):
-            return [ord("a")] * MAX_LEN
-        return list(ANSWER.encode()) + [EOS]
-
-    def run(self) -> None:
-        """Steps until halted; an error ends every row with "abort" (the test then fails on
-        the error, raised again by Served, rather than hanging)."""
-        self.error = None
-        try:
-            self.steps()
-        except BaseException as e:
-            self.error = e
-            for rid in self.rows:
-                self.intake.deliver(rid, None, "abort")
-            self.intake.abort_waiting()
-
-    def steps(self) -> None:
-        while not self.halt.is_set():
-            self.intake.wait(0.01)
-            joins, cancels = self.intake.take(self.max_batch - len(self.rows))
-            for t in joins:
-                self.rows[t.rid] = [t, 0]
-                self.joined.append(t)
-            for rid in cancels:
-                self.cancelled.append(rid)
-                if self.rows.pop(rid, None) is not None:
-                    self.intake.deliver(rid, None, "abort")
-            for rid, row in list(self.rows.items()):
-                ticket, step = row
-                token = self.script(ticket)[step]
-                row[1] = step + 1
-                finish = ("stop" if token == self.eos else
-                          "length" if row[1] >= ticket.params["max_tokens"] else None)
-                self.intake.deliver(rid, token, finish)
-                if finish:
-                    del self.rows[rid]
-            time.sleep(0.005)
-
-    def wait_cancelled(self, rid, timeout=10.0) -> bool:
-        end = time.time() + timeout
-        while time.time() < end and rid not in self.cancelled:
-            time.sleep(0.01)
-        return rid in self.cancelled
-
-
-class Served:
-    """An app on a fresh Intake served by a FakeLoop, and a TestClient of it (a context
-    manager). The loop halts before the client's event loop closes: a loop delivering to a
-    ticket whose event loop is closed fails."""
-
-    def __init__(self, max_queue=8, api_key=None, template=TEMPLATE, tok=None, answers=None,
-                 eos=EOS):
-        self.intake, self.metrics = Intake(max_queue), make_metrics()
-        self.loop = FakeLoop(self.intake, answers=answers, eos=eos)
-        self.app = build_app(self.intake, tok, model_name=MODEL, max_model_len=MAX_LEN,
-                             vocab_size=eos + 1, chat_template=template, special_tokens={},
-                             eos=[eos], api_key=api_key, metrics=self.metrics)
-
-    def __enter__(self):
-        self.loop.start()
-        self.client = TestClient(self.app).__enter__()
-        return self
-
-    def halt(self) -> None:
-        self.loop.halt.set()
-        self.loop.join(5)
-        if self.loop.error is not None:
-            raise self.loop.error
-
-    def __exit__(self, *exc):
-        try:
-            self.halt()
-        finally:
-            self.client.__exit__(*exc)
-
-
-class Uvicorn:
-    """The app on 127.0.0.1 with a port the system picks, in a thread."""
-
-    def __init__(self, served: Served):
-        self.served = served
-        self.server = uvicorn.Server(uvicorn.Config(served.app, host="127.0.0.1", port=0,
-                                                    log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        end = time.time() + 20
-        while not self.server.started and time.time() < end:
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.served.halt()
-        finally:
-            self.server.should_exit = True
-            self.thread.join(10)
-
+from fake_app import ANSWER, EOS, ERROR_KEYS, MAX_LEN, MODEL, Served, post  # noqa: E402
+from mpishard.serve.protocol import ApiError, Limits, parse_completion  # noqa: E402
 
 @pytest.fixture
 def served():
     with Served() as s:
         yield s
-
-
-def sse(lines) -> list:
-    """The data of each event; the last must be [DONE]."""
-    data = [line[len("data: "):] for line in lines if line]
-    assert data and data[-1] == "[DONE]", data[-3:]
-    assert all(line.startswith("data: ") for line in lines if line)
-    return [json.loads(d) for d in data[:-1]]
-
-
-def post(client, path, body, **kw):
-    """The response; for a streamed request the events' data, checked to end with [DONE]."""
-    if not body.get("stream"):
-        return client.post(path, json=body, **kw)
-    with client.stream("POST", path, json=body, **kw) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith(
-            "text/event-stream")
-        return sse(list(r.iter_lines()))
 
 
 def test_completion_plain_and_streamed(served):
@@ -191,6 +44,17 @@ def test_completion_plain_and_streamed(served):
     assert "".join(c["choices"][0]["text"] for c in chunks).encode() == ANSWER.encode()
     assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "stop"]
     assert len(chunks) > 10                                # streamed, not sent at once
+
+
+def test_prompt_ids_outside_the_vocabulary_and_top_k_off():
+    """A text whose ids the model does not have (a tokenizer larger than the model) is a 400,
+    not a request that fails every rank; top_k -1 is off, as vLLM's."""
+    limits = Limits(MODEL, MAX_LEN, 100)                     # bytes above 99: no such id
+    with pytest.raises(ApiError, match="outside the model's vocabulary") as err:
+        parse_completion({"model": MODEL, "prompt": "zzz"}, limits, None)
+    assert err.value.status == 400 and err.value.param == "prompt"
+    req = parse_completion({"model": MODEL, "prompt": "a", "top_k": -1}, limits, None)
+    assert req.params["top_k"] == 0
 
 
 def test_return_token_ids_whole_and_streamed(served):
@@ -295,7 +159,7 @@ def error(r, status, param=None):
     ({"model": MODEL, "prompt": "x", "seed": 1.5}, 400, "seed"),
     ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": "x", "top_k": -1}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
     ({"model": MODEL, "prompt": "x", "stream_options": 1}, 400, "stream_options"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ([1, 2], 400, None),
@@ -382,74 +246,3 @@ def test_metrics(served):
                  "mpishard_serve_time_to_first_token_seconds_count 1.0",
                  "mpishard_serve_inter_token_latency_seconds_count 3.0"):
         assert line in text.splitlines(), line
-
-
-def test_openai_client_over_uvicorn():
-    with Served() as s, Uvicorn(s) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=100, seed=1)
-        assert done.choices[0].text == ANSWER and done.choices[0].finish_reason == "stop"
-        assert done.usage.completion_tokens == len(ANSWER.encode()) + 1
-        pieces = [c.choices[0].text for c in client.completions.create(
-            model=MODEL, prompt="Hello", max_tokens=100, stream=True)]
-        assert "".join(pieces) == ANSWER and len(pieces) > 10
-        messages = [{"role": "user", "content": "Hi"}]
-        chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                              stop=["✓"])
-        assert chat.choices[0].message.content == "Bonjour, ça va? 日本 "
-        stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                stream_options={"include_usage": True})
-        chunks = list(stream)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ANSWER
-        assert chunks[-1].usage.completion_tokens == len(ANSWER.encode()) + 1
-        with pytest.raises(openai.NotFoundError):
-            client.completions.create(model="other", prompt="x")
-        with pytest.raises(openai.BadRequestError, match="max_tokens"):
-            client.completions.create(model=MODEL, prompt="x", max_tokens=10 ** 6)
-        models = client.models.list()
-        assert [m.id for m in models.data] == [MODEL]
-
-
-def test_a_client_that_goes_away_cancels_its_row():
-    with Served() as s, Uvicorn(s) as server:
-        body = {"model": MODEL, "prompt": "slow", "max_tokens": MAX_LEN - 4, "stream": True}
-        with httpx.Client(base_url=server.url) as client:
-            with client.stream("POST", "/v1/completions", json=body) as r:
-                next(r.iter_lines())
-            rid = s.loop.joined[-1].rid
-            assert s.loop.wait_cancelled(rid), "the closed stream did not cancel its row"
-            with pytest.raises(httpx.ReadTimeout):
-                client.post("/v1/completions", json=dict(body, stream=False), timeout=0.3)
-            rid = s.loop.joined[-1].rid
-            assert s.loop.wait_cancelled(rid), "the abandoned request did not cancel its row"
-            ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-            assert ok.json()["choices"][0]["text"] == ANSWER.encode()[:16].decode()
-
-
-@pytest.mark.parametrize("make", [byte_level, metaspace], ids=["byte_level", "metaspace"])
-def test_a_real_tokenizer_streams_the_text_it_answers_whole(make):
-    """The loop's ids are the tokenizer's own for prompt + answer: the completion's text is the
-    tokenizer's text of the answer as it continues the prompt (its leading space kept),
-    streamed or not."""
-    tok = make()
-    eos = tok.get_vocab_size()
-    prompt, answer = "Paris is the capital of", " France. 日本語 🐙 straße 😀!"
-    whole = tok.encode(prompt + answer).ids
-    answer = tok.decode(whole)[len(tok.decode(tok.encode(prompt).ids)):]   # unknown chars gone
-    assert answer.startswith(" France. 日本語 ")
-
-    def answers(ids):
-        assert ids == whole[:len(ids)]
-        return whole[len(ids):] + [eos]
-
-    with Served(tok=tok, answers=answers, eos=eos) as s:
-        client = s.client
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 100}
-        plain = post(client, "/v1/completions", body).json()
-        assert plain["choices"][0]["text"] == answer
-        assert plain["usage"]["completion_tokens"] == len(whole) - len(tok.encode(prompt).ids) + 1
-        chunks = post(client, "/v1/completions", dict(body, stream=True))
-        pieces = [c["choices"][0]["text"] for c in chunks]
-        assert "".join(pieces) == answer and not any("\ufffd" in p for p in pieces)
-        cut = post(client, "/v1/completions", dict(body, stop=[answer[10:15]])).json()
-        assert cut["choices"][0]["text"] == " France. 日"

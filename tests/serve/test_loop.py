@@ -123,3 +123,19 @@ def test_eos_ends_a_row_with_stop(engine):
     intake.drain()
     thread.join(60)
     assert got == (cut, "stop")
+
+
+def test_the_queue_counts_requests_beyond_the_free_slots(engine):
+    """--max-queue 1 with 3 slots free: 4 requests are taken (3 go in at the next step, one
+    waits), the 5th is refused; with no slot free only one may wait."""
+    intake = Intake(max_queue=1)
+    client = Client(intake)
+    intake.free = 3
+    for p in PROMPTS[:4]:
+        client.submit(p)
+    with pytest.raises(QueueFull):
+        client.submit(PROMPTS[4])
+    intake.free = 0
+    intake.take(3)
+    with pytest.raises(QueueFull):
+        client.submit(PROMPTS[4])

@@ -1,6 +1,7 @@
 """`serve --checkpoint DIR`: a Mixtral checkpoint of ours, trained with an expert capacity,
 carrying the bytes tokenizer. The server lifts the capacity (None, as Hugging Face serves
-Mixtral: with one, a row's experts would depend on the rows beside it), says so in one line,
+Mixtral: a capacity is counted per forward call, and the server's calls are decode steps and
+prefill chunks, not whole prompts), says so in one line,
 and answers greedy requests running together on pp=2 with engine.generate's ids of each
 prompt alone under capacity_factor=None.
 
