@@ -25,6 +25,7 @@ from mpishard.cli.auto_layout import choose_layout
 from mpishard.cli.model_flag import model_from_flag
 from mpishard.cli.plan_time import measure_steps, step_fn
 from mpishard.comm.mesh import parse_layout
+from mpishard.health.signals import remove_singleton_segment_at_exit
 from mpishard.costs.calibration import load_calibration
 
 MODELS = {"mlp": ("784,512,512,10", None, 256),          # name: (--model, --gpt, batch)
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
+    remove_singleton_segment_at_exit(comm)     # run alone, Open MPI leaves its segment
     calibration = load_calibration(args.calibration) if args.calibration else None
     results = [check(name, *MODELS[name], comm, calibration, args.top, args.rounds)
                for name in args.models.split(",")]

@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpishard as ms
+from mpishard.health.signals import remove_singleton_segment_at_exit
 from mpishard.comm.mesh import parse_layout
 from mpishard.costs.peak_memory import rank_peak
 from mpishard.train.memory import reset_high_water_mark, status_bytes
@@ -150,6 +151,8 @@ def table(rows) -> str:
 
 
 def main(argv=None) -> int:
+    # the driver runs as an MPI singleton: Open MPI would leave its segment in /dev/shm
+    remove_singleton_segment_at_exit(MPI.COMM_WORLD)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="*", choices=sorted(CASES), help="these cases only "
                    "(default: every case but the ci- ones)")
