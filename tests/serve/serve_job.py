@@ -64,6 +64,23 @@ def write_model(directory, kind: str, seed: int = 1) -> str:
     return str(path)
 
 
+def serving_pids(directory, ranks_only: bool = True) -> list:
+    """The pids serving `directory`, in order: its ranks (`python -m mpi4py -m mpishard
+    serve`), and with ranks_only=False the mpiexec that started them too (found in /proc:
+    launch runs mpiexec in a session of its own)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        rank = "mpiexec" not in argv[0] and argv[1:5] == ["-m", "mpi4py", "-m", "mpishard"]
+        if str(directory) in argv and "serve" in argv and (rank or not ranks_only):
+            found.append(int(entry))
+    return sorted(found)
+
+
 def chat_prompt(messages) -> bytes:
     """The bytes CHAT_TEMPLATE renders `messages` to, with the generation prompt."""
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)

@@ -18,7 +18,8 @@ import urllib.request
 
 import pytest
 
-from serve_job import LISTENING, ROOT, leftovers, mpiexec_cmd, references, write_model
+from serve_job import (LISTENING, ROOT, leftovers, mpiexec_cmd, references, serving_pids,
+                       write_model)
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
@@ -55,29 +56,13 @@ class Supervised:
             time.sleep(0.05)
         raise AssertionError("no listening line:\n" + "\n".join(self.lines))
 
-    def rank_pids(self, directory, ranks_only: bool = True) -> list:
-        """The pids of the ranks serving `directory` (mpiexec runs in a session of its own);
-        ranks_only=False: mpiexec's too."""
-        found = []
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            rank = "mpiexec" not in argv[0] and argv[1:5] == ["-m", "mpi4py", "-m", "mpishard"]
-            if directory in argv and "serve" in argv and (rank or not ranks_only) \
-                    and int(entry) != self.proc.pid:
-                found.append(int(entry))
-        return sorted(found)
-
     def finish(self, directory, timeout: float = 120.0):
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.lines.append(f"(still running after {timeout} s: killed)")
         finally:
-            for pid in [self.proc.pid] + self.rank_pids(directory, ranks_only=False):
+            for pid in {self.proc.pid, *serving_pids(directory, ranks_only=False)}:
                 try:                     # mpiexec and its ranks left by a failed test too
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -103,7 +88,7 @@ def test_launch_restarts_a_killed_server_and_drains_it_on_sigterm(tmp_path):
         first = job.url(1)
         want = references(directory, [b"launch"], 50)[0]
         assert complete(first, b"launch", 20)["usage"]["completion_tokens"] == 20
-        ranks = job.rank_pids(directory)
+        ranks = serving_pids(directory)
         assert len(ranks) == 2, job.lines
         os.kill(ranks[-1], signal.SIGKILL)
         second = job.url(2)

@@ -16,26 +16,11 @@ import urllib.request
 
 import pytest
 
-from serve_job import ServeJob, write_model
+from serve_job import ServeJob, serving_pids, write_model
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 TIMEOUT = 3
-
-
-def rank_pid(directory, rank_index: int) -> int:
-    """The pid of the rank_index-th rank (by pid) serving `directory`."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "mpiexec" not in argv[0] and argv[1:5] == ["-m", "mpi4py", "-m", "mpishard"] \
-                and str(directory) in argv:
-            found.append(int(entry))
-    return sorted(found)[rank_index]
 
 
 def test_a_stalled_rank_ends_the_server_with_a_named_error(tmp_path):
@@ -43,7 +28,7 @@ def test_a_stalled_rank_ends_the_server_with_a_named_error(tmp_path):
     job = ServeJob(2, ["--hf", directory, "--tokenizer", "bytes", "--layout", "tp=2",
                        "--timeout", TIMEOUT, "--heartbeat", 0.5],
                    env={"MPISHARD_FLIGHT_DIR": str(tmp_path)})
-    stopped = rank_pid(directory, 1)
+    stopped = serving_pids(directory)[1]
     try:
         os.kill(stopped, signal.SIGSTOP)
         body = json.dumps({"model": "gpt", "prompt": "stall", "max_tokens": 8}).encode()
