@@ -55,14 +55,15 @@ class ShardedEngine(ABC):
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
                  cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto",
-                 host_heap=None):
+                 host_heap=None, gpu_comm="auto"):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
         self.host_heap = keep_host_heap(host_heap)        # health/heap.py: opt-in, no MPI
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
         remove_singleton_segment_at_exit(world)   # Open MPI's leak (health/signals.py)
         self.blas_threads = pin_blas_threads(world, blas_threads)    # health/threads.py
-        self.backend = device if isinstance(device, Backend) else Backend(device, world, cuda_aware)
+        self.backend = (device if isinstance(device, Backend)
+                        else Backend(device, world, cuda_aware, gpu_comm=gpu_comm))
         self.xp = self.backend.xp
         self.dtype = np.dtype(dtype)
         self.comm = Comm(self.mesh, self.backend, watchdog=Watchdog(self.mesh, timeout),
@@ -112,10 +113,8 @@ class ShardedEngine(ABC):
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give back what the engine holds in MPI (sends completed, receives cancelled,
-        communicators freed, arrival counters returned), on every rank, in the order the engines
-        were built; twice does nothing; then every call raises CommUnusable. (comm/retired.py:
-        an engine never closed keeps them until it is collected.)"""
+        """Give back what the engine holds in MPI, on every rank, in the order the engines were
+        built (comm/retired.py); twice does nothing; then every call raises CommUnusable."""
         self._close(collective=True)
         uncaught.release(self)            # make_engine's error report, if it installed it
 
@@ -161,6 +160,9 @@ class MeshEngine(ShardedEngine):
     device : "cpu", "gpu" or "auto" (cupy when a GPU is visible), or a comm.backend.Backend
     cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
     param_dtype, comm_dtype : "bfloat16"/"float16" with dtype=float32 (parallel/precision.py)
+    compute_dtype : "bfloat16"/"float16": matmuls (and saved activations) in 16 bits, softmax,
+        norms and the loss in dtype=float32, as torch.autocast; tf32: float32 matmuls in TF32
+    gpu_comm : "auto", "nccl", "mpi" (CUDA-aware) or "staged" (through host memory): comm/backend
     timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
     blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int (threads.py)
     host_heap : None (malloc as is) or "keep": freed arrays under 32 MiB stay in glibc's heap
@@ -169,11 +171,12 @@ class MeshEngine(ShardedEngine):
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
                  debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None,
-                 timeout=DEFAULT_TIMEOUT, blas_threads="auto", host_heap=None):
+                 timeout=DEFAULT_TIMEOUT, blas_threads="auto", host_heap=None,
+                 compute_dtype=None, tf32=False, gpu_comm="auto"):
         dtype = np.dtype(dtype)
-        self.precision = Precision(dtype, param_dtype, comm_dtype)     # TypeError, no MPI yet
+        self.precision = Precision(dtype, param_dtype, comm_dtype, compute_dtype, tf32)  # no MPI
         super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads,
-                         host_heap)
+                         host_heap, gpu_comm)
         if not isinstance(model, ParamSpec):           # every spec's base (models/interface.py)
             names = ", ".join(f"ms.{cls.__name__}" for cls in ARCHITECTURES.values())
             raise TypeError(f"model must be a model spec ({names}), got {type(model).__name__}")
@@ -337,11 +340,8 @@ class MeshEngine(ShardedEngine):
         return self.store.replication(name)
 
     def optimizer_shards(self):
-        """(name, param block, grad block, replication) for every block this rank updates.
-
-        The optimizer updates exactly these arrays in place and keeps its state shaped like
-        them, so optimizer state has the sharding of its parameter (ZeRO-1/2: the owned fsdp
-        slice of a replicated parameter)."""
+        """(name, param block, grad block, replication) for every block this rank updates in
+        place; optimizer state is shaped like them (ZeRO-1/2: the owned fsdp slice)."""
         owned = self.access.owned
         return [(n, owned(n), self.grads[n], self.replication(n)) for n in self.params]
 
@@ -362,10 +362,8 @@ class MeshEngine(ShardedEngine):
                                       self.grad_placements)
 
     def memory_report(self, optimizer=None) -> dict:
-        """Bytes this rank holds, measured from its arrays (no communication): params
-        (padding included, views counted once), grads (with ZeRO-1's full buffers), optimizer
-        (`optimizer.state`), gathered_peak (FSDP ZeRO-3 weights alive at once),
-        activations_peak (saved for backward in the last train_step) and their total."""
+        """Bytes this rank holds, from its arrays (no communication): params, grads, optimizer,
+        gathered_peak (FSDP ZeRO-3), activations_peak (the last train_step's tapes), total."""
         return self.store.memory_report(self.access, optimizer, self.meter)
 
     def inference_loop(self, input_stream, output_stream) -> None:
@@ -390,9 +388,8 @@ def make_engine(model, layout="single", dtype=np.float64, comm=None, device="cpu
     """Build the engine for `layout` on every rank (SPMD); options: see MeshEngine.
 
     dtype defaults to float64, the exact reference every layout is tested against (the
-    `train` command defaults to float32 for speed). report_errors: make an uncaught exception
-    end the job with one report per distinct cause (health/uncaught.py: replaces sys.excepthook,
-    logged once, until every engine that installed it is closed; a constructor that raises
-    keeps it for that error only); False keeps Python's hook."""
+    `train` command defaults to float32 for speed). report_errors: an uncaught exception ends
+    the job with one report per distinct cause (health/uncaught.py's sys.excepthook, until
+    every engine that installed it is closed); False keeps Python's hook."""
     return uncaught.held_by(lambda: MeshEngine(model, layout, comm=comm, dtype=dtype,
                                                device=device, **options), report_errors)

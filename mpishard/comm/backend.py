@@ -28,6 +28,10 @@ from .gpu import gpu_for_rank, node_local_rank, query_cuda_support, try_import_c
 
 log = logging.getLogger("mpishard")
 
+GPU_COMM = ("auto", "nccl", "mpi", "staged")
+"""How device arrays travel between GPUs: NCCL, a CUDA-aware MPI, or staged through host
+memory; auto picks the first that works."""
+
 
 def _device_count(cupy) -> int:
     try:
@@ -46,9 +50,12 @@ class Backend:
     KEEP_PER_SHAPE = 4           # free host buffers the pool keeps per (shape, dtype)
 
     def __init__(self, device: str = "cpu", comm=None, cuda_aware: bool | None = None,
-                 array_module=None):
+                 array_module=None, gpu_comm: str = "auto"):
         if device not in ("auto", "cpu", "gpu"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+        if gpu_comm not in GPU_COMM:
+            raise ValueError(f"gpu_comm must be one of {list(GPU_COMM)}, got {gpu_comm!r}")
+        self.gpu_comm = gpu_comm
         if cuda_aware not in (None, True, False):
             raise TypeError(f"cuda_aware must be True, False or None, got {cuda_aware!r}")
         module = None

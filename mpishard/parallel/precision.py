@@ -67,15 +67,42 @@ def low_dtype(value, what: str, compute) -> np.dtype:
     return dtype
 
 
-class Precision:
-    """The dtypes of one engine: compute, parameter storage, gradient communication."""
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+"""compute_dtype's names: the dtype of matmul inputs and outputs and of the activations saved
+for backward (torch.autocast's policy; softmax, norms, the loss and reductions stay in dtype)."""
 
-    def __init__(self, dtype, param_dtype=None, comm_dtype=None):
+
+def matmul_dtype(value, dtype) -> np.dtype | None:
+    """compute_dtype as the 16-bit dtype matmuls round to, or None (matmuls in `dtype`)."""
+    if value is None or (isinstance(value, str) and value == np.dtype(dtype).name):
+        return None
+    if not (isinstance(value, str) and value in COMPUTE_DTYPES):
+        raise TypeError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)} or None (= "
+                        f"dtype), got {value!r}")
+    if np.dtype(dtype) != np.dtype(np.float32):
+        raise TypeError(f"compute_dtype={value} needs dtype=float32 (master weights in fp32, "
+                        f"as under torch.autocast), got dtype={np.dtype(dtype).name}")
+    return LOW[value]
+
+
+class Precision:
+    """The dtypes of one engine: compute, parameter storage, gradient communication, and the
+    matmuls' 16-bit compute dtype (`matmul`, None: `compute`) and TF32 opt-in (`tf32`)."""
+
+    def __init__(self, dtype, param_dtype=None, comm_dtype=None, compute_dtype=None,
+                 tf32=False):
         self.compute = np.dtype(dtype)
         if self.compute not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise TypeError(f"dtype must be float32 or float64, got {self.compute}")
         self.param = low_dtype(param_dtype, "param_dtype", self.compute)
         self.comm = low_dtype(comm_dtype, "comm_dtype", self.compute)
+        self.matmul = matmul_dtype(compute_dtype, self.compute)
+        if tf32 not in (True, False):
+            raise TypeError(f"tf32 must be True or False, got {tf32!r}")
+        if tf32 and (self.compute != np.dtype(np.float32) or self.matmul is not None):
+            raise TypeError("tf32=True applies to float32 matmuls: it needs dtype=float32 and "
+                            "no 16-bit compute_dtype")
+        self.tf32 = bool(tf32)
 
     @property
     def mixed(self) -> bool:
@@ -84,7 +111,7 @@ class Precision:
     @property
     def needs_loss_scaling(self) -> bool:
         """float16 has 5 exponent bits: small gradients flush to zero without a loss scale."""
-        return np.dtype(np.float16) in (self.param, self.comm)
+        return np.dtype(np.float16) in (self.param, self.comm, self.matmul)
 
     def wrap_comm(self, comm):
         """The Comm the gradient sync and fsdp use: `comm` itself unless something is 16-bit."""
@@ -97,8 +124,9 @@ class Precision:
         return CastingAccess(access, self.compute, access.store.xp)
 
     def __repr__(self):
+        matmul = "" if self.matmul is None else f", matmul={self.matmul.name}"
         return (f"Precision(compute={self.compute.name}, param={self.param.name}, "
-                f"comm={self.comm.name})")
+                f"comm={self.comm.name}{matmul}{', tf32' if self.tf32 else ''})")
 
 
 def held(dtype, xp) -> np.dtype:
