@@ -342,6 +342,8 @@ class Trainer:
             "dtype": str(np.dtype(e.dtype)),
             "param_dtype": e.precision.param.name,
             "comm_dtype": e.precision.comm.name,
+            "compute_dtype": (e.precision.matmul or e.precision.compute).name,
+            "tf32": e.precision.tf32,
             "skipped_steps": self.nonfinite.skipped + (0 if self.scaler is None
                                                        else self.scaler.skipped_steps),
             "nonfinite_skipped_steps": self.nonfinite.skipped,
