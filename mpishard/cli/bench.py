@@ -40,8 +40,9 @@ from ..train.optim import SGD, AdamW
 from .auto_layout import add_auto_arguments, agree_choice, agree_memory_limit, chosen
 from .model_flag import add_model_arguments, model_from_flag
 from .plan import COMM_KINDS, check_fit, step_comm_total
-from .usage import (CUDA_AWARE, add_device_arguments, agreed, check_flags, checked_layout,
-                    default_layout, print_report, world_comm)
+from .device_options import add_device_arguments, compute_text, engine_options
+from .usage import (agreed, check_flags, checked_layout, default_layout, print_report,
+                    world_comm)
 
 
 def add_bench_arguments(p):
@@ -69,14 +70,13 @@ def build_bench(args, comm):
     any collective on bad input."""
     check_flags(args, ("batch", "steps", "lr"), low=0, low_open=True)
     check_flags(args, ("warmup", "seed"), low=0)
+    options = engine_options(args, args.dtype)
     world = comm.Get_size()
     model = model_from_flag(args.model, args.activation, gpt=args.gpt)
     text = chosen(args, model, world, "train", args.batch, args.optimizer)   # --layout auto
     layout = checked_layout(text or default_layout(world), world)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
-    engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
-                            device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
-                            timeout=args.timeout)
+    engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm, **options)
     engine.load_checkpoint(model.init(seed=args.seed))
     opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
            else SGD(engine, lr=args.lr))
@@ -148,8 +148,8 @@ def format_table(engine, args, result) -> str:
     rows.append(("comm bytes/step total", _num(result["total"]),
                  _num(max(sum(c.values()) for c in per_rank))))
     head = [f"bench  {model!r}: {model.num_params():,} parameters, layout {layout.text!r} on "
-            f"{world} rank(s), batch {args.batch}, {engine.dtype.name}, {args.optimizer}, "
-            f"{engine.backend.name}",
+            f"{world} rank(s), batch {args.batch}, {engine.dtype.name}"
+            f"{compute_text(engine.precision)}, {args.optimizer}, {engine.backend.name}",
             f"       {args.steps} timed steps after {args.warmup} warm-up (train_step + "
             f"optimizer step); max over ranks; {flops:,} FLOP per step",
             f"{'metric':<30}{'measured':>16}{'plan':>16}"]

@@ -56,8 +56,9 @@ from ..validate import check_number
 from .auto_layout import add_auto_arguments, agree_choice, agree_memory_limit, chosen
 from .infer import add_compute_arguments, checkpoint_engine, open_checkpoint
 from .model_flag import HF_NAMES
-from .usage import (CUDA_AWARE, KEYED, UsageError, agreed, check_directory, check_flags,
-                    checked_layout, default_layout, world_comm)
+from .device_options import engine_options
+from .usage import (KEYED, UsageError, agreed, check_directory, check_flags, checked_layout,
+                    default_layout, world_comm)
 
 DEFAULT_NEW_TOKENS = 200
 BYTES = "bytes"
@@ -296,9 +297,8 @@ def hf_eos(path) -> list:
 def hf_engine(args, model, layout, comm):
     """The engine of --hf DIR's `model` on `layout` (--dtype, default float32), each rank
     reading its slices."""
-    engine = make_engine(model, layout, dtype=np.dtype(args.dtype or "float32"), comm=comm,
-                         device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
-                         timeout=args.timeout)
+    dtype = np.dtype(args.dtype or "float32")
+    engine = make_engine(model, layout, dtype=dtype, comm=comm, **engine_options(args, dtype))
     hf.load_into(engine, args.hf)
     return engine
 

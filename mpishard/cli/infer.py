@@ -46,8 +46,9 @@ from ..checkpoint import load as load_checkpoint
 from ..checkpoint.format import read_asset_array
 from ..engine import make_engine
 from ..train.data import standardized
-from .usage import (CUDA_AWARE, UsageError, add_device_arguments, agreed, check_flags,
-                    checked_layout, default_layout, world_comm)
+from .device_options import add_device_arguments, engine_options
+from .usage import (UsageError, agreed, check_flags, checked_layout, default_layout,
+                    world_comm)
 
 DEFAULT_BATCH = 256
 
@@ -61,7 +62,7 @@ def add_checkpoint_arguments(p, what="checkpoint directory"):
 
 
 def add_compute_arguments(p):
-    """--dtype (default: the checkpoint's), --device and --cuda-aware on parser `p`."""
+    """--dtype (default: the checkpoint's) and the device flags (device_options.py) on `p`."""
     p.add_argument("--dtype", choices=("float32", "float64"),
                    help="compute dtype (default: the checkpoint's)")
     add_device_arguments(p.add_argument)
@@ -244,11 +245,10 @@ def open_checkpoint(path):
 
 
 def checkpoint_engine(ckpt, model, layout, args, comm):
-    """The engine of `model` on `layout` (args.dtype, default the checkpoint's; args.device,
-    args.cuda_aware), loaded with this rank's shard of `ckpt` (local reads)."""
+    """The engine of `model` on `layout` (args.dtype, default the checkpoint's; the device
+    flags: device_options.py), loaded with this rank's shard of `ckpt` (local reads)."""
     dtype = np.dtype(args.dtype or next(iter(ckpt.values())).dtype)
-    engine = make_engine(model, layout, dtype=dtype, comm=comm, device=args.device,
-                         cuda_aware=CUDA_AWARE[args.cuda_aware], timeout=args.timeout)
+    engine = make_engine(model, layout, dtype=dtype, comm=comm, **engine_options(args, dtype))
     engine.load_checkpoint(ckpt)         # local reads (a corrupt block raises here)
     return engine
 

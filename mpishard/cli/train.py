@@ -47,9 +47,9 @@ from .token_options import (TOKEN_DEFAULTS, add_token_arguments, check_seq_len,
 from .train_config import config_tokens, load_toml
 from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
                             trace_lines, validate_trace_args)
-from .usage import (CUDA_AWARE, PROG, Parser, UsageError, add_device_arguments, agreed,
-                    check_flags, checked_layout, default_layout, parse_dims, print_report,
-                    world_comm)
+from .device_options import add_device_arguments, engine_options, precision_line
+from .usage import (PROG, Parser, UsageError, agreed, check_flags, checked_layout,
+                    default_layout, parse_dims, print_report, world_comm)
 
 # -- arguments ----------------------------------------------------------------------------------
 DATASET_MODELS = {"digits": "64,128,128,10", "synthetic-regression": "16,32,32,1",
@@ -67,7 +67,8 @@ TRAIN_DEFAULTS = {
     "schedule": "constant", "warmup": 0, "min_lr": 0.0, "batch": 64, "epochs": None,
     "steps": None, "accumulate": 1, "clip": None, "seed": 0, "dtype": "float32",
     "param_dtype": None, "comm_dtype": None, "timeout": DEFAULT_TIMEOUT, "host_heap": "keep",
-    "device": "auto", "cuda_aware": "auto", "log_every": 50, "no_progress": False,
+    "device": "auto", "cuda_aware": "auto", "compute_dtype": None, "tf32": False,
+    "gpu_comm": "auto", "log_every": 50, "no_progress": False,
     "n_train": 1024, "n_test": 256, "log_level": "INFO",
     "checkpoint_dir": None, "checkpoint_every": 0, "resume": None, "keep_last": 1,
     "checkpoint_failures": "stop",
@@ -252,6 +253,7 @@ def validate_train_args(args, world_size: int):
                                                 or args.dtype != "float32"):
             raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
                              f"or the --dtype itself), got --dtype {args.dtype}")
+    engine_options(args, args.dtype)    # --compute-dtype, --tf32, --gpu-comm vs --cuda-aware
     loss = gpt.default_loss if gpt else fitting_loss(args, dims)
     dp = layout.data_parallel_size
     if args.batch % (args.accumulate * dp):
@@ -322,9 +324,8 @@ def build_training(args, comm=None, flag=None):
     layout, dims, loss, model, data = agreed(comm, lambda: prepare_training(args, comm))
     auto_layout.agree_choice(args, comm, layout.text)
     engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
-                         device=args.device, cuda_aware=CUDA_AWARE[args.cuda_aware],
                          param_dtype=args.param_dtype, comm_dtype=args.comm_dtype,
-                         timeout=args.timeout, host_heap=HOST_HEAP[args.host_heap])
+                         host_heap=HOST_HEAP[args.host_heap], **engine_options(args, args.dtype))
     load_initial_params(engine, args, model)                # --init-from-hf's weights, or the init
     if args.optimizer == "adamw":
         opt = AdamW(engine, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
@@ -334,6 +335,8 @@ def build_training(args, comm=None, flag=None):
     log = configure_logging(engine.device_id, getattr(logging, args.log_level))
     log_host_heap(log, engine, getattr(args, "host_heap_asked", True))
     auto_layout.log_choice(log, args)
+    if precision_line(engine.precision):
+        log.info("%s", precision_line(engine.precision))
     if not isinstance(dims, list):
         log_lm_data(log, data)
     trainer = Trainer(engine, opt, data, loss, batch=args.batch, steps=args.steps,

@@ -24,7 +24,6 @@ from ..health.flight import dump_all
 from ..health.guard import ABORT_GRACE
 from ..health.lines import write_line
 from ..health.signals import remove_mpi_files
-from ..health.watchdog import DEFAULT_TIMEOUT
 from ..models import ARCHITECTURES
 from ..validate import check_number
 
@@ -137,24 +136,6 @@ def checked_layout(text, world_size: int):
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--layout: {exc}") from None
     return layout
-
-
-CUDA_AWARE = {"yes": True, "no": False, "auto": None}
-"""--cuda-aware: hand device arrays to MPI directly (yes), stage through the host (no), or ask
-the MPI library (auto, the default; see `inspect --env`)."""
-
-
-def add_device_arguments(add, default="auto"):
-    """--device and --cuda-aware through `add` (a parser's or a group's add_argument);
-    `default=None` leaves the defaults to the caller (train's --config merge)."""
-    add("--device", choices=("auto", "cpu", "gpu"), default=default,
-        help="arrays on cupy when a GPU is visible (auto, default), or forced")
-    add("--cuda-aware", choices=tuple(CUDA_AWARE), default=default,
-        help="device arrays straight to MPI (yes), staged through the host (no), or ask the "
-        "MPI library (auto, default)")
-    add("--timeout", type=float, metavar="SECONDS", default=None if default is None else
-        DEFAULT_TIMEOUT, help="the longest any collective or receive may wait before every "
-        f"waiting rank stops the job naming the late ranks ({DEFAULT_TIMEOUT:g}; 0: off)")
 
 
 def abort_job(exc) -> None:
