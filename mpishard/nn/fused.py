@@ -97,21 +97,29 @@ g = e / n;
 """
 
 
+ELEMENTWISE = {
+    "softmax_t": ("int64 tk, int64 tq, int64 offset", "raw T p, T lse", _SOFTMAX_T,
+                  "mpishard_causal_softmax_t"),
+    "softmax_grad": ("T row, T p", "T ds", "ds = (ds - row) * p", "mpishard_softmax_grad_t"),
+    "gelu": ("T z", "T y, T dydz", _GELU, "mpishard_gelu_tanh"),
+    "ce_grad": ("T y, raw T m, raw T logs, raw I t, raw bool k, int64 c, T n", "T g", _CE_GRAD,
+                "mpishard_ce_grad"),
+}
+"""The ElementwiseKernels by name: (in params, out params, body, kernel name)."""
+REDUCTION = {
+    "sumexp": ("T y, T m", "T s", "exp(y - m)", "a + b", "s = a", "0", "mpishard_sumexp"),
+}
+"""The ReductionKernels by name: (in, out, map, reduce, post, identity, kernel name)."""
+
+
 @lru_cache(maxsize=None)
 def kernels(cupy) -> dict:
     """The kernels, by name (kernel code, no state)."""
-    ew = cupy.ElementwiseKernel
-    return {
-        "softmax_t": ew("int64 tk, int64 tq, int64 offset", "raw T p, T lse", _SOFTMAX_T,
-                        "mpishard_causal_softmax_t", options=_NO_FMA),
-        "softmax_grad": ew("T row, T p", "T ds", "ds = (ds - row) * p",
-                           "mpishard_softmax_grad_t", options=_NO_FMA),
-        "gelu": ew("T z", "T y, T dydz", _GELU, "mpishard_gelu_tanh", options=_NO_FMA),
-        "sumexp": cupy.ReductionKernel("T y, T m", "T s", "exp(y - m)", "a + b", "s = a", "0",
-                                       "mpishard_sumexp", options=_NO_FMA),
-        "ce_grad": ew("T y, raw T m, raw T logs, raw I t, raw bool k, int64 c, T n", "T g",
-                      _CE_GRAD, "mpishard_ce_grad", options=_NO_FMA),
-    }
+    out = {name: cupy.ElementwiseKernel(*spec, options=_NO_FMA)
+           for name, spec in ELEMENTWISE.items()}
+    out.update((name, cupy.ReductionKernel(*spec, options=_NO_FMA))
+               for name, spec in REDUCTION.items())
+    return out
 
 
 def causal_softmax_t(xp, p, offset):

@@ -1,0 +1,229 @@
+"""Python side of the hand-written CUDA kernels (cuda_src.SOURCE): launch them on cupy arrays.
+
+Each function takes cupy arrays (C-contiguous; made so when not) of one storage dtype:
+float64, float32, float16, or bfloat16 (cupy's bfloat16 dtype, or the uint16 words of
+parallel/bf16.py), and equals the xp path named in its docstring, to rounding (the sums run
+in another order: rtol 1e-12 in float64, benchmarks/gpu_kernels_check.py). Statistics and
+parameter gradients come back in A: float64 for float64 input, else float32.
+
+`use(xp)` is the switch the call sites check, the one fused.py's kernels share: cupy only,
+and only while MPISHARD_FUSED is not "0" (read at each call). The module is compiled once per
+process (`module`, memoised like fused.kernels) by cupy's NVRTC, without FMA contraction;
+`import cupy` happens only in a caller that holds cupy arrays (xp is cupy).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from . import cuda_src
+from .fused import use
+
+OPTIONS = ("--fmad=false",)
+NORM_BWD_BLOCKS = 256     # blocks of the norms' backward: rows of the column-sum partials
+GRID_CAP = 1 << 16        # most blocks of a grid-stride element-wise launch
+ADAMW_CHUNK = 16 * cuda_src.BLOCK     # elements per block of the multi-tensor AdamW
+
+__all__ = ["use", "layernorm_forward", "layernorm_backward", "rmsnorm_forward",
+           "rmsnorm_backward", "bias_gelu_forward", "gelu_backward", "swiglu_forward",
+           "swiglu_backward", "residual_add", "embedding_backward", "adamw_step"]
+
+
+@lru_cache(maxsize=None)
+def module(cupy):
+    """cuda_src.SOURCE as one cupy.RawModule (kernel code, no state)."""
+    return cupy.RawModule(code=cuda_src.SOURCE, options=OPTIONS)
+
+
+def suffix(dtype) -> str:
+    """The entry-point suffix of a storage dtype: f64, f32, f16, or bf16 (bfloat16 or its
+    uint16 words)."""
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16" or dtype == np.uint16:
+        return "bf16"
+    names = {"float64": "f64", "float32": "f32", "float16": "f16"}
+    if dtype.name not in names:
+        raise TypeError(f"no CUDA kernel for dtype {dtype}")
+    return names[dtype.name]
+
+
+def acc_dtype(dtype):
+    """A: float64 for float64 storage, float32 for every other."""
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def _launch(xp, kernel, dtype, grid, args):
+    fn = module(xp).get_function(cuda_src.entry_name(kernel, suffix(dtype)))
+    fn((max(int(grid), 1),), (cuda_src.BLOCK,), args)
+
+
+def _elementwise_grid(n: int) -> int:
+    return min(-(-n // cuda_src.BLOCK), GRID_CAP)
+
+
+def _rows(x):
+    d = x.shape[-1]
+    return x.size // d if d else 0, d
+
+
+def layernorm_forward(xp, x, scale, shift, eps):
+    """(y, mean, rstd) of functional.layernorm_forward's y (mean and rstd per row, A-typed,
+    in place of its saved xhat)."""
+    x = xp.ascontiguousarray(x)
+    rows, d = _rows(x)
+    a = acc_dtype(x.dtype)
+    y = xp.empty_like(x)
+    mean, rstd = xp.empty(x.shape[:-1], dtype=a), xp.empty(x.shape[:-1], dtype=a)
+    _launch(xp, "layernorm_fwd", x.dtype, rows,
+            (x, xp.ascontiguousarray(scale), xp.ascontiguousarray(shift), y, mean, rstd,
+             np.int64(rows), np.int64(d), a(eps)))
+    return y, mean, rstd
+
+
+def layernorm_backward(xp, dy, x, scale, mean, rstd):
+    """(dx, dscale, dshift) of functional.layernorm_backward, xhat recomputed from x."""
+    dy, x = xp.ascontiguousarray(dy), xp.ascontiguousarray(x)
+    rows, d = _rows(x)
+    a = acc_dtype(x.dtype)
+    blocks = max(min(rows, NORM_BWD_BLOCKS), 1)
+    dx = xp.empty_like(x)
+    ps, pb = xp.empty((blocks, d), dtype=a), xp.empty((blocks, d), dtype=a)
+    _launch(xp, "layernorm_bwd", x.dtype, blocks,
+            (dy, x, xp.ascontiguousarray(scale), mean, rstd, dx, ps, pb, np.int64(rows),
+             np.int64(d)))
+    return dx, ps.sum(axis=0), pb.sum(axis=0)
+
+
+def rmsnorm_forward(xp, x, scale, eps):
+    """(y, rstd) of models/llama/units.RMSNorm.forward's y, r (rstd per row, A-typed)."""
+    x = xp.ascontiguousarray(x)
+    rows, d = _rows(x)
+    a = acc_dtype(x.dtype)
+    y, rstd = xp.empty_like(x), xp.empty(x.shape[:-1], dtype=a)
+    _launch(xp, "rmsnorm_fwd", x.dtype, rows,
+            (x, xp.ascontiguousarray(scale), y, rstd, np.int64(rows), np.int64(d), a(eps)))
+    return y, rstd
+
+
+def rmsnorm_backward(xp, dy, x, scale, rstd):
+    """(dx, dscale) of RMSNorm.backward (its n = x rstd recomputed from x)."""
+    dy, x = xp.ascontiguousarray(dy), xp.ascontiguousarray(x)
+    rows, d = _rows(x)
+    blocks = max(min(rows, NORM_BWD_BLOCKS), 1)
+    dx, ps = xp.empty_like(x), xp.empty((blocks, d), dtype=acc_dtype(x.dtype))
+    _launch(xp, "rmsnorm_bwd", x.dtype, blocks,
+            (dy, x, xp.ascontiguousarray(scale), rstd, dx, ps, np.int64(rows), np.int64(d)))
+    return dx, ps.sum(axis=0)
+
+
+def bias_gelu_forward(xp, z, bias=None):
+    """(y, u): u = z + bias (z itself without a bias), y = functional.gelu_forward(u)[0]; u is
+    what gelu_backward needs (one saved array, as gelu_forward's dy/dz)."""
+    z = xp.ascontiguousarray(z)
+    u = z if bias is None else xp.empty_like(z)
+    y = xp.empty_like(z)
+    f = z.shape[-1] if z.ndim else 1
+    b = None if bias is None else xp.ascontiguousarray(bias)
+    _launch(xp, "bias_gelu_fwd", z.dtype, _elementwise_grid(z.size),
+            (z, b if b is not None else np.uint64(0), u, y, np.int64(z.size), np.int64(f)))
+    return y, u
+
+
+def gelu_backward(xp, dy, u):
+    """dz = dy gelu'(u): functional.gelu_backward with gelu_forward's dy/dz recomputed from
+    u (the bias gradient is the column sum of dz, functional.column_sums)."""
+    dy, u = xp.ascontiguousarray(dy), xp.ascontiguousarray(u)
+    du = xp.empty_like(u)
+    _launch(xp, "gelu_bwd", u.dtype, _elementwise_grid(u.size),
+            (dy, u, du, np.int64(u.size)))
+    return du
+
+
+def swiglu_forward(xp, a):
+    """silu(gate) up of a (..., 2 F) = gate | up: models/llama/units.SwiGLU.forward."""
+    a = xp.ascontiguousarray(a)
+    rows, two_f = _rows(a)
+    y = xp.empty(a.shape[:-1] + (two_f // 2,), dtype=a.dtype)
+    _launch(xp, "swiglu_fwd", a.dtype, _elementwise_grid(y.size),
+            (a, y, np.int64(rows), np.int64(two_f // 2)))
+    return y
+
+
+def swiglu_backward(xp, dy, a):
+    """da (..., 2 F) = dgate | dup of SwiGLU.backward, sigmoid(gate) recomputed from a."""
+    dy, a = xp.ascontiguousarray(dy), xp.ascontiguousarray(a)
+    rows, two_f = _rows(a)
+    da = xp.empty_like(a)
+    _launch(xp, "swiglu_bwd", a.dtype, _elementwise_grid(dy.size),
+            (dy, a, da, np.int64(rows), np.int64(two_f // 2)))
+    return da
+
+
+def residual_add(xp, h, branch):
+    """h += branch in place (h C-contiguous, A-typed: float32 beside a 16-bit branch, else
+    branch's dtype), the branch widened in the same pass: `h += branch.astype(h.dtype)`."""
+    if not h.flags.c_contiguous or h.dtype != acc_dtype(branch.dtype):
+        raise ValueError(f"residual_add: h must be C-contiguous {np.dtype(acc_dtype(branch.dtype))}"
+                         f" beside a {branch.dtype} branch, got {h.dtype}")
+    branch = xp.ascontiguousarray(branch)
+    _launch(xp, "residual_add", branch.dtype, _elementwise_grid(h.size),
+            (h, branch, np.int64(h.size)))
+    return h
+
+
+def embedding_backward(xp, dy, ids, rows: int):
+    """functional.embedding_backward, deterministic (no atomics): the ids sorted stably, each
+    run of equal ids summed in order by one block, as numpy's reduceat path does."""
+    d = dy.shape[-1]
+    flat = xp.ascontiguousarray(ids.reshape(-1)).astype(xp.int64, copy=False)
+    dy2 = xp.ascontiguousarray(dy.reshape(-1, d))
+    g = xp.zeros((rows, d), dtype=dy.dtype)
+    if flat.size == 0:
+        return g
+    order = xp.argsort(flat, kind="stable").astype(xp.int64, copy=False)
+    sorted_ids = flat[order]
+    new = xp.concatenate([xp.ones(1, dtype=bool), sorted_ids[1:] != sorted_ids[:-1]])
+    starts = xp.flatnonzero(new).astype(xp.int64, copy=False)
+    runs = starts.size
+    starts = xp.concatenate([starts, xp.asarray([flat.size], dtype=xp.int64)])
+    _launch(xp, "embedding_bwd", dy.dtype, min(runs, GRID_CAP),
+            (dy2, order, starts, xp.ascontiguousarray(sorted_ids[starts[:-1]]), g,
+             np.int64(runs), np.int64(d)))
+    return g
+
+
+def adamw_hyper(lr, betas, eps, weight_decay, steps) -> tuple:
+    """The host scalars of AdamW.update for tensors at steps `steps` (t after the increment):
+    (per tensor [lr / (1 - b1^t), sqrt(1 - b2^t)], decay 1 - lr wd (1 without decay),
+    1 - b1, b2, 1 - b2, eps), each a Python float as AdamW.update computes it."""
+    b1, b2 = betas
+    per = [(lr / (1.0 - b1 ** t), math.sqrt(1.0 - b2 ** t)) for t in steps]
+    decay = 1.0 - lr * weight_decay if weight_decay else 1.0
+    return per, decay, 1.0 - b1, b2, 1.0 - b2, eps
+
+
+def adamw_step(xp, blocks, lr, betas, eps, weight_decay):
+    """train/optim.AdamW.update on many tensors in one launch. blocks: [(p, g, m, v, t)], all
+    C-contiguous of one dtype (float32 or float64: the master weights and their state), t the
+    tensor's step after the increment; p, m, v updated in place. Each scalar rounds to the
+    dtype as the xp path's Python scalars do, so the elements are the xp path's, op for op."""
+    dtype = np.dtype(blocks[0][0].dtype)
+    if dtype not in (np.float32, np.float64) or any(
+            a.dtype != dtype or not a.flags.c_contiguous for b in blocks for a in b[:4]):
+        raise ValueError("adamw_step: p, g, m, v must be C-contiguous, all float32 or float64")
+    per, decay, omb1, b2, omb2, eps = adamw_hyper(lr, betas, eps, weight_decay,
+                                                  [b[4] for b in blocks])
+    sizes = [b[0].size for b in blocks]
+    chunks = [(k, lo) for k, n in enumerate(sizes) for lo in range(0, n, ADAMW_CHUNK)]
+    if not chunks:
+        return
+    table = np.array([a.data.ptr for b in blocks for a in b[:4]], dtype=np.uint64)
+    kc, lc = (np.array(c, dtype=np.int64) for c in zip(*chunks))
+    s = dtype.type
+    fn = module(xp).get_function(cuda_src.entry_name("adamw", suffix(dtype)))
+    fn((len(chunks),), (cuda_src.BLOCK,),
+       (xp.asarray(table), xp.asarray(np.array(sizes, dtype=np.int64)),
+        xp.asarray(np.array(per, dtype=dtype).reshape(-1)), xp.asarray(kc), xp.asarray(lc),
+        np.int64(ADAMW_CHUNK), s(decay), s(omb1), s(b2), s(omb2), s(eps)))
