@@ -1,25 +1,11 @@
-"""GPU benchmark: GPT step MFU, the ratio to PyTorch on the same GPU, all-reduce bandwidth.
+"""GPU benchmark helpers (the device, paired timing, the fitting size) and all-reduce bandwidth.
 
-    mpiexec -n 1 python -m mpi4py benchmarks/gpu.py step [--budget 240]
     mpiexec -n 2 python -m mpi4py benchmarks/gpu.py allreduce [--budget 60]
     ... --standin     the same code on the CPU stand-in (tests/device_double.py), tiny sizes
 
-step (one rank): the model is ms.GPT(vocab 50304, seq_len 1024, d_model 768, 12 heads,
-12 layers), batch 8, halved (batch, then seq_len) until a step fits the GPU's memory.
-- `matmul_peak`: cupy's own matmul GFLOP/s on square float32 and float16 operands (2 n^3
-  per product), the ceiling a step built from cupy matmuls can reach on this GPU;
-- `step`: our train_step (forward, cross-entropy, backward) at dtype float32 with
-  param_dtype None, "float16", "bfloat16" (16-bit storage and communication, float32 compute:
-  parallel/precision.py), against PyTorch's GPT from benchmarks/gpt.py (`torch_gpt`, the same
-  weights and batch) on the same GPU in float32 (`torch_fp32`) and under autocast to the
-  16-bit type (`torch_autocast`, which computes its matmuls in 16 bits where ours do not).
-  Model FLOPs per step are gpt.py's model_flops; MFU = FLOPs / time / peak, against the
-  measured cupy peak (float32 for ours) and the datasheet peak (DATASHEET, dense, no
-  sparsity; None for a GPU not in the table). Ours runs with the fused cupy kernels
-  (nn/fused.py, MPISHARD_FUSED unset: `ours_s`) and without (MPISHARD_FUSED=0:
-  `ours_unfused_s`); ours (both) and torch's samples alternate, and each ratio ours/torch is
-  of medians measured in this one run (`speedup_fused` = unfused / fused). A fused step that
-  fails is reported (`error`) and the xp ops are timed in its place.
+The step in each precision against PyTorch is benchmarks/gpu_step.py, the Llama step
+benchmarks/gpu_llama.py; both time with `timed` (callables alternating sample by sample) and
+size the problem with `fitting_problem` (batch, then seq_len, halved until a step fits).
 allreduce (two ranks sharing the GPU): `engine.all_reduce(a, out=out)` on float32 device
 arrays of 1, 16 and 64 MiB, staged through the host and, only where the MPI library says it
 is CUDA-aware (comm/gpu.py query_cuda_support), directly; bus bandwidth
@@ -43,7 +29,6 @@ from mpi4py import MPI
 
 import mpishard as ms
 from _common import mpi_sync, sample_times
-from gpt import model_flops, torch_gpt
 
 HERE = Path(__file__).resolve().parent
 DATASHEET = {  # dense TFLOP/s: (float32 non-tensor, float16/bfloat16 tensor core), SXM parts
@@ -90,6 +75,24 @@ class Device:
                 torch.cuda.empty_cache()
             except ImportError:
                 pass
+
+    def tracked_peak(self, fn):
+        """cupy's pool high-water mark over one call of `fn`: a wrapping allocator, set for
+        that call only (it costs a Python call per allocation)."""
+        pool = self.xp.get_default_memory_pool()
+        peak = [pool.used_bytes()]
+
+        def malloc(size):
+            mem = pool.malloc(size)
+            peak[0] = max(peak[0], pool.used_bytes())
+            return mem
+        self.xp.cuda.set_allocator(malloc)
+        try:
+            fn()
+            self.sync()
+        finally:
+            self.xp.cuda.set_allocator(pool.malloc)
+        return peak[0]
 
     def datasheet(self):
         return next((v for k, v in DATASHEET.items() if k in self.name), None)
@@ -147,10 +150,11 @@ def fitting_problem(dev, cfg, make=ms.GPT):
             dev.release()
 
 
-def our_engine(dev, model, params, param_dtype):
+def our_engine(dev, model, params, param_dtype=None, **keywords):
+    """A loaded float32 single-device engine (keywords: compute_dtype, tf32, ...)."""
     engine = ms.make_engine(model, "single", dtype=np.float32, comm=MPI.COMM_SELF,
                             device=dev.backend(MPI.COMM_SELF), param_dtype=param_dtype,
-                            report_errors=False)
+                            report_errors=False, **keywords)
     engine.load_checkpoint(params)
     return engine
 
@@ -191,71 +195,6 @@ def ours_figures(rec, times, flops, peak):
         rec["mfu_vs_cupy_fp32"] = round(flops / times[0] / 1e9 / peak, 4)
 
 
-def torch_closure(torch, dev, model, params, x, t, autocast):
-    net, _ = torch_gpt(torch, model, params)
-    net = net.to(dev.torch_device)
-    ce = torch.nn.CrossEntropyLoss()
-    xt = torch.from_numpy(x).to(dev.torch_device)
-    tt = torch.from_numpy(t).reshape(-1).to(dev.torch_device)
-
-    def step():
-        net.zero_grad()
-        with torch.autocast(dev.torch_device, dtype=autocast, enabled=autocast is not None):
-            loss = ce(net(xt).reshape(-1, model.vocab_size), tt)
-        loss.backward()
-    return step
-
-
-def run_step(dev, budget, samples):
-    t_end = time.perf_counter() + budget
-    sheet = dev.datasheet()
-    peak = {}
-    for dtype in ("float32", "float16"):
-        n = 64 if dev.standin else 8192
-        peak[dtype] = matmul_peak(dev, n, dtype)
-        emit(part="matmul_peak", dtype=dtype, n=n, gflops=round(peak[dtype], 1),
-             datasheet_tflops=None if sheet is None else sheet[dtype == "float16"])
-    # sized on the xp ops, so a fused kernel that fails costs only the fused half below
-    os.environ["MPISHARD_FUSED"] = "0"
-    model, params, x, t, batch = fitting_problem(dev, TINY if dev.standin else FULL)
-    flops = model_flops(model, batch)
-    emit(part="step_size", batch=batch, seq_len=model.seq_len, d_model=model.d_model,
-         n_layers=model.n_layers, vocab=model.vocab_size, gflop_per_step=round(flops / 1e9, 1))
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    for param_dtype in (None, "float16", "bfloat16"):
-        if time.perf_counter() > t_end:
-            emit(part="step", skipped=f"param_dtype {param_dtype}: budget {budget} s spent")
-            continue
-        rec = dict(part="step", param_dtype=param_dtype or "float32")
-        try:
-            engine = our_engine(dev, model, params, param_dtype)
-            fns = ours_pair(dev, engine, x, t, rec)
-            if torch is not None:
-                low = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-                fns += [torch_closure(torch, dev, model, params, x, t, None),
-                        torch_closure(torch, dev, model, params, x, t, low[param_dtype])]
-            times = timed(dev, fns, samples)
-            ours_figures(rec, times, flops, peak["float32"])
-            if sheet is not None:
-                rec["mfu_vs_datasheet_fp32"] = round(flops / times[0] / 1e12 / sheet[0], 4)
-            if torch is not None:
-                rec.update(torch_fp32_s=round(times[2], 5), torch_autocast_s=round(times[3], 5),
-                           ratio_ours_over_torch_fp32=round(times[0] / times[2], 3),
-                           ratio_unfused_over_torch_fp32=round(times[1] / times[2], 3),
-                           ratio_ours_over_torch_autocast=round(times[0] / times[3], 3))
-        except Exception as exc:
-            rec["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            engine = fns = None
-            dev.release()
-        emit(**rec)
-    os.environ.pop("MPISHARD_FUSED", None)
-    return 0
-
-
 def run_allreduce(dev, budget, samples):
     comm = MPI.COMM_WORLD
     t_end = time.perf_counter() + budget
@@ -292,14 +231,13 @@ def run_allreduce(dev, budget, samples):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["step", "allreduce"])
+    p.add_argument("what", choices=["allreduce"], help="the step: benchmarks/gpu_step.py")
     p.add_argument("--standin", action="store_true", help="CPU stand-in, tiny sizes")
     p.add_argument("--budget", type=float, default=240.0, help="seconds, then skip the rest")
     p.add_argument("--samples", type=int, default=5)
     args = p.parse_args(argv)
     dev = Device(args.standin)
-    run = run_step if args.what == "step" else run_allreduce
-    return run(dev, args.budget, args.samples)
+    return run_allreduce(dev, args.budget, args.samples)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,16 @@ bf16-cupy, fused   tests/parallel/test_bf16_cupy.py and tests/nn/test_fused.py (
              kernels against the xp ops), serially and, if they have MPI tests, at 2 ranks
              (skipped if absent); the child keeps the whole environment (the site's
              OMPI_MCA_/PMIX_MCA_ settings: an Open MPI singleton may need OMPI_MCA_plm)
-bench-step, bench-allreduce   benchmarks/gpu.py step (1 rank: GPT, fused kernels on and off,
-             next to PyTorch's) and allreduce (2 ranks)
-bench-llama  benchmarks/gpu_llama.py (1 rank: a GPT-2-small-sized Llama, fused and not, next
-             to transformers' LlamaForCausalLM)
+autocast     tests/nn/test_autocast.py: the 16-bit compute policy against torch.autocast
+bench-step   benchmarks/gpu_step.py (1 rank: the GPT-2-small step with AdamW in float32,
+             TF32, bfloat16 and float16 compute next to PyTorch's in the same precision, the
+             train_step alone too, peak memory of both)
+bench-llama  benchmarks/gpu_llama.py (1 rank: a GPT-2-small-sized Llama, fused and not, in
+             float32 and bfloat16 compute, next to transformers' LlamaForCausalLM)
+bench-allreduce   benchmarks/gpu.py allreduce (2 ranks sharing the GPU)
+kernels, nccl, cli, profile   gpu_check_parts.py (its docstring): the hand-written kernels
+             against the xp path, the NCCL and staged paths, train/generate/bench with
+             --device gpu, the per-unit profile
 
 Exit status 0 when no part failed. The log of everything printed is gpu_check.log.
 """
@@ -49,15 +55,18 @@ import threading
 import time
 from pathlib import Path
 
+import gpu_check_parts as more
 import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
-SHARES = [("wheels", 10), ("environment", 40), ("reference-1", 50), ("reference-2", 50),
-          ("bf16-cupy", 35), ("fused", 50), ("bench-step", 125), ("bench-llama", 90),
-          ("bench-allreduce", 30)]   # seconds of 480. The H100's first run (17:05 UTC, before
-# fused, Llama, generate, hf) took 2, 9, 8, 4, 15, -, 50, -, 2 s; at GPU_CHECK_BUDGET=360 every
-# part still has about 1.5x its expected time on a bare node (cupy compiles each kernel once)
+SHARES = [("wheels", 10), ("environment", 30), ("kernels", 40), ("reference-1", 40),
+          ("reference-2", 40), ("bf16-cupy", 20), ("fused", 30), ("autocast", 20),
+          ("bench-step", 120), ("bench-llama", 60), ("bench-allreduce", 20), ("nccl", 30),
+          ("cli", 40), ("profile", 40)]   # shares, scaled to GPU_CHECK_BUDGET (480 s).
+# The H100's first run (before fused, Llama, generate, hf and every part after
+# bench-allreduce) took 2, 9, -, 8, 4, 15, -, -, 50, -, 2 s; a bare node compiles each cupy
+# kernel once, which the shares allow for
 ENV_PROBE = """
 import platform, numpy, mpi4py
 from mpi4py import MPI
@@ -256,9 +265,12 @@ def main() -> int:
            "reference-1": part_reference(1), "reference-2": part_reference(2),
            "bf16-cupy": part_pytest("tests/parallel/test_bf16_cupy.py"),
            "fused": part_pytest("tests/nn/test_fused.py"),
-           "bench-step": part_bench(["benchmarks/gpu.py", "step"], 1),
+           "autocast": part_pytest("tests/nn/test_autocast.py"),
+           "bench-step": part_bench(["benchmarks/gpu_step.py"], 1),
            "bench-llama": part_bench(["benchmarks/gpu_llama.py"], 1),
-           "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2)}
+           "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2),
+           "kernels": more.part_kernels, "nccl": more.part_nccl, "cli": more.part_cli,
+           "profile": more.part_profile}
     t0 = time.monotonic()
     try:
         for name, share in shares:
