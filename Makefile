@@ -106,6 +106,7 @@ help:
 	@echo "make test             test-serial, then $(MPI_TESTS)"
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
+	@echo "make test-nvrtc       every CUDA kernel source compiled to PTX by NVRTC (installs $(NVRTC_PIN)), no GPU"
 	@echo "make test-hf          tests/hf (installs the hf extra: transformers, CPU torch) serially and on $(HF_SIZES) ranks"
 	@echo "make test-serve       tests/serve (installs the serve extra, openai, httpx) serially and on $(SERVE_SIZES) ranks"
 	@echo "make test-serialized  the comm, health and trainer MPI tests on 2 ranks with MPI initialised at MPI_THREAD_SERIALIZED (the watchdog's polled waits)"
@@ -196,6 +197,15 @@ test-hf: $(STAMP)
 	        -m mpi -p no:cacheprovider $(HF_TESTS) || rc=1; \
 	done; \
 	$(LEFTOVERS) after $(VENV)/.mpi-files-hf || rc=1; exit $$rc
+
+# --- CUDA kernels compiled to PTX with NVRTC: no GPU needed (not in `make test`) -----------
+# Installs the NVRTC wheel (the `nvrtc` extra's pin) and compiles every kernel source of the
+# package (tests/nn/test_nvrtc.py); MPISHARD_REQUIRE_NVRTC=1 makes a missing libnvrtc a failure.
+NVRTC_PIN ?= nvidia-cuda-nvrtc-cu12==12.9.86
+.PHONY: test-nvrtc
+test-nvrtc: $(STAMP)
+	$(PY) -m pip install -q $(NVRTC_PIN)
+	MPISHARD_REQUIRE_NVRTC=1 $(TIMEOUT_CMD) $(PY) -m pytest -q -p no:cacheprovider tests/nn/test_nvrtc.py
 
 # --- the OpenAI-compatible server (not in `make test`; .ci/run runs it) ---------------------
 # tests/serve start `mpishard serve` jobs of their own and drive them with the official openai

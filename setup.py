@@ -89,6 +89,8 @@ setup(
         # GPU arrays (pick the one matching your CUDA major version).
         "cuda12": ["cupy-cuda12x"],
         "cuda13": ["cupy-cuda13x"],
+        # NVRTC alone (no GPU, no driver): `make test-nvrtc` compiles every kernel to PTX.
+        "nvrtc": ["nvidia-cuda-nvrtc-cu12==12.9.86"],
     },
     entry_points={
         "console_scripts": ["mpishard=mpishard.__main__:run"],
