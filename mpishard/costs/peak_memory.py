@@ -38,8 +38,8 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
         with generate=(rows, max_len): k and v of every block the rank holds, rows x max_len
         x the model's kv_width(tp), plus the prefill's logits
 
-A model without `activation_elements` (a Llama, Qwen2 or MoE spec for now) is priced without
-activations, logits and workspace: only its held state, gathered weights and buffers.
+A model without `activation_elements` (ms.MoE) is priced without activations, logits and
+workspace: only its held state, gathered weights and buffers.
 """
 from __future__ import annotations
 
@@ -76,11 +76,17 @@ def tp_block(view, name) -> tuple:
     return local_shape(info.full_shape, info.placement, {**view.layout.sizes, "fsdp": 1})
 
 
+def saved_elements(parts, rows_mb) -> float:
+    """Elements the units keep for backward of one microbatch of `rows_mb` rows: 'saved' per
+    row, and 'per_microbatch' whatever its rows (a Llama's rotary angles)."""
+    return parts["saved"] * rows_mb + parts.get("per_microbatch", 0)
+
+
 def moments(view, parts, rows_mb) -> list:
     """The step's candidate peak moments beyond the held state, each {component: bytes}: the
     loss, the head's backward and the largest block's backward (module docstring)."""
     itemsize, layout = view.itemsize, view.layout
-    saved = int(parts["saved"] * itemsize * rows_mb * in_flight(layout, view.coords["pp"]))
+    saved = int(saved_elements(parts, rows_mb) * itemsize * in_flight(layout, view.coords["pp"]))
     whole = {n: view.nbytes(tp_block(view, n)) for n in view.params}
     zero3 = {n for n, i in view.params.items()
              if view.size("fsdp") > 1 and fsdp.zero_stage(i.placement, layout) == 3}

@@ -191,11 +191,12 @@ class ModelSpec(Protocol):
 
     def activation_elements(self, view, recompute: str) -> dict:
         """Optional (costs/peak_memory.py): per batch row, the elements a RankView's rank keeps
-        for backward ('saved', its pp stage's units under recompute '0', '1' or 'attn'), its
+        for backward ('saved', its pp stage's units under recompute '0', '1' or 'attn'; and
+        'per_microbatch', optional: elements kept once per microbatch whatever its rows), its
         largest backward transient ('workspace'), the loss's logits ('logits', 0 off the last
         stage), the head's weight block ('head_weights'), whether the loss is vocab-parallel
         ('vocab_parallel') over a padded vocabulary ('padded'), and the bytes of one row of
-        the batch ('input_bytes'). A spec without it is priced without activations."""
+        the batch ('input_bytes'). A spec without it (ms.MoE) is priced without activations."""
 
     def planned_experts(self) -> int | None:
         """The expert count the planner may split over ep (None: it tries no ep layout)."""

@@ -156,34 +156,51 @@ def gpt_flops(model, batch: int) -> int:
     return 3 * 2 * batch * T * per_token
 
 
-def activation_elements(model, view, recompute: str) -> dict:
+def gpt_block(model, view, t: int, n: int) -> dict:
+    """Per batch row, what one GPT block keeps for backward besides the probabilities
+    (activation_elements): two LayerNorms' xhat and rstd 2 n (D + 1), the qkv and fc inputs
+    2 T D, q | k | v (views of one array) 3 T D / tp, the attention output (the proj input is
+    a view of it) T D / tp, the GELU's derivative and output 2 T F / tp. recompute=attn keeps
+    all of it (the core's q | k | v input is the qkv array)."""
+    tp, d = view.layout.size("tp"), model.d_model
+    return {"kept": 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * model.d_ff // tp,
+            "core": 0, "per_microbatch": 0}
+
+
+def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> dict:
     """Per batch row, the elements this rank's units keep for backward and the largest
     transients (costs/peak_memory.py adds them up), from the blocks' local shapes: T = seq_len
-    / cp tokens, D, F = d_ff, H heads, tp; n norm tokens (T / tp under sequence_parallel).
+    / cp tokens, D, H heads, tp; n norm tokens (T / tp under sequence_parallel).
 
-    per block (recompute=0): two LayerNorms' xhat and rstd 2 n (D + 1), the qkv and fc inputs
-    2 T D, q | k | v (views of one array) 3 T D / tp, the attention output (the proj input is
-    a view of it) T D / tp, the kept probabilities H T S / tp (S = seq_len keys per query of
-    the T; cp: H seq^2 / (tp cp)), the GELU's derivative and output 2 T F / tp.
+    per block (recompute=0): block_terms(model, view, T, n)'s 'kept' (gpt_block; a Llama's:
+    llama/costs.py) and the kept probabilities H T S / tp (S = seq_len keys per query of the
+    T; cp: H seq^2 / (tp cp)); its 'per_microbatch' elements are held once per microbatch
+    whatever its rows (a Llama's rotary angles).
     recompute=1: the block input n D, and in backward one block's internals (workspace);
-    recompute=attn: the probabilities are not kept.
+    recompute=attn: the probabilities and block_terms' 'core' (what the attention core keeps
+    beyond its input) are not kept.
     workspace: the attention backward's ds, one probabilities-sized array. First stage: the
-    token ids (int64). Last stage: ln_f n (D + 1), the head input T D, the logits T v (v the
-    vocabulary, per tp rank padded: vocab-parallel) and the head's weight block D v."""
+    token ids (int64), under tp with their in-range mask (bool). Last stage: ln_f n (D + 1),
+    the head input T D, the logits T v (v the vocabulary, per tp rank padded: vocab-parallel)
+    and the head's weight block D v. Under cp the probabilities are an upper bound: the ring
+    and Ulysses units keep less (measured: a few % of the total at toy size)."""
     layout = view.layout
     tp, cp = layout.size("tp"), layout.size("cp")
-    t, d, f = local_tokens(model, layout), model.d_model, model.d_ff
+    t, d = local_tokens(model, layout), model.d_model
     n = t // tp if tp > 1 and layout.option("sequence_parallel", 0) else t
     probs = model.n_heads * t * model.seq_len // tp if cp == 1 else \
         model.n_heads * model.seq_len ** 2 // (tp * cp)
-    block = 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * f // tp
+    terms = block_terms(model, view, t, n)
+    block = terms["kept"]
     blocks = len({name.split("/")[0] for name in view.params if name.startswith("block_")})
-    kept = {"0": block + probs, "attn": block, "1": n * d}[recompute]
+    kept = {"0": block + probs, "attn": block - terms["core"], "1": n * d}[recompute]
     out = {"saved": blocks * kept, "workspace": probs + (block + probs) * (recompute == "1"),
+           "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
            "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,
            "input_bytes": 2 * 8 * model.seq_len // cp}
     if holds_embedding(view.params):
-        out["saved"] += t * 8 // view.itemsize                   # the token ids (int64)
+        out["saved"] += (8 + (tp > 1)) * t / view.itemsize     # the token ids (int64); their
+                                                # vocab-parallel in-range mask (bool)
     if HEAD_MARK in view.params:
         v = -(-model.vocab_size // tp)
         out["saved"] += n * (d + 1) + t * d

@@ -227,3 +227,42 @@ def swiglu_mlp(model, view, op, tokens, seq) -> tuple:
 def elementwise(model, view, op, fixed) -> float:
     """The decoder's element-wise seconds with a Llama's MLP terms."""
     return decoder.elementwise(model, view, op, fixed, swiglu_mlp)
+
+
+def llama_block(model, view, t: int, n: int) -> dict:
+    """Per batch row, what one Llama block keeps for backward besides the probabilities
+    (gpt/costs.activation_elements' block_terms), q = Hq Dh / tp and w = kv_width(tp):
+    two RMSNorms' n and rsqrt 2 n (D + 1), the q | k | v input T D, the rotated q | k | v
+    T (q + 2 w) (the core's input), k and v repeated to every query head 2 T q (the 'core':
+    recompute=attn drops them), the attention output T q (the proj input is a view of it);
+    the MLP: its input T D, SwiGLU's gate | up, sigmoid and silu 4 T F / tp and the down
+    input T F / tp; in a Mixtral instead sparse_moe's. Per microbatch, the rotary's cos and
+    sin of the T positions: half-width casts T Dh, or in float64 the angles' arrays 2 T Dh."""
+    tp, d, dh = view.layout.size("tp"), model.d_model, model.d_head
+    q = model.n_heads * dh // tp
+    attention = n * (d + 1) + t * d + t * (q + 2 * model.kv_width(tp)) + 3 * t * q
+    if model.n_experts is None:
+        mlp, fixed = n * (d + 1) + t * d + 5 * t * model.d_ff // tp, 0
+    else:
+        mlp, fixed = sparse_moe(model, view, n)
+    rotary = t * dh * (2 if view.itemsize == 8 else 1)
+    return {"kept": attention + mlp, "core": 2 * t * q, "per_microbatch": rotary + fixed}
+
+
+def sparse_moe(model, view, n: int) -> tuple:
+    """(per batch row, per microbatch) elements a Mixtral block's ln_2 and SparseMoE keep, for
+    its n tokens (T / tp under sequence_parallel) and k = top_k choices each, all of them kept
+    (no capacity drops) and under ep the expected k rows each (uniform routing): ln_2's
+    n (D + 1); the rows n D, router probabilities n E, gates n k and their sum n, the combined
+    slots n k D, the dispatched rows n k D and the experts' four (rows, F) arrays 4 n k F; the
+    choices and the exchange's two orders, 3 n k int64; per microbatch E + 3 int64 (the
+    experts' bounds and the exchange's counts)."""
+    d, e, k, f = model.d_model, model.n_experts, model.top_k, model.d_ff
+    ints = INT_BYTES / view.itemsize
+    row = n * (d + 1) + n * (d + e + k + 1 + 2 * k * d + 4 * k * f) + 3 * n * k * ints
+    return row, (e + 3) * ints
+
+
+def activation_elements(model, view, recompute: str) -> dict:
+    """The decoder's activation elements with a Llama's (or Mixtral's) blocks: llama_block."""
+    return decoder.activation_elements(model, view, recompute, llama_block)

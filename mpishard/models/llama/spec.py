@@ -164,6 +164,9 @@ class Llama(DecoderSpec):
     def planned_experts(self):
         return self.n_experts
 
+    def activation_elements(self, view, recompute: str) -> dict:
+        return costs.activation_elements(self, view, recompute)
+
     # -- parameters ----------------------------------------------------------------------------
     def block_param_shapes(self, i: int) -> dict:
         d, p = self.d_model, f"block_{i}"
