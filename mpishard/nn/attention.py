@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from . import fused
+from .autocast import FULL
 from .functional import array_module
 
 
@@ -45,7 +46,7 @@ def _t(a):
     return a.swapaxes(-1, -2)
 
 
-def _masked_scores_t(q, k, offset, visible=None):
+def _masked_scores_t(q, k, offset, visible=None, cast=FULL):
     """The scores transposed, keys down and queries across (B, H, Tk, Tq):
     s^T = 'bhsd,bhtd->bhst' (k, q / sqrt(Dh)), -inf where the causal mask hides the key and,
     when `visible` (bool, broadcastable to (B, H, Tq, Tk)) is given, where it is False.
@@ -53,11 +54,12 @@ def _masked_scores_t(q, k, offset, visible=None):
     Why transposed: the softmax then reduces over axis -2 (whole contiguous rows at a time)
     instead of along a short last axis, and both GEMMs of the forward are plain or
     transposed-left products, which OpenBLAS runs faster than q k^T on these small blocks.
+    cast (nn/autocast.py): the matmul's inputs and its output rounded (before the mask).
     """
     xp = array_module(q)
     qt = xp.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype)
     xp.multiply(_t(q), 1.0 / math.sqrt(q.shape[-1]), out=qt)     # (q / sqrt Dh)^T, one copy
-    s = xp.matmul(k, qt)                                         # 'bhsd,bhdt->bhst'
+    s = cast.output(xp.matmul(cast.round(k), cast.round(qt)))    # 'bhsd,bhdt->bhst'
     if offset is not None:                  # + 0 or -inf: hides keys; flat (Tk Tq) rows, so
         hide = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset).T, 0.0, -xp.inf)
         flat = s.reshape(s.shape[:-2] + (-1,))          # the add runs in long contiguous loops
@@ -85,7 +87,7 @@ def _max_over_keys(s):
     return m[..., :1, :]
 
 
-def attention_block(q, k, v, offset=None, keep_probs=False, visible=None):
+def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=FULL):
     """One block: (out (B, H, Tq, Dh) normalised within the block, lse (B, H, Tq)).
 
     offset None: every query sees every key; an int: the causal mask of causal_mask.
@@ -96,13 +98,15 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None):
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
     keep_probs: also return the probabilities p^T (B, H, Tk, Tq), for a backward that keeps
     them instead of recomputing the scores (one (B, H, T, T) array more per layer on the tape).
+    cast (nn/autocast.py): the precision of the two matmuls (inputs and outputs rounded; the
+    softmax, lse and the kept probabilities stay float32, as under torch.autocast).
     """
     xp = array_module(q)
     if visible is None and fused.use(xp):                    # the same softmax, one kernel
-        p = _masked_scores_t(q, k, None)
+        p = _masked_scores_t(q, k, None, cast=cast)
         lse = fused.causal_softmax_t(xp, p, offset)
     else:
-        p = _masked_scores_t(q, k, offset, visible)          # s^T, then p^T in place
+        p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
         m = _finite_or_zero(xp, _max_over_keys(p))           # per query max: exp(s - m) <= 1
         p -= m
         xp.exp(p, out=p)                                     # unnormalised probabilities
@@ -112,7 +116,7 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None):
             lse = m[..., 0, :] + xp.log(denom)
     b, h, tq, dh = q.shape
     out = xp.empty((b, tq, h, dh), dtype=q.dtype).transpose(0, 2, 1, 3)
-    fused.matmul_tn(xp, p, v, out=out)                       # 'bhst,bhsd->bhtd' (p, v)
+    cast.output(fused.matmul_tn(xp, cast.round(p), cast.round(v), out=out))  # 'bhst,bhsd->bhtd'
     return (out, lse, p) if keep_probs else (out, lse)
 
 
@@ -129,54 +133,66 @@ def merge_blocks(out_a, lse_a, out_b, lse_b):
 
 
 def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, probs=None,
-                             visible=None):
+                             visible=None, cast=FULL):
     """One block's share of (dq, dk, dv), given dL/dout and the final out and lse.
 
     p  = exp(s - lse)                    the final softmax on this block's keys (recomputed,
                                          transposed as in the forward: p^T (B, H, Tk, Tq))
     dv = 'bhts,bhtd->bhsd' (p, dout)     undoes o = p v (in v)
     dp = 'bhtd,bhsd->bhts' (dout, v)     undoes o = p v (in p)
-    ds = p (dp - sum_d dout * out)       undoes the softmax (the row sum uses the final out)
+    ds = p (dp - sum_d dout * out)       undoes the softmax (the row sum uses the final out;
+                                         under a rounding cast: sum_s p dp, the rounded dp's)
     dq = 'bhts,bhsd->bhtd' (ds, k) / sqrt(Dh)    undoes s = q k^T / sqrt(Dh) (in q)
     dk = 'bhts,bhtd->bhsd' (ds, q) / sqrt(Dh)    ... (in k)
 
     into: three (B, H, T, Dh) arrays (views allowed) to write dq, dk, dv to, e.g. the views
     of split_heads_grads; None: fresh arrays. probs: the p^T the forward kept (keep_probs),
     used as it is (read only) instead of recomputed from q, k and lse. visible: the forward's
-    mask (attention_block), hiding the same keys when p is recomputed.
+    mask (attention_block), hiding the same keys when p is recomputed. cast: the forward's
+    (nn/autocast.py): the four matmuls' inputs and outputs rounded, the softmax's backward
+    (ds from p, dp and the row sums) in float32.
     """
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     p = probs
     if p is None:
-        p = _masked_scores_t(q, k, offset, visible)          # s^T, then p^T in place
+        p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
         p -= _finite_or_zero(xp, lse)[..., None, :]
         xp.exp(p, out=p)
     dq, dk, dv = (None, None, None) if into is None else into
-    dv = xp.matmul(p, dout, out=dv)                          # 'bhst,bhtd->bhsd' (p^T, dout)
+    dout = cast.round(dout)
+    dv = cast.output(xp.matmul(cast.round(p), dout, out=dv))     # 'bhst,bhtd->bhsd' (p^T, dout)
     dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
     xp.multiply(_t(dout), scale, out=dout_t)                 # (dout / sqrt Dh)^T, one copy
-    ds = xp.matmul(v, dout_t)                                # dp^T / sqrt Dh 'bhsd,bhdt->bhst'
-    row = xp.einsum("bthd,bthd->bht", dout.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3))
-    row *= scale                                             # sum_d dout * out / sqrt Dh
+    ds = cast.output(xp.matmul(cast.round(v), cast.round(dout_t)))   # dp^T / sqrt Dh
+    #                                                          'bhsd,bhdt->bhst'
+    if cast.active:                    # sum_s p dp / sqrt Dh, from the rounded dp: the
+        row = xp.einsum("bhst,bhst->bht", ds, p)     # softmax's own backward (autocast's)
+    else:
+        row = xp.einsum("bthd,bthd->bht", dout.transpose(0, 2, 1, 3),
+                        out.transpose(0, 2, 1, 3))
+        row *= scale                                         # sum_d dout * out / sqrt Dh
     fused.softmax_grad_t(xp, ds, row, p)                     # ds^T / sqrt Dh = (ds - row) p
-    dq = fused.matmul_tn(xp, ds, k, out=dq)                  # 'bhts,bhsd->bhtd' (ds, k)
-    dk = xp.matmul(ds, q, out=dk)                            # 'bhst,bhtd->bhsd' (ds^T, q)
+    ds = cast.round(ds)
+    dq = cast.output(fused.matmul_tn(xp, ds, cast.round(k), out=dq))   # 'bhts,bhsd->bhtd'
+    dk = cast.output(xp.matmul(ds, cast.round(q), out=dk))   # 'bhst,bhtd->bhsd' (ds^T, q)
     return dq, dk, dv
 
 
-def causal_attention_forward(q, k, v, keep_probs=False, visible=None):
+def causal_attention_forward(q, k, v, keep_probs=False, visible=None, cast=FULL):
     """Causal self-attention of a whole sequence: (out, lse), one block at offset 0 (and the
     probabilities with keep_probs); visible: a further mask, e.g. packed documents'
     (nn.documents.visible)."""
-    return attention_block(q, k, v, offset=0, keep_probs=keep_probs, visible=visible)
+    return attention_block(q, k, v, offset=0, keep_probs=keep_probs, visible=visible,
+                           cast=cast)
 
 
-def causal_attention_backward(dout, q, k, v, out, lse, into=None, probs=None, visible=None):
+def causal_attention_backward(dout, q, k, v, out, lse, into=None, probs=None, visible=None,
+                              cast=FULL):
     """Undo causal_attention_forward: (dq, dk, dv) (written to `into` when given; `probs`:
     the forward's kept probabilities, else recomputed under the same `visible`)."""
     return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into, probs=probs,
-                                    visible=visible)
+                                    visible=visible, cast=cast)
 
 
 # -- heads ---------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 from . import functional as nn
+from .autocast import FULL
 
 
 class LocalAccess:
@@ -129,7 +130,13 @@ class Linear(Layer):
     `reduce`: a communication unit applied to the partial products x W before the bias is
     added (a row-parallel layer sums its partial products over tp there); its backward runs
     on dy before the local backward.
+
+    `autocast` (nn/autocast.py, set by attach_autocast): x, W, b and dy rounded before use,
+    y, dx, dW and db rounded after (a partial product before its reduce too); the tape and
+    the deferred W pass keep the rounded x and dy.
     """
+
+    autocast = FULL
 
     def __init__(self, access, w_name, b_name=None, need_dx=True, reduce=None):
         super().__init__()
@@ -155,17 +162,20 @@ class Linear(Layer):
         self.deferred.pop(mb, None)
 
     def forward(self, x, mb=0, record=True):
-        w = self.access.get(self.w_name, mb)
+        cast = self.autocast
+        x = cast.round(x)
+        w = cast.round(self.access.get(self.w_name, mb))
         if self.reduce is None:
-            b = self.access.get(self.b_name, mb) if self.b_name else None
-            y = nn.linear_forward(x, w, b)                      # 'bd,df->bf' + b
+            b = cast.round(self.access.get(self.b_name, mb)) if self.b_name else None
+            y = cast.output(nn.linear_forward(x, w, b))         # 'bd,df->bf' + b
         else:
-            y = nn.linear_forward(x, w)                         # 'bf,fd->bd' partial sums
+            y = cast.output(nn.linear_forward(x, w))            # 'bf,fd->bd' partial sums
         self.access.release(self.w_name, mb)
         if self.reduce is not None:
             y = self.reduce.forward(y, mb, record)              # e.g. all-reduce over tp
-            if self.b_name:
-                y += self.access.get(self.b_name, mb)           # bias once, after the sum
+            if self.b_name:                                     # bias once, after the sum
+                y += cast.round(self.access.get(self.b_name, mb))
+                y = cast.output(y)
         if self.b_name:
             self.access.release(self.b_name, mb)                # FSDP drops the gathered bias
         self.save(mb, record, x)
@@ -180,10 +190,12 @@ class Linear(Layer):
         x = self.pop(mb)
         if self.reduce is not None:
             dy = self.reduce.backward(dy, mb)                   # undoes the reduce
+        cast = self.autocast
+        dy = cast.round(dy)
         dx = None                  # the model input: dW = x^T dy needs no W, so no get
         if self.need_dx:           # (FSDP ZeRO-3 skips the layer's backward all_gather)
-            w = self.access.get(self.w_name, mb)
-            dx = nn.linear_backward_input(dy, w, x.shape)                   # 'bf,df->bd'
+            w = cast.round(self.access.get(self.w_name, mb))
+            dx = cast.output(nn.linear_backward_input(dy, w, x.shape))      # 'bf,df->bd'
             self.access.release(self.w_name, mb)
         self.deferred[mb] = (x, dy)
         return dx
@@ -191,9 +203,9 @@ class Linear(Layer):
     def backward_weights(self, mb=0) -> None:
         x, dy = self.deferred.pop(mb)
         dw, db = nn.linear_backward_weights(dy, x)               # undoes 'bd,df->bf' in W
-        self.access.add_grad(self.w_name, dw)
-        if self.b_name:
-            self.access.add_grad(self.b_name, db)                # undoes the broadcast of b
+        self.access.add_grad(self.w_name, self.autocast.output(dw))
+        if self.b_name:                                          # undoes the broadcast of b
+            self.access.add_grad(self.b_name, self.autocast.output(db))
 
 
 def every_layer(chunks):
@@ -212,6 +224,17 @@ def every_layer(chunks):
                 stack.append(v)
             elif isinstance(v, (list, tuple)):
                 stack.extend(u for u in v if isinstance(u, Layer))
+
+
+def attach_autocast(chunks, policy) -> None:
+    """Give the matmul precision `policy` (nn/autocast.py) to every layer in `chunks`, or
+    inside them, that multiplies matrices: those whose class declares an `autocast`
+    attribute. A policy that rounds nothing (FULL) leaves the class default in place."""
+    if not policy.active:
+        return
+    for layer in every_layer(chunks):
+        if hasattr(type(layer), "autocast"):
+            layer.autocast = policy
 
 
 class Sequential:

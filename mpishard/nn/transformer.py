@@ -26,6 +26,7 @@ from __future__ import annotations
 from . import attention as att
 from . import documents as docs
 from . import functional as nn
+from .autocast import FULL
 from .layers import Layer, Linear
 
 
@@ -64,8 +65,10 @@ class CausalSelfAttention(Layer):
     heads (the local count under tp). No parameters. `cache`: a kv_cache.KVCache while
     decoding (set by kv_cache.caching): the T new positions attend to the cached ones too.
     `documents` (nn/documents.py): when microbatch mb is packed, a query sees only the keys
-    of its own document (the probabilities kept for backward carry that mask)."""
+    of its own document (the probabilities kept for backward carry that mask). `autocast`
+    (nn/autocast.py): the policy of its four matmuls (attention.attention_block's `cast`)."""
 
+    autocast = FULL
     attention_core = True      # what recompute=attn wraps (so do cp's ring and Ulysses units)
     documents = None           # the rank's nn.documents.Documents (documents.attach)
 
@@ -84,8 +87,11 @@ class CausalSelfAttention(Layer):
             return att.merge_heads(self.cache.attend(self, q, k, v))
         ids = docs.rows_of(self.documents, mb)                    # packed: (B, T) or None
         visible = None if ids is None else docs.visible(ids, ids)
+        cast = self.autocast
+        q, k, v = cast.round(q), cast.round(k), cast.round(v)    # the 16-bit q, k, v saved
         out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True,   # softmax(q k^T
-                                                 visible=visible)    # / sqrt Dh) v, in docs
+                                                 visible=visible,    # / sqrt Dh) v, in docs
+                                                 cast=cast)
         self.save(mb, record, (q, k, v, out, p))                 # p for backward
         return att.merge_heads(out)                               # heads concatenated
 
@@ -93,7 +99,8 @@ class CausalSelfAttention(Layer):
         q, k, v, out, p = self.pop(mb)
         dout = att.merge_heads_backward(dy, self.n_heads)         # undoes merge_heads
         da, into = att.split_heads_grads(q)                       # undoes split_heads as
-        att.causal_attention_backward(dout, q, k, v, out, None, into=into, probs=p)  # attn's
+        att.causal_attention_backward(dout, q, k, v, out, None, into=into, probs=p,  # attn's
+                                      cast=self.autocast)
         return da                                                 # undone
 
 
@@ -181,7 +188,11 @@ class Embedding(Layer):
 
 class TiedHead(Layer):
     """logits = x embed/tokens^T   'bd,vd->bv'  (b = B*T): the head that reuses the token
-    embedding. Its gradient adds to the embedding's own (two add_grad calls per backward)."""
+    embedding. Its gradient adds to the embedding's own (two add_grad calls per backward).
+    `autocast` (nn/autocast.py): x, the table and dy rounded before use, the logits, dx and
+    the table's gradient after; the tape keeps the rounded x."""
+
+    autocast = FULL
 
     def __init__(self, access, w_name="embed/tokens"):
         super().__init__()
@@ -192,19 +203,20 @@ class TiedHead(Layer):
         return f"TiedHead({self.w_name})"
 
     def forward(self, x, mb=0, record=True):
-        w = self.access.get(self.w_name, mb)
-        y = nn.einsum("bd,vd->bv", x.reshape(-1, x.shape[-1]), w)
+        cast = self.autocast
+        x, w = cast.round(x), cast.round(self.access.get(self.w_name, mb))
+        y = cast.output(nn.einsum("bd,vd->bv", x.reshape(-1, x.shape[-1]), w))
         self.access.release(self.w_name, mb)
         self.save(mb, record, x)
         return y.reshape(x.shape[:-1] + (w.shape[0],))
 
     def backward(self, dy, mb=0):
-        x = self.pop(mb)
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        w = self.access.get(self.w_name, mb)
-        dx = nn.einsum("bv,vd->bd", dy2, w)                       # undoes 'bd,vd->bv' in x
+        x, cast = self.pop(mb), self.autocast
+        x2, dy2 = x.reshape(-1, x.shape[-1]), cast.round(dy.reshape(-1, dy.shape[-1]))
+        w = cast.round(self.access.get(self.w_name, mb))
+        dx = cast.output(nn.einsum("bv,vd->bd", dy2, w))          # undoes 'bd,vd->bv' in x
         self.access.release(self.w_name, mb)
-        self.access.add_grad(self.w_name, nn.einsum("bv,bd->vd", dy2, x2))   # ... in w
+        self.access.add_grad(self.w_name, cast.output(nn.einsum("bv,bd->vd", dy2, x2)))  # w
         return dx.reshape(x.shape)
 
 

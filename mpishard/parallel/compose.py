@@ -32,7 +32,7 @@ from ..comm.mesh import DATA_AXES
 from ..nn.activations import TapeMeter, meter_tapes
 from ..nn.documents import Documents
 from ..nn.documents import attach as attach_documents
-from ..nn.layers import LocalAccess, Sequential
+from ..nn.layers import LocalAccess, Sequential, attach_autocast
 from ..nn.recompute import recompute_chunks
 from .aux_loss import AuxLossPipeline, AuxLossRunner
 from .data_parallel import DEFAULT_BUCKET_MB, GradientSync
@@ -119,6 +119,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
     stats: dict = {}
     chunks, output, aux = model.build(layout, comm, access, stats)   # 5. layers
     chunks = recompute_chunks(model, chunks, layout.option("recompute"), layout.text)
+    attach_autocast(chunks, precision.autocast())   # compute_dtype / tf32: matmul rounding
     if getattr(access, "prefetcher", None) is not None:             # fsdp prefetch=1
         access.prefetcher.install(chunks)
     meter = TapeMeter()                 # activation bytes on the layers' tapes (memory_report)

@@ -39,9 +39,13 @@ masters and the checkpoint writer make. `precision.param` and `.comm` stay the l
 """
 from __future__ import annotations
 
+from functools import partial
+
 import ml_dtypes
 import numpy as np
 
+from ..nn.autocast import FULL, Rounding, round_tf32
+from ..nn.functional import array_module
 from . import bf16
 from . import placement as pl
 
@@ -117,6 +121,14 @@ class Precision:
         """The Comm the gradient sync and fsdp use: `comm` itself unless something is 16-bit."""
         return LowPrecisionComm(comm, self.compute, self.comm) if self.mixed else comm
 
+    def autocast(self):
+        """The matmul policy the layers get (nn/autocast.py): inputs and outputs rounded to
+        `matmul`, inputs rounded to TF32 under `tf32`, else FULL (nothing rounded)."""
+        if self.matmul is not None:
+            to_16 = partial(round_to, dtype=self.matmul)
+            return Rounding(to_16, to_16, self.matmul.name)
+        return Rounding(round_tf32, None, "tf32") if self.tf32 else FULL
+
     def wrap_access(self, access):
         """The access policy the layers use: casting when parameters are stored in 16 bits."""
         if self.param == self.compute:
@@ -147,6 +159,13 @@ def widen(a, compute, xp):
     if a.dtype == bf16.WORD:
         return bf16.to_float32(xp, a).astype(compute, copy=False)
     return a.astype(compute, copy=False)
+
+
+def round_to(x, dtype):
+    """x (float32) rounded to the 16-bit `dtype` and held in float32 again (on a device:
+    bf16 through bf16.py's word kernels), nearest even: the value a 16-bit matmul sees."""
+    xp = array_module(x)
+    return widen(narrow(x, dtype, xp), x.dtype, xp)
 
 
 def assign(param, x, xp) -> None:

@@ -1,0 +1,110 @@
+"""Autocast: the precision the matmuls of a layer compute in (torch.autocast's policy).
+
+An engine with `compute_dtype` bfloat16 or float16, or with `tf32=True`, gives every layer
+that multiplies matrices a `Rounding` policy (layers.attach_autocast, called by
+parallel/compose.py with the policy parallel/precision.py builds); every other engine leaves
+them `FULL`, whose methods hand their arguments back untouched, so the float32 and float64
+paths run the same operations as without this module, bit for bit.
+
+A layer with a policy `cast` writes each matmul as
+
+    y = cast.output(xp.matmul(cast.round(a), cast.round(b)))        (einsum spec alike)
+
+and the policy decides what that means (PyTorch autocast's lists, CUDA's, which keep
+softmax, the norms and the losses in float32):
+
+    16-bit (bfloat16 / float16)
+      matmul inputs    rounded to 16 bits: activations, gradients and weights (the float32
+                       master rounded at each use, as autocast's cast cache does per step)
+      products, sums   float32 (the product of two bf16 or fp16 values is exact in float32;
+                       the sum accumulates in float32, as tensor cores do)
+      matmul outputs   rounded to 16 bits (a linear layer's bias is rounded and added first,
+                       as autocast's addmm does; a weight's gradient is a matmul output too,
+                       accumulated into the float32 gradient store)
+      saved for the backward: the 16-bit input a matmul used (Linear, TiedHead) and the
+                       attention's rounded q, k, v; the softmax probabilities stay float32
+                       (softmax runs in float32 and saves its float32 output, as autocast's
+                       fp32 list does; the PV matmul rounds them at use), and the softmax's
+                       backward row sums are sum_s p dp (its autograd's), not flash
+                       attention's sum_d dout out
+      everything else  float32: softmax and its statistics, LayerNorm/RMSNorm, activations,
+                       the loss, reductions, the residual stream, the embeddings
+    tf32
+      matmul inputs    rounded to TF32 (a float32 with a 10-bit mantissa, `round_tf32`)
+      outputs          float32, not rounded
+
+Held in float32. On this first step a rounded array keeps dtype float32, its values on the
+16-bit grid, on numpy and on cupy alike (the GEMM then runs in float32, not on 16-bit tensor
+cores): the numerics are autocast's, the speed and memory are float32's. Saved activations
+take 4 bytes an element, and the engine's activation meter counts them so.
+
+The rounding functions come from the caller: nn/ knows no device's bfloat16 (precision.py
+rounds through ml_dtypes on numpy and through bf16.py's word kernels on cupy).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .functional import array_module
+
+
+class Full:
+    """No rounding: the layers' matmuls as written (float32 or float64 throughout)."""
+
+    active = False
+
+    def round(self, x):
+        """x itself."""
+        return x
+
+    def output(self, y):
+        """y itself."""
+        return y
+
+    def __repr__(self):
+        return "FULL"
+
+
+FULL = Full()
+
+
+class Rounding:
+    """Matmul inputs rounded by `inputs`, outputs by `outputs` (None: left as they are).
+
+    inputs, outputs: functions of one float array returning it rounded (same dtype, a new
+    array); name: what the policy is called in reports ("bfloat16", "float16", "tf32")."""
+
+    active = True
+
+    def __init__(self, inputs, outputs=None, name=""):
+        self.inputs, self.outputs, self.name = inputs, outputs, name
+
+    def round(self, x):
+        """A matmul input: x rounded (a new array; None stays None)."""
+        return None if x is None else self.inputs(x)
+
+    def output(self, y):
+        """A matmul output: y rounded in place (a view is written through), and returned."""
+        if self.outputs is not None:
+            y[...] = self.outputs(y)
+        return y
+
+    def __repr__(self):
+        return f"Rounding({self.name})"
+
+
+def round_tf32(x):
+    """float32 x rounded to TF32 (1 sign, 8 exponent, 10 mantissa bits), held in float32:
+    the low 13 mantissa bits cleared after rounding to nearest, ties to even, on the bits
+    u of x: (u + 0xFFF + ((u >> 13) & 1)) & ~0x1FFF. The carry runs into the exponent (the
+    largest float32s round to inf); inf and NaN (exponent all ones) are kept as they are.
+    (NVIDIA's cvt.rna.tf32.f32 rounds ties away from zero; the two differ only on exact
+    ties.)"""
+    xp = array_module(x)
+    u = xp.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = (u + np.uint32(0xFFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    special = (u & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+    return xp.where(special, u, r).view(np.float32)
+
+
+__all__ = ["FULL", "Full", "Rounding", "round_tf32"]
