@@ -13,11 +13,16 @@
 - only cupy's dtypes exist (bool, integers, float16/32/64, complex): an array of any other
   (ml_dtypes.bfloat16, float128, strings, objects) raises TypeError, as cupy refuses it;
 - every host<->device copy is counted (`module.copies`): `xp.asarray(host)` (to_device),
-  `d.get()` / `xp.asnumpy(d)` / `float(d)` (to_host), `d.set(host)` (to_device).
+  `d.get()` / `xp.asnumpy(d)` / `float(d)` (to_host), `d.set(host)` (to_device);
+- streams and events as cupy has them (`xp.cuda.Stream`, `xp.cuda.Event`, `d.data.ptr`): the
+  double's own array operations run at once, but work a stream is given (the NCCL stand-in's
+  operations, tests/nccl_double.py) runs in order, one item after the one before it finished,
+  progressed when the host asks (`event.done`, `stream.synchronize()`), as a GPU's stream does.
 """
 from __future__ import annotations
 
 import operator
+import os
 import types
 
 import numpy as np
@@ -85,6 +90,11 @@ class DeviceArray:
         assert a.flags.c_contiguous, "MPI got a non-contiguous device buffer"
         return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
                 "version": 3, "strides": None, "stream": None}
+
+    @property
+    def data(self):
+        """The device pointer, as cupy's MemoryPointer gives it (`.data.ptr`)."""
+        return types.SimpleNamespace(ptr=self._data.ctypes.data)
 
     # -- explicit transfers (counted) --------------------------------------------------------
     def get(self, out=None):
@@ -189,13 +199,14 @@ class DeviceModule(types.ModuleType):
         self.cuda_aware = bool(cuda_aware)
         self.copies = CopyCounter()
         self.ndarray = DeviceArray
+        self.streams: dict = {}                       # ptr -> Stream (the null stream: 0)
+        null = Stream(self)
         self.cuda = types.SimpleNamespace(
-            get_current_stream=lambda: types.SimpleNamespace(synchronize=self._synchronize),
+            get_current_stream=lambda: null,
+            Stream=lambda null=False, non_blocking=False: Stream(self),
+            Event=lambda block=False, disable_timing=False: Event(null),
             runtime=types.SimpleNamespace(getDeviceCount=lambda: n_devices),
             Device=lambda i: types.SimpleNamespace(use=lambda: None))
-
-    def _synchronize(self):
-        self.copies.syncs += 1
 
     # -- wrapping ----------------------------------------------------------------------------
     def unwrap(self, x):
@@ -263,6 +274,78 @@ class DeviceModule(types.ModuleType):
             return self.call(attr, args, kwargs)
         function.__name__ = name
         return function
+
+
+class Stream:
+    """An in-order queue of device work: `enqueue(launch)` adds an item, `launch()` starts it
+    and returns `test`, which says (True) once it finished. An item starts only after the one
+    before it finished, when the host asks (`query`, `synchronize`, an event's `done`)."""
+
+    def __init__(self, module):
+        self._module = module
+        self.ptr = len(module.streams)
+        module.streams[self.ptr] = self
+        self.queue: list = []              # [launch, test or None, owner]
+        self.enqueued = self.finished = 0
+
+    def enqueue(self, launch, owner=None) -> None:
+        self.queue.append([launch, None, owner])
+        self.enqueued += 1
+        self.query()                       # an idle stream starts the item at once
+
+    def query(self) -> bool:
+        """Progress the queue; True when it is empty."""
+        while self.queue:
+            item = self.queue[0]
+            if item[1] is None:
+                item[1] = item[0]()
+            if not item[1]():
+                return False
+            self.queue.pop(0)
+            self.finished += 1
+        return True
+
+    done = property(query)
+
+    def drop(self, owner) -> None:
+        """Forget the items of `owner` (an aborted communicator), counted as finished."""
+        kept = [item for item in self.queue if item[2] is not owner]
+        self.finished += len(self.queue) - len(kept)
+        self.queue[:] = kept
+
+    def synchronize(self) -> None:
+        self._module.copies.syncs += 1
+        while not self.query():
+            os.sched_yield()
+
+    def wait_event(self, event) -> None:
+        """Later items of this stream start after `event` (of any stream) happened."""
+        self.enqueue(lambda: lambda: event.done)
+
+    def record(self, event=None):
+        event = event or Event(self)
+        event.record(self)
+        return event
+
+
+class Event:
+    """A point in a stream's queue: `done` once every item enqueued before `record` finished."""
+
+    def __init__(self, stream):
+        self.stream, self.mark = stream, 0
+
+    def record(self, stream=None) -> None:
+        self.stream = stream or self.stream
+        self.mark = self.stream.enqueued
+
+    @property
+    def done(self) -> bool:
+        self.stream.query()
+        return self.stream.finished >= self.mark
+
+    def synchronize(self) -> None:
+        while not self.done:
+            os.sched_yield()
 
 
 class DeviceUfunc:

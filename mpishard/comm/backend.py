@@ -16,7 +16,23 @@ array to mpi4py:
 Whether the MPI is CUDA-aware is asked of the library (gpu.query_cuda_support) unless the
 caller says (`cuda_aware=True|False`). The device is chosen per node-local rank (gpu.py).
 `array_module=` replaces cupy with another device array module (the test suite's strict CPU
-stand-in, tests/device_double.py). Nothing here is a global: the engine owns one Backend.
+stand-in, tests/device_double.py), `nccl_module=` cupy's NCCL (tests/nccl_double.py). Nothing
+here is a global: the engine owns one Backend.
+
+How device arrays travel between GPUs (`gpu_comm`, `--gpu-comm`; `.comm_path` is the path
+taken and `.comm_path_reason` why, which `inspect --env` prints):
+
+    nccl    the device collectives and sends go through NCCL (nccl.py); MPI stays the control
+            plane. Needs cupy's NCCL (a libnccl) and a GPU of its own for every rank on a node.
+    mpi     device arrays go to MPI as they are: a CUDA-aware MPI (`cuda_aware=True`,
+            `--cuda-aware yes`, or the library says so).
+    staged  device arrays are copied through host buffers for MPI (`cuda_aware=False`,
+            `--cuda-aware no` is this path).
+    auto    nccl where every rank can, else mpi where the MPI is CUDA-aware, else staged; a
+            `cuda_aware=` given picks mpi (True) or staged (False) without trying NCCL.
+
+The choice is agreed by every rank (one path per job). On CPUs the path is "host": numpy
+arrays go to MPI as they are, whatever was asked.
 """
 from __future__ import annotations
 
@@ -24,7 +40,10 @@ import logging
 
 import numpy as np
 
+from mpi4py import MPI
+
 from .gpu import gpu_for_rank, node_local_rank, query_cuda_support, try_import_cupy
+from .nccl import NcclTransport, try_import_nccl
 
 log = logging.getLogger("mpishard")
 
@@ -50,7 +69,7 @@ class Backend:
     KEEP_PER_SHAPE = 4           # free host buffers the pool keeps per (shape, dtype)
 
     def __init__(self, device: str = "cpu", comm=None, cuda_aware: bool | None = None,
-                 array_module=None, gpu_comm: str = "auto"):
+                 array_module=None, gpu_comm: str = "auto", nccl_module=None):
         if device not in ("auto", "cpu", "gpu"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
         if gpu_comm not in GPU_COMM:
@@ -70,12 +89,24 @@ class Backend:
         self.is_gpu = module is not None
         self.xp = module if self.is_gpu else np
         self.name = getattr(self.xp, "__name__", "device") if self.is_gpu else "numpy"
-        self.local_rank = node_local_rank(comm) if self.is_gpu and comm is not None else 0
+        self.local_rank, local_size = (node_local_rank(comm, size=True)
+                                       if self.is_gpu and comm is not None else (0, 1))
         self.device_index = None
         if self.is_gpu:
             self.device_index = gpu_for_rank(self.local_rank, _device_count(module))
             module.cuda.Device(self.device_index).use()
+        if self.is_gpu and gpu_comm == "staged":
+            if cuda_aware:
+                raise ValueError("gpu_comm='staged' contradicts cuda_aware=True")
+            cuda_aware = False
         self.cuda_aware, self.cuda_aware_reason = self._cuda_aware(cuda_aware)
+        if nccl_module is None and self.is_gpu and array_module is None:
+            nccl_module = try_import_nccl()
+        own_gpu = self.is_gpu and local_size <= _device_count(module)
+        self.comm_path, self.comm_path_reason = self._comm_path(
+            gpu_comm, cuda_aware, nccl_module, own_gpu, comm)
+        self.device_transport = (NcclTransport(nccl_module, self.xp)
+                                 if self.comm_path == "nccl" else None)
         self.staged = {"to_host": 0, "to_device": 0}
         self._staging: dict[tuple, np.ndarray] = {}
         self._free: dict[tuple, list] = {}
@@ -91,6 +122,29 @@ class Backend:
             log.info("MPI is not CUDA-aware (%s): staging device arrays through host memory",
                      why)
         return aware, why
+
+    def _comm_path(self, asked, cuda_aware, nccl, own_gpu, comm):
+        """(the GPU communication path, why): module docstring; agreed by every rank."""
+        if not self.is_gpu:
+            return "host", "arrays are on the host (numpy)"
+        if asked == "staged" or (asked == "auto" and cuda_aware is False):
+            return "staged", ("asked for (gpu_comm='staged')" if asked == "staged" else
+                              "cuda_aware=False (--cuda-aware no) is the staged path")
+        if asked == "mpi" or (asked == "auto" and cuda_aware is True):
+            if not self.cuda_aware:
+                raise ValueError(f"gpu_comm='mpi' needs a CUDA-aware MPI: "
+                                 f"{self.cuda_aware_reason}")
+            return "mpi", f"CUDA-aware MPI ({self.cuda_aware_reason})"
+        local = ("no NCCL (cupy.cuda.nccl finds no libnccl)" if nccl is None else
+                 "two ranks share a GPU on a node (NCCL refuses it)" if not own_gpu else "")
+        why = comm.allreduce(local, op=MPI.MAX) if comm is not None else local
+        if not why:
+            return "nccl", "every rank has a GPU of its own and cupy.cuda.nccl finds a libnccl"
+        if asked == "nccl":
+            raise ValueError(f"gpu_comm='nccl' is not possible here: {why}")
+        if self.cuda_aware:
+            return "mpi", f"{why}; CUDA-aware MPI ({self.cuda_aware_reason})"
+        return "staged", f"{why}; MPI is not CUDA-aware ({self.cuda_aware_reason})"
 
     # -- conversions -------------------------------------------------------------------------
     def asarray(self, a, dtype=None):

@@ -161,6 +161,8 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
             self.sends_in_flight.clear()
             self._by_group.clear()             # every view's next lookup: the closed mesh
             self.private.close() if collective else self.private.keep()
+            if self.backend.device_transport is not None and collective:
+                self.backend.device_transport.close()      # NCCL's communicators
             self.watchdog.close("this engine was closed (engine.close()): build a new engine",
                                 give_back=collective)
 
@@ -208,12 +210,15 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         """
         t0 = time.perf_counter()
         a, out, comm, n = self._all_reduce_args(arr, op, group, out)
-        backend = self.backend
-        sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
-        rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
-        self.watchdog.run(comm.Allreduce, comm.Iallreduce, (sbuf, rbuf, OPS[op]), "all_reduce",
-                          comm)
-        backend.mpi_finish(rbuf, out)
+        backend, nccl = self.backend, self._nccl(a)
+        if nccl is not None:                     # NCCL's device collective (nccl.py)
+            nccl.all_reduce(a, out, op, comm, self.watchdog)
+        else:
+            sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
+            rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
+            self.watchdog.run(comm.Allreduce, comm.Iallreduce, (sbuf, rbuf, OPS[op]),
+                              "all_reduce", comm)
+            backend.mpi_finish(rbuf, out)
         if op == "avg" and n > 1:
             out /= n
         self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
@@ -250,6 +255,17 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         """
         t0 = time.perf_counter()
         a, out, comm, n = self._all_reduce_args(arr, op, group, out)
+        nccl = self._nccl(a)
+        if nccl is not None:                     # on NCCL's side stream (nccl.py)
+            pending = nccl.all_reduce(a, out, op, comm, self.watchdog, "all_reduce_async",
+                                      wait=False)
+            self.stats.count("all_reduce", 2 * (n - 1) / n * a.nbytes, t0)
+            def averaged():
+                if op == "avg" and n > 1:
+                    self.xp.divide(out, n, out=out)
+                return out
+            return Future([], averaged, keep=(a, out), wait=lambda _: pending.wait(),
+                          test=lambda _: pending.done())
         # device staging without CUDA-aware MPI: host buffers of this request's own
         sbuf = MPI.IN_PLACE if out is a else self.backend.mpi_buffer(a, slot=None)
         rbuf = self.backend.mpi_buffer(out, slot=None, read=out is a)
@@ -285,8 +301,12 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         moved = self._moved(a, axis)
         length = moved.shape[0]
         lens = [length // n + (1 if i < length % n else 0) for i in range(n)]
+        nccl = self._nccl(moved)
         if n == 1:
             out = moved.copy()                  # never the caller's own array
+        elif nccl is not None and length % n == 0:      # NCCL's (nccl.py)
+            out = self.xp.empty((length // n,) + moved.shape[1:], dtype=moved.dtype)
+            nccl.reduce_scatter(moved, out, comm, self.watchdog)
         else:                     # pairwise exchange, rank-order sum (reduce_scatter.py)
             out = self._pairwise_reduce_scatter(moved, comm, lens)
         if op == "avg" and n > 1:
@@ -311,11 +331,14 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
             raise ValueError(f"all_to_all: length {moved.shape[0]} along axis {axis} is not "
                              f"divisible by the group size {n}")
         out = self.xp.empty(moved.shape, dtype=moved.dtype)
-        backend = self.backend
-        sbuf = backend.mpi_buffer(moved)
-        rbuf = backend.mpi_buffer(out, slot="recv", read=False)
-        self.watchdog.run(comm.Alltoall, comm.Ialltoall, (sbuf, rbuf), "all_to_all", comm)
-        backend.mpi_finish(rbuf, out)
+        backend, nccl = self.backend, self._nccl(moved)
+        if nccl is not None:                     # one NCCL group of pairs (nccl.py)
+            nccl.all_to_all(moved, out, comm, self.watchdog)
+        else:
+            sbuf = backend.mpi_buffer(moved)
+            rbuf = backend.mpi_buffer(out, slot="recv", read=False)
+            self.watchdog.run(comm.Alltoall, comm.Ialltoall, (sbuf, rbuf), "all_to_all", comm)
+            backend.mpi_finish(rbuf, out)
         self.stats.count("all_to_all", (n - 1) / n * moved.nbytes, t0)
         return self._back(out, axis)
 
@@ -332,9 +355,13 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         if comm.Get_rank() != root:
             shape, dtype = header_shape(h)
             a = self.xp.empty(shape, dtype=dtype)
-        buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
-        self.watchdog.run(comm.Bcast, comm.Ibcast, (buf, root), "broadcast", comm)
-        self.backend.mpi_finish(buf, a)
+        nccl = self._nccl(a)
+        if nccl is not None:                     # NCCL's (nccl.py); the header went by MPI
+            nccl.broadcast(a, root, comm, self.watchdog)
+        else:
+            buf = self.backend.mpi_buffer(a, slot="bcast", read=comm.Get_rank() == root)
+            self.watchdog.run(comm.Bcast, comm.Ibcast, (buf, root), "broadcast", comm)
+            self.backend.mpi_finish(buf, a)
         n = comm.Get_size()
         self.stats.count("broadcast", (n - 1) / n * a.nbytes if comm.Get_rank() == root else 0,
                          t0)

@@ -71,6 +71,10 @@ class Gather:
             "all_gather", comm)
         lens = lengths.tolist()
         out = self.xp.empty((sum(lens),) + rest, dtype=dtype)
+        nccl = self._nccl(moved)
+        if nccl is not None and lens.count(length) == n:     # NCCL's (nccl.py)
+            nccl.all_gather(moved, out, comm, self.watchdog)
+            return out
         sbuf = backend.mpi_buffer(moved)
         rbuf = backend.mpi_buffer(out, slot="recv", read=False)
         if lens.count(length) == n:
@@ -94,6 +98,13 @@ class Gather:
         t0 = time.perf_counter()
         moved, axis, comm, n = self._gather_args(arr, axis, group)  # (len, ...rest), same on all
         out = self.xp.empty((n * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
+        nccl = self._nccl(moved)
+        if nccl is not None:                    # on NCCL's side stream (nccl.py)
+            pending = nccl.all_gather(moved, out, comm, self.watchdog, "all_gather_async",
+                                      wait=False)
+            self.stats.count("all_gather", (n - 1) / n * out.nbytes, t0)
+            return Future([], lambda: self._back(out, axis), keep=(moved, out),
+                          wait=lambda _: pending.wait(), test=lambda _: pending.done())
         sbuf = self.backend.mpi_buffer(moved, slot=None)    # this request's own staging
         rbuf = self.backend.mpi_buffer(out, slot=None, read=False)
         req, ticket = comm.Iallgather(sbuf, rbuf), self.watchdog.arrive(comm)

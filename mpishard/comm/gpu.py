@@ -79,11 +79,12 @@ def query_cuda_support() -> tuple:
                    "MPIX_GPU_query_support (pass cuda_aware=True to override)")
 
 
-def node_local_rank(comm) -> int:
-    """This rank's rank among the ranks of `comm` on the same node."""
+def node_local_rank(comm, size: bool = False):
+    """This rank's rank among the ranks of `comm` on the same node; with size=True, (that
+    rank, how many ranks of `comm` the node has)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return node.Get_rank()
+        return (node.Get_rank(), node.Get_size()) if size else node.Get_rank()
     finally:
         node.Free()
 

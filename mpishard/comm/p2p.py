@@ -70,17 +70,19 @@ class Future:
 
     finish: run once on completion, its value is the result. release: run after it, e.g. to
     hand this request's host staging buffers back to the Backend's pool. wait: how `result()`
-    waits for the requests (the Comm's watchdog: bounded; default MPI Waitall).
+    waits for the requests (the Comm's watchdog: bounded; default MPI Waitall); test: how
+    `done()` polls them (default MPI Testall; an NCCL operation's event: nccl.py).
     `Future.in_flight` counts the Futures of this process not yet completed (the soak test,
     benchmarks/soak.py, checks it returns to 0: no request left pending).
     """
 
     in_flight = 0
 
-    def __init__(self, requests, finish=None, keep=(), release=None, wait=None):
+    def __init__(self, requests, finish=None, keep=(), release=None, wait=None, test=None):
         Future.in_flight += 1
         self._requests = list(requests)
         self._wait = wait or MPI.Request.Waitall
+        self._test = test or MPI.Request.Testall
         self._finish = finish
         self._release = release
         self._keep = keep  # buffers that must stay alive until completion
@@ -90,7 +92,7 @@ class Future:
     def done(self) -> bool:
         if self._done:
             return True
-        if MPI.Request.Testall(self._requests):
+        if self._test(self._requests):
             self._complete()
         return self._done
 
@@ -109,7 +111,7 @@ class Future:
         # let go of the callables: a finish that names its own Future (receive_async's) is a
         # reference cycle, and it held every received array until the garbage collector ran
         # (receives in a loop then each took a fresh heap block instead of reusing one)
-        self._finish = self._release = self._wait = None
+        self._finish = self._release = self._wait = self._test = None
         self._value = finish() if finish is not None else None
         if release is not None:
             release()
@@ -125,12 +127,36 @@ class PointToPoint:
         t0 = time.perf_counter()
         a = self.prepare(arr)
         comm = self._mpi(group)
+        nccl = self._nccl(a)
+        if nccl is not None:                         # the header over MPI, the data NCCL's
+            h = header(a)
+            self.watchdog.wait_peer([comm.Isend(h, dest=dest_id, tag=wire_tag(tag, _TAG_HEADER))],
+                                    "send", comm, dest_id)
+            nccl.wait_message(nccl.queue("send", a, comm, dest_id), self.watchdog, "send")
+            self.stats.count("send", a.nbytes, t0)
+            return
         buf = self.backend.mpi_buffer(a)
         h = header(a)
         self.watchdog.wait_peer([comm.Isend(h, dest=dest_id, tag=wire_tag(tag, _TAG_HEADER)),
                                  comm.Isend(buf, dest=dest_id, tag=wire_tag(tag, _TAG_DATA))],
                                 "send", comm, dest_id)
         self.stats.count("send", a.nbytes, t0)
+
+    def _nccl(self, a):
+        """The Backend's NCCL transport when it moves `a`, else None (MPI does: nccl.py)."""
+        transport = self.backend.device_transport
+        return transport if transport is not None and transport.handles(a) else None
+
+    def _nccl_future(self, nccl, message, what, finish=None, requests=(), keep=()):
+        """A Future of an NCCL send or receive (after `requests`, its MPI header's)."""
+        wd = self.watchdog
+
+        def wait(reqs):
+            if reqs:
+                wd.wait_peer(reqs, what, message.comm, message.peer)
+            nccl.wait_message(message, wd, what)
+        return Future(requests, finish, keep=keep, wait=wait,
+                      test=lambda reqs: MPI.Request.Testall(reqs) and message.done())
 
     @recorded
     def receive(self, src_id: int, tag: int = 0, group=None):
@@ -151,6 +177,10 @@ class PointToPoint:
         t0 = time.perf_counter()
         a = self.prepare(arr)
         comm = self._mpi(group)
+        nccl = self._nccl(a)
+        if nccl is not None:
+            return self._hold(self._nccl_send_async(nccl, a, comm, dst, target_device_id,
+                                                    dest, tag, t0))
         buf = self.backend.mpi_buffer(a, slot=None)      # this request's own staging
         release = functools.partial(self.backend.release, buf)
         if target_device_id is not None:                 # (src, dst_buffer, target) form
@@ -168,6 +198,20 @@ class PointToPoint:
         self.stats.count("send", a.nbytes, t0)
         return self._hold(Future(reqs, keep=(a, buf, h), release=release,
                                  wait=self.watchdog.waiter("send", comm, rank=int(dest))))
+
+    def _nccl_send_async(self, nccl, a, comm, dst, target, dest, tag, t0) -> Future:
+        """send_async's two forms through NCCL: a header over MPI unless a buffer is named."""
+        self.stats.count("send", a.nbytes, t0)
+        if target is not None:
+            return self._nccl_future(nccl, nccl.queue("send", a, comm, target), "send",
+                                     keep=(a,))
+        dest = dst if dest is None else dest
+        if dest is None or not isinstance(dest, (int, np.integer)):
+            raise TypeError("send_async(arr, dest) needs an integer destination rank")
+        h = header(a)
+        req = comm.Isend(h, dest=int(dest), tag=wire_tag(tag, _TAG_HEADER))
+        return self._nccl_future(nccl, nccl.queue("send", a, comm, int(dest)), "send",
+                                 requests=[req], keep=(a, h))
 
     def _hold(self, fut: Future) -> Future:
         """Keep a send's Future (and so its buffers) alive until MPI has completed it, even
@@ -205,6 +249,11 @@ class PointToPoint:
                 del self.pending_receives[key]
             shape, dtype = header_shape(h)
             out_arr = self.xp.empty(shape, dtype=dtype)
+            nccl = self._nccl(out_arr)
+            if nccl is not None:
+                nccl.wait_message(nccl.queue("recv", out_arr, comm, src_id), self.watchdog,
+                                  "receive")
+                return out_arr
             buf = self.backend.mpi_buffer(out_arr, slot="recv", read=False)
             self.watchdog.wait_peer(
                 [comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))],
@@ -218,6 +267,10 @@ class PointToPoint:
         """The three-argument form's receive: no header, the data lands in `out`."""
         if not out.flags.c_contiguous:
             raise ValueError("receive_async(out=...) needs a C-contiguous buffer")
+        nccl = self._nccl(out)
+        if nccl is not None:
+            return self._nccl_future(nccl, nccl.queue("recv", out, comm, src_id), "receive",
+                                     finish=lambda: out, keep=(out,))
         # a host buffer of this request's own: two receives in flight never share one
         buf = self.backend.mpi_buffer(out, slot=None, read=False)
         req = comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_RAW))

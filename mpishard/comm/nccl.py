@@ -1,0 +1,235 @@
+"""NCCL: a mesh group's device collectives and point-to-point messages through NCCL.
+
+When the Backend's GPU communication path is "nccl" (backend.py says how it is chosen), the
+Comm hands device arrays of a dtype NCCL has to `NcclTransport` instead of MPI: all_reduce
+(sum, avg, max, min), all_gather and reduce_scatter (equal blocks), all_to_all, broadcast, and
+send/receive. MPI stays the control plane: it launched the job, bootstraps each NCCL
+communicator, carries the headers of messages, the lengths all_gather exchanges, agreement,
+the watchdog's arrival counters, checkpoints and host arrays; uneven blocks, all_to_all_v and
+dtypes NCCL lacks (bool, complex) keep going through MPI.
+
+- One NCCL communicator per MPI group, made on the group's first device call: the group's
+  rank 0 makes the unique id, MPI broadcasts it, every member builds
+  `NcclCommunicator(size, id, rank)`.
+- NCCL works on a stream: an operation is queued on the current stream, then the host waits
+  for an event recorded after it, polled under the engine's timeout (health/watchdog.py). Past
+  the timeout the communicator is aborted and the same CollectiveTimeout as MPI's is raised,
+  naming the late ranks from the watchdog's arrival counters (a peer's name for a message).
+- Non-blocking all_reduce and all_gather run on a side stream, so the backward's kernels,
+  queued on the current stream meanwhile, overlap them; the next operation on the current
+  stream first waits for the side stream's last one (one order per communicator, as NCCL needs).
+- Sends and receives are batched: each is queued, and the queue goes to NCCL as one
+  groupStart/groupEnd when a message is waited for or any other NCCL operation is issued. A
+  send and the receive of the exchange it is part of then run together, as NCCL needs, instead
+  of a send that blocks until a receive queued behind it on the peer's stream.
+
+The module is cupy's `cupy.cuda.nccl`, or a stand-in given to the Backend (the test suite's
+tests/nccl_double.py, which is strict about all of the above).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+UID_BYTES = 128
+NCCL_TYPES = {"float64": "NCCL_FLOAT64", "float32": "NCCL_FLOAT32", "float16": "NCCL_FLOAT16",
+              "int64": "NCCL_INT64", "int32": "NCCL_INT32", "uint8": "NCCL_UINT8",
+              "int8": "NCCL_INT8"}
+
+
+def try_import_nccl():
+    """cupy's NCCL module when cupy is installed and finds a libnccl, else None."""
+    try:
+        from cupy.cuda import nccl
+
+        if not getattr(nccl, "available", True):
+            return None
+        nccl.get_version()
+        return nccl
+    except Exception:  # ImportError, no libnccl, a broken CUDA install
+        return None
+
+
+def ptr(a) -> int:
+    """The device address of a contiguous device array."""
+    return a.data.ptr
+
+
+class Message:
+    """A queued send or receive: done once the event recorded after its group happened."""
+
+    def __init__(self, kind, comm, array, peer):
+        self.kind, self.comm, self.array, self.peer = kind, comm, array, peer
+        self.event = None                 # set when its group is issued
+
+    def done(self) -> bool:
+        return self.event is not None and self.event.done
+
+
+class Pending:
+    """A queued NCCL operation: `done()` polls, `wait()` waits (bounded by the watchdog)."""
+
+    def __init__(self, event, wait):
+        self.event, self.wait = event, wait
+
+    def done(self) -> bool:
+        return self.event.done
+
+
+class NcclTransport:
+    """The device collectives of one Backend through NCCL (module docstring)."""
+
+    def __init__(self, nccl, xp):
+        self.nccl, self.xp = nccl, xp
+        self.types = {np.dtype(k): getattr(nccl, v) for k, v in NCCL_TYPES.items()
+                      if hasattr(nccl, v)}
+        self.ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX,
+                    "min": nccl.NCCL_MIN}
+        self._comms: dict = {}            # id(mpi comm) -> (NcclCommunicator, mpi comm)
+        self.queued: list = []            # Messages not yet issued
+        self._side = None                 # the side stream of non-blocking collectives
+        self._side_event = None           # its last operation
+
+    def handles(self, a) -> bool:
+        """Can NCCL move `a` (a device array of a dtype NCCL has)?"""
+        return a.dtype in self.types and isinstance(a, self.xp.ndarray)
+
+    # -- communicators ---------------------------------------------------------------------
+    def communicator(self, comm, watchdog):
+        """The NCCL communicator of the MPI group `comm`, bootstrapped on first use."""
+        entry = self._comms.get(id(comm))
+        if entry is None:
+            uid = np.zeros(UID_BYTES, np.int8)
+            if comm.Get_rank() == 0:
+                uid[:] = self.nccl.get_unique_id()
+            watchdog.run(comm.Bcast, comm.Ibcast, (uid, 0), "nccl bootstrap", comm)
+            nc = self.nccl.NcclCommunicator(comm.Get_size(), tuple(uid.tolist()),
+                                            comm.Get_rank())
+            entry = self._comms[id(comm)] = (nc, comm)
+        return entry[0]
+
+    def close(self) -> None:
+        """Destroy the communicators (engine.close()); a later call bootstraps new ones."""
+        for nc, _ in self._comms.values():
+            nc.destroy()
+        self._comms.clear()
+        self.queued.clear()
+
+    def _stream(self):
+        """The current stream, after the side stream's last operation (one order)."""
+        stream = self.xp.cuda.get_current_stream()
+        if self._side_event is not None:
+            stream.wait_event(self._side_event)
+            self._side_event = None
+        return stream
+
+    # -- waits -----------------------------------------------------------------------------
+    def wait(self, event, comm, watchdog, what, ticket=None, peer=None) -> None:
+        """Until `event` happened: at most the watchdog's timeout, then abort the group's
+        communicator and raise CollectiveTimeout naming the late ranks (or the peer)."""
+        watchdog.check_usable()
+        if not watchdog.timeout:
+            event.synchronize()
+            return
+        if watchdog.poll_until(lambda: event.done):
+            return
+        entry = self._comms.pop(id(comm), None)
+        if entry is not None:
+            entry[0].abort()
+        if peer is None:
+            late = watchdog.late(comm, ticket)
+        else:
+            ranks = watchdog.group(comm)[1]
+            late = f"[{ranks[peer] if 0 <= peer < len(ranks) else peer}] (the peer)"
+        watchdog.timed_out(what, comm, late, [])
+
+    def _run(self, comm, watchdog, what, call, side=False) -> Pending:
+        """Issue `call(nccl_comm, stream_ptr)`; the side stream's when `side`."""
+        self.flush(watchdog)
+        nc = self.communicator(comm, watchdog)
+        ticket = watchdog.arrive(comm)
+        if side:
+            if self._side is None:
+                self._side = self.xp.cuda.Stream(non_blocking=True)
+            self._side.wait_event(self.xp.cuda.get_current_stream().record())
+            stream = self._side
+        else:
+            stream = self._stream()
+        call(nc, stream.ptr)
+        event = self.xp.cuda.Event()
+        event.record(stream)
+        if side:
+            self._side_event = event
+        return Pending(event, lambda: self.wait(event, comm, watchdog, what, ticket))
+
+    # -- collectives -----------------------------------------------------------------------
+    def all_reduce(self, a, out, op, comm, watchdog, what="all_reduce", wait=True):
+        """`out` = the group's reduction of `a` (may be `a` itself); with wait=False its
+        Pending is returned (a side-stream operation)."""
+        pending = self._run(comm, watchdog, what, lambda nc, s: nc.allReduce(
+            ptr(a), ptr(out), a.size, self.types[a.dtype], self.ops[op], s), side=not wait)
+        return pending.wait() if wait else pending
+
+    def all_gather(self, moved, out, comm, watchdog, what="all_gather", wait=True):
+        """`out` = the group's equal-length blocks `moved`, in rank order."""
+        pending = self._run(comm, watchdog, what, lambda nc, s: nc.allGather(
+            ptr(moved), ptr(out), moved.size, self.types[moved.dtype], s), side=not wait)
+        return pending.wait() if wait else pending
+
+    def reduce_scatter(self, moved, out, comm, watchdog):
+        """`out` = this rank's block of the group's sum of `moved` (equal blocks)."""
+        self._run(comm, watchdog, "reduce_scatter", lambda nc, s: nc.reduceScatter(
+            ptr(moved), ptr(out), out.size, self.types[moved.dtype], self.nccl.NCCL_SUM,
+            s)).wait()
+
+    def broadcast(self, a, root, comm, watchdog) -> None:
+        """Root's `a` into every rank's `a`."""
+        self._run(comm, watchdog, "broadcast", lambda nc, s: nc.bcast(
+            ptr(a), a.size, self.types[a.dtype], root, s)).wait()
+
+    def all_to_all(self, moved, out, comm, watchdog) -> None:
+        """Block j of `moved` to rank j; block i of `out` from rank i (one group of pairs)."""
+        n, dtype = comm.Get_size(), self.types[moved.dtype]
+        count = moved.size // n
+
+        def exchange(nc, s):
+            self.nccl.groupStart()
+            try:
+                for j in range(n):
+                    nc.send(ptr(moved) + j * count * moved.itemsize, count, dtype, j, s)
+                    nc.recv(ptr(out) + j * count * out.itemsize, count, dtype, j, s)
+            finally:
+                self.nccl.groupEnd()
+        self._run(comm, watchdog, "all_to_all", exchange).wait()
+
+    # -- point to point --------------------------------------------------------------------
+    def queue(self, kind, array, comm, peer) -> Message:
+        """Queue a send of `array` to (or a receive into it from) group rank `peer`."""
+        message = Message(kind, comm, array, peer)
+        self.queued.append(message)
+        return message
+
+    def flush(self, watchdog) -> None:
+        """Issue the queued messages: one group per communicator, in queue order."""
+        while self.queued:
+            comm = self.queued[0].comm
+            batch = [m for m in self.queued if m.comm is comm]
+            self.queued = [m for m in self.queued if m.comm is not comm]
+            nc, stream = self.communicator(comm, watchdog), self._stream()
+            self.nccl.groupStart()
+            try:
+                for m in batch:
+                    call = nc.send if m.kind == "send" else nc.recv
+                    call(ptr(m.array), m.array.size, self.types[m.array.dtype], m.peer,
+                         stream.ptr)
+            finally:
+                self.nccl.groupEnd()
+            event = self.xp.cuda.Event()
+            event.record(stream)
+            for m in batch:
+                m.event = event
+
+    def wait_message(self, message, watchdog, what) -> None:
+        """Until `message` completed (its group issued first if it is still queued)."""
+        if message.event is None:
+            self.flush(watchdog)
+        self.wait(message.event, message.comm, watchdog, what, peer=message.peer)

@@ -1,0 +1,142 @@
+"""The NCCL path (mpishard/comm/nccl.py) on the strict CPU stand-in for cupy's NCCL.
+
+`Backend("gpu", gpu_comm="nccl", array_module=DeviceModule(...), nccl_module=NcclModule(xp))`:
+the device double (tests/device_double.py) and the NCCL stand-in (tests/nccl_double.py), which
+runs each operation on its stream in order, sends synchronously and refuses a send outside a
+group. Each Comm call must equal MPI's (float64, exact or rtol 1e-9) and be counted on the
+stand-in, so the NCCL path was really taken; the path's choice and its refusals are checked.
+MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/comm/test_nccl.py`
+for N in 2, 4.
+"""
+import numpy as np
+import pytest
+from conftest import group_comm
+from device_double import DeviceModule
+from mpi4py import MPI
+from nccl_double import NcclError, NcclModule
+
+from mpishard.comm.backend import Backend
+from mpishard.comm.collectives import Comm
+from mpishard.comm.mesh import DeviceMesh, parse_layout
+from mpishard.health.watchdog import CollectiveTimeout, Watchdog
+
+
+def nccl_backend(comm, n_devices=None, **kw):
+    """A Backend on the NCCL path over the device and NCCL stand-ins: (backend, xp, nccl)."""
+    xp = DeviceModule(n_devices=n_devices or comm.Get_size())
+    nccl = NcclModule(xp)
+    kw.setdefault("gpu_comm", "nccl")
+    return Backend("gpu", comm, array_module=xp, nccl_module=nccl, **kw), xp, nccl
+
+
+def test_memory_pointers_and_streams_of_the_double():
+    xp = DeviceModule()
+    d = xp.asarray(np.arange(4.0))
+    assert d.data.ptr == d._data.ctypes.data
+    stream, ran = xp.cuda.get_current_stream(), []
+    stream.enqueue(lambda: lambda: bool(ran.append(1)) or len(ran) >= 3)   # polled once
+    event = xp.cuda.Event()
+    event.record(stream)
+    assert not event.done                             # polled a second time
+    assert event.done and ran == [1, 1, 1]            # the third poll finishes it
+
+
+def test_path_choice_and_refusals():
+    xp = DeviceModule(n_devices=1)
+    assert Backend("gpu", MPI.COMM_SELF, array_module=xp).comm_path in ("staged", "mpi")
+    backend, _, _ = nccl_backend(MPI.COMM_SELF, gpu_comm="auto")
+    assert backend.comm_path == "nccl" and "libnccl" in backend.comm_path_reason
+    for kw, path in (({"cuda_aware": False}, "staged"), ({"cuda_aware": True}, "mpi"),
+                     ({"gpu_comm": "staged"}, "staged"), ({"gpu_comm": "mpi",
+                                                           "cuda_aware": True}, "mpi")):
+        backend, _, _ = nccl_backend(MPI.COMM_SELF, **{"gpu_comm": "auto", **kw})
+        assert backend.comm_path == path and backend.device_transport is None, kw
+    with pytest.raises(ValueError, match="not possible here: no NCCL"):
+        Backend("gpu", MPI.COMM_SELF, array_module=DeviceModule(), gpu_comm="nccl")
+    with pytest.raises(ValueError, match="contradicts"):
+        nccl_backend(MPI.COMM_SELF, gpu_comm="staged", cuda_aware=True)
+    assert Backend("cpu", gpu_comm="nccl").comm_path == "host"
+
+
+def test_stand_in_refuses_a_send_outside_a_group():
+    xp = DeviceModule()
+    nccl = NcclModule(xp, world=MPI.COMM_SELF)
+    nc = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    d = xp.zeros(3)
+    with pytest.raises(NcclError, match="outside a groupStart"):
+        nc.send(d.data.ptr, 3, nccl.NCCL_FLOAT64, 0, 0)
+    out = xp.zeros(3)
+    nccl.groupStart()
+    nc.send(xp.asarray(np.arange(3.0)).data.ptr, 3, nccl.NCCL_FLOAT64, 0, 0)
+    nc.recv(out.data.ptr, 3, nccl.NCCL_FLOAT64, 0, 0)
+    nccl.groupEnd()
+    xp.cuda.get_current_stream().synchronize()
+    assert xp.asnumpy(out).tolist() == [0.0, 1.0, 2.0]
+    nc.abort()
+    with pytest.raises(NcclError, match="aborted"):
+        nc.allReduce(d.data.ptr, d.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, 0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_collective_through_nccl_equals_mpi(n):
+    comm = group_comm(n)
+    backend, xp, nccl = nccl_backend(comm)
+    mesh = DeviceMesh(comm, parse_layout(f"dp={n}"))
+    engine = Comm(mesh, backend, watchdog=Watchdog(mesh, 30))
+    me, rng = comm.Get_rank(), np.random.default_rng(comm.Get_rank())
+    host = rng.standard_normal((4 * n, 3))
+    every = comm.allgather(host)
+    d = xp.asarray(host)
+    for op, want in (("sum", sum(every)), ("avg", sum(every) / n),
+                     ("max", np.max(every, axis=0))):
+        np.testing.assert_allclose(xp.asnumpy(engine.all_reduce(d, op)), want, rtol=1e-12)
+    np.testing.assert_allclose(xp.asnumpy(engine.all_reduce_async(d, "avg").result()),
+                               sum(every) / n, rtol=1e-12)
+    np.testing.assert_array_equal(xp.asnumpy(engine.all_gather(d, axis=1)),
+                                  np.concatenate(every, axis=1))
+    np.testing.assert_array_equal(xp.asnumpy(engine.all_gather_async(d).result()),
+                                  np.concatenate(every))
+    np.testing.assert_allclose(xp.asnumpy(engine.reduce_scatter(d)),
+                               np.split(sum(every), n)[me], rtol=1e-12)
+    np.testing.assert_array_equal(xp.asnumpy(engine.all_to_all(d)),
+                                  np.concatenate([np.split(e, n)[me] for e in every]))
+    np.testing.assert_array_equal(xp.asnumpy(engine.broadcast(d if me == 1 else None, root=1)),
+                                  every[1])
+    right, left = (me + 1) % n, (me - 1) % n
+    sent = engine.send_async(d * 2, right, tag=5)
+    np.testing.assert_array_equal(xp.asnumpy(engine.receive(left, tag=5)), every[left] * 2)
+    sent.result()
+    into = xp.zeros((2, 2), dtype=np.int64)
+    sent = engine.send_async(xp.asarray(np.full((2, 2), me)), into, right)
+    assert engine.receive_async(left, out=into).result() is into
+    sent.result()
+    assert xp.asnumpy(into).tolist() == [[left] * 2] * 2
+    total = engine.all_reduce(xp.asarray(np.array([1j * me])))       # complex: MPI's
+    assert xp.asnumpy(total).tolist() == [1j * sum(range(n))]
+    print(f"rank {me} of {n}: NCCL calls {dict(nccl.calls)}")
+    for name in ("allReduce", "allGather", "reduceScatter", "bcast", "send", "recv"):
+        assert nccl.calls[name] > 0, name
+    assert nccl.calls["NcclCommunicator"] == 1           # one per group, made once
+    engine.close()
+    assert nccl.calls["destroy"] == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_late_rank_is_named_and_the_communicator_aborted():
+    comm = group_comm(2)
+    backend, xp, nccl = nccl_backend(comm)
+    mesh = DeviceMesh(comm, parse_layout("dp=2"))
+    engine = Comm(mesh, backend, watchdog=Watchdog(mesh, 1.0))
+    d = xp.ones(4)
+    engine.all_reduce(d)                                  # bootstrapped, both ranks in
+    if comm.Get_rank() == 0:
+        with pytest.raises(CollectiveTimeout, match=r"late ranks: \[1\]"):
+            engine.all_reduce(d)
+        assert nccl.calls["abort"] == 1
+    comm.Barrier()
+    if comm.Get_rank() == 1:                              # the late one joins after all
+        try:
+            engine.all_reduce(d)
+        except CollectiveTimeout:
+            pass                                          # rank 0 gave up: its op is gone
