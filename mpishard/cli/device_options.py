@@ -8,8 +8,10 @@ MPI: the same on every rank, before any collective).
 How `--gpu-comm` and `--cuda-aware` relate (docs/gpus.md, "Choosing the GPU communication
 path"): `--cuda-aware` is the MPI path's detail. `yes` is the mpi path (device arrays straight
 to MPI), `no` is the staged path (through host memory), `auto` asks the library. Given with
-`--gpu-comm auto`, `yes`/`no` choose that path; with any other `--gpu-comm` they must agree
-with it (nccl takes neither).
+`--gpu-comm auto`, `yes`/`no` choose that path; `--gpu-comm mpi --cuda-aware no` and
+`--gpu-comm staged --cuda-aware yes` contradict each other. Under nccl, `--cuda-aware` says how
+the device arrays NCCL does not carry (uneven blocks, all_to_all_v, dtypes NCCL lacks) reach
+MPI.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ CUDA_AWARE = {"yes": True, "no": False, "auto": None}
 the MPI library (auto, the default; see `inspect --env`)."""
 
 CUDA_AWARE_FITS = {"auto": (None, True, False), "mpi": (None, True), "staged": (None, False),
-                   "nccl": (None,)}
+                   "nccl": (None, True, False)}
 """The --cuda-aware answers (CUDA_AWARE values) that agree with each --gpu-comm path."""
 
 

@@ -63,10 +63,12 @@ def test_config_keys_and_the_command_line_wins(tmp_path):
     ("auto", "no", ("staged", False)), ("mpi", "auto", ("mpi", None)),
     ("mpi", "yes", ("mpi", True)), ("staged", "auto", ("staged", False)),
     ("staged", "no", ("staged", False)), ("nccl", "auto", ("nccl", None)),
-    ("mpi", "no", None), ("staged", "yes", None), ("nccl", "yes", None), ("nccl", "no", None),
+    ("nccl", "yes", ("nccl", True)), ("nccl", "no", ("nccl", False)),
+    ("mpi", "no", None), ("staged", "yes", None),
 ])
 def test_gpu_comm_and_cuda_aware(gpu_comm, cuda_aware, expected):
-    """--cuda-aware is the mpi path's detail: yes is --gpu-comm mpi, no is staged."""
+    """--cuda-aware is the MPI path's detail: yes is --gpu-comm mpi, no is staged; under nccl
+    it says how the arrays NCCL does not carry reach MPI."""
     if expected is None:
         with pytest.raises(cli.UsageError, match=f"--gpu-comm {gpu_comm} contradicts "
                            f"--cuda-aware {cuda_aware}"):
