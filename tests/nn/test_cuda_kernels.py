@@ -1,13 +1,8 @@
 """The algorithms of nn/cuda_src.py's kernels, mirrored in numpy, against the xp paths they
 replace (float64, rtol 1e-12; AdamW bit for bit in float32 and float64).
 
-A mirror follows its kernel statement by statement: the block reduction's order (thread t
-sums columns t, t + BLOCK, ... ; a butterfly of shuffles over each warp's 32 lanes; the
-warps' partials added in order), the norms' backward recomputing xhat / n from x and the
-saved statistics and summing the parameter gradients per block of rows, GELU's derivative
-recomputed from u, SwiGLU's sigmoid recomputed from the gate, the embedding backward's
-stable sort and runs, AdamW's host scalars rounded to the dtype. What the mirrors cannot
-show (the CUDA syntax, the 16-bit loads and stores, the launch shapes) is covered by
+The mirrors (tests/cuda_mirror.py) follow their kernels statement by statement. What they
+cannot show (the CUDA syntax, the 16-bit loads and stores, the launch shapes) is covered by
 tests/nn/test_nvrtc.py (compiled) and benchmarks/gpu_kernels_check.py (run on a GPU).
 """
 import re
@@ -16,6 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from cuda_mirror import (adamw, block_sum, embedding_bwd, gelu, layernorm_bwd, layernorm_fwd,
+                         rmsnorm_bwd, rmsnorm_fwd, swiglu)
 
 import mpishard as ms
 from mpishard.models.llama.units import RMSNorm, SwiGLU
@@ -23,110 +20,6 @@ from mpishard.nn import cuda_ops, cuda_src, fused
 from mpishard.nn import functional as nn
 from mpishard.nn.layers import LocalAccess
 from mpishard.train.optim import AdamW
-
-BLOCK = cuda_src.BLOCK
-
-
-def block_sum(v):
-    """ms_block_sum over each row of v (rows, d), in the kernel's order."""
-    rows, d = v.shape
-    k = -(-d // BLOCK)
-    lanes = np.zeros((rows, k * BLOCK), dtype=v.dtype)
-    lanes[:, :d] = v                                 # zeros beyond d: exact additions
-    lanes = lanes.reshape(rows, k, BLOCK)
-    t = lanes[:, 0].copy()
-    for j in range(1, k):                            # thread t: columns t, t + BLOCK, ...
-        t += lanes[:, j]
-    w = t.reshape(rows, BLOCK // 32, 32)
-    lane = np.arange(32)
-    for o in (16, 8, 4, 2, 1):                       # __shfl_xor_sync butterfly
-        w = w + w[..., lane ^ o]
-    total = w[:, 0, 0].copy()
-    for j in range(1, BLOCK // 32):                  # the warps' partials, in order
-        total += w[:, j, 0]
-    return total[:, None]
-
-
-def layernorm_fwd(x, scale, shift, eps):
-    d = x.shape[-1]
-    m = block_sum(x) / d
-    xc = x - m
-    rs = 1 / np.sqrt(block_sum(xc * xc) / d + eps)
-    return ((x - m) * rs) * scale + shift, m, rs
-
-
-def per_block(rows, blocks, fn):
-    """Sum over blocks b of the per-row values fn(r) for r = b, b + blocks, ... in order."""
-    parts = []
-    for b in range(blocks):
-        acc = None
-        for r in range(b, rows, blocks):
-            acc = fn(r) if acc is None else acc + fn(r)
-        parts.append(acc)
-    return np.sum(parts, axis=0)
-
-
-def layernorm_bwd(dy, x, scale, m, rs, blocks):
-    d = x.shape[-1]
-    xh = (x - m) * rs
-    g = dy * scale
-    c0, c1 = block_sum(g) / d, block_sum(g * xh) / d
-    dx = ((dy * scale - c0) - xh * c1) * rs
-    return (dx, per_block(len(x), blocks, lambda r: dy[r] * xh[r]),
-            per_block(len(x), blocks, lambda r: dy[r]))
-
-
-def rmsnorm_fwd(x, scale, eps):
-    rs = 1 / np.sqrt(block_sum(x * x) / x.shape[-1] + eps)
-    return (x * rs) * scale, rs
-
-
-def rmsnorm_bwd(dy, x, scale, rs, blocks):
-    n = x * rs
-    c1 = block_sum((dy * scale) * n) / x.shape[-1]
-    return (dy * scale - n * c1) * rs, per_block(len(x), blocks, lambda r: dy[r] * n[r])
-
-
-def gelu(z):
-    """ms_gelu's steps (fused._GELU's)."""
-    c = np.sqrt(2 / np.pi)
-    s = z * z
-    h = s * (0.044715 * c)
-    h += c
-    h *= z
-    h = np.tanh(h)
-    h += 1
-    h *= 0.5
-    s *= 6 * 0.044715 * c
-    s += 2 * c
-    s *= z
-    s *= 1 - h
-    s += 1
-    return z * h, h * s
-
-
-def swiglu(a, dy=None):
-    f = a.shape[-1] // 2
-    g, u = a[..., :f], a[..., f:]
-    s = 0.5 * (np.tanh(0.5 * g) + 1)
-    if dy is None:
-        return (g * s) * u
-    slope = ((1 - s) * g + 1) * s
-    return np.concatenate([(dy * u) * slope, dy * (g * s)], axis=-1)
-
-
-def embedding_bwd(dy, ids, rows):
-    flat, dy2 = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])
-    order = np.argsort(flat, kind="stable")
-    sorted_ids = flat[order]
-    starts = np.r_[np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]), flat.size]
-    g = np.zeros((rows, dy2.shape[1]), dtype=dy.dtype)
-    for k in range(len(starts) - 1):
-        acc = np.zeros(dy2.shape[1], dtype=dy.dtype)
-        for j in range(starts[k], starts[k + 1]):
-            acc += dy2[order[j]]
-        g[sorted_ids[starts[k]]] = acc
-    return g
 
 
 def rows_problem(rows=11, d=300, seed=0):
@@ -215,16 +108,10 @@ def test_adamw_kernel_algorithm_is_optim_adamw_bit_for_bit(dtype, wd):
     for t in (1, 2, 3):
         for name, _, g, _ in e.optimizer_shards():
             g[...] = rng.standard_normal(g.shape).astype(dtype) * 10.0 ** -t
-        per, decay, omb1, b2, omb2, eps_ = cuda_ops.adamw_hyper(lr, betas, eps, wd, [t])
-        s = np.dtype(dtype).type
-        for name, _, g, _ in e.optimizer_shards():                 # the kernel's statements
+        hyper = cuda_ops.adamw_hyper(lr, betas, eps, wd, [t])
+        for name, _, g, _ in e.optimizer_shards():
             p, m, v = mine[name]
-            step_size, bc2 = (s(x) for x in per[0])
-            p *= s(decay)
-            m += s(omb1) * (g - m)
-            v[...] = v * s(b2)
-            v += s(omb2) * (g * g)
-            p -= step_size * (m / (np.sqrt(v) / bc2 + s(eps_)))
+            adamw(p, g, m, v, hyper, 0)
         opt.step()
         for name, p, _, _ in e.optimizer_shards():
             np.testing.assert_array_equal(mine[name][0], p)
