@@ -16,6 +16,7 @@ from mpi4py import MPI
 from mpishard import MLP, cli, make_engine
 from mpishard.cli.bench import add_bench_arguments, build_bench
 from mpishard.cli.device_options import engine_options, gpu_comm_choice
+from mpishard.cli.infer import add_compute_arguments, checkpoint_engine
 from mpishard.cli.train import parse_train_args, validate_train_args
 from mpishard.cli.usage import Parser
 
@@ -118,6 +119,27 @@ def test_bench_flags_reach_make_engine(argv, matmul, tf32, gpu_comm):
     precision = engine.precision
     assert (None if precision.matmul is None else precision.matmul.name) == matmul
     assert precision.tf32 is tf32 and engine.backend.gpu_comm == gpu_comm
+
+
+@pytest.mark.parametrize("argv, matmul, error", [
+    (["--compute-dtype", "bfloat16"], None, "the run's dtype is float64"),
+    (["--compute-dtype", "bfloat16", "--dtype", "float32"], "bfloat16", None),
+    (["--gpu-comm", "staged", "--cuda-aware", "yes"], None, "contradicts --cuda-aware yes"),
+])
+def test_infer_generate_serve_flags_meet_the_checkpoints_dtype(argv, matmul, error):
+    """infer, generate and serve build their engine through checkpoint_engine (or hf_engine):
+    --dtype defaults to the checkpoint's, here float64, which 16-bit compute refuses."""
+    args = Parser()
+    add_compute_arguments(args)
+    args = args.parse_args(["--device", "cpu", *argv])
+    model = MLP([4, 4, 2])
+    ckpt = model.init(seed=0)                         # float64 arrays
+    if error is not None:
+        with pytest.raises(cli.UsageError, match=error):
+            checkpoint_engine(ckpt, model, "single", args, MPI.COMM_SELF)
+    else:
+        engine = checkpoint_engine(ckpt, model, "single", args, MPI.COMM_SELF)
+        assert engine.precision.matmul.name == matmul
 
 
 # -- real processes ----------------------------------------------------------------------------
