@@ -130,7 +130,8 @@ class Trainer:
     progress : a tqdm bar on rank 0 (loss, samples/s)
     callbacks : Callback objects (checkpointing, custom metrics)
     scaler : a scaler.GradScaler (dynamic loss scaling), or None: one is made when the engine
-             stores or communicates float16 (engine.precision), none otherwise
+             stores, communicates or computes (compute_dtype) in float16 (engine.precision),
+             none otherwise
     on_nonfinite, max_nonfinite : 'stop' (a non-finite loss ends training) or 'skip' (drop the
              update of a step with non-finite loss or gradients; max_nonfinite in a row end
              training); see nonfinite.py

@@ -1,0 +1,118 @@
+"""nn/autocast.py without torch: TF32 rounding bit for bit, a TF32 and a float16 matmul
+against explicit numpy rounding of its inputs (and outputs), the float16 compute dtype
+turning the trainer's loss scaler on, and what the engine attaches (nothing unless asked).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mpishard as ms
+from mpishard.nn.autocast import FULL, round_tf32
+from mpishard.nn.layers import Linear, LocalAccess, attach_autocast, every_layer
+from mpishard.nn.transformer import CausalSelfAttention, TiedHead
+from mpishard.parallel.precision import Precision
+from mpishard.train.data import load_dataset
+from mpishard.train.scaler import GradScaler
+from mpishard.train.trainer import Trainer
+
+
+def bits(words):
+    return np.array(words, dtype=np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("given,want", [
+    (0x3F800000, 0x3F800000),    # 1.0: already TF32
+    (0x3F800FFF, 0x3F800000),    # below half of the last kept bit: down
+    (0x3F801000, 0x3F800000),    # exact tie, kept bit even (0): stays
+    (0x3F803000, 0x3F804000),    # exact tie, kept bit odd (1): up to even
+    (0x3F801001, 0x3F802000),    # above the tie: up
+    (0xBF801001, 0xBF802000),    # negative: the same on the magnitude
+    (0x3FFFF000, 0x40000000),    # carry into the exponent: 2.0
+    (0x7F7FFFFF, 0x7F800000),    # the largest float32 rounds to inf
+    (0x00001FFF, 0x00002000),    # subnormals round like any other value
+    (0x7F800000, 0x7F800000),    # inf stays
+    (0x7FC00001, 0x7FC00001),    # NaN kept as it is (not rounded to inf or another NaN)
+    (0x00000000, 0x00000000),
+])
+def test_tf32_rounding_bit_patterns(given, want):
+    got = round_tf32(bits([given])).view(np.uint32)[0]
+    assert got == want, f"{given:#010x} -> {got:#010x}, want {want:#010x}"
+
+
+def test_tf32_keeps_ten_mantissa_bits_and_is_nearest(rng):
+    x = (rng.standard_normal(10000) * 10.0 ** rng.integers(-20, 20, 10000)).astype(np.float32)
+    r = round_tf32(x)
+    assert not (r.view(np.uint32) & 0x1FFF).any()                      # 13 low bits clear
+    ulp = np.ldexp(np.float32(1), np.frexp(x)[1] - 11)                 # TF32 spacing at x
+    assert (np.abs(r.astype(np.float64) - x) <= ulp / 2).all()         # nearest
+    np.testing.assert_array_equal(round_tf32(r), r)                    # idempotent
+
+
+def linear_unit(w, policy):
+    store = type("S", (), {})()
+    store.params, store.grads = {"w": w}, {"w": np.zeros_like(w)}
+    unit = Linear(LocalAccess(store), "w")
+    attach_autocast([[unit]], policy)
+    return unit, store
+
+
+@pytest.mark.parametrize("kind", ["tf32", "float16"])
+def test_matmul_rounds_inputs_as_numpy_does(rng, kind):
+    """A Linear under tf32 (inputs to TF32, output float32) and float16 (inputs and output
+    to float16): forward and both gradients equal float32 matmuls of explicitly rounded
+    operands, bit for bit (the same BLAS call on the same values), and differ from the
+    unrounded ones."""
+    if kind == "tf32":
+        policy = Precision(np.float32, tf32=True).autocast()
+        rin, rout = round_tf32, (lambda a: a)
+    else:
+        policy = Precision(np.float32, compute_dtype="float16").autocast()
+        rin = rout = (lambda a: a.astype(np.float16).astype(np.float32))
+    x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ((16, 24), (24, 8), (16, 8)))
+    unit, store = linear_unit(w.copy(), policy)
+    y = unit.forward(x)
+    dx = unit.backward(dy)
+    np.testing.assert_array_equal(y, rout(rin(x) @ rin(w)))
+    np.testing.assert_array_equal(dx, rout(rin(dy) @ rin(w).T))
+    np.testing.assert_array_equal(store.grads["w"], rout(rin(x).T @ rin(dy)))
+    assert y.dtype == dx.dtype == np.float32                 # held in float32
+    assert not np.array_equal(y, x @ w)
+
+
+def test_bf16_rounding_is_ml_dtypes_and_held_in_float32(rng):
+    policy = Precision(np.float32, compute_dtype="bfloat16").autocast()
+    x = rng.standard_normal(1000).astype(np.float32)
+    r = policy.round(x)
+    assert r.dtype == np.float32
+    np.testing.assert_array_equal(r, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_policies_attach_only_when_asked():
+    g = ms.GPT(vocab_size=16, seq_len=8, d_model=16, n_heads=2, n_layers=1, tied=True)
+    for kw, name in (({}, None), ({"dtype": np.float64}, None),
+                     ({"compute_dtype": "float32"}, None), ({"tf32": True}, "tf32"),
+                     ({"compute_dtype": "bfloat16"}, "bfloat16")):
+        kw.setdefault("dtype", np.float32)
+        e = ms.make_engine(g, **kw)
+        layers = list(every_layer(e.chunks))
+        kinds = (Linear, TiedHead, CausalSelfAttention)
+        policies = {repr(u.autocast) for u in layers if isinstance(u, kinds)}
+        assert policies == ({"FULL"} if name is None else {f"Rounding({name})"}), kw
+        if name is None:
+            assert all("autocast" not in vars(u) for u in layers) and FULL.round(g) is g
+
+
+def test_float16_compute_turns_the_loss_scaler_on():
+    data = load_dataset("digits", d_in=64, d_out=10, seed=0)
+    model = ms.MLP(dims=[64, 32, 10], activation="relu")
+    for compute, scaled in ((None, False), ("bfloat16", False), ("float16", True)):
+        e = ms.make_engine(model, dtype=np.float32, compute_dtype=compute)
+        e.load_checkpoint(model.init(seed=0))
+        assert e.precision.needs_loss_scaling is scaled
+        trainer = Trainer(e, ms.optim.AdamW(e, lr=3e-3), data, batch=64, steps=3,
+                          progress=False, log_every=0)
+        assert isinstance(trainer.scaler, GradScaler) is scaled
+        result = trainer.fit()
+        assert np.isfinite(result["final_loss"])
+        if scaled:
+            assert result["loss_scale"] > 1
