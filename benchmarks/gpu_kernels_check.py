@@ -4,7 +4,8 @@ xp path it replaces, and timed beside it.
     python3 benchmarks/gpu_kernels_check.py          # on a GPU node (gpu_check.py's `kernels`)
 
 check_kernels(xp) -> rows, one per kernel and storage dtype. Each case draws its inputs on
-the host (fixed seeds, GPT-2-small sizes: 8 x 1024 rows of d 768, the MLP's 3072), stores
+the host (fixed seeds, GPT-2-small sizes: 8 x 1024 rows of d 768, the MLP's 3072; causal
+attention of 4 x 12 heads, T 1024, Dh 64, forward and backward), stores
 them as the dtype (bfloat16 as parallel/bf16.py's uint16 words), and compares the kernel's
 outputs with the xp path run in float64 on the same (widened) values, on the device:
 
@@ -40,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpishard.models.llama.units import RMSNorm, SwiGLU  # noqa: E402
+from mpishard.nn import attention as att  # noqa: E402
 from mpishard.nn import cuda_ops  # noqa: E402
 from mpishard.nn import functional as nn  # noqa: E402
 from mpishard.nn.layers import LocalAccess  # noqa: E402
@@ -47,6 +49,7 @@ from mpishard.parallel import bf16  # noqa: E402
 from mpishard.train.optim import AdamW  # noqa: E402
 
 ROWS, D, F, VOCAB = 8 * 1024, 768, 3072, 50304
+ATT = (4, 12, 1024, 64)         # B, H, T, Dh of the attention case (causal, offset 0)
 RTOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2.0 ** -7 + 1e-5,
         "float16": 2.0 ** -10 + 1e-5}
 MODES = tuple(RTOL)
@@ -126,6 +129,16 @@ def embedding_ref(xp, dy, ids):
     return (nn.embedding_backward(dy, ids, VOCAB),)
 
 
+def attention_kernel(xp, q, k, v, dout):
+    out, lse = cuda_ops.attention_forward(xp, q, k, v, offset=0)
+    return (out, lse) + cuda_ops.attention_backward(xp, dout, q, k, v, out, lse, offset=0)
+
+
+def attention_ref(xp, q, k, v, dout):
+    out, lse = att.attention_block(q, k, v, offset=0)
+    return (out, lse) + att.attention_block_backward(dout, q, k, v, out, lse, offset=0)
+
+
 def cases(rng):
     """name -> (host inputs, names stored in the mode, kernel(xp, *a), xp path(xp, *a))."""
     x, dy = rng.standard_normal((ROWS, D)) * 2 + 0.3, rng.standard_normal((ROWS, D))
@@ -135,6 +148,7 @@ def cases(rng):
     a, da = 3 * rng.standard_normal((ROWS, 2 * F)), rng.standard_normal((ROWS, F))
     ids = rng.integers(0, VOCAB, ROWS)
     ids[:512] = 7                                              # a long run of one token
+    qkvd = {n: rng.standard_normal(ATT) for n in ("q", "k", "v", "dout")}
     return {
         "layernorm": ({"x": x, "scale": scale, "shift": shift, "dy": dy}, "x scale shift dy",
                       layernorm_kernel, layernorm_ref),
@@ -144,6 +158,7 @@ def cases(rng):
         "swiglu": ({"a": a, "dy": da}, "a dy", swiglu_kernel, swiglu_ref),
         "residual_add": ({"h": x, "branch": dy}, "branch", residual_kernel, residual_ref),
         "embedding_bwd": ({"dy": dy, "ids": ids}, "dy", embedding_kernel, embedding_ref),
+        "attention": (qkvd, "q k v dout", attention_kernel, attention_ref),
     }
 
 

@@ -4,7 +4,8 @@ of shuffles over each warp's 32 lanes; the warps' partials added in order), the 
 backward recomputing xhat / n from x and the saved statistics and summing the parameter
 gradients per block of rows, GELU's derivative recomputed from u, SwiGLU's sigmoid recomputed
 from the gate, the embedding backward's stable sort and runs, AdamW's host scalars rounded to
-the dtype. Used by tests/nn/test_cuda_kernels.py (against the xp paths) and
+the dtype, attention's online softmax (running max and sum rescaled key by key) and its
+backward's per-key sums. Used by tests/nn/test_cuda_kernels.py (against the xp paths) and
 tests/gpu/test_gpu_kernels_check.py (the GPU check's kernel part on the CPU).
 """
 import numpy as np
@@ -127,3 +128,43 @@ def adamw(p, g, m, v, hyper, k):
     v[...] = v * s(b2)
     v += s(omb2) * (g * g)
     p -= step_size * (m / (np.sqrt(v) / bc2 + s(eps)))
+
+
+def attention_fwd(q, k, v, offset):
+    """The attention_fwd kernel's online softmax, every query row at once, key by key."""
+    tq, dh, tk = q.shape[2], q.shape[3], k.shape[2]
+    last = np.arange(tq) + (tk if offset is None else offset)      # query i sees j <= last
+    qs = q * (1 / np.sqrt(dh))
+    m, total, o = np.full(q.shape[:3], -np.inf), np.zeros(q.shape[:3]), np.zeros(q.shape)
+    for j in range(tk):
+        sees = j <= last
+        s = np.einsum("bhid,bhd->bhi", qs, k[:, :, j])
+        mn = np.where(sees, np.maximum(s, m), m)
+        with np.errstate(invalid="ignore"):                        # -inf - -inf, unseen
+            corr, e = np.exp(m - mn), np.exp(s - mn)
+        total = np.where(sees, total * corr + e, total)
+        o = np.where(sees[:, None], o * corr[..., None] + e[..., None] * v[:, :, j, None], o)
+        m = mn
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, m + np.log(np.where(total > 0, total, 1)), -np.inf)
+    return o * (1 / np.where(total > 0, total, 1))[..., None], lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, offset):
+    """attention_bwd_dq's and attention_bwd_dkv's sums (p recomputed from lse), key by key."""
+    tq, dh, tk = q.shape[2], q.shape[3], k.shape[2]
+    last = np.arange(tq) + (tk if offset is None else offset)
+    scale = 1 / np.sqrt(dh)
+    qs, dos = q * scale, dout * scale
+    row = (dout * out).sum(axis=-1) * scale
+    lz = np.where(np.isfinite(lse), lse, 0)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for j in range(tk):
+        s = np.einsum("bhid,bhd->bhi", qs, k[:, :, j])
+        dp = np.einsum("bhid,bhd->bhi", dos, v[:, :, j])
+        p = np.where(j <= last, np.exp(s - lz), 0)
+        ds = (dp - row) * p
+        dq += ds[..., None] * k[:, :, j, None]
+        dk[:, :, j] = np.einsum("bhi,bhid->bhd", ds, q)
+        dv[:, :, j] = np.einsum("bhi,bhid->bhd", p, dout)
+    return dq, dk, dv

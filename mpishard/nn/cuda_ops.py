@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import cuda_src
+from . import cuda_attention_src, cuda_src
 from .fused import use
 
 OPTIONS = ("--fmad=false",)
@@ -28,7 +28,8 @@ ADAMW_CHUNK = 16 * cuda_src.BLOCK     # elements per block of the multi-tensor A
 
 __all__ = ["use", "layernorm_forward", "layernorm_backward", "rmsnorm_forward",
            "rmsnorm_backward", "bias_gelu_forward", "gelu_backward", "swiglu_forward",
-           "swiglu_backward", "residual_add", "embedding_backward", "adamw_step"]
+           "swiglu_backward", "residual_add", "embedding_backward", "adamw_step",
+           "attention_forward", "attention_backward"]
 
 
 @lru_cache(maxsize=None)
@@ -227,3 +228,42 @@ def adamw_step(xp, blocks, lr, betas, eps, weight_decay):
        (xp.asarray(table), xp.asarray(np.array(sizes, dtype=np.int64)),
         xp.asarray(np.array(per, dtype=dtype).reshape(-1)), xp.asarray(kc), xp.asarray(lc),
         np.int64(ADAMW_CHUNK), s(decay), s(omb1), s(b2), s(omb2), s(eps)))
+
+
+def _attention_args(q, k, offset):
+    b, h, tq, dh = q.shape
+    if dh > cuda_attention_src.MAX_DH:
+        raise ValueError(f"attention kernels: head dim {dh} > {cuda_attention_src.MAX_DH}")
+    tk = k.shape[-2]
+    shape = (np.int64(b * h), np.int64(tq), np.int64(tk), np.int64(dh),
+             np.int64(tk if offset is None else offset), acc_dtype(q.dtype)(1 / math.sqrt(dh)))
+    return b * h, tq, tk, shape
+
+
+def _warps_grid(rows: int) -> int:
+    return -(-rows * 32 // cuda_src.BLOCK)
+
+
+def attention_forward(xp, q, k, v, offset=None):
+    """(out, lse) of attention.attention_block(q, k, v, offset): q (B, H, Tq, Dh), k and v
+    (B, H, Tk, Dh), Dh <= 128; out C-contiguous (B, H, Tq, Dh), lse A-typed (B, H, Tq).
+    Online softmax, the scores never stored (cuda_attention_src)."""
+    q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
+    bh, tq, _, shape = _attention_args(q, k, offset)
+    out, lse = xp.empty_like(q), xp.empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
+    _launch(xp, "attention_fwd", q.dtype, _warps_grid(bh * tq), (q, k, v, out, lse) + shape)
+    return out, lse
+
+
+def attention_backward(xp, dout, q, k, v, out, lse, offset=None):
+    """(dq, dk, dv) of attention.attention_block_backward given the final out and lse (one
+    block, no cast), the probabilities recomputed from q, k and lse."""
+    q, k, v, out, dout, lse = (xp.ascontiguousarray(a) for a in (q, k, v, out, dout, lse))
+    bh, tq, tk, shape = _attention_args(q, k, offset)
+    dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
+    row = xp.empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
+    _launch(xp, "attention_bwd_dq", q.dtype, _warps_grid(bh * tq),
+            (q, k, v, out, dout, lse, dq, row) + shape)
+    _launch(xp, "attention_bwd_dkv", q.dtype, _warps_grid(bh * tk),
+            (q, k, v, dout, lse, row, dk, dv) + shape)
+    return dq, dk, dv

@@ -25,6 +25,9 @@ the warps' partials in warp order, so the result is the same on every thread and
 from __future__ import annotations
 
 import math
+import re
+
+from . import cuda_attention_src as attention
 
 BLOCK = 256        # threads per block of every kernel here (a multiple of the warp, 32)
 
@@ -316,6 +319,7 @@ _ENTRIES = {
     "residual_add": ("A* h, const S* branch, i64 n", "h, branch, n"),
     "embedding_bwd": ("const S* dy, const i64* order, const i64* starts, const i64* ids, S* g, "
                       "i64 runs, i64 d", "dy, order, starts, ids, g, runs, d"),
+    **attention.ENTRIES,
 }
 _ADAMW_ARGS = ("const unsigned long long* table, const i64* size, const A* hyper, "
                "const i64* chunk_tensor, const i64* chunk_start, i64 chunk, A decay, "
@@ -340,20 +344,19 @@ def _instances() -> str:
     out = []
     for kernel, (params, call) in _ENTRIES.items():
         for suffix, s in SUFFIXES.items():
-            a = "double" if s == "double" else "float"
-            sig = params.replace("const S*", f"const {s}*").replace("S*", f"{s}*")
-            sig = sig.replace("const A*", f"const {a}*").replace("A* ", f"{a}* ")
-            sig = sig.replace("A eps", f"{a} eps")
+            sig = re.sub(r"\bA\b", "double" if s == "double" else "float",
+                         re.sub(r"\bS\b", s, params))
             out.append(f'extern "C" __global__ void {entry_name(kernel, suffix)}({sig}) '
                        f'{{ {kernel}<{s}>({call}); }}')
     for suffix, a in (("f64", "double"), ("f32", "float")):
-        sig = _ADAMW_ARGS.replace("const A*", f"const {a}*").replace(" A ", f" {a} ")
+        sig = re.sub(r"\bA\b", a, _ADAMW_ARGS)
         out.append(f'extern "C" __global__ void {entry_name("adamw", suffix)}({sig}) '
                    f'{{ adamw<{a}>({_ADAMW_CALL}); }}')
     return "\n".join(out) + "\n"
 
 
-SOURCE = _HEADER + _NORMS + (_POINTWISE % _gelu_constants()) + _ADAMW + _instances()
+SOURCE = (_HEADER + _NORMS + (_POINTWISE % _gelu_constants()) + _ADAMW + attention.SOURCE
+          + _instances())
 """The whole module: every kernel of cuda_ops, for every storage type."""
 
 ENTRIES = tuple(entry_name(k, s) for k in _ENTRIES for s in SUFFIXES) + tuple(

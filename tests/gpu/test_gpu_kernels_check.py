@@ -91,6 +91,16 @@ class Emulated:
         return out(mirror.embedding_bwd(acc(dy), ids, rows), dy)
 
     @staticmethod
+    def attention_forward(xp, q, k, v, offset=None):
+        o, lse = mirror.attention_fwd(acc(q), acc(k), acc(v), offset)
+        return out(o, q), lse.astype(cuda_ops.acc_dtype(q.dtype))
+
+    @staticmethod
+    def attention_backward(xp, dout, q, k, v, o, lse, offset=None):
+        return tuple(out(g, q) for g in mirror.attention_bwd(acc(dout), acc(q), acc(k),
+                                                             acc(v), acc(o), lse, offset))
+
+    @staticmethod
     def adamw_step(xp, blocks_, lr, betas, eps, weight_decay):
         hyper = cuda_ops.adamw_hyper(lr, betas, eps, weight_decay, [b[4] for b in blocks_])
         for k, (p, g, m, v, _) in enumerate(blocks_):
@@ -102,7 +112,7 @@ def emulated(monkeypatch):
     for name, fn in vars(Emulated).items():
         if not name.startswith("_"):
             monkeypatch.setattr(cuda_ops, name, fn.__func__)
-    for name, value in dict(ROWS=40, D=300, F=24, VOCAB=50).items():
+    for name, value in dict(ROWS=40, D=300, F=24, VOCAB=50, ATT=(2, 3, 20, 40)).items():
         monkeypatch.setattr(check, name, value)
     monkeypatch.setattr(check, "seconds", lambda xp, fn, reps=1: (fn(), 1.0)[1])
 
@@ -113,7 +123,7 @@ def test_every_kernel_row_passes_on_the_emulated_kernels(emulated):
         print(r)
     assert sorted((r["kernel"], r["dtype"]) for r in rows) == sorted(
         [(k, m) for k in ("layernorm", "rmsnorm", "bias_gelu", "swiglu", "residual_add",
-                          "embedding_bwd") for m in check.MODES]
+                          "embedding_bwd", "attention") for m in check.MODES]
         + [("adamw", "float64"), ("adamw", "float32")])
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert all(r["exact"] for r in rows if r["kernel"] == "adamw")

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from cuda_mirror import (adamw, block_sum, embedding_bwd, gelu, layernorm_bwd, layernorm_fwd,
-                         rmsnorm_bwd, rmsnorm_fwd, swiglu)
+from cuda_mirror import (adamw, attention_bwd, attention_fwd, block_sum, embedding_bwd, gelu,
+                         layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd, swiglu)
 
 import mpishard as ms
 from mpishard.models.llama.units import RMSNorm, SwiGLU
+from mpishard.nn import attention as att
 from mpishard.nn import cuda_ops, cuda_src, fused
 from mpishard.nn import functional as nn
 from mpishard.nn.layers import LocalAccess
@@ -94,6 +95,24 @@ def test_embedding_kernel_algorithm_equals_functional():
     close(embedding_bwd(dy, ids, 12), ref)
 
 
+@pytest.mark.parametrize("offset", [0, 3, -2, None])
+def test_attention_kernels_online_softmax_equals_attention_block(offset):
+    """Causal at offsets 0, 3 (the keys run ahead), -2 (the first rows see no key: out 0,
+    lse -inf, no gradient) and None (every key)."""
+    rng = np.random.default_rng(6)
+    q, dout = (rng.standard_normal((2, 3, 9, 40)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 3, 7, 40)) * 2 for _ in range(2))
+    out_ref, lse_ref = att.attention_block(q, k, v, offset=offset)
+    out, lse = attention_fwd(q, k, v, offset)
+    close(out, out_ref)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
+    close(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(lse_ref), 0, lse_ref))
+    grads = attention_bwd(dout, q, k, v, out, lse, offset)
+    for got, want in zip(grads, att.attention_block_backward(dout, q, k, v, out_ref, lse_ref,
+                                                             offset=offset)):
+        close(got, want)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_adamw_kernel_algorithm_is_optim_adamw_bit_for_bit(dtype, wd):
@@ -133,7 +152,7 @@ def test_every_launched_kernel_is_defined():
     text = Path(cuda_ops.__file__).read_text()
     launched = set(re.findall(r'_launch\(xp, "(\w+)"', text)) | set(
         re.findall(r'entry_name\("(\w+)"', text))
-    assert len(launched) == 11
+    assert len(launched) == 14
     for kernel in launched:
         suffixes = ("f64", "f32") if kernel == "adamw" else tuple(cuda_src.SUFFIXES)
         for s in suffixes:
