@@ -3,11 +3,15 @@
 Each function takes cupy arrays (C-contiguous; made so when not) of one storage dtype:
 float64, float32, float16, or bfloat16 (cupy's bfloat16 dtype, or the uint16 words of
 parallel/bf16.py), and equals the xp path named in its docstring, to rounding (the sums run
-in another order: rtol 1e-12 in float64, benchmarks/gpu_kernels_check.py). Statistics and
-parameter gradients come back in A: float64 for float64 input, else float32.
+in another order: rtol 1e-12 in float64, benchmarks/gpu_kernels_check.py; tests/nn/
+test_cuda_kernels.py checks each kernel's algorithm in numpy). Statistics and parameter
+gradients come back in A: float64 for float64 input, else float32. The norms save their
+statistics (mean, rstd) instead of the normalised x, GELU its input u instead of dy/du,
+SwiGLU nothing beyond its input: each backward recomputes the rest.
 
 `use(xp)` is the switch the call sites check, the one fused.py's kernels share: cupy only,
-and only while MPISHARD_FUSED is not "0" (read at each call). The module is compiled once per
+and only while MPISHARD_FUSED is not "0" (read at each call). No layer calls these yet: they
+are checked and timed on a GPU first (gpu_kernels_check). The module is compiled once per
 process (`module`, memoised like fused.kernels) by cupy's NVRTC, without FMA contraction;
 `import cupy` happens only in a caller that holds cupy arrays (xp is cupy).
 """
