@@ -6,7 +6,8 @@ B 8, H 12, T 1024 the attention scores p^T (B, H, Tk, Tq) are 400 MB in float32,
 input (B T, 4 D) 100 MB, and the loss's logits (B T, V) 1.6 GB. Here each of those chains is
 one kernel (`cupy.ElementwiseKernel` / `cupy.ReductionKernel`, built once per process and
 memoised as parallel/bf16.py does, compiled by cupy on first use, without FMA contraction so
-every product and sum rounds as the xp op does):
+every product and sum rounds as the xp op does; their specs are data, ELEMENTWISE and
+REDUCTION, which tests/nn/test_nvrtc.py compiles with NVRTC without a GPU):
 
     causal_softmax_t(p, offset)   p^T (B, H, Tk, Tq) raw scores -> probabilities in place, and
                                   lse (B, H, Tq): per query column i the keys j <= i + offset
