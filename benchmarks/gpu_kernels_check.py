@@ -162,7 +162,7 @@ def cases(rng):
     }
 
 
-def seconds(xp, fn, reps=10):
+def seconds(xp, fn, reps=5):
     fn()
     xp.cuda.Device().synchronize()
     out = []
@@ -188,16 +188,17 @@ def compare(xp, got, want, rtol):
     return ok, worst
 
 
-def adamw_rows(xp, rng):
+def adamw_rows(xp, rng, report):
     shapes = [(D, 3 * D), (3 * D,), (D, D), (D,), (D, F), (F,), (F, D), (D,)] * 2
     lr, betas, eps, wd = 3e-4, (0.9, 0.95), 1e-8, 0.1
     rows = []
     for mode in ("float64", "float32"):
         try:
-            rows.append(adamw_row(xp, rng, mode, shapes, lr, betas, eps, wd))
+            row = adamw_row(xp, rng, mode, shapes, lr, betas, eps, wd)
         except Exception as exc:                        # reported, the other rows still run
-            rows.append(dict(kernel="adamw", dtype=mode, ok=False,
-                             error=f"{type(exc).__name__}: {exc}"))
+            row = dict(kernel="adamw", dtype=mode, ok=False, error=f"{type(exc).__name__}: {exc}")
+        report(row)
+        rows.append(row)
     return rows
 
 
@@ -224,14 +225,15 @@ def adamw_row(xp, rng, mode, shapes, lr, betas, eps, wd):
                 rtol=RTOL[mode], kernel_s=t_k, xp_s=t_x, speedup=t_x / t_k, tensors=len(shapes))
 
 
-def check_kernels(xp) -> list:
+def check_kernels(xp, report=lambda row: None) -> list:
     """Rows {kernel, dtype, ok, max_rel_diff, rtol, kernel_s, xp_s, speedup} for every kernel
-    and storage dtype (module docstring); a row with `error` where one raised."""
+    and storage dtype (module docstring); a row with `error` where one raised. report(row) is
+    called as each row ends (a cut-off run still says what it did)."""
     rng = np.random.default_rng(0)
     fused_was = os.environ.get("MPISHARD_FUSED")
     os.environ["MPISHARD_FUSED"] = "0"              # the xp path: plain xp ops, no fused.py
     try:
-        rows = kernel_rows(xp, rng) + adamw_rows(xp, rng)
+        rows = kernel_rows(xp, rng, report) + adamw_rows(xp, rng, report)
     finally:
         if fused_was is None:
             os.environ.pop("MPISHARD_FUSED")
@@ -240,7 +242,7 @@ def check_kernels(xp) -> list:
     return rows
 
 
-def kernel_rows(xp, rng) -> list:
+def kernel_rows(xp, rng, report) -> list:
     rows = []
     for name, (host, stored, kernel, ref) in cases(rng).items():
         for mode in MODES:
@@ -261,16 +263,19 @@ def kernel_rows(xp, rng) -> list:
                 row["speedup"] = row["xp_s"] / row["kernel_s"]
             except Exception as exc:                    # reported, the other rows still run
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            report(row)
             rows.append(row)
     return rows
 
 
 def main() -> int:
-    import cupy
-
-    rows = check_kernels(cupy)
-    for row in rows:
-        print("BENCH " + json.dumps(row), flush=True)
+    try:
+        import cupy
+    except ImportError:
+        print("gpu_kernels_check: needs cupy and a GPU (on the CPU: tests/nn/test_cuda_kernels.py "
+              "and tests/gpu/test_gpu_kernels_check.py)", file=sys.stderr)
+        return 2
+    rows = check_kernels(cupy, lambda row: print("BENCH " + json.dumps(row), flush=True))
     return 0 if rows and all(r.get("ok") for r in rows) else 1
 
 
