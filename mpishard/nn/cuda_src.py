@@ -21,6 +21,10 @@ t + MS_BLOCK, ... in order, a butterfly of warp shuffles adds the lanes, and eve
 the warps' partials in warp order, so the result is the same on every thread and on every run
 (tests/nn/test_cuda_kernels.py mirrors this order in numpy). Compiled without FMA contraction
 (cuda_ops.OPTIONS), so each product and sum rounds as the xp op's does.
+
+The norms' kernels are in cuda_norms_src.py, attention's in cuda_attention_src.py; here the
+header, bias+GELU, SwiGLU, the residual add, the embedding backward, the multi-tensor AdamW,
+and the instantiation of them all.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import math
 import re
 
 from . import cuda_attention_src as attention
+from . import cuda_norms_src as norms
 
 BLOCK = 256        # threads per block of every kernel here (a multiple of the warp, 32)
 
@@ -73,107 +78,6 @@ template <typename A> __device__ A ms_block_sum(A v) {
     return t;
 }
 """ % {"block": BLOCK}
-
-_NORMS = r"""
-// LayerNorm forward, one block per row: y = (x - mean) rstd scale + shift.
-template <typename S> __device__ void layernorm_fwd(
-        const S* x, const S* scale, const S* shift, S* y, typename ms_acc<S>::T* mean,
-        typename ms_acc<S>::T* rstd, i64 rows, i64 d, typename ms_acc<S>::T eps) {
-    typedef typename ms_acc<S>::T A;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 o = r * d;
-        A s = 0;
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) s += ms_ld(x, o + c);
-        const A m = ms_block_sum(s) / (A)d;
-        A q = 0;
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) {
-            const A xc = ms_ld(x, o + c) - m;
-            q += xc * xc;
-        }
-        const A rs = (A)1 / sqrt(ms_block_sum(q) / (A)d + eps);
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) {
-            A v = (ms_ld(x, o + c) - m) * rs;
-            v *= ms_ld(scale, c);
-            ms_st(y, o + c, v + ms_ld(shift, c));
-        }
-        if (threadIdx.x == 0) { mean[r] = m; rstd[r] = rs; }
-    }
-}
-
-// LayerNorm backward: dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy scale, xhat
-// recomputed from x, mean, rstd; block b adds dy xhat and dy of its rows into row b of
-// dscale_part and dshift_part (gridDim.x, d), which the caller sums over blocks.
-template <typename S> __device__ void layernorm_bwd(
-        const S* dy, const S* x, const S* scale, const typename ms_acc<S>::T* mean,
-        const typename ms_acc<S>::T* rstd, S* dx, typename ms_acc<S>::T* dscale_part,
-        typename ms_acc<S>::T* dshift_part, i64 rows, i64 d) {
-    typedef typename ms_acc<S>::T A;
-    A* ps = dscale_part + blockIdx.x * d;
-    A* pb = dshift_part + blockIdx.x * d;
-    for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) { ps[c] = 0; pb[c] = 0; }
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 o = r * d;
-        const A m = mean[r], rs = rstd[r];
-        A s0 = 0, s1 = 0;
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) {
-            const A g = ms_ld(dy, o + c) * ms_ld(scale, c);
-            s0 += g;
-            s1 += g * ((ms_ld(x, o + c) - m) * rs);
-        }
-        const A c0 = ms_block_sum(s0) / (A)d, c1 = ms_block_sum(s1) / (A)d;
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) {
-            const A g = ms_ld(dy, o + c);
-            const A xh = (ms_ld(x, o + c) - m) * rs;
-            A v = g * ms_ld(scale, c);
-            v -= c0;
-            v -= xh * c1;
-            ms_st(dx, o + c, v * rs);
-            ps[c] += g * xh;
-            pb[c] += g;
-        }
-    }
-}
-
-// RMSNorm forward: y = (x rstd) scale, rstd = 1 / sqrt(mean(x^2) + eps).
-template <typename S> __device__ void rmsnorm_fwd(
-        const S* x, const S* scale, S* y, typename ms_acc<S>::T* rstd, i64 rows, i64 d,
-        typename ms_acc<S>::T eps) {
-    typedef typename ms_acc<S>::T A;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 o = r * d;
-        A q = 0;
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) { A v = ms_ld(x, o + c); q += v * v; }
-        const A rs = (A)1 / sqrt(ms_block_sum(q) / (A)d + eps);
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK)
-            ms_st(y, o + c, (ms_ld(x, o + c) * rs) * ms_ld(scale, c));
-        if (threadIdx.x == 0) rstd[r] = rs;
-    }
-}
-
-// RMSNorm backward: dx = rstd (g - n mean(g n)), g = dy scale, n = x rstd; dy n of the block's
-// rows into row blockIdx.x of dscale_part (gridDim.x, d).
-template <typename S> __device__ void rmsnorm_bwd(
-        const S* dy, const S* x, const S* scale, const typename ms_acc<S>::T* rstd, S* dx,
-        typename ms_acc<S>::T* dscale_part, i64 rows, i64 d) {
-    typedef typename ms_acc<S>::T A;
-    A* ps = dscale_part + blockIdx.x * d;
-    for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) ps[c] = 0;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 o = r * d;
-        const A rs = rstd[r];
-        A s = 0;
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK)
-            s += (ms_ld(dy, o + c) * ms_ld(scale, c)) * (ms_ld(x, o + c) * rs);
-        const A c1 = ms_block_sum(s) / (A)d;
-        for (i64 c = threadIdx.x; c < d; c += MS_BLOCK) {
-            const A g = ms_ld(dy, o + c), n = ms_ld(x, o + c) * rs;
-            const A v = g * ms_ld(scale, c) - n * c1;
-            ms_st(dx, o + c, v * rs);
-            ps[c] += g * n;
-        }
-    }
-}
-"""
 
 _POINTWISE = r"""
 // The tanh GELU of functional.gelu_forward, its steps in its order: (y, dy/dz) of z.
@@ -301,16 +205,7 @@ template <typename A> __device__ void adamw(
 """
 
 _ENTRIES = {
-    "layernorm_fwd": ("const S* x, const S* scale, const S* shift, S* y, A* mean, A* rstd, "
-                      "i64 rows, i64 d, A eps", "x, scale, shift, y, mean, rstd, rows, d, eps"),
-    "layernorm_bwd": ("const S* dy, const S* x, const S* scale, const A* mean, const A* rstd, "
-                      "S* dx, A* dscale_part, A* dshift_part, i64 rows, i64 d",
-                      "dy, x, scale, mean, rstd, dx, dscale_part, dshift_part, rows, d"),
-    "rmsnorm_fwd": ("const S* x, const S* scale, S* y, A* rstd, i64 rows, i64 d, A eps",
-                    "x, scale, y, rstd, rows, d, eps"),
-    "rmsnorm_bwd": ("const S* dy, const S* x, const S* scale, const A* rstd, S* dx, "
-                    "A* dscale_part, i64 rows, i64 d",
-                    "dy, x, scale, rstd, dx, dscale_part, rows, d"),
+    **norms.ENTRIES,
     "bias_gelu_fwd": ("const S* z, const S* bias, S* u, S* y, i64 n, i64 f",
                       "z, bias, u, y, n, f"),
     "gelu_bwd": ("const S* dy, const S* u, S* du, i64 n", "dy, u, du, n"),
@@ -355,7 +250,7 @@ def _instances() -> str:
     return "\n".join(out) + "\n"
 
 
-SOURCE = (_HEADER + _NORMS + (_POINTWISE % _gelu_constants()) + _ADAMW + attention.SOURCE
+SOURCE = (_HEADER + norms.SOURCE + (_POINTWISE % _gelu_constants()) + _ADAMW + attention.SOURCE
           + _instances())
 """The whole module: every kernel of cuda_ops, for every storage type."""
 
