@@ -19,7 +19,7 @@ are A-typed arrays: float32 for every 16-bit input, as autocast keeps them.
 Reductions over a row run in one block of MS_BLOCK threads: thread t sums columns t,
 t + MS_BLOCK, ... in order, a butterfly of warp shuffles adds the lanes, and every thread adds
 the warps' partials in warp order, so the result is the same on every thread and on every run
-(tests/nn/test_cuda_kernels.py mirrors this order in numpy). Compiled without FMA contraction
+(tests/cuda_mirror.py mirrors this order in numpy). Compiled without FMA contraction
 (cuda_ops.OPTIONS), so each product and sum rounds as the xp op's does.
 
 The norms' kernels are in cuda_norms_src.py, attention's in cuda_attention_src.py; here the
