@@ -34,6 +34,10 @@ MLP_BIG = {"kind": "mlp", "dims": [1024, 4096, 4096, 4096, 1024]}
 MLP_WIDE = {"kind": "mlp", "dims": [2048, 8192, 8192, 2048]}
 GPT_CI = {"kind": "gpt", "vocab": 8192, "seq": 128, "d": 384, "heads": 6, "layers": 4}
 MLP_CI = {"kind": "mlp", "dims": [1024, 2048, 2048, 1024]}
+LLAMA = {"kind": "llama", "vocab": 8192, "seq": 256, "d": 512, "heads": 8, "layers": 4,
+         "kv_heads": 4, "d_ff": 1408}
+QWEN2 = {**LLAMA, "kind": "qwen2", "kv_heads": 2}
+MIXTRAL = {**LLAMA, "kind": "llama", "d_ff": 1024, "experts": 4, "top_k": 2}
 
 # name -> (model, layout, global batch, ranks)
 CASES = {
@@ -49,6 +53,13 @@ CASES = {
     "mlp-big-tp2": (MLP_BIG, "tp=2", 4096, 2),
     "mlp-big-fsdp4": (MLP_BIG, "fsdp=4", 4096, 4),
     "mlp-wide-dp2-pp2": (MLP_WIDE, "dp=2,pp=2,microbatches=4", 4096, 4),
+    "llama-single": (LLAMA, "single", 8, 1),
+    "llama-tp2": (LLAMA, "tp=2", 8, 2),
+    "llama-fsdp2-attn": (LLAMA, "fsdp=2,recompute=attn", 8, 2),
+    "llama-tp2-sp-recompute": (LLAMA, "tp=2,sequence_parallel=1,recompute=1", 8, 2),
+    "llama-pp2-gpipe": (LLAMA, "pp=2,schedule=gpipe,microbatches=4", 8, 2),
+    "qwen2-dp2": (QWEN2, "dp=2", 8, 2),
+    "mixtral-ep2": (MIXTRAL, "ep=2", 8, 2),
     # smaller ones for CI (tests/costs/test_peak_memory.py): about 100-200 MB per rank
     "ci-gpt-tp2": (GPT_CI, "tp=2", 4, 2),
     "ci-gpt-pp2-gpipe": (GPT_CI, "pp=2,schedule=gpipe,microbatches=4", 8, 2),
@@ -61,7 +72,13 @@ TARGET = 0.15
 def build_model(spec):
     if spec["kind"] == "mlp":
         return ms.MLP(spec["dims"], activation="relu")
-    return ms.GPT(spec["vocab"], spec["seq"], spec["d"], spec["heads"], spec["layers"])
+    shape = (spec["vocab"], spec["seq"], spec["d"], spec["heads"], spec["layers"])
+    if spec["kind"] == "gpt":
+        return ms.GPT(*shape)
+    kw = {"n_kv_heads": spec["kv_heads"], "d_ff": spec["d_ff"]}
+    if spec.get("experts"):
+        kw.update(n_experts=spec["experts"], top_k=spec["top_k"])
+    return {"llama": ms.Llama, "qwen2": ms.Qwen2}[spec["kind"]](*shape, **kw)
 
 
 class Filled:

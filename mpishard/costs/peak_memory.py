@@ -19,8 +19,9 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
           array before it is added) and, under FSDP ZeRO-3, the weight gathered whole (twice
           with prefetch=1: the next one's gather in flight);
         - the loss (last stage), L = r x the logits' bytes: the logits, their shifted copy and
-          its exponent, 3 L (vocab-parallel: logits, exp, softmax, gradient and the one-hot
-          mask, 4 L + L / itemsize, and L more where the vocabulary is padded), and the
+          its exponent, 3 L (vocab-parallel: logits, exp, softmax, softmax - one-hot and
+          its scaled copy, the gradient, with the one-hot mask, 5 L + L / itemsize, and L
+          more where the vocabulary is padded), and the
           logits' gradients of the other microbatches in flight (the runner keeps each until
           its backward: under GPipe all m), (k - 1) L for k in flight;
         - the head's backward: the last logits and the k gradients (1 + k) L, the head's
@@ -98,7 +99,7 @@ def moments(view, parts, rows_mb) -> list:
     logits = rows_mb * parts["logits"] * itemsize
     if logits:                       # the runner keeps each in-flight microbatch's dlogits
         waiting = int(-(-in_flight(layout, view.coords["pp"]) // 1)) * logits
-        factor = 4 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else 3
+        factor = 5 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else 3
         out.append({"activations": saved, "logits": int(factor * logits) + waiting - logits})
         head_zero3 = head if any(whole[n] == head for n in zero3) else 0
         out.append({"activations": saved, "logits": logits + waiting + head,
