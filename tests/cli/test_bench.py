@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import bench_parts  # noqa: E402
 import peers_torch  # noqa: E402
 import run_all  # noqa: E402
 import leftovers  # noqa: E402
@@ -57,7 +58,7 @@ def test_run_all_tiny_end_to_end(tmp_path):
     assert all(r["ratio"] > 0 and r["ranks"] == 2 for r in coll["rows"])
     assert max(r["bytes"] for r in coll["rows"]) == 1024 * 1024     # tiny adds 1 MiB
     # each kind's headline: its (only) 1 MiB row, with its trials' range
-    for kind, key in run_all.COLLECTIVE_KEYS.items():
+    for kind, key in bench_parts.COLLECTIVE_KEYS.items():
         (row,) = [r for r in coll["rows"] if r["kind"] == kind and r["bytes"] == 1024 * 1024]
         assert res["headline"][key] == row["ratio"]
         lo, hi = res["headline_spread"][key]
@@ -156,7 +157,7 @@ def test_report_marks_targets_met_or_not():
                            row("all_reduce_out", 2, mib, [1.05])]},
             "4": {"rows": [row("all_gather", 4, 4 * mib, [1.2, 1.07, 1.09]),
                            row("all_reduce", 4, mib, [1.25])]}}
-    coll.update(run_all.worst_collectives(coll))
+    coll.update(bench_parts.worst_collectives(coll))
     assert coll["worst"]["allgather_overhead_ratio"]["spread"] == [1.07, 1.2]
     results = {
         "mfu": {"mfu_fraction": 0.8},
