@@ -32,7 +32,8 @@ class NvrtcError(RuntimeError):
 
 
 class Nvrtc:
-    """The NVRTC library, loaded once: `ptx(source, name, options)` -> PTX text."""
+    """The NVRTC library, loaded once: `ptx(source, name, options)` -> PTX text; `log`: the
+    compiler's messages of the last compilation."""
 
     def __init__(self, path: str | None = None):
         path = path or library_path()
@@ -40,6 +41,7 @@ class Nvrtc:
             raise OSError("libnvrtc not found: pip install nvidia-cuda-nvrtc-cu12 "
                           "(the mpishard[nvrtc] extra)")
         self.lib = lib = ctypes.CDLL(path)
+        self.log = ""
         p, size = ctypes.c_void_p, ctypes.c_size_t
         lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(p), ctypes.c_char_p, ctypes.c_char_p,
                                            ctypes.c_int, p, p]
@@ -75,7 +77,8 @@ class Nvrtc:
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
             log = ctypes.create_string_buffer(n.value)
             lib.nvrtcGetProgramLog(prog, log)
-            self._check(rc, f"compile {name}", log.value.decode(errors="replace"))
+            self.log = log.value.decode(errors="replace")      # warnings, after a success
+            self._check(rc, f"compile {name}", self.log)
             self._check(lib.nvrtcGetPTXSize(prog, ctypes.byref(n)), "PTX size")
             out = ctypes.create_string_buffer(n.value)
             self._check(lib.nvrtcGetPTX(prog, out), "PTX")

@@ -4,7 +4,8 @@ NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (the `nvrtc` extra); without
 tests skip, unless MPISHARD_REQUIRE_NVRTC=1 (`make test-nvrtc`, which installs the wheel), which
 turns the skip into a failure. Compiled, for compute_80 and compute_90, with the options cupy
 gets from the package (no FMA contraction):
-- nn/cuda_src.SOURCE, whole: every entry point cuda_ops launches must be in the PTX;
+- nn/cuda_src.SOURCE, whole: every entry point cuda_ops launches must be in the PTX, and the
+  compiler must have nothing to say (no warning);
 - nn/fused.py's ElementwiseKernel and ReductionKernel bodies, for T float and double, and
   parallel/bf16.py's two ElementwiseKernel bodies, each inside nvrtc.elementwise_source's /
   reduction_source's harness (cupy's parameter binding, flat indices);
@@ -40,6 +41,7 @@ def test_cuda_src_compiles_with_every_entry(compiler, arch):
                        + cuda_ops.OPTIONS)
     found = nvrtc.entries(ptx)
     print(f"NVRTC {compiler.version()} {arch}: {len(found)} entries")
+    assert compiler.log.strip() == ""                            # not even a warning
     assert sorted(found) == sorted(cuda_src.ENTRIES)
     for kernel in ("layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd",
                    "bias_gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd", "residual_add",
