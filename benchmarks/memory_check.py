@@ -38,6 +38,7 @@ LLAMA = {"kind": "llama", "vocab": 8192, "seq": 256, "d": 512, "heads": 8, "laye
          "kv_heads": 4, "d_ff": 1408}
 QWEN2 = {**LLAMA, "kind": "qwen2", "kv_heads": 2}
 MIXTRAL = {**LLAMA, "kind": "llama", "d_ff": 1024, "experts": 4, "top_k": 2}
+LLAMA_CI = {**LLAMA, "seq": 128, "d": 384, "heads": 6, "kv_heads": 2, "d_ff": 1024}
 
 # name -> (model, layout, global batch, ranks)
 CASES = {
@@ -64,6 +65,7 @@ CASES = {
     "ci-gpt-tp2": (GPT_CI, "tp=2", 4, 2),
     "ci-gpt-pp2-gpipe": (GPT_CI, "pp=2,schedule=gpipe,microbatches=4", 8, 2),
     "ci-mlp-fsdp2": (MLP_CI, "fsdp=2", 2048, 2),
+    "ci-llama-tp2-sp": (LLAMA_CI, "tp=2,sequence_parallel=1", 4, 2),
 }
 BIG = [name for name in CASES if not name.startswith("ci-")]
 TARGET = 0.15

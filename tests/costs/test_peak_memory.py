@@ -41,15 +41,17 @@ def test_components_add_up_and_follow_the_layout():
 
 
 def test_predicted_peak_within_15_percent_of_the_measured(tmp_path):
-    """Three layouts (tp, a GPipe pipeline, FSDP) of a GPT and an MLP of about 100-200 MB
-    per rank: every rank's prediction within 15% of VmHWM above its start-up size."""
+    """Four layouts (tp, a GPipe pipeline, FSDP, a Llama's tp with sequence_parallel) of a GPT,
+    an MLP and a Llama of about 100-200 MB per rank: every rank's prediction within 15% of
+    VmHWM above its start-up size."""
     out = tmp_path / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(CHECK), "--only", "ci-gpt-tp2",
-                          "ci-gpt-pp2-gpipe", "ci-mlp-fsdp2", "--json", str(out)],
+                          "ci-gpt-pp2-gpipe", "ci-mlp-fsdp2", "ci-llama-tp2-sp", "--json",
+                          str(out)],
                          capture_output=True, text=True, env=env, timeout=240)
     rows = json.loads(out.read_text()) if out.exists() else []
-    assert len(rows) == 6, run.stdout + run.stderr
+    assert len(rows) == 8, run.stdout + run.stderr
     for row in rows:
         assert row["measured"] > 50 * 2**20, row
         assert abs(row["error"]) <= 0.15, run.stdout
