@@ -39,8 +39,8 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
         with generate=(rows, max_len): k and v of every block the rank holds, rows x max_len
         x the model's kv_width(tp), plus the prefill's logits
 
-A model without `activation_elements` (ms.MoE) is priced without activations, logits and
-workspace: only its held state, gathered weights and buffers.
+A model without `activation_elements` is priced without activations, logits and workspace:
+only its held state, gathered weights and buffers.
 """
 from __future__ import annotations
 

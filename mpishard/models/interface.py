@@ -196,7 +196,7 @@ class ModelSpec(Protocol):
         largest backward transient ('workspace'), the loss's logits ('logits', 0 off the last
         stage), the head's weight block ('head_weights'), whether the loss is vocab-parallel
         ('vocab_parallel') over a padded vocabulary ('padded'), and the bytes of one row of
-        the batch ('input_bytes'). A spec without it (ms.MoE) is priced without activations."""
+        the batch ('input_bytes'). A spec without it is priced without activations."""
 
     def planned_experts(self) -> int | None:
         """The expert count the planner may split over ep (None: it tries no ep layout)."""

@@ -163,6 +163,9 @@ class MoE(ParamSpec):
     def planned_experts(self):
         return self.n_experts          # tried, and refused: its exchange has no cost model
 
+    def activation_elements(self, view, recompute: str) -> dict:
+        return costs.activation_elements(self, view, recompute)
+
     # -- Hugging Face (interface.py): no transformers model is a lone MoE layer
     @classmethod
     def hf_maps(cls) -> tuple:
