@@ -1,15 +1,30 @@
-"""Mixed precision: parameters stored, and gradients communicated, in 16 bits; math in fp32.
+"""Mixed precision: parameters stored, and gradients communicated, in 16 bits; matmuls
+rounded to 16 bits (or TF32); everything else in fp32.
 
-`make_engine(model, layout, dtype=np.float32, param_dtype="bfloat16", comm_dtype="bfloat16")`
-(engine keywords, not layout options: they are engine settings, like `dtype`). Each defaults to
-the compute dtype `dtype`; the 16-bit ones are "bfloat16" (ml_dtypes on CPU) and "float16".
+`make_engine(model, layout, dtype=np.float32, param_dtype="bfloat16", comm_dtype="bfloat16",
+compute_dtype="bfloat16", tf32=False)` (engine keywords, not layout options: they are engine
+settings, like `dtype`). param_dtype and comm_dtype default to `dtype`, compute_dtype to None
+(= `dtype`); the 16-bit ones are "bfloat16" (ml_dtypes on CPU) and "float16".
 
     what                          dtype
     parameters (store, fsdp)      param_dtype    all-gathered under fsdp in param_dtype too
-    layer math, activations       dtype (fp32)   CastingAccess.get casts each weight up
+    matmul inputs and outputs     compute_dtype  values rounded to 16 bits (held in fp32),
+                                                 products and sums in fp32 (nn/autocast.py,
+                                                 torch.autocast's policy); tf32=True: fp32
+                                                 matmul inputs rounded to TF32
+    saved activations             compute_dtype  the rounded matmul inputs, held in fp32 (4
+                                                 bytes an element: the numerics of 16 bits,
+                                                 not yet the memory)
+    other layer math              dtype (fp32)   softmax, norms, the loss, reductions, the
+                                                 residual stream; CastingAccess.get casts
+                                                 each stored weight up, Precision.autocast
+                                                 rounds it at each matmul
     gradients (store)             dtype (fp32)   CastingAccess.add_grad accumulates in fp32
     gradient communication        comm_dtype     LowPrecisionComm: the sum itself is fp32
     master weights                fp32           the optimizer's state 'master' (optim.py)
+
+float16 anywhere (param_dtype, comm_dtype or compute_dtype) needs a loss scale
+(`needs_loss_scaling`: the Trainer makes a GradScaler).
 
 Gradient reductions in comm_dtype with an fp32 sum (MPI has no bfloat16 sum, and a 16-bit
 running sum over many ranks loses digits). With n ranks and x_r this rank's (flat) array, cut

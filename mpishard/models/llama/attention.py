@@ -25,6 +25,7 @@ from __future__ import annotations
 from ...nn import attention as att
 from ...nn import documents as docs
 from ...nn import functional as nn
+from ...nn.autocast import FULL
 from ...nn.layers import Layer
 from ...nn.transformer import leading_positions, unit_positions
 
@@ -143,8 +144,10 @@ class GroupedQueryAttention(Layer):
     kv_cache.KVCache while decoding; it gets the un-repeated k, v (B, Hkv, t, Dh) when the
     grouping is uniform (repeated ones otherwise: tp with replicated kv heads). `documents`:
     when microbatch mb is packed, a query sees only the keys of its own document (the
-    probabilities kept for backward carry that mask)."""
+    probabilities kept for backward carry that mask). `autocast` (nn/autocast.py): the
+    precision of its matmuls (q, k, v rounded and kept so; attention_block's `cast`)."""
 
+    autocast = FULL
     attention_core = True      # what recompute=attn wraps
     documents = None           # the rank's nn.documents.Documents (documents.attach)
 
@@ -164,17 +167,20 @@ class GroupedQueryAttention(Layer):
             if not h.uniform:
                 k, v = h.repeat(k), h.repeat(v)
             return att.merge_heads(self.cache.attend(self, q, k, v))
-        k, v = h.repeat(k), h.repeat(v)                           # (B, Hq, T, Dh)
+        cast = self.autocast
+        q, k, v = cast.round(q), h.repeat(cast.round(k)), h.repeat(cast.round(v))  # (B,Hq,T,Dh)
         ids = docs.rows_of(self.documents, mb)                    # packed: (B, T) or None
         visible = None if ids is None else docs.visible(ids, ids)
-        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True, visible=visible)
+        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True, visible=visible,
+                                                 cast=cast)
         self.save(mb, record, (q, k, v, out, p))
         return att.merge_heads(out)                               # heads concatenated
 
     def backward(self, dy, mb=0):
         q, k, v, out, p = self.pop(mb)
         dout = att.merge_heads_backward(dy, self.heads.n_q)       # undoes merge_heads
-        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, None, probs=p)
+        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, None, probs=p,
+                                                   cast=self.autocast)
         return merge_qkv(dq, self.heads.repeat_backward(dk),     # undoes repeat and
                          self.heads.repeat_backward(dv))          # split_qkv
 

@@ -39,27 +39,35 @@ from __future__ import annotations
 import numpy as np
 
 from ...nn import functional as nn
+from ...nn.autocast import FULL
 from ...nn.layers import Layer
 from ...nn.moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
 
 
-def swiglu_expert_forward(x, gate, up, down):
-    """out = (silu(x gate) * (x up)) down for rows x (m, D): 'md,df->mf', 'mf,fd->md'."""
-    a, u = nn.einsum("md,df->mf", x, gate), nn.einsum("md,df->mf", x, up)
+def swiglu_expert_forward(x, gate, up, down, cast=FULL):
+    """out = (silu(x gate) * (x up)) down for rows x (m, D): 'md,df->mf', 'mf,fd->md'.
+    cast (nn/autocast.py): the three matmuls' inputs and outputs rounded (x and h kept so),
+    silu and the product in between in float32."""
+    x = cast.round(x)
+    a = cast.output(nn.einsum("md,df->mf", x, cast.round(gate)))
+    u = cast.output(nn.einsum("md,df->mf", x, cast.round(up)))
     s, _ = nn.sigmoid_forward(a)
-    h = a * s * u                                                    # silu(a) * u
-    return nn.einsum("mf,fd->md", h, down), (x, a, u, s, h)
+    h = cast.round(a * s * u)                                        # silu(a) * u
+    return cast.output(nn.einsum("mf,fd->md", h, cast.round(down))), (x, a, u, s, h)
 
 
-def swiglu_expert_backward(dout, cache, gate, up, down):
-    """dx, dgate, dup, ddown of swiglu_expert_forward (dout (m, D))."""
+def swiglu_expert_backward(dout, cache, gate, up, down, cast=FULL):
+    """dx, dgate, dup, ddown of swiglu_expert_forward (dout (m, D)); cast: the forward's."""
     x, a, u, s, h = cache
-    dh = nn.einsum("md,fd->mf", dout, down)                          # undoes h down
-    ddown = nn.einsum("mf,md->fd", h, dout)
-    da = dh * u * s * (1.0 + a * (1.0 - s))                          # silu'(a) = s (1 + a (1 - s))
-    du = dh * a * s                                                  # undoes * (x up)
-    dx = nn.einsum("mf,df->md", da, gate) + nn.einsum("mf,df->md", du, up)
-    return dx, nn.einsum("md,mf->df", x, da), nn.einsum("md,mf->df", x, du), ddown
+    mm = cast.output
+    dout = cast.round(dout)
+    dh = mm(nn.einsum("md,fd->mf", dout, cast.round(down)))          # undoes h down
+    ddown = mm(nn.einsum("mf,md->fd", h, dout))
+    da = cast.round(dh * u * s * (1.0 + a * (1.0 - s)))              # silu'(a) = s (1 + a (1 - s))
+    du = cast.round(dh * a * s)                                      # undoes * (x up)
+    dx = mm(nn.einsum("mf,df->md", da, cast.round(gate))) + \
+        mm(nn.einsum("mf,df->md", du, cast.round(up)))
+    return dx, mm(nn.einsum("md,mf->df", x, da)), mm(nn.einsum("md,mf->df", x, du)), ddown
 
 
 def renormalised_gates_backward(dgates, gates, top_sum):
@@ -70,9 +78,12 @@ def renormalised_gates_backward(dgates, gates, top_sum):
 class SparseMoE(Layer):
     """Block `index`'s router + top-k + renormalised gates + SwiGLU experts (module docstring).
     exchange: a moe_routing.TokenExchange (None: local); record: the statistics callback;
-    valid: the tokens' (B, T) bool mask inside moe_routing.valid_tokens (None: no padding)."""
+    valid: the tokens' (B, T) bool mask inside moe_routing.valid_tokens (None: no padding).
+    `autocast` (nn/autocast.py): the experts' matmuls; the router, top-k and the gates' mix
+    stay float32."""
 
     valid = None
+    autocast = FULL
 
     def __init__(self, model, access, index, exchange=None, record=None, aux=None):
         super().__init__()
@@ -126,7 +137,8 @@ class SparseMoE(Layer):
         wg, wu, wd = self._experts(mb)
         outs, caches = [], []
         for i in range(exchange.n_local):
-            out, cache = swiglu_expert_forward(xe[bounds[i]:bounds[i + 1]], wg[i], wu[i], wd[i])
+            out, cache = swiglu_expert_forward(xe[bounds[i]:bounds[i + 1]], wg[i], wu[i], wd[i],
+                                               self.autocast)
             outs.append(out)
             caches.append(cache)
         self._release(mb)
@@ -149,7 +161,7 @@ class SparseMoE(Layer):
         dxs = []
         for i in range(exchange.n_local):
             dx_i, *dw_i = swiglu_expert_backward(de[bounds[i]:bounds[i + 1]], s["caches"][i],
-                                                 wg[i], wu[i], wd[i])
+                                                 wg[i], wu[i], wd[i], self.autocast)
             dxs.append(dx_i)
             for acc, g in zip(dws, dw_i):
                 acc[i] = g

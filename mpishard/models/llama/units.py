@@ -101,8 +101,9 @@ class FusedLinear(Linear):
               backward_weights adds the dW_i later (last first, as a Composite would)
 
     Under tp each W_i is this rank's column block (whole heads), so y is [q_r | k_r | v_r].
-    The tape, `deferred` and backward are Linear's. A subclass with more parameters (biases)
-    extends param_names and overrides forward and add_grads; the weights stay `weights`."""
+    The tape, `deferred` and backward are Linear's, its `autocast` too (x, W and dy rounded
+    before use, y, dx and each dW_i after). A subclass with more parameters (biases) extends
+    param_names and overrides forward and add_grads; the weights stay `weights`."""
 
     def __init__(self, access, w_names):
         super().__init__(access, w_names[0])
@@ -125,15 +126,19 @@ class FusedLinear(Linear):
         return self._fetched(self.weights, mb, axis=1)
 
     def forward(self, x, mb=0, record=True):
+        cast = self.autocast
         w, widths = self._joined(mb)
+        x = cast.round(x)
         self.save(mb, record, (x, widths))
-        return nn.linear_forward(x, w)                          # 'bd,df->bf'
+        return cast.output(nn.linear_forward(x, cast.round(w)))  # 'bd,df->bf'
 
     def backward_input(self, dy, mb=0):
         x, widths = self.pop(mb)
         w, _ = self._joined(mb)
+        cast = self.autocast
+        dy = cast.round(dy)
         self.deferred[mb] = (x, dy, widths)
-        return nn.linear_backward_input(dy, w, x.shape)          # 'bf,df->bd'
+        return cast.output(nn.linear_backward_input(dy, cast.round(w), x.shape))  # 'bf,df->bd'
 
     def backward_weights(self, mb=0) -> None:
         x, dy, widths = self.deferred.pop(mb)
@@ -145,7 +150,8 @@ class FusedLinear(Linear):
     def add_grads(self, i: int, x2, dy_i) -> None:
         """Projection i's gradients from x (rows flattened) and its columns dy_i of dy:
         dW_i = x^T dy_i 'bd,bf->df'."""
-        self.access.add_grad(self.weights[i], nn.einsum("bd,bf->df", x2, dy_i))
+        self.access.add_grad(self.weights[i],
+                             self.autocast.output(nn.einsum("bd,bf->df", x2, dy_i)))
 
 
 def fused_column(linear, access, fused) -> list:

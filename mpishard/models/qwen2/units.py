@@ -32,11 +32,13 @@ class BiasedFusedLinear(FusedLinear):
         self.param_names = tuple(n for pair in zip(self.weights, self.biases) for n in pair)
 
     def forward(self, x, mb=0, record=True):
+        cast = self.autocast
         w, widths = self._joined(mb)
         b, _ = self._fetched(self.biases, mb, axis=0)
+        x = cast.round(x)
         self.save(mb, record, (x, widths))
-        return nn.linear_forward(x, w, b)                        # 'bd,df->bf' + b
+        return cast.output(nn.linear_forward(x, cast.round(w), cast.round(b)))   # x W + b
 
     def add_grads(self, i: int, x2, dy_i) -> None:
         super().add_grads(i, x2, dy_i)                           # dW_i = x^T dy_i
-        self.access.add_grad(self.biases[i], nn.column_sums(dy_i))
+        self.access.add_grad(self.biases[i], self.autocast.output(nn.column_sums(dy_i)))

@@ -7,7 +7,7 @@ falls from 4.18 to about 1.8), so the gradients carry signal, not noise whose si
 normalised first steps would amplify.
 
 Tolerance. Per unit our bf16 results equal torch's but for rare one-ulp flips where the two
-GEMMs' float32 sums straddle a bf16 rounding boundary (tests/nn/test_autocast_torch.py),
+GEMMs' float32 sums straddle a bf16 rounding boundary (tests/hf/test_autocast_torch.py),
 2^-8 of a gradient element. AdamW's update lr * m / sqrt(v) is scale-free, so a flip moves a
 weight by about lr * 2^-8 = 4e-5 on its step; the loss moves by what those weights carry,
 and the differences compound over the steps. Rounding every matmul (bf16 against float32)

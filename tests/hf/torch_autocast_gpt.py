@@ -1,5 +1,5 @@
 """A GPT in plain torch ops over our parameter dict, for the autocast comparisons
-(tests/nn/test_autocast_torch.py, tests/nn/test_autocast_training.py).
+(tests/hf/test_autocast_torch.py, tests/hf/test_autocast_training.py).
 
 Weights are ours, (in, out), used through F.linear(x, W^T, b). Attention is written out
 (q k^T * scale, the causal mask, softmax, p v) so that torch.autocast("cpu") runs each matmul
