@@ -1,7 +1,7 @@
 """compute_dtype="bfloat16" through the layouts: the same layer code (nn/autocast.py's policy,
 attached by compose) under dp, fsdp, tp, tp with sequence parallelism and pp, against the
 single-device engine with the same compute_dtype: loss, every gathered gradient and the
-gathered logits.
+gathered logits. And bfloat16, float16 and TF32 on the device stand-in against the host.
 
 Tolerance. A layout computes the same bf16 products but rounds at other places: tp's row
 projections round each rank's partial product before the all-reduce sums them (single
@@ -24,6 +24,8 @@ import pytest
 
 import mpishard as ms
 from conftest import group_comm
+from mpi4py import MPI
+from test_device_double import device_backend
 from test_gpt_engine import make_case
 
 CE = ms.losses.CrossEntropy()
@@ -79,3 +81,31 @@ def test_bf16_layouts_match_single_bf16(layout):
               f"gradients {g_err:.2e} ({g_name}) of the largest; tolerance {TOL:.2e}")
     assert loss_err <= TOL and l_err <= TOL and g_err <= TOL, layout
     assert on_bf16_grid(logits) and not on_bf16_grid(f32_logits), "the head did not round"
+
+
+@pytest.mark.parametrize("compute,tf32", [("bfloat16", False), ("float16", False), (None, True)])
+def test_device_arrays_round_as_the_host_does(compute, tf32):
+    """On the strict device stand-in (tests/device_double.py: no np. on its arrays, bf16 as
+    uint16 words through parallel/bf16.py's xp ops) a step rounds as numpy's does: loss,
+    logits equal the host engine's bit for bit, the gradients to float32 rounding (the
+    embedding's scatter-add sums in another order off numpy: xp.add.at), 1e-5 of each
+    array's largest element, far below one bf16 (2^-8) or fp16 (2^-11) ulp."""
+    model = make_gpt()
+    params, x, t = make_case(model)
+    backend, xp = device_backend(MPI.COMM_SELF, "staged")
+    got = {}
+    for name, device in (("host", "cpu"), ("device", backend)):
+        e = ms.make_engine(model, comm=MPI.COMM_SELF, device=device, dtype=np.float32,
+                           compute_dtype=compute, tf32=tf32)
+        e.load_checkpoint(params)
+        xs, ts = (x, t) if device == "cpu" else (xp.asarray(x), xp.asarray(t))
+        loss, grads = e.train_step(xs, ts, CE)
+        logits = e.predict(xs)
+        got[name] = (loss, {n: backend.to_host(g) for n, g in grads.items()},
+                     backend.to_host(logits))
+    (hl, hg, hy), (dl, dg, dy) = got["host"], got["device"]
+    assert hl == dl
+    np.testing.assert_array_equal(dy, hy)
+    for n in hg:
+        np.testing.assert_allclose(dg[n], hg[n], rtol=0, atol=1e-5 * np.abs(hg[n]).max(),
+                                   err_msg=n)
