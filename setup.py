@@ -91,6 +91,9 @@ setup(
         "cuda13": ["cupy-cuda13x"],
         # NVRTC alone (no GPU, no driver): `make test-nvrtc` compiles every kernel to PTX.
         "nvrtc": ["nvidia-cuda-nvrtc-cu12==12.9.86"],
+        # numba: the CPU step's GELU, LayerNorm and AdamW passes as fused loops
+        # (nn/cpu_fused.py, train/optim_fused.py; MPISHARD_CPU_FUSED=0 turns them off).
+        "cpu-fused": ["numba>=0.60,<1"],
     },
     entry_points={
         "console_scripts": ["mpishard=mpishard.__main__:run"],

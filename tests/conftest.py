@@ -24,6 +24,7 @@ import pytest
 
 import mpishard as ms
 import leftovers
+from mpishard.nn import cpu_fused
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,3 +171,13 @@ def assert_dicts_close(got, want, rtol=RTOL64, what=""):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def numba_kernels():
+    """Skip without numba (the `cpu-fused` extra), or fail under MPISHARD_REQUIRE_NUMBA=1."""
+    if not cpu_fused.available():
+        reason = "needs numba: pip install -e '.[cpu-fused]'"
+        if os.environ.get("MPISHARD_REQUIRE_NUMBA") == "1":
+            pytest.fail(f"MPISHARD_REQUIRE_NUMBA=1 but {reason}")
+        pytest.skip(reason)

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import fused
+from . import cpu_fused, fused
 
 
 def array_module(a):
@@ -134,6 +134,8 @@ def layernorm_forward(x, scale, shift, eps=LN_EPS):
     """PyTorch's LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * scale + shift,
     var the biased variance. Returns (y, saved). Row sums are matrix-vector products
     (row_sums) and the variance one einsum, no squared temporary."""
+    if cpu_fused.use(x, scale, shift):                       # numpy + numba: one loop per row
+        return cpu_fused.layernorm(x, scale, shift, eps)
     xp = array_module(x)
     d = x.shape[-1]
     xc = x - row_sums(x) / d
@@ -156,6 +158,8 @@ def layernorm_backward(dy, saved, scale):
     The row means are matrix-vector products with scale: mean(g) = dy scale / D and
     mean(g xhat) = (dy xhat) scale / D, so g xhat is never formed.
     """
+    if cpu_fused.use(dy, *saved, scale):                     # numpy + numba: one loop per row
+        return cpu_fused.layernorm_grad(dy, saved, scale)
     xp = array_module(dy)
     xhat, rstd = saved
     d = dy.shape[-1]
@@ -227,6 +231,8 @@ def gelu_forward(z):
     xp = array_module(z)
     if fused.use(xp):                                        # cupy: the same steps, one kernel
         return fused.gelu(xp, z)
+    if cpu_fused.use(z):                                     # numpy + numba: 3 passes, not ~15
+        return cpu_fused.gelu(z)
     zf = z.reshape(-1)
     y, dydz = xp.empty_like(zf), xp.empty_like(zf)
     n = zf.size

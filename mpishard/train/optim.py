@@ -25,6 +25,10 @@ of its grad blocks divided by their replication (the number of ranks holding an 
 and one all_reduce(sum) over the whole world adds the rest. A replicated block is therefore
 counted once and a sharded one summed over its shards, on every layout.
 
+With numba installed (the `cpu-fused` extra) AdamW's update of a float32/float64 numpy block
+is one fused loop, bit for bit the same numbers (optim_fused.py; MPISHARD_CPU_FUSED=0 turns it
+off).
+
 Mixed precision (parameters stored in bfloat16/float16, parallel/precision.py): the update runs
 on an fp32 master copy of each block (state key 'master'), which is then rounded into the
 stored parameter; gradients are fp32 already.
@@ -45,6 +49,7 @@ import numpy as np
 
 from ..parallel.precision import assign, widen
 from ..validate import check_number
+from . import optim_fused
 
 log = logging.getLogger("mpishard")
 
@@ -249,6 +254,9 @@ class AdamW(Optimizer):
         entry["step"] += 1
         t = entry["step"]
         m, v = entry["exp_avg"], entry["exp_avg_sq"]
+        if optim_fused.usable(p, g, m, v):                 # numba: the same steps, one pass
+            return optim_fused.adamw(p, g, m, v, self.lr, (b1, b2), self.eps,
+                                     self.weight_decay, t)
         if self.weight_decay:
             p *= 1.0 - self.lr * self.weight_decay         # decoupled decay first
         m += (1.0 - b1) * (g - m)                          # exp_avg.lerp_(grad, 1 - beta1)

@@ -1,0 +1,183 @@
+"""Fused CPU kernels (numba) for the element-wise passes of a step on numpy, the xp ops' math.
+
+On one CPU core the GEMMs run near the BLAS rate and what a GPT step loses besides is the
+chains of numpy operations over big arrays: each one a loop of its own that reads and writes
+its whole operand. Here each chain is one loop compiled by numba (the `cpu-fused` extra),
+with every constant in the array's dtype and without fast-math (no FMA contraction, no
+reassociation), so each product and sum rounds as the numpy op does:
+
+    gelu(z)                 (y, dy/dz) of functional.gelu_forward: chunk by chunk, one loop
+                            for c (z + 0.044715 z^3), numpy's own vectorised tanh in place,
+                            one loop for the rest: 3 passes instead of ~15. Bit for bit the
+                            numpy result, in float32 and float64.
+    layernorm(x, ..)        (y, (xhat, rstd)) of functional.layernorm_forward, one row at a
+                            time: sum, centre, sum of squares, scale and shift.
+    layernorm_grad(dy, ..)  (dx, dscale, dshift) of functional.layernorm_backward, one row at
+                            a time, the column sums accumulated as it goes.
+
+The LayerNorm row and column sums add in another order than numpy's matrix-vector products
+(8 running partial sums per row, rows in order per column), so those results equal the xp
+path to rounding (tests/nn/test_cpu_fused.py: rtol 1e-12 in float64), not bit for bit.
+AdamW's update (train/optim_fused.py) uses the same switch.
+
+`use(*arrays)`: numba imports, the arrays are numpy arrays of one dtype, float32 or float64,
+and the environment variable MPISHARD_CPU_FUSED is not "0" (read at each call, so one process can
+time both). Otherwise (cupy, 16-bit dtypes, no numba) the callers run their xp ops unchanged.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:                                    # the optional `cpu-fused` extra
+    import numba
+except ImportError:                     # pragma: no cover - depends on the environment
+    numba = None
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_GELU_C = float(np.sqrt(2.0 / np.pi))   # as functional._GELU_C
+CHUNK = 1 << 14                         # GELU elements per chunk: its buffers stay in cache
+
+
+def available() -> bool:
+    """Whether numba imports (the kernels can run at all)."""
+    return numba is not None
+
+
+def use(*arrays) -> bool:
+    """Whether the numba kernels run for `arrays`: numba present, MPISHARD_CPU_FUSED != "0",
+    and all numpy arrays of one dtype, float32 or float64."""
+    return (numba is not None and os.environ.get("MPISHARD_CPU_FUSED") != "0"
+            and all(type(a) is np.ndarray and a.dtype == arrays[0].dtype for a in arrays)
+            and arrays[0].dtype in _DTYPES)
+
+
+def jit(fn):
+    """numba.njit without fast-math (every operation rounds as numpy's), cached on disk."""
+    return numba.njit(fastmath=False, cache=True)(fn) if numba is not None else fn
+
+
+# -- GELU ----------------------------------------------------------------------------------------
+@jit
+def _gelu_inner(z, h, a, c):
+    for i in range(z.shape[0]):           # h = z (c + 0.044715 c z^2)
+        x = z[i]
+        t = x * x * a
+        t += c
+        h[i] = t * x
+
+
+@jit
+def _gelu_outer(z, h, y, b, c2, one, half):
+    for i in range(z.shape[0]):           # h = tanh(...) in, dy/dz out
+        x = z[i]
+        t = h[i] + one
+        t *= half                         # 0.5 (1 + t)
+        s = x * x * b
+        s += c2                           # 2 u'
+        s *= x
+        s *= one - t                      # z (1 - t) u'
+        s += one
+        y[i] = x * t                      # 0.5 z (1 + t)
+        h[i] = t * s                      # 0.5 (1 + t) (1 + z (1 - t) u')
+
+
+def gelu(z):
+    """functional.gelu_forward on numpy: (y, dy/dz), the same steps and roundings."""
+    dt = z.dtype.type
+    zf = np.ascontiguousarray(z).reshape(-1)
+    y, dydz = np.empty_like(zf), np.empty_like(zf)
+    a, c = dt(0.044715 * _GELU_C), dt(_GELU_C)
+    b, c2, one, half = dt(6 * 0.044715 * _GELU_C), dt(2 * _GELU_C), dt(1.0), dt(0.5)
+    for lo in range(0, zf.size, CHUNK):
+        hi = min(lo + CHUNK, zf.size)
+        zc, h = zf[lo:hi], dydz[lo:hi]
+        _gelu_inner(zc, h, a, c)
+        np.tanh(h, out=h)                 # numpy's tanh: its rounding, vectorised
+        _gelu_outer(zc, h, y[lo:hi], b, c2, one, half)
+    return y.reshape(z.shape), dydz.reshape(z.shape)
+
+
+# -- LayerNorm -----------------------------------------------------------------------------------
+@jit
+def _dot(a, b, c, zero):
+    """sum(a b c) of 1-D arrays with 8 running partial sums (the loop vectorises without the
+    compiler reassociating anything); each product rounds as (a b) c."""
+    n = a.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    i = 0
+    while i + 8 <= n:
+        s0 += a[i] * b[i] * c[i]
+        s1 += a[i + 1] * b[i + 1] * c[i + 1]
+        s2 += a[i + 2] * b[i + 2] * c[i + 2]
+        s3 += a[i + 3] * b[i + 3] * c[i + 3]
+        s4 += a[i + 4] * b[i + 4] * c[i + 4]
+        s5 += a[i + 5] * b[i + 5] * c[i + 5]
+        s6 += a[i + 6] * b[i + 6] * c[i + 6]
+        s7 += a[i + 7] * b[i + 7] * c[i + 7]
+        i += 8
+    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    while i < n:
+        s += a[i] * b[i] * c[i]
+        i += 1
+    return s
+
+
+@jit
+def _layernorm_rows(x, scale, shift, y, xhat, rstd, ones, d, eps, one, zero):
+    for r in range(x.shape[0]):
+        row, xh = x[r], xhat[r]
+        mean = _dot(row, ones, ones, zero) / d
+        for j in range(row.shape[0]):
+            xh[j] = row[j] - mean
+        var = _dot(xh, xh, ones, zero) / d                # biased variance
+        rs = one / np.sqrt(var + eps)
+        rstd[r] = rs
+        yr = y[r]
+        for j in range(row.shape[0]):
+            v = xh[j] * rs
+            xh[j] = v
+            yr[j] = v * scale[j] + shift[j]
+
+
+def layernorm(x, scale, shift, eps):
+    """functional.layernorm_forward on numpy: (y, (xhat, rstd)), rstd shaped (..., 1)."""
+    dt, d = x.dtype.type, x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, d)
+    y, xhat = np.empty_like(x2), np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], dtype=x.dtype)
+    _layernorm_rows(x2, scale, shift, y, xhat, rstd, np.ones(d, dtype=x.dtype), dt(d), dt(eps),
+                    dt(1.0), dt(0.0))
+    return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(x.shape[:-1] + (1,)))
+
+
+@jit
+def _layernorm_grad_rows(dy, xhat, rstd, scale, ones, dx, dscale, dshift, d, zero):
+    for r in range(dy.shape[0]):
+        g, xh, out = dy[r], xhat[r], dx[r]
+        for j in range(g.shape[0]):
+            dshift[j] += g[j]
+            dscale[j] += g[j] * xh[j]
+        c1 = _dot(g, xh, scale, zero) / d         # mean(g xhat), g = dy scale
+        c0 = _dot(g, scale, ones, zero) / d          # mean(g)
+        rs = rstd[r]
+        for j in range(g.shape[0]):
+            out[j] = ((g[j] * scale[j] - c0) - xh[j] * c1) * rs
+
+
+def layernorm_grad(dy, saved, scale):
+    """functional.layernorm_backward on numpy: (dx, dscale, dshift)."""
+    xhat, rstd = saved
+    dt, d = dy.dtype.type, dy.shape[-1]
+    dy2 = np.ascontiguousarray(dy).reshape(-1, d)
+    xhat2 = np.ascontiguousarray(xhat).reshape(-1, d)
+    dx = np.empty_like(dy2)
+    dscale, dshift = np.zeros(d, dtype=dy.dtype), np.zeros(d, dtype=dy.dtype)
+    _layernorm_grad_rows(dy2, xhat2, np.ascontiguousarray(rstd).reshape(-1), scale,
+                         np.ones(d, dtype=dy.dtype), dx,
+                         dscale, dshift, dt(d), dt(0.0))
+    return dx.reshape(dy.shape), dscale, dshift
+
+
+__all__ = ["available", "use", "jit", "gelu", "layernorm", "layernorm_grad", "CHUNK"]
