@@ -4,7 +4,8 @@
     OMP_NUM_THREADS=1 python benchmarks/memory_check.py --only gpt2-fsdp4 --json out.json
 
 Each case runs its own `mpiexec -n N` job of this file's `--worker` mode: every rank reads its
-resident size right after start-up (imports and MPI initialised), resets the high-water mark
+resident size right after start-up (imports and MPI initialised, and one step of a toy model of
+the same kind run: the CPU kernels' JIT compiled, `warm_up`), resets the high-water mark
 there (/proc/self/clear_refs, train/memory.py), builds the engine, loads parameters shard by
 shard (a `Filled` stand-in: no rank ever holds the full model), and runs `--steps` AdamW
 training steps (train_step + optimizer step). Its measured peak is VmHWM minus that start-up
@@ -110,9 +111,26 @@ def batch_arrays(spec, model, rows):
     return ids[:, :-1], ids[:, 1:], ms.losses.CrossEntropy()
 
 
+def warm_up(spec) -> None:
+    """One float32 training step of a toy model of `spec`'s kind on this rank alone: the
+    kernels the run will call are compiled (numba's, with the `cpu-fused` extra: its JIT's
+    memory is a fixed cost of the process, not of the model) before the baseline is read."""
+    toy = {**spec, "dims": [8, 16, 8]} if spec["kind"] == "mlp" else \
+        {**spec, "vocab": 64, "seq": 8, "d": 16, "heads": 2, "layers": 1, "kv_heads": 2,
+         "d_ff": 32}
+    model = build_model(toy)
+    engine = ms.make_engine(model, "single", dtype=np.float32, comm=MPI.COMM_SELF)
+    engine.load_checkpoint(model.init(0))
+    x, t, loss = batch_arrays(toy, model, 4)
+    _, grads = engine.train_step(x, t, loss)
+    ms.optim.AdamW(engine, lr=1e-4).step(grads)
+    engine.close()
+
+
 def worker(spec, layout, batch, steps) -> None:
     """One rank: its peak above the start-up resident size, gathered on rank 0 as JSON."""
     comm = MPI.COMM_WORLD
+    warm_up(spec)
     baseline = status_bytes("VmRSS")
     reset_high_water_mark()
     model = build_model(spec)

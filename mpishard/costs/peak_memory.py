@@ -16,8 +16,12 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
         backward, or zb1p's W, removes it; 1 without pp). The moments:
         - the largest weight's backward: the backward's workspace (a decoder's attention ds;
           under recompute=1 one block's internals), the weight's gradient x^T dy (a fresh
-          array before it is added) and, under FSDP ZeRO-3, the weight gathered whole (twice
-          with prefetch=1: the next one's gather in flight);
+          array before it is added), under FSDP ZeRO-3 the weight gathered whole (twice
+          with prefetch=1: the next one's gather in flight), and where the model says
+          'backward_holds_logits' (a decoder) on the last stage the logits' gradients
+          waiting (below: k L), and without pp the logits too (train_step holds the logits
+          and their gradient through the whole backward: 2 L; an MLP's workspace already
+          counts them);
         - the loss (last stage), L = r x the logits' bytes: the logits, their shifted copy and
           its exponent, 3 L (vocab-parallel: logits, exp, softmax, softmax - one-hot and
           its scaled copy, the gradient, with the one-hot mask, 5 L + L / itemsize, and L
@@ -94,11 +98,13 @@ def moments(view, parts, rows_mb) -> list:
     gathers = 2 if layout.option("prefetch", 0) else 1
     head = parts["head_weights"] * itemsize
     biggest = max(whole, key=whole.get, default=None)
-    out = [{"activations": saved + parts["workspace"] * itemsize * rows_mb + whole.get(biggest, 0),
-            "gathered": gathers * whole[biggest] if biggest in zero3 else 0}]
     logits = rows_mb * parts["logits"] * itemsize
+    waiting = int(-(-in_flight(layout, view.coords["pp"]) // 1)) * logits
+    out = [{"activations": saved + parts["workspace"] * itemsize * rows_mb + whole.get(biggest, 0),
+            "gathered": gathers * whole[biggest] if biggest in zero3 else 0,
+            "logits": (waiting + (logits if layout.size("pp") == 1 else 0)) *
+            bool(parts.get("backward_holds_logits"))}]
     if logits:                       # the runner keeps each in-flight microbatch's dlogits
-        waiting = int(-(-in_flight(layout, view.coords["pp"]) // 1)) * logits
         factor = 5 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else 3
         out.append({"activations": saved, "logits": int(factor * logits) + waiting - logits})
         head_zero3 = head if any(whole[n] == head for n in zero3) else 0

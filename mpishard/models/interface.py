@@ -195,8 +195,10 @@ class ModelSpec(Protocol):
         'per_microbatch', optional: elements kept once per microbatch whatever its rows), its
         largest backward transient ('workspace'), the loss's logits ('logits', 0 off the last
         stage), the head's weight block ('head_weights'), whether the loss is vocab-parallel
-        ('vocab_parallel') over a padded vocabulary ('padded'), and the bytes of one row of
-        the batch ('input_bytes'). A spec without it is priced without activations."""
+        ('vocab_parallel') over a padded vocabulary ('padded'), the bytes of one row of
+        the batch ('input_bytes'), and optionally whether the logits and their gradients
+        stay alive through the backward beyond 'workspace' ('backward_holds_logits'). A spec
+        without it is priced without activations."""
 
     def planned_experts(self) -> int | None:
         """The expert count the planner may split over ep (None: it tries no ep layout)."""

@@ -1,13 +1,24 @@
 """costs/peak_memory.rank_peak: the predicted peak against each rank's measured high-water
-mark (benchmarks/memory_check.py's small ci- cases, each its own 2-rank mpiexec job), and
-the pieces it is built from (schedule in-flight microbatches, components adding up)."""
+mark (benchmarks/memory_check.py's small ci- cases, each its own 2-rank mpiexec job), the
+step's dynamic peak (what a train_step allocates beyond the held state, traced by
+tracemalloc) against the predicted gathered weights, activations and logits, and the pieces
+it is built from (schedule in-flight microbatches, components adding up).
+
+MPI tests: `mpiexec -n 2 python -m mpi4py -m pytest --with-mpi -m mpi
+tests/costs/test_peak_memory.py`.
+"""
 import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 import mpishard as ms
+from conftest import group_comm
 from mpishard.costs.peak_memory import COMPONENTS, in_flight, rank_peak
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,3 +66,46 @@ def test_predicted_peak_within_15_percent_of_the_measured(tmp_path):
     for row in rows:
         assert row["measured"] > 50 * 2**20, row
         assert abs(row["error"]) <= 0.15, run.stdout
+
+
+def dynamic_peak(layout, comm=None, batch=8) -> tuple:
+    """(bytes a float32 train_step + AdamW step of a small Llama allocates at its peak beyond
+    what the step before left, traced by tracemalloc; rank_peak's gathered + activations +
+    logits for it)."""
+    model = ms.Llama(1024, 64, 64, 4, 2, n_kv_heads=2, d_ff=160)
+    engine = ms.make_engine(model, layout, dtype=np.float32, comm=comm)
+    engine.load_checkpoint(model.init(0))
+    opt = ms.optim.AdamW(engine, lr=1e-4)
+    ids = np.random.default_rng(0).integers(0, model.vocab_size, (batch, model.seq_len + 1))
+    x, t = (np.array(engine.shard_batch(a)) for a in (ids[:, :-1], ids[:, 1:]))
+
+    def step():
+        _, grads = engine.train_step(x, t, ms.losses.CrossEntropy())
+        opt.step(grads)
+
+    step()                        # optimizer state, gradient buffers and pools exist from here
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        step()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    predicted = rank_peak(model, ms.parse_layout(layout), engine.device_id, batch)
+    engine.close()
+    return peak, sum(predicted[k] for k in ("gathered", "activations", "logits"))
+
+
+@pytest.mark.parametrize("layout", ["single", "recompute=1"])
+def test_a_step_s_dynamic_peak_is_predicted(layout):
+    peak, predicted = dynamic_peak(layout)
+    assert abs(predicted / peak - 1) < 0.03, (layout, peak, predicted)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["tp=2", "tp=2,sequence_parallel=1,recompute=1"])
+def test_a_vocab_parallel_step_s_dynamic_peak_is_predicted(layout):
+    """Under tp the loss is vocab-parallel: 5 L + L/4 at its peak, not 4 L + L/4 (about 10%
+    of this step's dynamic peak)."""
+    peak, predicted = dynamic_peak(layout, group_comm(2))
+    assert abs(predicted / peak - 1) < 0.03, (layout, peak, predicted)

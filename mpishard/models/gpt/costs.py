@@ -181,8 +181,9 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     beyond its input) are not kept.
     workspace: the attention backward's ds, one probabilities-sized array. First stage: the
     token ids (int64), under tp with their in-range mask (bool). Last stage: ln_f n (D + 1),
-    the head input T D, the logits T v (v the vocabulary, per tp rank padded: vocab-parallel)
-    and the head's weight block D v. Under cp the probabilities are an upper bound: the ring
+    the head input T D, the logits T v (v the vocabulary, per tp rank padded: vocab-parallel;
+    alive with their gradient through the blocks' backward: backward_holds_logits) and the
+    head's weight block D v. Under cp the probabilities are an upper bound: the ring
     and Ulysses units keep less (measured: a few % of the total at toy size)."""
     layout = view.layout
     tp, cp = layout.size("tp"), layout.size("cp")
@@ -197,7 +198,7 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     out = {"saved": blocks * kept, "workspace": probs + (block + probs) * (recompute == "1"),
            "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
            "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,
-           "input_bytes": 2 * 8 * model.seq_len // cp}
+           "input_bytes": 2 * 8 * model.seq_len // cp, "backward_holds_logits": True}
     if holds_embedding(view.params):
         out["saved"] += (8 + (tp > 1)) * t / view.itemsize     # the token ids (int64); their
                                                 # vocab-parallel in-range mask (bool)
