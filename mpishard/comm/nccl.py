@@ -55,14 +55,25 @@ def ptr(a) -> int:
 
 
 class Message:
-    """A queued send or receive: done once the event recorded after its group happened."""
+    """A queued send or receive: done once the event recorded after its group happened.
 
-    def __init__(self, kind, comm, array, peer):
+    resolve: a receive whose shape and dtype come in a header: `resolve(block=False)` says
+    whether the header is here; `resolve(block=True)` waits for it (bounded) and returns the
+    array to receive into, or None when NCCL lacks the dtype (then the data travels by MPI
+    and the message is left out of NCCL's group)."""
+
+    def __init__(self, kind, comm, array, peer, resolve=None):
         self.kind, self.comm, self.array, self.peer = kind, comm, array, peer
+        self.resolve = resolve
         self.event = None                 # set when its group is issued
+        self.by_mpi = False               # resolved to a dtype NCCL lacks
+
+    def ready(self) -> bool:
+        """Can it be issued now (its size known)?"""
+        return self.resolve is None or self.resolve(block=False)
 
     def done(self) -> bool:
-        return self.event is not None and self.event.done
+        return self.by_mpi or (self.event is not None and self.event.done)
 
 
 class Pending:
@@ -202,18 +213,36 @@ class NcclTransport:
         self._run(comm, watchdog, "all_to_all", exchange).wait()
 
     # -- point to point --------------------------------------------------------------------
-    def queue(self, kind, array, comm, peer) -> Message:
+    def queue(self, kind, array, comm, peer, resolve=None) -> Message:
         """Queue a send of `array` to (or a receive into it from) group rank `peer`."""
-        message = Message(kind, comm, array, peer)
+        message = Message(kind, comm, array, peer, resolve)
         self.queued.append(message)
         return message
 
-    def flush(self, watchdog) -> None:
-        """Issue the queued messages: one group per communicator, in queue order."""
-        while self.queued:
-            comm = self.queued[0].comm
-            batch = [m for m in self.queued if m.comm is comm]
-            self.queued = [m for m in self.queued if m.comm is not comm]
+    def flush(self, watchdog, upto=None) -> None:
+        """Issue the queued messages that are ready, in queue order, as one group per
+        communicator: every send, and the receives whose header is here. `upto`: a queued
+        message to issue now; while its header is still coming, it is waited for (bounded)
+        and the messages ready by then go in a further group."""
+        while True:
+            ready = [m for m in self.queued if m.ready()]
+            self.queued = [m for m in self.queued if all(m is not r for r in ready)]
+            self._issue(ready, watchdog)
+            if upto is None or upto.event is not None or upto.by_mpi:
+                return
+            upto.array = upto.resolve(block=True)
+            upto.resolve = None
+
+    def _issue(self, exchange, watchdog) -> None:
+        for m in exchange:
+            if m.resolve is not None:
+                m.array, m.resolve = m.resolve(block=True), None
+            m.by_mpi = m.array is None
+        exchange = [m for m in exchange if not m.by_mpi]
+        while exchange:
+            comm = exchange[0].comm
+            batch = [m for m in exchange if m.comm is comm]
+            exchange = [m for m in exchange if m.comm is not comm]
             nc, stream = self.communicator(comm, watchdog), self._stream()
             self.nccl.groupStart()
             try:
@@ -230,6 +259,7 @@ class NcclTransport:
 
     def wait_message(self, message, watchdog, what) -> None:
         """Until `message` completed (its group issued first if it is still queued)."""
-        if message.event is None:
-            self.flush(watchdog)
-        self.wait(message.event, message.comm, watchdog, what, peer=message.peer)
+        if message.event is None and not message.by_mpi:
+            self.flush(watchdog, upto=message)
+        if not message.by_mpi:
+            self.wait(message.event, message.comm, watchdog, what, peer=message.peer)

@@ -231,6 +231,8 @@ class PointToPoint:
         comm = self._mpi(group)
         if out is not None:
             return self._receive_into(comm, src_id, out, tag)
+        if self.backend.device_transport is not None:
+            return self._nccl_receive(self.backend.device_transport, comm, src_id, tag)
         h = np.empty(HEADER_WORDS, dtype=np.int64)
         req = comm.Irecv(h, source=src_id, tag=wire_tag(tag, _TAG_HEADER))
         # Headers match the receives in posting order, and so must the data messages (the
@@ -249,11 +251,6 @@ class PointToPoint:
                 del self.pending_receives[key]
             shape, dtype = header_shape(h)
             out_arr = self.xp.empty(shape, dtype=dtype)
-            nccl = self._nccl(out_arr)
-            if nccl is not None:
-                nccl.wait_message(nccl.queue("recv", out_arr, comm, src_id), self.watchdog,
-                                  "receive")
-                return out_arr
             buf = self.backend.mpi_buffer(out_arr, slot="recv", read=False)
             self.watchdog.wait_peer(
                 [comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))],
@@ -262,6 +259,34 @@ class PointToPoint:
             return out_arr
         fut._finish = finish_header
         return fut
+
+    def _nccl_receive(self, nccl, comm, src_id, tag) -> Future:
+        """receive_async on the NCCL path: the header over MPI, the data queued in posting
+        order (nccl.py); the data goes by MPI when NCCL lacks the header's dtype."""
+        h = np.empty(HEADER_WORDS, dtype=np.int64)
+        req = comm.Irecv(h, source=src_id, tag=wire_tag(tag, _TAG_HEADER))
+        got = []
+
+        def resolve(block):
+            if not block:
+                return bool(got) or req.Test()
+            if got:
+                return got[0] if nccl.handles(got[0]) else None
+            self.watchdog.wait_peer([req], "receive", comm, src_id)
+            shape, dtype = header_shape(h)
+            got.append(self.xp.empty(shape, dtype=dtype))
+            return got[0] if nccl.handles(got[0]) else None
+        message = nccl.queue("recv", None, comm, src_id, resolve=resolve)
+
+        def finish():
+            if not message.by_mpi:
+                return got[0]
+            buf = self.backend.mpi_buffer(got[0], slot="recv", read=False)
+            self.watchdog.wait_peer([comm.Irecv(buf, source=src_id, tag=wire_tag(tag, _TAG_DATA))],
+                                    "receive", comm, src_id)
+            self.backend.mpi_finish(buf, got[0])
+            return got[0]
+        return self._nccl_future(nccl, message, "receive", finish=finish, keep=(h,))
 
     def _receive_into(self, comm, src_id, out, tag) -> Future:
         """The three-argument form's receive: no header, the data lands in `out`."""
