@@ -9,8 +9,8 @@ for MPI (only what NCCL lacks may be). MPI tests: `mpiexec -n N python -m mpi4py
 --with-mpi -m mpi tests/comm/test_nccl_layouts.py` for N in 2, 4.
 """
 import pytest
-from conftest import RTOL64, assert_close, group_comm, single_reference
-from test_device_double_gpt import CE, LAYOUTS, case, tiny_gpt
+from conftest import group_comm, single_reference
+from test_device_double_gpt import CE, LAYOUTS, case, check_step, tiny_gpt
 from test_nccl import nccl_backend
 
 import mpishard as ms
@@ -45,10 +45,6 @@ def test_gpt_layouts_through_nccl(layout, n):
             assert calls.get(name, 0) > 0, f"{layout}: no NCCL {name} for {axis}"
     assert backend.staged == {"to_host": 0, "to_device": 0}     # every float array by NCCL
 
-    full = {k: backend.to_host(v) for k, v in engine.gather_grads(grads).items()}
-    assert_close(loss, want_loss, rtol=RTOL64, what=f"GPT {layout} nccl loss")
-    for name in want:
-        assert_close(full[name], want[name], rtol=RTOL64, what=f"GPT {layout} nccl {name}")
-    logits = backend.to_host(engine.gather_batch(engine.predict(x_dev)))
-    assert_close(logits, ref.predict(x), rtol=RTOL64, what=f"GPT {layout} nccl logits")
+    check_step(f"GPT {layout} nccl", engine, backend, (loss, grads), (ref, want_loss, want), x,
+               x_dev)
     engine.close()

@@ -87,13 +87,20 @@ def test_gpt_train_step_on_device_arrays(layout, n, mode):
     backend.staged.update(to_host=0, to_device=0)
     loss, grads = engine.train_step(x_dev, t_dev, CE)
     check_copies(layout, mode, engine, backend, xp, grads)
+    check_step(f"GPT {layout} {mode}", engine, backend, (loss, grads), (ref, want_loss, want),
+               x, x_dev)
 
+
+def check_step(what, engine, backend, got, reference, x, x_dev):
+    """The step's loss, gathered gradients and gathered predict logits equal the single
+    reference's (float64, rtol 1e-9)."""
+    (loss, grads), (ref, want_loss, want) = got, reference
     full = {k: backend.to_host(v) for k, v in engine.gather_grads(grads).items()}
-    assert_close(loss, want_loss, rtol=RTOL64, what=f"GPT {layout} {mode} loss")
+    assert_close(loss, want_loss, rtol=RTOL64, what=f"{what} loss")
     for name in want:
-        assert_close(full[name], want[name], rtol=RTOL64, what=f"GPT {layout} {mode} {name}")
+        assert_close(full[name], want[name], rtol=RTOL64, what=f"{what} {name}")
     logits = backend.to_host(engine.gather_batch(engine.predict(x_dev)))
-    assert_close(logits, ref.predict(x), rtol=RTOL64, what=f"GPT {layout} {mode} logits")
+    assert_close(logits, ref.predict(x), rtol=RTOL64, what=f"{what} logits")
 
 
 def test_kv_cache_generation_on_device_arrays():
