@@ -4,7 +4,8 @@
     python -m mpishard inspect --layout dp=2,tp=2,pp=2 --model 64,256,256,10
     mpiexec -n 4 python -m mpi4py -m mpishard inspect --env
 
-`--env` prints the MPI library and version, whether it is CUDA-aware and why, the cupy version,
+`--env` prints the MPI library and version, whether it is CUDA-aware and why, the GPU
+communication path `--gpu-comm auto` resolves to and why (comm/backend.py), the cupy version,
 the visible GPUs and which GPU each rank uses (comm/gpu.py).
 
 A checkpoint prints its names, shapes, dtypes, layout and step (checkpoint.describe). A layout
@@ -22,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checkpoint import CheckpointError, describe, load
+from ..comm.backend import Backend
 from ..comm.gpu import environment_report
 from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.compose import plan_params
@@ -154,7 +156,9 @@ def add_inspect_arguments(p):
     p.add_argument("--memory-parts", action="store_true", help="with --layout: the peak "
                    "memory's transient parts (gathered weights, activations, logits, buffers)")
     p.add_argument("--env", action="store_true", help="the MPI library, CUDA-aware yes/no and "
-                   "why, cupy, the visible GPUs and each rank's GPU (collective under mpiexec)")
+                   "why, the GPU communication path --gpu-comm auto takes (nccl, mpi, staged; "
+                   "host without a GPU) and why, cupy, the visible GPUs and each rank's GPU "
+                   "(collective under mpiexec)")
     return p
 
 
@@ -163,7 +167,10 @@ def run_inspect(args) -> int:
     if args.env:
         if args.checkpoint is not None or args.layout is not None or model_given:
             raise UsageError("inspect: --env takes no checkpoint, --layout, --model or --hf")
-        return print_report(environment_report(world_comm()))
+        world = world_comm()
+        backend = Backend("auto", world)               # the path gpu_comm="auto" takes here
+        return print_report(environment_report(world, (backend.comm_path,
+                                                       backend.comm_path_reason)))
     if args.layout is not None or model_given:
         return _run_inspect_layout(args)
     if args.checkpoint is None:

@@ -119,9 +119,10 @@ def _gpu_name(cupy, i) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def environment_report(comm) -> str:
+def environment_report(comm, comm_path=None) -> str:
     """Collective over `comm`: the MPI library, its CUDA-awareness, cupy, the visible GPUs and
-    which GPU each node-local rank uses (`python -m mpishard inspect --env`)."""
+    which GPU each node-local rank uses (`python -m mpishard inspect --env`); `comm_path`:
+    (the GPU communication path a Backend resolved, why), printed after the CUDA-aware line."""
     cupy = try_import_cupy()
     aware, why = query_cuda_support()
     gpus = visible_gpus(cupy)
@@ -135,6 +136,7 @@ def environment_report(comm) -> str:
     lines = [f"MPI library      {lib} (MPI standard {'.'.join(map(str, MPI.Get_version()))})",
              f"libmpi           {', '.join(loaded_libmpi()) or 'not found in /proc/self/maps'}",
              f"CUDA-aware       {'yes' if aware else 'no'}: {why}",
+             *([f"GPU comm         {comm_path[0]}: {comm_path[1]}"] if comm_path else []),
              f"cupy             {cupy.__version__ if cupy is not None else 'not installed'}",
              f"CUDA_VISIBLE_DEVICES {os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
              f"visible GPUs     {len(gpus)}" + "".join(f"\n  {i}: {n}" for i, n in

@@ -189,6 +189,7 @@ def test_inspect_env_and_cuda_aware_flag(capsys):
     print(out)
     aware, why = query_cuda_support()
     assert f"CUDA-aware       {'yes' if aware else 'no'}: {why}" in out
+    assert "GPU comm         host: arrays are on the host (numpy)" in out     # no GPU here
     assert "MPI library" in out and "cupy" in out and "visible GPUs" in out
     assert main(["inspect", "--env", "--layout", "dp=2"]) == 2
     assert main(["bench", "--model", "8,16,4", "--steps", "1", "--warmup", "0",
