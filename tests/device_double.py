@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import operator
 import os
 import types
@@ -205,8 +206,22 @@ class DeviceModule(types.ModuleType):
             get_current_stream=lambda: null,
             Stream=lambda null=False, non_blocking=False: Stream(self),
             Event=lambda block=False, disable_timing=False: Event(null),
-            runtime=types.SimpleNamespace(getDeviceCount=lambda: n_devices),
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: n_devices,
+                                          memcpyAsync=self._memcpy_async),
             Device=lambda i: types.SimpleNamespace(use=lambda: None))
+
+    def _memcpy_async(self, dst, src, nbytes, kind, stream_ptr):
+        """cudaMemcpyAsync between a host buffer and device memory (kind 1: host to device,
+        2: device to host), run in its stream's order, counted as a staging copy."""
+        if kind not in (1, 2):
+            raise ValueError(f"memcpyAsync kind {kind}: the double copies 1 (H2D) or 2 (D2H)")
+
+        def launch():
+            ctypes.memmove(dst, src, nbytes)
+            self.copies.add("to_device" if kind == 1 else "to_host",
+                            np.empty(nbytes, np.uint8), staging=True)
+            return lambda: True
+        self.streams[stream_ptr].enqueue(launch)
 
     # -- wrapping ----------------------------------------------------------------------------
     def unwrap(self, x):

@@ -11,7 +11,8 @@ array to mpi4py:
   only writes, or only reads). Blocking calls reuse one host array per (slot, shape, dtype);
   every in-flight non-blocking request borrows its own from a pool (`lend`) and returns it on
   completion (`release`, which the request's Future calls), so two receives of the same shape
-  in flight never share a buffer.
+  in flight never share a buffer. Host buffers are pinned where cupy can pin them, and a
+  large all_reduce goes in pipelined chunks (`pipeline`: staging.py).
 
 Whether the MPI is CUDA-aware is asked of the library (gpu.query_cuda_support) unless the
 caller says (`cuda_aware=True|False`). The device is chosen per node-local rank (gpu.py).
@@ -44,6 +45,7 @@ from mpi4py import MPI
 
 from .gpu import gpu_for_rank, node_local_rank, query_cuda_support, try_import_cupy
 from .nccl import NcclTransport, try_import_nccl
+from .staging import StagedPipeline, pinned_empty
 
 log = logging.getLogger("mpishard")
 
@@ -107,6 +109,8 @@ class Backend:
             gpu_comm, cuda_aware, nccl_module, own_gpu, comm)
         self.device_transport = (NcclTransport(nccl_module, self.xp)
                                  if self.comm_path == "nccl" else None)
+        self.pipeline = (StagedPipeline(self.xp) if self.is_gpu and not self.cuda_aware
+                         else None)                 # large staged all_reduces (staging.py)
         self.staged = {"to_host": 0, "to_device": 0}
         self._staging: dict[tuple, np.ndarray] = {}
         self._free: dict[tuple, list] = {}
@@ -180,11 +184,11 @@ class Backend:
         key = (a.shape, np.dtype(a.dtype).str)
         if slot is None:
             free = self._free.get(key)
-            host = free.pop() if free else np.empty(a.shape, dtype=a.dtype)
+            host = free.pop() if free else pinned_empty(self.xp, a.shape, a.dtype)
         else:
             host = self._staging.get((slot,) + key)
             if host is None:
-                host = self._staging[(slot,) + key] = np.empty(a.shape, dtype=a.dtype)
+                host = self._staging[(slot,) + key] = pinned_empty(self.xp, a.shape, a.dtype)
         if read:
             a.get(out=host)
             self.staged["to_host"] += a.nbytes

@@ -213,6 +213,8 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         backend, nccl = self.backend, self._nccl(a)
         if nccl is not None:                     # NCCL's device collective (nccl.py)
             nccl.all_reduce(a, out, op, comm, self.watchdog)
+        elif backend.pipeline is not None and backend.pipeline.applies(a):  # staging.py
+            backend.pipeline.all_reduce(a, out, OPS[op], comm, self.watchdog, backend.staged)
         else:
             sbuf = MPI.IN_PLACE if out is a else backend.mpi_buffer(a)
             rbuf = backend.mpi_buffer(out, slot="recv", read=out is a)
