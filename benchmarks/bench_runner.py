@@ -10,6 +10,7 @@ repository on PYTHONPATH.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import kernels
+import numpy
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,8 +87,8 @@ class Runner:
 
 
 def meta(args, r: Runner, wall) -> dict:
-    import numpy
-
+    """results.json's meta: the commit, date, machine, versions, the command and every child
+    run. MPI's version is read last, in the parent only now (mpi4py starts MPI on import)."""
     try:
         from mpi4py import MPI
 
@@ -94,10 +96,8 @@ def meta(args, r: Runner, wall) -> dict:
     except Exception as exc:      # noqa: BLE001 - informational only
         mpi = f"unknown ({exc})"
     try:
-        import importlib.metadata as md
-
-        torch_version = md.version("torch")
-    except Exception:             # noqa: BLE001
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
         torch_version = None
     argv = sys.argv[1:] if args.argv is None else args.argv
     cmd = " ".join(["python benchmarks/run_all.py"] + [shlex.quote(a) for a in argv])
