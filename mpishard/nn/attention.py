@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from . import fused
+from . import cpu_fused, fused
 from .autocast import FULL
 from .functional import array_module
 
@@ -105,6 +105,8 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     if visible is None and fused.use(xp):                    # the same softmax, one kernel
         p = _masked_scores_t(q, k, None, cast=cast)
         lse = fused.causal_softmax_t(xp, p, offset)
+    elif visible is None and cpu_fused.use(q, k):            # numpy + numba: two loops
+        p, lse = cpu_fused.causal_softmax_t(_masked_scores_t(q, k, None, cast=cast), offset)
     else:
         p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
         m = _finite_or_zero(xp, _max_over_keys(p))           # per query max: exp(s - m) <= 1

@@ -14,11 +14,16 @@ reassociation), so each product and sum rounds as the numpy op does:
                             time: sum, centre, sum of squares, scale and shift.
     layernorm_grad(dy, ..)  (dx, dscale, dshift) of functional.layernorm_backward, one row at
                             a time, the column sums accumulated as it goes.
+    causal_softmax_t(p, o)  attention_block's masked softmax of p^T (B, H, Tk, Tq) in place,
+                            and lse: one loop for the max over visible keys, the shift and the
+                            mask, numpy's exp, one loop for the sum over keys, the scaling and
+                            lse (as nn/fused.py's cupy kernel): 2 passes and exp, not ~6.
 
-The LayerNorm row and column sums add in another order than numpy's matrix-vector products
-(8 running partial sums per row, rows in order per column), so those results equal the xp
-path to rounding (tests/nn/test_cpu_fused.py: rtol 1e-12 in float64), not bit for bit.
-AdamW's update (train/optim_fused.py) uses the same switch.
+The LayerNorm row and column sums and the softmax's sums over keys add in another order than
+numpy's matrix-vector products (8 running partial sums per row, rows in order per column), and
+lse's log is libm's, so those results equal the xp path to rounding (tests/nn/test_cpu_fused.py:
+rtol 1e-12 in float64), not bit for bit. AdamW's update (train/optim_fused.py) uses the same
+switch.
 
 `use(*arrays)`: numba imports, the arrays are numpy arrays of one dtype, float32 or float64,
 and the environment variable MPISHARD_CPU_FUSED is not "0" (read at each call, so one process can
@@ -180,4 +185,69 @@ def layernorm_grad(dy, saved, scale):
     return dx.reshape(dy.shape), dscale, dshift
 
 
-__all__ = ["available", "use", "jit", "gelu", "layernorm", "layernorm_grad", "CHUNK"]
+# -- causal softmax over keys (attention) ----------------------------------------------------
+@jit
+def _shift_t(p, m, offset, ninf, zero):
+    """Per slice of p^T (N, Tk, Tq) raw scores: m = the max over visible keys (key j is seen
+    by query i iff j <= i + offset; 0 where none is, or not finite), then p = s - m where
+    visible and -inf where hidden (exp of it is exactly 0, as the xp path's mask gives)."""
+    tk, tq = p.shape[1], p.shape[2]
+    for n in range(p.shape[0]):
+        s, mm = p[n], m[n]
+        for i in range(tq):
+            mm[i] = ninf
+        for j in range(tk):
+            row = s[j]
+            for i in range(min(max(j - offset, 0), tq), tq):
+                x, y = row[i], mm[i]
+                mm[i] = x if x > y or x != x else y           # numpy's maximum keeps a NaN
+        for i in range(tq):
+            if not np.isfinite(mm[i]):
+                mm[i] = zero
+        for j in range(tk):
+            row = s[j]
+            lo = min(max(j - offset, 0), tq)
+            for i in range(lo):
+                row[i] = ninf
+            for i in range(lo, tq):
+                row[i] = row[i] - mm[i]
+
+
+@jit
+def _normalise_t(p, m, lse, d, zero, one):
+    """p^T (N, Tk, Tq) = exp(s - m) -> divided by its sum over keys d; lse = m + log d."""
+    for n in range(p.shape[0]):
+        s = p[n]
+        for i in range(d.shape[0]):
+            d[i] = zero
+        for j in range(s.shape[0]):
+            row = s[j]
+            for i in range(d.shape[0]):
+                d[i] += row[i]
+        for i in range(d.shape[0]):
+            lse[n, i] = m[n, i] + np.log(d[i])
+            d[i] = one / (d[i] if d[i] > zero else one)
+        for j in range(s.shape[0]):
+            row = s[j]
+            for i in range(d.shape[0]):
+                row[i] *= d[i]
+
+
+def causal_softmax_t(p, offset):
+    """attention.attention_block's masked softmax on numpy: p^T (B, H, Tk, Tq) raw scores (no
+    mask added) -> (probabilities, in place when p is C-contiguous, lse (B, H, Tq)). offset
+    None: every key visible. Two loops around numpy's own exp, instead of ~6 passes."""
+    p = np.ascontiguousarray(p)
+    tk, tq = p.shape[-2:]
+    dt = p.dtype.type
+    p3 = p.reshape(-1, tk, tq)
+    m = np.empty((p3.shape[0], tq), dtype=p.dtype)
+    _shift_t(p3, m, tk if offset is None else int(offset), dt(-np.inf), dt(0.0))
+    np.exp(p3, out=p3)
+    lse = np.empty_like(m)
+    _normalise_t(p3, m, lse, np.empty(tq, dtype=p.dtype), dt(0.0), dt(1.0))   # log 0 = -inf
+    return p, lse.reshape(p.shape[:-2] + (tq,))
+
+
+__all__ = ["available", "use", "jit", "gelu", "layernorm", "layernorm_grad", "causal_softmax_t",
+           "CHUNK"]

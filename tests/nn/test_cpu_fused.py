@@ -3,10 +3,10 @@
 numba comes with the `cpu-fused` extra; without it these tests skip, unless
 MPISHARD_REQUIRE_NUMBA=1, which turns the skip into a failure. Each case runs the functional
 entry point twice in one process, MPISHARD_CPU_FUSED=0 (the numpy ops) and =1 (the kernels):
-GELU bit for bit in float32 and float64; LayerNorm forward and backward at rtol 1e-12 in
-float64 (their sums add in another order), 1e-5 in float32; a whole GPT train step's loss
-and gradients at rtol 1e-12 in float64. And the switch itself: off for other dtypes, mixed
-dtypes, other array modules and MPISHARD_CPU_FUSED=0.
+GELU bit for bit in float32 and float64; LayerNorm forward and backward and the attention's
+causal softmax at rtol 1e-12 in float64 (their sums add in another order), 1e-5 in float32; a
+whole GPT train step's loss and gradients at rtol 1e-12 in float64. And the switch itself: off
+for other dtypes, mixed dtypes, other array modules and MPISHARD_CPU_FUSED=0.
 """
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ from device_double import DeviceModule
 from mpi4py import MPI
 
 import mpishard as ms
+from mpishard.nn import attention as att
 from mpishard.nn import cpu_fused
 from mpishard.nn import functional as nn
 
@@ -33,7 +34,8 @@ def close(got, want, rtol):
     """rtol of each array's largest magnitude (a column sum near zero after cancellation is
     judged against the size of its neighbours)."""
     for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * float(np.max(np.abs(w))))
+        finite = np.abs(w[np.isfinite(w)])
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * float(finite.max(initial=0)))
 
 
 def sample(shape, dtype, seed):
@@ -82,6 +84,27 @@ def test_layernorm_of_a_strided_view(monkeypatch):
     scale, shift = sample((10,), np.float64, 8), sample((10,), np.float64, 9)
     off, on = both(lambda: nn.layernorm_forward(x, scale, shift)[0], monkeypatch)
     close([on], [off], 1e-12)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+@pytest.mark.parametrize("offset", [None, 0, 5, -3])
+def test_causal_softmax_in_attention(dtype, rtol, offset, monkeypatch):
+    """attention_block (out, lse, kept p^T) and its backward, Tq 9 against Tk 14: offset -3
+    leaves the first queries without a key (out 0, lse -inf)."""
+    q, k, v = (sample((2, 3, t, 8), dtype, s) for s, t in ((10, 9), (11, 14), (12, 14)))
+    dout = sample((2, 3, 9, 8), dtype, 13)
+    k[0, 1, 2] *= 40.0                                       # scores far apart
+
+    def run():
+        out, lse, p = att.attention_block(q, k, v, offset, keep_probs=True)
+        grads = att.attention_block_backward(dout, q, k, v, out, lse, offset)
+        return (out, lse, p) + tuple(grads)
+    off, on = both(run, monkeypatch)
+    if offset == -3:
+        assert np.isneginf(on[1][..., :3]).all() and not on[0][..., :3, :].any()
+    for a, b in zip(on, off):
+        assert a.dtype == b.dtype and a.shape == b.shape
+    close(on, off, rtol)
 
 
 def test_gpt_step_equals_the_numpy_ops(monkeypatch):
