@@ -135,7 +135,7 @@ def merge_blocks(out_a, lse_a, out_b, lse_b):
 
 
 def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, probs=None,
-                             visible=None, cast=FULL):
+                             visible=None, cast=FULL, whole=False):
     """One block's share of (dq, dk, dv), given dL/dout and the final out and lse.
 
     p  = exp(s - lse)                    the final softmax on this block's keys (recomputed,
@@ -143,7 +143,7 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     dv = 'bhts,bhtd->bhsd' (p, dout)     undoes o = p v (in v)
     dp = 'bhtd,bhsd->bhts' (dout, v)     undoes o = p v (in p)
     ds = p (dp - sum_d dout * out)       undoes the softmax (the row sum uses the final out;
-                                         under a rounding cast: sum_s p dp, the rounded dp's)
+                                         under a rounding cast with `whole`: sum_s p dp)
     dq = 'bhts,bhsd->bhtd' (ds, k) / sqrt(Dh)    undoes s = q k^T / sqrt(Dh) (in q)
     dk = 'bhts,bhtd->bhsd' (ds, q) / sqrt(Dh)    ... (in k)
 
@@ -152,7 +152,10 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     used as it is (read only) instead of recomputed from q, k and lse. visible: the forward's
     mask (attention_block), hiding the same keys when p is recomputed. cast: the forward's
     (nn/autocast.py): the four matmuls' inputs and outputs rounded, the softmax's backward
-    (ds from p, dp and the row sums) in float32.
+    (ds from p, dp and the row sums) in float32. whole: this block holds every key its
+    queries see (one block, not a ring's share), so under a rounding cast the row sums are
+    the softmax's own, sum_s p dp from the rounded dp (its autograd's, as under
+    torch.autocast); blocks of a ring share the final out's sum_d dout * out instead.
     """
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -168,7 +171,7 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     xp.multiply(_t(dout), scale, out=dout_t)                 # (dout / sqrt Dh)^T, one copy
     ds = cast.output(xp.matmul(cast.round(v), cast.round(dout_t)))   # dp^T / sqrt Dh
     #                                                          'bhsd,bhdt->bhst'
-    if cast.active:                    # sum_s p dp / sqrt Dh, from the rounded dp: the
+    if cast.active and whole:          # sum_s p dp / sqrt Dh, from the rounded dp: the
         row = xp.einsum("bhst,bhst->bht", ds, p)     # softmax's own backward (autocast's)
     else:
         row = xp.einsum("bthd,bthd->bht", dout.transpose(0, 2, 1, 3),
@@ -194,7 +197,7 @@ def causal_attention_backward(dout, q, k, v, out, lse, into=None, probs=None, vi
     """Undo causal_attention_forward: (dq, dk, dv) (written to `into` when given; `probs`:
     the forward's kept probabilities, else recomputed under the same `visible`)."""
     return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into, probs=probs,
-                                    visible=visible, cast=cast)
+                                    visible=visible, cast=cast, whole=True)
 
 
 # -- heads ---------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from ..nn import attention as att
 from ..nn import documents as docs
+from ..nn.autocast import FULL
 from ..nn.functional import array_module
 from ..nn.layers import Layer
 from .sequence_split import (TokenPositions, check_cp_length, chunk_ids, sequence_part,
@@ -114,8 +115,11 @@ class RingAttention(Layer):
     (k, v) travel with their kv heads only and are repeated to the query heads per block.
     `documents` (nn/documents.py): when microbatch mb is packed, each chunk pair is masked to
     its documents (module docstring); the forward's ids stay on the tape for the backward.
+    `autocast` (nn/autocast.py): each block's matmul precision (q, k, v rounded and kept so;
+    the merge and the row sums of the backward in float32).
     """
 
+    autocast = FULL
     attention_core = True      # recompute=attn wraps it like CausalSelfAttention
     documents = None           # the rank's nn.documents.Documents (documents.attach)
 
@@ -166,7 +170,8 @@ class RingAttention(Layer):
         """Merge this block's visible pairs into the running (out, lse) of each query chunk."""
         for qs, ks, offset, mask in self._pairs(step, q.shape[2], ids):
             o, lse = att.attention_block(q[:, :, qs], self.expand(kv[0][:, :, ks]),
-                                         self.expand(kv[1][:, :, ks]), offset, visible=mask)
+                                         self.expand(kv[1][:, :, ks]), offset, visible=mask,
+                                         cast=self.autocast)
             b, h, tq, tk = q.shape[0], q.shape[1], qs.stop - qs.start, ks.stop - ks.start
             self.peak_scores = max(self.peak_scores, b * h * tq * tk)   # 'bhtd,bhsd->bhts'
             key = qs.start
@@ -174,7 +179,8 @@ class RingAttention(Layer):
 
     def forward(self, a, mb=0, record=True):
         xp = array_module(a)
-        q, k, v = self.split(a)                          # (B, H, 2n, Dh): chunks r, 2c-1-r
+        cast = self.autocast
+        q, k, v = (cast.round(u) for u in self.split(a))  # (B, H, 2n, Dh): chunks r, 2c-1-r
         if q.shape[2] % 2:
             raise ValueError(f"RingAttention: a cp rank holds two equal chunks, got "
                              f"{q.shape[2]} tokens")
@@ -201,7 +207,7 @@ class RingAttention(Layer):
             dq_part, dk_part, dv_part = att.attention_block_backward(
                 dout[:, :, qs], q[:, :, qs], self.expand(kv[0][:, :, ks]),
                 self.expand(kv[1][:, :, ks]), out[:, :, qs], lse[:, :, qs],
-                offset, visible=mask)                    # undoes attention_block + merge
+                offset, visible=mask, cast=self.autocast)   # undoes attention_block + merge
             dq[:, :, qs] += dq_part
             dkv[0][:, :, ks] += self.reduce(dk_part)     # (and expand)
             dkv[1][:, :, ks] += self.reduce(dv_part)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..nn import attention as att
 from ..nn import documents as docs
+from ..nn.autocast import FULL
 from ..nn.functional import array_module
 from ..nn.layers import Layer
 from .sequence_split import to_global_order, to_rank_order
@@ -19,8 +20,10 @@ class UlyssesAttention(Layer):
     (B, H/c, T, Dh) on this rank's heads (sequence in global order), causal attention, and the
     inverse all_to_all back. No parameters; cp: the Comm of the cp group. `documents`
     (nn/documents.py): when microbatch mb is packed, the whole sequence's ids mask the
-    attention to each document (every cp peer holds them: no communication)."""
+    attention to each document (every cp peer holds them: no communication). `autocast`
+    (nn/autocast.py): the attention's matmul precision (q, k, v rounded and kept so)."""
 
+    autocast = FULL
     attention_core = True      # recompute=attn wraps it like CausalSelfAttention
     documents = None           # the rank's nn.documents.Documents (documents.attach)
 
@@ -55,7 +58,9 @@ class UlyssesAttention(Layer):
         q, k, v = self.to_heads(xp.stack(att.split_heads(a, self.n_heads)))   # (B, h, T, Dh)
         ids = docs.rows_of(self.documents, mb)           # packed: (B, T), else None
         visible = None if ids is None else docs.visible(ids, ids)
-        out, lse = att.causal_attention_forward(q, k, v, visible=visible)
+        cast = self.autocast
+        q, k, v = cast.round(q), cast.round(k), cast.round(v)
+        out, lse = att.causal_attention_forward(q, k, v, visible=visible, cast=cast)
         self.save(mb, record, (q, k, v, out, lse, ids))  # the ids, not the (B,1,T,T) mask
         return att.merge_heads(self.to_sequence(out[None])[0])
 
@@ -65,7 +70,7 @@ class UlyssesAttention(Layer):
         visible = None if ids is None else docs.visible(ids, ids)   # the forward's mask
         dout = self.to_heads(att.merge_heads_backward(dy, self.n_heads)[None])[0]  # undoes
         dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, lse,   # the last two
-                                                   visible=visible)
+                                                   visible=visible, cast=self.autocast)
         return att.split_heads_backward(*self.to_sequence(xp.stack([dq, dk, dv])))  # 1st two
 
 
