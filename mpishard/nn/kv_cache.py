@@ -40,6 +40,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from .attention import attention_block, causal_mask
+from .autocast import FULL
 from .functional import array_module
 
 
@@ -94,9 +95,10 @@ class KVCache:
             return self.new_positions
         return slice(self.length, self.length + t)
 
-    def attend(self, unit, q, k, v):
+    def attend(self, unit, q, k, v, cast=FULL):
         """q (B, Hq, t, Dh), k, v (B, Hkv, t, Dh) of t new slots -> their attention output
-        (B, Hq, t, Dh) over the cached keys and these; k, v are stored for the next calls."""
+        (B, Hq, t, Dh) over the cached keys and these; k, v are stored for the next calls.
+        cast: the unit's matmul precision (its `autocast`, nn/autocast.py)."""
         xp = array_module(k)
         b, hq, t, dh = q.shape
         hkv = k.shape[1]
@@ -120,7 +122,7 @@ class KVCache:
             visible = visible[None] & self.real[:, None, :end]       # (B, t, end)
         visible = xp.concatenate([visible] * g, axis=-2)[..., None, :, :]   # (., 1, g t, end)
         out, _ = attention_block(q.reshape(b, hkv, g * t, dh), kb[:, :, :end], vb[:, :, :end],
-                                 visible=visible)
+                                 visible=visible, cast=cast)
         return out.reshape(b, hq, t, dh)
 
     def last_tokens(self, h):

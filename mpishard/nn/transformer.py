@@ -84,7 +84,7 @@ class CausalSelfAttention(Layer):
         q, k, v = att.split_heads(a, self.n_heads)               # (B, H, T, Dh) each
         if self.cache is not None:                                # decoding: no tape
             assert not record, "a KV-cached forward is inference only"
-            return att.merge_heads(self.cache.attend(self, q, k, v))
+            return att.merge_heads(self.cache.attend(self, q, k, v, self.autocast))
         ids = docs.rows_of(self.documents, mb)                    # packed: (B, T) or None
         visible = None if ids is None else docs.visible(ids, ids)
         cast = self.autocast

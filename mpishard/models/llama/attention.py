@@ -166,7 +166,7 @@ class GroupedQueryAttention(Layer):
             assert not record, "a KV-cached forward is inference only"
             if not h.uniform:
                 k, v = h.repeat(k), h.repeat(v)
-            return att.merge_heads(self.cache.attend(self, q, k, v))
+            return att.merge_heads(self.cache.attend(self, q, k, v, self.autocast))
         cast = self.autocast
         q, k, v = cast.round(q), h.repeat(cast.round(k)), h.repeat(cast.round(v))  # (B,Hq,T,Dh)
         ids = docs.rows_of(self.documents, mb)                    # packed: (B, T) or None
