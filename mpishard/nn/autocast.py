@@ -84,8 +84,9 @@ class Rounding:
         return None if x is None else self.inputs(x)
 
     def output(self, y):
-        """A matmul output: y rounded in place (a view is written through), and returned."""
-        if self.outputs is not None:
+        """A matmul output: y rounded in place (a view is written through), and returned
+        (None stays None)."""
+        if self.outputs is not None and y is not None:
             y[...] = self.outputs(y)
         return y
 

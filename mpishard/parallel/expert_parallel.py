@@ -44,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..nn import functional as nn
+from ..nn.autocast import FULL
 from ..nn.layers import Layer
 from ..nn.moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
 from ..comm.mesh import DATA_AXES
@@ -56,7 +57,11 @@ class MoELayer(Layer):
     access: the parameter-access policy; comm: the engine's Comm (all_to_all_v over ep, the
     routing statistics summed over the data axes); stats: the dict the statistics land in;
     valid: the rows' (b,) bool mask inside nn/moe_routing.valid_tokens (None: no padding).
+    `autocast` (nn/autocast.py): the experts' matmul precision (inputs, weights, gradients
+    and outputs rounded; the activation, the router and the mix in float32).
     """
+
+    autocast = FULL
 
     valid = None
 
@@ -85,20 +90,23 @@ class MoELayer(Layer):
 
     def _expert_forward(self, e, x):
         (w0, b0), (w1, b1) = self._names(e, 0), self._names(e, 1)
-        get = self.access.get
-        h = nn.linear_forward(x, get(w0), get(b0) if b0 else None)          # 'nd,dh->nh'
+        get, cast = self.access.get, self.autocast
+        x, r = cast.round(x), cast.round
+        h = cast.output(nn.linear_forward(x, r(get(w0)), r(get(b0)) if b0 else None))  # nd,dh
         a, saved = nn.activation_forward(self.model.activation, h)
-        out = nn.linear_forward(a, get(w1), get(b1) if b1 else None)         # 'nh,hd->nd'
-        return out, (x, saved, a)
+        a = r(a)
+        out = cast.output(nn.linear_forward(a, r(get(w1)), r(get(b1)) if b1 else None))
+        return out, (x, saved, a)                                            # 'nh,hd->nd'
 
     def _expert_backward(self, e, dout, cache, scale):
         x, saved, a = cache
         (w0, b0), (w1, b1) = self._names(e, 0), self._names(e, 1)
-        da, dw1, db1 = nn.linear_backward(dout, a, self.access.get(w1))      # undoes 'nh,hd->nd'
+        r, out = self.autocast.round, self.autocast.output
+        da, dw1, db1 = map(out, nn.linear_backward(r(dout), a, r(self.access.get(w1))))
         dh = nn.activation_backward(self.model.activation, da, saved)        # undoes act
-        w = self.access.get(w0) if self.need_dx else None                   # dW0 needs no W0
-        dx, dw0, db0 = nn.linear_backward(dh, x, w, self.need_dx)
-        for name, g in ((w1, dw1), (b1, db1), (w0, dw0), (b0, db0)):        # 'nd,dh->nh'
+        w = r(self.access.get(w0)) if self.need_dx else None                # dW0 needs no W0
+        dx, dw0, db0 = map(out, nn.linear_backward(r(dh), x, w, self.need_dx))   # 'nd,dh->nh'
+        for name, g in ((w1, dw1), (b1, db1), (w0, dw0), (b0, db0)):        # 'nh,hd->nd' above
             if name:
                 self.access.add_grad(name, g * scale)
         return dx

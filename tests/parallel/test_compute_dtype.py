@@ -131,3 +131,33 @@ def test_device_arrays_round_as_the_host_does(compute, tf32, monkeypatch):
     for n in hg:
         np.testing.assert_allclose(dg[n], hg[n], rtol=0, atol=1e-5 * np.abs(hg[n]).max(),
                                    err_msg=n)
+
+
+@pytest.mark.mpi
+def test_bf16_moe_expert_parallel_matches_single_bf16():
+    """ms.MoE (MLP experts, parallel/expert_parallel.py) under ep=2 in bf16 against single
+    bf16: loss, every gradient and the outputs within TOL. The outputs mix the experts' in
+    float32 (the gates), so they are not on the bf16 grid: instead single float32's differ
+    from single bf16's by more than 2^-12 of their scale (float32's own noise is ~2^-24)."""
+    comm = group_comm(2)
+    rng = np.random.default_rng(11)
+    model = ms.MoE(d_model=8, d_hidden=16, n_experts=4, top_k=2, capacity_factor=None)
+    params = model.init(seed=5)
+    x, t = rng.standard_normal((16, 8)), rng.standard_normal((16, 8))
+    got = {}
+    for name, engine in (("single", ms.SingleDevice(model, dtype=np.float32,
+                                                    compute_dtype="bfloat16")),
+                         ("float32", ms.SingleDevice(model, dtype=np.float32)),
+                         ("ep=2", ms.make_engine(model, "ep=2", comm=comm, dtype=np.float32,
+                                                 compute_dtype="bfloat16"))):
+        engine.load_checkpoint(params)
+        loss, grads = engine.train_step(engine.shard_batch(x), engine.shard_batch(t),
+                                        ms.losses.MSE())
+        got[name] = (loss, engine.gather_grads(grads),
+                     engine.gather_batch(engine.predict(engine.shard_batch(x))))
+    (rl, rg, ry), (el, eg, ey) = got["single"], got["ep=2"]
+    g_err, g_name = worst(eg, rg)
+    print(f"bf16 MoE ep=2 vs single bf16: loss {abs(el - rl) / rl:.2e}, outputs "
+          f"{worst(ey, ry)[0]:.2e}, gradients {g_err:.2e} ({g_name}); tolerance {TOL:.2e}")
+    assert abs(el - rl) <= TOL * rl and worst(ey, ry)[0] <= TOL and g_err <= TOL
+    assert worst(got["float32"][2], ry)[0] > 2.0 ** -12, "nothing was rounded"
