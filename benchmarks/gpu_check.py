@@ -28,7 +28,7 @@ bf16-cupy, fused   tests/parallel/test_bf16_cupy.py and tests/nn/test_fused.py (
              kernels against the xp ops), serially and, if they have MPI tests, at 2 ranks
              (skipped if absent); the child keeps the whole environment (the site's
              OMPI_MCA_/PMIX_MCA_ settings: an Open MPI singleton may need OMPI_MCA_plm)
-autocast     tests/nn/test_autocast.py: the 16-bit compute policy against torch.autocast
+autocast     tests/hf/test_autocast_torch.py: the 16-bit compute policy against torch.autocast
 bench-step   benchmarks/gpu_step.py (1 rank: the GPT-2-small step with AdamW in float32,
              TF32, bfloat16 and float16 compute next to PyTorch's in the same precision, the
              train_step alone too, peak memory of both)
@@ -265,7 +265,7 @@ def main() -> int:
            "reference-1": part_reference(1), "reference-2": part_reference(2),
            "bf16-cupy": part_pytest("tests/parallel/test_bf16_cupy.py"),
            "fused": part_pytest("tests/nn/test_fused.py"),
-           "autocast": part_pytest("tests/nn/test_autocast.py"),
+           "autocast": part_pytest("tests/hf/test_autocast_torch.py"),
            "bench-step": part_bench(["benchmarks/gpu_step.py"], 1),
            "bench-llama": part_bench(["benchmarks/gpu_llama.py"], 1),
            "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2),

@@ -3,7 +3,7 @@
 kernels      benchmarks/gpu_kernels_check.py: every hand-written cupy kernel compiled, run
              against its xp path (float64 rtol 1e-12; 16 bits within its stated tolerance)
              and timed beside it. Skipped on the stand-in, which cannot run CUDA C.
-autocast     the 16-bit compute numerics against torch.autocast (pytest, serially)
+autocast     (in gpu_check.py) tests/hf/test_autocast_torch.py against torch.autocast
 nccl         benchmarks/gpu_comm_check.py at 1 rank (a size-1 NcclCommunicator smoke test)
              and 2 ranks sharing the GPU (staged all-reduce with pinned buffers beside a
              raw host Allreduce of the same size; the multi-GPU part when there are 2+ GPUs)
