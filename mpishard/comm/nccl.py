@@ -18,10 +18,15 @@ dtypes NCCL lacks (bool, complex) keep going through MPI.
 - Non-blocking all_reduce and all_gather run on a side stream, so the backward's kernels,
   queued on the current stream meanwhile, overlap them; the next operation on the current
   stream first waits for the side stream's last one (one order per communicator, as NCCL needs).
-- Sends and receives are batched: each is queued, and the queue goes to NCCL as one
-  groupStart/groupEnd when a message is waited for or any other NCCL operation is issued. A
-  send and the receive of the exchange it is part of then run together, as NCCL needs, instead
-  of a send that blocks until a receive queued behind it on the peer's stream.
+- Sends and receives are batched: each is queued in posting order, and what is ready goes
+  to NCCL as one groupStart/groupEnd when a message is waited for or another NCCL operation
+  is issued: every send, and the receives whose header came (a pair's in posting order); a
+  waited receive's header is waited for. A send then mostly runs together with the receive
+  of its exchange, instead of blocking until a receive queued behind it on the peer's
+  stream; this depends on when headers arrive, so an exchange can still be split in two
+  groups and deadlock (a known limit: the watchdog then names the peer). NCCL matches a
+  pair's messages in issue order, not by tag: each header carries the send's number, and a
+  receive that would take another send's data raises.
 
 The module is cupy's `cupy.cuda.nccl`, or a stand-in given to the Backend (the test suite's
 tests/nccl_double.py, which is strict about all of the above).
@@ -29,6 +34,8 @@ tests/nccl_double.py, which is strict about all of the above).
 from __future__ import annotations
 
 import numpy as np
+
+from .p2p import MAX_DIMS
 
 UID_BYTES = 128
 NCCL_TYPES = {"float64": "NCCL_FLOAT64", "float32": "NCCL_FLOAT32", "float16": "NCCL_FLOAT16",
@@ -60,11 +67,14 @@ class Message:
     resolve: a receive whose shape and dtype come in a header: `resolve(block=False)` says
     whether the header is here; `resolve(block=True)` waits for it (bounded) and returns the
     array to receive into, or None when NCCL lacks the dtype (then the data travels by MPI
-    and the message is left out of NCCL's group)."""
+    and the message is left out of NCCL's group).
+    seq: a send's number among this rank's NCCL sends to the peer (it travels in the header);
+    a receive's, the number its header carried (None without a header)."""
 
     def __init__(self, kind, comm, array, peer, resolve=None):
         self.kind, self.comm, self.array, self.peer = kind, comm, array, peer
         self.resolve = resolve
+        self.seq = None
         self.event = None                 # set when its group is issued
         self.by_mpi = False               # resolved to a dtype NCCL lacks
 
@@ -97,12 +107,14 @@ class NcclTransport:
                     "min": nccl.NCCL_MIN}
         self._comms: dict = {}            # id(mpi comm) -> (NcclCommunicator, mpi comm)
         self.queued: list = []            # Messages not yet issued
+        self.counts: dict = {}            # (kind, id(comm), peer) -> messages so far
         self._side = None                 # the side stream of non-blocking collectives
         self._side_event = None           # its last operation
 
     def handles(self, a) -> bool:
         """Can NCCL move `a` (a device array of a dtype NCCL has)?"""
-        return a.dtype in self.types and isinstance(a, self.xp.ndarray)
+        return (a.dtype in self.types and isinstance(a, self.xp.ndarray)
+                and a.ndim < MAX_DIMS)            # a header word left for the send's number
 
     # -- communicators ---------------------------------------------------------------------
     def communicator(self, comm, watchdog):
@@ -216,22 +228,39 @@ class NcclTransport:
     def queue(self, kind, array, comm, peer, resolve=None) -> Message:
         """Queue a send of `array` to (or a receive into it from) group rank `peer`."""
         message = Message(kind, comm, array, peer, resolve)
+        if kind == "send":
+            message.seq = self._count(kind, comm, peer)
         self.queued.append(message)
         return message
 
     def flush(self, watchdog, upto=None) -> None:
         """Issue the queued messages that are ready, in queue order, as one group per
-        communicator: every send, and the receives whose header is here. `upto`: a queued
-        message to issue now; while its header is still coming, it is waited for (bounded)
-        and the messages ready by then go in a further group."""
+        communicator: every send, and the receives whose header is here and whose pair's
+        earlier receives are ready too (NCCL matches a pair's messages in issue order).
+        `upto`: a queued message to issue now; while it is not ready, the header of its pair's
+        first receive not ready is waited for (bounded), and the rest goes in further groups."""
         while True:
-            ready = [m for m in self.queued if m.ready()]
+            ready, blocked = [], set()
+            for m in self.queued:
+                pair = (id(m.comm), m.peer)
+                if m.kind == "recv" and (pair in blocked or not m.ready()):
+                    blocked.add(pair)
+                else:
+                    ready.append(m)
             self.queued = [m for m in self.queued if all(m is not r for r in ready)]
             self._issue(ready, watchdog)
             if upto is None or upto.event is not None or upto.by_mpi:
                 return
-            upto.array = upto.resolve(block=True)
-            upto.resolve = None
+            first = next((m for m in self.queued if m.kind == "recv" and m.comm is upto.comm
+                          and m.peer == upto.peer and not m.ready()), None)
+            if first is not None:          # None: its header came meanwhile, scan again
+                first.array = first.resolve(block=True)
+                first.resolve = None
+
+    def _count(self, kind, comm, peer) -> int:
+        key = (kind, id(comm), peer)
+        self.counts[key] = self.counts.get(key, -1) + 1
+        return self.counts[key]
 
     def _issue(self, exchange, watchdog) -> None:
         for m in exchange:
@@ -239,6 +268,15 @@ class NcclTransport:
                 m.array, m.resolve = m.resolve(block=True), None
             m.by_mpi = m.array is None
         exchange = [m for m in exchange if not m.by_mpi]
+        for m in exchange:
+            if m.kind == "recv":
+                k = self._count("recv", m.comm, m.peer)
+                if m.seq is not None and m.seq != k:
+                    raise RuntimeError(
+                        f"NCCL messages out of order: this rank's receive number {k} from group "
+                        f"rank {m.peer} would take that rank's send number {k}, but its header "
+                        f"is send number {m.seq}'s (NCCL matches a pair's messages in the order "
+                        "they are issued, not by tag: post the receives in the sending order)")
         while exchange:
             comm = exchange[0].comm
             batch = [m for m in exchange if m.comm is comm]

@@ -129,10 +129,11 @@ class PointToPoint:
         comm = self._mpi(group)
         nccl = self._nccl(a)
         if nccl is not None:                         # the header over MPI, the data NCCL's
-            h = header(a)
+            h, message = header(a), nccl.queue("send", a, comm, dest_id)
+            h[-1] = message.seq
             self.watchdog.wait_peer([comm.Isend(h, dest=dest_id, tag=wire_tag(tag, _TAG_HEADER))],
                                     "send", comm, dest_id)
-            nccl.wait_message(nccl.queue("send", a, comm, dest_id), self.watchdog, "send")
+            nccl.wait_message(message, self.watchdog, "send")
             self.stats.count("send", a.nbytes, t0)
             return
         buf = self.backend.mpi_buffer(a)
@@ -208,10 +209,10 @@ class PointToPoint:
         dest = dst if dest is None else dest
         if dest is None or not isinstance(dest, (int, np.integer)):
             raise TypeError("send_async(arr, dest) needs an integer destination rank")
-        h = header(a)
+        h, message = header(a), nccl.queue("send", a, comm, int(dest))
+        h[-1] = message.seq                               # its number, checked at the receiver
         req = comm.Isend(h, dest=int(dest), tag=wire_tag(tag, _TAG_HEADER))
-        return self._nccl_future(nccl, nccl.queue("send", a, comm, int(dest)), "send",
-                                 requests=[req], keep=(a, h))
+        return self._nccl_future(nccl, message, "send", requests=[req], keep=(a, h))
 
     def _hold(self, fut: Future) -> Future:
         """Keep a send's Future (and so its buffers) alive until MPI has completed it, even
@@ -274,6 +275,7 @@ class PointToPoint:
                 return got[0] if nccl.handles(got[0]) else None
             self.watchdog.wait_peer([req], "receive", comm, src_id)
             shape, dtype = header_shape(h)
+            message.seq = int(h[-1])
             got.append(self.xp.empty(shape, dtype=dtype))
             return got[0] if nccl.handles(got[0]) else None
         message = nccl.queue("recv", None, comm, src_id, resolve=resolve)

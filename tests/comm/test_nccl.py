@@ -140,3 +140,42 @@ def test_a_late_rank_is_named_and_the_communicator_aborted():
             engine.all_reduce(d)
         except CollectiveTimeout:
             pass                                          # rank 0 gave up: its op is gone
+
+
+@pytest.mark.mpi(min_size=2)
+def test_messages_received_out_of_sending_order_raise():
+    """NCCL matches a pair's messages in issue order, not by tag: two same-shape messages
+    received in the other order would swap silently; the header's send number catches it."""
+    comm = group_comm(2)
+    backend, xp, _ = nccl_backend(comm)
+    engine = Comm(DeviceMesh(comm, parse_layout("dp=2")), backend)
+    engine.all_reduce(xp.ones(1))                     # the NCCL communicator, made
+    if comm.Get_rank() == 0:
+        for tag in (1, 2):
+            engine.send_async(xp.asarray(np.full(3, float(tag))), 1, tag=tag)
+    else:
+        second, first = engine.receive_async(0, tag=2), engine.receive_async(0, tag=1)
+        with pytest.raises(RuntimeError, match="out of order"):
+            second.result()
+        del first
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pair_s_receives_are_issued_in_posting_order():
+    """Receives posted in the sending order are issued in that order even when a later
+    one's header came first (it waits for the earlier one's)."""
+    comm = group_comm(2)
+    backend, xp, _ = nccl_backend(comm)
+    engine = Comm(DeviceMesh(comm, parse_layout("dp=2")), backend)
+    if comm.Get_rank() == 0:
+        sent = [engine.send_async(xp.asarray(np.full(3, float(tag))), 1, tag=tag)
+                for tag in (1, 2)]
+        for fut in sent:
+            fut.result()
+        engine.all_reduce(xp.ones(1))
+    else:
+        first, second = engine.receive_async(0, tag=1), engine.receive_async(0, tag=2)
+        assert xp.asnumpy(second.result()).tolist() == [2.0] * 3
+        assert xp.asnumpy(first.result()).tolist() == [1.0] * 3
+        engine.all_reduce(xp.ones(1))
