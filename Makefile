@@ -107,6 +107,7 @@ help:
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
 	@echo "make test-nvrtc       every CUDA kernel source compiled to PTX by NVRTC (installs $(NVRTC_PIN)), no GPU"
+	@echo "make test-cpu-fused   the cpu-fused extra (numba) installed, its kernels against the numpy ops, GPT layouts at 2 ranks"
 	@echo "make test-hf          tests/hf (installs the hf extra: transformers, CPU torch) serially and on $(HF_SIZES) ranks"
 	@echo "make test-serve       tests/serve (installs the serve extra, openai, httpx) serially and on $(SERVE_SIZES) ranks"
 	@echo "make test-serialized  the comm, health and trainer MPI tests on 2 ranks with MPI initialised at MPI_THREAD_SERIALIZED (the watchdog's polled waits)"
@@ -206,6 +207,19 @@ NVRTC_PIN ?= nvidia-cuda-nvrtc-cu12==12.9.86
 test-nvrtc: $(STAMP)
 	$(PY) -m pip install -q $(NVRTC_PIN)
 	MPISHARD_REQUIRE_NVRTC=1 $(TIMEOUT_CMD) $(PY) -m pytest -q -p no:cacheprovider tests/nn/test_nvrtc.py
+
+# --- the CPU's fused element-wise kernels (the cpu-fused extra, numba; .ci/run's last stage) ---
+# Installs the extra into $(VENV) and runs the kernels' exactness tests against the numpy
+# ops without skipping (MPISHARD_REQUIRE_NUMBA=1), then the layouts of a GPT at 2 ranks with
+# the kernels in, against single (float64, rtol 1e-9).
+.PHONY: test-cpu-fused
+test-cpu-fused: $(STAMP)
+	$(PY) -m pip install -q -e '.[cpu-fused]'
+	MPISHARD_REQUIRE_NUMBA=1 $(TIMEOUT_CMD) $(PY) -m pytest -q -p no:cacheprovider \
+	    tests/nn/test_cpu_fused.py tests/train/test_optim_fused.py
+	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi \
+	    -p no:cacheprovider tests/parallel/test_gpt_tp.py tests/parallel/test_gpt_cp.py \
+	    tests/train/test_optim.py
 
 # --- the OpenAI-compatible server (not in `make test`; .ci/run runs it) ---------------------
 # tests/serve start `mpishard serve` jobs of their own and drive them with the official openai
