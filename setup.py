@@ -86,9 +86,12 @@ setup(
         "tensorboard": ["tensorboardX>=2.6"],
         # PyTorch as the peer the benchmarks compare against.
         "bench": ["torch==2.13.0"],
-        # GPU arrays (pick the one matching your CUDA major version).
-        "cuda12": ["cupy-cuda12x"],
-        "cuda13": ["cupy-cuda13x"],
+        # GPU arrays (pick the one matching your CUDA major version), with the libnccl that
+        # gpu_comm="nccl" loads through cupy.cuda.nccl. Any cupy >= 13 works: bfloat16 is
+        # held as uint16 words (parallel/bf16.py), so cupy 14's bfloat16 dtype (and the
+        # Python >= 3.10, NumPy >= 2 it needs) is not required; the install keeps Python 3.9.
+        "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
+        "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13"],
         # NVRTC alone (no GPU, no driver): `make test-nvrtc` compiles every kernel to PTX.
         "nvrtc": ["nvidia-cuda-nvrtc-cu12==12.9.86"],
         # numba: the CPU step's GELU, LayerNorm and AdamW passes as fused loops

@@ -52,8 +52,9 @@ def add_device_arguments(add, default="auto"):
         help="float32 matmuls on TF32 tensor cores, like PyTorch's allow_tf32 (needs --dtype "
         "float32 and no 16-bit --compute-dtype; off by default)")
     add("--gpu-comm", choices=GPU_COMM, default=default,
-        help="how device arrays travel between GPUs: nccl, mpi (a CUDA-aware MPI), staged "
-        "(through host memory), or auto (default: the first of these that works)")
+        help="how device arrays travel between GPUs: nccl (opt-in, docs/gpus.md), mpi (a "
+        "CUDA-aware MPI), staged (through host memory), or auto (default: mpi where the MPI "
+        "is CUDA-aware, else staged)")
 
 
 def gpu_comm_choice(gpu_comm: str, cuda_aware: str) -> tuple:

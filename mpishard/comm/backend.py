@@ -29,8 +29,11 @@ taken and `.comm_path_reason` why, which `inspect --env` prints):
             `--cuda-aware yes`, or the library says so).
     staged  device arrays are copied through host buffers for MPI (`cuda_aware=False`,
             `--cuda-aware no` is this path).
-    auto    nccl where every rank can, else mpi where the MPI is CUDA-aware, else staged; a
-            `cuda_aware=` given picks mpi (True) or staged (False) without trying NCCL.
+    auto    mpi where the MPI is CUDA-aware, else staged (`cuda_aware=` True or False picks
+            one). NCCL is opt-in (gpu_comm="nccl") until its known limits are lifted: a
+            context-parallel ring's exchange can be split over two NCCL groups and wait for
+            the watchdog (nccl.py), and NCCL's own set-up and connection waits are not
+            bounded by it.
 
 The choice is agreed by every rank (one path per job). On CPUs the path is "host": numpy
 arrays go to MPI as they are, whatever was asked.
@@ -43,7 +46,7 @@ import numpy as np
 
 from mpi4py import MPI
 
-from .gpu import gpu_for_rank, node_local_rank, query_cuda_support, try_import_cupy
+from .gpu import gpu_for_rank, node_local_rank, own_device, query_cuda_support, try_import_cupy
 from .nccl import NcclTransport, try_import_nccl
 from .staging import StagedPipeline, pinned_empty
 
@@ -51,7 +54,7 @@ log = logging.getLogger("mpishard")
 
 GPU_COMM = ("auto", "nccl", "mpi", "staged")
 """How device arrays travel between GPUs: NCCL, a CUDA-aware MPI, or staged through host
-memory; auto picks the first that works."""
+memory; auto: a CUDA-aware MPI, else staged (NCCL is opt-in: module docstring)."""
 
 
 def _device_count(cupy) -> int:
@@ -91,8 +94,7 @@ class Backend:
         self.is_gpu = module is not None
         self.xp = module if self.is_gpu else np
         self.name = getattr(self.xp, "__name__", "device") if self.is_gpu else "numpy"
-        self.local_rank, local_size = (node_local_rank(comm, size=True)
-                                       if self.is_gpu and comm is not None else (0, 1))
+        self.local_rank = node_local_rank(comm) if self.is_gpu and comm is not None else 0
         self.device_index = None
         if self.is_gpu:
             self.device_index = gpu_for_rank(self.local_rank, _device_count(module))
@@ -102,9 +104,10 @@ class Backend:
                 raise ValueError("gpu_comm='staged' contradicts cuda_aware=True")
             cuda_aware = False
         self.cuda_aware, self.cuda_aware_reason = self._cuda_aware(cuda_aware)
-        if nccl_module is None and self.is_gpu and array_module is None:
+        if nccl_module is None and self.is_gpu and array_module is None and gpu_comm == "nccl":
             nccl_module = try_import_nccl()
-        own_gpu = self.is_gpu and local_size <= _device_count(module)
+        own_gpu = self.is_gpu and gpu_comm == "nccl" and own_device(comm, module,
+                                                                     self.device_index)
         self.comm_path, self.comm_path_reason = self._comm_path(
             gpu_comm, cuda_aware, nccl_module, own_gpu, comm)
         self.device_transport = (NcclTransport(nccl_module, self.xp)
@@ -139,16 +142,18 @@ class Backend:
                 raise ValueError(f"gpu_comm='mpi' needs a CUDA-aware MPI: "
                                  f"{self.cuda_aware_reason}")
             return "mpi", f"CUDA-aware MPI ({self.cuda_aware_reason})"
+        if asked == "auto":
+            opt_in = "NCCL is opt-in (gpu_comm='nccl')"
+            if self.cuda_aware:
+                return "mpi", f"CUDA-aware MPI ({self.cuda_aware_reason}); {opt_in}"
+            return "staged", f"MPI is not CUDA-aware ({self.cuda_aware_reason}); {opt_in}"
         local = ("no NCCL (cupy.cuda.nccl finds no libnccl)" if nccl is None else
                  "two ranks share a GPU on a node (NCCL refuses it)" if not own_gpu else "")
         why = comm.allreduce(local, op=MPI.MAX) if comm is not None else local
-        if not why:
-            return "nccl", "every rank has a GPU of its own and cupy.cuda.nccl finds a libnccl"
-        if asked == "nccl":
+        if why:
             raise ValueError(f"gpu_comm='nccl' is not possible here: {why}")
-        if self.cuda_aware:
-            return "mpi", f"{why}; CUDA-aware MPI ({self.cuda_aware_reason})"
-        return "staged", f"{why}; MPI is not CUDA-aware ({self.cuda_aware_reason})"
+        return "nccl", ("asked for; every rank has a GPU of its own and cupy.cuda.nccl finds a "
+                        "libnccl")
 
     # -- conversions -------------------------------------------------------------------------
     def asarray(self, a, dtype=None):

@@ -79,14 +79,29 @@ def query_cuda_support() -> tuple:
                    "MPIX_GPU_query_support (pass cuda_aware=True to override)")
 
 
-def node_local_rank(comm, size: bool = False):
-    """This rank's rank among the ranks of `comm` on the same node; with size=True, (that
-    rank, how many ranks of `comm` the node has)."""
+def node_local_rank(comm) -> int:
+    """This rank's rank among the ranks of `comm` on the same node."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return (node.Get_rank(), node.Get_size()) if size else node.Get_rank()
+        return node.Get_rank()
     finally:
         node.Free()
+
+
+def own_device(comm, xp, index) -> bool:
+    """Whether every rank of `comm` on this node uses a GPU no other rank there uses (NCCL
+    refuses two ranks on one GPU). Compared by PCI bus id, so per-rank CUDA_VISIBLE_DEVICES
+    (each rank sees one GPU, index 0) counts as distinct; the index where the array module
+    has no bus id (the test suite's stand-in). Collective over `comm` (None: one rank)."""
+    ident = str(getattr(xp.cuda.Device(index), "pci_bus_id", index))
+    if comm is None:
+        return True
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        ids = node.allgather(ident)
+    finally:
+        node.Free()
+    return len(set(ids)) == len(ids)
 
 
 def gpu_for_rank(local_rank: int, n_visible: int) -> int:

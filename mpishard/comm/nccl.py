@@ -121,7 +121,7 @@ class NcclTransport:
         """The NCCL communicator of the MPI group `comm`, bootstrapped on first use."""
         entry = self._comms.get(id(comm))
         if entry is None:
-            uid = np.zeros(UID_BYTES, np.int8)
+            uid = np.zeros(UID_BYTES, np.int16)     # cupy's chars: signed or not by platform
             if comm.Get_rank() == 0:
                 uid[:] = self.nccl.get_unique_id()
             watchdog.run(comm.Bcast, comm.Ibcast, (uid, 0), "nccl bootstrap", comm)

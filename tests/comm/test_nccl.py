@@ -44,7 +44,9 @@ def test_memory_pointers_and_streams_of_the_double():
 def test_path_choice_and_refusals():
     xp = DeviceModule(n_devices=1)
     assert Backend("gpu", MPI.COMM_SELF, array_module=xp).comm_path in ("staged", "mpi")
-    backend, _, _ = nccl_backend(MPI.COMM_SELF, gpu_comm="auto")
+    backend, _, _ = nccl_backend(MPI.COMM_SELF, gpu_comm="auto")     # NCCL is opt-in
+    assert backend.comm_path in ("staged", "mpi") and "opt-in" in backend.comm_path_reason
+    backend, _, _ = nccl_backend(MPI.COMM_SELF, gpu_comm="nccl")
     assert backend.comm_path == "nccl" and "libnccl" in backend.comm_path_reason
     for kw, path in (({"cuda_aware": False}, "staged"), ({"cuda_aware": True}, "mpi"),
                      ({"gpu_comm": "staged"}, "staged"), ({"gpu_comm": "mpi",
