@@ -45,6 +45,9 @@ NP            ?= 4
 # Seconds allowed for each mpiexec / pytest run; killed 10 s after that if still alive.
 TIMEOUT       ?= 900
 TIMEOUT_CMD   ?= timeout -k 10 $(TIMEOUT)
+# The serial suite is one pytest of every test not marked mpi (660 s here beside other jobs):
+# its own, longer bound.
+SERIAL_TIMEOUT ?= 1800
 # World sizes that `make test` runs the MPI tests at (each one is also a target: test-N) are
 # TEST_SIZES, set above: 1 2 4 8 with MPICH, 1 2 4 with Open MPI.
 # One BLAS/OpenMP thread per rank: ranks share the cores, extra threads only oversubscribe.
@@ -120,7 +123,7 @@ help:
 	@echo "make bench            benchmarks/run_all.py"
 	@echo "make lint             ruff check"
 	@echo "make clean            remove $(VENV), build artefacts, caches, and what make demo and configs/*.toml write"
-	@echo "variables: PYTHON VENV MPIEXEC MPIEXEC_FLAGS NP TIMEOUT TEST_SIZES BLAS_THREADS DEMO_ARGS SAMPLE_ARGS DEMO_CKPT DIGITS_ARGS SOAK_NP SOAK_ARGS"
+	@echo "variables: PYTHON VENV MPIEXEC MPIEXEC_FLAGS NP TIMEOUT SERIAL_TIMEOUT TEST_SIZES BLAS_THREADS DEMO_ARGS SAMPLE_ARGS DEMO_CKPT DIGITS_ARGS SOAK_NP SOAK_ARGS"
 
 # --- environment -----------------------------------------------------------------------
 $(STAMP): setup.py pyproject.toml
@@ -157,7 +160,7 @@ test: $(STAMP)
 test-serial: $(STAMP)
 	@echo "==> test-serial: pytest without MPI (tests not marked mpi)"
 	@$(LEFTOVERS) before $(VENV)/.mpi-files-serial
-	$(TIMEOUT_CMD) $(PY) -m pytest -q -m "not mpi" --ignore=tests/hf --ignore=tests/serve tests; rc=$$?; \
+	timeout -k 10 $(SERIAL_TIMEOUT) $(PY) -m pytest -q -m "not mpi" --ignore=tests/hf --ignore=tests/serve tests; rc=$$?; \
 	    $(LEFTOVERS) after $(VENV)/.mpi-files-serial || rc=1; exit $$rc
 
 # test-1, test-2, ...: -p no:cacheprovider keeps the ranks from racing on .pytest_cache.
