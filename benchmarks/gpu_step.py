@@ -22,7 +22,9 @@ over the card's dense datasheet peak for that precision (gpu.py DATASHEET: non-t
 for float32, 16-bit tensor cores for bfloat16 and float16; none for TF32, not in the table).
 `peak_gib`: each side's allocator high-water mark over one full step from a released pool
 (ours: cupy's pool, tracked by a wrapping allocator for that step only; PyTorch's
-max_memory_allocated). `attention` names the attention ours ran. The fused kernels are on
+max_memory_allocated). `attention` names the attention ours ran. `loss_ours`, `loss_torch`:
+the first step's loss on each side, before any update (the same weights and batch: equal to
+the precision's rounding). The fused kernels are on
 (nn/fused.py); `--unfused` adds MPISHARD_FUSED=0 runs of ours.
 
 Prints one `BENCH {json}` line per measurement, as benchmarks/gpu.py does.
@@ -56,7 +58,7 @@ def ours(dev, model, params, x, t, keywords):
     xd, td, ce = engine.shard_batch(x), engine.shard_batch(t), ms.losses.CrossEntropy()
 
     def step_only():
-        engine.train_step(xd, td, ce)
+        return engine.train_step(xd, td, ce)[0]
 
     def full():
         engine.train_step(xd, td, ce)
@@ -78,6 +80,7 @@ def theirs(torch, dev, model, params, x, t, autocast):
         with torch.autocast(dev.torch_device, dtype=low, enabled=low is not None):
             loss = ce(net(xt).reshape(-1, model.vocab_size), tt)
         loss.backward()
+        return loss
 
     def full():
         step_only()
@@ -109,10 +112,12 @@ def one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32, s
     rec = dict(part="step", precision=label, keywords=keywords, batch=batch,
                attention=attention_name(dev))
     fns = list(ours(dev, model, params, x, t, keywords))
+    rec["loss_ours"] = float(fns[1]())             # the first step's, before any update
     if torch is not None:
         if not dev.standin:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         fns += list(theirs(torch, dev, model, params, x, t, autocast))
+        rec["loss_torch"] = float(fns[3]().item())
     times = timed(dev, fns, samples)
     rec.update(ours_s=round(times[0], 5), ours_train_step_s=round(times[1], 5),
                ours_tflops=round(flops / times[0] / 1e12, 3))
