@@ -22,8 +22,8 @@ reassociation), so each product and sum rounds as the numpy op does:
 The LayerNorm row and column sums and the softmax's sums over keys add in another order than
 numpy's matrix-vector products (8 running partial sums per row, rows in order per column), and
 lse's log is libm's, so those results equal the xp path to rounding (tests/nn/test_cpu_fused.py:
-rtol 1e-12 in float64), not bit for bit. AdamW's update (train/optim_fused.py) uses the same
-switch.
+1e-12 of the largest magnitude in float64), not bit for bit. AdamW's update
+(train/optim_fused.py) uses the same switch.
 
 `use(*arrays)`: numba imports, the arrays are numpy arrays of one dtype, float32 or float64,
 and the environment variable MPISHARD_CPU_FUSED is not "0" (read at each call, so one process can

@@ -4,7 +4,8 @@ numba comes with the `cpu-fused` extra; without it these tests skip, unless
 MPISHARD_REQUIRE_NUMBA=1, which turns the skip into a failure. Each case runs the functional
 entry point twice in one process, MPISHARD_CPU_FUSED=0 (the numpy ops) and =1 (the kernels):
 GELU bit for bit in float32 and float64; LayerNorm forward and backward and the attention's
-causal softmax at rtol 1e-12 in float64 (their sums add in another order), 1e-5 in float32; a
+causal softmax to 1e-12 of each array's largest magnitude in float64 (their sums add in
+another order; `close`), 1e-5 in float32; a
 whole GPT train step's loss and gradients at rtol 1e-12 in float64. And the switch itself: off
 for other dtypes, mixed dtypes, other array modules and MPISHARD_CPU_FUSED=0.
 """
