@@ -113,8 +113,10 @@ class ShardedEngine(ABC):
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give back what the engine holds in MPI, on every rank, in the order the engines were
-        built (comm/retired.py); twice does nothing; then every call raises CommUnusable."""
+        """Give back what the engine holds in MPI (sends completed, receives cancelled,
+        communicators freed, arrival counters returned), on every rank, in the order the engines
+        were built; twice does nothing; then every call raises CommUnusable. (comm/retired.py:
+        an engine never closed keeps them until it is collected.)"""
         self._close(collective=True)
         uncaught.release(self)            # make_engine's error report, if it installed it
 
