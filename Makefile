@@ -52,7 +52,7 @@ SERIAL_TIMEOUT ?= 1800
 # TEST_SIZES, set above: 1 2 4 8 with MPICH, 1 2 4 with Open MPI.
 # One BLAS/OpenMP thread per rank: ranks share the cores, extra threads only oversubscribe.
 BLAS_THREADS  ?= 1
-BENCH_EXTRAS  ?= dev,bench
+BENCH_EXTRAS  ?= dev,bench,cpu-fused
 BENCH_TIMEOUT ?= 3600
 # `make test-newpy`: the serial tests and the 2-rank stage under the newest Python 3 this machine
 # has besides the default (python3.14/3.13/3.12 on PATH, else pyenv's), in .venv-newpy.
