@@ -3,6 +3,7 @@
     pytest -q tests/train/test_memory.py
     mpiexec -n 2 python -m mpi4py -m pytest --with-mpi -m mpi tests/train/test_memory.py
 """
+import gc
 import json
 import os
 import tempfile
@@ -30,6 +31,7 @@ def touch(mib: int) -> None:
 def test_each_phase_gets_its_own_peak():
     """200 MiB touched in 'train', 40 MiB in an 'eval' between two train spans: each phase's
     peak above the baseline is its own allocation, not the largest so far."""
+    gc.collect()      # garbage of earlier tests freed later would lower RSS below the baseline
     peaks = PhasePeaks()
     peaks.switch("train")
     touch(200)
