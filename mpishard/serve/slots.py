@@ -35,6 +35,7 @@ import numpy as np
 
 from ..comm.mesh import parse_layout
 from ..nn.attention import attention_block
+from ..nn.autocast import FULL
 from ..nn.functional import array_module
 from ..parallel.stages import assign_stages
 
@@ -110,10 +111,11 @@ class SlotCache:
                              f"{kb.shape} {kb.dtype}")
         return kb, vb
 
-    def attend(self, unit, q, k, v):
+    def attend(self, unit, q, k, v, cast=FULL):
         """q (n, Hq, t, Dh), k, v (n, Hkv, t, Dh) of the selected rows' t new tokens -> their
         attention output (n, Hq, t, Dh) over each row's keys up to its own position; the real
-        tokens' k, v are stored in the rows' slots for the next forwards."""
+        tokens' k, v are stored in the rows' slots for the next forwards. cast: the unit's
+        matmul precision (its `autocast`, nn/autocast.py), as kv_cache.KVCache.attend."""
         xp = array_module(q)
         n, hq, t, dh = q.shape
         hkv = k.shape[1]
@@ -130,7 +132,8 @@ class SlotCache:
         visible = xp.arange(self.end) <= self.pos[:, :, None]            # (n, t, end)
         g = hq // hkv                    # query heads j*g .. j*g+g-1 read kv head j
         visible = xp.concatenate([visible] * g, axis=1)[:, None]         # (n, 1, g t, end)
-        out, _ = attention_block(q.reshape(n, hkv, g * t, dh), keys, values, visible=visible)
+        out, _ = attention_block(q.reshape(n, hkv, g * t, dh), keys, values, visible=visible,
+                                 cast=cast)
         return out.reshape(n, hq, t, dh)
 
     def nbytes(self) -> int:
