@@ -9,6 +9,7 @@ MPI, N in 1, 2, 4, 8: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi
     tests/serve/test_batch_step.py`
 """
 import numpy as np
+from mpi4py import MPI
 import pytest
 from conftest import assert_close, group_comm
 
@@ -197,3 +198,24 @@ def test_replicas_each_serve_their_own_prompts_as_single_alone(layout, n, name):
             check_served(engine, engine_on(model), prompts)
     finally:
         sub.Free()
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_16_bit_compute_serves_each_prompt_as_generate_alone(name):
+    """compute_dtype="bfloat16" (float32 master): the Stepper's slot cache rounds its
+    attention's matmuls as generate's cache does (the unit's autocast reaches both), so the
+    served ids are generate's and the logits agree to float32 summation order: 0 here, bound
+    a quarter of a bf16 ulp of the logits' scale (the slot cache without the unit's rounding
+    is 0.5-1 ulp off)."""
+    model = MODELS[name]()
+    engine = ms.make_engine(model, "single", comm=MPI.COMM_SELF, dtype=np.float32,
+                            compute_dtype="bfloat16")
+    engine.load_checkpoint(model.init(seed=3))
+    stepper = Stepper(engine, MAX_BATCH, SEQ)
+    got = served(stepper, PROMPTS, SCHEDULE)
+    for r, (p, _, _, n_new, _) in enumerate(SCHEDULE):
+        want_ids, want_logits = alone(engine, PROMPTS[p], n_new)
+        ids, logits = got[r]
+        ulps = np.abs(logits - want_logits).max() / (2.0 ** -8 * np.abs(want_logits).max())
+        assert ids == want_ids and ulps <= 0.25, (r, ids, want_ids, ulps)
+    engine.close()
