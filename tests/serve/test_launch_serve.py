@@ -68,7 +68,10 @@ class Supervised:
                 except ProcessLookupError:
                     pass
             for path in leftovers.left_since(self.before):
-                os.unlink(path)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:    # its owner (another job on the node) removed it
+                    pass
         return self.proc.returncode, "\n".join(self.lines)
 
 
