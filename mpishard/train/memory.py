@@ -9,12 +9,9 @@
 Linux keeps a process's high-water mark of resident memory (VmHWM in /proc/self/status) and
 resets it to the current resident set when "5" is written to /proc/self/clear_refs. Each switch
 reads the mark into the phase that ends (the largest over the times it ran, less the baseline,
-at least 0) and resets it for the next. The baseline is the lowest resident set seen at a
-switch: memory the process gave back after it started (a thread's arena, heap it trimmed)
-would otherwise hide that much of a later phase's own allocation. Where the mark cannot be
-reset (not Linux, a kernel or a sandbox without clear_refs) a phase's peak cannot be told from
-an earlier one: peaks are None there. `gather_peaks` brings every rank's to every rank (a few
-numbers per rank, bounded waits).
+at least 0) and resets it for the next. Where the mark cannot be reset (not Linux, a kernel or
+a sandbox without clear_refs) a phase's peak cannot be told from an earlier one: peaks are None
+there. `gather_peaks` brings every rank's to every rank (a few numbers per rank, bounded waits).
 """
 from __future__ import annotations
 
@@ -49,9 +46,8 @@ def reset_high_water_mark(path=CLEAR_REFS) -> bool:
 
 
 class PhasePeaks:
-    """Each phase's peak resident bytes above the lowest resident set seen at construction
-    and at each switch (module docstring); `peaks[name]` is None where the mark cannot be
-    reset."""
+    """Each phase's peak resident bytes above the resident set at construction (module
+    docstring); `peaks[name]` is None where the mark cannot be reset."""
 
     def __init__(self):
         self.baseline = status_bytes("VmRSS")
@@ -68,8 +64,6 @@ class PhasePeaks:
             self.peaks[self.current] = peak if old is None or peak is None else max(old, peak)
         self.current = name
         if name is not None and self.works:
-            now = status_bytes("VmRSS")
-            self.baseline = self.baseline if now is None else min(self.baseline, now)
             self.works = reset_high_water_mark()
 
     @contextmanager
