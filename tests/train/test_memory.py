@@ -3,8 +3,8 @@
     pytest -q tests/train/test_memory.py
     mpiexec -n 2 python -m mpi4py -m pytest --with-mpi -m mpi tests/train/test_memory.py
 """
-import gc
 import json
+import mmap
 import os
 import tempfile
 
@@ -22,16 +22,19 @@ linux_marks = pytest.mark.skipif(not os.path.exists(memory.CLEAR_REFS),
 
 
 def touch(mib: int) -> None:
-    """Make `mib` MiB resident, then free them."""
-    a = np.ones(mib * MiB // 8)
-    del a
+    """Make `mib` MiB of fresh pages resident, then give them back: an anonymous mapping of
+    its own, not malloc's (which may hand out heap memory already resident, depending on the
+    state earlier tests leave it in: the eval phase's 40 MiB then read as 0)."""
+    with mmap.mmap(-1, mib * MiB) as m:
+        a = np.frombuffer(m, dtype=np.uint8)
+        a[:] = 1
+        del a
 
 
 @linux_marks
 def test_each_phase_gets_its_own_peak():
     """200 MiB touched in 'train', 40 MiB in an 'eval' between two train spans: each phase's
     peak above the baseline is its own allocation, not the largest so far."""
-    gc.collect()      # garbage of earlier tests freed later would lower RSS below the baseline
     peaks = PhasePeaks()
     peaks.switch("train")
     touch(200)
