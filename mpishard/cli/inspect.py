@@ -156,7 +156,7 @@ def add_inspect_arguments(p):
     p.add_argument("--memory-parts", action="store_true", help="with --layout: the peak "
                    "memory's transient parts (gathered weights, activations, logits, buffers)")
     p.add_argument("--env", action="store_true", help="the MPI library, CUDA-aware yes/no and "
-                   "why, the GPU communication path --gpu-comm auto takes (nccl, mpi, staged; "
+                   "why, the GPU communication path --gpu-comm auto takes (mpi or staged; "
                    "host without a GPU) and why, cupy, the visible GPUs and each rank's GPU "
                    "(collective under mpiexec)")
     return p
