@@ -240,7 +240,7 @@ def part_bench(script, n):
         args = [*script, "--budget", max(budget - 20, 0.7 * budget)]
         args += ["--standin", "--samples", "2"] if check.standin else []
         rc, lines = check.run(check.mpi(n, *args), budget)
-        recs = [json.loads(line[6:]) for line in lines if line.startswith("BENCH ")]
+        recs = more.bench_lines(lines)
         rec = {"measurements": recs}
         if rc or not recs or any("error" in r for r in recs):       # what it measured stays
             rec.update(status="failed", error=f"exit {rc}; {len(recs)} measurements, errors "

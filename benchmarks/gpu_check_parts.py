@@ -26,6 +26,7 @@ TINY_GPT = "d_model=32,n_heads=4,n_layers=2,seq_len=32"
 
 
 def bench_lines(lines):
+    """The records of a part's `BENCH {json}` lines (every benchmark script prints them)."""
     return [json.loads(line[6:]) for line in lines if line.startswith("BENCH ")]
 
 
