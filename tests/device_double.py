@@ -201,6 +201,7 @@ class DeviceModule(types.ModuleType):
         self.copies = CopyCounter()
         self.ndarray = DeviceArray
         self.streams: dict = {}                       # ptr -> Stream (the null stream: 0)
+        self._progressing = False                     # Stream.query moving every stream on
         null = Stream(self)
         self.cuda = types.SimpleNamespace(
             get_current_stream=lambda: null,
@@ -294,7 +295,10 @@ class DeviceModule(types.ModuleType):
 class Stream:
     """An in-order queue of device work: `enqueue(launch)` adds an item, `launch()` starts it
     and returns `test`, which says (True) once it finished. An item starts only after the one
-    before it finished, when the host asks (`query`, `synchronize`, an event's `done`)."""
+    before it finished, when the host asks (`query`, `synchronize`, an event's `done`): any
+    such question moves every stream of the device on, as a GPU runs its streams whatever
+    the host waits for (a send queued on one stream must not wait for a host that polls
+    another)."""
 
     def __init__(self, module):
         self._module = module
@@ -309,16 +313,26 @@ class Stream:
         self.query()                       # an idle stream starts the item at once
 
     def query(self) -> bool:
-        """Progress the queue; True when it is empty."""
+        """Progress every stream of the device; True when this one is empty."""
+        module = self._module
+        if not module._progressing:        # an item's test may ask again: once is enough
+            module._progressing = True
+            try:
+                for stream in list(module.streams.values()):
+                    stream._advance()
+            finally:
+                module._progressing = False
+        return not self.queue
+
+    def _advance(self) -> None:
         while self.queue:
             item = self.queue[0]
             if item[1] is None:
                 item[1] = item[0]()
             if not item[1]():
-                return False
+                return
             self.queue.pop(0)
             self.finished += 1
-        return True
 
     done = property(query)
 

@@ -18,20 +18,34 @@ dtypes NCCL lacks (bool, complex) keep going through MPI.
 - Non-blocking all_reduce and all_gather run on a side stream, so the backward's kernels,
   queued on the current stream meanwhile, overlap them; the next operation on the current
   stream first waits for the side stream's last one (one order per communicator, as NCCL needs).
-- Sends and receives are batched: each is queued in posting order, and what is ready goes
-  to NCCL as one groupStart/groupEnd when a message is waited for or another NCCL operation
-  is issued: every send, and the receives whose header came (a pair's in posting order); a
-  waited receive's header is waited for. A send then mostly runs together with the receive
-  of its exchange, instead of blocking until a receive queued behind it on the peer's
-  stream; this depends on when headers arrive, so an exchange can still be split in two
-  groups and deadlock (a known limit: the watchdog then names the peer). NCCL matches a
-  pair's messages in issue order, not by tag: each header carries the send's number, and a
-  receive that would take another send's data raises.
+- Sends and receives go through two more NCCL communicators of the group, one per
+  direction: "up" carries the messages to a higher group rank (and to itself), "down" those
+  to a lower one, each on a stream of its own. NCCL runs a stream's operations one after the
+  other and a send completes only once its receive runs, so on one stream two ranks that
+  each issue a send before the receive of the other's message wait for each other forever
+  (a pipeline's activation and gradient crossing; a ring's exchange). On a lane every link
+  carries messages one way only, matched in issue order (FIFO), so a wait can only point at
+  earlier operations of the rank it started from: a pipeline's or a ring's neighbour links
+  cannot deadlock, however the messages fall into groups. Not proven: a lane with links that
+  skip ranks (interleaved pipelines of 3+ stages send the wrap-around stage's activations
+  from the last rank to the first on the "down" lane beside the neighbours' gradients).
+  NCCL's documentation asks that operations on different communicators be issued in the
+  same order on every rank or that they fit on the GPU together; the two lanes rely on the
+  latter (a few thread blocks each).
+- Queued sends and receives go to NCCL when a message is waited for or another NCCL
+  operation is issued: every send, and the receives whose header came (a pair's in posting
+  order), as one group per lane. A wait for a message whose receive lacks its header polls
+  (bounded by the watchdog) and issues every receive whose header comes meanwhile, so a
+  peer waiting for one of them is not kept waiting. NCCL matches a pair's messages in issue
+  order, not by tag: each header carries the send's number, and a receive that would take
+  another send's data raises.
 
 The module is cupy's `cupy.cuda.nccl`, or a stand-in given to the Backend (the test suite's
 tests/nccl_double.py, which is strict about all of the above).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -75,6 +89,7 @@ class Message:
         self.kind, self.comm, self.array, self.peer = kind, comm, array, peer
         self.resolve = resolve
         self.seq = None
+        self.header = None                # a receive's MPI request of its header
         self.event = None                 # set when its group is issued
         self.by_mpi = False               # resolved to a dtype NCCL lacks
 
@@ -105,7 +120,7 @@ class NcclTransport:
                       if hasattr(nccl, v)}
         self.ops = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX,
                     "min": nccl.NCCL_MIN}
-        self._comms: dict = {}            # id(mpi comm) -> (NcclCommunicator, mpi comm)
+        self._comms: dict = {}            # id(mpi comm) -> (NcclCommunicator, mpi comm, lanes)
         self.queued: list = []            # Messages not yet issued
         self.counts: dict = {}            # (kind, id(comm), peer) -> messages so far
         self._side = None                 # the side stream of non-blocking collectives
@@ -117,25 +132,36 @@ class NcclTransport:
                 and a.ndim < MAX_DIMS)            # a header word left for the send's number
 
     # -- communicators ---------------------------------------------------------------------
-    def communicator(self, comm, watchdog):
-        """The NCCL communicator of the MPI group `comm`, bootstrapped on first use."""
+    def communicator(self, comm, watchdog, lane=None):
+        """The NCCL communicator of the MPI group `comm` (with `lane` "up" or "down": that
+        lane's (communicator, stream)), all three bootstrapped on the group's first use."""
         entry = self._comms.get(id(comm))
         if entry is None:
-            uid = np.zeros(UID_BYTES, np.int16)     # cupy's chars: signed or not by platform
+            uid = np.zeros((3, UID_BYTES), np.int16)   # cupy's chars: signed or not by platform
             if comm.Get_rank() == 0:
-                uid[:] = self.nccl.get_unique_id()
+                for row in uid:
+                    row[:] = self.nccl.get_unique_id()
             watchdog.run(comm.Bcast, comm.Ibcast, (uid, 0), "nccl bootstrap", comm)
-            nc = self.nccl.NcclCommunicator(comm.Get_size(), tuple(uid.tolist()),
-                                            comm.Get_rank())
-            entry = self._comms[id(comm)] = (nc, comm)
-        return entry[0]
+            made = [self.nccl.NcclCommunicator(comm.Get_size(), tuple(row.tolist()),
+                                               comm.Get_rank()) for row in uid]
+            lanes = {name: (nc, self.xp.cuda.Stream(non_blocking=True))
+                     for name, nc in zip(("up", "down"), made[1:])}
+            entry = self._comms[id(comm)] = (made[0], comm, lanes)
+        return entry[0] if lane is None else entry[2][lane]
 
     def close(self) -> None:
         """Destroy the communicators (engine.close()); a later call bootstraps new ones."""
-        for nc, _ in self._comms.values():
-            nc.destroy()
+        for nc, _, lanes in self._comms.values():
+            for c in [nc] + [c for c, _ in lanes.values()]:
+                c.destroy()
         self._comms.clear()
         self.queued.clear()
+
+    def _abort(self, comm) -> None:
+        entry = self._comms.pop(id(comm), None)
+        if entry is not None:
+            for c in [entry[0]] + [c for c, _ in entry[2].values()]:
+                c.abort()
 
     def _stream(self):
         """The current stream, after the side stream's last operation (one order)."""
@@ -155,14 +181,8 @@ class NcclTransport:
             return
         if watchdog.poll_until(lambda: event.done):
             return
-        entry = self._comms.pop(id(comm), None)
-        if entry is not None:
-            entry[0].abort()
-        if peer is None:
-            late = watchdog.late(comm, ticket)
-        else:
-            ranks = watchdog.group(comm)[1]
-            late = f"[{ranks[peer] if 0 <= peer < len(ranks) else peer}] (the peer)"
+        self._abort(comm)
+        late = watchdog.late(comm, ticket) if peer is None else peer_text(watchdog, comm, peer)
         watchdog.timed_out(what, comm, late, [])
 
     def _run(self, comm, watchdog, what, call, side=False) -> Pending:
@@ -234,28 +254,35 @@ class NcclTransport:
         return message
 
     def flush(self, watchdog, upto=None) -> None:
-        """Issue the queued messages that are ready, in queue order, as one group per
-        communicator: every send, and the receives whose header is here and whose pair's
-        earlier receives are ready too (NCCL matches a pair's messages in issue order).
-        `upto`: a queued message to issue now; while it is not ready, the header of its pair's
-        first receive not ready is waited for (bounded), and the rest goes in further groups."""
+        """Issue the queued messages that are ready, in queue order, as one group per lane:
+        every send, and the receives whose header is here and whose pair's earlier receives
+        are ready too (NCCL matches a pair's messages in issue order). `upto`: a queued
+        message to issue now; until it is, poll (bounded) for headers, issuing each receive
+        whose header comes."""
+        if upto is not None:
+            watchdog.check_usable()
         while True:
-            ready, blocked = [], set()
-            for m in self.queued:
-                pair = (id(m.comm), m.peer)
-                if m.kind == "recv" and (pair in blocked or not m.ready()):
-                    blocked.add(pair)
-                else:
-                    ready.append(m)
-            self.queued = [m for m in self.queued if all(m is not r for r in ready)]
-            self._issue(ready, watchdog)
+            self._issue(self._take_ready(), watchdog)
             if upto is None or upto.event is not None or upto.by_mpi:
                 return
-            first = next((m for m in self.queued if m.kind == "recv" and m.comm is upto.comm
-                          and m.peer == upto.peer and not m.ready()), None)
-            if first is not None:          # None: its header came meanwhile, scan again
-                first.array = first.resolve(block=True)
-                first.resolve = None
+            if not poll(watchdog, lambda: bool(self._take_ready(peek=True))):
+                first = next(m for m in self.queued if m.kind == "recv" and not m.ready())
+                watchdog.timed_out("receive", first.comm,
+                                   peer_text(watchdog, first.comm, first.peer),
+                                   [first.header] if first.header is not None else [])
+
+    def _take_ready(self, peek=False) -> list:
+        """The queued messages that can be issued now (taken off the queue unless `peek`)."""
+        ready, blocked = [], set()
+        for m in self.queued:
+            pair = (id(m.comm), m.peer)
+            if m.kind == "recv" and (pair in blocked or not m.ready()):
+                blocked.add(pair)
+            else:
+                ready.append(m)
+        if not peek:
+            self.queued = [m for m in self.queued if all(m is not r for r in ready)]
+        return ready
 
     def _count(self, kind, comm, peer) -> int:
         key = (kind, id(comm), peer)
@@ -277,11 +304,14 @@ class NcclTransport:
                         f"rank {m.peer} would take that rank's send number {k}, but its header "
                         f"is send number {m.seq}'s (NCCL matches a pair's messages in the order "
                         "they are issued, not by tag: post the receives in the sending order)")
+        after = None                      # the compute stream's work so far, once
         while exchange:
-            comm = exchange[0].comm
-            batch = [m for m in exchange if m.comm is comm]
-            exchange = [m for m in exchange if m.comm is not comm]
-            nc, stream = self.communicator(comm, watchdog), self._stream()
+            key = (exchange[0].comm, lane_of(exchange[0]))
+            batch = [m for m in exchange if (m.comm, lane_of(m)) == key]
+            exchange = [m for m in exchange if (m.comm, lane_of(m)) != key]
+            nc, stream = self.communicator(key[0], watchdog, key[1])
+            after = after or self._stream().record()
+            stream.wait_event(after)      # sends read what the compute stream wrote
             self.nccl.groupStart()
             try:
                 for m in batch:
@@ -301,3 +331,25 @@ class NcclTransport:
             self.flush(watchdog, upto=message)
         if not message.by_mpi:
             self.wait(message.event, message.comm, watchdog, what, peer=message.peer)
+
+
+def lane_of(m) -> str:
+    """The lane of a message: "up" to a higher group rank (or to itself), else "down"."""
+    me = m.comm.Get_rank()
+    src, dst = (me, m.peer) if m.kind == "send" else (m.peer, me)
+    return "up" if dst >= src else "down"
+
+
+def peer_text(watchdog, comm, peer) -> str:
+    """A message's peer as a timeout names it: its world rank."""
+    ranks = watchdog.group(comm)[1]
+    return f"[{ranks[peer] if 0 <= peer < len(ranks) else peer}] (the peer)"
+
+
+def poll(watchdog, test) -> bool:
+    """`test()` polled until True: bounded by the watchdog's timeout when it has one."""
+    if watchdog.timeout:
+        return watchdog.poll_until(test)
+    while not test():
+        os.sched_yield()
+    return True

@@ -279,6 +279,7 @@ class PointToPoint:
             got.append(self.xp.empty(shape, dtype=dtype))
             return got[0] if nccl.handles(got[0]) else None
         message = nccl.queue("recv", None, comm, src_id, resolve=resolve)
+        message.header = req                    # cancelled if a wait for it times out
 
         def finish():
             if not message.by_mpi:

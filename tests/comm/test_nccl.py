@@ -119,9 +119,9 @@ def test_every_collective_through_nccl_equals_mpi(n):
     print(f"rank {me} of {n}: NCCL calls {dict(nccl.calls)}")
     for name in ("allReduce", "allGather", "reduceScatter", "bcast", "send", "recv"):
         assert nccl.calls[name] > 0, name
-    assert nccl.calls["NcclCommunicator"] == 1           # one per group, made once
+    assert nccl.calls["NcclCommunicator"] == 3           # the group's and its two lanes', once
     engine.close()
-    assert nccl.calls["destroy"] == 1
+    assert nccl.calls["destroy"] == 3
 
 
 @pytest.mark.mpi(min_size=2)
@@ -135,7 +135,7 @@ def test_a_late_rank_is_named_and_the_communicator_aborted():
     if comm.Get_rank() == 0:
         with pytest.raises(CollectiveTimeout, match=r"late ranks: \[1\]"):
             engine.all_reduce(d)
-        assert nccl.calls["abort"] == 1
+        assert nccl.calls["abort"] == 3                   # the group's and its lanes'
     comm.Barrier()
     if comm.Get_rank() == 1:                              # the late one joins after all
         try:
@@ -181,3 +181,22 @@ def test_a_pair_s_receives_are_issued_in_posting_order():
         assert xp.asnumpy(second.result()).tolist() == [2.0] * 3
         assert xp.asnumpy(first.result()).tolist() == [1.0] * 3
         engine.all_reduce(xp.ones(1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_crossing_sends_do_not_wait_for_each_other():
+    """Each rank sends, has the send issued alone, then receives the other's message: on one
+    NCCL stream each send would wait for a receive queued behind the other rank's send (the
+    pipeline's activation and gradient crossing). The lanes carry the two directions apart."""
+    comm = group_comm(2)
+    backend, xp, nccl = nccl_backend(comm)
+    mesh = DeviceMesh(comm, parse_layout("dp=2"))
+    engine = Comm(mesh, backend, watchdog=Watchdog(mesh, 20))
+    me, other = comm.Get_rank(), 1 - comm.Get_rank()
+    sent = engine.send_async(xp.asarray(np.full(5, float(me))), other, tag=3)
+    backend.device_transport.flush(engine.watchdog)          # the send's group, issued alone
+    assert nccl.calls["groupEnd"] == 1 and nccl.calls["recv"] == 0
+    got = engine.receive_async(other, tag=3).result()
+    assert xp.asnumpy(got).tolist() == [float(other)] * 5
+    sent.result()
+    comm.Barrier()
