@@ -319,7 +319,12 @@ class Stream:
             module._progressing = True
             try:
                 for stream in list(module.streams.values()):
-                    stream._advance()
+                    if stream is not self:
+                        try:
+                            stream._advance()
+                        except Exception:   # raised again to whoever asks that stream
+                            pass
+                self._advance()
             finally:
                 module._progressing = False
         return not self.queue

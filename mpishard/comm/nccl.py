@@ -8,34 +8,40 @@ communicator, carries the headers of messages, the lengths all_gather exchanges,
 the watchdog's arrival counters, checkpoints and host arrays; uneven blocks, all_to_all_v and
 dtypes NCCL lacks (bool, complex) keep going through MPI.
 
-- One NCCL communicator per MPI group, made on the group's first device call: the group's
-  rank 0 makes the unique id, MPI broadcasts it, every member builds
-  `NcclCommunicator(size, id, rank)`.
-- NCCL works on a stream: an operation is queued on the current stream, then the host waits
-  for an event recorded after it, polled under the engine's timeout (health/watchdog.py). Past
-  the timeout the communicator is aborted and the same CollectiveTimeout as MPI's is raised,
-  naming the late ranks from the watchdog's arrival counters (a peer's name for a message).
+- Three NCCL communicators per MPI group, made on the group's first device call: the
+  group's rank 0 makes three unique ids, MPI broadcasts them, every member builds
+  `NcclCommunicator(size, id, rank)` for each: the collectives' and the two lanes' below.
+- NCCL works on a stream: a collective is queued on the current stream (a message on its
+  lane's), then the host waits for an event recorded after it, polled under the engine's
+  timeout (health/watchdog.py). Past the timeout the group's communicators are aborted and
+  the same CollectiveTimeout as MPI's is raised, naming the late ranks from the watchdog's
+  arrival counters (a peer's name for a message).
 - Non-blocking all_reduce and all_gather run on a side stream, so the backward's kernels,
   queued on the current stream meanwhile, overlap them; the next operation on the current
   stream first waits for the side stream's last one (one order per communicator, as NCCL needs).
-- Sends and receives go through two more NCCL communicators of the group, one per
-  direction: "up" carries the messages to a higher group rank (and to itself), "down" those
-  to a lower one, each on a stream of its own. NCCL runs a stream's operations one after the
-  other and a send completes only once its receive runs, so on one stream two ranks that
-  each issue a send before the receive of the other's message wait for each other forever
-  (a pipeline's activation and gradient crossing; a ring's exchange). On a lane every link
-  carries messages one way only, matched in issue order (FIFO), so a wait can only point at
-  earlier operations of the rank it started from: a pipeline's or a ring's neighbour links
-  cannot deadlock, however the messages fall into groups. Not proven: a lane with links that
-  skip ranks (interleaved pipelines of 3+ stages send the wrap-around stage's activations
-  from the last rank to the first on the "down" lane beside the neighbours' gradients).
-  NCCL's documentation asks that operations on different communicators be issued in the
-  same order on every rank or that they fit on the GPU together; the two lanes rely on the
-  latter (a few thread blocks each).
+- Sends and receives go through the group's two lane communicators: "up" carries the
+  messages to a higher group rank (and to itself), "down" those to a lower one, each on a
+  stream of its own that first waits for the compute stream's work so far. NCCL runs a
+  stream's operations one after the other and a send completes only once its receive runs,
+  so on one stream two ranks that each issue a send before the receive of the other's
+  message wait for each other forever (a pipeline's activation and gradient crossing; a
+  ring's exchange). On a lane a link carries messages one way, matched in issue order, so
+  two linked ranks' first unfinished groups never wait for each other: either both hold the
+  link's next message and run together, or the receiver's holds nothing from the sender.
+  Waits then follow the lane's links one way each, and where each lane's links form a
+  forest they cannot close a cycle, however the messages fall into groups: a pipeline's
+  (a chain each way) and a ring's ("up" a chain, "down" the one wrap-around link). Not
+  covered: lanes whose links close a cycle (an interleaved pipeline of 3+ stages adds its
+  wrap-around links, last to first stage on "down" and first to last on "up", beside the
+  neighbours'); a message to itself sent in a group without its receive (NCCL needs both in
+  one group: the engine sends none). NCCL's documentation asks that operations on several
+  communicators be issued in the same order on every rank or fit on the GPU side by side;
+  the lanes rely on the latter (a few thread blocks each), and a device-wide
+  synchronization meanwhile (a lazy connection set-up, a cudaFree) could still stall them.
 - Queued sends and receives go to NCCL when a message is waited for or another NCCL
   operation is issued: every send, and the receives whose header came (a pair's in posting
   order), as one group per lane. A wait for a message whose receive lacks its header polls
-  (bounded by the watchdog) and issues every receive whose header comes meanwhile, so a
+  (one bound, the watchdog's) and issues every receive whose header comes meanwhile, so a
   peer waiting for one of them is not kept waiting. NCCL matches a pair's messages in issue
   order, not by tag: each header carries the send's number, and a receive that would take
   another send's data raises.
@@ -44,8 +50,6 @@ The module is cupy's `cupy.cuda.nccl`, or a stand-in given to the Backend (the t
 tests/nccl_double.py, which is strict about all of the above).
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -174,7 +178,7 @@ class NcclTransport:
     # -- waits -----------------------------------------------------------------------------
     def wait(self, event, comm, watchdog, what, ticket=None, peer=None) -> None:
         """Until `event` happened: at most the watchdog's timeout, then abort the group's
-        communicator and raise CollectiveTimeout naming the late ranks (or the peer)."""
+        communicators and raise CollectiveTimeout naming the late ranks (or the peer)."""
         watchdog.check_usable()
         if not watchdog.timeout:
             event.synchronize()
@@ -258,21 +262,30 @@ class NcclTransport:
         every send, and the receives whose header is here and whose pair's earlier receives
         are ready too (NCCL matches a pair's messages in issue order). `upto`: a queued
         message to issue now; until it is, poll (bounded) for headers, issuing each receive
-        whose header comes."""
-        if upto is not None:
-            watchdog.check_usable()
-        while True:
-            self._issue(self._take_ready(), watchdog)
-            if upto is None or upto.event is not None or upto.by_mpi:
-                return
-            if not poll(watchdog, lambda: bool(self._take_ready(peek=True))):
-                first = next(m for m in self.queued if m.kind == "recv" and not m.ready())
-                watchdog.timed_out("receive", first.comm,
-                                   peer_text(watchdog, first.comm, first.peer),
-                                   [first.header] if first.header is not None else [])
+        whose header comes; past the timeout the group's communicators are aborted and
+        CollectiveTimeout names the peer."""
+        self._issue(self._take_ready(), watchdog)
+        if upto is None or issued(upto):
+            return
 
-    def _take_ready(self, peek=False) -> list:
-        """The queued messages that can be issued now (taken off the queue unless `peek`)."""
+        def step():
+            for _, _, lanes in self._comms.values():    # a GPU runs its streams anyway
+                for _, stream in lanes.values():
+                    stream.done
+            self._issue(self._take_ready(), watchdog)
+            if not issued(upto) and all(m is not upto for m in self.queued):
+                raise RuntimeError(f"an NCCL {upto.kind} with group rank {upto.peer} left the "
+                                   "queue without being issued (an earlier error)")
+            return issued(upto)
+        if not watchdog.poll_peer_until(step, upto.comm):
+            first = next((m for m in self.queued if m.kind == "recv" and m.comm is upto.comm
+                          and m.peer == upto.peer and not m.ready()), upto)
+            self._abort(upto.comm)
+            watchdog.timed_out("receive", first.comm, peer_text(watchdog, first.comm, first.peer),
+                               [first.header] if first.header is not None else [])
+
+    def _take_ready(self) -> list:
+        """The queued messages that can be issued now, taken off the queue."""
         ready, blocked = [], set()
         for m in self.queued:
             pair = (id(m.comm), m.peer)
@@ -280,8 +293,7 @@ class NcclTransport:
                 blocked.add(pair)
             else:
                 ready.append(m)
-        if not peek:
-            self.queued = [m for m in self.queued if all(m is not r for r in ready)]
+        self.queued = [m for m in self.queued if all(m is not r for r in ready)]
         return ready
 
     def _count(self, kind, comm, peer) -> int:
@@ -310,7 +322,7 @@ class NcclTransport:
             batch = [m for m in exchange if (m.comm, lane_of(m)) == key]
             exchange = [m for m in exchange if (m.comm, lane_of(m)) != key]
             nc, stream = self.communicator(key[0], watchdog, key[1])
-            after = after or self._stream().record()
+            after = after or self.xp.cuda.get_current_stream().record()
             stream.wait_event(after)      # sends read what the compute stream wrote
             self.nccl.groupStart()
             try:
@@ -346,10 +358,6 @@ def peer_text(watchdog, comm, peer) -> str:
     return f"[{ranks[peer] if 0 <= peer < len(ranks) else peer}] (the peer)"
 
 
-def poll(watchdog, test) -> bool:
-    """`test()` polled until True: bounded by the watchdog's timeout when it has one."""
-    if watchdog.timeout:
-        return watchdog.poll_until(test)
-    while not test():
-        os.sched_yield()
-    return True
+def issued(m) -> bool:
+    """Has the message gone to NCCL (or to MPI: a dtype NCCL lacks)?"""
+    return m.event is not None or m.by_mpi

@@ -73,3 +73,11 @@ class Waits:
         self.check_usable()
         while not test():
             os.sched_yield()
+
+    def poll_peer_until(self, test, comm) -> bool:
+        """Poll `test()` (a message with one peer of `comm` arriving: an NCCL receive's header,
+        nccl.py) until it returns True, yielding the core between polls; True."""
+        self.check_usable()
+        while not test():
+            os.sched_yield()
+        return True

@@ -232,6 +232,21 @@ class Watchdog(Waits):
         if not self.poll_until(test):
             self.timed_out(what, comm, self.late(comm, ticket), [])
 
+    def poll_peer_until(self, test, comm) -> bool:
+        """Poll `test()` (a message with one peer of `comm` arriving: an NCCL receive's header,
+        comm/nccl.py) at most the timeout: False once it passed (the caller names the peer).
+        The time it blocked counts into the peer waits, as wait_peer's does."""
+        if not self.timeout:
+            return super().poll_peer_until(test, comm)
+        self.check_usable()
+        t0 = time.perf_counter()
+        try:
+            if self.tracer is not None:
+                return self.traced(self.poll_until, comm, test)
+            return self.poll_until(test)
+        finally:
+            note_peer_wait(time.perf_counter() - t0)
+
     def traced(self, wait, comm, *args):
         """Run `wait(*args)` and tell the tracer how long it blocked, on which group; returns
         what `wait` returns."""

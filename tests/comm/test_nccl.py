@@ -200,3 +200,20 @@ def test_crossing_sends_do_not_wait_for_each_other():
     assert xp.asnumpy(got).tolist() == [float(other)] * 5
     sent.result()
     comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_receive_whose_header_never_comes_names_the_peer():
+    """Waiting for a receive polls for its header at most the timeout: then the group's three
+    communicators are aborted and the CollectiveTimeout names the peer that never sent."""
+    comm = group_comm(2)
+    backend, xp, nccl = nccl_backend(comm)
+    mesh = DeviceMesh(comm, parse_layout("dp=2"))
+    engine = Comm(mesh, backend, watchdog=Watchdog(mesh, 1.0))
+    engine.all_reduce(xp.ones(1))                     # the communicators, made
+    if comm.Get_rank() == 0:
+        waiting = engine.receive_async(1, tag=4)
+        with pytest.raises(CollectiveTimeout, match=r"receive .* late ranks: \[1\] \(the peer\)"):
+            waiting.result()
+        assert nccl.calls["abort"] == 3
+    comm.Barrier()
