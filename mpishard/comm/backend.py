@@ -31,9 +31,8 @@ taken and `.comm_path_reason` why, which `inspect --env` prints):
             `--cuda-aware no` is this path).
     auto    mpi where the MPI is CUDA-aware, else staged (`cuda_aware=` True or False picks
             one). NCCL is opt-in (gpu_comm="nccl") until its known limits are lifted: it has
-            not run on a GPU, a send_async waits for the rank's next NCCL call, and NCCL's
-            own set-up and connection waits are not bounded by the watchdog (nccl.py,
-            docs/gpus.md).
+            not run on a GPU, and NCCL's own set-up and connection waits may escape the
+            watchdog (nccl.py, docs/gpus.md).
 
 The choice is agreed by every rank (one path per job). On CPUs the path is "host": numpy
 arrays go to MPI as they are, whatever was asked.

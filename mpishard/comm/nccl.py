@@ -38,9 +38,10 @@ dtypes NCCL lacks (bool, complex) keep going through MPI.
   communicators be issued in the same order on every rank or fit on the GPU side by side;
   the lanes rely on the latter (a few thread blocks each), and a device-wide
   synchronization meanwhile (a lazy connection set-up, a cudaFree) could still stall them.
-- Queued sends and receives go to NCCL when a message is waited for or another NCCL
-  operation is issued: every send, and the receives whose header came (a pair's in posting
-  order), as one group per lane. A wait for a message whose receive lacks its header polls
+- Queued sends and receives go to NCCL when a send_async is posted, a message is waited
+  for or another NCCL operation is issued: every send (one to itself only with its
+  receive), and the receives whose header came (a pair's in posting order), as one group
+  per lane. A wait for a message whose receive lacks its header polls
   (one bound, the watchdog's) and issues every receive whose header comes meanwhile, so a
   peer waiting for one of them is not kept waiting. NCCL matches a pair's messages in issue
   order, not by tag: each header carries the send's number, and a receive that would take
@@ -146,8 +147,12 @@ class NcclTransport:
                 for row in uid:
                     row[:] = self.nccl.get_unique_id()
             watchdog.run(comm.Bcast, comm.Ibcast, (uid, 0), "nccl bootstrap", comm)
-            made = [self.nccl.NcclCommunicator(comm.Get_size(), tuple(row.tolist()),
-                                               comm.Get_rank()) for row in uid]
+
+            def make():
+                return [self.nccl.NcclCommunicator(comm.Get_size(), tuple(row.tolist()),
+                                                   comm.Get_rank()) for row in uid]
+            made = (make() if watchdog.guard is None else       # init waits for every member
+                    watchdog.call_with_deadline(make, (), "nccl init", comm))
             lanes = {name: (nc, self.xp.cuda.Stream(non_blocking=True))
                      for name, nc in zip(("up", "down"), made[1:])}
             entry = self._comms[id(comm)] = (made[0], comm, lanes)
@@ -283,6 +288,13 @@ class NcclTransport:
             self._abort(upto.comm)
             watchdog.timed_out("receive", first.comm, peer_text(watchdog, first.comm, first.peer),
                                [first.header] if first.header is not None else [])
+
+    def issue_send(self, message, watchdog) -> None:
+        """A send_async's data goes to NCCL at once (with what else is ready), so its receiver
+        never waits for this rank's next NCCL call. A send to itself waits in the queue: NCCL
+        needs its receive in the same group."""
+        if message.peer != message.comm.Get_rank():
+            self.flush(watchdog)
 
     def _take_ready(self) -> list:
         """The queued messages that can be issued now, taken off the queue."""

@@ -204,14 +204,16 @@ class PointToPoint:
         """send_async's two forms through NCCL: a header over MPI unless a buffer is named."""
         self.stats.count("send", a.nbytes, t0)
         if target is not None:
-            return self._nccl_future(nccl, nccl.queue("send", a, comm, target), "send",
-                                     keep=(a,))
+            message = nccl.queue("send", a, comm, target)
+            nccl.issue_send(message, self.watchdog)
+            return self._nccl_future(nccl, message, "send", keep=(a,))
         dest = dst if dest is None else dest
         if dest is None or not isinstance(dest, (int, np.integer)):
             raise TypeError("send_async(arr, dest) needs an integer destination rank")
         h, message = header(a), nccl.queue("send", a, comm, int(dest))
         h[-1] = message.seq                               # its number, checked at the receiver
         req = comm.Isend(h, dest=int(dest), tag=wire_tag(tag, _TAG_HEADER))
+        nccl.issue_send(message, self.watchdog)           # the header first, then the data
         return self._nccl_future(nccl, message, "send", requests=[req], keep=(a, h))
 
     def _hold(self, fut: Future) -> Future:

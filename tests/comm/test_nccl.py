@@ -217,3 +217,24 @@ def test_a_receive_whose_header_never_comes_names_the_peer():
             waiting.result()
         assert nccl.calls["abort"] == 3
     comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_send_async_goes_out_before_the_next_nccl_call():
+    """The sender posts a send_async and then blocks in plain MPI on a reply the receiver
+    sends only after its NCCL receive: the send must go to NCCL when it is posted."""
+    comm = group_comm(2)
+    backend, xp, _ = nccl_backend(comm)
+    mesh = DeviceMesh(comm, parse_layout("dp=2"))
+    engine = Comm(mesh, backend, watchdog=Watchdog(mesh, 20))
+    reply = np.zeros(1)
+    if comm.Get_rank() == 0:
+        sent = engine.send_async(xp.asarray(np.arange(3.0)), 1, tag=6)
+        comm.Recv(reply, source=1, tag=77)                   # MPI only: no NCCL call here
+        sent.result()
+        assert reply.tolist() == [1.0]
+    else:
+        got = engine.receive(0, tag=6)
+        comm.Send(np.ones(1), dest=0, tag=77)
+        assert xp.asnumpy(got).tolist() == [0.0, 1.0, 2.0]
+    comm.Barrier()
