@@ -11,6 +11,11 @@ dtypes NCCL lacks (bool, complex) keep going through MPI.
 - Three NCCL communicators per MPI group, made on the group's first device call: the
   group's rank 0 makes three unique ids, MPI broadcasts them, every member builds
   `NcclCommunicator(size, id, rank)` for each: the collectives' and the two lanes' below.
+  A member's first call may be a collective, a send or a wait for a receive (made before
+  the header is polled for: in a pipeline the first stage's first send makes them, and a
+  stage further on joins while it waits, not after its predecessor's message came, which
+  needs them). Members must reach their first call without waiting for each other through
+  another group's messages.
 - NCCL works on a stream: a collective is queued on the current stream (a message on its
   lane's), then the host waits for an event recorded after it, polled under the engine's
   timeout (health/watchdog.py). Past the timeout the group's communicators are aborted and
@@ -272,6 +277,7 @@ class NcclTransport:
         self._issue(self._take_ready(), watchdog)
         if upto is None or issued(upto):
             return
+        self.communicator(upto.comm, watchdog)    # made before waiting (the sender may be in it)
 
         def step():
             for _, _, lanes in self._comms.values():    # a GPU runs its streams anyway
