@@ -11,11 +11,11 @@ dtypes NCCL lacks (bool, complex) keep going through MPI.
 - Three NCCL communicators per MPI group, made on the group's first device call: the
   group's rank 0 makes three unique ids, MPI broadcasts them, every member builds
   `NcclCommunicator(size, id, rank)` for each: the collectives' and the two lanes' below.
-  A member's first call may be a collective, a send or a wait for a receive (made before
-  the header is polled for: in a pipeline the first stage's first send makes them, and a
-  stage further on joins while it waits, not after its predecessor's message came, which
-  needs them). Members must reach their first call without waiting for each other through
-  another group's messages.
+  The engine makes them up front for every mesh axis (parallel/compose.py, at a line every
+  rank reaches: on first use a later pipeline stage would join only once a message came
+  that needs them). Elsewhere (a Comm of one's own) a member's first call makes them: a
+  collective, a send_async, or a wait for a receive (before its header is polled for); the
+  members must reach it without waiting for each other through other messages.
 - NCCL works on a stream: a collective is queued on the current stream (a message on its
   lane's), then the host waits for an event recorded after it, polled under the engine's
   timeout (health/watchdog.py). Past the timeout the group's communicators are aborted and
@@ -43,14 +43,13 @@ dtypes NCCL lacks (bool, complex) keep going through MPI.
   communicators be issued in the same order on every rank or fit on the GPU side by side;
   the lanes rely on the latter (a few thread blocks each), and a device-wide
   synchronization meanwhile (a lazy connection set-up, a cudaFree) could still stall them.
-- Queued sends and receives go to NCCL when a send_async is posted, a message is waited
-  for or another NCCL operation is issued: every send (one to itself only with its
-  receive), and the receives whose header came (a pair's in posting order), as one group
-  per lane. A wait for a message whose receive lacks its header polls
-  (one bound, the watchdog's) and issues every receive whose header comes meanwhile, so a
-  peer waiting for one of them is not kept waiting. NCCL matches a pair's messages in issue
-  order, not by tag: each header carries the send's number, and a receive that would take
-  another send's data raises.
+- Queued sends and receives go to NCCL when a send_async is posted (unless to itself),
+  a message is waited for or another NCCL operation is issued: every send, and the
+  receives whose header came (a pair's in posting order), as one group per lane. A wait
+  for a message whose receive lacks its header polls (one bound, the watchdog's) and
+  issues every receive whose header comes meanwhile, so a peer waiting for one of them is
+  not kept waiting. NCCL matches a pair's messages in issue order, not by tag: each header
+  carries the send's number, and a receive that would take another send's data raises.
 
 The module is cupy's `cupy.cuda.nccl`, or a stand-in given to the Backend (the test suite's
 tests/nccl_double.py, which is strict about all of the above).
@@ -274,7 +273,7 @@ class NcclTransport:
         message to issue now; until it is, poll (bounded) for headers, issuing each receive
         whose header comes; past the timeout the group's communicators are aborted and
         CollectiveTimeout names the peer."""
-        self._issue(self._take_ready(), watchdog)
+        self._issue_or_requeue(self._take_ready(), watchdog)
         if upto is None or issued(upto):
             return
         self.communicator(upto.comm, watchdog)    # made before waiting (the sender may be in it)
@@ -283,7 +282,7 @@ class NcclTransport:
             for _, _, lanes in self._comms.values():    # a GPU runs its streams anyway
                 for _, stream in lanes.values():
                     stream.done
-            self._issue(self._take_ready(), watchdog)
+            self._issue_or_requeue(self._take_ready(), watchdog)
             if not issued(upto) and all(m is not upto for m in self.queued):
                 raise RuntimeError(f"an NCCL {upto.kind} with group rank {upto.peer} left the "
                                    "queue without being issued (an earlier error)")
@@ -295,10 +294,19 @@ class NcclTransport:
             watchdog.timed_out("receive", first.comm, peer_text(watchdog, first.comm, first.peer),
                                [first.header] if first.header is not None else [])
 
+    def _issue_or_requeue(self, ready, watchdog) -> None:
+        """_issue(ready); if it raises, what it did not issue goes back to the queue's head."""
+        try:
+            self._issue(ready, watchdog)
+        except BaseException:
+            self.queued = [m for m in ready if not issued(m)] + self.queued
+            raise
+
     def issue_send(self, message, watchdog) -> None:
         """A send_async's data goes to NCCL at once (with what else is ready), so its receiver
-        never waits for this rank's next NCCL call. A send to itself waits in the queue: NCCL
-        needs its receive in the same group."""
+        never waits for this rank's next NCCL call. A send to itself is left in the queue
+        (NCCL needs its receive in the same group; a later flush may still issue it alone:
+        the engine sends none)."""
         if message.peer != message.comm.Get_rank():
             self.flush(watchdog)
 

@@ -143,6 +143,15 @@ class PointToPoint:
                                 "send", comm, dest_id)
         self.stats.count("send", a.nbytes, t0)
 
+    def make_device_comms(self, groups) -> None:
+        """Make the NCCL communicators of `groups` (mesh axes) now, at a line every rank
+        reaches (parallel/compose.py); without NCCL, or for a group of one, nothing."""
+        transport = self.backend.device_transport
+        for group in groups if transport is not None else ():
+            comm = self._mpi(group)
+            if comm.Get_size() > 1:
+                transport.communicator(comm, self.watchdog)
+
     def _nccl(self, a):
         """The Backend's NCCL transport when it moves `a`, else None (MPI does: nccl.py)."""
         transport = self.backend.device_transport

@@ -126,6 +126,10 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
     meter_tapes(chunks, meter)
     documents = Documents(layout.size("cp"))   # packed rows' document ids, for the units
     attach_documents(chunks, documents)
+    # NCCL's communicators (comm/nccl.py) are made collectively per group, here where every
+    # rank is at the same line: on first use a later pipeline stage would join only once a
+    # message came that needs them
+    comm.make_device_comms([*layout.active_axes, DATA_AXES])
     if pp > 1:                                                      # 6. pp
         # Group communicators are made by a world-wide Split on first use; inside a pipeline
         # ranks reach their first tp/pp call at different times, so make them all here,
