@@ -20,8 +20,11 @@ A member whose ring wrapped (it dropped events) and holds none of the group's ca
 compared on that group: its calls there were overwritten by later ones (a middle pipeline
 stage makes twice the sends of the others), which is no sign that it never entered them.
 
-Of all the groups' divergences the earliest (by the first member's enter time at k) is the
-first point; the verdict names the rank(s) at fault and what the others were waiting in.
+Of all the groups' divergences, one whose missing members are themselves waiting in another
+group's divergent call only relays that wait (rank 0 waits in step 4 for rank 1, which waits
+in step 3 for rank 3): the first point is the earliest of the others, by step, then by the
+first member's enter time at k (wall-clock order alone can put the relay first); the
+verdict names the rank(s) at fault and what the others were waiting in.
 Dumps that are all SIGUSR2 snapshots of a running job are no failure: each rank dumped at its
 own moment, so a rank a few calls behind another is expected and not named; only ranks that
 called different collectives at the same point are.
@@ -181,7 +184,7 @@ def verdict(dumps, size) -> str:
         lines.append("verdict: the dumped ranks' collectives agree everywhere their rings "
                      "overlap" + why)
         return "\n".join(lines)
-    t, (name, ranks), seq, states = min(found, key=lambda f: f[0])
+    t, (name, ranks), seq, states = first_point(found)
     stamp = time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
     lines.append(f"first divergence: collective #{seq} on group {name} (ranks {list(ranks)}), "
                  f"first entered at {stamp}")
@@ -196,6 +199,23 @@ def verdict(dumps, size) -> str:
         lines.append(f"  rank {r}: {text}")
     lines.append("verdict: " + blame(name, ranks, seq, states, calls, counts))
     return "\n".join(lines)
+
+
+def first_point(found):
+    """The divergence to report (module docstring): not a relay of another's wait, then the
+    earliest by step and enter time."""
+    waiting = {r: key for _, key, _, states in found for r, (kind, e) in states.items()
+               if kind == "call" and e["exit"] is None}
+
+    def relay(f):
+        missing = [r for r, (kind, _) in f[3].items() if kind in ("behind", "no dump")]
+        return bool(missing) and all(waiting.get(r, f[1]) != f[1] for r in missing)
+
+    def step(f):
+        steps = [e["step"] for kind, e in f[3].values() if kind == "call" and
+                 e.get("step") is not None]
+        return min(steps) if steps else float("inf")
+    return min([f for f in found if not relay(f)] or found, key=lambda f: (step(f), f[0]))
 
 
 NO_DUMP = {None: "killed before it could write one",

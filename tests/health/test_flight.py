@@ -266,3 +266,37 @@ def test_a_clean_exit_of_every_rank_leaves_no_directory_whichever_exits_last(tmp
         assert directory.is_dir()                     # the other rank's fatal file is open
         ranks[1 - first].clean_exit()
     assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == []
+
+
+def test_a_rank_that_only_relays_a_wait_is_not_the_verdict():
+    """dp=2,tp=2 with rank 3 asleep in step 3 (test_flight_faults' case, as one failing run
+    had it): rank 1 waits for rank 3 in step 3's dp all_reduce; rank 0, a step ahead, waits for
+    rank 1 in step 4's tp all_reduce and entered it first. The verdict follows rank 1's wait to
+    rank 3 instead of blaming rank 1."""
+    groups = [{"name": "tp", "ranks": [0, 1]}, {"name": "tp", "ranks": [2, 3]},
+              {"name": "dp", "ranks": [0, 2]}, {"name": "dp", "ranks": [1, 3]}]
+
+    def events(calls):
+        return [{"op": "all_reduce", "group": g, "seq": seq, "peer": None, "bytes": 8,
+                 "dtype": "float64", "shape": [4, 4] if g < 2 else [108], "enter": at,
+                 "exit": None if last else at + 0.1, "step": step, "microbatch": None}
+                for g, seq, step, at, last in calls]
+
+    def rank(r, calls, group, late):
+        return {"rank": r, "world_size": 4, "reason": "CollectiveTimeout: ...", "time": 30.0,
+                "arrivals": {"group": group["name"], "ranks": group["ranks"], "late": late,
+                             "entered": [], "silent": []},
+                "groups": groups, "events": events(calls)}
+    dumps = {
+        0: rank(0, [(0, s, s, 10.0 + s, s == 4) for s in (1, 2, 3, 4)]
+                + [(2, s, s, 10.5 + s, False) for s in (1, 2, 3)], groups[0], [1]),
+        1: rank(1, [(0, s, s, 10.0 + s, False) for s in (1, 2, 3)]
+                + [(3, s, s, 10.5 + s, s == 3) for s in (1, 2, 3)], groups[3], [3]),
+        2: rank(2, [(1, s, s, 10.0 + s, s == 4) for s in (1, 2, 3, 4)]
+                + [(2, s, s, 10.5 + s, False) for s in (1, 2, 3)], groups[1], [3])}
+    dumps[1]["events"][-1]["enter"] = 14.5          # rank 1 entered after rank 0's step-4 call
+    text = verdict(dumps, 4)
+    print(text)
+    assert text.splitlines()[-1].startswith(
+        "verdict: rank 3 never entered all_reduce #3 (float64 (108,), step 3) on group dp; "
+        "rank 1 waited in it"), text
