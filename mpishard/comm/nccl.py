@@ -164,17 +164,16 @@ class NcclTransport:
 
     def close(self) -> None:
         """Destroy the communicators (engine.close()); a later call bootstraps new ones."""
-        for nc, _, lanes in self._comms.values():
-            for c in [nc] + [c for c, _ in lanes.values()]:
+        for entry in self._comms.values():
+            for c in members(entry):
                 c.destroy()
         self._comms.clear()
         self.queued.clear()
 
     def _abort(self, comm) -> None:
         entry = self._comms.pop(id(comm), None)
-        if entry is not None:
-            for c in [entry[0]] + [c for c, _ in entry[2].values()]:
-                c.abort()
+        for c in members(entry) if entry is not None else ():
+            c.abort()
 
     def _stream(self):
         """The current stream, after the side stream's last operation (one order)."""
@@ -195,7 +194,7 @@ class NcclTransport:
         if watchdog.poll_until(lambda: event.done):
             return
         self._abort(comm)
-        late = watchdog.late(comm, ticket) if peer is None else peer_text(watchdog, comm, peer)
+        late = watchdog.late(comm, ticket) if peer is None else watchdog.peer_text(comm, peer)
         watchdog.timed_out(what, comm, late, [])
 
     def _run(self, comm, watchdog, what, call, side=False) -> Pending:
@@ -291,7 +290,7 @@ class NcclTransport:
             first = next((m for m in self.queued if m.kind == "recv" and m.comm is upto.comm
                           and m.peer == upto.peer and not m.ready()), upto)
             self._abort(upto.comm)
-            watchdog.timed_out("receive", first.comm, peer_text(watchdog, first.comm, first.peer),
+            watchdog.timed_out("receive", first.comm, watchdog.peer_text(first.comm, first.peer),
                                [first.header] if first.header is not None else [])
 
     def _issue_or_requeue(self, ready, watchdog) -> None:
@@ -312,14 +311,15 @@ class NcclTransport:
 
     def _take_ready(self) -> list:
         """The queued messages that can be issued now, taken off the queue."""
-        ready, blocked = [], set()
+        ready, kept, blocked = [], [], set()
         for m in self.queued:
             pair = (id(m.comm), m.peer)
             if m.kind == "recv" and (pair in blocked or not m.ready()):
                 blocked.add(pair)
+                kept.append(m)
             else:
                 ready.append(m)
-        self.queued = [m for m in self.queued if all(m is not r for r in ready)]
+        self.queued = kept
         return ready
 
     def _count(self, kind, comm, peer) -> int:
@@ -378,10 +378,9 @@ def lane_of(m) -> str:
     return "up" if dst >= src else "down"
 
 
-def peer_text(watchdog, comm, peer) -> str:
-    """A message's peer as a timeout names it: its world rank."""
-    ranks = watchdog.group(comm)[1]
-    return f"[{ranks[peer] if 0 <= peer < len(ranks) else peer}] (the peer)"
+def members(entry) -> list:
+    """The three NCCL communicators of a group's entry: the collectives' and the lanes'."""
+    return [entry[0]] + [c for c, _ in entry[2].values()]
 
 
 def issued(m) -> bool:

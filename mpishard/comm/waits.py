@@ -76,8 +76,6 @@ class Waits:
 
     def poll_peer_until(self, test, comm) -> bool:
         """Poll `test()` (a message with one peer of `comm` arriving: an NCCL receive's header,
-        nccl.py) until it returns True, yielding the core between polls; True."""
-        self.check_usable()
-        while not test():
-            os.sched_yield()
+        nccl.py) until it returns True, as wait_until; True."""
+        self.wait_until(test, "receive", comm, None)
         return True

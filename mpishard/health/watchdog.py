@@ -204,23 +204,30 @@ class Watchdog(Waits):
     def wait_peer(self, requests, what: str, comm, rank: int) -> None:
         """Wait for a send or receive with rank `rank` of `comm`; the time it blocked counts
         into the flight recorder's peer waits (flight.note_peer_wait: stragglers.py)."""
+        self._peer_wait(self._poll_peer, comm, requests, what, comm, rank)
+
+    def _peer_wait(self, wait, comm, *args):
+        """`wait(*args)`, a wait for one peer of `comm`: traced, and counted into the flight
+        recorder's peer waits (flight.note_peer_wait: stragglers.py); returns what it does."""
         t0 = time.perf_counter()
         try:
             if self.tracer is not None:
-                self.traced(self._poll_peer, comm, requests, what, comm, rank)
-            else:
-                self._poll_peer(requests, what, comm, rank)
+                return self.traced(wait, comm, *args)
+            return wait(*args)
         finally:
             note_peer_wait(time.perf_counter() - t0)
+
+    def peer_text(self, comm, rank: int) -> str:
+        """Group rank `rank` of `comm` as a peer's timeout names it: its world rank."""
+        ranks = self.group(comm)[1]
+        return f"[{ranks[rank] if 0 <= rank < len(ranks) else rank}] (the peer)"
 
     def _poll_peer(self, requests, what: str, comm, rank: int) -> None:
         self.check_usable()
         if not self.timeout:
             MPI.Request.Waitall(requests)
         elif not self.poll(requests):
-            ranks = self.group(comm)[1]
-            peer = ranks[rank] if 0 <= rank < len(ranks) else rank
-            self.timed_out(what, comm, f"[{peer}] (the peer)", requests)
+            self.timed_out(what, comm, self.peer_text(comm, rank), requests)
 
     def wait_until(self, test, what: str, comm, ticket) -> None:
         """Poll `test()` (e.g. matched probes: comm/alltoallv.py) until it returns True, at
@@ -239,13 +246,7 @@ class Watchdog(Waits):
         if not self.timeout:
             return super().poll_peer_until(test, comm)
         self.check_usable()
-        t0 = time.perf_counter()
-        try:
-            if self.tracer is not None:
-                return self.traced(self.poll_until, comm, test)
-            return self.poll_until(test)
-        finally:
-            note_peer_wait(time.perf_counter() - t0)
+        return self._peer_wait(self.poll_until, comm, test)
 
     def traced(self, wait, comm, *args):
         """Run `wait(*args)` and tell the tracer how long it blocked, on which group; returns
