@@ -10,8 +10,11 @@
 - no buffer protocol, so an unstaged device array handed to mpi4py raises; in CUDA-aware mode
   `__cuda_array_interface__` exposes the memory (host memory, which MPI reads and writes on
   this machine exactly as a CUDA-aware MPI would device memory);
-- only cupy's dtypes exist (bool, integers, float16/32/64, complex): an array of any other
-  (ml_dtypes.bfloat16, float128, strings, objects) raises TypeError, as cupy refuses it;
+- only cupy 14's dtypes exist (bool, integers, float16/32/64, complex, ml_dtypes.bfloat16):
+  an array of any other (float128, strings, objects) raises TypeError, as cupy refuses it;
+- matrix products of 16-bit floats refuse (`xp.matmul`, `xp.einsum`, `xp.dot`, `@`): cupy
+  14.2's batched matmul and einsum refuse bfloat16 and its 2-D float16 matmul sums in
+  float16, so such products must go through nn/gemm.py (its emulation runs here);
 - every host<->device copy is counted (`module.copies`): `xp.asarray(host)` (to_device),
   `d.get()` / `xp.asnumpy(d)` / `float(d)` (to_host), `d.set(host)` (to_device);
 - streams and events as cupy has them (`xp.cuda.Stream`, `xp.cuda.Event`, `d.data.ptr`): the
@@ -26,9 +29,22 @@ import operator
 import os
 import types
 
+import ml_dtypes
 import numpy as np
 
-CUPY_DTYPES = frozenset(np.dtype(c) for c in "?bhilqBHILQefdFD")
+CUPY_DTYPES = frozenset([np.dtype(c) for c in "?bhilqBHILQefdFD"]
+                        + [np.dtype(ml_dtypes.bfloat16)])
+LOW_FLOATS = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+PRODUCTS = {"matmul", "einsum", "dot", "tensordot", "inner", "vdot", "__matmul__", "__rmatmul__",
+            "__imatmul__"}
+
+
+def refuse_low_products(name, arrays):
+    """A matrix product of 16-bit float device arrays raises, as the module docstring says."""
+    if name in PRODUCTS and any(isinstance(a, DeviceArray) and a.dtype in LOW_FLOATS
+                                for a in arrays):
+        raise TypeError(f"{name} of a 16-bit float device array: cupy refuses it or sums in "
+                        f"16 bits; multiply through nn/gemm.py")
 
 
 class CopyCounter:
@@ -257,6 +273,7 @@ class DeviceModule(types.ModuleType):
 
     def call(self, func, args, kwargs, sources=()):
         sources = tuple(sources) + tuple(_device_args(args, kwargs))
+        refuse_low_products(getattr(func, "__name__", ""), sources)
         return self.wrap(func(*self.unwrap(args), **self.unwrap(kwargs)), sources)
 
     # -- transfers ---------------------------------------------------------------------------

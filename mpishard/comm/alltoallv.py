@@ -39,6 +39,7 @@ from mpi4py.util.dtlib import from_numpy_dtype
 from .objects import agree_mpi
 from .recorded import recorded
 from .retired import free_retired, keep_forever, retire
+from .staging import BF16
 
 TAG = 0                       # on the private communicator, which carries nothing else
 _MPI_TYPES: dict = {}
@@ -49,6 +50,8 @@ def mpi_type(dtype):
     (`Datatype.fromcode`), else mpi4py's `from_numpy_dtype` (which returns a new duplicate on
     every call, never freed: once per dtype here)."""
     dtype = np.dtype(dtype)
+    if dtype == BF16:                        # moved as its words (backend.as_words)
+        dtype = np.dtype(np.float16)
     found = _MPI_TYPES.get(dtype.str)
     if found is None:
         try:

@@ -47,11 +47,12 @@ from mpi4py import MPI
 
 from .gpu import gpu_for_rank, node_local_rank, own_device, query_cuda_support, try_import_cupy
 from .nccl import NcclTransport, try_import_nccl
-from .staging import StagedPipeline, pinned_empty
+from .staging import StagedPipeline, as_words, pinned_empty
 
 log = logging.getLogger("mpishard")
 
 GPU_COMM = ("auto", "nccl", "mpi", "staged")
+
 """How device arrays travel between GPUs: NCCL, a CUDA-aware MPI, or staged through host
 memory; auto: a CUDA-aware MPI, else staged (NCCL is opt-in: module docstring)."""
 
@@ -181,10 +182,10 @@ class Backend:
         with `release(buffer)` once the request completed.
         """
         if not self.is_gpu:
-            return a
+            return as_words(a)
         self.synchronize()             # MPI (or the copy below) sees finished device data
         if self.cuda_aware:
-            return a
+            return as_words(a)
         key = (a.shape, np.dtype(a.dtype).str)
         if slot is None:
             free = self._free.get(key)
@@ -196,14 +197,14 @@ class Backend:
         if read:
             a.get(out=host)
             self.staged["to_host"] += a.nbytes
-        return host
+        return as_words(host)
 
     def mpi_finish(self, buffer, a) -> None:
         """After MPI wrote into `buffer` (from mpi_buffer(a)), make `a` hold the result; the
         stream is synchronised, so the data is in place before it is used or the host
         buffer is reused."""
-        if self.is_gpu and buffer is not a:
-            a.set(buffer)
+        if self.is_gpu and not self.cuda_aware:           # staged: buffer is the host copy
+            a.set(buffer.view(a.dtype))
             self.staged["to_device"] += a.nbytes
             self.synchronize()
 

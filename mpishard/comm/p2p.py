@@ -18,11 +18,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .staging import BF16
 from .recorded import recorded
 
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
-                                "bool", "complex128", "complex64")]
+                                "bool", "complex128", "complex64")] + [BF16]
 HEADER_WORDS = 12            # int64 words: dtype code, ndim, up to 10 dims
 MAX_DIMS = HEADER_WORDS - 2
 _TAG_HEADER, _TAG_DATA, _TAG_RAW = 0, 1, 2

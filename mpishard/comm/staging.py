@@ -17,11 +17,21 @@ by the same MPI operation over the same ranks), and the staged byte counters are
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
 CHUNK_BYTES = 4 << 20             # one chunk of a pipelined staged all_reduce
 H2D, D2H = 1, 2                   # cudaMemcpyKind
+
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def as_words(a):
+    """`a` as MPI moves it: a bfloat16 array as its 2-byte words viewed as float16 (mpi4py
+    has no bfloat16 buffer; only non-reducing calls move one), any other array as it is."""
+    return a.view(np.float16) if a.dtype == BF16 else a
 
 
 def pinned_empty(xp, shape, dtype) -> np.ndarray:

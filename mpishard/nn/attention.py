@@ -28,6 +28,7 @@ import numpy as np
 from . import cpu_fused, fused
 from .autocast import FULL
 from .functional import array_module
+from .gemm import is_low, matmul
 
 
 def causal_mask(xp, tq: int, tk: int, offset: int):
@@ -46,6 +47,14 @@ def _t(a):
     return a.swapaxes(-1, -2)
 
 
+def inv_sqrt(x):
+    """1 / sqrt(Dh) for scaling x (…, Dh): a Python float, or for a 16-bit x a float32 one,
+    so the product is a float32 one rounded once to x's dtype (the rounding emulation's),
+    not taken in 16 bits with the factor itself rounded to 16 bits."""
+    scale = 1.0 / math.sqrt(x.shape[-1])
+    return np.float32(scale) if is_low(x) else scale
+
+
 def _masked_scores_t(q, k, offset, visible=None, cast=FULL):
     """The scores transposed, keys down and queries across (B, H, Tk, Tq):
     s^T = 'bhsd,bhtd->bhst' (k, q / sqrt(Dh)), -inf where the causal mask hides the key and,
@@ -58,8 +67,8 @@ def _masked_scores_t(q, k, offset, visible=None, cast=FULL):
     """
     xp = array_module(q)
     qt = xp.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype)
-    xp.multiply(_t(q), 1.0 / math.sqrt(q.shape[-1]), out=qt)     # (q / sqrt Dh)^T, one copy
-    s = cast.output(xp.matmul(cast.round(k), cast.round(qt)))    # 'bhsd,bhdt->bhst'
+    xp.multiply(_t(q), inv_sqrt(q), out=qt)                      # (q / sqrt Dh)^T, one copy
+    s = cast.output(matmul(xp, cast.round(k), cast.round(qt)))   # 'bhsd,bhdt->bhst'
     if offset is not None:                  # + 0 or -inf: hides keys; flat (Tk Tq) rows, so
         hide = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset).T, 0.0, -xp.inf)
         flat = s.reshape(s.shape[:-2] + (-1,))          # the add runs in long contiguous loops
@@ -166,21 +175,21 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
         xp.exp(p, out=p)
     dq, dk, dv = (None, None, None) if into is None else into
     dout = cast.round(dout)
-    dv = cast.output(xp.matmul(cast.round(p), dout, out=dv))     # 'bhst,bhtd->bhsd' (p^T, dout)
+    dv = cast.output(matmul(xp, cast.round(p), dout, out=dv))    # 'bhst,bhtd->bhsd' (p^T, dout)
     dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
-    xp.multiply(_t(dout), scale, out=dout_t)                 # (dout / sqrt Dh)^T, one copy
-    ds = cast.output(xp.matmul(cast.round(v), cast.round(dout_t)))   # dp^T / sqrt Dh
+    xp.multiply(_t(dout), inv_sqrt(dout), out=dout_t)        # (dout / sqrt Dh)^T, one copy
+    ds = cast.output(matmul(xp, cast.round(v), cast.round(dout_t)))  # dp^T / sqrt Dh
     #                                                          'bhsd,bhdt->bhst'
     if cast.active and whole:          # sum_s p dp / sqrt Dh, from the rounded dp: the
         row = xp.einsum("bhst,bhst->bht", ds, p)     # softmax's own backward (autocast's)
     else:
-        row = xp.einsum("bthd,bthd->bht", dout.transpose(0, 2, 1, 3),
-                        out.transpose(0, 2, 1, 3))
+        wide = (dout.astype(p.dtype, copy=False), out.astype(p.dtype, copy=False))   # 16-bit
+        row = xp.einsum("bthd,bthd->bht", *(u.transpose(0, 2, 1, 3) for u in wide))
         row *= scale                                         # sum_d dout * out / sqrt Dh
     fused.softmax_grad_t(xp, ds, row, p)                     # ds^T / sqrt Dh = (ds - row) p
     ds = cast.round(ds)
     dq = cast.output(fused.matmul_tn(xp, ds, cast.round(k), out=dq))   # 'bhts,bhsd->bhtd'
-    dk = cast.output(xp.matmul(ds, cast.round(q), out=dk))   # 'bhst,bhtd->bhsd' (ds^T, q)
+    dk = cast.output(matmul(xp, ds, cast.round(q), out=dk))  # 'bhst,bhtd->bhsd' (ds^T, q)
     return dq, dk, dv
 
 

@@ -33,10 +33,11 @@ softmax, the norms and the losses in float32):
       matmul inputs    rounded to TF32 (a float32 with a 10-bit mantissa, `round_tf32`)
       outputs          float32, not rounded
 
-Held in float32. On this first step a rounded array keeps dtype float32, its values on the
-16-bit grid, on numpy and on cupy alike (the GEMM then runs in float32, not on 16-bit tensor
-cores): the numerics are autocast's, the speed and memory are float32's. Saved activations
-take 4 bytes an element, and the engine's activation meter counts them so.
+Held in float32 on numpy: a rounded array keeps dtype float32, its values on the 16-bit grid,
+and the GEMM runs in float32 (numpy has no 16-bit GEMM); saved activations take 4 bytes an
+element. On a device (cupy, or the CPU stand-in that proves the path) the policy is `Narrow`:
+rounded inputs are real 16-bit arrays (2 bytes an element, saved so), multiplied on the
+tensor cores by nn/gemm.py; the same values, the speed and memory of 16 bits.
 
 The rounding functions come from the caller: nn/ knows no device's bfloat16 (precision.py
 rounds through ml_dtypes on numpy and through bf16.py's word kernels on cupy).
@@ -94,6 +95,34 @@ class Rounding:
         return f"Rounding({self.name})"
 
 
+class Narrow(Rounding):
+    """16-bit compute held in 16 bits (a device engine's policy, parallel/precision.py): a
+    matmul input becomes a real `dtype` array (bfloat16 or float16: half the bytes, and so it
+    is saved for the backward), nn/gemm.py multiplies two of them on the tensor cores
+    (float32 products and sums, a 16-bit result), and `output` widens that result to float32
+    (exact) for the float32 layer math that follows. The values are those of the rounding
+    emulation; only the summation order of the GEMMs differs."""
+
+    def __init__(self, dtype):
+        self.low = np.dtype(dtype)
+        super().__init__(self._narrow, None, self.low.name)
+
+    def _narrow(self, x):
+        """x as a C-ordered `low` array (x itself if it is one): the cast also lays out
+        a view (split heads, a transpose) so that cuBLAS reads it without another copy."""
+        return x.astype(self.low, order="C", copy=False)
+
+    def output(self, y):
+        """A matmul output as float32: a 16-bit one widened (a new array); a float32 one (a
+        product written into a float32 `out`) rounded to 16 bits in place and returned."""
+        if y is None:
+            return y
+        if y.dtype == self.low:
+            return y.astype(np.float32)
+        y[...] = y.astype(self.low)
+        return y
+
+
 def round_tf32(x):
     """float32 x rounded to TF32 (1 sign, 8 exponent, 10 mantissa bits), held in float32:
     the low 13 mantissa bits cleared after rounding to nearest, ties to even, on the bits
@@ -108,4 +137,4 @@ def round_tf32(x):
     return xp.where(special, u, r).view(np.float32)
 
 
-__all__ = ["FULL", "Full", "Rounding", "round_tf32"]
+__all__ = ["FULL", "Full", "Narrow", "Rounding", "round_tf32"]

@@ -13,6 +13,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import cpu_fused, fused
+from .gemm import F32, is_low, matmul
 
 
 def array_module(a):
@@ -70,24 +71,33 @@ def _einsum_path(spec, a, b):
 
 
 def einsum(spec: str, a, b):
-    """`xp.einsum(spec, a, b)`, on BLAS for matmul-shaped specs."""
+    """`xp.einsum(spec, a, b)`, on BLAS for matmul-shaped specs (nn/gemm.py's matmul: 16-bit
+    operands give a 16-bit result, summed in float32; other specs sum them in float32)."""
     plan = _matmul_plan(spec)
     xp = array_module(a)
     if plan is None:
+        if is_low(a) or is_low(b):         # 16-bit operands: widened (exact), float32 sums
+            a, b = a.astype(F32), b.astype(F32)
         if CACHE_PATHS and xp is np:       # path search once per (spec, shapes), not per call
             return np.einsum(spec, a, b, optimize=_einsum_path(spec, a, b))
         return xp.einsum(spec, a, b, optimize=True)
     ta, tb, tout = plan
     if tout:  # (A B)^T = B^T A^T: swap operands instead of transposing the result
-        return xp.matmul(b if tb else _t(b), a if ta else _t(a))
-    return xp.matmul(_t(a) if ta else a, _t(b) if tb else b)
+        return matmul(xp, b if tb else _t(b), a if ta else _t(a))
+    return matmul(xp, _t(a) if ta else a, _t(b) if tb else b)   # 16-bit: nn/gemm.py
 
 
 # -- linear ------------------------------------------------------------------------------------
 # Leading dims are rows: x (B, T, D) runs as (B*T, D), so 'bd,df->bf' reads b = B*T.
 def linear_forward(x, w, b=None):
     """y = x W + b.   'bd,df->bf'  (x: (..., D) as rows b, w: (D, F), b: (F,))."""
-    y = einsum("bd,df->bf", x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + w.shape[1:])
+    x2 = x.reshape(-1, x.shape[-1])
+    if b is not None and is_low(x2):       # 16-bit: the bias goes into the float32 product
+        xp = array_module(x2)              # (autocast's addmm: one rounding, by the caller)
+        y = matmul(xp, x2, w, out=xp.empty((x2.shape[0],) + w.shape[1:], dtype=F32))
+    else:
+        y = einsum("bd,df->bf", x2, w)
+    y = y.reshape(x.shape[:-1] + w.shape[1:])
     if b is not None:
         y += b
     return y
@@ -123,7 +133,8 @@ def row_sums(a):
 
 def column_sums(a2):
     """Sums over the rows of a 2-D array: ones @ a2 (a BLAS matrix-vector product)."""
-    return array_module(a2).ones(a2.shape[0], dtype=a2.dtype) @ a2
+    xp = array_module(a2)
+    return matmul(xp, xp.ones(a2.shape[0], dtype=a2.dtype), a2)    # 16-bit: float32 sums
 
 
 # -- layer norm and embedding ------------------------------------------------------------------

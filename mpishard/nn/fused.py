@@ -40,6 +40,8 @@ import math
 import os
 from functools import lru_cache
 
+from . import gemm
+
 _GELU_C = math.sqrt(2.0 / math.pi)
 _NO_FMA = ("--fmad=false",)
 
@@ -148,8 +150,8 @@ def matmul_tn(xp, a, b, out=None):
     the transposed (B, H, T, T) a (a strided 400 MB copy per call at GPT size) before the
     GEMM. With `use(xp)` it runs as (b^T a)^T instead: a is read as it lies and only the
     (B, H, T, Dh) b^T and result are copied; the same products, summed in cuBLAS's order."""
-    if not use(xp):
-        return xp.matmul(a.swapaxes(-1, -2), b, out=out)
+    if not use(xp) or gemm.is_low(a):        # 16-bit: cuBLAS reads a^T where it lies
+        return gemm.matmul(xp, a.swapaxes(-1, -2), b, out=out)
     r = xp.matmul(b.swapaxes(-1, -2), a).swapaxes(-1, -2)
     if out is None:
         return r

@@ -119,7 +119,7 @@ def compose(model, layout, comm, dtype, precision=None) -> EngineParts:
     stats: dict = {}
     chunks, output, aux = model.build(layout, comm, access, stats)   # 5. layers
     chunks = recompute_chunks(model, chunks, layout.option("recompute"), layout.text)
-    attach_autocast(chunks, precision.autocast())   # compute_dtype / tf32: matmul rounding
+    attach_autocast(chunks, precision.autocast(comm.xp))   # compute_dtype / tf32 (precision.py)
     if getattr(access, "prefetcher", None) is not None:             # fsdp prefetch=1
         access.prefetcher.install(chunks)
     meter = TapeMeter()                 # activation bytes on the layers' tapes (memory_report)

@@ -202,7 +202,7 @@ class RingAttention(Layer):
 
     def _attend_backward(self, dout, q, kv, out, lse, step, dq, ids):
         """This rank's share of (dk, dv) for the visiting block; dq accumulated in place."""
-        dkv = array_module(q).zeros_like(kv)
+        dkv = array_module(q).zeros(kv.shape, dtype=dq.dtype)   # sums in float32, not kv's
         for qs, ks, offset, mask in self._pairs(step, q.shape[2], ids):
             dq_part, dk_part, dv_part = att.attention_block_backward(
                 dout[:, :, qs], q[:, :, qs], self.expand(kv[0][:, :, ks]),
@@ -217,7 +217,8 @@ class RingAttention(Layer):
         q, k, v, out, lse, ids = self.pop(mb)
         xp = array_module(q)
         dout = att.merge_heads_backward(dy, self.n_heads)   # undoes merge_heads
-        dq, kv, sends, arriving = xp.zeros_like(q), xp.stack([k, v]), [], None
+        dq, kv, sends, arriving = xp.zeros(q.shape, lse.dtype), xp.stack([k, v]), [], None
+        # (dq, dk, dv sum in the layer's dtype, lse's: q, k, v may be 16-bit, Narrow)
         for step in range(self.c):
             if step < self.c - 1:                        # (k, v) again, ahead of the compute
                 sends.append(self.cp.send_async(kv, self.next, tag=self.KV_BACK))

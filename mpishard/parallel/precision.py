@@ -59,7 +59,7 @@ from functools import partial
 import ml_dtypes
 import numpy as np
 
-from ..nn.autocast import FULL, Rounding, round_tf32
+from ..nn.autocast import FULL, Narrow, Rounding, round_tf32
 from ..nn.functional import array_module
 from . import bf16
 from . import placement as pl
@@ -136,13 +136,26 @@ class Precision:
         """The Comm the gradient sync and fsdp use: `comm` itself unless something is 16-bit."""
         return LowPrecisionComm(comm, self.compute, self.comm) if self.mixed else comm
 
-    def autocast(self):
-        """The matmul policy the layers get (nn/autocast.py): inputs and outputs rounded to
-        `matmul`, inputs rounded to TF32 under `tf32`, else FULL (nothing rounded)."""
+    def autocast(self, xp=np):
+        """The matmul policy the layers get (nn/autocast.py) for arrays of `xp`.
+
+        16-bit compute: on numpy, inputs and outputs rounded to `matmul` and held in float32
+        (`Rounding`); on a device (cupy, or the CPU stand-in), real 16-bit arrays multiplied
+        on the tensor cores (`Narrow`, nn/gemm.py). tf32: on cupy, cuBLAS's TF32 compute
+        type for float32 (`allow_tf32`, process-wide as PyTorch's flag is); elsewhere inputs
+        rounded to TF32. Otherwise FULL (nothing rounded)."""
+        device = xp is not np
         if self.matmul is not None:
+            if device:
+                return Narrow(self.matmul)
             to_16 = partial(round_to, dtype=self.matmul)
             return Rounding(to_16, to_16, self.matmul.name)
-        return Rounding(round_tf32, None, "tf32") if self.tf32 else FULL
+        if not self.tf32:
+            return FULL
+        if getattr(xp, "__name__", "") == "cupy":
+            allow_tf32(xp, True)
+            return Rounding(_same, None, "tf32")
+        return Rounding(round_tf32, None, "tf32")
 
     def wrap_access(self, access):
         """The access policy the layers use: casting when parameters are stored in 16 bits."""
@@ -154,6 +167,21 @@ class Precision:
         matmul = "" if self.matmul is None else f", matmul={self.matmul.name}"
         return (f"Precision(compute={self.compute.name}, param={self.param.name}, "
                 f"comm={self.comm.name}{matmul}{', tf32' if self.tf32 else ''})")
+
+
+def _same(x):
+    """x itself (cuBLAS rounds TF32 inputs itself)."""
+    return x
+
+
+def allow_tf32(cp, on: bool) -> None:
+    """cupy's float32 matmuls in TF32 on the tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32) or
+    in full float32: cupy's compute type, a setting of the process (as PyTorch's
+    torch.backends.cuda.matmul.allow_tf32 is)."""
+    from cupy._core import _routines_linalg as linalg
+
+    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on
+                            else linalg.COMPUTE_TYPE_DEFAULT)
 
 
 def held(dtype, xp) -> np.dtype:

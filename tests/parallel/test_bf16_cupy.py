@@ -85,16 +85,23 @@ def test_xp_ops_equal_ml_dtypes(name, xp):
     assert np.array_equal(got64, host_words(x64))
 
 
-def test_device_double_refuses_ml_dtypes_bfloat16():
-    """cupy has no bfloat16 dtype: the double refuses it too, so the device path must use the
-    words (a bf16 array on the double would hide a path that fails on cupy)."""
+def test_device_double_holds_bfloat16_but_refuses_its_products():
+    """cupy 14 holds ml_dtypes' bfloat16 (seen on the H200: asarray, astype, sums), but its
+    batched matmul and einsum refuse it and its 2-D float16 matmul sums in float16: the
+    double holds 16-bit arrays and refuses their products, so the layers' products must go
+    through nn/gemm.py."""
     xp = DeviceModule()
-    with pytest.raises(TypeError, match="bfloat16"):
-        xp.asarray(np.ones(3, dtype=BF16))
-    with pytest.raises(TypeError, match="bfloat16"):
-        xp.zeros(3, dtype=BF16)
-    with pytest.raises(TypeError, match="bfloat16"):
-        xp.ones(3, dtype=np.float32).astype(BF16)
+    a = xp.ones((2, 3, 3), dtype=np.float32).astype(BF16)
+    assert a.dtype == BF16 and float(a.astype(np.float32).sum()) == 18.0
+    for low in (a, a.astype(np.float16)):
+        with pytest.raises(TypeError, match="16-bit"):
+            xp.matmul(low, low)
+        with pytest.raises(TypeError, match="16-bit"):
+            low @ low
+        with pytest.raises(TypeError, match="16-bit"):
+            xp.einsum("bij,bjk->bik", low, low)
+    with pytest.raises(TypeError, match="dtype"):
+        xp.zeros(3, dtype=np.longdouble)
 
 
 def gpu_cupy():

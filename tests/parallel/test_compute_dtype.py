@@ -133,6 +133,43 @@ def test_device_arrays_round_as_the_host_does(compute, tf32, monkeypatch):
                                    err_msg=n)
 
 
+DEVICE_CASES = [("gpt", layout) for layout in ("dp=2", "fsdp=2", "tp=2", "pp=2", "cp=2",
+                                               "cp=2,cp_kind=ulysses")] + [("llama", "tp=2")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name,layout", DEVICE_CASES, ids=[f"{m}-{v}" for m, v in DEVICE_CASES])
+def test_device_layouts_hold_16_bits_and_match_the_host(name, layout, compute, monkeypatch):
+    """On the device stand-in a 16-bit engine holds its rounded matmul inputs as real 16-bit
+    arrays (nn/autocast.py Narrow: what cupy runs, nn/gemm.py's products; the double refuses
+    any 16-bit product that bypasses it), including the q, k, v blocks a cp ring sends and
+    Ulysses exchanges. Per layout at 2 ranks, the loss and logits equal the host engine's
+    (float32-held rounding) bit for bit, the gradients within 1e-5 of each array's largest
+    element, as test_device_arrays_round_as_the_host_does says for one device."""
+    monkeypatch.setenv("MPISHARD_CPU_FUSED", "0")
+    comm = group_comm(2)
+    model = MODELS[name]()
+    params, x, t = make_case(model)
+    backend, xp = device_backend(comm, "staged")
+    got = {}
+    for where, device in (("host", "cpu"), ("device", backend)):
+        e = ms.make_engine(model, layout, comm=comm, device=device, dtype=np.float32,
+                           compute_dtype=compute)
+        e.load_checkpoint(params)
+        loss, grads = e.train_step(e.shard_batch(x), e.shard_batch(t), e.output.loss(CE))
+        grads = {n: backend.to_host(g) if where == "device" else g
+                 for n, g in e.gather_grads(grads).items()}
+        logits = e.gather_batch(e.predict(e.shard_batch(x)))
+        got[where] = (loss, grads, backend.to_host(logits) if where == "device" else logits)
+    (hl, hg, hy), (dl, dg, dy) = got["host"], got["device"]
+    assert hl == dl
+    np.testing.assert_array_equal(dy, hy)
+    for n in hg:
+        np.testing.assert_allclose(dg[n], hg[n], rtol=0, atol=1e-5 * np.abs(hg[n]).max(),
+                                   err_msg=n)
+
+
 @pytest.mark.mpi
 def test_bf16_moe_expert_parallel_matches_single_bf16():
     """ms.MoE (MLP experts, parallel/expert_parallel.py) under ep=2 in bf16 against single
