@@ -20,6 +20,8 @@ wheels       the carried wheels (make gpu-wheels: mpich, mpi4py, pytest-mpi, thr
              already installed is used, if any)
 environment  nvidia-smi, the versions of Python, numpy, cupy, torch and mpi4py, the MPI
              library mpi4py loads under mpiexec, and mpishard's CUDA-awareness answer
+gemm         tests/nn/test_gemm.py: nn/gemm.py's 16-bit products (cuBLAS, tensor cores) on
+             cupy against the numpy emulation, every operand layout the layers hand over
 reference-1, reference-2   benchmarks/gpu_reference.py at 1 and 2 ranks: MLP, MoE, GPT
              and Llama layouts (a tied GPT under pp, padded vocabularies under tp) on device
              arrays equal numpy's single device (float64, rtol 1e-9); greedy generate's ids
@@ -60,10 +62,10 @@ import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
-SHARES = [("wheels", 10), ("environment", 30), ("kernels", 40), ("reference-1", 40),
-          ("reference-2", 40), ("bf16-cupy", 20), ("fused", 30), ("autocast", 20),
-          ("bench-step", 120), ("bench-llama", 60), ("bench-allreduce", 20), ("nccl", 30),
-          ("cli", 40), ("profile", 40)]   # shares, scaled to GPU_CHECK_BUDGET (480 s).
+SHARES = [("wheels", 10), ("environment", 30), ("gemm", 15), ("kernels", 40),
+          ("reference-1", 40), ("reference-2", 40), ("bf16-cupy", 20), ("fused", 30),
+          ("autocast", 20), ("bench-step", 120), ("bench-llama", 60), ("bench-allreduce", 20),
+          ("nccl", 30), ("cli", 40), ("profile", 40)]   # shares, scaled to GPU_CHECK_BUDGET
 # The H100's first run (before fused, Llama, generate, hf and every part after
 # bench-allreduce) took 2, 9, -, 8, 4, 15, -, -, 50, -, 2 s; a bare node compiles each cupy
 # kernel once, which the shares allow for
@@ -266,6 +268,7 @@ def main() -> int:
            "bf16-cupy": part_pytest("tests/parallel/test_bf16_cupy.py"),
            "fused": part_pytest("tests/nn/test_fused.py"),
            "autocast": part_pytest("tests/hf/test_autocast_torch.py"),
+           "gemm": part_pytest("tests/nn/test_gemm.py"),
            "bench-step": part_bench(["benchmarks/gpu_step.py"], 1),
            "bench-llama": part_bench(["benchmarks/gpu_llama.py"], 1),
            "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2),

@@ -61,12 +61,17 @@ class NcclModule:
     def get_version(self) -> int:
         return 22000
 
-    def get_unique_id(self) -> tuple:
-        """128 signed chars naming this rank (in the bootstrap network) and a serial number."""
+    id_as_bytes = True      # cupy 14 returns bytes (seen on the H200); cupy 13 a tuple
+
+    def get_unique_id(self):
+        """128 chars naming this rank (in the bootstrap network) and a serial number: bytes,
+        or with id_as_bytes False a tuple of signed ints, as cupy 13 gave them."""
         self.calls["get_unique_id"] += 1
         self._serial += 1
         words = np.zeros(UID_BYTES // 8, np.int64)
         words[:2] = self.boot.Get_rank(), self._serial
+        if self.id_as_bytes:
+            return words.tobytes()
         return tuple(int(v) for v in words.view(np.int8))
 
     def groupStart(self) -> None:
@@ -141,7 +146,9 @@ class Communicator:
         self.module, self.ndev, self.rank = module, int(ndev), int(rank)
         if not 0 <= self.rank < self.ndev:
             raise NcclError(f"rank {rank} out of range for {ndev} ranks")
-        root, serial = np.array(uid, np.int8).view(np.int64)[:2].tolist()
+        raw = (np.frombuffer(uid, np.int8) if isinstance(uid, bytes)
+               else np.array(uid, np.int8))
+        root, serial = raw.view(np.int64)[:2].tolist()
         boot, tag = module.boot, BOOT_TAG + serial % 1000
         if self.rank == 0 and boot.Get_rank() != root:
             raise NcclError("rank 0 must be the rank that made the unique id")

@@ -146,14 +146,23 @@ class NcclTransport:
         lane's (communicator, stream)), all three bootstrapped on the group's first use."""
         entry = self._comms.get(id(comm))
         if entry is None:
-            uid = np.zeros((3, UID_BYTES), np.int16)   # cupy's chars: signed or not by platform
+            # cupy's unique id: 128 chars as a tuple of ints (signed or not by platform) up
+            # to cupy 13, bytes in cupy 14 (seen on the H200); the last column says which
+            uid = np.zeros((3, UID_BYTES + 1), np.int16)
             if comm.Get_rank() == 0:
                 for row in uid:
-                    row[:] = self.nccl.get_unique_id()
+                    made = self.nccl.get_unique_id()
+                    raw = isinstance(made, (bytes, bytearray))
+                    row[:-1] = np.frombuffer(bytes(made), np.uint8) if raw else made
+                    row[-1] = raw
             watchdog.run(comm.Bcast, comm.Ibcast, (uid, 0), "nccl bootstrap", comm)
 
+            def as_id(row):
+                return (row[:-1].astype(np.uint8).tobytes() if row[-1]
+                        else tuple(row[:-1].tolist()))
+
             def make():
-                return [self.nccl.NcclCommunicator(comm.Get_size(), tuple(row.tolist()),
+                return [self.nccl.NcclCommunicator(comm.Get_size(), as_id(row),
                                                    comm.Get_rank()) for row in uid]
             made = (make() if watchdog.guard is None else       # init waits for every member
                     watchdog.call_with_deadline(make, (), "nccl init", comm))

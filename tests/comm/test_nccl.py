@@ -8,6 +8,7 @@ stand-in, so the NCCL path was really taken; the path's choice and its refusals 
 MPI tests: `mpiexec -n N python -m mpi4py -m pytest --with-mpi -m mpi tests/comm/test_nccl.py`
 for N in 2, 4.
 """
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import group_comm
@@ -80,10 +81,12 @@ def test_stand_in_refuses_a_send_outside_a_group():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("n", [2, 4])
-def test_every_collective_through_nccl_equals_mpi(n):
+@pytest.mark.parametrize("n,id_bytes", [(2, True), (4, True), (2, False)])
+def test_every_collective_through_nccl_equals_mpi(n, id_bytes):
+    """... with the unique id as cupy 14 gives it (bytes) and as cupy 13 did (a tuple)."""
     comm = group_comm(n)
     backend, xp, nccl = nccl_backend(comm)
+    nccl.id_as_bytes = id_bytes
     mesh = DeviceMesh(comm, parse_layout(f"dp={n}"))
     engine = Comm(mesh, backend, watchdog=Watchdog(mesh, 30))
     me, rng = comm.Get_rank(), np.random.default_rng(comm.Get_rank())
@@ -114,6 +117,13 @@ def test_every_collective_through_nccl_equals_mpi(n):
     assert engine.receive_async(left, out=into).result() is into
     sent.result()
     assert xp.asnumpy(into).tolist() == [[left] * 2] * 2
+    low = d.astype(ml_dtypes.bfloat16)                   # no NCCL bfloat16 here: MPI's words
+    sent = engine.send_async(low, right, tag=6)
+    got = engine.receive(left, tag=6)
+    sent.result()
+    assert got.dtype == low.dtype
+    np.testing.assert_array_equal(xp.asnumpy(got.astype(np.float32)),
+                                  every[left].astype(ml_dtypes.bfloat16).astype(np.float32))
     total = engine.all_reduce(xp.asarray(np.array([1j * me])))       # complex: MPI's
     assert xp.asnumpy(total).tolist() == [1j * sum(range(n))]
     print(f"rank {me} of {n}: NCCL calls {dict(nccl.calls)}")
