@@ -49,8 +49,8 @@ def add_device_arguments(add, default="auto"):
         "(bfloat16, or float16 with dynamic loss scaling), softmax, norms and the loss in "
         "--dtype float32, as torch.autocast (default: --dtype)")
     add("--tf32", action="store_true", default=None if default is None else False,
-        help="float32 matmuls with TF32's numerics, like PyTorch's allow_tf32 (emulated: "
-        "inputs rounded to TF32, docs/gpus.md; needs --dtype "
+        help="float32 matmuls in TF32, like PyTorch's allow_tf32 (on a GPU cuBLAS's TF32 "
+        "tensor cores, on the CPU inputs rounded to TF32: docs/gpus.md; needs --dtype "
         "float32 and no 16-bit --compute-dtype; off by default)")
     add("--gpu-comm", choices=GPU_COMM, default=default,
         help="how device arrays travel between GPUs: nccl (opt-in, docs/gpus.md), mpi (a "

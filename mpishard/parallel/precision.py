@@ -142,7 +142,7 @@ class Precision:
         16-bit compute: on numpy, inputs and outputs rounded to `matmul` and held in float32
         (`Rounding`); on a device (cupy, or the CPU stand-in), real 16-bit arrays multiplied
         on the tensor cores (`Narrow`, nn/gemm.py). tf32: on cupy, cuBLAS's TF32 compute
-        type for float32 (`allow_tf32`, process-wide as PyTorch's flag is); elsewhere inputs
+        type (`CublasTF32`: a setting of the process, as PyTorch's is); elsewhere inputs
         rounded to TF32. Otherwise FULL (nothing rounded)."""
         device = xp is not np
         if self.matmul is not None:
@@ -153,8 +153,7 @@ class Precision:
         if not self.tf32:
             return FULL
         if getattr(xp, "__name__", "") == "cupy":
-            allow_tf32(xp, True)
-            return Rounding(_same, None, "tf32")
+            return CublasTF32()
         return Rounding(round_tf32, None, "tf32")
 
     def wrap_access(self, access):
@@ -169,15 +168,30 @@ class Precision:
                 f"comm={self.comm.name}{matmul}{', tf32' if self.tf32 else ''})")
 
 
-def _same(x):
-    """x itself (cuBLAS rounds TF32 inputs itself)."""
-    return x
+class CublasTF32(Rounding):
+    """tf32=True on cupy: cuBLAS rounds the inputs itself (CUBLAS_COMPUTE_32F_FAST_TF32).
+    cupy's compute type is a setting of the process, as PyTorch's
+    torch.backends.cuda.matmul.allow_tf32 is: the first matmul input this policy takes
+    (`round`) turns it on, and it stays on for every float32 cupy matmul of the process
+    (a weight gradient's too, whose inputs were taken earlier) until `allow_tf32(cp, False)`.
+    """
+
+    def __init__(self):
+        super().__init__(self._take, None, "tf32")
+        self._on = False
+
+    def _take(self, x):
+        if not self._on:
+            import cupy
+
+            allow_tf32(cupy, True)
+            self._on = True
+        return x
 
 
 def allow_tf32(cp, on: bool) -> None:
-    """cupy's float32 matmuls in TF32 on the tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32) or
-    in full float32: cupy's compute type, a setting of the process (as PyTorch's
-    torch.backends.cuda.matmul.allow_tf32 is)."""
+    """cupy's float32 matmuls in TF32 on the tensor cores (on) or in full float32: cupy's
+    compute type, a setting of the process."""
     from cupy._core import _routines_linalg as linalg
 
     linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on
