@@ -13,7 +13,8 @@ exactness   tests/nn/test_fused.py run first under pytest (on a GPU: the fused c
             ("ok": false) and the profile still runs.
 step        our engine.train_step with the fused kernels (MPISHARD_FUSED=1) and without (=0),
             and PyTorch's step on the same model and batch (benchmarks/gpt.py torch_gpt, fp32,
-            sdpa attention), samples alternating, medians; ratios of the medians.
+            sdpa attention), samples alternating, medians; ratios of the medians. With
+            --compute-dtype, ours at that compute_dtype and PyTorch's under autocast to it.
 unit        forward and backward of each unit type at the step's shapes, fused and not
             (alternating): embedding, layernorm, the qkv / proj / fc / fc2 linears, the
             attention core, gelu, the tied head, the loss, and the AdamW update of all
@@ -85,9 +86,9 @@ def exactness(emit, timeout):
         print("EXACTNESS FAILED: the fused kernels differ from the xp ops", flush=True)
 
 
-def step_parts(dev, emit, model, params, x, t, batch, samples):
+def step_parts(dev, emit, model, params, x, t, batch, samples, compute=None):
     ce = ms.losses.CrossEntropy()
-    engine = gpu.our_engine(dev, model, params, None)
+    engine = gpu.our_engine(dev, model, params, None, compute_dtype=compute)
     xd, td = engine.shard_batch(x), engine.shard_batch(t)
     ours = lambda: engine.train_step(xd, td, ce)               # noqa: E731
     fns = [fused(True, ours), fused(False, ours)]
@@ -100,17 +101,18 @@ def step_parts(dev, emit, model, params, x, t, batch, samples):
         fns[0] = fns[1]
     try:
         import torch
-        fns.append(gpu_step.theirs(torch, dev, model, params, x, t, None)[1])   # no AdamW
+        fns.append(gpu_step.theirs(torch, dev, model, params, x, t, compute)[1])   # no AdamW
     except ImportError:
         torch = None
     times = gpu.timed(dev, fns, samples)
     flops = model_flops(model, batch)
-    rec = dict(part="step", fused_s=round(times[0], 5), unfused_s=round(times[1], 5),
+    rec = dict(part="step", compute_dtype=compute or "float32", fused_s=round(times[0], 5),
+               unfused_s=round(times[1], 5),
                fused_tflops=round(flops / times[0] / 1e12, 3),
                unfused_tflops=round(flops / times[1] / 1e12, 3),
                speedup_fused=round(times[1] / times[0], 3))
     if torch is not None:
-        rec.update(torch_fp32_s=round(times[2], 5),
+        rec.update(torch_s=round(times[2], 5),
                    ratio_fused_over_torch=round(times[0] / times[2], 3),
                    ratio_unfused_over_torch=round(times[1] / times[2], 3))
     emit(**rec)
@@ -221,6 +223,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=240.0, help="seconds, then skip the rest")
     p.add_argument("--samples", type=int, default=5)
     p.add_argument("--no-exactness", action="store_true")
+    p.add_argument("--compute-dtype", choices=("bfloat16", "float16"), default=None,
+                   help="ours at this compute_dtype, PyTorch under autocast to it (the step "
+                   "and kernels parts; the unit part is float32's, skipped)")
     args = p.parse_args(argv)
     t_end = time.perf_counter() + args.budget
     emit = Recorder(Path(args.out))
@@ -233,11 +238,14 @@ def main(argv=None) -> int:
         dev, gpu.TINY if dev.standin else gpu.FULL)
     emit(part="step_size", batch=batch, seq_len=model.seq_len, d_model=model.d_model,
          n_layers=model.n_layers, vocab=model.vocab_size)
-    engine, fns, torch = step_parts(dev, emit, model, params, x, t, batch, args.samples)
-    units(dev, emit, model, batch, engine, x, t, args.samples, t_end)
+    engine, fns, torch = step_parts(dev, emit, model, params, x, t, batch, args.samples,
+                                    args.compute_dtype)
+    if args.compute_dtype is None:
+        units(dev, emit, model, batch, engine, x, t, args.samples, t_end)
     if torch is None:
         emit(part="kernels", skipped="no torch")
-    for which, fn in zip(("ours_fused", "ours_unfused", "torch_fp32"), fns):
+    for which, fn in zip(("ours_fused", "ours_unfused", f"torch_{args.compute_dtype or 'fp32'}"),
+                         fns):
         if torch is None:
             break
         if time.perf_counter() > t_end:
