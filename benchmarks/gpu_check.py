@@ -26,6 +26,10 @@ reference-1, reference-2   benchmarks/gpu_reference.py at 1 and 2 ranks: MLP, Mo
              and Llama layouts (a tied GPT under pp, padded vocabularies under tp) on device
              arrays equal numpy's single device (float64, rtol 1e-9); greedy generate's ids
              equal numpy's; ms.hf.load_into of a bfloat16 directory equals ms.hf.load exactly
+layouts-16   tests/parallel/test_compute_dtype.py serially and at 2 ranks: on cupy, the GPT
+             (dp, fsdp, tp, pp, cp ring and Ulysses) and Llama (tp) layouts in bfloat16 and
+             float16 compute (16-bit arrays, tensor-core GEMMs, bf16 blocks sent as words)
+             within 8 bf16 ulps of the host's rounding emulation
 bf16-cupy, fused   tests/parallel/test_bf16_cupy.py and tests/nn/test_fused.py (the fused cupy
              kernels against the xp ops), serially and, if they have MPI tests, at 2 ranks
              (skipped if absent); the child keeps the whole environment (the site's
@@ -63,7 +67,8 @@ import gpu_wheels
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
 SHARES = [("wheels", 10), ("environment", 30), ("gemm", 15), ("kernels", 40),
-          ("reference-1", 40), ("reference-2", 40), ("bf16-cupy", 20), ("fused", 30),
+          ("reference-1", 40), ("reference-2", 40), ("layouts-16", 40), ("bf16-cupy", 20),
+          ("fused", 30),
           ("autocast", 20), ("bench-step", 120), ("bench-llama", 60), ("bench-allreduce", 20),
           ("nccl", 30), ("cli", 40), ("profile", 40)]   # shares, scaled to GPU_CHECK_BUDGET
 # The H100's first run (before fused, Llama, generate, hf and every part after
@@ -269,6 +274,7 @@ def main() -> int:
            "fused": part_pytest("tests/nn/test_fused.py"),
            "autocast": part_pytest("tests/hf/test_autocast_torch.py"),
            "gemm": part_pytest("tests/nn/test_gemm.py"),
+           "layouts-16": part_pytest("tests/parallel/test_compute_dtype.py"),
            "bench-step": part_bench(["benchmarks/gpu_step.py"], 1),
            "bench-llama": part_bench(["benchmarks/gpu_llama.py"], 1),
            "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2),

@@ -22,9 +22,9 @@ from pathlib import Path
 import leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["wheels", "environment", "gemm", "kernels", "reference-1", "reference-2", "bf16-cupy",
-         "fused", "autocast", "bench-step", "bench-llama", "bench-allreduce", "nccl", "cli",
-         "profile"]
+PARTS = ["wheels", "environment", "gemm", "kernels", "reference-1", "reference-2", "layouts-16",
+         "bf16-cupy", "fused", "autocast", "bench-step", "bench-llama", "bench-allreduce", "nccl",
+         "cli", "profile"]
 SKIPPABLE = {"wheels": "no mpi4py wheel for this Python", "kernels": "the stand-in cannot run"}
 PP = "pp=2,microbatches=2"
 CASES_1 = {"mlp single", "moe single", "gpt single", "llama single", "generate-gpt single",

@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 
 import mpishard as ms
+from mpishard.comm.backend import Backend
+from mpishard.comm.gpu import try_import_cupy
 from conftest import group_comm
 from mpi4py import MPI
 from test_device_double import device_backend
@@ -137,6 +139,27 @@ DEVICE_CASES = [("gpt", layout) for layout in ("dp=2", "fsdp=2", "tp=2", "pp=2",
                                                "cp=2,cp_kind=ulysses")] + [("llama", "tp=2")]
 
 
+def device_against_host(name, layout, compute, backend):
+    """((loss, gathered gradients, gathered logits) on the host, the same on `backend`'s
+    device) of one train_step and predict at 2 ranks."""
+    comm = group_comm(2)
+    model = MODELS[name]()
+    params, x, t = make_case(model)
+    got = {}
+    for where, device in (("host", "cpu"), ("device", backend(comm))):
+        e = ms.make_engine(model, layout, comm=comm, device=device, dtype=np.float32,
+                           compute_dtype=compute)
+        e.load_checkpoint(params)
+        loss, grads = e.train_step(e.shard_batch(x), e.shard_batch(t), e.output.loss(CE))
+        grads = e.gather_grads(grads)
+        logits = e.gather_batch(e.predict(e.shard_batch(x)))
+        if where == "device":
+            grads = {n: device.to_host(g) for n, g in grads.items()}
+            logits = device.to_host(logits)
+        got[where] = (loss, grads, logits)
+    return got["host"], got["device"]
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name,layout", DEVICE_CASES, ids=[f"{m}-{v}" for m, v in DEVICE_CASES])
@@ -148,26 +171,38 @@ def test_device_layouts_hold_16_bits_and_match_the_host(name, layout, compute, m
     (float32-held rounding) bit for bit, the gradients within 1e-5 of each array's largest
     element, as test_device_arrays_round_as_the_host_does says for one device."""
     monkeypatch.setenv("MPISHARD_CPU_FUSED", "0")
-    comm = group_comm(2)
-    model = MODELS[name]()
-    params, x, t = make_case(model)
-    backend, xp = device_backend(comm, "staged")
-    got = {}
-    for where, device in (("host", "cpu"), ("device", backend)):
-        e = ms.make_engine(model, layout, comm=comm, device=device, dtype=np.float32,
-                           compute_dtype=compute)
-        e.load_checkpoint(params)
-        loss, grads = e.train_step(e.shard_batch(x), e.shard_batch(t), e.output.loss(CE))
-        grads = {n: backend.to_host(g) if where == "device" else g
-                 for n, g in e.gather_grads(grads).items()}
-        logits = e.gather_batch(e.predict(e.shard_batch(x)))
-        got[where] = (loss, grads, backend.to_host(logits) if where == "device" else logits)
-    (hl, hg, hy), (dl, dg, dy) = got["host"], got["device"]
+    (hl, hg, hy), (dl, dg, dy) = device_against_host(
+        name, layout, compute, lambda comm: device_backend(comm, "staged")[0])
     assert hl == dl
     np.testing.assert_array_equal(dy, hy)
     for n in hg:
         np.testing.assert_allclose(dg[n], hg[n], rtol=0, atol=1e-5 * np.abs(hg[n]).max(),
                                    err_msg=n)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name,layout", DEVICE_CASES, ids=[f"{m}-{v}" for m, v in DEVICE_CASES])
+def test_16_bit_layouts_on_cupy_match_the_host(name, layout, compute):
+    """The same layouts on real cupy (the GPU check's `layouts-16` part, 2 ranks sharing a
+    GPU; skipped without one): tensor-core GEMMs sum in another order than the host's BLAS,
+    so a rounding to 16 bits can move by one ulp and the layers carry it on. Loss, logits and
+    every gradient within TOL (8 bf16 ulps of the array's largest element, as the layouts
+    against single; float16's ulp is 8 times smaller) of the host's."""
+    cupy = try_import_cupy()
+    try:
+        if cupy is None or cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError("no device")
+    except Exception:
+        pytest.skip("cupy with a CUDA device is not available here")
+    (hl, hg, hy), (dl, dg, dy) = device_against_host(
+        name, layout, compute, lambda comm: Backend("gpu", comm, gpu_comm="staged"))
+    g_err, g_name = worst(dg, hg)
+    l_err = worst(dy, hy)[0]
+    if group_comm(2).Get_rank() == 0:
+        print(f"{compute} {name} {layout} on cupy vs host: loss {abs(dl - hl) / abs(hl):.2e}, "
+              f"logits {l_err:.2e}, gradients {g_err:.2e} ({g_name}); tolerance {TOL:.2e}")
+    assert abs(dl - hl) <= TOL * abs(hl) and l_err <= TOL and g_err <= TOL
 
 
 @pytest.mark.mpi
