@@ -181,7 +181,7 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     ds = cast.output(matmul(xp, cast.round(v), cast.round(dout_t)))  # dp^T / sqrt Dh
     #                                                          'bhsd,bhdt->bhst'
     if cast.active and whole:          # sum_s p dp / sqrt Dh, from the rounded dp: the
-        row = xp.einsum("bhst,bhst->bht", ds, p)     # softmax's own backward (autocast's)
+        row = fused.dot_over_keys(xp, ds, p)         # softmax's own backward (autocast's)
     else:
         wide = (dout.astype(p.dtype, copy=False), out.astype(p.dtype, copy=False))   # 16-bit
         row = xp.einsum("bthd,bthd->bht", *(u.transpose(0, 2, 1, 3) for u in wide))

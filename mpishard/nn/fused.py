@@ -20,6 +20,8 @@ REDUCTION, which tests/nn/test_nvrtc.py compiles with NVRTC without a GPU):
                                   mask (packed documents, a KV cache's padding) runs the
                                   xp ops instead (attention.attention_block), the same math.
     softmax_grad_t(ds, row, p)    ds = (ds - row) p in place (attention backward), one pass.
+    dot_over_keys(a, b)           sum_s a b over the keys of (B, H, Tk, Tq) arrays (the softmax
+                                  backward's row sums under autocast), one pass, no copies.
     matmul_tn(a, b)               a^T b of batched matrices without cupy's copy of a^T (the
                                   attention's p^T v and ds^T k: 2 x 400 MB copies per layer).
     gelu(z)                       (y, dy/dz) of functional.gelu_forward, one pass, not ~15.
@@ -111,6 +113,7 @@ ELEMENTWISE = {
 """The ElementwiseKernels by name: (in params, out params, body, kernel name)."""
 REDUCTION = {
     "sumexp": ("T y, T m", "T s", "exp(y - m)", "a + b", "s = a", "0", "mpishard_sumexp"),
+    "dot_keys": ("T x, T y", "T r", "x * y", "a + b", "r = a", "0", "mpishard_dot_over_keys"),
 }
 """The ReductionKernels by name: (in, out, map, reduce, post, identity, kernel name)."""
 
@@ -131,6 +134,15 @@ def causal_softmax_t(xp, p, offset):
     lse = xp.empty(p.shape[:-2] + (tq,), dtype=p.dtype)
     kernels(xp)["softmax_t"](tk, tq, tk if offset is None else int(offset), p, lse)
     return lse
+
+
+def dot_over_keys(xp, a, b):
+    """'bhst,bhst->bht': sum over the keys (axis -2) of a * b, one pass without temporaries
+    on cupy (cupy's einsum copied both (B, H, T, T) operands first: 2 x 400 MB a layer in
+    the H200's bfloat16 profile); xp.einsum off it."""
+    if use(xp):
+        return kernels(xp)["dot_keys"](a, b, axis=-2)
+    return xp.einsum("bhst,bhst->bht", a, b)
 
 
 def softmax_grad_t(xp, ds, row, p):

@@ -88,6 +88,13 @@ def test_softmax_grad_xp_ops():
     np.testing.assert_array_equal(got, want)
 
 
+def test_dot_over_keys_xp_ops():
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((2, 3, 5, 4)), rng.standard_normal((2, 3, 5, 4))
+    np.testing.assert_allclose(fused.dot_over_keys(np, a, b), (a * b).sum(axis=-2),
+                               rtol=1e-14)
+
+
 def close(got, want, rtol):
     """Equal to rtol relative to each array's largest finite magnitude (a sum in another
     order differs by rounding of its terms, not of a result that cancels), infinities equal."""
@@ -114,6 +121,14 @@ def both(fn, monkeypatch):
 def test_fused_attention_on_cupy(dtype, rtol, offset, monkeypatch):
     args = problem(CUPY, dtype)
     close(*both(lambda: attention_all(*args, offset=offset), monkeypatch), rtol)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+def test_fused_dot_over_keys_on_cupy(dtype, rtol, monkeypatch):
+    rng = np.random.default_rng(4)
+    a, b = (CUPY.asarray(rng.standard_normal((2, 3, 41, 37)).astype(dtype)) for _ in range(2))
+    close(*both(lambda: [fused.dot_over_keys(CUPY, a, b)], monkeypatch), rtol)
 
 
 @needs_gpu
