@@ -162,9 +162,10 @@ class MeshEngine(ShardedEngine):
     device : "cpu", "gpu" or "auto" (cupy when a GPU is visible), or a comm.backend.Backend
     cuda_aware : None asks the MPI library (comm/gpu.py); True/False overrides its answer
     param_dtype, comm_dtype : "bfloat16"/"float16" with dtype=float32 (parallel/precision.py)
-    compute_dtype : "bfloat16"/"float16": matmul inputs and outputs rounded to 16 bits (held in
-        float32: the numerics of torch.autocast, not yet its speed or memory), softmax, norms
-        and the loss in dtype=float32 (nn/autocast.py); tf32: float32 matmul inputs in TF32
+    compute_dtype : "bfloat16"/"float16": matmul inputs and outputs in 16 bits (on a device
+        real 16-bit arrays on the tensor cores, nn/gemm.py; on numpy rounded and held in
+        float32), softmax, norms and the loss in dtype=float32, as torch.autocast
+        (nn/autocast.py); tf32: float32 matmuls in TF32 (cuBLAS's on cupy)
     gpu_comm : "auto", "nccl", "mpi" (CUDA-aware) or "staged" (through host memory): comm/backend
     timeout : seconds any collective or receive may wait (CollectiveTimeout after); 0: off
     blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int (threads.py)

@@ -8,13 +8,14 @@ settings, like `dtype`). param_dtype and comm_dtype default to `dtype`, compute_
 
     what                          dtype
     parameters (store, fsdp)      param_dtype    all-gathered under fsdp in param_dtype too
-    matmul inputs and outputs     compute_dtype  values rounded to 16 bits (held in fp32),
-                                                 products and sums in fp32 (nn/autocast.py,
-                                                 torch.autocast's policy); tf32=True: fp32
-                                                 matmul inputs rounded to TF32
-    saved activations             compute_dtype  the rounded matmul inputs, held in fp32 (4
-                                                 bytes an element: the numerics of 16 bits,
-                                                 not yet the memory)
+    matmul inputs and outputs     compute_dtype  rounded to 16 bits, products and sums in
+                                                 fp32 (nn/autocast.py, torch.autocast's
+                                                 policy): real 16-bit arrays on a device
+                                                 (Narrow, nn/gemm.py's tensor-core GEMMs),
+                                                 held in fp32 on numpy; tf32=True: cuBLAS's
+                                                 TF32 on cupy, inputs rounded to TF32 else
+    saved activations             compute_dtype  the rounded matmul inputs (2 bytes an element
+                                                 on a device, 4 on numpy)
     other layer math              dtype (fp32)   softmax, norms, the loss, reductions, the
                                                  residual stream; CastingAccess.get casts
                                                  each stored weight up, Precision.autocast
@@ -44,10 +45,12 @@ param_dtype bits unchanged).
 Non-reducing calls (all_gather, all_to_all) move 16-bit arrays as their raw 2-byte words
 (viewed as float16, which MPI moves without arithmetic), so bfloat16 needs no MPI type.
 
-On a device (cupy, or the test suite's stand-in for it) there is no bfloat16 dtype: a bf16
-array is held, and sent, as its uint16 words, converted to and from fp32 by bf16.py's kernels
-(bit for bit what ml_dtypes does on the host, so a device run equals the host's). `held` says
-which dtype an array of a precision dtype has on `xp`; `narrow` (fp32 -> 16 bits, rounding),
+On a device (cupy, or the test suite's stand-in for it) a bf16 parameter or gradient chunk
+is held, and sent, as its uint16 words (cupy before 14 had no bfloat16; 14.2's batched
+matmul still refuses it; the 16-bit compute's matmul inputs are real bfloat16 arrays),
+converted to and from fp32 by bf16.py's kernels (bit for bit what ml_dtypes does on the
+host, so a device run equals the host's). `held` says which dtype an array of a precision
+dtype has on `xp`; `narrow` (fp32 -> 16 bits, rounding),
 `widen` (16 bits -> fp32, exact) and `assign` are the only casts the store, the optimizer's
 masters and the checkpoint writer make. `precision.param` and `.comm` stay the logical dtypes
 (ml_dtypes.bfloat16 names a bf16 run on any device); a uint16 array here is always bf16 words.
