@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu_gemm_probe.py [--out probe.json]
 
-The questions the 16-bit compute path (parallel/tensor_cores.py) rests on, each answered by
+The questions the 16-bit compute path (nn/gemm.py, nn/autocast.py Narrow) rests on, each answered by
 trying it: does cupy hold ml_dtypes' bfloat16 and cast float32 to it as ml_dtypes does
 (nearest even); do matmuls (2-D, batched, on transposed views) of two bfloat16 or float16
 arrays run, return that dtype, and equal the emulation (inputs rounded, float32 products and

@@ -43,7 +43,6 @@ import mpishard as ms
 from gpt import model_flops, torch_gpt
 from gpu import FULL, TINY, Device, emit, fitting_problem, timed
 from mpishard.nn import fused
-from mpishard.parallel.precision import allow_tf32
 
 PRECISIONS = [("float32", {}, None, False), ("tf32", {"tf32": True}, None, True),
               ("bfloat16", {"compute_dtype": "bfloat16"}, "bfloat16", False),
@@ -142,8 +141,6 @@ def one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32, s
         torch_peak = peak_bytes(dev, full, torch)
         full = None
         dev.release()
-    if tf32 and not dev.standin:          # TF32 is a setting of the process, as torch's is
-        allow_tf32(dev.xp, False)
     if ours_peak is not None:
         rec["ours_peak_gib"] = round(ours_peak / 2 ** 30, 3)
     if torch_peak is not None:

@@ -47,12 +47,11 @@ from mpi4py import MPI
 
 from .gpu import gpu_for_rank, node_local_rank, own_device, query_cuda_support, try_import_cupy
 from .nccl import NcclTransport, try_import_nccl
-from .staging import StagedPipeline, as_words, pinned_empty
+from .staging import BF16, StagedPipeline, as_words, pinned_empty
 
 log = logging.getLogger("mpishard")
 
 GPU_COMM = ("auto", "nccl", "mpi", "staged")
-
 """How device arrays travel between GPUs: NCCL, a CUDA-aware MPI, or staged through host
 memory; auto: a CUDA-aware MPI, else staged (NCCL is opt-in: module docstring)."""
 
@@ -213,6 +212,8 @@ class Backend:
         device array, or anything else not borrowed, is ignored)."""
         for buf in buffers:
             if isinstance(buf, np.ndarray) and self.is_gpu and not self.cuda_aware:
+                if isinstance(buf.base, np.ndarray) and buf.base.dtype == BF16:
+                    buf = buf.base                       # as_words' view: the bf16 buffer
                 free = self._free.setdefault((buf.shape, buf.dtype.str), [])
                 if len(free) < self.KEEP_PER_SHAPE and all(b is not buf for b in free):
                     free.append(buf)

@@ -28,7 +28,7 @@ recorder of the calls (recorded.py: each entry point tells it of its calls; None
 `check`, debug mode's signature check.
 
 Results are fresh arrays of the backend (the caller owns them); all_reduce takes `out=` for a
-buffer the caller reuses (the gradient buckets reduce in place with `out=arr`).
+buffer the caller reuses (the gradient buckets reduce in place). No bfloat16 sums (p2p.py).
 
 Debug mode (a `check` given): before each collective the group compares op, dtype and shape
 (health/debug.py) and raises `CollectiveMismatchError` on every rank naming the difference,
@@ -45,7 +45,7 @@ from mpi4py import MPI
 from .alltoallv import PrivateComms, VariableExchange
 from .gather import Gather
 from .objects import agree_mpi
-from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape
+from .p2p import HEADER_WORDS, Future, PointToPoint, dtype_code, header, header_shape, no_bf16_sum
 from .recorded import recorded
 from .reduce_scatter import ScatterReduce
 from .retired import abandon
@@ -235,6 +235,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         if op not in OPS:
             raise ValueError(f"all_reduce op must be one of {list(OPS)}, got {op!r}")
         a = arr if out is not None and out is arr else self.prepare(arr)   # dtype checked
+        no_bf16_sum(a.dtype, "all_reduce")
         if op == "avg" and a.dtype.kind not in "fc":
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {a.dtype}")
         if out is None:
@@ -294,6 +295,7 @@ class Comm(PointToPoint, Gather, VariableExchange, ScatterReduce):
         a = self.xp.asarray(arr)
         comm = self._mpi(group)
         self._check(comm, "reduce_scatter", a, op, axis=axis)
+        no_bf16_sum(a.dtype, "reduce_scatter")
         if op not in ("sum", "avg"):
             raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
         if op == "avg" and a.dtype.kind not in "fc":

@@ -18,8 +18,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .staging import BF16
 from .recorded import recorded
+from .staging import BF16
 
 
 DTYPES = [np.dtype(t) for t in ("float64", "float32", "int64", "int32", "float16", "uint8",
@@ -41,6 +41,15 @@ def dtype_code(dtype) -> int:
         raise TypeError(f"dtype {np.dtype(dtype)} is not supported for MPI transfer; use one "
                         f"of {[str(d) for d in DTYPES]}")
     return code
+
+
+def no_bf16_sum(dtype, what: str) -> None:
+    """TypeError for a reduction of bfloat16 (MPI would sum its words as float16): the same
+    on every rank, before any communication. 16-bit gradients reduce through
+    parallel/precision.py's LowPrecisionComm (an all_to_all of the words, a float32 sum)."""
+    if dtype == BF16:
+        raise TypeError(f"{what} of a bfloat16 array: MPI has no bfloat16 sum; reduce it in "
+                        f"float32 (LowPrecisionComm does)")
 
 
 def header(a) -> np.ndarray:

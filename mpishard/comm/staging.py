@@ -30,7 +30,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def as_words(a):
     """`a` as MPI moves it: a bfloat16 array as its 2-byte words viewed as float16 (mpi4py
-    has no bfloat16 buffer; only non-reducing calls move one), any other array as it is."""
+    has no bfloat16 buffer; only non-reducing calls take one: p2p.no_bf16_sum), any other
+    array as it is."""
     return a.view(np.float16) if a.dtype == BF16 else a
 
 

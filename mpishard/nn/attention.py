@@ -47,6 +47,12 @@ def _t(a):
     return a.swapaxes(-1, -2)
 
 
+def wide(x):
+    """The dtype the attention's outputs and gradients are held in: x's, or float32 for a
+    16-bit x (nn/autocast.py Narrow: only matmul inputs are 16-bit arrays)."""
+    return np.dtype(np.float32) if is_low(x) else x.dtype
+
+
 def inv_sqrt(x):
     """1 / sqrt(Dh) for scaling x (…, Dh): a Python float, or for a 16-bit x a float32 one,
     so the product is a float32 one rounded once to x's dtype (the rounding emulation's),
@@ -126,7 +132,7 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
         with np.errstate(divide="ignore"):                   # log 0 = -inf: no key seen
             lse = m[..., 0, :] + xp.log(denom)
     b, h, tq, dh = q.shape
-    out = xp.empty((b, tq, h, dh), dtype=q.dtype).transpose(0, 2, 1, 3)
+    out = xp.empty((b, tq, h, dh), dtype=wide(q)).transpose(0, 2, 1, 3)   # float32 for 16 bits
     cast.output(fused.matmul_tn(xp, cast.round(p), cast.round(v), out=out))  # 'bhst,bhsd->bhtd'
     return (out, lse, p) if keep_probs else (out, lse)
 
@@ -232,7 +238,7 @@ def split_heads_grads(q):
     (attention_block_backward's `into`) has undone split_heads without a copy."""
     xp = array_module(q)
     b, h, t, dh = q.shape
-    da = xp.empty((b, t, 3, h, dh), dtype=q.dtype)
+    da = xp.empty((b, t, 3, h, dh), dtype=wide(q))
     return da.reshape(b, t, 3 * h * dh), tuple(da[:, :, i].transpose(0, 2, 1, 3)
                                                for i in range(3))
 

@@ -8,10 +8,11 @@ paths run the same operations as without this module, bit for bit.
 
 A layer with a policy `cast` writes each matmul as
 
-    y = cast.output(xp.matmul(cast.round(a), cast.round(b)))        (einsum spec alike)
+    y = cast.output(gemm.matmul(xp, cast.round(a), cast.round(b)))   (nn.einsum alike)
 
-and the policy decides what that means (PyTorch autocast's lists, CUDA's, which keep
-softmax, the norms and the losses in float32):
+(`cast.enter()` before a product whose inputs were rounded earlier, a deferred weight
+gradient), and the policy decides what that means (PyTorch autocast's lists, CUDA's, which
+keep softmax, the norms and the losses in float32):
 
     16-bit (bfloat16 / float16)
       matmul inputs    rounded to 16 bits: activations, gradients and weights (the float32
@@ -39,8 +40,9 @@ element. On a device (cupy, or the CPU stand-in that proves the path) the policy
 rounded inputs are real 16-bit arrays (2 bytes an element, saved so), multiplied on the
 tensor cores by nn/gemm.py; the same values, the speed and memory of 16 bits.
 
-The rounding functions come from the caller: nn/ knows no device's bfloat16 (precision.py
-rounds through ml_dtypes on numpy and through bf16.py's word kernels on cupy).
+The emulation's rounding functions come from the caller (precision.py rounds through
+ml_dtypes on numpy and through bf16.py's word kernels on cupy); `Narrow` casts with astype to
+the 16-bit dtype it is given.
 """
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ class Full:
     def output(self, y):
         """y itself."""
         return y
+
+    def enter(self):
+        """Nothing (a matmul whose inputs were rounded earlier: a deferred weight gradient)."""
 
     def __repr__(self):
         return "FULL"
@@ -84,9 +89,14 @@ class Rounding:
         """A matmul input: x rounded (a new array; None stays None)."""
         return None if x is None else self.inputs(x)
 
+    def enter(self):
+        """A matmul follows whose inputs were rounded earlier (a deferred weight gradient):
+        nothing to do here; precision.CublasTF32 switches cuBLAS's TF32 on."""
+
     def output(self, y):
         """A matmul output: y rounded in place (a view is written through), and returned
-        (None stays None)."""
+        (None stays None). (Narrow returns a 16-bit y widened, a new array: callers use the
+        return value, or give gemm a float32 `out`, which is rounded in place.)"""
         if self.outputs is not None and y is not None:
             y[...] = self.outputs(y)
         return y

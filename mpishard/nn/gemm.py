@@ -81,9 +81,10 @@ def _cublas(cp, a, b, out):
     shape = batch + ((m,) if not vec_a else ()) + ((n,) if not vec_b else ())
     want = a.dtype if out is None else out.dtype
     direct = (out is not None and out.dtype in (a.dtype, F32) and out.flags.c_contiguous
-              and out.size == math.prod(batch) * m * n)
-    c = out if direct else cp.empty(batch + (m, n), dtype=a.dtype)
-    if m and n:
+              and out.shape == shape)
+    wide = out is not None and out.dtype == F32          # the float32 product, unrounded
+    c = out if direct else cp.empty(batch + (m, n), dtype=F32 if wide else a.dtype)
+    if m and n and math.prod(batch):
         if k == 0:
             c.fill(0)
         else:
@@ -117,7 +118,7 @@ def gemm_args(cp, a, b, batch) -> SimpleNamespace:
     ta, lda, sa, a = _operand(cp, a, batch)
     tb, ldb, sb, b = _operand(cp, b, batch)
     return SimpleNamespace(transa=tb, transb=ta, m=n, n=m, k=k, A=b, lda=ldb, strideA=sb, B=a,
-                    ldb=lda, strideB=sa, ldc=n, strideC=m * n, batch=max(math.prod(batch), 1))
+                    ldb=lda, strideB=sa, ldc=n, strideC=m * n, batch=math.prod(batch))
 
 
 def _operand(cp, x, batch):

@@ -202,9 +202,12 @@ class Linear(Layer):
 
     def backward_weights(self, mb=0) -> None:
         x, dy = self.deferred.pop(mb)
-        dw, db = nn.linear_backward_weights(dy, x)               # undoes 'bd,df->bf' in W
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        db = nn.column_sums(dy2) if self.b_name else None       # undoes the broadcast of b
+        self.autocast.enter()                   # a matmul whose inputs were rounded earlier
+        dw = nn.einsum("bd,bf->df", x2, dy2)                     # undoes 'bd,df->bf' in W
         self.access.add_grad(self.w_name, self.autocast.output(dw))
-        if self.b_name:                                          # undoes the broadcast of b
+        if self.b_name:
             self.access.add_grad(self.b_name, self.autocast.output(db))
 
 

@@ -216,6 +216,7 @@ class TiedHead(Layer):
         w = cast.round(self.access.get(self.w_name, mb))
         dx = cast.output(nn.einsum("bv,vd->bd", dy2, w))          # undoes 'bd,vd->bv' in x
         self.access.release(self.w_name, mb)
+        cast.enter()
         self.access.add_grad(self.w_name, cast.output(nn.einsum("bv,bd->vd", dy2, x2)))  # w
         return dx.reshape(x.shape)
 

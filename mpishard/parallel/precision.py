@@ -145,8 +145,8 @@ class Precision:
         16-bit compute: on numpy, inputs and outputs rounded to `matmul` and held in float32
         (`Rounding`); on a device (cupy, or the CPU stand-in), real 16-bit arrays multiplied
         on the tensor cores (`Narrow`, nn/gemm.py). tf32: on cupy, cuBLAS's TF32 compute
-        type (`CublasTF32`: a setting of the process, as PyTorch's is); elsewhere inputs
-        rounded to TF32. Otherwise FULL (nothing rounded)."""
+        type around each layer matmul (`CublasTF32`); elsewhere inputs rounded to TF32.
+        Otherwise FULL (nothing rounded)."""
         device = xp is not np
         if self.matmul is not None:
             if device:
@@ -172,33 +172,39 @@ class Precision:
 
 
 class CublasTF32(Rounding):
-    """tf32=True on cupy: cuBLAS rounds the inputs itself (CUBLAS_COMPUTE_32F_FAST_TF32).
-    cupy's compute type is a setting of the process, as PyTorch's
-    torch.backends.cuda.matmul.allow_tf32 is: the first matmul input this policy takes
-    (`round`) turns it on, and it stays on for every float32 cupy matmul of the process
-    (a weight gradient's too, whose inputs were taken earlier) until `allow_tf32(cp, False)`.
-    """
+    """tf32=True on cupy: the layers' float32 matmuls on cuBLAS's TF32 tensor cores
+    (CUBLAS_COMPUTE_32F_FAST_TF32: cuBLAS rounds the inputs), and no other product. cupy's
+    compute type is a setting of the process, so this policy switches it to TF32 as a layer
+    takes a matmul's inputs (`round`; `enter` for a weight gradient whose inputs were taken
+    earlier) and back to what it was as the layer takes the output (`output`). The products
+    the layers use as reductions in between (LayerNorm's row sums and variance, bias
+    gradients), other engines and the user's own cupy code keep full float32, as PyTorch's
+    allow_tf32 leaves its reductions. A product a layer runs without `round` or `enter` first
+    stays float32 (slower, never less exact)."""
 
     def __init__(self):
-        super().__init__(self._take, None, "tf32")
-        self._on = False
+        from cupy._core import _routines_linalg as linalg
 
-    def _take(self, x):
-        if not self._on:
-            import cupy
+        self._set = partial(linalg.set_compute_type, np.float32)
+        self._on, self._off = linalg.COMPUTE_TYPE_TF32, linalg.get_compute_type(np.float32)
+        super().__init__(_same, None, "tf32")
 
-            allow_tf32(cupy, True)
-            self._on = True
+    def round(self, x):
+        """x itself, with TF32 switched on for the matmul it goes into."""
+        self.enter()
         return x
 
+    def enter(self):
+        self._set(self._on)
 
-def allow_tf32(cp, on: bool) -> None:
-    """cupy's float32 matmuls in TF32 on the tensor cores (on) or in full float32: cupy's
-    compute type, a setting of the process."""
-    from cupy._core import _routines_linalg as linalg
+    def output(self, y):
+        """y itself, with cupy's compute type back to what it was."""
+        self._set(self._off)
+        return y
 
-    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on
-                            else linalg.COMPUTE_TYPE_DEFAULT)
+
+def _same(x):
+    return x
 
 
 def held(dtype, xp) -> np.dtype:

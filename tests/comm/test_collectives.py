@@ -504,6 +504,21 @@ def test_engine_calls_are_the_comms_with_their_signature_and_doc():
     np.testing.assert_array_equal(m.all_gather(np.ones(2)), np.ones(2))
 
 
+def test_bfloat16_moves_as_words_but_never_sums():
+    """A bfloat16 array goes through MPI's non-reducing calls as its 2-byte words (mpi4py has
+    no bfloat16 buffer), and a reduction of one raises before any communication: MPI would
+    add its words as float16 numbers (16-bit gradients reduce through LowPrecisionComm)."""
+    import ml_dtypes
+
+    e = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
+    a = np.arange(6.0, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    got = e.all_gather(a)
+    assert got.dtype == a.dtype and np.array_equal(got, a)
+    for call in (e.all_reduce, e.reduce_scatter, e.all_reduce_async):
+        with pytest.raises(TypeError, match="no bfloat16 sum"):
+            call(a)
+
+
 def test_comm_stats_columns_read_zero_for_unused_kinds():
     e = ms.make_engine(ms.MLP([2, 2]), comm=MPI.COMM_SELF)
     e.all_reduce(np.ones(4))

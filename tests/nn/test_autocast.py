@@ -139,3 +139,36 @@ def test_kv_cached_decoding_rounds_as_the_full_forward(kind):
     err = float(np.abs(last - full).max()) / (2.0 ** -7 * float(np.abs(full).max()))
     print(f"{kind}: cached vs full last logits: {err:.3f} bf16 ulps of the scale")
     assert err <= 0.25
+
+
+def test_tf32_on_cupy_is_switched_around_each_layer_matmul(monkeypatch):
+    """tf32=True on cupy (precision.CublasTF32): cupy's compute type is TF32 from a layer's
+    taking of a matmul's inputs (round, or enter for a deferred weight gradient) to its
+    taking of the output, and otherwise what it was (here a user's CUPY_TF32-style choice),
+    so reductions and other code keep theirs. Stood in by a fake cupy._core module: the
+    real one runs on the GPU check's bench-step."""
+    import sys
+    import types
+
+    settings = {"f": "user's"}
+    linalg = types.SimpleNamespace(
+        COMPUTE_TYPE_TF32="tf32", COMPUTE_TYPE_DEFAULT="default",
+        get_compute_type=lambda dtype: settings["f"],
+        set_compute_type=lambda dtype, kind: settings.__setitem__(np.dtype(dtype).char, kind))
+    core = types.ModuleType("cupy._core")
+    core._routines_linalg = linalg
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    monkeypatch.setitem(sys.modules, "cupy._core", core)
+    monkeypatch.setitem(sys.modules, "cupy._core._routines_linalg", linalg)
+    fake_cupy = types.SimpleNamespace(__name__="cupy")
+    policy = Precision(np.float32, tf32=True).autocast(fake_cupy)
+    assert repr(policy) == "Rounding(tf32)" and settings["f"] == "user's"
+    x = np.ones(3, np.float32)
+    assert policy.round(x) is x and settings["f"] == "tf32"      # the inputs: TF32 on
+    y = np.ones(3, np.float32)
+    assert policy.output(y) is y and settings["f"] == "user's"   # the output: back
+    policy.enter()                                               # a deferred weight gradient
+    assert settings["f"] == "tf32"
+    policy.output(y)
+    assert settings["f"] == "user's"
+    assert Precision(np.float32, tf32=True).autocast(np).round(x) is not x   # CPU: emulated

@@ -145,3 +145,9 @@ def test_on_cupy_the_tensor_cores_agree_with_the_emulation():
             assert gemm.matmul(cp, cp.asarray(a), cp.asarray(b), out=out) is out
             exact = np.matmul(a.astype(np.float64), b.astype(np.float64))
             assert float(np.abs(cp.asnumpy(out) - exact).max()) / scale <= 2.0 ** -20
+            strided = cp.empty(want.shape[:-2] + want.shape[:-3:-1], cp.float32)
+            strided = strided.swapaxes(-1, -2) if want.ndim >= 2 else cp.empty_like(out)
+            gemm.matmul(cp, cp.asarray(a), cp.asarray(b), out=strided)   # not contiguous:
+            assert float(np.abs(cp.asnumpy(strided) - exact).max()) / scale <= 2.0 ** -20
+        empty = gemm.matmul(cp, cp.zeros((0, 3, 4), low), cp.zeros((0, 4, 5), low))
+        assert empty.shape == (0, 3, 5)                  # an empty batch: no cuBLAS call

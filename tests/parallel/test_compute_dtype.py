@@ -106,8 +106,9 @@ def test_bf16_layouts_match_single_bf16(name, layout):
 
 @pytest.mark.parametrize("compute,tf32", [("bfloat16", False), ("float16", False), (None, True)])
 def test_device_arrays_round_as_the_host_does(compute, tf32, monkeypatch):
-    """On the strict device stand-in (tests/device_double.py: no np. on its arrays, bf16 as
-    uint16 words through parallel/bf16.py's xp ops) a step rounds as numpy's does: loss,
+    """On the strict device stand-in (tests/device_double.py: no np. on its arrays, 16-bit
+    matmul inputs as real 16-bit arrays, products through nn/gemm.py; TF32 emulated, as on
+    any device that is not cupy) a step rounds as numpy's does: loss,
     logits equal the host engine's bit for bit, the gradients to float32 rounding (the
     embedding's scatter-add sums in another order off numpy: xp.add.at), 1e-5 of each
     array's largest element, far below one bf16 (2^-8) or fp16 (2^-11) ulp. The host runs
@@ -135,8 +136,7 @@ def test_device_arrays_round_as_the_host_does(compute, tf32, monkeypatch):
                                    err_msg=n)
 
 
-DEVICE_CASES = [("gpt", layout) for layout in ("dp=2", "fsdp=2", "tp=2", "pp=2", "cp=2",
-                                               "cp=2,cp_kind=ulysses")] + [("llama", "tp=2")]
+DEVICE_CASES = CASES
 
 
 def device_against_host(name, layout, compute, backend):
@@ -161,18 +161,21 @@ def device_against_host(name, layout, compute, backend):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["staged", "cuda_aware"])
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name,layout", DEVICE_CASES, ids=[f"{m}-{v}" for m, v in DEVICE_CASES])
-def test_device_layouts_hold_16_bits_and_match_the_host(name, layout, compute, monkeypatch):
+def test_device_layouts_hold_16_bits_and_match_the_host(name, layout, compute, mode,
+                                                        monkeypatch):
     """On the device stand-in a 16-bit engine holds its rounded matmul inputs as real 16-bit
     arrays (nn/autocast.py Narrow: what cupy runs, nn/gemm.py's products; the double refuses
     any 16-bit product that bypasses it), including the q, k, v blocks a cp ring sends and
     Ulysses exchanges. Per layout at 2 ranks, the loss and logits equal the host engine's
     (float32-held rounding) bit for bit, the gradients within 1e-5 of each array's largest
-    element, as test_device_arrays_round_as_the_host_does says for one device."""
+    element, as test_device_arrays_round_as_the_host_does says for one device. Staged, and
+    CUDA-aware (MPI reads the device's bf16 words in place)."""
     monkeypatch.setenv("MPISHARD_CPU_FUSED", "0")
     (hl, hg, hy), (dl, dg, dy) = device_against_host(
-        name, layout, compute, lambda comm: device_backend(comm, "staged")[0])
+        name, layout, compute, lambda comm: device_backend(comm, mode)[0])
     assert hl == dl
     np.testing.assert_array_equal(dy, hy)
     for n in hg:

@@ -62,12 +62,16 @@ def swiglu_expert_backward(dout, cache, gate, up, down, cast=FULL):
     mm = cast.output
     dout = cast.round(dout)
     dh = mm(nn.einsum("md,fd->mf", dout, cast.round(down)))          # undoes h down
+    cast.enter()
     ddown = mm(nn.einsum("mf,md->fd", h, dout))
     da = cast.round(dh * u * s * (1.0 + a * (1.0 - s)))              # silu'(a) = s (1 + a (1 - s))
     du = cast.round(dh * a * s)                                      # undoes * (x up)
     dx = mm(nn.einsum("mf,df->md", da, cast.round(gate))) + \
         mm(nn.einsum("mf,df->md", du, cast.round(up)))
-    return dx, mm(nn.einsum("md,mf->df", x, da)), mm(nn.einsum("md,mf->df", x, du)), ddown
+    cast.enter()
+    dgate = mm(nn.einsum("md,mf->df", x, da))
+    cast.enter()
+    return dx, dgate, mm(nn.einsum("md,mf->df", x, du)), ddown
 
 
 def renormalised_gates_backward(dgates, gates, top_sum):

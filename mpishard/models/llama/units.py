@@ -150,6 +150,7 @@ class FusedLinear(Linear):
     def add_grads(self, i: int, x2, dy_i) -> None:
         """Projection i's gradients from x (rows flattened) and its columns dy_i of dy:
         dW_i = x^T dy_i 'bd,bf->df'."""
+        self.autocast.enter()
         self.access.add_grad(self.weights[i],
                              self.autocast.output(nn.einsum("bd,bf->df", x2, dy_i)))
 
