@@ -47,11 +47,12 @@ def add_device_arguments(add, default="auto"):
     add("--compute-dtype", choices=COMPUTE_DTYPES, default=None,
         help="matmul inputs and outputs and the activations saved for backward in 16 bits "
         "(bfloat16, or float16 with dynamic loss scaling), softmax, norms and the loss in "
-        "--dtype float32, as torch.autocast (default: --dtype)")
+        "--dtype float32, as torch.autocast: on a GPU 16-bit arrays and tensor-core GEMMs, "
+        "on the CPU emulated (the numerics, float32's memory and speed; default: --dtype)")
     add("--tf32", action="store_true", default=None if default is None else False,
-        help="float32 matmuls in TF32, like PyTorch's allow_tf32 (on a GPU cuBLAS's TF32 "
-        "tensor cores, on the CPU inputs rounded to TF32: docs/gpus.md; needs --dtype "
-        "float32 and no 16-bit --compute-dtype; off by default)")
+        help="float32 layer matmuls in TF32, PyTorch allow_tf32's numerics (on a GPU cuBLAS's "
+        "TF32 tensor cores around each layer matmul only, on the CPU inputs rounded to TF32: "
+        "docs/gpus.md; needs --dtype float32 and no 16-bit --compute-dtype; off by default)")
     add("--gpu-comm", choices=GPU_COMM, default=default,
         help="how device arrays travel between GPUs: nccl (opt-in, docs/gpus.md), mpi (a "
         "CUDA-aware MPI), staged (through host memory), or auto (default: mpi where the MPI "

@@ -141,6 +141,23 @@ def test_kv_cached_decoding_rounds_as_the_full_forward(kind):
     assert err <= 0.25
 
 
+def test_a_device_without_bfloat16_emulates_it(monkeypatch):
+    """On a device whose arrays cannot be bfloat16 (cupy 13), compute_dtype="bfloat16" keeps
+    the emulation (rounded values held in float32) instead of failing at the first cast;
+    with bfloat16 (cupy 14, the stand-in) it holds real 16-bit arrays (Narrow)."""
+    import device_double
+    from mpishard.nn.autocast import Narrow
+
+    policy = Precision(np.float32, compute_dtype="bfloat16")
+    assert isinstance(policy.autocast(device_double.DeviceModule()), Narrow)
+    monkeypatch.setattr(device_double, "CUPY_DTYPES", device_double.CUPY_DTYPES
+                        - {np.dtype(ml_dtypes.bfloat16)})
+    cupy13 = device_double.DeviceModule()
+    emulated = policy.autocast(cupy13)
+    assert not isinstance(emulated, Narrow) and repr(emulated) == "Rounding(bfloat16)"
+    assert isinstance(Precision(np.float32, compute_dtype="float16").autocast(cupy13), Narrow)
+
+
 def test_tf32_on_cupy_is_switched_around_each_layer_matmul(monkeypatch):
     """tf32=True on cupy (precision.CublasTF32): cupy's compute type is TF32 from a layer's
     taking of a matmul's inputs (round, or enter for a deferred weight gradient) to its
