@@ -189,8 +189,8 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     if cast.active and whole:          # sum_s p dp / sqrt Dh, from the rounded dp: the
         row = fused.dot_over_keys(xp, ds, p)         # softmax's own backward (autocast's)
     else:
-        wide = (dout.astype(p.dtype, copy=False), out.astype(p.dtype, copy=False))   # 16-bit
-        row = xp.einsum("bthd,bthd->bht", *(u.transpose(0, 2, 1, 3) for u in wide))
+        pair = (dout.astype(p.dtype, copy=False), out.astype(p.dtype, copy=False))   # 16-bit
+        row = xp.einsum("bthd,bthd->bht", *(u.transpose(0, 2, 1, 3) for u in pair))
         row *= scale                                         # sum_d dout * out / sqrt Dh
     fused.softmax_grad_t(xp, ds, row, p)                     # ds^T / sqrt Dh = (ds - row) p
     ds = cast.round(ds)

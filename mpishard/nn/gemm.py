@@ -79,7 +79,6 @@ def _cublas(cp, a, b, out):
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} not aligned")
     batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     shape = batch + ((m,) if not vec_a else ()) + ((n,) if not vec_b else ())
-    want = a.dtype if out is None else out.dtype
     direct = (out is not None and out.dtype in (a.dtype, F32) and out.flags.c_contiguous
               and out.shape == shape)
     wide = out is not None and out.dtype == F32          # the float32 product, unrounded
@@ -90,22 +89,24 @@ def _cublas(cp, a, b, out):
         else:
             g = gemm_args(cp, a, b, batch)
             one, zero = np.ones((), np.float32), np.zeros((), np.float32)
-
-            def enum(mod, pair):
-                return getattr(mod, pair[0], pair[1])
             cublas.gemmStridedBatchedEx(
                 device.get_cublas_handle(), g.transa, g.transb, g.m, g.n, g.k, one.ctypes.data,
-                g.A.data.ptr, enum(runtime, CUDA_TYPES[g.A.dtype]), g.lda, g.strideA,
-                g.B.data.ptr, enum(runtime, CUDA_TYPES[g.B.dtype]), g.ldb, g.strideB,
-                zero.ctypes.data, c.data.ptr, enum(runtime, CUDA_TYPES[c.dtype]), g.ldc,
-                g.strideC, g.batch, enum(cublas, COMPUTE_32F), enum(cublas, GEMM_DEFAULT))
+                g.A.data.ptr, _enum(runtime, CUDA_TYPES[g.A.dtype]), g.lda, g.strideA,
+                g.B.data.ptr, _enum(runtime, CUDA_TYPES[g.B.dtype]), g.ldb, g.strideB,
+                zero.ctypes.data, c.data.ptr, _enum(runtime, CUDA_TYPES[c.dtype]), g.ldc,
+                g.strideC, g.batch, _enum(cublas, COMPUTE_32F), _enum(cublas, GEMM_DEFAULT))
     if direct:
         return out
     c = c.reshape(shape)
     if out is None:
         return c
-    out[...] = c if want == c.dtype else c.astype(want)
+    out[...] = c                                           # (cast to out's dtype)
     return out
+
+
+def _enum(mod, pair):
+    """cupy's value of a CUDA enum (name, value), or the value where cupy lacks the name."""
+    return getattr(mod, pair[0], pair[1])
 
 
 def gemm_args(cp, a, b, batch) -> SimpleNamespace:

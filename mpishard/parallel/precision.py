@@ -147,9 +147,8 @@ class Precision:
         on the tensor cores (`Narrow`, nn/gemm.py). tf32: on cupy, cuBLAS's TF32 compute
         type around each layer matmul (`CublasTF32`); elsewhere inputs rounded to TF32.
         Otherwise FULL (nothing rounded)."""
-        device = xp is not np
         if self.matmul is not None:
-            if device and holds(xp, self.matmul):       # cupy 13 has no bfloat16: emulated
+            if xp is not np and holds(xp, self.matmul):  # cupy 13 has no bfloat16: emulated
                 return Narrow(self.matmul)
             to_16 = partial(round_to, dtype=self.matmul)
             return Rounding(to_16, to_16, self.matmul.name)
@@ -187,7 +186,7 @@ class CublasTF32(Rounding):
 
         self._set = partial(linalg.set_compute_type, np.float32)
         self._on, self._off = linalg.COMPUTE_TYPE_TF32, linalg.get_compute_type(np.float32)
-        super().__init__(_same, None, "tf32")
+        super().__init__(None, None, "tf32")          # round is its own (cuBLAS rounds)
 
     def round(self, x):
         """x itself, with TF32 switched on for the matmul it goes into."""
@@ -201,10 +200,6 @@ class CublasTF32(Rounding):
         """y itself, with cupy's compute type back to what it was."""
         self._set(self._off)
         return y
-
-
-def _same(x):
-    return x
 
 
 def holds(xp, dtype) -> bool:

@@ -27,9 +27,9 @@ import pytest
 
 import mpishard as ms
 from mpishard.comm.backend import Backend
-from mpishard.comm.gpu import try_import_cupy
 from conftest import group_comm
 from mpi4py import MPI
+from test_bf16_cupy import gpu_cupy
 from test_device_double import device_backend
 from test_gpt_engine import make_case
 
@@ -192,12 +192,7 @@ def test_16_bit_layouts_on_cupy_match_the_host(name, layout, compute):
     so a rounding to 16 bits can move by one ulp and the layers carry it on. Loss, logits and
     every gradient within TOL (8 bf16 ulps of the array's largest element, as the layouts
     against single; float16's ulp is 8 times smaller) of the host's."""
-    cupy = try_import_cupy()
-    try:
-        if cupy is None or cupy.cuda.runtime.getDeviceCount() == 0:
-            raise RuntimeError("no device")
-    except Exception:
-        pytest.skip("cupy with a CUDA device is not available here")
+    gpu_cupy()                                    # skips without cupy and a GPU
     (hl, hg, hy), (dl, dg, dy) = device_against_host(
         name, layout, compute, lambda comm: Backend("gpu", comm, gpu_comm="staged"))
     g_err, g_name = worst(dg, hg)
