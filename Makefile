@@ -187,9 +187,15 @@ test-serialized: $(STAMP)
 # installs the `hf` extra first; `make test` and `make demo` never need transformers.
 HF_EXTRAS ?= dev,hf
 HF_SIZES  ?= 1 2 4
-# tests/hf, and the unit tests that check our Llama units against torch autograd (skipped by
-# `make test`, whose venv has no torch)
-HF_TESTS  ?= tests/hf $(wildcard tests/models/llama/test_*llama_nn.py)
+# tests/hf, and the tests elsewhere that compare against torch or transformers (skipped by
+# `make test`, whose venv has no torch): the Llama units against autograd, the masked loss
+# against cross_entropy(ignore_index=-100), packed rotary, sampling, tokenize's HF dirs,
+# importing a PyTorch-written MLP, torch's thread pool left alone
+HF_TESTS  ?= tests/hf $(wildcard tests/models/llama/test_*llama_nn.py) \
+    tests/models/llama/test_llama_packing.py tests/nn/test_ignore_index.py \
+    tests/nn/test_sampling.py tests/cli/test_tokenize.py \
+    tests/checkpoint/test_checkpoint.py::test_import_a_pytorch_written_mlp_gives_pytorch_outputs \
+    tests/health/test_blas_threads.py::test_the_default_never_touches_torchs_threads
 test-hf: $(STAMP)
 	$(PY) -m pip install -q -e '.[$(HF_EXTRAS)]'
 	@echo "==> test-hf: $(HF_TESTS) serially, then on $(HF_SIZES) ranks, timeout $(TIMEOUT) s each"
@@ -214,7 +220,8 @@ test-nvrtc: $(STAMP)
 # --- the CPU's fused element-wise kernels (the cpu-fused extra, numba; .ci/run's last stage) ---
 # Installs the extra into $(VENV) and runs the kernels' exactness tests against the numpy
 # ops without skipping (MPISHARD_REQUIRE_NUMBA=1), then the layouts of a GPT at 2 ranks with
-# the kernels in, against single (float64, rtol 1e-9).
+# the kernels in, against single (float64, rtol 1e-9), and packed rows (the masked softmax
+# kernel) against each example alone.
 .PHONY: test-cpu-fused
 test-cpu-fused: $(STAMP)
 	$(PY) -m pip install -q -e '.[cpu-fused]'
@@ -222,7 +229,7 @@ test-cpu-fused: $(STAMP)
 	    tests/nn/test_cpu_fused.py tests/train/test_optim_fused.py
 	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi \
 	    -p no:cacheprovider tests/parallel/test_gpt_tp.py tests/parallel/test_gpt_cp.py \
-	    tests/train/test_optim.py
+	    tests/parallel/test_packing.py tests/parallel/test_cp_packing.py tests/train/test_optim.py
 
 # --- the OpenAI-compatible server (not in `make test`; .ci/run runs it) ---------------------
 # tests/serve start `mpishard serve` jobs of their own and drive them with the official openai

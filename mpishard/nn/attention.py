@@ -108,7 +108,8 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     offset None: every query sees every key; an int: the causal mask of causal_mask.
     visible: None, or a bool mask broadcastable to (B, H, Tq, Tk), False hiding a key from a
     query (with offset, a key must pass both; the backward takes the same mask); with it the
-    xp ops run, not the fused causal-only softmax kernel (nn/fused.py). A row
+    xp ops run on a device (nn/fused.py's kernel is causal-only), the numba kernel on numpy
+    (nn/cpu_fused.py) takes it. A row
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
     keep_probs: also return the probabilities p^T (B, H, Tk, Tq), for a backward that keeps
@@ -120,8 +121,10 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     if visible is None and fused.use(xp):                    # the same softmax, one kernel
         p = _masked_scores_t(q, k, None, cast=cast)
         lse = fused.causal_softmax_t(xp, p, offset)
-    elif visible is None and cpu_fused.use(q, k):            # numpy + numba: two loops
-        p, lse = cpu_fused.causal_softmax_t(_masked_scores_t(q, k, None, cast=cast), offset)
+    elif cpu_fused.use(q, k) and (visible is None or cpu_fused.takes_mask(
+            visible, k.shape[:2] + (k.shape[-2], q.shape[-2]))):   # numpy + numba: two loops
+        p, lse = cpu_fused.causal_softmax_t(_masked_scores_t(q, k, None, cast=cast), offset,
+                                            visible)
     else:
         p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
         m = _finite_or_zero(xp, _max_over_keys(p))           # per query max: exp(s - m) <= 1

@@ -14,10 +14,12 @@ reassociation), so each product and sum rounds as the numpy op does:
                             time: sum, centre, sum of squares, scale and shift.
     layernorm_grad(dy, ..)  (dx, dscale, dshift) of functional.layernorm_backward, one row at
                             a time, the column sums accumulated as it goes.
-    causal_softmax_t(p, o)  attention_block's masked softmax of p^T (B, H, Tk, Tq) in place,
-                            and lse: one loop for the max over visible keys, the shift and the
-                            mask, numpy's exp, one loop for the sum over keys, the scaling and
-                            lse (as nn/fused.py's cupy kernel): 2 passes and exp, not ~6.
+    causal_softmax_t(p, o, v)  attention_block's masked softmax of p^T (B, H, Tk, Tq) in
+                            place, and lse: one loop for the max over visible keys, the shift
+                            and the mask, numpy's exp, one loop for the sum over keys, the
+                            scaling and lse (as nn/fused.py's cupy kernel): 2 passes and exp,
+                            not ~6. v: a further bool mask (a packed row's documents, a KV
+                            cache's padding): one pass more, its keys set to -inf.
 
 The LayerNorm row and column sums and the softmax's sums over keys add in another order than
 numpy's matrix-vector products (8 running partial sums per row, rows in order per column), and
@@ -130,13 +132,60 @@ def _dot(a, b, c, zero):
 
 
 @jit
-def _layernorm_rows(x, scale, shift, y, xhat, rstd, ones, d, eps, one, zero):
+def _sum(a, zero):
+    """sum(a) of a 1-D array: _dot's 8 partial sums (so the same roundings as _dot(a, 1, 1)),
+    without loading the factors 1."""
+    n = a.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    i = 0
+    while i + 8 <= n:
+        s0 += a[i]
+        s1 += a[i + 1]
+        s2 += a[i + 2]
+        s3 += a[i + 3]
+        s4 += a[i + 4]
+        s5 += a[i + 5]
+        s6 += a[i + 6]
+        s7 += a[i + 7]
+        i += 8
+    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    while i < n:
+        s += a[i]
+        i += 1
+    return s
+
+
+@jit
+def _dot2(a, b, zero):
+    """sum(a b) of 1-D arrays: _dot(a, b, 1)'s partial sums and roundings, two loads a term."""
+    n = a.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    i = 0
+    while i + 8 <= n:
+        s0 += a[i] * b[i]
+        s1 += a[i + 1] * b[i + 1]
+        s2 += a[i + 2] * b[i + 2]
+        s3 += a[i + 3] * b[i + 3]
+        s4 += a[i + 4] * b[i + 4]
+        s5 += a[i + 5] * b[i + 5]
+        s6 += a[i + 6] * b[i + 6]
+        s7 += a[i + 7] * b[i + 7]
+        i += 8
+    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    while i < n:
+        s += a[i] * b[i]
+        i += 1
+    return s
+
+
+@jit
+def _layernorm_rows(x, scale, shift, y, xhat, rstd, d, eps, one, zero):
     for r in range(x.shape[0]):
         row, xh = x[r], xhat[r]
-        mean = _dot(row, ones, ones, zero) / d
+        mean = _sum(row, zero) / d
         for j in range(row.shape[0]):
             xh[j] = row[j] - mean
-        var = _dot(xh, xh, ones, zero) / d                # biased variance
+        var = _dot2(xh, xh, zero) / d                     # biased variance
         rs = one / np.sqrt(var + eps)
         rstd[r] = rs
         yr = y[r]
@@ -152,20 +201,19 @@ def layernorm(x, scale, shift, eps):
     x2 = np.ascontiguousarray(x).reshape(-1, d)
     y, xhat = np.empty_like(x2), np.empty_like(x2)
     rstd = np.empty(x2.shape[0], dtype=x.dtype)
-    _layernorm_rows(x2, scale, shift, y, xhat, rstd, np.ones(d, dtype=x.dtype), dt(d), dt(eps),
-                    dt(1.0), dt(0.0))
+    _layernorm_rows(x2, scale, shift, y, xhat, rstd, dt(d), dt(eps), dt(1.0), dt(0.0))
     return y.reshape(x.shape), (xhat.reshape(x.shape), rstd.reshape(x.shape[:-1] + (1,)))
 
 
 @jit
-def _layernorm_grad_rows(dy, xhat, rstd, scale, ones, dx, dscale, dshift, d, zero):
+def _layernorm_grad_rows(dy, xhat, rstd, scale, dx, dscale, dshift, d, zero):
     for r in range(dy.shape[0]):
         g, xh, out = dy[r], xhat[r], dx[r]
         for j in range(g.shape[0]):
             dshift[j] += g[j]
             dscale[j] += g[j] * xh[j]
         c1 = _dot(g, xh, scale, zero) / d         # mean(g xhat), g = dy scale
-        c0 = _dot(g, scale, ones, zero) / d          # mean(g)
+        c0 = _dot2(g, scale, zero) / d               # mean(g)
         rs = rstd[r]
         for j in range(g.shape[0]):
             out[j] = ((g[j] * scale[j] - c0) - xh[j] * c1) * rs
@@ -179,8 +227,7 @@ def layernorm_grad(dy, saved, scale):
     xhat2 = np.ascontiguousarray(xhat).reshape(-1, d)
     dx = np.empty_like(dy2)
     dscale, dshift = np.zeros(d, dtype=dy.dtype), np.zeros(d, dtype=dy.dtype)
-    _layernorm_grad_rows(dy2, xhat2, np.ascontiguousarray(rstd).reshape(-1), scale,
-                         np.ones(d, dtype=dy.dtype), dx,
+    _layernorm_grad_rows(dy2, xhat2, np.ascontiguousarray(rstd).reshape(-1), scale, dx,
                          dscale, dshift, dt(d), dt(0.0))
     return dx.reshape(dy.shape), dscale, dshift
 
@@ -214,6 +261,20 @@ def _shift_t(p, m, offset, ninf, zero):
 
 
 @jit
+def _hide_t(p, vis_t, heads, ninf):
+    """p^T (N, Tk, Tq) = -inf where vis_t (B, H', Tk, Tq) bool, the mask transposed like p,
+    hides the key from the query (the xp path's -inf added where the mask is False), slice n
+    being batch n // heads and head n % heads (H' 1: one mask for every head)."""
+    for n in range(p.shape[0]):
+        s, v = p[n], vis_t[n // heads, (n % heads) % vis_t.shape[1]]
+        for j in range(s.shape[0]):
+            row, keep = s[j], v[j]
+            for i in range(s.shape[1]):
+                if not keep[i]:
+                    row[i] = ninf
+
+
+@jit
 def _normalise_t(p, m, lse, d, zero, one):
     """p^T (N, Tk, Tq) = exp(s - m) -> divided by its sum over keys d; lse = m + log d."""
     for n in range(p.shape[0]):
@@ -233,16 +294,34 @@ def _normalise_t(p, m, lse, d, zero, one):
                 row[i] *= d[i]
 
 
-def causal_softmax_t(p, offset):
+def takes_mask(visible, p_shape) -> bool:
+    """Whether causal_softmax_t takes `visible` for scores p^T of p_shape (B, H, Tk, Tq): a
+    numpy bool array of 4 axes that broadcasts to (B, H, Tq, Tk) (a packed row's documents,
+    a KV cache's padding)."""
+    if type(visible) is not np.ndarray or visible.dtype != np.bool_ or visible.ndim != 4 \
+            or len(p_shape) != 4:
+        return False
+    b, h, tk, tq = p_shape
+    return all(n in (1, want) for n, want in zip(visible.shape, (b, h, tq, tk)))
+
+
+def causal_softmax_t(p, offset, visible=None):
     """attention.attention_block's masked softmax on numpy: p^T (B, H, Tk, Tq) raw scores (no
     mask added) -> (probabilities, in place when p is C-contiguous, lse (B, H, Tq)). offset
-    None: every key visible. Two loops around numpy's own exp, instead of ~6 passes."""
+    None: every key visible. visible: None, or a further mask that takes_mask accepts (keys
+    it hides get probability 0, as the xp path's -inf). Two loops around numpy's own exp,
+    instead of ~6 passes."""
     p = np.ascontiguousarray(p)
     tk, tq = p.shape[-2:]
     dt = p.dtype.type
     p3 = p.reshape(-1, tk, tq)
     m = np.empty((p3.shape[0], tq), dtype=p.dtype)
-    _shift_t(p3, m, tk if offset is None else int(offset), dt(-np.inf), dt(0.0))
+    offset = tk if offset is None else int(offset)
+    if visible is not None:                 # hidden keys -inf: no max, probability 0
+        b, h = p.shape[:2]
+        vis = np.broadcast_to(visible, (b, visible.shape[1], tq, tk))
+        _hide_t(p3, np.ascontiguousarray(vis.swapaxes(-1, -2)), h, dt(-np.inf))
+    _shift_t(p3, m, offset, dt(-np.inf), dt(0.0))
     np.exp(p3, out=p3)
     lse = np.empty_like(m)
     _normalise_t(p3, m, lse, np.empty(tq, dtype=p.dtype), dt(0.0), dt(1.0))   # log 0 = -inf
@@ -250,4 +329,4 @@ def causal_softmax_t(p, offset):
 
 
 __all__ = ["available", "use", "jit", "gelu", "layernorm", "layernorm_grad", "causal_softmax_t",
-           "CHUNK"]
+           "takes_mask", "CHUNK"]

@@ -17,6 +17,7 @@ from mpi4py import MPI
 import mpishard as ms
 from mpishard.nn import attention as att
 from mpishard.nn import cpu_fused
+from mpishard.nn import documents as docs
 from mpishard.nn import functional as nn
 
 pytestmark = pytest.mark.usefixtures("numba_kernels")
@@ -106,6 +107,46 @@ def test_causal_softmax_in_attention(dtype, rtol, offset, monkeypatch):
     for a, b in zip(on, off):
         assert a.dtype == b.dtype and a.shape == b.shape
     close(on, off, rtol)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+@pytest.mark.parametrize("offset", [None, 0, 5])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_masked_softmax_in_attention(dtype, rtol, offset, heads, monkeypatch):
+    """attention_block with a further mask `visible` (B, 1 or H, Tq, Tk): a packed row's
+    documents (nn/documents.visible, padding -1 included) and a mask that leaves a query no
+    key at all (out 0, lse -inf): the kernel's forward equals the xp ops'."""
+    q, k, v = (sample((2, 3, 9, 8), dtype, s) for s in (20, 21, 22))
+    dout = sample((2, 3, 9, 8), dtype, 23)
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2, -1], [5, 5, 5, 5, 5, 5, 7, 7, 7]])
+    visible = docs.visible(ids, ids)
+    if heads == 3:                                           # per head: query 4 of head 1
+        visible = np.repeat(visible, 3, axis=1)              # sees nothing
+        visible[0, 1, 4, :] = False
+    assert cpu_fused.takes_mask(visible, (2, 3, 9, 9))
+
+    calls = []
+    kernel = cpu_fused.causal_softmax_t
+    monkeypatch.setattr(cpu_fused, "causal_softmax_t", lambda *a: calls.append(1) or kernel(*a))
+
+    def run():
+        out, lse, p = att.attention_block(q, k, v, offset, keep_probs=True, visible=visible)
+        grads = att.attention_block_backward(dout, q, k, v, out, lse, offset, visible=visible)
+        return (out, lse, p) + tuple(grads)
+    off, on = both(run, monkeypatch)
+    assert calls == [1]                                      # the kernel ran, once
+    if heads == 3:
+        assert np.isneginf(on[1][0, 1, 4]) and not on[0][0, 1, 4].any()
+    for a, b in zip(on, off):
+        assert a.dtype == b.dtype and a.shape == b.shape
+    close(on, off, rtol)
+
+
+def test_a_mask_the_kernel_does_not_take():
+    """Masks the kernel's indexing cannot read run the xp ops: 2-D, not bool, not broadcast."""
+    assert not cpu_fused.takes_mask(np.ones((9, 9), bool), (2, 3, 9, 9))
+    assert not cpu_fused.takes_mask(np.ones((2, 1, 9, 9)), (2, 3, 9, 9))
+    assert not cpu_fused.takes_mask(np.ones((2, 2, 9, 9), bool), (2, 3, 9, 9))
 
 
 def test_gpt_step_equals_the_numpy_ops(monkeypatch):
