@@ -234,10 +234,12 @@ test-cpu-fused: $(STAMP)
 # --- the OpenAI-compatible server (not in `make test`; .ci/run runs it) ---------------------
 # tests/serve start `mpishard serve` jobs of their own and drive them with the official openai
 # client and curl, so the stage installs the `serve` extra (uvicorn, starlette,
-# prometheus-client, jinja2, tokenizers) first, plus the test clients; `make test` ignores
-# tests/serve. The serial part starts its own mpiexec jobs (1, 2 and 4 ranks); the MPI part
-# checks the batched step against engine.generate on SERVE_SIZES ranks.
-SERVE_EXTRAS     ?= dev,serve
+# prometheus-client, jinja2, tokenizers) first, the `hf` extra (test_serve_fine_tune trains,
+# exports and serves a transformers model; in .ci/run the hf stage installed it already) and
+# the test clients; `make test` ignores tests/serve. The serial part starts its own mpiexec
+# jobs (1, 2 and 4 ranks); the MPI part checks the batched step against engine.generate on
+# SERVE_SIZES ranks.
+SERVE_EXTRAS     ?= dev,serve,hf
 SERVE_TEST_TOOLS ?= openai httpx
 SERVE_SIZES      ?= 2 4
 SERVE_TIMEOUT    ?= 600
@@ -324,7 +326,7 @@ endif
 SERVE_BENCH_ARGS ?=
 .PHONY: bench-serve
 bench-serve: $(STAMP)
-	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS),hf]' httpx
+	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS)]' httpx
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout -k 10 $(BENCH_TIMEOUT) \
 	    $(PY) benchmarks/serve_bench.py $(SERVE_BENCH_ARGS)
 
