@@ -287,9 +287,11 @@ class Trainer:
             if self.log_every and st.step % self.log_every == 0:
                 epoch = st.step / self.batcher.steps_per_epoch
                 norm = f" grad_norm {st.grad_norm_history[-1]:.4g}" if self.clip else ""
-                self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %s%s",
+                tokens = (f" tokens/s {rate_text(self.tokens_per_s)}"     # counted targets
+                          if self.data.masked or self.data.task == "language" else "")
+                self.log.info("step %d/%d epoch %.2f loss %.6g lr %.4g%s samples/s %s%s%s",
                               st.step, self.total_steps, epoch, loss, self.optimizer.lr, norm,
-                              rate_text(rate), expert_text(self.expert_load))
+                              rate_text(rate), tokens, expert_text(self.expert_load))
             self.nonfinite.end_of_step(loss, st.step, self.log)
             if self.eval_every and st.step % self.eval_every == 0 and \
                     st.step < self.total_steps and self.eval_batches != 0:
