@@ -9,14 +9,20 @@ equal ids in one contiguous run are one document, -1 marks padding. Then
 
 so a packed row computes exactly what its documents compute alone, each from position 0
 (learned positions and rotary alike). Padding is a document of its own: it sees only padding,
-and no real token sees it.
+and no real token sees it. Rows that each hold one document from their first token, padding
+only after it (fine-tune rows padded, not packed), need neither: causal attention already
+keeps the padding out of every real token's view and the positions already start at 0, so
+the units are told nothing (`rows` None) and run their unmasked paths. The padding still
+counts nowhere: `real(mb)` (False at -1) is what a mixture of experts reads to route it to no
+expert (models/llama/moe_units.py).
 
 `Documents` is the per-rank context the units read it from. The engine sets the document ids
 of a step (`set`, keyed by microbatch: a pipeline's microbatch k gets rows k*b:(k+1)*b) before
 it runs the layers, and the units that need them (the position embedding, every attention
 path) hold the one `Documents` object of their rank (`attach`, like nn.activations.meter_tapes)
 and ask `rows(mb)`: the (B_mb, T) ids of the whole sequence in global order (a context-parallel
-rank cuts its own tokens from it), or None when the batch is not packed. Nothing here
+rank cuts its own tokens from it), or None when the batch is not packed. `ids(mb)` are the
+ids as given (what recompute keeps), `real(mb)` their padding mask. Nothing here
 communicates: every rank of a row's tp/pp/cp peers is given the same rows.
 """
 from __future__ import annotations
@@ -84,6 +90,26 @@ def rows_of(documents, mb: int):
     return None if documents is None else documents.rows(mb)
 
 
+def ids_of(documents, mb: int):
+    """documents.ids(mb) (packed or not), or None where a unit was given no Documents or the
+    batch came without ids."""
+    return None if documents is None else documents.ids(mb)
+
+
+def real_of(documents, mb: int):
+    """documents.real(mb): (B_mb, T) bool, False at padding; None where a unit was given no
+    Documents or the batch has no padding."""
+    return None if documents is None else documents.real(mb)
+
+
+def one_document_rows(ids) -> bool:
+    """Whether every row of ids (B, T) holds at most one document, from its first token, with
+    padding only after it: such rows need no attention mask (module docstring)."""
+    xp = array_module(ids)
+    pad = ids == PADDING
+    return bool(xp.all((ids == ids[:, :1]) | pad)) and bool(xp.all(pad[:, 1:] >= pad[:, :-1]))
+
+
 def positions_of(documents, mb: int):
     """positions(rows_of(documents, mb)), computed once per microbatch's ids and shared by
     the units that ask (every block's rotary), or None when not packed."""
@@ -114,11 +140,12 @@ class Documents:
         self.sequence_ranks = int(sequence_ranks)   # cp: each rank holds T / cp of a row
         self._rows: dict = {}
         self._positions: dict = {}                   # mb -> (the ids, positions(ids))
+        self._kinds: dict = {}                       # mb -> (the ids, packed, real)
 
     def set(self, ids, microbatches: int = 1, mb: int = 0) -> None:
-        """ids (B, T) on the device, or None (an unpacked batch); split into `microbatches`
+        """ids (B, T) on the device, or None (a batch without ids); split into `microbatches`
         equal row blocks keyed mb .. mb + microbatches - 1."""
-        self._rows, self._positions = {}, {}
+        self._rows, self._positions, self._kinds = {}, {}, {}
         if ids is None:
             return
         b = ids.shape[0] // microbatches
@@ -127,15 +154,44 @@ class Documents:
 
     @property
     def packed(self) -> bool:
+        """Whether any microbatch holds document ids (packed rows, or rows of one document
+        and padding)."""
         return bool(self._rows)
 
-    def rows(self, mb: int):
-        """Microbatch mb's (B_mb, T) document ids, or None when the batch is not packed."""
+    def ids(self, mb: int):
+        """Microbatch mb's (B_mb, T) document ids as given, or None."""
         return self._rows.get(mb)
+
+    def _kind(self, mb: int):
+        """(ids, packed, real) of microbatch mb, worked out once for those very ids: packed
+        unless one_document_rows; real the (B_mb, T) mask of non-padding, None without
+        padding. None when mb has no ids."""
+        ids = self._rows.get(mb)
+        if ids is None:
+            return None
+        kind = self._kinds.get(mb)
+        if kind is None or kind[0] is not ids:
+            pad = ids == PADDING
+            real = ~pad if bool(pad.any()) else None
+            kind = self._kinds[mb] = (ids, not one_document_rows(ids), real)
+        return kind
+
+    def rows(self, mb: int):
+        """Microbatch mb's (B_mb, T) document ids where attention and positions need them, or
+        None when the batch is not packed (no ids, or one document per row: module
+        docstring)."""
+        kind = self._kind(mb)
+        return kind[0] if kind is not None and kind[1] else None
+
+    def real(self, mb: int):
+        """Microbatch mb's (B_mb, T) bool mask, False at padding (id -1), or None when it has
+        no padding (or no ids)."""
+        kind = self._kind(mb)
+        return None if kind is None else kind[2]
 
     def positions(self, mb: int):
         """positions(rows(mb)), cached for those very ids (None when not packed)."""
-        ids = self._rows.get(mb)
+        ids = self.rows(mb)
         if ids is None:
             return None
         cached = self._positions.get(mb)
@@ -145,8 +201,9 @@ class Documents:
 
     @contextmanager
     def holding(self, mb: int, ids):
-        """Within: rows(mb) is `ids` (the ids a unit saved at its first forward; a recomputed
-        forward sees them even after the engine moved on to other rows); restored after."""
+        """Within: ids(mb) is `ids` (the ids a unit saved at its first forward, ids_of; a
+        recomputed forward sees them even after the engine moved on to other rows); restored
+        after."""
         saved = self._rows.pop(mb, None)
         if ids is not None:
             self._rows[mb] = ids
@@ -167,5 +224,6 @@ def attach(chunks, documents: Documents) -> None:
             layer.documents = documents
 
 
-__all__ = ["Documents", "PADDING", "attach", "check_documents", "local_positions", "positions",
-           "positions_of", "rows_of", "take_positions", "visible"]
+__all__ = ["Documents", "PADDING", "attach", "check_documents", "ids_of", "local_positions",
+           "one_document_rows", "positions", "positions_of", "real_of", "rows_of",
+           "take_positions", "visible"]

@@ -9,7 +9,9 @@ each routing unit of `chunks` takes `valid` (bool, False at padding) and routes 
 tokens to no expert. They take no place in an expert's queue, and a capacity group holding p
 padded of s slots gets the capacity of s - p tokens, so a prompt gives the same drops, logits
 and ids alone and in a batch of longer prompts. They count neither in the routing statistics
-nor in the load-balancing loss, and their output is zero (never used).
+nor in the load-balancing loss, and their output is zero (never used). In training, the
+padding of fine-tune rows comes with the step's document ids instead (-1, nn/documents.py),
+which the Mixtral blocks read themselves and route the same way.
 
 `TokenExchange` moves the kept (token, choice) rows to the ep rank holding their expert and
 back, for ms.MoE (parallel/expert_parallel.py) and the Mixtral blocks

@@ -10,7 +10,7 @@ parameter gets through the access policy (FSDP all-gathers the weights again), t
 collectives in the same order on every rank (a tp/sp all-reduce or all-gather, a cp ring), so
 it stays correct under any strategy the inner units implement, at the price of one more
 forward of the wrapped units. The wrapper knows nothing of what it wraps; it keeps, beside
-x, the packed rows' document ids its first forward saw (nn/documents.py), and the recomputed
+x, the rows' document ids its first forward saw (nn/documents.py), and the recomputed
 forward sees those again, whatever rows the engine was given since.
 
 Layout option `recompute=`:
@@ -23,7 +23,7 @@ Layout option `recompute=`:
 """
 from __future__ import annotations
 
-from .documents import rows_of
+from .documents import ids_of
 from .layers import Composite, Layer
 
 MODES = ("0", "1", "attn")
@@ -52,7 +52,7 @@ class Recompute(Layer):
 
     def forward(self, x, mb=0, record=True):
         y = self.inner.forward(x, mb, record=False)     # nothing of f's internals is kept
-        self.save(mb, record, (x, rows_of(self.documents, mb)))   # ... only its input
+        self.save(mb, record, (x, ids_of(self.documents, mb)))    # ... only its input
         return y
 
     def backward(self, dy, mb=0):

@@ -45,7 +45,8 @@ class Dataset:
     standardize: None, or {"mean": (d_in,), "std": (d_in,)} arrays when x_train and x_test
     are the raw features standardised, (raw - mean) / std. tokenizer: the HFTokenizer whose
     ids the inputs are (None for numbers and bytes). d_train, d_test: None, or the document
-    ids (N, T) of packed rows (nn/documents.py), row for row with x_train and x_test.
+    ids (N, T) of packed or padded rows (nn/documents.py: -1 on padding), row for row with
+    x_train and x_test.
     """
 
     name: str
@@ -186,7 +187,7 @@ class DistributedBatcher:
     Batches are drawn without replacement from a permutation of the training rows; a last
     partial batch is dropped (DataLoader's drop_last), so every step sees `batch` rows.
     `position(step)` maps a global step to (epoch, batch index), so a resumed run continues
-    from the same rows. `documents`: None, or packed rows' document ids (N, T), whose rows
+    from the same rows. `documents`: None, or the rows' document ids (N, T), whose rows
     `micro_documents` takes as `micro_batches` takes x's and t's.
     """
 

@@ -15,12 +15,13 @@ Padding counts nowhere: a rank cuts its padded rows from its output and targets 
 (the tp peers of a rank hold the same rows, so they cut alike). The test loss is the mean over
 what the loss averages (tokens, rows or output elements) of the scored rows: each rank adds
 `value * count` for its rows (count: `loss.counted`, so fine-tune rows' ignored targets, -100,
-count nowhere; packed rows are predicted with their document ids, data.d_test), on the last
+count nowhere; fine-tune rows are predicted with their document ids, data.d_test), on the last
 pipeline stage where the output is, and the sums of those and of the counts are taken over the
 data axes and cp (engine.global_mean, the same ratio as a sum); nan when nothing counted.
 Padding takes no expert capacity either: `predict_rows` runs the forward inside
 nn/moe_routing.valid_tokens with this rank's real rows, so a mixture of experts routes the
-padded rows to no expert and a batch's real rows get the drops they would get alone.
+padded rows to no expert and a batch's real rows get the drops they would get alone (and,
+from the document ids, the padding inside fine-tune rows likewise).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def check_eval_args(rows, max_batches, dp: int, layout: str) -> None:
 
 def predict_rows(engine, x, real: int, documents=None):
     """engine.predict on this rank's rows, of which the first `real` are data and the rest
-    padding (never scored, and routed to no expert); documents: packed rows' ids or None."""
+    padding (never scored, and routed to no expert); documents: the rows' ids or None."""
     rows = len(x)
     with valid_tokens(engine.chunks, None if real == rows else np.arange(rows) < real):
         return engine.predict(x) if documents is None else engine.predict(x, documents)

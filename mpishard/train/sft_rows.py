@@ -17,7 +17,9 @@ scored, nor is padding, nor (by default) a prompt's token.
 
 Without packing each row holds one example (cut to seq_len + 1 tokens), padded with id 0 at
 the end; the padding comes after every real token, so causal attention leaves the real tokens
-as they are and no document ids are needed (`documents` None). With packing (`pack=True`)
+as they are and attention needs no mask. The engine is given the document ids all the same
+(0, then -1 on padding): rows of one document need no mask (nn/documents.py), and a mixture
+of experts routes the padding to no expert. With packing (`pack=True`)
 whole examples share a row: first-fit decreasing by length (each example, longest first and
 in index order among equals, goes into the first row with room for it; an example longer than
 a row is cut to seq_len + 1 tokens; no example is split over two rows). The plan depends on
@@ -135,7 +137,7 @@ class ExampleRows:
 
     def rows(self, idx) -> tuple:
         """(x, t, documents) of rows `idx` (a 1-D integer array): int64 (B, T) inputs,
-        labels and document ids (documents None when not packed); the last rows asked for
+        labels and document ids (-1 on padding, packed or not); the last rows asked for
         are kept, so the three RowViews of one batch build them once."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         key = idx.tobytes()
@@ -169,7 +171,7 @@ class ExampleRows:
             np.asarray(self.examples.mask[token]) != 0
         same = (docs[:, 1:] == docs[:, :-1]) & (docs[:, 1:] != PADDING)
         t = np.where(same & counts[:, 1:], tokens[:, 1:], IGNORE_INDEX)
-        return tokens[:, :-1], t, (docs[:, :-1] if self.pack else None)
+        return tokens[:, :-1], t, docs[:, :-1]
 
 
 def _exclusive_cumsum(a) -> np.ndarray:
@@ -249,7 +251,8 @@ class RowView:
 @dataclass(repr=False)
 class ExampleDataset(TextDataset):
     """A TextDataset of fine-tune rows (ExampleRows): labels with ignored targets, document
-    ids when packed (d_train, d_test), and what the log says of them (rows_text)."""
+    ids (d_train, d_test: packed, or one example and padding per row), and what the log says
+    of them (rows_text)."""
 
     pack: bool = False
 
@@ -294,7 +297,7 @@ def example_dataset(name: str, splits: dict, seq_len: int, vocab_size: int, info
                              f"{split}_truncated": rows.truncated})
     (x0, t0, d0), (x1, t1, d1) = views["train"], views["val"]
     return ExampleDataset(name, x0, t0, x1, t1, "language", vocab_size, corpus=info,
-                          d_train=d0 if pack else None, d_test=d1 if pack else None, pack=pack)
+                          d_train=d0, d_test=d1, pack=pack)
 
 
 def _cut_hint(rows: ExampleRows) -> str:

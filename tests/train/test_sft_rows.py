@@ -63,11 +63,11 @@ def test_padded_rows_are_one_example_each(loss_on):
     kept = [e for e, n in enumerate(LENGTHS) if n]
     assert len(rows) == len(kept)
     x, t, d = rows.rows(np.arange(len(rows)))
-    assert d is None
     for r, e in enumerate(kept):
-        want_x, want_t, _ = reference_row(ex, [e], loss_on)
+        want_x, want_t, want_d = reference_row(ex, [e], loss_on)
         np.testing.assert_array_equal(x[r], want_x)
         np.testing.assert_array_equal(t[r], want_t)
+        np.testing.assert_array_equal(d[r], want_d)         # 0, then -1 on padding
     assert rows.counted == int((t != IGNORE_INDEX).sum())
     real = sum(min(LENGTHS[e], SEQ) for e in kept)
     assert rows.real_share == pytest.approx(real / (len(kept) * SEQ), rel=1e-12)
@@ -156,7 +156,8 @@ def test_dataset_and_batcher_carry_documents():
             np.testing.assert_array_equal(got, want[idx])
     assert DistributedBatcher(data.x_train, data.t_train, 4).micro_documents(0) == [None]
     padded = example_dataset("t", {"train": train, "val": val}, SEQ, 50, {}, pack=False)
-    assert padded.d_train is None and padded.d_test is None
+    assert len(padded.d_train) == len(padded.x_train)      # padding marked for the experts
+    assert len(padded.d_test) == len(padded.x_test)
 
 
 def test_nothing_to_count_is_refused():

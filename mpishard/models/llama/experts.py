@@ -26,6 +26,8 @@ and experts' gradients, partial per tp rank, are summed over tp (SequenceParalle
 RMSNorm scales').
 
 cp: each cp rank routes its own T/cp tokens; its ep group is at its cp coordinate.
+Padding (the step's document ids, -1): each block cuts the whole sequence's mask to the tokens
+it routes (LocalTokens: cp's chunks, then sequence_parallel's part) and routes it nowhere.
 pp: each stage's blocks exchange within the stage (the ep group lies inside a pp stage).
 
 Load-balancing loss (router_aux_loss_coef = c > 0, HF's): AuxLoss sums each block's
@@ -58,7 +60,8 @@ from ...parallel.aux_loss import token_axes
 from ...parallel.context_parallel import check_cp
 from ...parallel.decoder import plan_decoder_params
 from ...parallel.decoder_tensor_parallel import check_heads_tp
-from ...parallel.sequence_parallel import SequenceParallelGrads
+from ...parallel.sequence_parallel import SEQ_AXIS, SequenceParallelGrads
+from ...parallel.sequence_split import sequence_part
 from ...parallel.stages import pipeline_options
 from .moe_units import SparseMoE
 
@@ -171,6 +174,24 @@ class AuxLoss:
         return None if self.grad is None else xp.asarray(self.grad, dtype=dtype)
 
 
+class LocalTokens:
+    """(B, T) of the whole sequence (the step's padding mask) -> (B, t) of the tokens this
+    rank's blocks route: cp rank r's chunks r and 2c-1-r (sequence_split.sequence_part), then
+    under sequence_parallel tp rank s's s-th of t parts of them (as the embedding's
+    reduce-scatter leaves them). No communication."""
+
+    def __init__(self, cp: int, cp_rank: int, sp: int, sp_rank: int):
+        self.cp, self.cp_rank, self.sp, self.sp_rank = cp, cp_rank, sp, sp_rank
+
+    def __call__(self, mask):
+        if self.cp > 1:
+            mask = sequence_part(mask, self.cp, self.cp_rank)
+        if self.sp > 1:
+            n = mask.shape[SEQ_AXIS] // self.sp
+            mask = mask[:, self.sp_rank * n:(self.sp_rank + 1) * n]
+        return mask
+
+
 def sparse_layers(units):
     """Every SparseMoE among `units` (nested Composites included)."""
     for u in units:
@@ -182,8 +203,9 @@ def sparse_layers(units):
 
 def attach_experts(chunks, model, layout, comm, stats: dict):
     """Give each SparseMoE of this rank's chunks its ep exchange (comm's ep group), its
-    statistics callback, its AuxLoss (router_aux_loss_coef > 0: over pp too) and, under
-    sequence_parallel, the sum of its gradients over tp. Makes the statistics' and the
+    statistics callback, its AuxLoss (router_aux_loss_coef > 0: over pp too), its tokens of
+    a whole sequence (LocalTokens, for the padding mask) and, under sequence_parallel, the
+    sum of its gradients over tp. Makes the statistics' and the
     AuxLoss's groups here, where every rank is at the same line. Returns the AuxLoss, or
     None."""
     axes = token_axes(layout)
@@ -196,9 +218,13 @@ def attach_experts(chunks, model, layout, comm, stats: dict):
     exchange = TokenExchange(comm, layout.size("ep"), model.n_experts, comm.xp)
     record = RoutingStats(comm, axes, model.n_experts, stats)
     sp = layout.size("tp") > 1 and layout.option("sequence_parallel", 0)
+    coords = comm.mesh.coords
+    local = LocalTokens(layout.size("cp"), coords["cp"], layout.size("tp") if sp else 1,
+                        coords["tp"] if sp else 0)
     for chunk in chunks:
         for layer in sparse_layers(chunk):
             layer.exchange, layer.record, layer.aux = exchange, record, aux
+            layer.local_tokens = local
             if sp:
                 layer.access = SequenceParallelGrads(layer.access, comm.group("tp"),
                                                      layer.param_names)

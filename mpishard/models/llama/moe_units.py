@@ -33,6 +33,14 @@ experts, keep, capacity)` (optional) gets the routing of each forward that recor
 backward (training: not predict nor generate; under recompute its second pass) for the
 statistics. `valid` (set by moe_routing.valid_tokens; None: no padding) marks padded tokens,
 which route nowhere and take no capacity (moe_routing's docstring).
+
+In training the padding of fine-tune rows is marked by the step's document ids (-1,
+nn/documents.py: padded or packed rows alike), which the block reads from its rank's
+`documents` (documents.attach) as attention does: `real(mb)`, cut to the tokens this rank
+routes by `local_tokens` ((B, T) -> (B, t): cp's chunks, sequence_parallel's part;
+experts.LocalTokens), joins `valid`. So a padded token takes no capacity, has no place in
+C_e, P_e nor N of the load-balancing loss, and gets and gives no gradient here: a padded
+batch's loss and gradients are those of its real tokens alone.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ import numpy as np
 
 from ...nn import functional as nn
 from ...nn.autocast import FULL
+from ...nn.documents import real_of
 from ...nn.layers import Layer
 from ...nn.moe_routing import TokenExchange, group_capacity, route, router_probs, token_mask
 
@@ -74,6 +83,11 @@ def swiglu_expert_backward(dout, cache, gate, up, down, cast=FULL):
     return dx, dgate, mm(nn.einsum("md,mf->df", x, du)), ddown
 
 
+def whole_sequence(mask):
+    """The tokens a rank routes when it holds whole sequences: all of them."""
+    return mask
+
+
 def renormalised_gates_backward(dgates, gates, top_sum):
     """d p_top from d w, w = p_top / sum(p_top) (n, k)."""
     return (dgates - (dgates * gates).sum(axis=1, keepdims=True)) / top_sum
@@ -82,12 +96,15 @@ def renormalised_gates_backward(dgates, gates, top_sum):
 class SparseMoE(Layer):
     """Block `index`'s router + top-k + renormalised gates + SwiGLU experts (module docstring).
     exchange: a moe_routing.TokenExchange (None: local); record: the statistics callback;
-    valid: the tokens' (B, T) bool mask inside moe_routing.valid_tokens (None: no padding).
+    valid: the tokens' (B, T) bool mask inside moe_routing.valid_tokens (None: no padding);
+    documents, local_tokens: the step's padding (module docstring).
     `autocast` (nn/autocast.py): the experts' matmuls; the router, top-k and the gates' mix
     stay float32."""
 
     valid = None
     autocast = FULL
+    documents = None           # the rank's nn.documents.Documents (documents.attach)
+    local_tokens = staticmethod(whole_sequence)
 
     def __init__(self, model, access, index, exchange=None, record=None, aux=None):
         super().__init__()
@@ -118,12 +135,24 @@ class SparseMoE(Layer):
             return model.top_k * tokens
         return int(-(-model.capacity_factor * tokens * model.top_k // model.n_experts))
 
+    def _valid(self, mb, shape, to_host):
+        """The host mask (n,) of the tokens of `shape` (B, t), False at padding: valid_tokens'
+        and the documents' (cut to this rank's tokens) together; None without padding."""
+        masks = [token_mask(self.valid, shape, to_host)]
+        real = real_of(self.documents, mb)                               # (B, T) or None
+        if real is not None:
+            masks.append(token_mask(self.local_tokens(real), shape, to_host))
+        masks = [m for m in masks if m is not None]
+        if not masks:
+            return None
+        return masks[0] if len(masks) == 1 else masks[0] & masks[1]
+
     def forward(self, x, mb=0, record=True):
         xp, model = nn.array_module(x), self.model
         exchange = self._exchange(xp)
         rows = x.reshape(-1, x.shape[-1])                                 # (n, D)
         n_groups = x.shape[0]                                            # one per sequence
-        valid = token_mask(self.valid, x.shape[:-1], exchange.to_host)  # padding: None
+        valid = self._valid(mb, x.shape[:-1], exchange.to_host)         # padding: None
         capacity = group_capacity(self._capacity, valid, n_groups, rows.shape[0])
         probs = router_probs(rows, self.access.get(self.router, mb))     # route
         self.access.release(self.router, mb)
