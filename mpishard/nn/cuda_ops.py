@@ -10,8 +10,9 @@ statistics (mean, rstd) instead of the normalised x, GELU its input u instead of
 SwiGLU nothing beyond its input: each backward recomputes the rest.
 
 `use(xp)` is the switch the call sites check, the one fused.py's kernels share: cupy only,
-and only while MPISHARD_FUSED is not "0" (read at each call). No layer calls these yet: they
-are checked and timed on a GPU first (gpu_kernels_check). The module is compiled once per
+and only while MPISHARD_FUSED is not "0" (read at each call). AdamW calls adamw_step
+(train/optim.py); no layer calls the others yet: they are checked and timed on a GPU first
+(gpu_kernels_check). The module is compiled once per
 process (`module`, memoised like fused.kernels) by cupy's NVRTC, without FMA contraction;
 `import cupy` happens only in a caller that holds cupy arrays (xp is cupy).
 """
@@ -32,7 +33,7 @@ ADAMW_CHUNK = 16 * cuda_src.BLOCK     # elements per block of the multi-tensor A
 
 __all__ = ["use", "layernorm_forward", "layernorm_backward", "rmsnorm_forward",
            "rmsnorm_backward", "bias_gelu_forward", "gelu_backward", "swiglu_forward",
-           "swiglu_backward", "residual_add", "embedding_backward", "adamw_step",
+           "swiglu_backward", "residual_add", "embedding_backward", "adamw_takes", "adamw_step",
            "attention_forward", "attention_backward"]
 
 
@@ -207,6 +208,14 @@ def adamw_hyper(lr, betas, eps, weight_decay, steps) -> tuple:
     per = [(lr / (1.0 - b1 ** t), math.sqrt(1.0 - b2 ** t)) for t in steps]
     decay = 1.0 - lr * weight_decay if weight_decay else 1.0
     return per, decay, 1.0 - b1, b2, 1.0 - b2, eps
+
+
+def adamw_takes(*arrays) -> bool:
+    """Whether adamw_step takes a block (p, g, m, v): all C-contiguous, of one dtype, float32
+    or float64."""
+    dtype = arrays[0].dtype
+    return dtype in (np.float32, np.float64) and all(
+        a.dtype == dtype and a.flags.c_contiguous for a in arrays)
 
 
 def adamw_step(xp, blocks, lr, betas, eps, weight_decay):

@@ -27,7 +27,8 @@ counted once and a sharded one summed over its shards, on every layout.
 
 With numba installed (the `cpu-fused` extra) AdamW's update of a float32/float64 numpy block
 is one fused loop, bit for bit the same numbers (optim_fused.py; MPISHARD_CPU_FUSED=0 turns it
-off).
+off). On a GPU AdamW updates every block of a step in one launch of nn/cuda_ops' multi-tensor
+kernel, the same numbers element for element (MPISHARD_FUSED=0 turns it off).
 
 Mixed precision (parameters stored in bfloat16/float16, parallel/precision.py): the update runs
 on an fp32 master copy of each block (state key 'master'), which is then rounded into the
@@ -47,6 +48,7 @@ import weakref
 
 import numpy as np
 
+from ..nn import cuda_ops
 from ..parallel.precision import assign, widen
 from ..validate import check_number
 from . import optim_fused
@@ -138,13 +140,15 @@ class Optimizer:
             raise TypeError(f"step(grads): grads must be the dict from train_step, got "
                             f"{type(grads).__name__}")
         t0 = time.perf_counter()
+        work = []                    # (name, stored block, the block updated, grad)
         for name, param, grad, _ in self.shards():
-            if param.dtype == self.dtype:
-                self.update(name, param, grad)
-            else:                    # 16-bit parameters (mixed precision): an fp32 master copy
-                master = self.master(name, param)
-                self.update(name, master, grad)
-                assign(param, master, self.xp)        # rounded to the stored dtype
+            # 16-bit parameters (mixed precision): the update runs on an fp32 master copy
+            target = param if param.dtype == self.dtype else self.master(name, param)
+            work.append((name, param, target, grad))
+        self.update_blocks([(name, target, grad) for name, _, target, grad in work])
+        for _, param, target, _ in work:
+            if target is not param:
+                assign(param, target, self.xp)        # rounded to the stored dtype
         self.after_step()
         if self.comm_stats.tracer is not None:
             self.comm_stats.tracer.span("optimizer step", "compute", t0)
@@ -159,6 +163,12 @@ class Optimizer:
 
     def update(self, name, param, grad) -> None:
         raise NotImplementedError
+
+    def update_blocks(self, blocks) -> None:
+        """update() of every (name, block, grad) of a step; an optimizer with a multi-tensor
+        kernel (AdamW on a GPU) updates them together."""
+        for name, param, grad in blocks:
+            self.update(name, param, grad)
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "weight_decay": self.weight_decay}
@@ -245,15 +255,39 @@ class AdamW(Optimizer):
     def hyperparameters(self) -> dict:
         return dict(super().hyperparameters(), betas=list(self.betas), eps=self.eps)
 
-    def update(self, name, p, g) -> None:
-        xp = self.xp
-        b1, b2 = self.betas
+    def moments(self, name, p):
+        """(exp_avg, exp_avg_sq, t) of block `name` for this step: the moments (zeros on the
+        first step), t its step after the increment."""
         entry = self.state.setdefault(name, {"step": 0})     # (may hold a 'master' already)
         if "exp_avg" not in entry:
-            entry.update(exp_avg=xp.zeros_like(p), exp_avg_sq=xp.zeros_like(p))
+            entry.update(exp_avg=self.xp.zeros_like(p), exp_avg_sq=self.xp.zeros_like(p))
         entry["step"] += 1
-        t = entry["step"]
-        m, v = entry["exp_avg"], entry["exp_avg_sq"]
+        return entry["exp_avg"], entry["exp_avg_sq"], entry["step"]
+
+    def update_blocks(self, blocks) -> None:
+        """On a GPU (nn/cuda_ops.use: cupy, MPISHARD_FUSED not "0") every block the kernel
+        takes (cuda_ops.adamw_takes: float32/float64, C-contiguous) in one launch of the
+        multi-tensor kernel, the same numbers element for element; the others one by one."""
+        if not cuda_ops.use(self.xp):
+            return super().update_blocks(blocks)
+        together = []
+        for name, p, g in blocks:
+            m, v, t = self.moments(name, p)
+            if cuda_ops.adamw_takes(p, g, m, v):
+                together.append((p, g, m, v, t))
+            else:
+                self.apply(p, g, m, v, t)
+        if together:
+            cuda_ops.adamw_step(self.xp, together, self.lr, self.betas, self.eps,
+                                self.weight_decay)
+
+    def update(self, name, p, g) -> None:
+        self.apply(p, g, *self.moments(name, p))
+
+    def apply(self, p, g, m, v, t) -> None:
+        """One AdamW step of block p (in place) with its moments m, v at step t."""
+        xp = self.xp
+        b1, b2 = self.betas
         if optim_fused.usable(p, g, m, v):                 # numba: the same steps, one pass
             return optim_fused.adamw(p, g, m, v, self.lr, (b1, b2), self.eps,
                                      self.weight_decay, t)

@@ -16,7 +16,7 @@ from mpishard.train.examples import ExampleTokens
 from mpishard.train.optim import SGD
 from mpishard.train.sft_rows import IGNORE_INDEX, example_dataset
 from mpishard.train.summary import rate_text
-from mpishard.train.trainer import Trainer
+from mpishard.train.trainer import Trainer, configure_logging
 
 from conftest import assert_close, assert_dicts_close, group_comm
 
@@ -125,7 +125,7 @@ def test_tokens_per_s_counts_the_counted_targets(pack):
     assert_close(metrics["tokens_per_s"], counted / trainer.train_time, what="tokens/s")
 
 
-def test_the_step_line_gives_the_counted_tokens_per_s(caplog):
+def test_the_step_line_gives_the_counted_tokens_per_s(capsys):
     """Each step's log line gives tokens/s beside samples/s: the counted targets so far over
     the training time so far (the last line: the run's)."""
     data = dataset(True)
@@ -133,10 +133,9 @@ def test_the_step_line_gives_the_counted_tokens_per_s(caplog):
     engine = ms.make_engine(m, "single")
     engine.load_checkpoint(m.init(seed=4))
     trainer = Trainer(engine, SGD(engine, lr=0.0), data, batch=BATCH, steps=3, progress=False,
-                      log_every=1, seed=7, eval_batches=0)
-    with caplog.at_level("INFO"):
-        trainer.fit()
-    lines = [r.getMessage() for r in caplog.records if " samples/s " in r.getMessage()]
+                      log_every=1, seed=7, eval_batches=0, logger=configure_logging(0))
+    trainer.fit()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if " samples/s " in ln]
     assert len(lines) == 3 and all(" tokens/s " in ln for ln in lines)
     logged = float(lines[-1].rsplit("tokens/s ", 1)[1].split()[0])
     assert logged == float(rate_text(trainer.run_tokens / trainer.train_time))
