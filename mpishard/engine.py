@@ -313,7 +313,7 @@ class MeshEngine(ShardedEngine):
         accumulate=(i > 0), sync=(i == k - 1).
         count: the counted targets of the global batch, all micro-steps' (count_targets): the
         loss is sum(token losses) / count (grad_scale then without 1/k); None: each rank's
-        mean over its own. documents: packed rows' (rows, T) ids (nn/documents.py) or None.
+        mean over its own. documents: the rows' (rows, T) ids (nn/documents.py) or None.
         """
         self._require_loaded()
         loss = self.output.loss(get_loss(loss))   # GPT under tp: vocab-parallel cross-entropy

@@ -108,8 +108,9 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     offset None: every query sees every key; an int: the causal mask of causal_mask.
     visible: None, or a bool mask broadcastable to (B, H, Tq, Tk), False hiding a key from a
     query (with offset, a key must pass both; the backward takes the same mask); with it the
-    xp ops run on a device (nn/fused.py's kernel is causal-only), the numba kernel on numpy
-    (nn/cpu_fused.py) takes it. A row
+    xp ops run on a device (nn/fused.py's kernel is causal-only); on numpy the numba kernel
+    (nn/cpu_fused.py) takes a 4-axis bool mask (cpu_fused.takes_mask), the xp ops any other.
+    A row
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
     keep_probs: also return the probabilities p^T (B, H, Tk, Tq), for a backward that keeps

@@ -237,7 +237,8 @@ def layernorm_grad(dy, saved, scale):
 def _shift_t(p, m, offset, ninf, zero):
     """Per slice of p^T (N, Tk, Tq) raw scores: m = the max over visible keys (key j is seen
     by query i iff j <= i + offset; 0 where none is, or not finite), then p = s - m where
-    visible and -inf where hidden (exp of it is exactly 0, as the xp path's mask gives)."""
+    visible and s + -inf where hidden (-inf, whose exp is exactly 0, for a finite s; NaN for a
+    NaN or inf one: the xp path's mask, an added -inf, gives the same)."""
     tk, tq = p.shape[1], p.shape[2]
     for n in range(p.shape[0]):
         s, mm = p[n], m[n]
@@ -255,23 +256,24 @@ def _shift_t(p, m, offset, ninf, zero):
             row = s[j]
             lo = min(max(j - offset, 0), tq)
             for i in range(lo):
-                row[i] = ninf
+                row[i] = row[i] + ninf                # the xp mask's add: NaN and inf stay NaN
             for i in range(lo, tq):
                 row[i] = row[i] - mm[i]
 
 
 @jit
 def _hide_t(p, vis_t, heads, ninf):
-    """p^T (N, Tk, Tq) = -inf where vis_t (B, H', Tk, Tq) bool, the mask transposed like p,
-    hides the key from the query (the xp path's -inf added where the mask is False), slice n
-    being batch n // heads and head n % heads (H' 1: one mask for every head)."""
+    """p^T (N, Tk, Tq) + -inf where vis_t (B, H', Tk, Tq) bool, the mask transposed like p,
+    hides the key from the query (as the xp path adds it: a finite score becomes -inf, a NaN or
+    inf one NaN), slice n being batch n // heads and head n % heads (H' 1: one mask for every
+    head)."""
     for n in range(p.shape[0]):
         s, v = p[n], vis_t[n // heads, (n % heads) % vis_t.shape[1]]
         for j in range(s.shape[0]):
             row, keep = s[j], v[j]
             for i in range(s.shape[1]):
                 if not keep[i]:
-                    row[i] = ninf
+                    row[i] = row[i] + ninf            # as the xp path adds -inf
 
 
 @jit

@@ -277,9 +277,9 @@ class AdamW(Optimizer):
                 together.append((p, g, m, v, t))
             else:
                 self.apply(p, g, m, v, t)
-        if together:
-            cuda_ops.adamw_step(self.xp, together, self.lr, self.betas, self.eps,
-                                self.weight_decay)
+        for dtype in sorted({p.dtype.str for p, *_ in together}):   # a launch per dtype (one)
+            cuda_ops.adamw_step(self.xp, [b for b in together if b[0].dtype.str == dtype],
+                                self.lr, self.betas, self.eps, self.weight_decay)
 
     def update(self, name, p, g) -> None:
         self.apply(p, g, *self.moments(name, p))

@@ -18,8 +18,8 @@ scored, nor is padding, nor (by default) a prompt's token.
 Without packing each row holds one example (cut to seq_len + 1 tokens), padded with id 0 at
 the end; the padding comes after every real token, so causal attention leaves the real tokens
 as they are and attention needs no mask. The engine is given the document ids all the same
-(0, then -1 on padding): rows of one document need no mask (nn/documents.py), and a mixture
-of experts routes the padding to no expert. With packing (`pack=True`)
+(0, then -1 on padding): rows of one document need no mask (nn/documents.py), and a Mixtral
+(models/llama/moe_units.py) routes the padding to no expert. With packing (`pack=True`)
 whole examples share a row: first-fit decreasing by length (each example, longest first and
 in index order among equals, goes into the first row with room for it; an example longer than
 a row is cut to seq_len + 1 tokens; no example is split over two rows). The plan depends on

@@ -17,7 +17,7 @@ One optimizer step with gradient accumulation over k micro-steps (DDP's `no_sync
 
 A masked data set (fine-tune rows, sft_rows.py: labels of -100 count nowhere) is averaged over
 the step's counted targets instead: one engine.count_targets over its micro-batches and ranks
-gives `count`, each micro-step gets count= (and packed rows' documents=) and grad_scale 1, not
+gives `count`, each micro-step gets count= (and the rows' documents=) and grad_scale 1, not
 1/k, and the step's loss is the sum of the k shares: one device's mean over the global batch.
 
 Checkpoints plug in as a callback: `TrainState` (history.py) holds the step (the data position

@@ -112,11 +112,19 @@ def test_causal_softmax_in_attention(dtype, rtol, offset, monkeypatch):
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
 @pytest.mark.parametrize("offset", [None, 0, 5])
 @pytest.mark.parametrize("heads", [1, 3])
-def test_masked_softmax_in_attention(dtype, rtol, offset, heads, monkeypatch):
+@pytest.mark.parametrize("poison", [None, np.nan, np.inf])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")       # the poisoned rows' NaN arithmetic
+def test_masked_softmax_in_attention(dtype, rtol, offset, heads, poison, monkeypatch):
     """attention_block with a further mask `visible` (B, 1 or H, Tq, Tk): a packed row's
     documents (nn/documents.visible, padding -1 included) and a mask that leaves a query no
-    key at all (out 0, lse -inf): the kernel's forward equals the xp ops'."""
+    key at all (out 0, lse -inf): the kernel's forward equals the xp ops'. poison: a NaN or
+    inf key in row 0's third document, hidden from the other documents' queries (and, causal,
+    from earlier ones): its hidden scores make the same queries' lse NaN on both paths (a
+    hidden NaN or +inf is not masked away: the mask is an added -inf), and row 1 stays
+    equal."""
     q, k, v = (sample((2, 3, 9, 8), dtype, s) for s in (20, 21, 22))
+    if poison is not None:
+        k[0, 0, 5, 0] = poison
     dout = sample((2, 3, 9, 8), dtype, 23)
     ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2, -1], [5, 5, 5, 5, 5, 5, 7, 7, 7]])
     visible = docs.visible(ids, ids)
@@ -135,7 +143,11 @@ def test_masked_softmax_in_attention(dtype, rtol, offset, heads, monkeypatch):
         return (out, lse, p) + tuple(grads)
     off, on = both(run, monkeypatch)
     assert calls == [1]                                      # the kernel ran, once
-    if heads == 3:
+    if poison is not None:         # the hidden score poisons other documents' rows alike,
+        assert np.isnan(on[1][0, 0, :3]).any()               # lse NaN (their other values:
+        np.testing.assert_array_equal(np.isnan(on[1]), np.isnan(off[1]))   # each path's own
+        on, off = ([a[1:] for a in r] for r in (on, off))    # garbage); the clean row equal
+    if heads == 3 and poison is None:
         assert np.isneginf(on[1][0, 1, 4]) and not on[0][0, 1, 4].any()
     for a, b in zip(on, off):
         assert a.dtype == b.dtype and a.shape == b.shape

@@ -170,7 +170,19 @@ LAYOUTS = [  # (layout, capacity_factor: None where a sequence is split)
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("layout,capacity", LAYOUTS, ids=[lay for lay, _ in LAYOUTS])
 def test_padding_counts_nowhere_on_the_layouts(layout, capacity, pack):
-    comm = group_comm(2)
+    check_layout(layout, capacity, pack, group_comm(2))
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_padding_counts_nowhere_under_cp_with_sequence_parallel(pack):
+    """LocalTokens' two cuts together: cp's chunks, then each tp rank's part of them."""
+    check_layout("cp=2,tp=2,sequence_parallel=1", None, pack, group_comm(4))
+
+
+def check_layout(layout, capacity, pack, comm):
+    """A padded (and an unevenly padded) batch on `layout` against the unpadded rows and
+    against single."""
     model = mixtral(capacity)
     params = mixtral_params(model)
     what = f"{layout} {'packed' if pack else 'padded'}"
