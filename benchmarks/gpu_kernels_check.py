@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -209,6 +210,7 @@ def adamw_row(xp, rng, mode, shapes, lr, betas, eps, wd):
             for p, g, _ in host]
     ref = [[xp.asarray(p), xp.asarray(g)] for p, g, _ in host]
     opt = SimpleNamespace(xp=xp, betas=betas, eps=eps, weight_decay=wd, lr=lr, state={})
+    opt.moments, opt.apply = partial(AdamW.moments, opt), partial(AdamW.apply, opt)
     for t in (1, 2):
         cuda_ops.adamw_step(xp, [tuple(b) + (t,) for b in mine], lr, betas, eps, wd)
         for k, (p, g) in enumerate(ref):

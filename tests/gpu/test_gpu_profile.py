@@ -41,9 +41,9 @@ def test_gpu_profile_standin(tmp_path):
     (step,) = [r for r in by["step"] if "fused_s" in r]
     assert "fused_error" not in json.dumps(by["step"])
     torch_peer = importlib.util.find_spec("torch") is not None     # make test's venv has none
-    for key in ("fused_s", "unfused_s") + (("torch_fp32_s",) if torch_peer else ()):
+    for key in ("fused_s", "unfused_s") + (("torch_s",) if torch_peer else ()):
         assert step[key] > 0
-    assert ("torch_fp32_s" in step) == torch_peer
+    assert ("torch_s" in step) == torch_peer and step["compute_dtype"] == "float32"
     units = by["unit"]
     assert not [r for r in units if "error" in r or "skipped" in r]
     assert {r["unit"] for r in units} == UNITS
