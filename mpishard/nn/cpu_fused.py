@@ -108,33 +108,9 @@ def gelu(z):
 
 # -- LayerNorm -----------------------------------------------------------------------------------
 @jit
-def _dot(a, b, c, zero):
-    """sum(a b c) of 1-D arrays with 8 running partial sums (the loop vectorises without the
-    compiler reassociating anything); each product rounds as (a b) c."""
-    n = a.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
-    i = 0
-    while i + 8 <= n:
-        s0 += a[i] * b[i] * c[i]
-        s1 += a[i + 1] * b[i + 1] * c[i + 1]
-        s2 += a[i + 2] * b[i + 2] * c[i + 2]
-        s3 += a[i + 3] * b[i + 3] * c[i + 3]
-        s4 += a[i + 4] * b[i + 4] * c[i + 4]
-        s5 += a[i + 5] * b[i + 5] * c[i + 5]
-        s6 += a[i + 6] * b[i + 6] * c[i + 6]
-        s7 += a[i + 7] * b[i + 7] * c[i + 7]
-        i += 8
-    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    while i < n:
-        s += a[i] * b[i] * c[i]
-        i += 1
-    return s
-
-
-@jit
 def _sum(a, zero):
-    """sum(a) of a 1-D array: _dot's 8 partial sums (so the same roundings as _dot(a, 1, 1)),
-    without loading the factors 1."""
+    """sum(a) of a 1-D array with 8 running partial sums (the loop vectorises without the
+    compiler reassociating anything)."""
     n = a.shape[0]
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
     i = 0
@@ -157,7 +133,7 @@ def _sum(a, zero):
 
 @jit
 def _dot2(a, b, zero):
-    """sum(a b) of 1-D arrays: _dot(a, b, 1)'s partial sums and roundings, two loads a term."""
+    """sum(a b) of 1-D arrays, _sum's partial sums over the products a b."""
     n = a.shape[0]
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
     i = 0
@@ -206,17 +182,18 @@ def layernorm(x, scale, shift, eps):
 
 
 @jit
-def _layernorm_grad_rows(dy, xhat, rstd, scale, dx, dscale, dshift, d, zero):
+def _layernorm_grad_rows(dy, xhat, rstd, scale, dx, dscale, dshift, gs, d, zero):
     for r in range(dy.shape[0]):
         g, xh, out = dy[r], xhat[r], dx[r]
         for j in range(g.shape[0]):
             dshift[j] += g[j]
             dscale[j] += g[j] * xh[j]
-        c1 = _dot(g, xh, scale, zero) / d         # mean(g xhat), g = dy scale
-        c0 = _dot2(g, scale, zero) / d               # mean(g)
+            gs[j] = g[j] * scale[j]               # the input's gradient through the scale
+        c1 = _dot2(gs, xh, zero) / d              # mean(gs xhat)
+        c0 = _sum(gs, zero) / d                   # mean(gs)
         rs = rstd[r]
         for j in range(g.shape[0]):
-            out[j] = ((g[j] * scale[j] - c0) - xh[j] * c1) * rs
+            out[j] = ((gs[j] - c0) - xh[j] * c1) * rs
 
 
 def layernorm_grad(dy, saved, scale):
@@ -228,7 +205,7 @@ def layernorm_grad(dy, saved, scale):
     dx = np.empty_like(dy2)
     dscale, dshift = np.zeros(d, dtype=dy.dtype), np.zeros(d, dtype=dy.dtype)
     _layernorm_grad_rows(dy2, xhat2, np.ascontiguousarray(rstd).reshape(-1), scale, dx,
-                         dscale, dshift, dt(d), dt(0.0))
+                         dscale, dshift, np.empty(d, dtype=dy.dtype), dt(d), dt(0.0))
     return dx.reshape(dy.shape), dscale, dshift
 
 

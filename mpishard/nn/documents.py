@@ -102,11 +102,12 @@ def real_of(documents, mb: int):
     return None if documents is None else documents.real(mb)
 
 
-def one_document_rows(ids) -> bool:
+def one_document_rows(ids, pad=None) -> bool:
     """Whether every row of ids (B, T) holds at most one document, from its first token, with
-    padding only after it: such rows need no attention mask (module docstring)."""
+    padding only after it: such rows need no attention mask (module docstring). pad: ids ==
+    PADDING where the caller has it."""
     xp = array_module(ids)
-    pad = ids == PADDING
+    pad = ids == PADDING if pad is None else pad
     return bool(xp.all((ids == ids[:, :1]) | pad)) and bool(xp.all(pad[:, 1:] >= pad[:, :-1]))
 
 
@@ -173,7 +174,7 @@ class Documents:
         if kind is None or kind[0] is not ids:
             pad = ids == PADDING
             real = ~pad if bool(pad.any()) else None
-            kind = self._kinds[mb] = (ids, not one_document_rows(ids), real)
+            kind = self._kinds[mb] = (ids, not one_document_rows(ids, pad), real)
         return kind
 
     def rows(self, mb: int):

@@ -53,6 +53,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...comm.mesh import AVERAGE_AXES
+from ...nn.functional import array_module
 from ...nn.layers import Composite
 from ...nn.moe_routing import TokenExchange
 from ...parallel import placement as pl
@@ -186,9 +187,8 @@ class LocalTokens:
     def __call__(self, mask):
         if self.cp > 1:
             mask = sequence_part(mask, self.cp, self.cp_rank)
-        if self.sp > 1:
-            n = mask.shape[SEQ_AXIS] // self.sp
-            mask = mask[:, self.sp_rank * n:(self.sp_rank + 1) * n]
+        if self.sp > 1:                     # the blocks of the embedding's reduce_scatter
+            mask = array_module(mask).array_split(mask, self.sp, axis=SEQ_AXIS)[self.sp_rank]
         return mask
 
 

@@ -138,14 +138,12 @@ class SparseMoE(Layer):
     def _valid(self, mb, shape, to_host):
         """The host mask (n,) of the tokens of `shape` (B, t), False at padding: valid_tokens'
         and the documents' (cut to this rank's tokens) together; None without padding."""
-        masks = [token_mask(self.valid, shape, to_host)]
+        valid = token_mask(self.valid, shape, to_host)
         real = real_of(self.documents, mb)                               # (B, T) or None
-        if real is not None:
-            masks.append(token_mask(self.local_tokens(real), shape, to_host))
-        masks = [m for m in masks if m is not None]
-        if not masks:
-            return None
-        return masks[0] if len(masks) == 1 else masks[0] & masks[1]
+        if real is None:
+            return valid
+        real = token_mask(self.local_tokens(real), shape, to_host)
+        return real if valid is None else valid & real
 
     def forward(self, x, mb=0, record=True):
         xp, model = nn.array_module(x), self.model
