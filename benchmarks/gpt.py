@@ -6,7 +6,10 @@
     python benchmarks/gpt.py --profile                         # cProfile of our step
 
 The model is the issue's: ms.GPT(vocab 256, seq_len 64, d_model 128, n_heads 4, n_layers 4),
-batch 32, float32, one BLAS thread, one rank (engine "single" on COMM_SELF).
+batch 32, float32, one BLAS thread, one rank (engine "single" on COMM_SELF, with
+make_engine(host_heap="keep") as the `train` command runs it: without it glibc hands the
+step's activations back to the kernel and the next step page-faults them in again, which on
+some hosts costs a fifth of the step; `--host-heap none` measures the library's default).
 
 Model FLOPs of one train step (forward + cross-entropy + backward), with N = B T tokens,
 P = the parameters that enter matmuls (per block qkv D 3D + proj D D + fc D F + proj F D,
@@ -55,6 +58,10 @@ SIZES = {  # vocab, seq_len, d_model, n_heads, n_layers, batch
     "full": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4, batch=32),
     "tiny": dict(vocab_size=32, seq_len=16, d_model=32, n_heads=4, n_layers=2, batch=4),
 }
+# make_engine's host_heap for our engine: "keep" by default, as the train command runs it
+# (--host-heap none: malloc as glibc leaves it, the library's default). glibc's mallopt is
+# process-wide, so torch's allocations in the same process are kept too.
+HOST_HEAP = ["keep"]
 
 
 def problem(size, seed=0):
@@ -104,7 +111,8 @@ def matmul_closure(shapes, seed=0):
 
 # -- ours ----------------------------------------------------------------------------------------
 def our_engine(model, params):
-    engine = ms.make_engine(model, "single", dtype=np.float32, comm=MPI.COMM_SELF)
+    engine = ms.make_engine(model, "single", dtype=np.float32, comm=MPI.COMM_SELF,
+                            host_heap=HOST_HEAP[0])
     engine.load_checkpoint(params)
     return engine
 
@@ -294,7 +302,8 @@ def measure(size, samples, warmup=3, with_torch=True) -> dict:
     t_mm, t_ours, t_ours_adamw = times[:3]
     res = {"model": {k: v for k, v in size.items()}, "dtype": "float32",
            "threads": os.environ.get("OMP_NUM_THREADS", "default"), "samples": samples,
-           "gflop_per_step": flops / 1e9, "matmul_s": t_mm, "ours_s": t_ours,
+           "host_heap": HOST_HEAP[0] or "none", "gflop_per_step": flops / 1e9,
+           "matmul_s": t_mm, "ours_s": t_ours,
            "ours_adamw_s": t_ours_adamw, "ours_gflops": flops / t_ours / 1e9,
            "matmul_gflops": flops / t_mm / 1e9, "mfu_fraction": t_mm / t_ours,
            "flops_formula": "6*B*T*P_matmul + 3*L*2*(2*B*T^2*D)",
@@ -334,14 +343,18 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile our step and exit")
+    p.add_argument("--host-heap", choices=("keep", "none"), default="keep",
+                   help="our engine's make_engine(host_heap=): keep (train's default) or none")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    HOST_HEAP[0] = None if args.host_heap == "none" else args.host_heap
     size = SIZES["tiny" if args.tiny else "full"]
     if args.profile:
         return profile(size)
     samples = args.samples or (3 if args.tiny else 9 if args.quick else 21)
     res = measure(size, samples, with_torch=not args.no_torch)
-    print(f"GPT {res['model']}, float32, OMP_NUM_THREADS={res['threads']}, "
+    print(f"GPT {res['model']}, float32, OMP_NUM_THREADS={res['threads']}, host heap "
+          f"{res['host_heap']}, "
           f"{res['gflop_per_step']:.3f} GFLOP/step, load {res['load_average']:.1f}")
     print(f"ours {res['ours_gflops']:.2f} GFLOP/s vs plain matmul {res['matmul_gflops']:.2f} "
           f"GFLOP/s: mfu_fraction={res['mfu_fraction']:.3f} "

@@ -4,7 +4,8 @@ On one CPU core the GEMMs run near the BLAS rate and what a GPT step loses besid
 chains of numpy operations over big arrays: each one a loop of its own that reads and writes
 its whole operand. Here each chain is one loop compiled by numba (the `cpu-fused` extra),
 with every constant in the array's dtype and without fast-math (no FMA contraction, no
-reassociation), so each product and sum rounds as the numpy op does:
+reassociation), so each product and sum rounds as the numpy op does; only the LayerNorm's
+sums along a row (`_sum`, `_dot2`) may reassociate, so they run in vector-wide partial sums:
 
     gelu(z)                 (y, dy/dz) of functional.gelu_forward: chunk by chunk, one loop
                             for c (z + 0.044715 z^3), numpy's own vectorised tanh in place,
@@ -22,7 +23,7 @@ reassociation), so each product and sum rounds as the numpy op does:
                             cache's padding): one pass more, its keys set to -inf.
 
 The LayerNorm row and column sums and the softmax's sums over keys add in another order than
-numpy's matrix-vector products (8 running partial sums per row, rows in order per column), and
+numpy's matrix-vector products (vector-wide partial sums per row, rows in order per column), and
 lse's log is libm's, so those results equal the xp path to rounding (tests/nn/test_cpu_fused.py:
 1e-12 of the largest magnitude in float64), not bit for bit. AdamW's update
 (train/optim_fused.py) uses the same switch.
@@ -107,50 +108,28 @@ def gelu(z):
 
 
 # -- LayerNorm -----------------------------------------------------------------------------------
-@jit
+def sum_jit(fn):
+    """numba.njit for a sum: fast-math's `reassoc` flag only, so the loop's running sum may be
+    split into vector-wide partial sums (one AVX-512 add per 16 float32) while every product
+    still rounds as numpy's (no FMA contraction, NaN and inf kept: no nnan/ninf)."""
+    return numba.njit(fastmath={"reassoc"}, cache=True)(fn) if numba is not None else fn
+
+
+@sum_jit
 def _sum(a, zero):
-    """sum(a) of a 1-D array with 8 running partial sums (the loop vectorises without the
-    compiler reassociating anything)."""
-    n = a.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
-    i = 0
-    while i + 8 <= n:
-        s0 += a[i]
-        s1 += a[i + 1]
-        s2 += a[i + 2]
-        s3 += a[i + 3]
-        s4 += a[i + 4]
-        s5 += a[i + 5]
-        s6 += a[i + 6]
-        s7 += a[i + 7]
-        i += 8
-    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    while i < n:
+    """sum(a) of a 1-D array, in partial sums as wide as the CPU's vectors."""
+    s = zero
+    for i in range(a.shape[0]):
         s += a[i]
-        i += 1
     return s
 
 
-@jit
+@sum_jit
 def _dot2(a, b, zero):
-    """sum(a b) of 1-D arrays, _sum's partial sums over the products a b."""
-    n = a.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
-    i = 0
-    while i + 8 <= n:
-        s0 += a[i] * b[i]
-        s1 += a[i + 1] * b[i + 1]
-        s2 += a[i + 2] * b[i + 2]
-        s3 += a[i + 3] * b[i + 3]
-        s4 += a[i + 4] * b[i + 4]
-        s5 += a[i + 5] * b[i + 5]
-        s6 += a[i + 6] * b[i + 6]
-        s7 += a[i + 7] * b[i + 7]
-        i += 8
-    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    while i < n:
+    """sum(a b) of 1-D arrays: each product rounded, then _sum's partial sums."""
+    s = zero
+    for i in range(a.shape[0]):
         s += a[i] * b[i]
-        i += 1
     return s
 
 
@@ -215,7 +194,9 @@ def _shift_t(p, m, offset, ninf, zero):
     """Per slice of p^T (N, Tk, Tq) raw scores: m = the max over visible keys (key j is seen
     by query i iff j <= i + offset; 0 where none is, or not finite), then p = s - m where
     visible and s + -inf where hidden (-inf, whose exp is exactly 0, for a finite s; NaN for a
-    NaN or inf one: the xp path's mask, an added -inf, gives the same)."""
+    NaN or inf one: the xp path's mask, an added -inf, gives the same). A NaN score is passed
+    over by the max (the xp path's max is NaN, then 0): either way its query's sum over keys
+    is NaN, and so is every probability of that query and its lse."""
     tk, tq = p.shape[1], p.shape[2]
     for n in range(p.shape[0]):
         s, mm = p[n], m[n]
@@ -225,7 +206,7 @@ def _shift_t(p, m, offset, ninf, zero):
             row = s[j]
             for i in range(min(max(j - offset, 0), tq), tq):
                 x, y = row[i], mm[i]
-                mm[i] = x if x > y or x != x else y           # numpy's maximum keeps a NaN
+                mm[i] = x if x > y else y     # a NaN is passed over: its column is NaN anyway
         for i in range(tq):
             if not np.isfinite(mm[i]):
                 mm[i] = zero
