@@ -1,7 +1,7 @@
 """`plan --calibrate [FILE]`: measure this machine for the step-time model, on every rank of
-the MPI job at once, through the engine's own functions. Micro-benchmarks only; no layout is
-run. The kernels' (costs/calibration.py: gemm, bgemm, concurrency, ops) and, here, what needs
-an engine:
+the MPI job at once, through the engine's own functions: micro-benchmarks, and the reference
+models' steps on two layouts of the job's ranks (dp=N, dp=N/2,pp=2). The kernels'
+(costs/calibration.py: gemm, bgemm, concurrency, ops) and, here, what needs an engine:
 
     fixed         seconds per call that does not grow with size: a tiny MLP's train_step at 1
                   and 5 layers and a tiny GPT's at 1 and 3 blocks (width 4-8): per layer or
@@ -10,6 +10,10 @@ an engine:
                   what the above predict for it; optimizer_factor, the same of its AdamW
                   step: each the median of three timings spread over the run, their range
                   in 'step_factor_range' and 'optimizer_factor_range' (calibrate_steps.py)
+    mesh_factor   per model kind (more than one rank), the reference model's whole step
+                  (train_step and AdamW, the slowest rank) on dp=N measured over what all of
+                  the above predict for it; pipeline_factor, dp=N/2,pp=2's over its
+                  prediction times mesh_factor (calibrate_steps.py)
     collectives   per kind and group size (2, 4, ... up to the job; the world split into
                   groups, all busy together; the engine with its default watchdog, as it
                   trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
@@ -30,13 +34,15 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from ..health.heap import keep_host_heap
 from ..health.threads import pin_blas_threads
 from ..costs.calibration import (VERSION, fit_alpha_beta, measure_gemms, measure_ops, timed,
                                  timed_interleaved)
 from ..engine import make_engine
 from ..models.mlp.spec import MLP
 from ..train.optim import AdamW
-from .calibrate_steps import measure_fixed, measure_step_factor, reference_seconds
+from .calibrate_steps import (measure_fixed, measure_mesh_factor, measure_step_factor,
+                              reference_seconds)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls timed
@@ -114,11 +120,17 @@ def blas_threads(pinned) -> str:
 def calibrate(path, dtype=np.float32, comm=None) -> dict:
     """Measure this machine on every rank of `comm` (collective); rank 0 writes `path`. The
     BLAS threads are first shared out as engines share them (health/threads.py): before that, 8
-    ranks on 2 cores ran OpenBLAS's 2 threads each and the GEMM rates came out far too slow."""
+    ranks on 2 cores ran OpenBLAS's 2 threads each and the GEMM rates came out far too slow.
+    The host heap is kept (health/heap.py) as the train command keeps it, so the steps timed
+    here are the ones it runs: without it a step page-faults its activations in again and
+    costs more by an amount that hangs on the process's heap history (a GPT layout measured
+    43 ms right after a calibration in the same process and 61-64 ms in a fresh one)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     pinned = pin_blas_threads(comm)
+    heap = keep_host_heap("keep")         # as `train` runs (its --host-heap keep)
     cal = {"version": VERSION, "ranks": comm.Get_size(), "dtype": np.dtype(dtype).name,
            "host": os.uname().nodename, "blas_threads": blas_threads(pinned),
+           "host_heap": heap.why,
            "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype, timed_alone)}
     samples = [reference_seconds(comm, dtype, timed)]       # three times apart: one bad moment
     adamw = AdamW(make_engine(MLP([2, 2]), "single", dtype=dtype, comm=MPI.COMM_SELF), lr=1e-4)
@@ -128,6 +140,7 @@ def calibrate(path, dtype=np.float32, comm=None) -> dict:
     cal["collectives"], cal["collective_points"] = measure_collectives(comm, dtype)
     samples.append(reference_seconds(comm, dtype, timed))
     cal.update(measure_step_factor(samples, cal, np.dtype(dtype).itemsize))
+    cal.update(measure_mesh_factor(comm, dtype, cal))
     if comm.Get_rank() == 0 and path:
         path = os.path.expanduser(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -1,6 +1,8 @@
 """The calibration's whole-step measurements (cli/calibrate.py): the per-call costs of tiny
 models (`fixed`) and the mid-size reference models' train_step and AdamW step, over what the
-micro-benchmarks predict for them (`step_factor`, `optimizer_factor`: costs/step_time.py).
+micro-benchmarks predict for them (`step_factor`, `optimizer_factor`: costs/step_time.py),
+and the same models' whole steps on every rank of the job over the model's prediction
+(`mesh_factor`, `pipeline_factor`).
 Every timing goes through the `timed` passed in (costs/calibration.timed: every rank at once,
 windows of its WINDOW seconds), so this module needs nothing else of the calibration.
 """
@@ -14,8 +16,9 @@ from ..engine import make_engine
 from ..models.gpt.spec import GPT
 from ..nn.losses import MSE, CrossEntropy
 from ..models.mlp.spec import MLP
-from ..costs.step_time import predict_rank
+from ..costs.step_time import predict_rank, predict_step
 from ..train.optim import AdamW
+from .plan_time import measure_steps, step_fn
 
 REFERENCE_STEPS = {   # reference_seconds' models and batches: mid-size, fixed
     "mlp": (MLP([512, 1024, 1024, 256]), 64),
@@ -86,4 +89,36 @@ def measure_step_factor(samples: list, cal: dict, itemsize: int) -> dict:
             ratios[kind] = sorted(s[kind][part] / predicted for s in samples)
         out[name] = {kind: float(np.median(r)) for kind, r in ratios.items()}
         out[name + "_range"] = {kind: [r[0], r[-1]] for kind, r in ratios.items()}
+    return out
+
+
+def mesh_layouts(n: int) -> dict:
+    """The layouts measure_mesh_factor runs at n ranks: dp=n, and dp=n/2,pp=2 for an even n."""
+    return {"dp": f"dp={n}", **({"pp": f"dp={n // 2},pp=2"} if n % 2 == 0 else {})}
+
+
+def measure_mesh_factor(comm, dtype, cal: dict, rounds: int = 7) -> dict:
+    """{'mesh_factor': {'mlp'|'gpt': f}, 'pipeline_factor': {...}} (costs/step_time.py) of a job
+    of more than one rank ({} for one): each reference model (REFERENCE_STEPS, its batch a
+    rank) runs train_step and AdamW (plan --validate's step) on mesh_layouts, the median over
+    `rounds` alternating rounds of the slowest rank's step; mesh_factor = dp=N's measured over
+    predicted from `cal` (every other factor in it), pipeline_factor = the pipelined layout's
+    measured over its prediction times mesh_factor. What they hold is what ranks waiting for
+    each other cost beyond the terms, most of it on ranks that share cores (a rank spinning
+    in MPI takes a core another computes on)."""
+    n = comm.Get_size()
+    if n == 1:
+        return {}
+    plain = {key: value for key, value in cal.items()
+             if key not in ("mesh_factor", "pipeline_factor")}
+    layouts, itemsize = mesh_layouts(n), np.dtype(dtype).itemsize
+    out: dict = {"mesh_factor": {}, "pipeline_factor": {}}
+    for kind, (model, batch) in REFERENCE_STEPS.items():
+        steps = [step_fn(model, layout, batch * n, dtype, comm) for layout in layouts.values()]
+        measured = dict(zip(layouts, measure_steps(steps, comm, rounds)[0]))
+        predicted = {key: predict_step(model, parse_layout(layout), batch * n, plain,
+                                       itemsize)["step_s"] for key, layout in layouts.items()}
+        out["mesh_factor"][kind] = mesh = measured["dp"] / predicted["dp"]
+        if "pp" in layouts:
+            out["pipeline_factor"][kind] = measured["pp"] / (predicted["pp"] * mesh)
     return out

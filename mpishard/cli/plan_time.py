@@ -24,6 +24,7 @@ from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
 from ..costs.calibration import layer_gflops
 from ..costs.step_time import predict_step
+from ..health.heap import keep_host_heap
 from ..train.optim import AdamW
 
 ROUNDS, WARMUP = 9, 2
@@ -73,8 +74,10 @@ def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUN
     """Run the `top` layouts of `rows` predicted fastest; [(layout, predicted s, measured s)].
     Each round also times the calibration's reference GEMMs (n = REFERENCE, a short window):
     `validate.drift` is their median rate over the calibration's, how much faster (> 1) or
-    slower the machine ran than when it was calibrated (reported, not used)."""
+    slower the machine ran than when it was calibrated (reported, not used). The host heap is
+    kept, as `train` and the calibration keep it (cli/calibrate.py)."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    keep_host_heap("keep")      # the train command's heap, as the calibration measured with
     itemsize = np.dtype(dtype).itemsize
     pred = sorted((predict_step(model, parse_layout(r["layout"]), batch, calibration,
                                 itemsize)["step_s"],

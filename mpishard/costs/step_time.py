@@ -1,7 +1,7 @@
 """Step time predicted from a layout's cost model and a machine's calibration (no MPI).
 
-    predicted = bubble_factor x (gemm + elementwise) + sum over groups and kinds
-                (calls x alpha + bytes / beta)
+    predicted = mesh_factor x (bubble_factor x (gemm + elementwise) + sum over groups
+                and kinds (calls x alpha + bytes / beta))
 
 of the busiest rank (the slowest of `representative_ranks`), where
 
@@ -38,6 +38,15 @@ of the busiest rank (the slowest of `representative_ranks`), where
   lent(span): `concurrency` the measured slowdown of a GEMM when every rank runs one at once
   (about ranks / free cores), and `lent` the share of an idle span the others really get,
   which grows with the span against the scheduler's slice (short spans lend nothing).
+- mesh_factor, pipeline_factor: the calibration's (per model kind, 1 without them) whole-step
+  factors of a layout of more than one rank: the reference model's measured step (train_step
+  and AdamW, the slowest rank, its rows per rank as in step_factor's) on dp=N over what
+  everything else here predicts for it, and dp=N/2,pp=2's over that times the mesh factor
+  (cli/calibrate_steps.py). They hold what the terms leave out of a step of ranks that wait
+  for each other: a rank spinning in MPI on a core another rank computes on, members reaching
+  a collective at different moments, a stage's wait that lends its core to nobody. A layout
+  of several ranks is multiplied by the first, and by the second too when it pipelines; one
+  rank by neither.
 - communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
   calls (call_counts.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
   fsdp, the averaging axes for dp's gradients and for the loss; the model's own parts'
@@ -52,7 +61,8 @@ assumed from public specs) is a dict:
 {"gemm": [[flops per call, GFLOP/s], ...], "bgemm": [...], "concurrency": k,
  "ops": {op: [[elements, seconds per element], ...]},
  "fixed": {"mlp_layer"|"mlp_base"|"gpt_block"|"gpt_base"|"optimizer_tensor": seconds},
- optional "step_factor" and "optimizer_factor": {"mlp"|"gpt": factor},
+ optional "step_factor", "optimizer_factor", "mesh_factor" and "pipeline_factor":
+ {"mlp"|"gpt": factor},
  "collectives": {kind: {group size: [[bytes, seconds], ...] or [alpha s, beta bytes/s]}},
  optional "ranks_per_node" and "collectives_inter"}; a group size missing falls back to the
 nearest calibrated one.
@@ -299,10 +309,23 @@ def factors(calibration: dict, model) -> tuple:
     return step, calibration.get("optimizer_factor", {}).get(kind, step)
 
 
+def mesh_factor(calibration: dict, model, layout) -> float:
+    """What a step of `layout` (more than one rank) costs on this machine over the sum of its
+    terms: the calibration's `mesh_factor` of the model's kind, times its `pipeline_factor`
+    when the layout pipelines (module docstring); 1 for one rank or without them."""
+    if layout.world_size == 1:
+        return 1.0
+    kind = model.calibration_key
+    f = calibration.get("mesh_factor", {}).get(kind, 1.0)
+    return f * (calibration.get("pipeline_factor", {}).get(kind, 1.0)
+                if layout.size("pp") > 1 else 1.0)
+
+
 def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
                  itemsize: int = 4) -> dict:
-    """{'gemm_s', 'elementwise_s', 'optimizer_s', 'compute_s', 'bubble', 'comm_s', 'step_s'}
-    of one rank; 'elementwise_s' holds 'optimizer_s', each term times its factor."""
+    """{'gemm_s', 'elementwise_s', 'optimizer_s', 'compute_s', 'bubble', 'comm_s',
+    'mesh_factor', 'step_s'} of one rank; 'elementwise_s' holds 'optimizer_s', each term
+    times its factor."""
     view = rank_view(model, layout, rank, itemsize, batch)
     step_factor, optimizer_factor = factors(calibration, model)
     gemm = step_factor * gemm_seconds(view, calibration)
@@ -311,9 +334,10 @@ def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
     bub = bubble(view.layout)
     comm = sum(term[-1] for term in comm_terms(view, calibration))
     factor = bubble_factor(bub, calibration.get("concurrency", 1.0), gemm + elem)
+    mesh = mesh_factor(calibration, model, layout)
     return {"gemm_s": gemm, "elementwise_s": elem, "optimizer_s": optimizer,
-            "compute_s": gemm + elem, "bubble": bub, "comm_s": comm,
-            "step_s": factor * (gemm + elem) + comm, "rank": rank}
+            "compute_s": gemm + elem, "bubble": bub, "comm_s": comm, "mesh_factor": mesh,
+            "step_s": mesh * (factor * (gemm + elem) + comm), "rank": rank}
 
 
 def predict_step(model, layout, batch: int, calibration: dict, itemsize: int = 4) -> dict:

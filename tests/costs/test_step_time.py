@@ -180,6 +180,52 @@ def test_step_factor_is_the_median_of_three_timings_with_their_range():
                                              for kind in ("mlp", "gpt")}
 
 
+def test_mesh_factor_scales_steps_of_several_ranks_and_pipeline_factor_pipelines():
+    model = ms.MLP([64, 32, 32, 16])
+    base = flat(op=1e-9, fixed=1e-5)
+    cal = dict(base, mesh_factor={"mlp": 1.5, "gpt": 9.0}, pipeline_factor={"mlp": 1.2})
+    for layout, factor in (("single", 1.0), ("dp=2", 1.5), ("tp=2", 1.5), ("pp=2", 1.8),
+                           ("dp=2,pp=2", 1.8)):
+        one, two = (predict_step(model, parse_layout(layout), 8, c, itemsize=4)
+                    for c in (base, cal))
+        assert two["mesh_factor"] == pytest.approx(factor, rel=1e-12), layout
+        assert two["step_s"] == pytest.approx(factor * one["step_s"], rel=1e-12), layout
+        assert two["compute_s"] == pytest.approx(one["compute_s"], rel=1e-12)
+
+
+class _Ranks:
+    """A communicator of n ranks, as far as measure_mesh_factor asks."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def Get_size(self):
+        return self.n
+
+
+def test_mesh_and_pipeline_factors_are_measured_steps_over_predicted(monkeypatch):
+    cal = flat(op=1e-9, fixed=1e-5)
+    layouts = cal_steps.mesh_layouts(4)
+    assert layouts == {"dp": "dp=4", "pp": "dp=2,pp=2"}
+    slower = {"dp": 1.4, "pp": 1.4 * 1.25}           # measured / predicted without factors
+    monkeypatch.setattr(cal_steps, "step_fn", lambda model, layout, batch, dtype, comm:
+                        (model, layout, batch))
+
+    def measured(steps, comm, rounds):
+        kinds = {layout: kind for kind, layout in layouts.items()}
+        return [slower[kinds[layout]] * predict_step(model, parse_layout(layout), batch, cal,
+                                                     4)["step_s"]
+                for model, layout, batch in steps], None
+    monkeypatch.setattr(cal_steps, "measure_steps", measured)
+    # factors already in the calibration do not enter the prediction they are measured over
+    got = cal_steps.measure_mesh_factor(_Ranks(4), np.float32,
+                                        dict(cal, mesh_factor={"mlp": 7.0, "gpt": 7.0}))
+    assert got["mesh_factor"] == pytest.approx({"mlp": 1.4, "gpt": 1.4}, rel=1e-12)
+    assert got["pipeline_factor"] == pytest.approx({"mlp": 1.25, "gpt": 1.25}, rel=1e-12)
+    assert cal_steps.measure_mesh_factor(_Ranks(1), np.float32, cal) == {}
+    assert cal_steps.mesh_layouts(3) == {"dp": "dp=3"}
+
+
 def test_zero3_computes_with_the_gathered_weight():
     model = ms.MLP([64, 32, 16])
     a = rank_view(model, parse_layout("fsdp=2"), 0, 4, 8)
@@ -360,6 +406,9 @@ def test_calibrate_and_validate_run(monkeypatch):
         assert set(cal[name]) == {"mlp", "gpt"} and all(
             lo <= cal[name][kind] <= hi and lo > 0
             for kind, (lo, hi) in cal[name + "_range"].items())
+    for name in ("mesh_factor", "pipeline_factor"):          # dp=2 and pp=2 steps timed
+        assert set(cal[name]) == {"mlp", "gpt"} and all(f > 0 for f in cal[name].values())
+    assert "host_heap" in cal
     model = ms.MLP([16, 8, 4])
     rows = [{"layout": "dp=2"}, {"layout": "tp=2"}, {"layout": "fsdp=2,zero=1"}]
     results = validate(model, rows, 8, np.float32, cal, top=2, comm=comm, rounds=2)
