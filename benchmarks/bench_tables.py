@@ -165,8 +165,8 @@ def _planner_lines(planner: dict) -> list:
                      f"`{v['predicted_best']}` | {100 * v['best_gap']:.1f}% | "
                      f"{fmt(v.get('drift'), 2)} |")
     cal = planner.get("calibration") or {}
-    factors = [name for name in ("step_factor", "optimizer_factor", "mesh_factor",
-                                 "pipeline_factor") if cal.get(name)]
+    factors = [name for name in ("step_factor", "optimizer_factor", "mesh_factor")
+               if cal.get(name)]
     if factors:
         def described(name):
             spread = cal.get(name + "_range", {})

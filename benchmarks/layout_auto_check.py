@@ -10,7 +10,8 @@ For each model (an MLP and a small GPT), the candidates of this world size that 
 too); the `--top` of the rule's ranking, the calibrated choice and every pp-free dp/fsdp/tp
 layout are built, warmed up and measured paired and interleaved (plan_time.measure_steps:
 each round runs one train_step + AdamW step of every layout in turn, a layout's time the
-median over the rounds of the slowest rank's step). Rank 0 prints each layout's measured
+median over the rounds of the slowest rank's step), with the host heap kept as `train` keeps
+it. Rank 0 prints each layout's measured
 time and the choice's gap to the fastest measured: the target is a gap of at most 10%.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mpishard.cli.plan_time import measure_steps, step_fn
 from mpishard.comm.mesh import parse_layout
 from mpishard.health.signals import remove_singleton_segment_at_exit
 from mpishard.costs.calibration import load_calibration
+from mpishard.health.heap import keep_host_heap
 
 MODELS = {"mlp": ("784,512,512,10", None, 256),          # name: (--model, --gpt, batch)
           "gpt": ("gpt", "d_model=128,n_heads=4,n_layers=4,seq_len=64,"
@@ -69,6 +71,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     remove_singleton_segment_at_exit(comm)     # run alone, Open MPI leaves its segment
+    keep_host_heap("keep")                     # the steps `train` runs (and --calibrate times)
     calibration = load_calibration(args.calibration) if args.calibration else None
     results = [check(name, *MODELS[name], comm, calibration, args.top, args.rounds)
                for name in args.models.split(",")]

@@ -1,6 +1,6 @@
 """`plan --calibrate [FILE]`: measure this machine for the step-time model, on every rank of
 the MPI job at once, through the engine's own functions: micro-benchmarks, and the reference
-models' steps on two layouts of the job's ranks (dp=N, dp=N/2,pp=2). The kernels'
+models' steps on all of the job's ranks (dp=N). The kernels'
 (costs/calibration.py: gemm, bgemm, concurrency, ops) and, here, what needs an engine:
 
     fixed         seconds per call that does not grow with size: a tiny MLP's train_step at 1
@@ -12,8 +12,8 @@ models' steps on two layouts of the job's ranks (dp=N, dp=N/2,pp=2). The kernels
                   in 'step_factor_range' and 'optimizer_factor_range' (calibrate_steps.py)
     mesh_factor   per model kind (more than one rank), the reference model's whole step
                   (train_step and AdamW, the slowest rank) on dp=N measured over what all of
-                  the above predict for it; pipeline_factor, dp=N/2,pp=2's over its
-                  prediction times mesh_factor (calibrate_steps.py)
+                  the above predict for it, the median of three timings spread over the run
+                  (its range in 'mesh_factor_range'; calibrate_steps.py)
     collectives   per kind and group size (2, 4, ... up to the job; the world split into
                   groups, all busy together; the engine with its default watchdog, as it
                   trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
@@ -42,7 +42,7 @@ from ..engine import make_engine
 from ..models.mlp.spec import MLP
 from ..train.optim import AdamW
 from .calibrate_steps import (measure_fixed, measure_mesh_factor, measure_step_factor,
-                              reference_seconds)
+                              mesh_seconds, reference_seconds)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 COMM_SIZES = (32, 2 ** 16, 2 ** 20, 2 ** 22)     # bytes per rank of the calls timed
@@ -133,14 +133,18 @@ def calibrate(path, dtype=np.float32, comm=None) -> dict:
            "host_heap": heap.why,
            "load_average": os.getloadavg()[0], **measure_gemms(comm, dtype, timed_alone)}
     samples = [reference_seconds(comm, dtype, timed)]       # three times apart: one bad moment
+    meshes = [mesh_seconds(comm, dtype)]                     # does not set a factor
     adamw = AdamW(make_engine(MLP([2, 2]), "single", dtype=dtype, comm=MPI.COMM_SELF), lr=1e-4)
     cal["ops"] = measure_ops(comm, dtype, adamw)
     cal["fixed"] = measure_fixed(comm, dtype, timed, cal["ops"])
     samples.append(reference_seconds(comm, dtype, timed))
+    meshes.append(mesh_seconds(comm, dtype))
     cal["collectives"], cal["collective_points"] = measure_collectives(comm, dtype)
     samples.append(reference_seconds(comm, dtype, timed))
-    cal.update(measure_step_factor(samples, cal, np.dtype(dtype).itemsize))
-    cal.update(measure_mesh_factor(comm, dtype, cal))
+    meshes.append(mesh_seconds(comm, dtype))
+    itemsize = np.dtype(dtype).itemsize
+    cal.update(measure_step_factor(samples, cal, itemsize))
+    cal.update(measure_mesh_factor(meshes, cal, comm.Get_size(), itemsize))
     if comm.Get_rank() == 0 and path:
         path = os.path.expanduser(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -38,15 +38,12 @@ of the busiest rank (the slowest of `representative_ranks`), where
   lent(span): `concurrency` the measured slowdown of a GEMM when every rank runs one at once
   (about ranks / free cores), and `lent` the share of an idle span the others really get,
   which grows with the span against the scheduler's slice (short spans lend nothing).
-- mesh_factor, pipeline_factor: the calibration's (per model kind, 1 without them) whole-step
-  factors of a layout of more than one rank: the reference model's measured step (train_step
-  and AdamW, the slowest rank, its rows per rank as in step_factor's) on dp=N over what
-  everything else here predicts for it, and dp=N/2,pp=2's over that times the mesh factor
-  (cli/calibrate_steps.py). They hold what the terms leave out of a step of ranks that wait
-  for each other: a rank spinning in MPI on a core another rank computes on, members reaching
-  a collective at different moments, a stage's wait that lends its core to nobody. A layout
-  of several ranks is multiplied by the first, and by the second too when it pipelines; one
-  rank by neither.
+- mesh_factor: the calibration's (per model kind, 1 without it) whole-step factor of a layout
+  of more than one rank: the reference model's measured step (train_step and AdamW, the
+  slowest rank, its rows per rank as in step_factor's) on dp=N over what everything else here
+  predicts for it (cli/calibrate_steps.py). It holds what the terms leave out of a step of
+  ranks that wait for each other: a rank spinning in MPI on a core another rank computes on,
+  members reaching a collective at different moments. One rank is not multiplied by it.
 - communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
   calls (call_counts.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
   fsdp, the averaging axes for dp's gradients and for the loss; the model's own parts'
@@ -61,8 +58,7 @@ assumed from public specs) is a dict:
 {"gemm": [[flops per call, GFLOP/s], ...], "bgemm": [...], "concurrency": k,
  "ops": {op: [[elements, seconds per element], ...]},
  "fixed": {"mlp_layer"|"mlp_base"|"gpt_block"|"gpt_base"|"optimizer_tensor": seconds},
- optional "step_factor", "optimizer_factor", "mesh_factor" and "pipeline_factor":
- {"mlp"|"gpt": factor},
+ optional "step_factor", "optimizer_factor" and "mesh_factor": {"mlp"|"gpt": factor},
  "collectives": {kind: {group size: [[bytes, seconds], ...] or [alpha s, beta bytes/s]}},
  optional "ranks_per_node" and "collectives_inter"}; a group size missing falls back to the
 nearest calibrated one.
@@ -311,14 +307,11 @@ def factors(calibration: dict, model) -> tuple:
 
 def mesh_factor(calibration: dict, model, layout) -> float:
     """What a step of `layout` (more than one rank) costs on this machine over the sum of its
-    terms: the calibration's `mesh_factor` of the model's kind, times its `pipeline_factor`
-    when the layout pipelines (module docstring); 1 for one rank or without them."""
+    terms: the calibration's `mesh_factor` of the model's kind (module docstring); 1 for one
+    rank or without one."""
     if layout.world_size == 1:
         return 1.0
-    kind = model.calibration_key
-    f = calibration.get("mesh_factor", {}).get(kind, 1.0)
-    return f * (calibration.get("pipeline_factor", {}).get(kind, 1.0)
-                if layout.size("pp") > 1 else 1.0)
+    return calibration.get("mesh_factor", {}).get(model.calibration_key, 1.0)
 
 
 def predict_rank(model, layout, rank: int, batch: int, calibration: dict,

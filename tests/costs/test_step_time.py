@@ -180,12 +180,11 @@ def test_step_factor_is_the_median_of_three_timings_with_their_range():
                                              for kind in ("mlp", "gpt")}
 
 
-def test_mesh_factor_scales_steps_of_several_ranks_and_pipeline_factor_pipelines():
+def test_mesh_factor_scales_steps_of_several_ranks_only():
     model = ms.MLP([64, 32, 32, 16])
     base = flat(op=1e-9, fixed=1e-5)
-    cal = dict(base, mesh_factor={"mlp": 1.5, "gpt": 9.0}, pipeline_factor={"mlp": 1.2})
-    for layout, factor in (("single", 1.0), ("dp=2", 1.5), ("tp=2", 1.5), ("pp=2", 1.8),
-                           ("dp=2,pp=2", 1.8)):
+    cal = dict(base, mesh_factor={"mlp": 1.5, "gpt": 9.0})
+    for layout, factor in (("single", 1.0), ("dp=2", 1.5), ("tp=2", 1.5), ("dp=2,pp=2", 1.5)):
         one, two = (predict_step(model, parse_layout(layout), 8, c, itemsize=4)
                     for c in (base, cal))
         assert two["mesh_factor"] == pytest.approx(factor, rel=1e-12), layout
@@ -193,37 +192,19 @@ def test_mesh_factor_scales_steps_of_several_ranks_and_pipeline_factor_pipelines
         assert two["compute_s"] == pytest.approx(one["compute_s"], rel=1e-12)
 
 
-class _Ranks:
-    """A communicator of n ranks, as far as measure_mesh_factor asks."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def Get_size(self):
-        return self.n
-
-
-def test_mesh_and_pipeline_factors_are_measured_steps_over_predicted(monkeypatch):
+def test_mesh_factor_is_the_median_measured_dp_step_over_its_prediction():
     cal = flat(op=1e-9, fixed=1e-5)
-    layouts = cal_steps.mesh_layouts(4)
-    assert layouts == {"dp": "dp=4", "pp": "dp=2,pp=2"}
-    slower = {"dp": 1.4, "pp": 1.4 * 1.25}           # measured / predicted without factors
-    monkeypatch.setattr(cal_steps, "step_fn", lambda model, layout, batch, dtype, comm:
-                        (model, layout, batch))
-
-    def measured(steps, comm, rounds):
-        kinds = {layout: kind for kind, layout in layouts.items()}
-        return [slower[kinds[layout]] * predict_step(model, parse_layout(layout), batch, cal,
-                                                     4)["step_s"]
-                for model, layout, batch in steps], None
-    monkeypatch.setattr(cal_steps, "measure_steps", measured)
-    # factors already in the calibration do not enter the prediction they are measured over
-    got = cal_steps.measure_mesh_factor(_Ranks(4), np.float32,
-                                        dict(cal, mesh_factor={"mlp": 7.0, "gpt": 7.0}))
-    assert got["mesh_factor"] == pytest.approx({"mlp": 1.4, "gpt": 1.4}, rel=1e-12)
-    assert got["pipeline_factor"] == pytest.approx({"mlp": 1.25, "gpt": 1.25}, rel=1e-12)
-    assert cal_steps.measure_mesh_factor(_Ranks(1), np.float32, cal) == {}
-    assert cal_steps.mesh_layouts(3) == {"dp": "dp=3"}
+    predicted = {kind: predict_step(model, parse_layout("dp=4"), batch * 4, cal, 4)["step_s"]
+                 for kind, (model, batch) in cal_steps.REFERENCE_STEPS.items()}
+    samples = [{kind: f * p for kind, p in predicted.items()} for f in (1.3, 1.96, 1.2)]
+    # a factor already in the calibration does not enter the prediction it is measured over
+    got = cal_steps.measure_mesh_factor(samples + [{}], dict(cal, mesh_factor={"mlp": 7.0}),
+                                        4, 4)
+    assert got["mesh_factor"] == pytest.approx({"mlp": 1.3, "gpt": 1.3}, rel=1e-12)
+    assert got["mesh_factor_range"] == {kind: [pytest.approx(1.2, rel=1e-12),
+                                               pytest.approx(1.96, rel=1e-12)]
+                                        for kind in ("mlp", "gpt")}
+    assert cal_steps.measure_mesh_factor([{}, {}], cal, 1, 4) == {}     # one rank
 
 
 def test_zero3_computes_with_the_gathered_weight():
@@ -406,8 +387,9 @@ def test_calibrate_and_validate_run(monkeypatch):
         assert set(cal[name]) == {"mlp", "gpt"} and all(
             lo <= cal[name][kind] <= hi and lo > 0
             for kind, (lo, hi) in cal[name + "_range"].items())
-    for name in ("mesh_factor", "pipeline_factor"):          # dp=2 and pp=2 steps timed
-        assert set(cal[name]) == {"mlp", "gpt"} and all(f > 0 for f in cal[name].values())
+    assert set(cal["mesh_factor"]) == {"mlp", "gpt"} and all(    # the dp=2 steps timed
+        lo <= cal["mesh_factor"][kind] <= hi and lo > 0
+        for kind, (lo, hi) in cal["mesh_factor_range"].items())
     assert "host_heap" in cal
     model = ms.MLP([16, 8, 4])
     rows = [{"layout": "dp=2"}, {"layout": "tp=2"}, {"layout": "fsdp=2,zero=1"}]
