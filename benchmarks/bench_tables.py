@@ -37,7 +37,8 @@ def detail_lines(results: dict) -> list:
                   f"(`{g['flops_formula']}`); ours {g['ours_gflops']:.1f} GFLOP/s vs plain "
                   f"matmul {g['matmul_gflops']:.1f} GFLOP/s on the same GEMMs: "
                   f"`gpt_mfu_fraction` {g['mfu_fraction']:.3f} (paired "
-                  f"{g['mfu_fraction_paired']:.3f})."]
+                  f"{g['mfu_fraction_paired']:.3f})"
+                  + (f"; host heap: {g['host_heap']}." if "host_heap" in g else ".")]
         if "vs_torch_ratio" in g:
             cc = g["cross_check"]
             lines += ["", f"Ours over torch {g['torch_version']} eager (SDPA attention): step "

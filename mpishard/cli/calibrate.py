@@ -11,9 +11,10 @@ models' steps on all of the job's ranks (dp=N). The kernels'
                   step: each the median of three timings spread over the run, their range
                   in 'step_factor_range' and 'optimizer_factor_range' (calibrate_steps.py)
     mesh_factor   per model kind (more than one rank), the reference model's whole step
-                  (train_step and AdamW, the slowest rank) on dp=N measured over what all of
-                  the above predict for it, the median of three timings spread over the run
-                  (its range in 'mesh_factor_range'; calibrate_steps.py)
+                  (train_step and AdamW, the slowest rank) on dp=N measured over what
+                  everything else in the calibration predicts for it, the median of three
+                  timings spread over the run (its range in 'mesh_factor_range';
+                  calibrate_steps.py); applied to layouts of this many ranks only
     collectives   per kind and group size (2, 4, ... up to the job; the world split into
                   groups, all busy together; the engine with its default watchdog, as it
                   trains; all_reduce and reduce_scatter with op='avg'): seconds per call at
@@ -21,8 +22,12 @@ models' steps on all of the job's ranks (dp=N). The kernels'
                   ('collective_points'), and [alpha, beta] fitted through them in relative
                   error (fit_alpha_beta: one point's noise moves the line, not the model)
 
-Every time is costs/calibration.timed's (windows of >= 0.1 s, repeats in passes over a group).
-About a minute at 4 ranks on the loaded 2-core VM.
+    host_heap     what keep_host_heap did: the calibration keeps the host heap as the train
+                  command does by default, so the steps it times are the ones train runs
+
+Every time is costs/calibration.timed's (windows of >= 0.1 s, repeats in passes over a group),
+but mesh_factor's, which are `plan --validate`'s (plan_time.measure_steps: rounds of one step
+each, the slowest rank's). About a minute and a half at 8 ranks on the 2-core VM.
 The JSON (default ~/.cache/mpishard/calibration.json) belongs to the machine, the rank count
 and the BLAS thread count it was measured with (see docs/performance.md: BLAS threads).
 """

@@ -2,9 +2,9 @@
 models (`fixed`) and the mid-size reference models' train_step and AdamW step, over what the
 micro-benchmarks predict for them (`step_factor`, `optimizer_factor`: costs/step_time.py),
 and the same models' whole steps on every rank of the job (dp=N) over the model's prediction
-(`mesh_factor`).
-Every timing goes through the `timed` passed in (costs/calibration.timed: every rank at once,
-windows of its WINDOW seconds), so this module needs nothing else of the calibration.
+(`mesh_factor`). The per-call and reference timings go through the `timed` passed in
+(costs/calibration.timed: every rank at once, windows of its WINDOW seconds); the dp=N steps
+through plan_time's step_fn and measure_steps, as `plan --validate` times a layout.
 """
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ def measure_mesh_factor(samples: list, cal: dict, n: int, itemsize: int) -> dict
     other factor in it). What it holds is what ranks waiting for each other cost beyond the
     terms, most of it on ranks that share cores (a rank spinning in MPI takes a core another
     computes on). Three timings spread over the calibration, as step_factor's: at 8 ranks on
-    2 cores one of them came out 1.96 where others gave 1.17.
+    2 cores a single timing once gave 1.96 for the GPT where three in another calibration
+    gave 1.24-1.53.
 
     A pipeline factor measured the same way (dp=N/2,pp=2 over dp=N, each over its prediction)
     was left out: on one 2-core host it came out 0.67-0.99 at 4 ranks and 1.21 at 8

@@ -43,7 +43,9 @@ of the busiest rank (the slowest of `representative_ranks`), where
   slowest rank, its rows per rank as in step_factor's) on dp=N over what everything else here
   predicts for it (cli/calibrate_steps.py). It holds what the terms leave out of a step of
   ranks that wait for each other: a rank spinning in MPI on a core another rank computes on,
-  members reaching a collective at different moments. One rank is not multiplied by it.
+  members reaching a collective at different moments. It multiplies a layout of as many
+  ranks as the calibration's (`ranks`), so it sets the predicted seconds, not the ranking
+  of one world size's layouts; one rank, or another rank count, is not multiplied by it.
 - communication: each strategy's bytes (its `step_comm`, exactly the engine's counters) and
   calls (call_counts.py, exactly `engine.comm_calls`) on the group it runs on (tp, cp, pp,
   fsdp, the averaging axes for dp's gradients and for the loss; the model's own parts'
@@ -307,9 +309,10 @@ def factors(calibration: dict, model) -> tuple:
 
 def mesh_factor(calibration: dict, model, layout) -> float:
     """What a step of `layout` (more than one rank) costs on this machine over the sum of its
-    terms: the calibration's `mesh_factor` of the model's kind (module docstring); 1 for one
-    rank or without one."""
-    if layout.world_size == 1:
+    terms: the calibration's `mesh_factor` of the model's kind (module docstring) when the
+    layout has as many ranks as the calibration was measured on (its `ranks`); 1 otherwise,
+    or without one: 8 ranks sharing 2 cores say nothing of 2 ranks on them."""
+    if layout.world_size == 1 or layout.world_size != calibration.get("ranks"):
         return 1.0
     return calibration.get("mesh_factor", {}).get(model.calibration_key, 1.0)
 
@@ -317,8 +320,9 @@ def mesh_factor(calibration: dict, model, layout) -> float:
 def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
                  itemsize: int = 4) -> dict:
     """{'gemm_s', 'elementwise_s', 'optimizer_s', 'compute_s', 'bubble', 'comm_s',
-    'mesh_factor', 'step_s'} of one rank; 'elementwise_s' holds 'optimizer_s', each term
-    times its factor."""
+    'mesh_factor', 'step_s'} of one rank; 'elementwise_s' holds 'optimizer_s', each of those
+    times its step or optimizer factor; step_s = mesh_factor x (bubble factor x compute_s +
+    comm_s)."""
     view = rank_view(model, layout, rank, itemsize, batch)
     step_factor, optimizer_factor = factors(calibration, model)
     gemm = step_factor * gemm_seconds(view, calibration)

@@ -45,7 +45,7 @@ except ImportError:                     # pragma: no cover - depends on the envi
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _GELU_C = float(np.sqrt(2.0 / np.pi))   # as functional._GELU_C
-CHUNK = 1 << 16                         # GELU elements per chunk: its 3 buffers stay in L2
+CHUNK = 1 << 16                         # GELU elements per chunk: the call's dispatch amortised
 
 
 def available() -> bool:
@@ -108,14 +108,15 @@ def gelu(z):
 
 
 # -- LayerNorm -----------------------------------------------------------------------------------
-def sum_jit(fn):
+def _sum_jit(fn):
     """numba.njit for a sum: fast-math's `reassoc` flag only, so the loop's running sum may be
-    split into vector-wide partial sums (one AVX-512 add per 16 float32) while every product
-    still rounds as numpy's (no FMA contraction, NaN and inf kept: no nnan/ninf)."""
+    split into vector-wide partial sums while every product still rounds as numpy's (no FMA
+    contraction, NaN and inf kept: no nnan/ninf). The order of the sum follows the host's
+    vector width, so hosts of different instruction sets differ in its last bits."""
     return numba.njit(fastmath={"reassoc"}, cache=True)(fn) if numba is not None else fn
 
 
-@sum_jit
+@_sum_jit
 def _sum(a, zero):
     """sum(a) of a 1-D array, in partial sums as wide as the CPU's vectors."""
     s = zero
@@ -124,7 +125,7 @@ def _sum(a, zero):
     return s
 
 
-@sum_jit
+@_sum_jit
 def _dot2(a, b, zero):
     """sum(a b) of 1-D arrays: each product rounded, then _sum's partial sums."""
     s = zero

@@ -180,11 +180,12 @@ def test_step_factor_is_the_median_of_three_timings_with_their_range():
                                              for kind in ("mlp", "gpt")}
 
 
-def test_mesh_factor_scales_steps_of_several_ranks_only():
+def test_mesh_factor_scales_steps_of_the_calibrated_rank_count_only():
     model = ms.MLP([64, 32, 32, 16])
     base = flat(op=1e-9, fixed=1e-5)
-    cal = dict(base, mesh_factor={"mlp": 1.5, "gpt": 9.0})
-    for layout, factor in (("single", 1.0), ("dp=2", 1.5), ("tp=2", 1.5), ("dp=2,pp=2", 1.5)):
+    cal = dict(base, ranks=2, mesh_factor={"mlp": 1.5, "gpt": 9.0})
+    for layout, factor in (("single", 1.0), ("dp=2", 1.5), ("tp=2", 1.5), ("pp=2", 1.5),
+                           ("dp=2,pp=2", 1.0)):                 # 4 ranks: not calibrated
         one, two = (predict_step(model, parse_layout(layout), 8, c, itemsize=4)
                     for c in (base, cal))
         assert two["mesh_factor"] == pytest.approx(factor, rel=1e-12), layout
