@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from ..costs.calibration import load_calibration
+from ..costs.calibration import load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, generate_rows, rank_rows
 from .inspect import format_bytes
 from .memory_limit import add_max_memory_argument, max_memory
@@ -136,7 +136,8 @@ def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64
                            calibration=calibration, rows=max(1, len(prompts)),
                            max_len=min(longest, getattr(model, "seq_len", 1)) or None,
                            source=source)
-    args.layout_line = choice["line"]
+    note = rank_count_note(calibration, world_size) if calibration else None
+    args.layout_line = choice["line"] + (f" (note: {note})" if note else "")
     return choice["layout"]
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
-from ..costs.calibration import DEFAULT_PATH, load_calibration
+from ..costs.calibration import DEFAULT_PATH, load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, rank_rows
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import COMM_KINDS, check_fit, step_comm_total
@@ -38,7 +38,7 @@ from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
 from .calibrate import calibrate
-from .memory_limit import add_max_memory_argument, max_memory
+from .memory_limit import add_max_memory_argument, max_memory, node_ranks
 from .plan_time import validate, validation_report, validation_summary
 from .usage import UsageError, check_flags, world_rank
 
@@ -134,7 +134,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
         check_number("--top", top, low=1, integer=True)
     rows, rejected = layouts or plan_layouts(model, world_size, batch, dtype, optimizer,
                                              momentum, microbatches, calibration)
-    rows.sort(key=SORT_KEYS["time" if calibration and sort == "memory" else sort])
+    sort = "time" if calibration and sort == "memory" else sort     # --sort's default
+    rows.sort(key=SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
@@ -148,7 +149,9 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              "step), and its split by kind"] + (
                  ["step:   predicted seconds per train_step + optimizer step "
                   "(costs/step_time.py and the calibration); * the predicted best"]
-                 if calibration else []) + [""]
+                 if calibration else []) + (
+                 [f"note:   {rank_count_note(calibration, world_size)}"]
+                 if calibration and rank_count_note(calibration, world_size) else []) + [""]
     timed = [] if not calibration else ["step"]
     parts = [k for k in PEAK_COMPONENTS if any(r["parts"][k] for r in shown)] \
         if memory_parts else []
@@ -185,10 +188,10 @@ def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 1
              f"         memory limit {format_bytes(limit)} per rank ({source}); "
              f"{len(ranked['fit'])} of {len(rows)} layouts fit",
              f"{'':4}{'layout':<36}{'memory':>11}{'of limit':>9}" +
-             (f"{'step':>11}" if calibrated else
+             (f"{'step':>14}" if calibrated else
               f"{'pp idle':>9}{'comm/step':>11}{'calls':>7}")]
     for i, r in enumerate(ranked["fit"][:top], 1):
-        decide = f"{r['step_s'] * 1e3:>8.2f} ms" if calibrated else \
+        decide = f" {r['step_s'] * 1e3:>10.2f} ms" if calibrated else \
             f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}{r.get('calls', ''):>7}"
         lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
                      f"{100 * r['memory'] / limit:>8.1f}%{decide}")
@@ -271,7 +274,11 @@ def run_plan(args) -> int:
         if args.explain:
             rows = layouts[0] if calibration else add_calls(
                 layouts[0], model, args.batch, np.dtype(args.dtype).itemsize)
-            text += "\n\n" + explain_report(rows, *max_memory(args.max_memory),
+            limit, source = max_memory(args.max_memory)
+            if args.max_memory is None and args.world_size > 1 and node_ranks() == 1:
+                source += (f"; plan ran as one process: where {args.world_size} ranks share "
+                           f"a node, --max-memory gives a rank's share")
+            text += "\n\n" + explain_report(rows, limit, source,
                                              calibration is not None, args.top)
         summary = None
         if args.validate:

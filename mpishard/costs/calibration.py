@@ -228,6 +228,17 @@ def measure_ops(comm, dtype, adamw) -> dict:
     return out
 
 
+def rank_count_note(calibration: dict, world_size: int):
+    """None when `calibration` was measured at `world_size` ranks (or says nothing of it), else
+    one line on what that means for its predictions (costs/step_time.py)."""
+    ranks = calibration.get("ranks")
+    if ranks is None or ranks == world_size:
+        return None
+    return (f"the calibration was measured at {ranks} ranks, these layouts have {world_size}: "
+            f"its collectives of the nearest measured group sizes stand in and its mesh_factor "
+            f"is not applied; calibrate at {world_size} ranks for their times")
+
+
 def load_calibration(path) -> dict:
     """The calibration in `path` (cli/calibrate.py writes it); ValueError for one of an older
     format."""

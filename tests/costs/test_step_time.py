@@ -17,6 +17,7 @@ import mpishard as ms
 from mpishard import cli
 from mpishard.cli import calibrate as cal_cli
 from mpishard.costs import calibration as cal_mod
+from mpishard.costs.calibration import rank_count_note
 from mpishard.cli import calibrate_steps as cal_steps
 from mpishard.cli.plan import candidate_layouts, plan_report
 from mpishard.cli.plan_time import validate, validation_report
@@ -302,6 +303,17 @@ def test_plan_marks_the_predicted_best_and_examples_load():
     assert sum(line.split()[1:2] == ["*"] for line in text.splitlines()) == 1
     gpt = ms.GPT(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
     assert predict_step(gpt, parse_layout("tp=2"), 4, cal)["step_s"] > 0
+
+
+def test_plan_says_how_it_sorts_and_when_the_calibration_has_another_rank_count():
+    cal = load("calibration.example.json")                       # measured at 4 ranks
+    model = ms.MLP([64, 32, 32, 16])
+    four = plan_report(model, 4, 32, dtype=np.float32, calibration=cal)
+    assert "sorted by time" in four and "note:" not in four      # the default, calibrated
+    assert "sorted by memory" in plan_report(model, 4, 32, dtype=np.float32)
+    two = plan_report(model, 2, 32, dtype=np.float32, calibration=cal)
+    assert "note:   the calibration was measured at 4 ranks, these layouts have 2" in two
+    assert rank_count_note(cal, 4) is None and rank_count_note({}, 2) is None
 
 
 def test_old_calibration_format_is_refused(tmp_path):
