@@ -89,6 +89,22 @@ def _save(model, directory, max_shard_size):
     return str(directory)
 
 
+def same_weights(a, b) -> bool:
+    """Two torch modules hold the same tensors, bit for bit, under the same names."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sb)
+
+
+def assert_same_logits(got, want) -> None:
+    """Logits of two torch models of the same weights (same_weights) agree to float64 rounding:
+    on an AMD EPYC host two instances of one set of weights differ in the last bit (1.8e-16
+    of the largest logit; torch's CPU kernels pick their paths by where a tensor lies), so
+    bitwise equality of logits is not theirs to promise; the weights' is (same_weights)."""
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-14 * np.abs(want).max(), \
+        np.abs(got - want).max() / np.abs(want).max()
+
+
 def hf_logits(model, x) -> np.ndarray:
     """transformers' logits of token ids `x` (B, T), as float64 numpy. A float64 Llama, Qwen2
     or Mixtral runs with float64_llama: its float32 steps in float64."""
@@ -188,8 +204,9 @@ def check_save_round_trip(build, tmp_path, tied) -> dict:
     out = ms.hf.save(tmp_path / "out", model, params)
     back = AutoModelForCausalLM.from_pretrained(out).eval()
     assert back.dtype == torch.float64 and type(back) is type(ref)
+    assert same_weights(back, ref)                   # transformers reads back the same bits
     x = tokens(ref)
-    assert np.array_equal(hf_logits(back, x), hf_logits(ref, x))
+    assert_same_logits(hf_logits(back, x), hf_logits(ref, x))
     again, params2 = ms.hf.load(out)                  # save -> load: bit-exact
     assert repr(again) == repr(model) and params2.keys() == params.keys()
     assert all(np.array_equal(params2[k], params[k]) for k in params)

@@ -13,7 +13,6 @@ each architecture module equal the installed transformers' class defaults, field
 import json
 import os
 
-import numpy as np
 import pytest
 
 import mpishard as ms
@@ -25,7 +24,8 @@ from mpishard.models.llama import hf_mixtral as mixtral
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from hf_models import _perturbed, hf_logits, our_logits, tokens  # noqa: E402  (needs torch)
+from hf_models import (_perturbed, assert_same_logits, hf_logits, our_logits,  # noqa: E402
+                       tokens)                                                # (needs torch)
 
 # Only the sizes: vocabulary, width, MLP width, layers, heads, kv heads, experts and experts
 # per token where they apply, positions.
@@ -62,7 +62,7 @@ def test_a_config_of_sizes_only_gives_transformers_logits(tmp_path, kind):
     x = tokens(ref)
     want = hf_logits(ref, x)
     back = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval()
-    assert np.array_equal(hf_logits(back, x), want), "transformers reads the sizes alone alike"
+    assert_same_logits(hf_logits(back, x), want)     # transformers reads the sizes alone alike
     model, params = ms.hf.load(d)
     assert_close(our_logits(model, params, x), want, what=f"{kind} from its sizes alone")
 
