@@ -59,10 +59,6 @@ SIZES = {  # vocab, seq_len, d_model, n_heads, n_layers, batch
     "full": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4, batch=32),
     "tiny": dict(vocab_size=32, seq_len=16, d_model=32, n_heads=4, n_layers=2, batch=4),
 }
-# make_engine's host_heap for our engine: "keep" by default, as the train command runs it
-# (--host-heap none: malloc as glibc leaves it, the library's default). glibc's mallopt is
-# process-wide, so torch's allocations in the same process are kept too.
-HOST_HEAP = ["keep"]
 
 
 def problem(size, seed=0):
@@ -111,9 +107,11 @@ def matmul_closure(shapes, seed=0):
 
 
 # -- ours ----------------------------------------------------------------------------------------
-def our_engine(model, params):
+def our_engine(model, params, host_heap="keep"):
+    """Our single-rank engine; host_heap "keep" (as the train command runs it) or None (the
+    library's default). glibc's mallopt is process-wide: torch's allocations are kept too."""
     engine = ms.make_engine(model, "single", dtype=np.float32, comm=MPI.COMM_SELF,
-                            host_heap=HOST_HEAP[0])
+                            host_heap=host_heap)
     engine.load_checkpoint(params)
     return engine
 
@@ -247,9 +245,9 @@ def cross_check(torch, model, params, x, t, attention="sdpa") -> dict:
             "adamw_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(ours_l, theirs_l))}
 
 
-def closures(torch, model, params, x, t, attention):
+def closures(torch, model, params, x, t, attention, host_heap="keep"):
     """Four callables: ours fwd+bwd, ours + AdamW, torch fwd+bwd, torch + AdamW."""
-    engine = our_engine(model, params)
+    engine = our_engine(model, params, host_heap)
     opt = ms.optim.AdamW(engine, lr=1e-4)
     loss = ms.losses.CrossEntropy()
 
@@ -284,7 +282,7 @@ def paired(a, b) -> float:
     return float(np.median(np.asarray(a) / np.asarray(b)))
 
 
-def measure(size, samples, warmup=3, with_torch=True) -> dict:
+def measure(size, samples, warmup=3, with_torch=True, host_heap="keep") -> dict:
     model, params, x, t = problem(size)
     batch = x.shape[0]
     try:
@@ -294,16 +292,16 @@ def measure(size, samples, warmup=3, with_torch=True) -> dict:
         torch = None
     torch = torch if with_torch else None
     matmuls = matmul_closure(gemm_shapes(model, batch))
-    fns = closures(torch, model, params, x, t, "sdpa")
+    fns = closures(torch, model, params, x, t, "sdpa", host_heap)
     if torch is not None:
-        fns += closures(torch, model, params, x, t, "manual")[2:3]
+        fns += closures(torch, model, params, x, t, "manual", host_heap)[2:3]
     samples_s = sample_times([matmuls] + fns, samples, warmup=warmup)
     times = [float(np.median(s)) for s in samples_s]
     flops = model_flops(model, batch)
     t_mm, t_ours, t_ours_adamw = times[:3]
     res = {"model": {k: v for k, v in size.items()}, "dtype": "float32",
            "threads": os.environ.get("OMP_NUM_THREADS", "default"), "samples": samples,
-           "host_heap": keep_host_heap(HOST_HEAP[0]).why, "gflop_per_step": flops / 1e9,
+           "host_heap": keep_host_heap(host_heap).why, "gflop_per_step": flops / 1e9,
            "matmul_s": t_mm, "ours_s": t_ours,
            "ours_adamw_s": t_ours_adamw, "ours_gflops": flops / t_ours / 1e9,
            "matmul_gflops": flops / t_mm / 1e9, "mfu_fraction": t_mm / t_ours,
@@ -348,12 +346,12 @@ def main(argv=None):
                    help="our engine's make_engine(host_heap=): keep (train's default) or none")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    HOST_HEAP[0] = None if args.host_heap == "none" else args.host_heap
     size = SIZES["tiny" if args.tiny else "full"]
     if args.profile:
         return profile(size)
     samples = args.samples or (3 if args.tiny else 9 if args.quick else 21)
-    res = measure(size, samples, with_torch=not args.no_torch)
+    res = measure(size, samples, with_torch=not args.no_torch,
+                  host_heap=None if args.host_heap == "none" else args.host_heap)
     print(f"GPT {res['model']}, float32, OMP_NUM_THREADS={res['threads']}, "
           f"{res['gflop_per_step']:.3f} GFLOP/step, load {res['load_average']:.1f}")
     print(f"ours {res['ours_gflops']:.2f} GFLOP/s vs plain matmul {res['matmul_gflops']:.2f} "

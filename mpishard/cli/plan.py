@@ -138,6 +138,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     rows.sort(key=SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
+    note = rank_count_note(calibration, world_size) if calibration else None
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
              f"batch {batch}, {np.dtype(dtype).name}, optimizer {optimizer}",
              f"       {len(rows)} layouts fit, {len(rejected)} do not; showing {len(shown)}, "
@@ -150,8 +151,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                  ["step:   predicted seconds per train_step + optimizer step "
                   "(costs/step_time.py and the calibration); * the predicted best"]
                  if calibration else []) + (
-                 [f"note:   {rank_count_note(calibration, world_size)}"]
-                 if calibration and rank_count_note(calibration, world_size) else []) + [""]
+                 [f"note:   {note}"] if note else []) + [""]
     timed = [] if not calibration else ["step"]
     parts = [k for k in PEAK_COMPONENTS if any(r["parts"][k] for r in shown)] \
         if memory_parts else []

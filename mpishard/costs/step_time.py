@@ -312,7 +312,7 @@ def mesh_factor(calibration: dict, model, layout) -> float:
     terms: the calibration's `mesh_factor` of the model's kind (module docstring) when the
     layout has as many ranks as the calibration was measured on (its `ranks`); 1 otherwise,
     or without one: 8 ranks sharing 2 cores say nothing of 2 ranks on them."""
-    if layout.world_size == 1 or layout.world_size != calibration.get("ranks"):
+    if layout.world_size != calibration.get("ranks"):    # (a 1-rank calibration has none)
         return 1.0
     return calibration.get("mesh_factor", {}).get(model.calibration_key, 1.0)
 
