@@ -12,6 +12,14 @@ with MPI_Abort: peers stuck in the collective can never leave it cleanly.
 mpi4py releases the GIL inside MPI calls, so the thread runs while the main thread waits, and
 reads the arrival counters (arrivals.py) with MPI calls of its own: it needs
 MPI_THREAD_MULTIPLE (mpi4py's default); below it the watchdog polls instead.
+
+Time the process did not run is not time waited on the peers. A sleep of the thread that
+overruns by more than FROZEN seconds means the whole process was stopped (SIGSTOP, Slurm's
+`scontrol suspend`, a debugger) or starved, and the overrun is taken off the call's clock. So a
+suspended job resumes instead of timing out on every rank at once, and a rank stopped inside a
+collective does not time out itself when it is continued (Open MPI's abort sends SIGCONT before
+SIGTERM): its peers, which did wait, are the ones that report. Only the sleep is measured,
+never an MPI call, so a call that blocks inside MPI is still bounded.
 """
 from __future__ import annotations
 
@@ -26,6 +34,16 @@ from .signals import remove_mpi_files
 
 PERIOD = 0.25         # seconds between two looks at the call in flight (at most)
 ABORT_GRACE = 0.5     # seconds between the error line and MPI_Abort (cli/usage.py abort_job)
+FROZEN = 0.25         # seconds a sleep may overrun before the overrun counts as not running
+
+
+def not_running(seconds: float) -> str:
+    """What a timeout's line adds when the process was stopped or starved for `seconds` of the
+    wait (not counted into it); '' for none."""
+    if not seconds:
+        return ""
+    return (f" (this rank was itself not running for {seconds:.1f} s of the wait: stopped or "
+            "starved; not counted)")
 
 
 def thread_multiple() -> bool:
@@ -59,12 +77,21 @@ class Guard:
         return cls.SHARED
 
     def _run(self) -> None:
-        while not self.fired:
-            time.sleep(self.period)
+        seen, frozen = None, 0          # the call in flight, and how long the process was not
+        while not self.fired:           # running since it began (ns)
+            period = self.period
+            before = time.monotonic_ns()
+            time.sleep(period)
+            now = time.monotonic_ns()
             call = self.in_flight
-            if call is not None and time.monotonic_ns() - call[0] > call[1]:
+            if call is not seen:
+                seen, frozen = call, 0
+            overrun = now - before - int(period * 1e9)
+            if call is not None and overrun > FROZEN * 1e9:
+                frozen += min(overrun, now - call[0])
+            if call is not None and now - call[0] - frozen > call[1]:
                 if self.in_flight is call:            # still the same call, still in it
-                    self.fire(self._describe(call))
+                    self.fire(self._describe(call) + not_running(frozen / 1e9))
 
     @staticmethod
     def _describe(call) -> str:

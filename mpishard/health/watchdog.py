@@ -51,7 +51,7 @@ from ..comm.waits import Waits
 from ..validate import check_number
 from .arrivals import Arrivals
 from .flight import dump_all, note_arrivals, note_peer_wait
-from .guard import Guard, thread_multiple
+from .guard import FROZEN, Guard, thread_multiple
 
 DEFAULT_TIMEOUT = 600.0
 YIELD = 0.1           # seconds of yielding polls before the polls sleep
@@ -268,16 +268,26 @@ class Watchdog(Waits):
         the core between polls for the first YIELD seconds, then sleeping between them."""
         if test():
             return True
-        t0 = time.monotonic()
-        if self.yield_until(test, t0, min(YIELD, self.timeout)):
+        t0, limit = time.monotonic(), min(YIELD, self.timeout)
+        if self.yield_until(test, t0, limit):
             return True
+        frozen = self.frozen(time.monotonic() - t0 - limit)
         while True:
-            waited = time.monotonic() - t0
+            waited = time.monotonic() - t0 - frozen
             if waited > self.timeout:
                 return False
-            time.sleep(min(MAX_SLEEP, max(MIN_SLEEP, 0.05 * waited)))
+            nap = min(MAX_SLEEP, max(MIN_SLEEP, 0.05 * waited))
+            before = time.monotonic()
+            time.sleep(nap)
+            frozen += self.frozen(time.monotonic() - before - nap)
             if test():
                 return True
+
+    @staticmethod
+    def frozen(overrun: float) -> float:
+        """Seconds of `overrun` (past a sleep or the yielding polls' limit) that the process was
+        not running, as the guard counts them (guard.py FROZEN): not waited on the peers."""
+        return overrun if overrun > FROZEN else 0.0
 
     @staticmethod
     def yield_until(test, t0: float, limit: float) -> bool:

@@ -147,6 +147,8 @@ def test_train_dumps_into_flight_dir_on_a_timeout(tmp_path):
 
 
 def _sweep():
+    if str(ROOT / "benchmarks") not in sys.path:     # flight_sweep imports its neighbours
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("flight_sweep",
                                                   ROOT / "benchmarks" / "flight_sweep.py")
     module = importlib.util.module_from_spec(spec)
