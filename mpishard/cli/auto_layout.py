@@ -25,7 +25,7 @@ from ..costs.calibration import load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, generate_rows, rank_rows
 from .inspect import format_bytes
 from .memory_limit import add_max_memory_argument, max_memory
-from .plan import candidate_layouts, plan_layouts
+from .plan import candidate_layouts, plan_layouts, unlent_text
 from .usage import UsageError, agreed
 
 AUTO = "auto"
@@ -44,7 +44,7 @@ def describe(row: dict, rule: str) -> str:
     """A row's deciding numbers under `rule`."""
     mem = f"memory {format_bytes(row['memory'])}"
     if rule == "calibrated":
-        return f"predicted {row['step_s'] * 1e3:.2f} ms/step, {mem}"
+        return f"predicted {row['step_s'] * 1e3:.2f} ms/step{unlent_text(row)}, {mem}"
     if rule == "generate":
         return (f"{'KV cache' if row['cached'] else 'no KV cache'}, "
                 f"{format_bytes(row['comm'])} sent per decode step, {mem}")

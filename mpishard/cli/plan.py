@@ -33,7 +33,7 @@ from ..costs.calibration import DEFAULT_PATH, load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, rank_rows
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import COMM_KINDS, check_fit, step_comm_total
-from ..costs.step_time import predict_step, representative_ranks
+from ..costs.step_time import predict_step, ranking_seconds, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
@@ -106,10 +106,11 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
             rejected.append((text, str(exc)))
             continue
         busiest = max(comms, key=lambda c: sum(c.values()))
-        step = (predict_step(model, layout, batch, calibration, itemsize)["step_s"]
-                if calibration else None)
+        step = predict_step(model, layout, batch, calibration, itemsize) \
+            if calibration else {"step_s": None}
         rows.append({"layout": text, "memory": peak["total"], "comm": sum(busiest.values()),
-                     "kinds": busiest, "step_s": step,
+                     "kinds": busiest, "step_s": step["step_s"],
+                     "unlent_s": step.get("unlent_s"),
                      "parts": {k: peak[k] for k in PEAK_COMPONENTS}})
     return rows, rejected
 
@@ -117,7 +118,8 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
 MAX_REJECTED = 40          # a large world rejects thousands: list the first ones
 
 SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
-             "time": lambda r: (r["step_s"] or 0.0, r["memory"], r["layout"]),
+             "time": lambda r: (r.get("unlent_s") or r["step_s"] or 0.0, r["memory"],
+                                r["layout"]),
              "comm": lambda r: (r["comm"], r["memory"], r["layout"]),
              "layout": lambda r: r["layout"]}
 
@@ -139,6 +141,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
     note = rank_count_note(calibration, world_size) if calibration else None
+    unlent = any(ranking_seconds(r) > r["step_s"] * (1 + 1e-9) for r in shown) \
+        if calibration else False
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
              f"batch {batch}, {np.dtype(dtype).name}, optimizer {optimizer}",
              f"       {len(rows)} layouts fit, {len(rejected)} do not; showing {len(shown)}, "
@@ -151,8 +155,11 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                  ["step:   predicted seconds per train_step + optimizer step "
                   "(costs/step_time.py and the calibration); * the predicted best"]
                  if calibration else []) + (
+                 ["unlent: a pipeline's step with its idle time paid in full, as if the ranks "
+                  "sharing its cores got none of it: what ranks it (costs/step_time.py "
+                  "ranking_seconds)"] if unlent else []) + (
                  [f"note:   {note}"] if note else []) + [""]
-    timed = [] if not calibration else ["step"]
+    timed = [] if not calibration else ["step"] + (["unlent"] if unlent else [])
     parts = [k for k in PEAK_COMPONENTS if any(r["parts"][k] for r in shown)] \
         if memory_parts else []
     widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \
@@ -164,7 +171,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     for r in shown:
         cells = [r["layout"] + (" *" if r["layout"] == fastest else ""),
                  format_bytes(r["memory"]), format_bytes(r["comm"])] + \
-            [f"{r['step_s'] * 1e3:.2f} ms" for _ in timed] + \
+            [f"{r[k] * 1e3:.2f} ms" for k in ("step_s", "unlent_s")[:len(timed)]] + \
             [format_bytes(r["parts"][k]) for k in parts] + \
             [format_bytes(r["kinds"].get(k, 0)) for k in kinds]
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -176,6 +183,13 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
         if len(rejected) > MAX_REJECTED:
             lines.append(f"  ... and {len(rejected) - MAX_REJECTED} more")
     return "\n".join(lines)
+
+
+def unlent_text(row: dict) -> str:
+    """', unlent X ms' for a pipeline ranked by its step with the idle time paid in full
+    (step_time.ranking_seconds), '' for any other row."""
+    ranked = ranking_seconds(row)
+    return f" (unlent {ranked * 1e3:.2f} ms)" if ranked > row["step_s"] * (1 + 1e-9) else ""
 
 
 def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 10) -> str:
@@ -191,7 +205,7 @@ def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 1
              (f"{'step':>14}" if calibrated else
               f"{'pp idle':>9}{'comm/step':>11}{'calls':>7}")]
     for i, r in enumerate(ranked["fit"][:top], 1):
-        decide = f" {r['step_s'] * 1e3:>10.2f} ms" if calibrated else \
+        decide = f" {r['step_s'] * 1e3:>10.2f} ms{unlent_text(r)}" if calibrated else \
             f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}{r.get('calls', ''):>7}"
         lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
                      f"{100 * r['memory'] / limit:>8.1f}%{decide}")

@@ -23,7 +23,7 @@ from ..comm.mesh import parse_layout
 from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
 from ..costs.calibration import layer_gflops
-from ..costs.step_time import predict_step
+from ..costs.step_time import predict_step, ranking_seconds
 from ..health.heap import keep_host_heap
 from ..train.optim import AdamW
 
@@ -71,7 +71,8 @@ def measure_steps(steps: list, comm, rounds=ROUNDS, warmup=WARMUP, probe=None) -
 
 
 def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUNDS) -> list:
-    """Run the `top` layouts of `rows` predicted fastest; [(layout, predicted s, measured s)].
+    """Run the `top` layouts of `rows` ranked first (as `--layout auto` ranks them:
+    step_time.ranking_seconds); [(layout, predicted s, measured s)] in that order.
     Each round also times the calibration's reference GEMMs (n = REFERENCE, a short window):
     `validate.drift` is their median rate over the calibration's, how much faster (> 1) or
     slower the machine ran than when it was calibrated (reported, not used). The host heap is
@@ -79,9 +80,10 @@ def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUN
     comm = MPI.COMM_WORLD if comm is None else comm
     keep_host_heap("keep")      # the train command's heap, as the calibration measured with
     itemsize = np.dtype(dtype).itemsize
-    pred = sorted((predict_step(model, parse_layout(r["layout"]), batch, calibration,
-                                itemsize)["step_s"],
-                   r["layout"]) for r in rows)[:top]
+    predicted = [(predict_step(model, parse_layout(r["layout"]), batch, calibration, itemsize),
+                  r["layout"]) for r in rows]
+    predicted.sort(key=lambda pl: (ranking_seconds(pl[0]), pl[1]))
+    pred = [(p["step_s"], layout) for p, layout in predicted[:top]]
     steps = [step_fn(model, layout, batch, dtype, comm) for _, layout in pred]
     reference = dict((int(round((f / 4) ** (1 / 3))), g) for f, g in calibration["gemm"])
     # (a gemm point is one GEMM of a layer at n: 4 n^3 FLOPs)
@@ -96,9 +98,10 @@ validate.drift = None
 
 
 def _summary(results) -> tuple:
-    """(median absolute error, predicted best, its gap to the measured best)."""
+    """(median absolute error, predicted best, its gap to the measured best); the predicted
+    best is the first of `results` (validate's order: the ranking's)."""
     errors = [abs(p - m) / m for _, p, m in results]
-    best = min(results, key=lambda r: r[1])
+    best = results[0]
     return float(np.median(errors)), best[0], best[2] / min(m for _, _, m in results) - 1
 
 

@@ -4,7 +4,9 @@
 memory and bytes sent per step, and with a calibration its predicted step time) are ranked
 by one of two keys, the smallest first, among the rows whose memory is at most the limit:
 
-  calibrated    the predicted seconds per step (costs/step_time.py).
+  calibrated    the predicted seconds per step (costs/step_time.py), a pipeline's with its
+                idle time paid in full (step_time.ranking_seconds: on ranks sharing cores
+                the lending of an idle stage's core is not trusted to decide).
   rule          without a calibration, a rule of thumb: (pipeline idle fraction, bytes
                 sent per step by the busiest rank + CALL_BYTES per communication call,
                 memory). Every axis but pp splits the step's arithmetic evenly over its
@@ -37,12 +39,13 @@ from ..parallel.decode import decodes_with_cache
 from . import call_counts
 from .peak_memory import rank_peak
 from .rank_costs import check_fit, rank_view, strategy_costs
-from .step_time import bubble, representative_ranks
+from .step_time import bubble, ranking_seconds, representative_ranks
 
 PURPOSES = ("train", "generate")
 CALL_BYTES = 100_000      # the rule prices a communication call as this many bytes sent
 RULES = {
-    "calibrated": "the predicted step time (--calibration)",
+    "calibrated": "the predicted step time (--calibration; a pipeline's with its idle time "
+                  "paid in full)",
     "rule": "a rule of thumb, as no --calibration was given: the least pipeline idle "
             "time, then the fewest bytes sent per step counting 100 kB per call, then the "
             "least memory",
@@ -54,7 +57,7 @@ RULES = {
 def train_key(row: dict, calibrated: bool) -> tuple:
     """The ranking key of one plan row (module docstring); smaller is better."""
     if calibrated:
-        return (row["step_s"], row["memory"], row["layout"])
+        return (ranking_seconds(row), row["memory"], row["layout"])
     return (row.get("bubble", 0.0), row["comm"] + CALL_BYTES * row.get("calls", 0),
             row["memory"], len(row["layout"]), row["layout"])
 

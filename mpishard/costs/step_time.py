@@ -320,9 +320,10 @@ def mesh_factor(calibration: dict, model, layout) -> float:
 def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
                  itemsize: int = 4) -> dict:
     """{'gemm_s', 'elementwise_s', 'optimizer_s', 'compute_s', 'bubble', 'comm_s',
-    'mesh_factor', 'step_s'} of one rank; 'elementwise_s' holds 'optimizer_s', each of those
-    times its step or optimizer factor; step_s = mesh_factor x (bubble factor x compute_s +
-    comm_s)."""
+    'mesh_factor', 'step_s', 'unlent_s'} of one rank; 'elementwise_s' holds 'optimizer_s',
+    each of those times its step or optimizer factor; step_s = mesh_factor x (bubble factor x
+    compute_s + comm_s); unlent_s the same with the pipeline's idle time paid in full, as if
+    the ranks sharing a core got none of it (1 / (1 - b): `ranking_seconds`)."""
     view = rank_view(model, layout, rank, itemsize, batch)
     step_factor, optimizer_factor = factors(calibration, model)
     gemm = step_factor * gemm_seconds(view, calibration)
@@ -334,7 +335,19 @@ def predict_rank(model, layout, rank: int, batch: int, calibration: dict,
     mesh = mesh_factor(calibration, model, layout)
     return {"gemm_s": gemm, "elementwise_s": elem, "optimizer_s": optimizer,
             "compute_s": gemm + elem, "bubble": bub, "comm_s": comm, "mesh_factor": mesh,
-            "step_s": mesh * (factor * (gemm + elem) + comm), "rank": rank}
+            "step_s": mesh * (factor * (gemm + elem) + comm),
+            "unlent_s": mesh * (bubble_factor(bub) * (gemm + elem) + comm), "rank": rank}
+
+
+def ranking_seconds(prediction: dict) -> float:
+    """The seconds `--layout auto` and `plan` rank a layout by: its step with the pipeline's
+    idle time paid in full (`unlent_s`). It is step_s except for a pipeline on ranks that
+    share cores (concurrency > 1), whose bubble_factor counts on the idle stages lending
+    their cores: how much they lend was fitted on one machine (LEND_AFTER, SLICE) and on
+    another ran 1.2-1.3x slower than predicted (docs/planning-and-tracing.md), so a
+    pipeline is chosen there only when it wins without that help. With a rank per core the
+    two are equal."""
+    return prediction.get("unlent_s", prediction["step_s"])
 
 
 def predict_step(model, layout, batch: int, calibration: dict, itemsize: int = 4) -> dict:

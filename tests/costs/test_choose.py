@@ -17,7 +17,7 @@ from mpishard.comm.mesh import parse_layout
 from mpishard.costs.choose import add_calls, decode_bytes, generate_rows, rank_rows
 from mpishard.costs.call_counts import step_calls
 from mpishard.costs.rank_costs import rank_memory, rank_view
-from mpishard.costs.step_time import bubble
+from mpishard.costs.step_time import bubble, ranking_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 2 ** 20
@@ -56,6 +56,9 @@ def test_calibration_orders_by_predicted_time():
     ranked = rank_rows(rows, 10 * MB, calibrated=True)
     assert [r["layout"] for r in ranked["fit"]] == ["pp=4", "dp=4", "tp=4"]
     assert rank_rows(rows, 2 * MB, calibrated=True)["best"]["layout"] == "pp=4"
+    rows[2]["unlent_s"] = 0.040       # on shared cores, with its idle time paid in full
+    ranked = rank_rows(rows, 10 * MB, calibrated=True)
+    assert [r["layout"] for r in ranked["fit"]] == ["dp=4", "pp=4", "tp=4"]
 
 
 def test_generation_prefers_a_kv_cache_then_fewer_bytes():
@@ -82,7 +85,7 @@ def test_choice_is_the_plans_best_that_fits(spec, batch, calibrated):
     calls = {r["layout"]: max(sum(step_calls(rank_view(model, parse_layout(r["layout"]), k,
                                                        4, batch)).values()) for k in range(4))
              for r in rows}
-    key = (lambda r: r["step_s"]) if calibrated else \
+    key = (lambda r: ranking_seconds(r)) if calibrated else \
         (lambda r: (bubble(parse_layout(r["layout"])), r["comm"] + 1e5 * calls[r["layout"]],
                     r["memory"]))
     choice = choose_layout(model, 4, limit, batch, calibration=cal)

@@ -28,6 +28,7 @@ from mpishard.costs.step_time import (LEND_AFTER, bubble, bubble_factor, call_se
                                          comm_terms, elementwise_seconds, gemms,
                                          group_spans_nodes, interpolate, lent, op_seconds,
                                          optimizer_seconds, predict_rank, predict_step,
+                                         ranking_seconds,
                                          representative_ranks)
 
 from conftest import group_comm
@@ -264,6 +265,24 @@ def test_a_bubble_lends_its_core_by_the_length_of_its_idle_spans():
     assert bubble_factor(0.0, 2.0, compute_s=1e-3) == 1.0
 
 
+def test_a_pipeline_is_ranked_by_its_step_with_the_idle_time_paid_in_full():
+    """unlent_s (ranking_seconds) is step_s with bubble_factor's lending left out: equal to it
+    without a pipeline, or with a rank per core (concurrency 1); larger for a pipeline on
+    ranks that share cores, by exactly 1 / (1 - b) on the compute."""
+    cal = load("calibration.example.json")
+    model = ms.GPT(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    flat = predict_step(model, parse_layout("dp=4"), 8, cal)
+    assert ranking_seconds(flat) == flat["unlent_s"] == flat["step_s"]
+    shared = dict(cal, concurrency=4.0)
+    pipe = predict_step(model, parse_layout("dp=2,pp=2"), 256, shared)   # idle spans > 2 ms
+    b, mesh = pipe["bubble"], pipe["mesh_factor"]
+    assert b > 0 and ranking_seconds(pipe) > pipe["step_s"]
+    assert pipe["unlent_s"] == pytest.approx(mesh * (pipe["compute_s"] / (1 - b) + pipe["comm_s"]))
+    alone = predict_step(model, parse_layout("dp=2,pp=2"), 256, dict(cal, concurrency=1.0))
+    assert alone["unlent_s"] == pytest.approx(alone["step_s"])
+    assert ranking_seconds({"step_s": 0.5}) == 0.5          # a row without one
+
+
 def test_groups_span_nodes_tp_innermost():
     assert not group_spans_nodes(parse_layout("dp=4,tp=8"), ("tp",), 8)
     assert group_spans_nodes(parse_layout("dp=4,tp=8"), ("dp",), 8)
@@ -324,7 +343,7 @@ def test_old_calibration_format_is_refused(tmp_path):
 
 
 def test_validation_report_numbers():
-    results = [("a", 2.0, 1.0), ("b", 3.0, 1.5), ("c", 1.0, 1.2)]
+    results = [("c", 1.0, 1.2), ("a", 2.0, 1.0), ("b", 3.0, 1.5)]     # the ranking's order
     text = validation_report(results, drift=2.0)
     assert "median absolute error 100.0% over 3 layouts" in text
     assert "predicted best 'c' measured 20.0% slower than the measured best" in text
