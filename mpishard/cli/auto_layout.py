@@ -49,7 +49,8 @@ def describe(row: dict, rule: str) -> str:
         return (f"{'KV cache' if row['cached'] else 'no KV cache'}, "
                 f"{format_bytes(row['comm'])} sent per decode step, {mem}")
     return (f"pipeline idle {100 * row['bubble']:.0f}%, {format_bytes(row['comm'])} sent per "
-            f"step in {row.get('calls', '?')} calls, {mem}")
+            f"step in {row.get('calls', '?')} calls, {row.get('updated', '?'):,} elements "
+            f"updated by the optimizer, {mem}")
 
 
 def choice_line(ranked: dict, limit: int, source: str, candidates: int) -> str:

@@ -203,10 +203,11 @@ def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 1
              f"{len(ranked['fit'])} of {len(rows)} layouts fit",
              f"{'':4}{'layout':<36}{'memory':>11}{'of limit':>9}" +
              (f"{'step':>14}" if calibrated else
-              f"{'pp idle':>9}{'comm/step':>11}{'calls':>7}")]
+              f"{'pp idle':>9}{'comm/step':>11}{'calls':>7}{'updates':>10}")]
     for i, r in enumerate(ranked["fit"][:top], 1):
         decide = f" {r['step_s'] * 1e3:>10.2f} ms{unlent_text(r)}" if calibrated else \
-            f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}{r.get('calls', ''):>7}"
+            f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}{r.get('calls', ''):>7}" \
+            f"{r.get('updated', ''):>10}"
         lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
                      f"{100 * r['memory'] / limit:>8.1f}%{decide}")
     lines += [f"  over the limit: {r['layout']} needs {format_bytes(r['memory'])}"

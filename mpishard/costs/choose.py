@@ -8,19 +8,24 @@ by one of two keys, the smallest first, among the rows whose memory is at most t
                 idle time paid in full (step_time.ranking_seconds: on ranks sharing cores
                 the lending of an idle stage's core is not trusted to decide).
   rule          without a calibration, a rule of thumb: (pipeline idle fraction, bytes
-                sent per step by the busiest rank + CALL_BYTES per communication call,
-                memory). Every axis but pp splits the step's arithmetic evenly over its
-                ranks, so the ranks' compute is alike across layouts except for the
-                pipeline schedule's idle fraction (its simulated bubble, step_time.bubble),
-                which costs that share of every step on a core per rank: it goes first.
-                Among layouts idling alike, the communication decides: its bytes (ZeRO-3's
-                re-gathers, tp's activations, dp's gradients) and its calls
-                (call_counts.step_calls), each of which pays a latency and makes every rank
-                of its group wait for the slowest (tp's per-layer all-reduces); the smaller
-                memory breaks a tie. So a pipeline is chosen only when nothing without one
-                fits. CALL_BYTES was set on this project's CPU runs
+                sent per step by the busiest rank + CALL_BYTES per communication call +
+                UPDATE_BYTES per element its optimizer updates, memory). Every axis but pp
+                splits the train_step's arithmetic evenly over its ranks, so the ranks'
+                compute is alike across layouts except for the pipeline schedule's idle
+                fraction (its simulated bubble, step_time.bubble), which costs that share
+                of every step on a core per rank: it goes first. Among layouts idling
+                alike, the communication decides: its bytes (ZeRO-3's re-gathers, tp's
+                activations, dp's gradients) and its calls (call_counts.step_calls), each
+                of which pays a latency and makes every rank of its group wait for the
+                slowest (tp's per-layer all-reduces); and the optimizer's update, the one
+                arithmetic that dp repeats on every replica and ZeRO, fsdp and tp split
+                (AdamW reads and writes four arrays per element); the smaller memory breaks
+                a tie. So a pipeline is chosen only when nothing without one fits.
+                CALL_BYTES and UPDATE_BYTES were set on this project's CPU runs
                 (benchmarks/layout_auto_check.py, docs/planning-and-tracing.md): below
-                1e5 the rule picked tp layouts 70% slower than the fastest at 8 ranks.
+                1e5 the rule picked tp layouts 70% slower than the fastest at 8 ranks;
+                without the update the GPT's dp=4 ran 11.4% slower than fsdp=4,zero=2
+                (its fsdp=4,zero=1 pick: 3.8%), and any of 2-16 bytes picks the same.
 
 For generation (`generate`, `serve`) there is no decode cost model yet; the rule there:
 fits in memory (generate_memory: the parameters, ZeRO-3's gathered weights and the KV
@@ -31,7 +36,7 @@ context every token), then the fewest bytes the busiest rank sends per decoded t
 """
 from __future__ import annotations
 
-from math import ceil
+from math import ceil, prod
 
 from ..comm.mesh import parse_layout
 from ..parallel import data_parallel, fsdp, pipeline, tied
@@ -43,12 +48,13 @@ from .step_time import bubble, ranking_seconds, representative_ranks
 
 PURPOSES = ("train", "generate")
 CALL_BYTES = 100_000      # the rule prices a communication call as this many bytes sent
+UPDATE_BYTES = 4          # ... and an element the rank's optimizer updates as this many
 RULES = {
     "calibrated": "the predicted step time (--calibration; a pipeline's with its idle time "
                   "paid in full)",
     "rule": "a rule of thumb, as no --calibration was given: the least pipeline idle "
-            "time, then the fewest bytes sent per step counting 100 kB per call, then the "
-            "least memory",
+            "time, then the fewest bytes sent per step counting 100 kB per call and 4 B per "
+            "element the optimizer updates, then the least memory",
     "generate": "a KV cache, then the fewest bytes sent per decode step (a token for every "
                 "prompt), then the least memory (no decode cost model yet)",
 }
@@ -58,18 +64,27 @@ def train_key(row: dict, calibrated: bool) -> tuple:
     """The ranking key of one plan row (module docstring); smaller is better."""
     if calibrated:
         return (ranking_seconds(row), row["memory"], row["layout"])
-    return (row.get("bubble", 0.0), row["comm"] + CALL_BYTES * row.get("calls", 0),
-            row["memory"], len(row["layout"]), row["layout"])
+    return (row.get("bubble", 0.0), rule_bytes(row), row["memory"], len(row["layout"]),
+            row["layout"])
+
+
+def rule_bytes(row: dict) -> float:
+    """The rule's second key: the bytes sent per step, CALL_BYTES per call and UPDATE_BYTES
+    per element the rank's optimizer updates (without add_calls' numbers, the bytes)."""
+    return row["comm"] + CALL_BYTES * row.get("calls", 0) + UPDATE_BYTES * row.get("updated", 0)
 
 
 def add_calls(rows: list, model, batch: int, itemsize: int = 4) -> list:
-    """`rows` (plan rows, changed in place and returned) with 'calls': the communication
-    calls per training step of the busiest representative rank (the rule's third key)."""
+    """`rows` (plan rows, changed in place and returned) with what the rule counts besides
+    bytes (module docstring), each of the busiest representative rank: 'calls', the
+    communication calls per training step, and 'updated', the elements its optimizer
+    updates (its gradient blocks)."""
     for row in rows:
         layout = parse_layout(row["layout"])
-        row["calls"] = max(sum(call_counts.step_calls(rank_view(model, layout, r, itemsize,
-                                                                batch)).values())
-                           for r in representative_ranks(layout))
+        views = [rank_view(model, layout, r, itemsize, batch)
+                 for r in representative_ranks(layout)]
+        row["calls"] = max(sum(call_counts.step_calls(view).values()) for view in views)
+        row["updated"] = max(sum(prod(b) for b in view.grad_blocks.values()) for view in views)
     return rows
 
 

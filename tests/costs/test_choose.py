@@ -7,6 +7,7 @@ fits, and decode_bytes against what each strategy sends in a forward."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpishard.cli.auto_layout import choose_layout
@@ -30,7 +31,7 @@ def row(layout, memory, comm, step_s=None, bubble_=None, cached=True):
     return r
 
 
-def test_rule_orders_by_idle_then_bytes_and_calls_then_memory_under_the_limit():
+def test_rule_orders_by_idle_then_bytes_calls_and_updates_then_memory_under_the_limit():
     rows = [row("dp=4", 9 * MB, 5 * MB), row("tp=4", 3 * MB, 1 * MB),
             row("fsdp=4,zero=1", 8 * MB, 5 * MB), row("dp=2,fsdp=2", 1.8 * MB, 5 * MB),
             row("fsdp=4", 2 * MB, 1 * MB), row("pp=4", 1 * MB, 0.1 * MB),
@@ -48,6 +49,10 @@ def test_rule_orders_by_idle_then_bytes_and_calls_then_memory_under_the_limit():
     assert rank_rows(rows, 2.5 * MB)["best"]["layout"] == "fsdp=4"
     assert rank_rows(rows, 1.5 * MB)["best"]["layout"] == "pp=4"    # only a pipeline fits
     assert rank_rows(rows, 0.5 * MB)["best"] is None
+    # the optimizer's update, 4 B per element: dp=4's 2 M elements weigh 8 MB, zero=1's 4 MB
+    rows[0]["updated"], rows[2]["updated"] = 2e6, 1e6
+    assert [r["layout"] for r in rank_rows(rows, 10 * MB)["fit"]] == \
+        ["fsdp=4", "dp=2,fsdp=2", "tp=4", "fsdp=4,zero=1", "dp=4", "pp=4"]
 
 
 def test_calibration_orders_by_predicted_time():
@@ -85,9 +90,12 @@ def test_choice_is_the_plans_best_that_fits(spec, batch, calibrated):
     calls = {r["layout"]: max(sum(step_calls(rank_view(model, parse_layout(r["layout"]), k,
                                                        4, batch)).values()) for k in range(4))
              for r in rows}
+    updated = {r["layout"]: max(sum(np.prod(b) for b in rank_view(
+        model, parse_layout(r["layout"]), k, 4, batch).grad_blocks.values()) for k in range(4))
+        for r in rows}
     key = (lambda r: ranking_seconds(r)) if calibrated else \
-        (lambda r: (bubble(parse_layout(r["layout"])), r["comm"] + 1e5 * calls[r["layout"]],
-                    r["memory"]))
+        (lambda r: (bubble(parse_layout(r["layout"])), r["comm"] + 1e5 * calls[r["layout"]]
+                    + 4 * updated[r["layout"]], r["memory"]))
     choice = choose_layout(model, 4, limit, batch, calibration=cal)
     best = min(fit, key=key)
     assert key(next(r for r in rows if r["layout"] == choice["layout"])) == key(best)
