@@ -25,7 +25,8 @@ from ..costs.calibration import load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, generate_rows, rank_rows
 from .inspect import format_bytes
 from .memory_limit import add_max_memory_argument, max_memory
-from .plan import candidate_layouts, plan_layouts, unlent_text
+from .plan import candidate_layouts, plan_layouts
+from .plan_explain import count_text, unlent_text
 from .usage import UsageError, agreed
 
 AUTO = "auto"
@@ -49,8 +50,8 @@ def describe(row: dict, rule: str) -> str:
         return (f"{'KV cache' if row['cached'] else 'no KV cache'}, "
                 f"{format_bytes(row['comm'])} sent per decode step, {mem}")
     return (f"pipeline idle {100 * row['bubble']:.0f}%, {format_bytes(row['comm'])} sent per "
-            f"step in {row.get('calls', '?')} calls, {row.get('updated', '?'):,} elements "
-            f"updated by the optimizer, {mem}")
+            f"step in {row.get('calls', '?')} calls, {count_text(row.get('updated')) or '?'} "
+            f"elements updated by the optimizer, {mem}")
 
 
 def choice_line(ranked: dict, limit: int, source: str, candidates: int) -> str:

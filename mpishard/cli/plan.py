@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
 from ..costs.calibration import DEFAULT_PATH, load_calibration, rank_count_note
-from ..costs.choose import RULES, add_calls, rank_rows
+from ..costs.choose import add_calls
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import COMM_KINDS, check_fit, step_comm_total
 from ..costs.step_time import predict_step, ranking_seconds, representative_ranks
@@ -39,6 +39,7 @@ from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
 from .calibrate import calibrate
 from .memory_limit import add_max_memory_argument, max_memory, node_ranks
+from .plan_explain import explain_report
 from .plan_time import validate, validation_report, validation_summary
 from .usage import UsageError, check_flags, world_rank
 
@@ -118,8 +119,7 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
 MAX_REJECTED = 40          # a large world rejects thousands: list the first ones
 
 SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
-             "time": lambda r: (r.get("unlent_s") or r["step_s"] or 0.0, r["memory"],
-                                r["layout"]),
+             "time": lambda r: (ranking_seconds(r) or 0.0, r["memory"], r["layout"]),
              "comm": lambda r: (r["comm"], r["memory"], r["layout"]),
              "layout": lambda r: r["layout"]}
 
@@ -153,7 +153,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
                  ["step:   predicted seconds per train_step + optimizer step "
-                  "(costs/step_time.py and the calibration); * the predicted best"]
+                  "(costs/step_time.py and the calibration); * the ranking's best (--layout "
+                  "auto's, by unlent where shown)"]
                  if calibration else []) + (
                  ["unlent: a pipeline's step with its idle time paid in full, as if the ranks "
                   "sharing its cores got none of it: what ranks it (costs/step_time.py "
@@ -185,38 +186,6 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     return "\n".join(lines)
 
 
-def unlent_text(row: dict) -> str:
-    """', unlent X ms' for a pipeline ranked by its step with the idle time paid in full
-    (step_time.ranking_seconds), '' for any other row."""
-    ranked = ranking_seconds(row)
-    return f" (unlent {ranked * 1e3:.2f} ms)" if ranked > row["step_s"] * (1 + 1e-9) else ""
-
-
-def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 10) -> str:
-    """`plan --explain`: `--layout auto`'s ranking (costs/choose.rank_rows) of the `top`
-    candidates, with the numbers that decide it (memory against the limit, and the predicted
-    step or the rule's pipeline idle fraction, bytes sent and calls: costs/choose.add_calls
-    on `rows` first), then the nearest misses."""
-    ranked = rank_rows(rows, limit, "train", calibrated)
-    lines = [f"explain: --layout auto ranks by {RULES[ranked['rule']]}",
-             f"         memory limit {format_bytes(limit)} per rank ({source}); "
-             f"{len(ranked['fit'])} of {len(rows)} layouts fit",
-             f"{'':4}{'layout':<36}{'memory':>11}{'of limit':>9}" +
-             (f"{'step':>14}" if calibrated else
-              f"{'pp idle':>9}{'comm/step':>11}{'calls':>7}{'updates':>10}")]
-    for i, r in enumerate(ranked["fit"][:top], 1):
-        decide = f" {r['step_s'] * 1e3:>10.2f} ms{unlent_text(r)}" if calibrated else \
-            f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}{r.get('calls', ''):>7}" \
-            f"{r.get('updated', ''):>10}"
-        lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
-                     f"{100 * r['memory'] / limit:>8.1f}%{decide}")
-    lines += [f"  over the limit: {r['layout']} needs {format_bytes(r['memory'])}"
-              for r in ranked["over"][:3]]
-    if ranked["best"] is None:
-        lines.append("  no layout fits: --layout auto would refuse to run")
-    return "\n".join(lines)
-
-
 def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) -> dict:
     """What `plan --json FILE` writes: every layout that fits (bytes; predicted seconds or
     null without a calibration), the predicted best, the rejected ones with the reason, and
@@ -225,7 +194,7 @@ def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) 
     return {"model": repr(model), "parameters": model.num_params(), "world_size": world_size,
             "batch": batch, "dtype": np.dtype(dtype).name,
             "layouts": [{k: r[k] for k in ("layout", "memory", "parts", "comm", "kinds",
-                                           "step_s")}
+                                           "step_s", "unlent_s")}
                         for r in rows],
             "predicted_best": min(timed, key=SORT_KEYS["time"])["layout"] if timed else None,
             "rejected": [{"layout": text, "reason": reason} for text, reason in rejected],
@@ -250,14 +219,15 @@ def add_plan_arguments(p):
     p.add_argument("--top", type=int, default=10, help="show the best K layouts (10)")
     p.add_argument("--sort", default="memory", choices=sorted(SORT_KEYS),
                    help="memory (then comm, default; time with a calibration), comm (then "
-                   "memory), time (predicted step time) or layout")
+                   "memory), time (predicted step time, a pipeline's with its idle time paid "
+                   "in full) or layout")
     p.add_argument("--calibrate", metavar="FILE", nargs="?", const=DEFAULT_PATH,
                    help="measure this machine first (under mpiexec: every rank of the job) "
                         f"and write the calibration to FILE ({DEFAULT_PATH})")
     p.add_argument("--calibration", metavar="FILE", help="predict step times from FILE")
-    p.add_argument("--validate", type=int, metavar="K", help="run the K layouts predicted "
-                   "fastest for a few steps in this MPI job (its size = --world-size) and "
-                   "print predicted vs measured")
+    p.add_argument("--validate", type=int, metavar="K", help="run the K layouts ranked "
+                   "first (as --sort time) for a few steps in this MPI job (its size = "
+                   "--world-size) and print predicted vs measured")
     p.add_argument("--explain", action="store_true", help="show how --layout auto ranks the "
                    "top layouts: memory against --max-memory, the predicted step time (with "
                    "a calibration) or the rule of thumb's numbers")

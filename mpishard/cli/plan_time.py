@@ -1,15 +1,16 @@
-"""`plan --validate K`: run the layouts the planner ranks fastest, compare predicted and
+"""`plan --validate K`: run the layouts the planner ranks first, compare predicted and
 measured step time.
 
     OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py -m mpishard plan \\
         --model 784,512,512,10 --world-size 4 --batch 256 --calibrate --validate 10
 
-The K layouts predicted fastest are built once each in the current MPI job (its size must be
---world-size) and warmed up (2 steps each); then `rounds` rounds run one train_step + AdamW
-step of every layout in turn, so a change in the machine's load during the run reaches every
-layout alike. A layout's measured time is the median over rounds of the slowest rank's step.
-The calibration (cli/calibrate.py, costs/calibration.py) is measured first in the same job
-with --calibrate.
+The K layouts ranked first (as `--layout auto` ranks them: a pipeline by its step with the
+idle time paid in full, costs/step_time.ranking_seconds) are built once each in the current
+MPI job (its size must be --world-size) and warmed up (2 steps each); then `rounds` rounds
+run one train_step + AdamW step of every layout in turn, so a change in the machine's load
+during the run reaches every layout alike. A layout's measured time is the median over rounds
+of the slowest rank's step. The calibration (cli/calibrate.py, costs/calibration.py) is
+measured first in the same job with --calibrate.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.mesh import parse_layout
 from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
 from ..costs.calibration import layer_gflops
-from ..costs.step_time import predict_step, ranking_seconds
+from ..comm.mesh import parse_layout
+from ..costs.choose import train_key
+from ..costs.step_time import predict_step
 from ..health.heap import keep_host_heap
 from ..train.optim import AdamW
 
@@ -70,9 +72,16 @@ def measure_steps(steps: list, comm, rounds=ROUNDS, warmup=WARMUP, probe=None) -
         (float(np.median(probes)) if probes else None)
 
 
+def ranked_first(rows, top: int) -> list:
+    """The `top` of plan rows (with a calibration's step_s and unlent_s) in `--layout auto`'s
+    order (costs/choose.train_key, no memory limit)."""
+    return sorted(rows, key=lambda r: train_key(r, calibrated=True))[:top]
+
+
 def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUNDS) -> list:
-    """Run the `top` layouts of `rows` ranked first (as `--layout auto` ranks them:
-    step_time.ranking_seconds); [(layout, predicted s, measured s)] in that order.
+    """Run the `top` of plan rows `rows` ranked first (as `--layout auto` ranks them:
+    step_time.ranking_seconds, then memory), each predicted again from `calibration`;
+    [(layout, predicted s, measured s)] in that order.
     Each round also times the calibration's reference GEMMs (n = REFERENCE, a short window):
     `validate.drift` is their median rate over the calibration's, how much faster (> 1) or
     slower the machine ran than when it was calibrated (reported, not used). The host heap is
@@ -80,10 +89,9 @@ def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUN
     comm = MPI.COMM_WORLD if comm is None else comm
     keep_host_heap("keep")      # the train command's heap, as the calibration measured with
     itemsize = np.dtype(dtype).itemsize
-    predicted = [(predict_step(model, parse_layout(r["layout"]), batch, calibration, itemsize),
-                  r["layout"]) for r in rows]
-    predicted.sort(key=lambda pl: (ranking_seconds(pl[0]), pl[1]))
-    pred = [(p["step_s"], layout) for p, layout in predicted[:top]]
+    predicted = [dict(r, **predict_step(model, parse_layout(r["layout"]), batch, calibration,
+                                        itemsize)) for r in rows]
+    pred = [(r["step_s"], r["layout"]) for r in ranked_first(predicted, top)]
     steps = [step_fn(model, layout, batch, dtype, comm) for _, layout in pred]
     reference = dict((int(round((f / 4) ** (1 / 3))), g) for f, g in calibration["gemm"])
     # (a gemm point is one GEMM of a layer at n: 4 n^3 FLOPs)

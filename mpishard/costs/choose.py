@@ -22,10 +22,9 @@ by one of two keys, the smallest first, among the rows whose memory is at most t
                 (AdamW reads and writes four arrays per element); the smaller memory breaks
                 a tie. So a pipeline is chosen only when nothing without one fits.
                 CALL_BYTES and UPDATE_BYTES were set on this project's CPU runs
-                (benchmarks/layout_auto_check.py, docs/planning-and-tracing.md): below
-                1e5 the rule picked tp layouts 70% slower than the fastest at 8 ranks;
-                without the update the GPT's dp=4 ran 11.4% slower than fsdp=4,zero=2
-                (its fsdp=4,zero=1 pick: 3.8%), and any of 2-16 bytes picks the same.
+                (benchmarks/layout_auto_check.py; the numbers are in
+                docs/planning-and-tracing.md). UPDATE_BYTES prices AdamW's update whatever
+                --optimizer is (SGD's is lighter).
 
 For generation (`generate`, `serve`) there is no decode cost model yet; the rule there:
 fits in memory (generate_memory: the parameters, ZeRO-3's gathered weights and the KV
@@ -76,9 +75,9 @@ def rule_bytes(row: dict) -> float:
 
 def add_calls(rows: list, model, batch: int, itemsize: int = 4) -> list:
     """`rows` (plan rows, changed in place and returned) with what the rule counts besides
-    bytes (module docstring), each of the busiest representative rank: 'calls', the
-    communication calls per training step, and 'updated', the elements its optimizer
-    updates (its gradient blocks)."""
+    bytes (module docstring), each the largest over the representative ranks (not always
+    the same rank): 'calls', the communication calls per training step, and 'updated', the
+    elements its optimizer updates (its gradient blocks)."""
     for row in rows:
         layout = parse_layout(row["layout"])
         views = [rank_view(model, layout, r, itemsize, batch)

@@ -343,14 +343,18 @@ def ranking_seconds(prediction: dict) -> float:
     """The seconds `--layout auto` and `plan` rank a layout by: its step with the pipeline's
     idle time paid in full (`unlent_s`). It is step_s except for a pipeline on ranks that
     share cores (concurrency > 1), whose bubble_factor counts on the idle stages lending
-    their cores: how much they lend was fitted on one machine (LEND_AFTER, SLICE) and on
-    another ran 1.2-1.3x slower than predicted (docs/planning-and-tracing.md), so a
-    pipeline is chosen there only when it wins without that help. With a rank per core the
-    two are equal."""
-    return prediction.get("unlent_s", prediction["step_s"])
+    their cores: how much they lend was fitted on one machine (LEND_AFTER, SLICE) and did
+    not hold on another (docs/planning-and-tracing.md), so a pipeline is chosen there only
+    when it wins without that help. With a rank per core the two are equal. A row without
+    one (no calibration: None) gives its step_s."""
+    unlent = prediction.get("unlent_s")
+    return prediction["step_s"] if unlent is None else unlent
 
 
 def predict_step(model, layout, batch: int, calibration: dict, itemsize: int = 4) -> dict:
-    """predict_rank's dict of the busiest of the representative ranks of `layout`."""
-    return max((predict_rank(model, layout, r, batch, calibration, itemsize)
-                for r in representative_ranks(layout)), key=lambda row: row["step_s"])
+    """predict_rank's dict of the busiest of the representative ranks of `layout`, its
+    'unlent_s' the largest of theirs (a stage may be the busiest only without lending)."""
+    rows = [predict_rank(model, layout, r, batch, calibration, itemsize)
+            for r in representative_ranks(layout)]
+    return dict(max(rows, key=lambda row: row["step_s"]),
+                unlent_s=max(row["unlent_s"] for row in rows))

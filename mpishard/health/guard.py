@@ -18,8 +18,10 @@ overruns by more than FROZEN seconds means the whole process was stopped (SIGSTO
 `scontrol suspend`, a debugger) or starved, and the overrun is taken off the call's clock. So a
 suspended job resumes instead of timing out on every rank at once, and a rank stopped inside a
 collective does not time out itself when it is continued (Open MPI's abort sends SIGCONT before
-SIGTERM): its peers, which did wait, are the ones that report. Only the sleep is measured,
-never an MPI call, so a call that blocks inside MPI is still bounded.
+SIGTERM): its peers, which did wait, are the ones that report. This thread makes no MPI call
+between two looks, so a call that blocks inside MPI is still bounded: every turn counts at
+least its `period`. A process starved of its core (swapping, a throttled cgroup) is counted
+the same way, so there the timeout stretches with the starvation.
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ from .signals import remove_mpi_files
 PERIOD = 0.25         # seconds between two looks at the call in flight (at most)
 ABORT_GRACE = 0.5     # seconds between the error line and MPI_Abort (cli/usage.py abort_job)
 FROZEN = 0.25         # seconds a sleep may overrun before the overrun counts as not running
+
+
+def not_running_part(overrun: float) -> float:
+    """Of `overrun` seconds past a sleep's length, how many the process was not running (all
+    of it past FROZEN, else none: a thread woken a little late by a busy core still waits)."""
+    return overrun if overrun > FROZEN else 0.0
 
 
 def not_running(seconds: float) -> str:
@@ -78,17 +86,17 @@ class Guard:
 
     def _run(self) -> None:
         seen, frozen = None, 0          # the call in flight, and how long the process was not
-        while not self.fired:           # running since it began (ns)
+        last = time.monotonic_ns()      # running since it began (ns)
+        while not self.fired:
             period = self.period
-            before = time.monotonic_ns()
             time.sleep(period)
-            now = time.monotonic_ns()
+            now = time.monotonic_ns()   # the overrun of the whole turn since the last look
+            overrun, last = now - last - int(period * 1e9), now
             call = self.in_flight
             if call is not seen:
                 seen, frozen = call, 0
-            overrun = now - before - int(period * 1e9)
-            if call is not None and overrun > FROZEN * 1e9:
-                frozen += min(overrun, now - call[0])
+            if call is not None:        # (a freeze before the call began is not its own)
+                frozen += min(int(not_running_part(overrun / 1e9) * 1e9), now - call[0])
             if call is not None and now - call[0] - frozen > call[1]:
                 if self.in_flight is call:            # still the same call, still in it
                     self.fire(self._describe(call) + not_running(frozen / 1e9))

@@ -15,7 +15,9 @@ Receives, the non-blocking calls' Futures, all_to_all_v's probes, and everything
 MPI_THREAD_MULTIPLE are polled with `Test` (`wait_collective`, `wait_peer`, `wait_until`):
 polls that yield the core (`sched_yield`) between them for the first YIELD seconds, then
 sleeps that grow with the time already waited (5% of it, at most MAX_SLEEP), so a rank that
-waits long on a stalled peer uses little CPU instead of spinning in MPI.
+waits long on a stalled peer uses little CPU instead of spinning in MPI. A sleep that overran
+by more than guard.FROZEN means the process was stopped: that time is not counted, as the
+guard does not count it (guard.py).
 
 When the timeout passes, the guard prints the error and aborts; a polled wait raises
 `CollectiveTimeout` with the same text: the operation, the group (its axes and the ranks in
@@ -51,7 +53,7 @@ from ..comm.waits import Waits
 from ..validate import check_number
 from .arrivals import Arrivals
 from .flight import dump_all, note_arrivals, note_peer_wait
-from .guard import FROZEN, Guard, thread_multiple
+from .guard import Guard, not_running, not_running_part, thread_multiple
 
 DEFAULT_TIMEOUT = 600.0
 YIELD = 0.1           # seconds of yielding polls before the polls sleep
@@ -91,6 +93,8 @@ class Watchdog(Waits):
         self.groups: dict = {}                # communicator handle -> Watchdog.group
         self.tracer = None                    # a health.trace.Tracer while tracing: wait times
         self.returned = False                 # the arrival block was given back (close)
+        self.stopped_s = 0.0                  # of the last polled wait that timed out: the
+                                              # seconds this process was not running
         self.arrivals = Arrivals.of(mesh.world) if self.timeout else None
         self.cells = self.arrivals.cells if self.timeout else None     # its counters
         self.base = self.arrivals.take_block() if self.timeout else 0
@@ -271,23 +275,20 @@ class Watchdog(Waits):
         t0, limit = time.monotonic(), min(YIELD, self.timeout)
         if self.yield_until(test, t0, limit):
             return True
-        frozen = self.frozen(time.monotonic() - t0 - limit)
+        # not waited on the peers (guard.py FROZEN): a stop during the yielding polls (their
+        # overrun past `limit`, once per wait) or during a sleep; never an MPI_Test's own time
+        stopped = not_running_part(time.monotonic() - t0 - limit)
         while True:
-            waited = time.monotonic() - t0 - frozen
+            waited = time.monotonic() - t0 - stopped
             if waited > self.timeout:
+                self.stopped_s = stopped
                 return False
             nap = min(MAX_SLEEP, max(MIN_SLEEP, 0.05 * waited))
             before = time.monotonic()
             time.sleep(nap)
-            frozen += self.frozen(time.monotonic() - before - nap)
+            stopped += not_running_part(time.monotonic() - before - nap)
             if test():
                 return True
-
-    @staticmethod
-    def frozen(overrun: float) -> float:
-        """Seconds of `overrun` (past a sleep or the yielding polls' limit) that the process was
-        not running, as the guard counts them (guard.py FROZEN): not waited on the peers."""
-        return overrun if overrun > FROZEN else 0.0
 
     @staticmethod
     def yield_until(test, t0: float, limit: float) -> bool:
@@ -323,7 +324,7 @@ class Watchdog(Waits):
     def timed_out(self, what: str, comm, late: str, requests) -> None:
         """A polled wait gave up: cancel the receives among `requests`, keep them all (MPI
         may still complete them), refuse every later call, raise CollectiveTimeout."""
-        message = self.describe(what, comm, late)
+        message = self.describe(what, comm, late) + not_running(self.stopped_s)
         for req in requests:
             if not req.Test():
                 if what == "receive":

@@ -12,7 +12,9 @@ import pytest
 
 from mpishard.cli.auto_layout import choose_layout
 from mpishard.cli.model_flag import model_from_flag
-from mpishard.cli.plan import explain_report, plan_layouts
+from mpishard.cli.plan import explain_report, plan_layouts, plan_report
+from mpishard.cli.plan_explain import count_text
+from mpishard.cli.plan_time import ranked_first
 from mpishard.cli.usage import UsageError
 from mpishard.comm.mesh import parse_layout
 from mpishard.costs.choose import add_calls, decode_bytes, generate_rows, rank_rows
@@ -64,6 +66,38 @@ def test_calibration_orders_by_predicted_time():
     rows[2]["unlent_s"] = 0.040       # on shared cores, with its idle time paid in full
     ranked = rank_rows(rows, 10 * MB, calibrated=True)
     assert [r["layout"] for r in ranked["fit"]] == ["dp=4", "pp=4", "tp=4"]
+
+
+def test_validate_runs_the_rows_in_the_rankings_order():
+    """plan --validate's K (plan_time.ranked_first): by unlent_s where a row has one, then
+    memory, as --layout auto ranks; not by the step with lending."""
+    rows = [row("dp=4", 4 * MB, 0, 0.030), row("pp=4", 1 * MB, 0, 0.020),
+            row("tp=4", 3 * MB, 0, 0.030)]
+    rows[1]["unlent_s"] = 0.035
+    assert [r["layout"] for r in ranked_first(rows, 3)] == ["tp=4", "dp=4", "pp=4"]
+    assert [r["layout"] for r in ranked_first(rows, 1)] == ["tp=4"]
+
+
+def test_plan_stars_and_explain_show_the_ranking_by_unlent_time():
+    """On shared cores (concurrency 4) a pipeline's idle time is paid in full for the ranking:
+    plan's `unlent` column appears, its * is the least ranking_seconds, and explain appends
+    the unlent time to a pipeline's step; the rule's explain shows the updates column."""
+    cal = dict(json.loads((ROOT / "examples/calibration.example.json").read_text()),
+               concurrency=4.0)
+    model = model_from_flag("gpt", "relu", gpt="d_model=32,n_heads=4,n_layers=2,seq_len=16")
+    rows, rejected = plan_layouts(model, 4, 256, calibration=cal)
+    pipes = [r for r in rows if "pp=" in r["layout"]]
+    assert pipes and all(r["unlent_s"] > r["step_s"] for r in pipes)
+    text = plan_report(model, 4, 256, calibration=cal, layouts=(rows, rejected))
+    assert "unlent: a pipeline's step with its idle time paid in full" in text
+    best = min(rows, key=lambda r: (ranking_seconds(r), r["memory"], r["layout"]))
+    assert f"{best['layout']} *" in text
+    explained = explain_report(pipes, 2 ** 40, "--max-memory", True, top=2)
+    assert explained.count("(unlent ") == 2
+    ruled = explain_report(add_calls(rows, model, 256), 2 ** 40, "--max-memory", False)
+    assert "updates" in ruled.splitlines()[2] and " k" in ruled
+    assert count_text(867_072) == "867.1 k" and count_text(5.8e9) == "5.8 G"
+    assert count_text(12) == "12" and count_text(None) == ""
 
 
 def test_generation_prefers_a_kv_cache_then_fewer_bytes():

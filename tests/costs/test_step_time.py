@@ -424,7 +424,7 @@ def test_calibrate_and_validate_run(monkeypatch):
         for kind, (lo, hi) in cal["mesh_factor_range"].items())
     assert "host_heap" in cal
     model = ms.MLP([16, 8, 4])
-    rows = [{"layout": "dp=2"}, {"layout": "tp=2"}, {"layout": "fsdp=2,zero=1"}]
+    rows = [{"layout": text, "memory": 0} for text in ("dp=2", "tp=2", "fsdp=2,zero=1")]
     results = validate(model, rows, 8, np.float32, cal, top=2, comm=comm, rounds=2)
     assert len(results) == 2 and all(p > 0 and m > 0 for _, p, m in results)
     assert validate.drift > 0          # the reference GEMMs, re-timed each round

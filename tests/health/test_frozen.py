@@ -71,6 +71,57 @@ def test_the_guard_does_not_count_a_freeze_and_says_so_when_it_fires(monkeypatch
                             "or starved; not counted)")
 
 
+def test_a_freeze_counts_for_the_call_it_stopped_only(monkeypatch):
+    """A freeze while no call is in flight, or before the call in flight began, is not taken
+    off that call's wait; a new call starts with nothing taken off."""
+    clock = Clock({1: 3.0})
+    monkeypatch.setattr(guard_module, "time", clock)
+    guard = Guard.__new__(Guard)
+    guard.period, guard.fired, guard.in_flight = 0.25, False, None
+    fired = []
+    first = (0, int(60e9), lambda: "first", ())
+
+    def sleep(seconds, plain=clock.sleep):         # the calls begin and end between looks
+        plain(seconds)
+        if clock.sleeps == 1:
+            guard.in_flight = first                # began before the 3 s freeze of sleep 1
+        elif clock.sleeps == 3:                    # a new call, begun after it: timeout 2 s
+            guard.in_flight = (int(clock.now * 1e9), int(2e9), lambda: "second", ())
+    monkeypatch.setattr(clock, "sleep", sleep)
+
+    def fire(message):
+        fired.append((clock.now, message))
+        guard.fired = True
+    guard.fire = fire
+    guard._run()
+    at, message = fired[0]
+    assert message == "second"                     # nothing of the freeze carried over
+    assert at == pytest.approx(3.75 + 2.25)
+
+
+def test_a_freeze_is_capped_at_the_call_s_age(monkeypatch):
+    """A call that began 0.1 s before the end of a 3 s freeze has only 0.1 s taken off."""
+    clock = Clock({0: 3.0})
+    monkeypatch.setattr(guard_module, "time", clock)
+    guard = Guard.__new__(Guard)
+    guard.period, guard.fired, guard.in_flight = 0.25, False, None
+    fired = []
+
+    def sleep(seconds, plain=clock.sleep):
+        plain(seconds)
+        if clock.sleeps == 1:                      # after the freeze: began 0.1 s before
+            guard.in_flight = (int((clock.now - 0.1) * 1e9), int(1.9e9), lambda: "late", ())
+    monkeypatch.setattr(clock, "sleep", sleep)
+
+    def fire(message):
+        fired.append((clock.now, message))
+        guard.fired = True
+    guard.fire = fire
+    guard._run()
+    assert fired[0][0] == pytest.approx(5.25)      # 3.15 + 0.1 + 1.9 s, at the next look
+    assert "not running for 0.1 s" in fired[0][1]
+
+
 def test_the_guard_counts_an_overrun_under_frozen_as_waiting(monkeypatch):
     """A thread woken late by less than FROZEN (a busy core) still waits on its peers."""
     at, message = guard_fires(monkeypatch, Clock({k: FROZEN * 0.8 for k in range(20)}))
@@ -84,6 +135,7 @@ def polled_waits(monkeypatch, clock, timeout=2.0) -> float:
     watchdog = Watchdog.__new__(Watchdog)
     watchdog.timeout = timeout
     assert watchdog.poll_until(lambda: False) is False
+    assert (watchdog.stopped_s > 0) == bool(clock.overruns)
     return clock.now
 
 
@@ -126,8 +178,9 @@ engine = ms.make_engine(ms.MLP([2, 2]), "dp=2", comm=comm, timeout=2.0)
 engine.comm.barrier()
 if rank == 0:
     (directory / "waiting").write_text("")
-else:
-    time.sleep(1.0)                    # its peer waits in the all_reduce meanwhile
+else:                                  # its peer waits in the all_reduce meanwhile, until the
+    while not (directory / "go").exists():     # test has stopped and continued them both
+        time.sleep(0.01)
 total = engine.all_reduce(np.ones(3))
 print(f"rank {rank} done {total.tolist()}", flush=True)
 '''
@@ -136,8 +189,8 @@ print(f"rank {rank} done {total.tolist()}", flush=True)
 @pytest.mark.parametrize("level", ["multiple", "serialized"])
 def test_a_job_suspended_inside_a_collective_resumes(tmp_path, level):
     """Both ranks stopped 0.3 s into rank 0's wait, for 3.5 s (the timeout is 2 s), then
-    continued: the all_reduce completes, no rank times out. `multiple`: the guard bounds the
-    blocking call; `serialized`: the polled wait."""
+    continued (rank 1 enters once told to): the all_reduce completes, no rank times out.
+    `multiple`: the guard bounds the blocking call; `serialized`: the polled wait."""
     script = tmp_path / "suspended.py"
     script.write_text(SUSPENDED)
     env = dict(os.environ, OMP_NUM_THREADS="1", MPI4PY_RC_THREAD_LEVEL=level,
@@ -157,6 +210,7 @@ def test_a_job_suspended_inside_a_collective_resumes(tmp_path, level):
         time.sleep(3.5)
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
+        (tmp_path / "go").write_text("")
         out, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:

@@ -146,9 +146,8 @@ def test_train_dumps_into_flight_dir_on_a_timeout(tmp_path):
                      r"on group world; rank 0 waited in it", out, re.M), out
 
 
-def _sweep():
-    if str(ROOT / "benchmarks") not in sys.path:     # flight_sweep imports its neighbours
-        sys.path.insert(0, str(ROOT / "benchmarks"))
+def _sweep(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))   # flight_sweep imports its neighbours
     spec = importlib.util.spec_from_file_location("flight_sweep",
                                                   ROOT / "benchmarks" / "flight_sweep.py")
     module = importlib.util.module_from_spec(spec)
@@ -162,11 +161,12 @@ STOPS = [(1, None)] + [(_moments.randrange(2), round(_moments.uniform(0, 1.5), 3
 
 
 @pytest.mark.parametrize("victim, delay", STOPS)
-def test_a_stopped_rank_is_named_alike_by_the_timeout_and_flight(tmp_path, victim, delay):
+def test_a_stopped_rank_is_named_alike_by_the_timeout_and_flight(tmp_path, monkeypatch, victim,
+                                                                  delay):
     """delay None: the rank stops itself inside a collective its peer enters late: every
     counter is up to date, so the line says in words that no rank is late and why, never
     `late ranks: []` beside a flight report that the stopped rank never entered."""
-    sweep = _sweep()
+    sweep = _sweep(monkeypatch)
     result = sweep.stop_once(tmp_path, 2, victim, delay)
     print(result["stderr"][-3000:], result["flight"])
     assert sweep.problems(result) == []
@@ -179,11 +179,11 @@ def test_a_stopped_rank_is_named_alike_by_the_timeout_and_flight(tmp_path, victi
                          r"step 10\) on group world and never left it", result["flight"], re.M)
 
 
-def test_a_sigusr2_snapshot_of_a_healthy_job_is_reported_as_one(tmp_path):
+def test_a_sigusr2_snapshot_of_a_healthy_job_is_reported_as_one(tmp_path, monkeypatch):
     """Both ranks dump on SIGUSR2 while training, each at its own point (one often a call
     ahead), and the job ends cleanly: flight reports a snapshot, not a rank that 'never
     entered' the call the other was in."""
-    result = _sweep().snapshot_once(tmp_path, 2, 0.5)
+    result = _sweep(monkeypatch).snapshot_once(tmp_path, 2, 0.5)
     print(result["output"][-2000:], result["flight"])
     assert result["code"] == 0
     assert "never entered" not in result["flight"], result["flight"]
