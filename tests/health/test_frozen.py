@@ -41,21 +41,35 @@ class Clock:
         return int(self.monotonic() * 1e9)
 
 
-def guard_fires(monkeypatch, clock, timeout=2.0, period=0.25):
-    """Run the guard's loop on `clock` over one call in flight from time 0 until it fires:
-    (the clock's time at the firing, the line's message)."""
+def guard_fires(monkeypatch, clock, timeout=2.0, period=0.25, calls=None):
+    """Run the guard's loop on `clock` until it fires: (the clock's time at the firing, the
+    line's message). The call in flight is one from time 0 of `timeout` seconds, or with
+    `calls` {k: make()}: after the k-th sleep, the call in flight becomes make(clock.now)
+    (the calls begin and end between two looks of the guard)."""
     monkeypatch.setattr(guard_module, "time", clock)
     guard = Guard.__new__(Guard)
     guard.period, guard.fired = period, False
-    guard.in_flight = (0, int(timeout * 1e9), lambda: "all_reduce timed out", ())
+    guard.in_flight = None if calls else (0, int(timeout * 1e9), lambda: "all_reduce timed "
+                                          "out", ())
     fired = []
+
+    def sleep(seconds, plain=clock.sleep):
+        plain(seconds)
+        if clock.sleeps in (calls or {}):
+            guard.in_flight = calls[clock.sleeps](clock.now)
 
     def fire(message):
         fired.append((clock.now, message))
         guard.fired = True
+    monkeypatch.setattr(clock, "sleep", sleep)
     guard.fire = fire
     guard._run()
     return fired[0]
+
+
+def call(began: float, timeout: float, name: str) -> tuple:
+    """A guard's call in flight: begun at `began` s, timing out after `timeout` s."""
+    return (int(began * 1e9), int(timeout * 1e9), lambda: name, ())
 
 
 def test_the_guard_fires_after_the_timeout_without_a_freeze(monkeypatch):
@@ -72,54 +86,20 @@ def test_the_guard_does_not_count_a_freeze_and_says_so_when_it_fires(monkeypatch
 
 
 def test_a_freeze_counts_for_the_call_it_stopped_only(monkeypatch):
-    """A freeze while no call is in flight, or before the call in flight began, is not taken
-    off that call's wait; a new call starts with nothing taken off."""
-    clock = Clock({1: 3.0})
-    monkeypatch.setattr(guard_module, "time", clock)
-    guard = Guard.__new__(Guard)
-    guard.period, guard.fired, guard.in_flight = 0.25, False, None
-    fired = []
-    first = (0, int(60e9), lambda: "first", ())
-
-    def sleep(seconds, plain=clock.sleep):         # the calls begin and end between looks
-        plain(seconds)
-        if clock.sleeps == 1:
-            guard.in_flight = first                # began before the 3 s freeze of sleep 1
-        elif clock.sleeps == 3:                    # a new call, begun after it: timeout 2 s
-            guard.in_flight = (int(clock.now * 1e9), int(2e9), lambda: "second", ())
-    monkeypatch.setattr(clock, "sleep", sleep)
-
-    def fire(message):
-        fired.append((clock.now, message))
-        guard.fired = True
-    guard.fire = fire
-    guard._run()
-    at, message = fired[0]
-    assert message == "second"                     # nothing of the freeze carried over
-    assert at == pytest.approx(3.75 + 2.25)
+    """The 3 s freeze of the second sleep is taken off the first call's wait; the call after
+    it starts with nothing taken off."""
+    at, message = guard_fires(monkeypatch, Clock({1: 3.0}), calls={
+        1: lambda now: call(0.0, 60.0, "first"),
+        3: lambda now: call(now, 2.0, "second")})          # begun at 3.75 s
+    assert message == "second" and at == pytest.approx(3.75 + 2.25)
 
 
 def test_a_freeze_is_capped_at_the_call_s_age(monkeypatch):
     """A call that began 0.1 s before the end of a 3 s freeze has only 0.1 s taken off."""
-    clock = Clock({0: 3.0})
-    monkeypatch.setattr(guard_module, "time", clock)
-    guard = Guard.__new__(Guard)
-    guard.period, guard.fired, guard.in_flight = 0.25, False, None
-    fired = []
-
-    def sleep(seconds, plain=clock.sleep):
-        plain(seconds)
-        if clock.sleeps == 1:                      # after the freeze: began 0.1 s before
-            guard.in_flight = (int((clock.now - 0.1) * 1e9), int(1.9e9), lambda: "late", ())
-    monkeypatch.setattr(clock, "sleep", sleep)
-
-    def fire(message):
-        fired.append((clock.now, message))
-        guard.fired = True
-    guard.fire = fire
-    guard._run()
-    assert fired[0][0] == pytest.approx(5.25)      # 3.15 + 0.1 + 1.9 s, at the next look
-    assert "not running for 0.1 s" in fired[0][1]
+    at, message = guard_fires(monkeypatch, Clock({0: 3.0}), calls={
+        1: lambda now: call(now - 0.1, 1.9, "late")})      # begun at 3.15 s
+    assert at == pytest.approx(5.25)                       # 3.15 + 0.1 + 1.9 s, next look
+    assert "not running for 0.1 s" in message
 
 
 def test_the_guard_counts_an_overrun_under_frozen_as_waiting(monkeypatch):
