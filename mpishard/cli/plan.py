@@ -153,8 +153,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
                  ["step:   predicted seconds per train_step + optimizer step "
-                  "(costs/step_time.py and the calibration); * the ranking's best (--layout "
-                  "auto's, by unlent where shown)"]
+                  "(costs/step_time.py and the calibration); * the ranking's best (as --layout "
+                  "auto ranks, before --max-memory; by unlent where shown)"]
                  if calibration else []) + (
                  ["unlent: a pipeline's step with its idle time paid in full, as if the ranks "
                   "sharing its cores got none of it: what ranks it (costs/step_time.py "
@@ -166,11 +166,11 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \
         [11] * len(timed) + [max(11, len(k)) for k in parts + kinds]
     header = ["layout", "memory", "comm/step"] + timed + parts + kinds
-    fastest = min(rows, key=SORT_KEYS["time"])["layout"] if calibration and rows else None
+    best = min(rows, key=SORT_KEYS["time"])["layout"] if calibration and rows else None
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                            for i, (h, w) in enumerate(zip(header, widths))))
     for r in shown:
-        cells = [r["layout"] + (" *" if r["layout"] == fastest else ""),
+        cells = [r["layout"] + (" *" if r["layout"] == best else ""),
                  format_bytes(r["memory"]), format_bytes(r["comm"])] + \
             [f"{r[k] * 1e3:.2f} ms" for k in ("step_s", "unlent_s")[:len(timed)]] + \
             [format_bytes(r["parts"][k]) for k in parts] + \

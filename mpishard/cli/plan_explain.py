@@ -11,11 +11,12 @@ from .inspect import format_bytes
 
 
 def count_text(n) -> str:
-    """A count in at most 7 characters: 867,072 -> '867.1 k', 5.8e9 -> '5.8 G'; '' for None."""
-    if n is None or n == "":
+    """A count in at most 7 characters: 867,072 -> '867.1 k', 999,960 -> '1.0 M', 5.8e9 ->
+    '5.8 G'; '' for None."""
+    if n is None:
         return ""
     for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
+        if round(n / scale, 1) >= 1:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f}"
 

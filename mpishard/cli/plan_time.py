@@ -22,8 +22,8 @@ from mpi4py import MPI
 
 from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
-from ..costs.calibration import layer_gflops
 from ..comm.mesh import parse_layout
+from ..costs.calibration import layer_gflops
 from ..costs.choose import train_key
 from ..costs.step_time import predict_step
 from ..health.heap import keep_host_heap
@@ -80,8 +80,8 @@ def ranked_first(rows, top: int) -> list:
 
 def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUNDS) -> list:
     """Run the `top` of plan rows `rows` ranked first (as `--layout auto` ranks them:
-    step_time.ranking_seconds, then memory), each predicted again from `calibration`;
-    [(layout, predicted s, measured s)] in that order.
+    step_time.ranking_seconds, then memory), a row without a step_s predicted from
+    `calibration`; [(layout, predicted s, measured s)] in that order.
     Each round also times the calibration's reference GEMMs (n = REFERENCE, a short window):
     `validate.drift` is their median rate over the calibration's, how much faster (> 1) or
     slower the machine ran than when it was calibrated (reported, not used). The host heap is
@@ -89,7 +89,8 @@ def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUN
     comm = MPI.COMM_WORLD if comm is None else comm
     keep_host_heap("keep")      # the train command's heap, as the calibration measured with
     itemsize = np.dtype(dtype).itemsize
-    predicted = [dict(r, **predict_step(model, parse_layout(r["layout"]), batch, calibration,
+    predicted = [r if r.get("step_s") is not None else   # plan's rows carry their prediction
+                 dict(r, **predict_step(model, parse_layout(r["layout"]), batch, calibration,
                                         itemsize)) for r in rows]
     pred = [(r["step_s"], r["layout"]) for r in ranked_first(predicted, top)]
     steps = [step_fn(model, layout, batch, dtype, comm) for _, layout in pred]

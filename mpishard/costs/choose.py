@@ -1,4 +1,5 @@
-"""Which layout to run: the fastest candidate predicted to fit under a memory limit (no MPI).
+"""Which layout to run: the candidate ranked first among those predicted to fit under a memory
+limit (no MPI).
 
 `plan`'s rows (cli/plan.plan_layouts: every layout the engine accepts, its busiest rank's
 memory and bytes sent per step, and with a calibration its predicted step time) are ranked

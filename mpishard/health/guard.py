@@ -90,13 +90,13 @@ class Guard:
         while not self.fired:
             period = self.period
             time.sleep(period)
+            call = self.in_flight       # (read first: a call is never younger than `now`)
             now = time.monotonic_ns()   # the overrun of the whole turn since the last look
             overrun, last = now - last - int(period * 1e9), now
-            call = self.in_flight
             if call is not seen:
                 seen, frozen = call, 0
             if call is not None:        # (a freeze before the call began is not its own)
-                frozen += min(int(not_running_part(overrun / 1e9) * 1e9), now - call[0])
+                frozen += min(int(not_running_part(overrun / 1e9) * 1e9), max(0, now - call[0]))
             if call is not None and now - call[0] - frozen > call[1]:
                 if self.in_flight is call:            # still the same call, still in it
                     self.fire(self._describe(call) + not_running(frozen / 1e9))

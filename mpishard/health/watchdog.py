@@ -16,8 +16,8 @@ MPI_THREAD_MULTIPLE are polled with `Test` (`wait_collective`, `wait_peer`, `wai
 polls that yield the core (`sched_yield`) between them for the first YIELD seconds, then
 sleeps that grow with the time already waited (5% of it, at most MAX_SLEEP), so a rank that
 waits long on a stalled peer uses little CPU instead of spinning in MPI. A sleep that overran
-by more than guard.FROZEN means the process was stopped: that time is not counted, as the
-guard does not count it (guard.py).
+by more than guard.FROZEN means the process was stopped or starved: that time is not
+counted, as the guard does not count it (guard.py).
 
 When the timeout passes, the guard prints the error and aborts; a polled wait raises
 `CollectiveTimeout` with the same text: the operation, the group (its axes and the ranks in
@@ -273,10 +273,12 @@ class Watchdog(Waits):
         if test():
             return True
         t0, limit = time.monotonic(), min(YIELD, self.timeout)
+        self.stopped_s = 0.0
         if self.yield_until(test, t0, limit):
             return True
-        # not waited on the peers (guard.py FROZEN): a stop during the yielding polls (their
-        # overrun past `limit`, once per wait) or during a sleep; never an MPI_Test's own time
+        # not waited on the peers (guard.py FROZEN): the yielding polls' overrun past `limit`
+        # (once per wait: a stop there, or slow tests, since the clock is read per BURST) and
+        # each sleep's overrun (a stop or starvation; never a test's own time)
         stopped = not_running_part(time.monotonic() - t0 - limit)
         while True:
             waited = time.monotonic() - t0 - stopped

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, mpiexec_cmd
 from mpishard.health import guard as guard_module
 from mpishard.health import watchdog as watchdog_module
-from mpishard.health.guard import FROZEN, Guard
+from mpishard.health.guard import FROZEN, Guard, not_running
 from mpishard.health.watchdog import YIELD, Watchdog
 
 
@@ -116,6 +116,8 @@ def polled_waits(monkeypatch, clock, timeout=2.0) -> float:
     watchdog.timeout = timeout
     assert watchdog.poll_until(lambda: False) is False
     assert (watchdog.stopped_s > 0) == bool(clock.overruns)
+    if clock.overruns:                    # what the polled timeout's message then adds
+        assert "not running for 3.0 s" in not_running(watchdog.stopped_s)
     return clock.now
 
 
