@@ -118,6 +118,15 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
 
 MAX_REJECTED = 40          # a large world rejects thousands: list the first ones
 
+SORT_TEXT = {"time": "time (a pipeline's unlent)"}
+
+
+def unlent_cell(row: dict) -> str:
+    """plan's unlent cell: the ranking's seconds of a pipeline, '-' for any other row."""
+    ranked = ranking_seconds(row)
+    return f"{ranked * 1e3:.2f} ms" if ranked > row["step_s"] * (1 + 1e-9) else "-"
+
+
 SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
              "time": lambda r: (ranking_seconds(r) or 0.0, r["memory"], r["layout"]),
              "comm": lambda r: (r["comm"], r["memory"], r["layout"]),
@@ -125,18 +134,19 @@ SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
 
 
 def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
-                momentum=0.0, microbatches=None, top=None, sort="memory",
-                calibration=None, layouts=None, memory_parts=False) -> str:
+                momentum=0.0, microbatches=None, top=None, sort=None,
+                calibration=None, layouts=None, memory_parts=False, limit=None) -> str:
     """The `plan` command's table; `layouts`: plan_layouts' (rows, rejected) for these
     arguments when the caller has them already; memory_parts: a column per component of the
-    peak too."""
+    peak too; sort None: time with a calibration, else memory; `limit` (--max-memory, bytes):
+    the * goes to the best row within it, and rows over it are marked."""
+    sort = sort or ("time" if calibration else "memory")
     if sort not in SORT_KEYS:
         raise ValueError(f"sort must be one of {sorted(SORT_KEYS)}, got {sort!r}")
     if top is not None:
         check_number("--top", top, low=1, integer=True)
     rows, rejected = layouts or plan_layouts(model, world_size, batch, dtype, optimizer,
                                              momentum, microbatches, calibration)
-    sort = "time" if calibration and sort == "memory" else sort     # --sort's default
     rows.sort(key=SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
@@ -145,20 +155,22 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
         if calibration else False
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
              f"batch {batch}, {np.dtype(dtype).name}, optimizer {optimizer}",
-             f"       {len(rows)} layouts fit, {len(rejected)} do not; showing {len(shown)}, "
-             f"sorted by {sort}",
+             f"       {len(rows)} layouts pass the engine's checks, {len(rejected)} do not; "
+             f"showing {len(shown)}, sorted by {SORT_TEXT.get(sort, sort)}",
              "memory: max over ranks of the predicted peak in a training step (parameters, "
              "gradients, optimizer state, gathered weights, activations, logits, buffers; "
              "--memory-parts: each)",
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
                  ["step:   predicted seconds per train_step + optimizer step "
-                  "(costs/step_time.py and the calibration); * the ranking's best (as --layout "
-                  "auto ranks, before --max-memory; by unlent where shown)"]
+                  "(costs/step_time.py and the calibration); * the best as --layout auto "
+                  "ranks" + (" (by unlent)" if unlent else "") +
+                  (f", within --max-memory {format_bytes(limit)}; ! over it" if limit else
+                   " (no memory limit: give --max-memory)")]
                  if calibration else []) + (
-                 ["unlent: a pipeline's step with its idle time paid in full, as if the ranks "
-                  "sharing its cores got none of it: what ranks it (costs/step_time.py "
-                  "ranking_seconds)"] if unlent else []) + (
+                 ["unlent: a pipeline's step as if no other rank could use the cores its idle "
+                  "stages leave (1 / (1 - bubble) on its compute; '-': not a pipeline): what "
+                  "ranks it (costs/step_time.py ranking_seconds)"] if unlent else []) + (
                  [f"note:   {note}"] if note else []) + [""]
     timed = [] if not calibration else ["step"] + (["unlent"] if unlent else [])
     parts = [k for k in PEAK_COMPONENTS if any(r["parts"][k] for r in shown)] \
@@ -166,13 +178,15 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \
         [11] * len(timed) + [max(11, len(k)) for k in parts + kinds]
     header = ["layout", "memory", "comm/step"] + timed + parts + kinds
-    best = min(rows, key=SORT_KEYS["time"])["layout"] if calibration and rows else None
+    within = [r for r in rows if limit is None or r["memory"] <= limit]
+    best = min(within, key=SORT_KEYS["time"])["layout"] if calibration and within else None
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                            for i, (h, w) in enumerate(zip(header, widths))))
     for r in shown:
-        cells = [r["layout"] + (" *" if r["layout"] == best else ""),
-                 format_bytes(r["memory"]), format_bytes(r["comm"])] + \
-            [f"{r[k] * 1e3:.2f} ms" for k in ("step_s", "unlent_s")[:len(timed)]] + \
+        mark = " *" if r["layout"] == best else \
+            " !" if calibration and limit is not None and r["memory"] > limit else ""
+        cells = [r["layout"] + mark, format_bytes(r["memory"]), format_bytes(r["comm"])] + \
+            [f"{r['step_s'] * 1e3:.2f} ms" if k == "step" else unlent_cell(r) for k in timed] + \
             [format_bytes(r["parts"][k]) for k in parts] + \
             [format_bytes(r["kinds"].get(k, 0)) for k in kinds]
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -217,7 +231,7 @@ def add_plan_arguments(p):
                    "the peak memory (parameters, gradients, optimizer, gathered, activations, "
                    "logits, buffers)")
     p.add_argument("--top", type=int, default=10, help="show the best K layouts (10)")
-    p.add_argument("--sort", default="memory", choices=sorted(SORT_KEYS),
+    p.add_argument("--sort", default=None, choices=sorted(SORT_KEYS),
                    help="memory (then comm, default; time with a calibration), comm (then "
                    "memory), time (predicted step time, a pipeline's with its idle time paid "
                    "in full) or layout")
@@ -255,7 +269,8 @@ def run_plan(args) -> int:
                            optimizer=args.optimizer, momentum=args.momentum,
                            microbatches=args.microbatches, top=args.top, sort=args.sort,
                            calibration=calibration, layouts=layouts,
-                           memory_parts=args.memory_parts)
+                           memory_parts=args.memory_parts,
+                           limit=max_memory(args.max_memory)[0] if args.max_memory else None)
         if args.explain:
             rows = layouts[0] if calibration else add_calls(
                 layouts[0], model, args.batch, np.dtype(args.dtype).itemsize)

@@ -34,19 +34,20 @@ def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 1
     step or the rule's pipeline idle fraction, bytes sent, calls and elements the optimizer
     updates: costs/choose.add_calls on `rows` first), then the nearest misses."""
     ranked = rank_rows(rows, limit, "train", calibrated)
+    width = max([36] + [len(r["layout"]) + 1 for r in ranked["fit"][:top]])
     lines = [f"explain: --layout auto ranks by {RULES[ranked['rule']]}",
              f"         memory limit {format_bytes(limit)} per rank ({source}); "
              f"{len(ranked['fit'])} of {len(rows)} layouts fit",
-             f"{'':4}{'layout':<36}{'memory':>11}{'of limit':>9}" +
+             f"{'':4}{'layout':<{width}}{'memory':>11}{'of limit':>9}" +
              (f"{'step':>14}" if calibrated else
               f"{'pp idle':>9}{'comm/step':>11}{'calls':>7}{'updates':>10}")]
     for i, r in enumerate(ranked["fit"][:top], 1):
         decide = f" {r['step_s'] * 1e3:>10.2f} ms{unlent_text(r)}" if calibrated else \
             f"{100 * r['bubble']:>8.0f}%{format_bytes(r['comm']):>11}{r.get('calls', ''):>7}" \
             f"{count_text(r.get('updated')):>10}"
-        lines.append(f"{i:>3} {r['layout']:<36}{format_bytes(r['memory']):>11}"
+        lines.append(f"{i:>3} {r['layout']:<{width}}{format_bytes(r['memory']):>11}"
                      f"{100 * r['memory'] / limit:>8.1f}%{decide}")
-    lines += [f"  over the limit: {r['layout']} needs {format_bytes(r['memory'])}"
+    lines += [f"  nearest over the limit: {r['layout']} needs {format_bytes(r['memory'])}"
               for r in ranked["over"][:3]]
     if ranked["best"] is None:
         lines.append("  no layout fits: --layout auto would refuse to run")

@@ -90,7 +90,17 @@ def test_plan_stars_and_explain_show_the_ranking_by_unlent_time():
     assert pipes and all(r["unlent_s"] > r["step_s"] for r in pipes)
     pipes[0]["step_s"] = 1e-6             # the fastest with lending, not when paid in full
     text = plan_report(model, 4, 256, calibration=cal, layouts=(rows, rejected), top=200)
-    assert "unlent: a pipeline's step with its idle time paid in full" in text
+    assert "unlent: a pipeline's step as if no other rank could use the cores" in text
+    assert "sorted by time (a pipeline's unlent)" in text
+    limited = plan_report(model, 4, 256, calibration=cal, layouts=(rows, rejected), top=200,
+                          limit=sorted(r["memory"] for r in rows)[len(rows) // 2])
+    within = [r for r in rows if r["memory"] <= sorted(x["memory"] for x in rows)[len(rows) // 2]]
+    best_within = min(within, key=lambda r: (ranking_seconds(r), r["memory"], r["layout"]))
+    marks = {line.split()[0]: line.split()[1] for line in limited.splitlines()
+             if line.split()[1:2] in (["*"], ["!"])}
+    assert [k for k, v in marks.items() if v == "*"] == [best_within["layout"]]
+    assert {k for k, v in marks.items() if v == "!"} == {r["layout"] for r in rows
+                                                         if r not in within}
     best = min(rows, key=lambda r: (ranking_seconds(r), r["memory"], r["layout"]))
     starred = [line.split()[0] for line in text.splitlines() if line.split()[1:2] == ["*"]]
     assert starred == [best["layout"]] and best["layout"] != pipes[0]["layout"]
