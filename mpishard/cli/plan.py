@@ -24,22 +24,23 @@ ranks, tests/costs/test_step_time.py), so 1024 ranks cost at most 8 x pp ranks p
 from __future__ import annotations
 
 import json
+from math import inf
 
 import numpy as np
 from mpi4py import MPI
 
 from ..comm.mesh import parse_layout
 from ..costs.calibration import DEFAULT_PATH, load_calibration, rank_count_note
-from ..costs.choose import add_calls
+from ..costs.choose import add_calls, rank_rows, train_key
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import COMM_KINDS, check_fit, step_comm_total
-from ..costs.step_time import predict_step, ranking_seconds, representative_ranks
+from ..costs.step_time import predict_step, representative_ranks
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
 from .calibrate import calibrate
 from .memory_limit import add_max_memory_argument, max_memory, node_ranks
-from .plan_explain import explain_report
+from .plan_explain import explain_report, unlent_seconds
 from .plan_time import validate, validation_report, validation_summary
 from .usage import UsageError, check_flags, world_rank
 
@@ -123,12 +124,12 @@ SORT_TEXT = {"time": "time (a pipeline's unlent)"}
 
 def unlent_cell(row: dict) -> str:
     """plan's unlent cell: the ranking's seconds of a pipeline, '-' for any other row."""
-    ranked = ranking_seconds(row)
-    return f"{ranked * 1e3:.2f} ms" if ranked > row["step_s"] * (1 + 1e-9) else "-"
+    ranked = unlent_seconds(row)
+    return "-" if ranked is None else f"{ranked * 1e3:.2f} ms"
 
 
 SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
-             "time": lambda r: (ranking_seconds(r) or 0.0, r["memory"], r["layout"]),
+             "time": lambda r: train_key(r, calibrated=True),       # --layout auto's order
              "comm": lambda r: (r["comm"], r["memory"], r["layout"]),
              "layout": lambda r: r["layout"]}
 
@@ -151,8 +152,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
     note = rank_count_note(calibration, world_size) if calibration else None
-    unlent = any(ranking_seconds(r) > r["step_s"] * (1 + 1e-9) for r in shown) \
-        if calibration else False
+    unlent = calibration is not None and any(unlent_seconds(r) is not None for r in shown)
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
              f"batch {batch}, {np.dtype(dtype).name}, optimizer {optimizer}",
              f"       {len(rows)} layouts pass the engine's checks, {len(rejected)} do not; "
@@ -178,8 +178,9 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \
         [11] * len(timed) + [max(11, len(k)) for k in parts + kinds]
     header = ["layout", "memory", "comm/step"] + timed + parts + kinds
-    within = [r for r in rows if limit is None or r["memory"] <= limit]
-    best = min(within, key=SORT_KEYS["time"])["layout"] if calibration and within else None
+    best = rank_rows(rows, inf if limit is None else limit, calibrated=True)["best"] \
+        if calibration else None
+    best = best and best["layout"]
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                            for i, (h, w) in enumerate(zip(header, widths))))
     for r in shown:

@@ -21,11 +21,17 @@ def count_text(n) -> str:
     return f"{n:.0f}"
 
 
-def unlent_text(row: dict) -> str:
-    """' (unlent X ms)' for a pipeline ranked by its step with the idle time paid in full
-    (step_time.ranking_seconds), '' for any other row."""
+def unlent_seconds(row: dict):
+    """The seconds a calibrated row ranks by (step_time.ranking_seconds) where they are not its
+    step_s (a pipeline on shared cores, its idle time paid in full); None otherwise."""
     ranked = ranking_seconds(row)
-    return f" (unlent {ranked * 1e3:.2f} ms)" if ranked > row["step_s"] * (1 + 1e-9) else ""
+    return ranked if ranked > row["step_s"] * (1 + 1e-9) else None
+
+
+def unlent_text(row: dict) -> str:
+    """' (unlent X ms)' for a row with unlent_seconds, '' for any other."""
+    ranked = unlent_seconds(row)
+    return "" if ranked is None else f" (unlent {ranked * 1e3:.2f} ms)"
 
 
 def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 10) -> str:
@@ -54,4 +60,4 @@ def explain_report(rows, limit: int, source: str, calibrated: bool, top: int = 1
     return "\n".join(lines)
 
 
-__all__ = ["count_text", "explain_report", "unlent_text"]
+__all__ = ["count_text", "explain_report", "unlent_seconds", "unlent_text"]

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import os
 import time
+from math import inf
 
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.mesh import parse_layout
 from ..engine import make_engine
 from ..nn.losses import MSE, CrossEntropy
-from ..comm.mesh import parse_layout
 from ..costs.calibration import layer_gflops
-from ..costs.choose import train_key
+from ..costs.choose import rank_rows
 from ..costs.step_time import predict_step
 from ..health.heap import keep_host_heap
 from ..train.optim import AdamW
@@ -74,8 +75,8 @@ def measure_steps(steps: list, comm, rounds=ROUNDS, warmup=WARMUP, probe=None) -
 
 def ranked_first(rows, top: int) -> list:
     """The `top` of plan rows (with a calibration's step_s and unlent_s) in `--layout auto`'s
-    order (costs/choose.train_key, no memory limit)."""
-    return sorted(rows, key=lambda r: train_key(r, calibrated=True))[:top]
+    order (costs/choose.rank_rows, no memory limit)."""
+    return rank_rows(rows, inf, calibrated=True)["fit"][:top]
 
 
 def validate(model, rows, batch, dtype, calibration, top, comm=None, rounds=ROUNDS) -> list:
