@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-from . import cpu_fused, fused
-from .autocast import FULL
+from . import cpu_fused, fused, fused_low
+from .autocast import FULL, Narrow
 from .functional import array_module
 from .gemm import is_low, matmul
 
@@ -72,9 +72,7 @@ def _masked_scores_t(q, k, offset, visible=None, cast=FULL):
     cast (nn/autocast.py): the matmul's inputs and its output rounded (before the mask).
     """
     xp = array_module(q)
-    qt = xp.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype)
-    xp.multiply(_t(q), inv_sqrt(q), out=qt)                      # (q / sqrt Dh)^T, one copy
-    s = cast.output(matmul(xp, cast.round(k), cast.round(qt)))   # 'bhsd,bhdt->bhst'
+    s = cast.output(_product_t(q, k, cast))                      # 'bhsd,bhdt->bhst'
     if offset is not None:                  # + 0 or -inf: hides keys; flat (Tk Tq) rows, so
         hide = xp.where(causal_mask(xp, q.shape[-2], k.shape[-2], offset).T, 0.0, -xp.inf)
         flat = s.reshape(s.shape[:-2] + (-1,))          # the add runs in long contiguous loops
@@ -83,6 +81,24 @@ def _masked_scores_t(q, k, offset, visible=None, cast=FULL):
     if visible is not None:                 # e.g. a KV cache's padding mask (kv_cache.py)
         s = s + xp.where(_t(visible), 0.0, -xp.inf).astype(s.dtype)
     return s
+
+
+def _product_t(q, k, cast=FULL):
+    """s^T = 'bhsd,bhdt->bhst' (k, (q / sqrt Dh)^T) as the matmul returns it: unmasked, its
+    output not yet through cast.output (16-bit under a `Narrow` cast)."""
+    xp = array_module(q)
+    qt = xp.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype)
+    xp.multiply(_t(q), inv_sqrt(q), out=qt)                      # (q / sqrt Dh)^T, one copy
+    return matmul(xp, cast.round(k), cast.round(qt))
+
+
+def _low_scores_t(q, k, cast):
+    """The 16-bit s^T of _product_t when nn/fused_low.py's kernels take this attention (cupy
+    with the fused kernels on, a `Narrow` cast: 16-bit compute on a device), else None."""
+    if not (isinstance(cast, Narrow) and fused.use(array_module(q))):
+        return None
+    s = _product_t(q, k, cast)
+    return s if is_low(s) else None
 
 
 def _max_over_keys(s):
@@ -114,12 +130,20 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
     keep_probs: also return the probabilities p^T (B, H, Tk, Tq), for a backward that keeps
-    them instead of recomputing the scores (one (B, H, T, T) array more per layer on the tape).
+    them instead of recomputing the scores (one (B, H, T, T) array more per layer on the tape),
+    or None where recomputing is the cheaper: 16-bit scores on a device (below), whose one
+    tensor-core GEMM costs less than writing and reading back the kept array.
     cast (nn/autocast.py): the precision of the two matmuls (inputs and outputs rounded; the
-    softmax, lse and the kept probabilities stay float32, as under torch.autocast).
+    softmax, lse and the kept probabilities stay float32, as under torch.autocast). Under a
+    `Narrow` cast on cupy with the fused kernels on and no `visible`, the softmax reads the
+    16-bit scores where the GEMM wrote them and writes the 16-bit probabilities the PV matmul
+    takes (nn/fused_low.py): the same values, no float32 (B, H, Tk, Tq) array.
     """
     xp = array_module(q)
-    if visible is None and fused.use(xp):                    # the same softmax, one kernel
+    low = None if visible is not None else _low_scores_t(q, k, cast)
+    if low is not None:                   # 16-bit scores: the softmax in place, in 16 bits
+        p, lse = low, fused_low.causal_softmax_t(xp, low, offset)
+    elif visible is None and fused.use(xp):                  # the same softmax, one kernel
         p = _masked_scores_t(q, k, None, cast=cast)
         lse = fused.causal_softmax_t(xp, p, offset)
     elif cpu_fused.use(q, k) and (visible is None or cpu_fused.takes_mask(
@@ -138,7 +162,9 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     b, h, tq, dh = q.shape
     out = xp.empty((b, tq, h, dh), dtype=wide(q)).transpose(0, 2, 1, 3)   # float32 for 16 bits
     cast.output(fused.matmul_tn(xp, cast.round(p), cast.round(v), out=out))  # 'bhst,bhsd->bhtd'
-    return (out, lse, p) if keep_probs else (out, lse)
+    if not keep_probs:
+        return out, lse
+    return out, lse, (None if low is not None else p)   # 16-bit: recomputed (_backward_low)
 
 
 def merge_blocks(out_a, lse_a, out_b, lse_b):
@@ -175,15 +201,22 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     queries see (one block, not a ring's share), so under a rounding cast the row sums are
     the softmax's own, sum_s p dp from the rounded dp (its autograd's, as under
     torch.autocast); blocks of a ring share the final out's sum_d dout * out instead.
+    Under a `Narrow` cast on cupy (attention_block's 16-bit path), a whole block without
+    `probs` or `visible` recomputes the 16-bit scores and runs the softmax's backward in 16
+    bits (_backward_low).
     """
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv = (None, None, None) if into is None else into
+    if probs is None and visible is None and whole:
+        low = _low_scores_t(q, k, cast)
+        if low is not None:
+            return _backward_low(dout, q, k, v, lse, offset, low, cast, (dq, dk, dv))
     p = probs
     if p is None:
         p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
         p -= _finite_or_zero(xp, lse)[..., None, :]
         xp.exp(p, out=p)
-    dq, dk, dv = (None, None, None) if into is None else into
     dout = cast.round(dout)
     dv = cast.output(matmul(xp, cast.round(p), dout, out=dv))    # 'bhst,bhtd->bhsd' (p^T, dout)
     dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
@@ -198,6 +231,23 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
         row *= scale                                         # sum_d dout * out / sqrt Dh
     fused.softmax_grad_t(xp, ds, row, p)                     # ds^T / sqrt Dh = (ds - row) p
     ds = cast.round(ds)
+    dq = cast.output(fused.matmul_tn(xp, ds, cast.round(k), out=dq))   # 'bhts,bhsd->bhtd'
+    dk = cast.output(matmul(xp, ds, cast.round(q), out=dk))  # 'bhst,bhtd->bhsd' (ds^T, q)
+    return dq, dk, dv
+
+
+def _backward_low(dout, q, k, v, lse, offset, s, cast, into):
+    """attention_block_backward of a whole block under a `Narrow` cast on cupy, from the
+    recomputed 16-bit scores s^T: the softmax's backward in 16 bits (nn/fused_low.py), the
+    same products and roundings as the float32 path, no (B, H, Tk, Tq) float32 array."""
+    xp = array_module(q)
+    dq, dk, dv = into
+    dout = cast.round(dout)
+    dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
+    xp.multiply(_t(dout), inv_sqrt(dout), out=dout_t)        # (dout / sqrt Dh)^T, one copy
+    ds = matmul(xp, cast.round(v), cast.round(dout_t))       # 16-bit dp^T / sqrt Dh
+    p, ds = fused_low.softmax_grad_t(xp, s, ds, lse, offset)  # p^T, ds^T / sqrt Dh: 16 bits
+    dv = cast.output(matmul(xp, p, dout, out=dv))            # 'bhst,bhtd->bhsd' (p^T, dout)
     dq = cast.output(fused.matmul_tn(xp, ds, cast.round(k), out=dq))   # 'bhts,bhsd->bhtd'
     dk = cast.output(matmul(xp, ds, cast.round(q), out=dk))  # 'bhst,bhtd->bhsd' (ds^T, q)
     return dq, dk, dv

@@ -89,17 +89,17 @@ class CausalSelfAttention(Layer):
         visible = None if ids is None else docs.visible(ids, ids)
         cast = self.autocast
         q, k, v = cast.round(q), cast.round(k), cast.round(v)    # the 16-bit q, k, v saved
-        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True,   # softmax(q k^T
-                                                 visible=visible,    # / sqrt Dh) v, in docs
-                                                 cast=cast)
-        self.save(mb, record, (q, k, v, out, p))                 # p for backward
+        out, lse, p = att.causal_attention_forward(q, k, v, keep_probs=True,  # softmax(q k^T
+                                                   visible=visible,  # / sqrt Dh) v, in docs
+                                                   cast=cast)
+        self.save(mb, record, (q, k, v, out, lse, p))            # p for backward (or None)
         return att.merge_heads(out)                               # heads concatenated
 
     def backward(self, dy, mb=0):
-        q, k, v, out, p = self.pop(mb)
+        q, k, v, out, lse, p = self.pop(mb)
         dout = att.merge_heads_backward(dy, self.n_heads)         # undoes merge_heads
         da, into = att.split_heads_grads(q)                       # undoes split_heads as
-        att.causal_attention_backward(dout, q, k, v, out, None, into=into, probs=p,  # attn's
+        att.causal_attention_backward(dout, q, k, v, out, lse, into=into, probs=p,  # attn's
                                       cast=self.autocast)
         return da                                                 # undone
 

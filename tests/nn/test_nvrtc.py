@@ -6,7 +6,8 @@ turns the skip into a failure. Compiled, for compute_80 and compute_90, with the
 gets from the package (no FMA contraction):
 - nn/cuda_src.SOURCE, whole: every entry point cuda_ops launches must be in the PTX, and the
   compiler must have nothing to say (no warning);
-- nn/fused.py's ElementwiseKernel and ReductionKernel bodies, for T float and double, and
+- nn/fused.py's ElementwiseKernel and ReductionKernel bodies, for T float and double,
+  nn/fused_low.py's bodies after each 16-bit dtype's preamble, and
   parallel/bf16.py's two ElementwiseKernel bodies, each inside nvrtc.elementwise_source's /
   reduction_source's harness (cupy's parameter binding, flat indices);
 and a source with an error is refused with NVRTC's log, so the check can fail.
@@ -15,7 +16,7 @@ import os
 
 import pytest
 
-from mpishard.nn import cuda_ops, cuda_src, fused, nvrtc
+from mpishard.nn import cuda_ops, cuda_src, fused, fused_low, nvrtc
 from mpishard.parallel import bf16
 
 ARCHS = ("compute_80", "compute_90")
@@ -58,6 +59,17 @@ def test_fused_elementwise_compiles(compiler, name, t, arch):
     in_params, out_params, body, entry = fused.ELEMENTWISE[name]
     src = nvrtc.elementwise_source(in_params, out_params, body, entry, t)
     assert nvrtc.entries(compiler.ptx(src, entry, options(arch))) == [entry]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("low", sorted(fused_low.PREAMBLE))
+@pytest.mark.parametrize("name", sorted(fused_low.ELEMENTWISE))
+def test_fused_low_compiles(compiler, name, low, arch):
+    in_params, out_params, body, entry = fused_low.ELEMENTWISE[name]
+    src = fused_low.PREAMBLE[low] + nvrtc.elementwise_source(in_params, out_params, body,
+                                                              entry, "float")
+    assert nvrtc.entries(compiler.ptx(src, entry, options(arch))) == [entry]
+    assert compiler.log.strip() == ""
 
 
 @pytest.mark.parametrize("t", ["float", "double"])

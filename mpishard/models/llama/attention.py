@@ -171,15 +171,15 @@ class GroupedQueryAttention(Layer):
         q, k, v = cast.round(q), h.repeat(cast.round(k)), h.repeat(cast.round(v))  # (B,Hq,T,Dh)
         ids = docs.rows_of(self.documents, mb)                    # packed: (B, T) or None
         visible = None if ids is None else docs.visible(ids, ids)
-        out, _, p = att.causal_attention_forward(q, k, v, keep_probs=True, visible=visible,
-                                                 cast=cast)
-        self.save(mb, record, (q, k, v, out, p))
+        out, lse, p = att.causal_attention_forward(q, k, v, keep_probs=True, visible=visible,
+                                                   cast=cast)
+        self.save(mb, record, (q, k, v, out, lse, p))            # p None: recomputed
         return att.merge_heads(out)                               # heads concatenated
 
     def backward(self, dy, mb=0):
-        q, k, v, out, p = self.pop(mb)
+        q, k, v, out, lse, p = self.pop(mb)
         dout = att.merge_heads_backward(dy, self.heads.n_q)       # undoes merge_heads
-        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, None, probs=p,
+        dq, dk, dv = att.causal_attention_backward(dout, q, k, v, out, lse, probs=p,
                                                    cast=self.autocast)
         return merge_qkv(dq, self.heads.repeat_backward(dk),     # undoes repeat and
                          self.heads.repeat_backward(dv))          # split_qkv
