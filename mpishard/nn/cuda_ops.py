@@ -11,8 +11,10 @@ SwiGLU nothing beyond its input: each backward recomputes the rest.
 
 `use(xp)` is the switch the call sites check, the one fused.py's kernels share: cupy only,
 and only while MPISHARD_FUSED is not "0" (read at each call). AdamW calls adamw_step
-(train/optim.py); no layer calls the others yet: they are checked and timed on a GPU first
-(gpu_kernels_check). The module is compiled once per
+(train/optim.py), LayerNorm (functional.layernorm_forward/backward) and RMSNorm
+(models/llama/units.py) the norms' kernels where `norm_takes`, saving (x, mean, rstd) or (x,
+rstd) for the backward; the others are checked and timed on a GPU (gpu_kernels_check) and
+not yet called. The module is compiled once per
 process (`module`, memoised like fused.kernels) by cupy's NVRTC, without FMA contraction;
 `import cupy` happens only in a caller that holds cupy arrays (xp is cupy).
 """
@@ -31,10 +33,10 @@ NORM_BWD_BLOCKS = 256     # blocks of the norms' backward: rows of the column-su
 GRID_CAP = 1 << 16        # most blocks of a grid-stride element-wise launch
 ADAMW_CHUNK = 16 * cuda_src.BLOCK     # elements per block of the multi-tensor AdamW
 
-__all__ = ["use", "layernorm_forward", "layernorm_backward", "rmsnorm_forward",
-           "rmsnorm_backward", "bias_gelu_forward", "gelu_backward", "swiglu_forward",
-           "swiglu_backward", "residual_add", "embedding_backward", "adamw_takes", "adamw_step",
-           "attention_forward", "attention_backward"]
+__all__ = ["use", "norm_takes", "saved_input", "layernorm_forward", "layernorm_backward",
+           "rmsnorm_forward", "rmsnorm_backward", "bias_gelu_forward", "gelu_backward",
+           "swiglu_forward", "swiglu_backward", "residual_add", "embedding_backward",
+           "adamw_takes", "adamw_step", "attention_forward", "attention_backward"]
 
 
 @lru_cache(maxsize=None)
@@ -72,6 +74,20 @@ def _elementwise_grid(n: int) -> int:
 def _rows(x):
     d = x.shape[-1]
     return x.size // d if d else 0, d
+
+
+def norm_takes(xp, x, *params) -> bool:
+    """Whether a norm layer runs on these kernels: `use(xp)`, and x and its parameters of one
+    dtype, float32 or float64 (the residual stream's; 16-bit compute keeps the norms in
+    float32)."""
+    return (use(xp) and x.dtype in (np.float32, np.float64)
+            and all(a.dtype == x.dtype for a in params))
+
+
+def saved_input(xp, x):
+    """x as a norm's backward reads it: C-contiguous and the norm's own (a copy of the
+    caller's array, which may be written later: a reused receive buffer), one pass."""
+    return xp.array(x, order="C", copy=True)
 
 
 def layernorm_forward(xp, x, scale, shift, eps):

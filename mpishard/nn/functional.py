@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import cpu_fused, fused
+from . import cpu_fused, cuda_ops, fused
 from .gemm import F32, is_low, matmul
 
 
@@ -144,10 +144,16 @@ LN_EPS = 1e-5
 def layernorm_forward(x, scale, shift, eps=LN_EPS):
     """PyTorch's LayerNorm over the last dim: y = (x - mean) / sqrt(var + eps) * scale + shift,
     var the biased variance. Returns (y, saved). Row sums are matrix-vector products
-    (row_sums) and the variance one einsum, no squared temporary."""
+    (row_sums) and the variance one einsum, no squared temporary. saved is (xhat, rstd), or
+    on cupy with the fused kernels (cuda_ops.norm_takes) (x, mean, rstd) of one kernel's
+    forward, whose backward kernel recomputes xhat."""
     if cpu_fused.use(x, scale, shift):                       # numpy + numba: one loop per row
         return cpu_fused.layernorm(x, scale, shift, eps)
     xp = array_module(x)
+    if cuda_ops.norm_takes(xp, x, scale, shift):             # cupy: one kernel (cuda_ops)
+        x = cuda_ops.saved_input(xp, x)
+        y, mean, rstd = cuda_ops.layernorm_forward(xp, x, scale, shift, eps)
+        return y, (x, mean, rstd)                            # xhat recomputed in backward
     d = x.shape[-1]
     xc = x - row_sums(x) / d
     var = xp.einsum("...d,...d->...", xc, xc)[..., None] / d     # biased variance
@@ -172,6 +178,9 @@ def layernorm_backward(dy, saved, scale):
     if cpu_fused.use(dy, *saved, scale):                     # numpy + numba: one loop per row
         return cpu_fused.layernorm_grad(dy, saved, scale)
     xp = array_module(dy)
+    if len(saved) == 3:                                      # the forward ran cuda_ops' kernel
+        x, mean, rstd = saved
+        return cuda_ops.layernorm_backward(xp, dy, x, scale, mean, rstd)
     xhat, rstd = saved
     d = dy.shape[-1]
     dshift = column_sums(dy.reshape(-1, d))

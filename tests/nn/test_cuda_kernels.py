@@ -157,3 +157,77 @@ def test_every_launched_kernel_is_defined():
         suffixes = ("f64", "f32") if kernel == "adamw" else tuple(cuda_src.SUFFIXES)
         for s in suffixes:
             assert cuda_src.entry_name(kernel, s) in cuda_src.ENTRIES
+
+
+def mirrored_norms(monkeypatch):
+    """cuda_ops' norm launches replaced by their numpy mirrors, taken on numpy float64 (the
+    layers' wiring: what they save, the arguments' order, the shapes of the statistics)."""
+    monkeypatch.setenv("MPISHARD_CPU_FUSED", "0")
+    monkeypatch.setattr(cuda_ops, "norm_takes", lambda xp, x, *p: True)
+    def blocks(x):                                          # as cuda_ops launches them
+        return max(min(x.size // x.shape[-1], cuda_ops.NORM_BWD_BLOCKS), 1)
+
+    def rows(x):
+        return x.reshape(-1, x.shape[-1])
+
+    def ln_fwd(xp, x, scale, shift, eps):
+        y, m, rs = layernorm_fwd(rows(x), scale, shift, eps)
+        return y.reshape(x.shape), m.reshape(x.shape[:-1]), rs.reshape(x.shape[:-1])
+
+    def ln_bwd(xp, dy, x, scale, mean, rstd):
+        dx, ds, db = layernorm_bwd(rows(dy), rows(x), scale, mean.reshape(-1, 1),
+                                   rstd.reshape(-1, 1), blocks(x))
+        return dx.reshape(dy.shape), ds, db
+
+    def rms_fwd(xp, x, scale, eps):
+        y, rs = rmsnorm_fwd(rows(x), scale, eps)
+        return y.reshape(x.shape), rs.reshape(x.shape[:-1])
+
+    def rms_bwd(xp, dy, x, scale, rstd):
+        dx, ds = rmsnorm_bwd(rows(dy), rows(x), scale, rstd.reshape(-1, 1), blocks(x))
+        return dx.reshape(dy.shape), ds
+
+    for name, fn in (("layernorm_forward", ln_fwd), ("layernorm_backward", ln_bwd),
+                     ("rmsnorm_forward", rms_fwd), ("rmsnorm_backward", rms_bwd)):
+        monkeypatch.setattr(cuda_ops, name, fn)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_the_norm_kernels_wired_into_a_model_step_equal_the_xp_path(monkeypatch, model):
+    """A float64 train step of a tiny GPT (LayerNorm) and Llama (RMSNorm) with the norms on
+    cuda_ops' kernels (their mirrors) equals the xp path's: loss and every gradient, rtol
+    1e-12; the input the norm saved is its own copy (a later write to the caller's array
+    changes nothing)."""
+    from mpi4py import MPI
+    sizes = dict(vocab_size=17, seq_len=8, d_model=16, n_heads=4, n_layers=2)
+    net = ms.GPT(**sizes) if model == "gpt" else ms.Llama(**sizes, n_kv_heads=2, d_ff=24)
+    params = net.init(seed=0)
+    rng = np.random.default_rng(4)
+    x, t = rng.integers(0, 17, (3, 8)), rng.integers(0, 17, (3, 8))
+
+    def step():
+        engine = ms.make_engine(net, "single", dtype=np.float64, comm=MPI.COMM_SELF)
+        engine.load_checkpoint(params)
+        loss, grads = engine.train_step(x, t, ms.losses.CrossEntropy())
+        return loss, {n: g.copy() for n, g in grads.items()}
+
+    monkeypatch.setenv("MPISHARD_CPU_FUSED", "0")
+    loss0, g0 = step()
+    with monkeypatch.context() as m:
+        mirrored_norms(m)
+        loss1, g1 = step()
+    assert loss1 == pytest.approx(loss0, rel=1e-12)
+    assert sorted(g1) == sorted(g0)
+    for k in g0:
+        close(g1[k], g0[k])
+
+
+def test_a_norm_keeps_its_own_copy_of_the_input(monkeypatch):
+    mirrored_norms(monkeypatch)
+    x, scale, shift, dy = rows_problem()
+    want = nn.layernorm_backward(dy, nn.layernorm_forward(x.copy(), scale, shift)[1], scale)
+    y, saved = nn.layernorm_forward(x, scale, shift)
+    assert len(saved) == 3 and saved[0] is not x
+    x[...] = 0                                             # e.g. a reused receive buffer
+    for got, w in zip(nn.layernorm_backward(dy, saved, scale), want):
+        close(got, w)
