@@ -24,10 +24,17 @@ the same float32 operations as fused.py's float32 kernels) and write 16 bits in 
                                    each rounded to 16 bits: the dv and dq, dk matmuls' inputs.
 
 One thread per (b, h, query column), looping over the keys down a column of s^T: adjacent
-threads read adjacent words. What the float32 path keeps unrounded (the softmax's p, the
-row sums, ds before rounding) stays float32 in registers; the values written are those the
-xp path rounds at the next matmul. The row sum runs key by key in order, where cupy's
-reduction adds in a tree: equal to rounding, not bit for bit.
+threads read adjacent words, and each thread loads UNROLL keys at once (the H200 ran the
+one-key-at-a-time loop at 1.2 ms a layer, 7x the time its bytes take: too few loads in
+flight). What the float32 path keeps unrounded (the softmax's p, the row sums, ds before
+rounding) stays float32 in registers; the values written are those the xp path rounds at
+the next matmul. The sums (d, the row sum) run in UNROLL interleaved partial sums, where
+cupy's reduction adds in a tree: equal to rounding, not bit for bit; the max is exact.
+
+    round_in_place(y, dtype)       float32 y rounded to the 16-bit grid in place, one pass
+                                   (autocast.Narrow.output's float32 matmul outputs: a
+                                   weight's gradient, a biased product; astype there and back
+                                   took two).
 
 The bodies are cupy ElementwiseKernel code over `unsigned short` words, with a preamble that
 defines ms16_ld (a word widened to float: exact) and ms16_st (a float narrowed, nearest even;
@@ -73,38 +80,84 @@ long long last = col + offset;                     // keys 0..last are visible
 if (last > tk - 1) last = tk - 1;
 """
 
+UNROLL = 8
+"""Keys a thread loads at once: independent loads in flight (one thread per column leaves
+~0.1 M threads at GPT-2-small size, too few to cover the memory's latency one load each)."""
+
 _SOFTMAX = _COLUMN + """
 float m = 0.0f;
 if (last >= 0) {
-    m = ms16_ld(s[base]);
-    for (long long j = 1; j <= last; ++j) { float v = ms16_ld(s[base + j * tq]); if (v > m) m = v; }
+    float mx[UNROLL];
+    const float first = ms16_ld(s[base]);
+    for (int u = 0; u < UNROLL; ++u) mx[u] = first;
+    long long j = 0;
+    for (; j + UNROLL - 1 <= last; j += UNROLL) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const float v = ms16_ld(s[base + (j + u) * tq]);
+            if (v > mx[u]) mx[u] = v;
+        }
+    }
+    for (; j <= last; ++j) { const float v = ms16_ld(s[base + j * tq]); if (v > mx[0]) mx[0] = v; }
+    m = mx[0];
+    for (int u = 1; u < UNROLL; ++u) if (mx[u] > m) m = mx[u];
     if (!isfinite(m)) m = 0.0f;
 }
-float d = 0.0f;
-for (long long j = 0; j <= last; ++j) d += exp(ms16_ld(s[base + j * tq]) - m);
-const float inv = 1.0f / (d > 0.0f ? d : 1.0f);
-for (long long j = 0; j < tk; ++j) {
-    const long long at = base + j * tq;
-    s[at] = ms16_st(j <= last ? exp(ms16_ld(s[at]) - m) * inv : 0.0f);
+float dd[UNROLL];
+for (int u = 0; u < UNROLL; ++u) dd[u] = 0.0f;
+long long j = 0;
+for (; j + UNROLL - 1 <= last; j += UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) dd[u] += exp(ms16_ld(s[base + (j + u) * tq]) - m);
 }
+for (; j <= last; ++j) dd[0] += exp(ms16_ld(s[base + j * tq]) - m);
+float d = 0.0f;
+for (int u = 0; u < UNROLL; ++u) d += dd[u];
+const float inv = 1.0f / (d > 0.0f ? d : 1.0f);
+#pragma unroll 8
+for (j = 0; j <= last; ++j) {
+    const long long at = base + j * tq;
+    s[at] = ms16_st(exp(ms16_ld(s[at]) - m) * inv);
+}
+for (; j < tk; ++j) s[base + j * tq] = ms16_st(0.0f);
 lse = m + log(d);
-"""
+""".replace("UNROLL", str(UNROLL))
 
 _SOFTMAX_GRAD = _COLUMN + """
 const float l = isfinite(lse) ? lse : 0.0f;
-float row = 0.0f;
-for (long long j = 0; j <= last; ++j) {
-    const long long at = base + j * tq;
-    row += ms16_ld(ds[at]) * exp(ms16_ld(s[at]) - l);
+float rr[UNROLL];
+for (int u = 0; u < UNROLL; ++u) rr[u] = 0.0f;
+long long j = 0;
+for (; j + UNROLL - 1 <= last; j += UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const long long at = base + (j + u) * tq;
+        rr[u] += ms16_ld(ds[at]) * exp(ms16_ld(s[at]) - l);
+    }
 }
-for (long long j = 0; j < tk; ++j) {
+for (; j <= last; ++j) {
     const long long at = base + j * tq;
-    const float p = j <= last ? exp(ms16_ld(s[at]) - l) : 0.0f;
+    rr[0] += ms16_ld(ds[at]) * exp(ms16_ld(s[at]) - l);
+}
+float row = 0.0f;
+for (int u = 0; u < UNROLL; ++u) row += rr[u];
+#pragma unroll 8
+for (j = 0; j <= last; ++j) {
+    const long long at = base + j * tq;
+    const float p = exp(ms16_ld(s[at]) - l);
     const float g = (ms16_ld(ds[at]) - row) * p;
     s[at] = ms16_st(p);
     ds[at] = ms16_st(g);
 }
-"""
+for (; j < tk; ++j) {                              // hidden: p = 0, ds = (dp - row) 0
+    const long long at = base + j * tq;
+    const float g = (ms16_ld(ds[at]) - row) * 0.0f;
+    s[at] = ms16_st(0.0f);
+    ds[at] = ms16_st(g);
+}
+""".replace("UNROLL", str(UNROLL))
+
+_ROUND = "y = ms16_ld(ms16_st(x))"
 
 ELEMENTWISE = {
     "softmax_t": ("int64 tk, int64 tq, int64 offset", "raw uint16 s, float32 lse", _SOFTMAX,
@@ -112,6 +165,7 @@ ELEMENTWISE = {
     "softmax_grad_t": ("int64 tk, int64 tq, int64 offset, float32 lse",
                        "raw uint16 s, raw uint16 ds", _SOFTMAX_GRAD,
                        "mpishard_softmax16_grad_t"),
+    "round": ("float32 x", "float32 y", _ROUND, "mpishard_round16_f32"),
 }
 """The ElementwiseKernels by name: (in params, out params, body, kernel name); each runs with
 PREAMBLE[dtype] before it."""
@@ -153,3 +207,9 @@ def softmax_grad_t(xp, s, ds, lse, offset):
     kernels(xp, s.dtype.name)["softmax_grad_t"](tk, tq, _offset(tk, offset), lse,
                                                 _words(s, "s"), _words(ds, "ds"))
     return s, ds
+
+
+def round_in_place(xp, y, dtype):
+    """float32 y (any layout) rounded to the grid of the 16-bit `dtype` in place; returns y."""
+    kernels(xp, np.dtype(dtype).name)["round"](y, y)
+    return y
