@@ -6,7 +6,7 @@ ran the softmax there and narrowed the probabilities again for the PV matmul: pe
 step three (B, H, T, T) casts each way (the H200's bfloat16 profile: 51 ms of a 110 ms step
 were such casts, 400 MB of float32 a layer at GPT-2-small size). These two kernels read the
 16-bit scores where the GEMM wrote them, compute in float32 (each element widened exactly,
-the same float32 operations as fused.py's float32 kernels) and write 16 bits in place:
+fused.py's float32 operations but for the order of the sums) and write 16 bits in place:
 
     causal_softmax_t(s, offset)    s^T raw 16-bit scores -> 16-bit probabilities in place;
                                    returns lse (B, H, Tq) float32. Per query column i the keys
@@ -23,13 +23,17 @@ the same float32 operations as fused.py's float32 kernels) and write 16 bits in 
                                    row sums, autocast's), then s <- p and ds <- (dp - row) p,
                                    each rounded to 16 bits: the dv and dq, dk matmuls' inputs.
 
-One thread per (b, h, query column), looping over the keys down a column of s^T: adjacent
-threads read adjacent words, and each thread loads UNROLL keys at once (the H200 ran the
-one-key-at-a-time loop at 1.2 ms a layer, 7x the time its bytes take: too few loads in
-flight). What the float32 path keeps unrounded (the softmax's p, the row sums, ds before
-rounding) stays float32 in registers; the values written are those the xp path rounds at
-the next matmul. The sums (d, the row sum) run in UNROLL interleaved partial sums, where
-cupy's reduction adds in a tree: equal to rounding, not bit for bit; the max is exact.
+Each runs as three launches, so that the work spreads over many threads: the statistics
+of each chunk of CHUNK keys of each query column (its max and sum, or its share of the row
+sum; one thread each), then each column's (one thread each, over its chunks), then every
+element on its own thread (coalesced: adjacent threads, adjacent words; a hidden element
+written without being read). One thread per column walking all its keys, the first design,
+ran at 0.9-1.2 ms a layer on the H200, 7x the time its bytes take: a chain of ~1000
+dependent loads per thread and too few threads to hide them. What the float32 path keeps
+unrounded (the softmax's p, the statistics, ds before rounding) stays float32; the values
+written are those the xp path rounds at the next matmul. The sums (d, the row sum) add per
+chunk, then the chunks (d's rescaled by exp(m_chunk - m)), where cupy's reduction adds in a
+tree: equal to rounding, not bit for bit; the max is exact.
 
     round_in_place(y, dtype)       float32 y rounded to the 16-bit grid in place, one pass
                                    (autocast.Narrow.output's float32 matmul outputs: a
@@ -73,98 +77,124 @@ __device__ __forceinline__ unsigned short ms16_st(float v) {
 PREAMBLE = {"bfloat16": _BF16, "float16": _F16}
 """The CUDA preamble of each 16-bit storage dtype, by dtype name."""
 
-_COLUMN = """
-const long long col = i % tq;                      // the query column of s^T
-const long long base = (i / tq) * tk * tq + col;   // s^T[b, h, 0, col]
-long long last = col + offset;                     // keys 0..last are visible
+CHUNK = 64
+"""Keys per thread in the statistics kernels: a column's keys are cut into chunks of CHUNK,
+each walked by its own thread, so ~1.5 M threads share the work at GPT-2-small size (one
+thread per column, ~0.1 M, ran 0.9-1.0 ms a layer on the H200: a chain of ~1000 dependent
+loads per thread, 7x the time its bytes take)."""
+
+_VISIBLE = """
+long long last = col + offset;                     // keys 0..last are visible to col
 if (last > tk - 1) last = tk - 1;
 """
 
-UNROLL = 8
-"""Keys a thread loads at once: independent loads in flight (one thread per column leaves
-~0.1 M threads at GPT-2-small size, too few to cover the memory's latency one load each)."""
+_CHUNK = """
+const long long col = i % tq;                      // thread (g, c, col): chunk c of column
+const long long c = (i / tq) % nc;                 // col of s^T[g] (keys down, queries
+const long long g = i / (tq * nc);                 // across)
+const long long base = g * tk * tq + col;
+""" + _VISIBLE + """
+const long long j0 = c * CHUNK;
+long long j1 = j0 + CHUNK - 1;
+if (j1 > last) j1 = last;
+"""
 
-_SOFTMAX = _COLUMN + """
-float m = 0.0f;
-if (last >= 0) {
-    float mx[UNROLL];
-    const float first = ms16_ld(s[base]);
-    for (int u = 0; u < UNROLL; ++u) mx[u] = first;
-    long long j = 0;
-    for (; j + UNROLL - 1 <= last; j += UNROLL) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const float v = ms16_ld(s[base + (j + u) * tq]);
-            if (v > mx[u]) mx[u] = v;
-        }
-    }
-    for (; j <= last; ++j) { const float v = ms16_ld(s[base + j * tq]); if (v > mx[0]) mx[0] = v; }
-    m = mx[0];
-    for (int u = 1; u < UNROLL; ++u) if (mx[u] > m) m = mx[u];
-    if (!isfinite(m)) m = 0.0f;
-}
-float dd[UNROLL];
-for (int u = 0; u < UNROLL; ++u) dd[u] = 0.0f;
-long long j = 0;
-for (; j + UNROLL - 1 <= last; j += UNROLL) {
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) dd[u] += exp(ms16_ld(s[base + (j + u) * tq]) - m);
-}
-for (; j <= last; ++j) dd[0] += exp(ms16_ld(s[base + j * tq]) - m);
-float d = 0.0f;
-for (int u = 0; u < UNROLL; ++u) d += dd[u];
-const float inv = 1.0f / (d > 0.0f ? d : 1.0f);
-#pragma unroll 8
-for (j = 0; j <= last; ++j) {
-    const long long at = base + j * tq;
-    s[at] = ms16_st(exp(ms16_ld(s[at]) - m) * inv);
-}
-for (; j < tk; ++j) s[base + j * tq] = ms16_st(0.0f);
-lse = m + log(d);
-""".replace("UNROLL", str(UNROLL))
+_COLUMN = """
+const long long col = i % tq;                      // thread (g, col): one query column
+const long long g = i / tq;
+const long long at0 = g * nc * tq + col;           // its chunk 0 in a (G, nc, tq) array
+""" + _VISIBLE + """
+const long long chunks = last >= 0 ? last / CHUNK + 1 : 0;   // the chunks with a visible key
+"""
+_CHUNK, _COLUMN = (src.replace("CHUNK", str(CHUNK)) for src in (_CHUNK, _COLUMN))
 
-_SOFTMAX_GRAD = _COLUMN + """
-const float l = isfinite(lse) ? lse : 0.0f;
-float rr[UNROLL];
-for (int u = 0; u < UNROLL; ++u) rr[u] = 0.0f;
-long long j = 0;
-for (; j + UNROLL - 1 <= last; j += UNROLL) {
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const long long at = base + (j + u) * tq;
-        rr[u] += ms16_ld(ds[at]) * exp(ms16_ld(s[at]) - l);
-    }
-}
-for (; j <= last; ++j) {
-    const long long at = base + j * tq;
-    rr[0] += ms16_ld(ds[at]) * exp(ms16_ld(s[at]) - l);
-}
-float row = 0.0f;
-for (int u = 0; u < UNROLL; ++u) row += rr[u];
+_ELEMENT = """
+const long long col = i % tq;                      // thread (g, j, col): one element of s^T
+const long long j = (i / tq) % tk;
+const long long stat = (i / (tq * tk)) * tq + col; // its column's statistics
+""" + _VISIBLE
+
+_SOFTMAX_STATS = _CHUNK + """
+float mc = 0.0f, dc = 0.0f;
+if (j0 <= j1) {
+    mc = ms16_ld(s[base + j0 * tq]);
 #pragma unroll 8
-for (j = 0; j <= last; ++j) {
-    const long long at = base + j * tq;
-    const float p = exp(ms16_ld(s[at]) - l);
-    const float g = (ms16_ld(ds[at]) - row) * p;
-    s[at] = ms16_st(p);
-    ds[at] = ms16_st(g);
+    for (long long j = j0 + 1; j <= j1; ++j) {
+        const float v = ms16_ld(s[base + j * tq]);
+        if (v > mc) mc = v;
+    }
+    const float mz = isfinite(mc) ? mc : 0.0f;
+#pragma unroll 8
+    for (long long j = j0; j <= j1; ++j) dc += exp(ms16_ld(s[base + j * tq]) - mz);
 }
-for (; j < tk; ++j) {                              // hidden: p = 0, ds = (dp - row) 0
-    const long long at = base + j * tq;
-    const float g = (ms16_ld(ds[at]) - row) * 0.0f;
-    s[at] = ms16_st(0.0f);
-    ds[at] = ms16_st(g);
+m = mc;
+d = dc;
+"""
+
+_SOFTMAX_COMBINE = _COLUMN + """
+float mm = 0.0f;
+if (chunks > 0) {
+    mm = m[at0];
+    for (long long c = 1; c < chunks; ++c) { const float v = m[at0 + c * tq]; if (v > mm) mm = v; }
+    if (!isfinite(mm)) mm = 0.0f;
 }
-""".replace("UNROLL", str(UNROLL))
+float dd = 0.0f;
+for (long long c = 0; c < chunks; ++c) {
+    const float v = m[at0 + c * tq];
+    dd += d[at0 + c * tq] * exp((isfinite(v) ? v : 0.0f) - mm);
+}
+mx = mm;
+inv = 1.0f / (dd > 0.0f ? dd : 1.0f);
+lse = mm + log(dd);
+"""
+
+_SOFTMAX_WRITE = _ELEMENT + """
+s = ms16_st(j <= last ? exp(ms16_ld(s) - mx[stat]) * inv[stat] : 0.0f);
+"""
+
+_GRAD_STATS = _CHUNK + """
+const float l = isfinite(lse[g * tq + col]) ? lse[g * tq + col] : 0.0f;
+float rc = 0.0f;
+#pragma unroll 8
+for (long long j = j0; j <= j1; ++j) {
+    const long long at = base + j * tq;
+    rc += ms16_ld(ds[at]) * exp(ms16_ld(s[at]) - l);
+}
+r = rc;
+"""
+
+_GRAD_COMBINE = _COLUMN + """
+float rr = 0.0f;
+for (long long c = 0; c < chunks; ++c) rr += r[at0 + c * tq];
+row = rr;
+"""
+
+_GRAD_WRITE = _ELEMENT + """
+const float l = isfinite(lse[stat]) ? lse[stat] : 0.0f;
+const float p = j <= last ? exp(ms16_ld(s) - l) : 0.0f;   // hidden: p = 0, ds = (dp - row) 0
+const float gr = (ms16_ld(ds) - row[stat]) * p;
+s = ms16_st(p);
+ds = ms16_st(gr);
+"""
+
+_SHAPE = "int64 tk, int64 tq, int64 offset"
 
 _ROUND = "y = ms16_ld(ms16_st(x))"
 
 ELEMENTWISE = {
-    "softmax_t": ("int64 tk, int64 tq, int64 offset", "raw uint16 s, float32 lse", _SOFTMAX,
-                  "mpishard_causal_softmax16_t"),
-    "softmax_grad_t": ("int64 tk, int64 tq, int64 offset, float32 lse",
-                       "raw uint16 s, raw uint16 ds", _SOFTMAX_GRAD,
-                       "mpishard_softmax16_grad_t"),
+    "softmax_stats": (f"raw uint16 s, {_SHAPE}, int64 nc", "float32 m, float32 d",
+                      _SOFTMAX_STATS, "mpishard_softmax16_stats"),
+    "softmax_combine": (f"raw float32 m, raw float32 d, {_SHAPE}, int64 nc",
+                        "float32 mx, float32 inv, float32 lse", _SOFTMAX_COMBINE,
+                        "mpishard_softmax16_combine"),
+    "softmax_write": (f"raw float32 mx, raw float32 inv, {_SHAPE}", "uint16 s", _SOFTMAX_WRITE,
+                      "mpishard_softmax16_write"),
+    "grad_stats": (f"raw uint16 s, raw uint16 ds, raw float32 lse, {_SHAPE}, int64 nc",
+                   "float32 r", _GRAD_STATS, "mpishard_softmax16_grad_stats"),
+    "grad_combine": (f"raw float32 r, {_SHAPE}, int64 nc", "float32 row", _GRAD_COMBINE,
+                     "mpishard_softmax16_grad_combine"),
+    "grad_write": (f"raw float32 lse, raw float32 row, {_SHAPE}", "uint16 s, uint16 ds",
+                   _GRAD_WRITE, "mpishard_softmax16_grad_write"),
     "round": ("float32 x", "float32 y", _ROUND, "mpishard_round16_f32"),
 }
 """The ElementwiseKernels by name: (in params, out params, body, kernel name); each runs with
@@ -184,28 +214,43 @@ def _words(s, what):
     return s.view(np.uint16)
 
 
-def _offset(tk, offset):
-    return tk if offset is None else int(offset)
+def _shape(s, offset):
+    """(tk, tq, the offset as the kernels take it, chunks per column) of s^T."""
+    tk, tq = s.shape[-2:]
+    return tk, tq, tk if offset is None else int(offset), -(-tk // CHUNK)
 
 
 def causal_softmax_t(xp, s, offset):
     """s^T (B, H, Tk, Tq), 16-bit raw scores, C-contiguous -> 16-bit probabilities in place;
-    returns lse (B, H, Tq) float32. offset None: every key visible."""
-    tk, tq = s.shape[-2:]
-    lse = xp.empty(s.shape[:-2] + (tq,), dtype=np.float32)
-    kernels(xp, s.dtype.name)["softmax_t"](tk, tq, _offset(tk, offset), _words(s, "s"), lse)
+    returns lse (B, H, Tq) float32. offset None: every key visible. Three launches: each
+    chunk's max and sum, each column's (the max m, 1 / d, lse), then every element."""
+    tk, tq, off, nc = _shape(s, offset)
+    k = kernels(xp, s.dtype.name)
+    words = _words(s, "s")
+    m = xp.empty(s.shape[:-2] + (nc, tq), dtype=np.float32)
+    d = xp.empty_like(m)
+    k["softmax_stats"](words, tk, tq, off, nc, m, d)
+    mx, inv, lse = (xp.empty(s.shape[:-2] + (tq,), dtype=np.float32) for _ in range(3))
+    k["softmax_combine"](m, d, tk, tq, off, nc, mx, inv, lse)
+    k["softmax_write"](mx, inv, tk, tq, off, words)
     return lse
 
 
 def softmax_grad_t(xp, s, ds, lse, offset):
     """In place: s (16-bit raw scores s^T) -> 16-bit p^T, ds (16-bit dp^T / sqrt Dh) ->
-    16-bit ds^T / sqrt Dh = (dp - sum_s p dp) p; lse (B, H, Tq) the forward's."""
-    tk, tq = s.shape[-2:]
+    16-bit ds^T / sqrt Dh = (dp - sum_s p dp) p; lse (B, H, Tq) the forward's. Three launches:
+    each chunk's share of the row sums, each column's row sum, then every element."""
     if ds.shape != s.shape or ds.dtype != s.dtype:
         raise ValueError(f"fused_low: ds {ds.shape} {ds.dtype} is not like s {s.shape} {s.dtype}")
+    tk, tq, off, nc = _shape(s, offset)
+    k = kernels(xp, s.dtype.name)
+    words, dwords = _words(s, "s"), _words(ds, "ds")
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
-    kernels(xp, s.dtype.name)["softmax_grad_t"](tk, tq, _offset(tk, offset), lse,
-                                                _words(s, "s"), _words(ds, "ds"))
+    r = xp.empty(s.shape[:-2] + (nc, tq), dtype=np.float32)
+    k["grad_stats"](words, dwords, lse, tk, tq, off, nc, r)
+    row = xp.empty(s.shape[:-2] + (tq,), dtype=np.float32)
+    k["grad_combine"](r, tk, tq, off, nc, row)
+    k["grad_write"](lse, row, tk, tq, off, words, dwords)
     return s, ds
 
 

@@ -51,22 +51,27 @@ def reference_softmax(s32, offset):
         return p, m[..., 0, :] + np.log(d)
 
 
-def run_softmax(built, kind, s, offset):
-    tk, tq = s.shape[-2:]
-    words = s.copy().view(np.uint16)
-    lse = np.empty(s.shape[:-2] + (tq,), np.float32)
-    off = tk if offset is None else offset
-    built[kind, "softmax_t"](lse.size, tk, tq, off, words, lse)
-    return words.view(LOW[kind]), lse
+@pytest.fixture
+def host_kernels(built, monkeypatch):
+    """fused_low.kernels answering the host-built kernels (HostLaunch: cupy's call)."""
+    monkeypatch.setattr(fused_low, "kernels", lambda xp, name: {
+        k: HostLaunch(built[name, k]) for k in fused_low.ELEMENTWISE})
+
+
+def run_softmax(kind, s, offset):
+    p = s.copy()
+    lse = fused_low.causal_softmax_t(np, p, offset)
+    return p, lse
 
 
 @pytest.mark.parametrize("kind", sorted(LOW))
 @pytest.mark.parametrize("shape,offset", [((2, 3, 7, 7), 0), ((1, 2, 9, 5), 2),
                                           ((2, 1, 6, 8), -3), ((1, 2, 5, 4), None),
-                                          ((1, 1, 64, 64), 0)])
-def test_softmax_is_the_xp_softmax_rounded(built, kind, shape, offset):
+                                          ((1, 1, 64, 64), 0), ((1, 1, 200, 130), 0),
+                                          ((1, 2, 130, 70), 60), ((1, 1, 129, 129), None)])
+def test_softmax_is_the_xp_softmax_rounded(host_kernels, kind, shape, offset):
     s = scores(kind, shape, seed=sum(shape))
-    got, lse = run_softmax(built, kind, s, offset)
+    got, lse = run_softmax(kind, s, offset)
     p, want_lse = reference_softmax(s.astype(np.float32), offset)
     g = got.astype(np.float32)
     assert np.all(g[p == 0] == 0)                            # hidden keys exactly 0
@@ -77,9 +82,9 @@ def test_softmax_is_the_xp_softmax_rounded(built, kind, shape, offset):
     assert np.mean(g == rounded) > 0.95                      # mostly the very same words
 
 
-def test_a_column_that_sees_no_key_is_zero_with_lse_minus_inf(built):
+def test_a_column_that_sees_no_key_is_zero_with_lse_minus_inf(host_kernels):
     s = scores("bfloat16", (1, 1, 4, 6), seed=3)
-    got, lse = run_softmax(built, "bfloat16", s, -5)         # query i sees keys j <= i - 5
+    got, lse = run_softmax("bfloat16", s, -5)         # query i sees keys j <= i - 5
     assert np.all(got[..., :5].astype(np.float32) == 0) and np.all(np.isneginf(lse[..., :5]))
     assert got[0, 0, 0, 5] == 1 and lse[0, 0, 5] == s[0, 0, 0, 5].astype(np.float32)
 
@@ -96,31 +101,27 @@ def reference_grad(s32, ds32, lse, offset):
 
 @pytest.mark.parametrize("kind", sorted(LOW))
 @pytest.mark.parametrize("shape,offset", [((2, 3, 7, 7), 0), ((1, 2, 9, 5), 2),
-                                          ((1, 1, 64, 64), 0), ((1, 2, 5, 4), None)])
-def test_softmax_grad_is_the_xp_backward_rounded(built, kind, shape, offset):
+                                          ((1, 1, 64, 64), 0), ((1, 2, 5, 4), None),
+                                          ((1, 1, 200, 130), 0), ((1, 2, 130, 70), 60)])
+def test_softmax_grad_is_the_xp_backward_rounded(host_kernels, kind, shape, offset):
     s = scores(kind, shape, seed=7 + sum(shape))
     ds = scores(kind, shape, seed=11 + sum(shape), spread=0.5)
-    _, lse = run_softmax(built, kind, s, offset)
-    tk, tq = shape[-2:]
-    sw, dw = s.copy().view(np.uint16), ds.copy().view(np.uint16)
-    built[kind, "softmax_grad_t"](lse.size, tk, tq, tk if offset is None else offset, lse,
-                                  sw, dw)
+    _, lse = run_softmax(kind, s, offset)
+    got_p, got_g = fused_low.softmax_grad_t(np, s.copy(), ds.copy(), lse, offset)
     p, g = reference_grad(s.astype(np.float32), ds.astype(np.float32), lse, offset)
-    got_p, got_g = (w.view(LOW[kind]).astype(np.float32) for w in (sw, dw))
+    got_p, got_g = got_p.astype(np.float32), got_g.astype(np.float32)
     assert np.all(got_p[p == 0] == 0)
     np.testing.assert_allclose(got_p, p, rtol=ULP[kind], atol=TINY[kind])
     np.testing.assert_allclose(got_g, g, rtol=ULP[kind], atol=1e-5 * np.abs(g).max())
     assert np.all(got_g[p == 0] == 0)
 
 
-def test_softmax_grad_gives_zero_rows_the_probabilities_sum_to_one(built):
+def test_softmax_grad_gives_zero_rows_the_probabilities_sum_to_one(host_kernels):
     """sum_s ds = sum_s (dp - row) p = row - row: the rounded ds sums to ~0 per column."""
-    shape = (2, 2, 32, 32)
+    shape = (2, 2, 150, 150)                                # several chunks a column
     s, ds = scores("bfloat16", shape, 5), scores("bfloat16", shape, 6, spread=1.0)
-    _, lse = run_softmax(built, "bfloat16", s, 0)
-    sw, dw = s.copy().view(np.uint16), ds.copy().view(np.uint16)
-    built["bfloat16", "softmax_grad_t"](lse.size, 32, 32, 0, lse, sw, dw)
-    g = dw.view(LOW["bfloat16"]).astype(np.float32)
+    _, lse = run_softmax("bfloat16", s, 0)
+    g = fused_low.softmax_grad_t(np, s.copy(), ds.copy(), lse, 0)[1].astype(np.float32)
     assert np.abs(g.sum(axis=-2)).max() < 0.05 * np.abs(g).sum(axis=-2).max()
 
 
@@ -180,8 +181,9 @@ def test_the_attention_layer_on_the_16_bit_path_equals_the_float32_one(built, mo
     y0, da0, p0 = run(False)
     HostLaunch.calls.clear()
     y1, da1, p1 = run(True)
-    assert [c for c in HostLaunch.calls if "softmax" in c] == ["mpishard_causal_softmax16_t",
-                                                               "mpishard_softmax16_grad_t"]
+    assert [c for c in HostLaunch.calls if "softmax" in c] == [
+        f"mpishard_softmax16_{k}" for k in ("stats", "combine", "write", "grad_stats",
+                                            "grad_combine", "grad_write")]
     tol = 8 * ULP[kind]
     assert np.abs(y1 - y0).max() <= tol * np.abs(y0).max()
     assert np.abs(da1 - da0).max() <= tol * np.abs(da0).max()
