@@ -33,7 +33,11 @@ dependent loads per thread and too few threads to hide them. What the float32 pa
 unrounded (the softmax's p, the statistics, ds before rounding) stays float32; the values
 written are those the xp path rounds at the next matmul. The sums (d, the row sum) add per
 chunk, then the chunks (d's rescaled by exp(m_chunk - m)), where cupy's reduction adds in a
-tree: equal to rounding, not bit for bit; the max is exact.
+tree: equal to rounding, not bit for bit; the max is exact. On the H200 (GPT-2-small
+size, bfloat16) the three launches took ~1.5 ms a layer for both directions, against 1.9
+ms for one thread per column; most of it is the per-element launch (0.62 and 0.75 ms, ~5x
+its bytes' time), whose index arithmetic, two 64-bit divisions an element then, now runs in
+32 bits for arrays under INDEX32 elements: not yet timed on a GPU.
 
     round_in_place(y, dtype)       float32 y rounded to the 16-bit grid in place, one pass
                                    (autocast.Narrow.output's float32 matmul outputs: a
@@ -108,10 +112,17 @@ const long long chunks = last >= 0 ? last / CHUNK + 1 : 0;   // the chunks with 
 """
 _CHUNK, _COLUMN = (src.replace("CHUNK", str(CHUNK)) for src in (_CHUNK, _COLUMN))
 
+INDEX32 = 1 << 32
+"""Arrays of fewer elements than this run the per-element kernels' index arithmetic in 32
+bits (the "32" variants): two divisions per element, each a long routine in 64 bits."""
+
 _ELEMENT = """
-const long long col = i % tq;                      // thread (g, j, col): one element of s^T
-const long long j = (i / tq) % tk;
-const long long stat = (i / (tq * tk)) * tq + col; // its column's statistics
+const IDX q = (IDX)i / (IDX)tq;                    // thread (g, j, col): one element of s^T,
+const IDX c32 = (IDX)i - q * (IDX)tq;              // row q = g tk + j of the (G tk, tq) view
+const IDX g32 = q / (IDX)tk;
+const long long col = (long long)c32;
+const long long j = (long long)(q - g32 * (IDX)tk);
+const long long stat = (long long)g32 * tq + col;  // its column's statistics
 """ + _VISIBLE
 
 _SOFTMAX_STATS = _CHUNK + """
@@ -197,6 +208,10 @@ ELEMENTWISE = {
                    _GRAD_WRITE, "mpishard_softmax16_grad_write"),
     "round": ("float32 x", "float32 y", _ROUND, "mpishard_round16_f32"),
 }
+for _name in ("softmax_write", "grad_write"):               # 64-bit and 32-bit index variants
+    _in, _out, _body, _entry = ELEMENTWISE[_name]
+    ELEMENTWISE[_name] = (_in, _out, "typedef long long IDX;" + _body, _entry)
+    ELEMENTWISE[_name + "32"] = (_in, _out, "typedef unsigned int IDX;" + _body, _entry + "32")
 """The ElementwiseKernels by name: (in params, out params, body, kernel name); each runs with
 PREAMBLE[dtype] before it."""
 
@@ -220,6 +235,11 @@ def _shape(s, offset):
     return tk, tq, tk if offset is None else int(offset), -(-tk // CHUNK)
 
 
+def _index(s) -> str:
+    """The per-element kernels' variant for s: "32" (32-bit index arithmetic) or ""."""
+    return "32" if s.size < INDEX32 else ""
+
+
 def causal_softmax_t(xp, s, offset):
     """s^T (B, H, Tk, Tq), 16-bit raw scores, C-contiguous -> 16-bit probabilities in place;
     returns lse (B, H, Tq) float32. offset None: every key visible. Three launches: each
@@ -232,7 +252,7 @@ def causal_softmax_t(xp, s, offset):
     k["softmax_stats"](words, tk, tq, off, nc, m, d)
     mx, inv, lse = (xp.empty(s.shape[:-2] + (tq,), dtype=np.float32) for _ in range(3))
     k["softmax_combine"](m, d, tk, tq, off, nc, mx, inv, lse)
-    k["softmax_write"](mx, inv, tk, tq, off, words)
+    k["softmax_write" + _index(s)](mx, inv, tk, tq, off, words)
     return lse
 
 
@@ -250,7 +270,7 @@ def softmax_grad_t(xp, s, ds, lse, offset):
     k["grad_stats"](words, dwords, lse, tk, tq, off, nc, r)
     row = xp.empty(s.shape[:-2] + (tq,), dtype=np.float32)
     k["grad_combine"](r, tk, tq, off, nc, row)
-    k["grad_write"](lse, row, tk, tq, off, words, dwords)
+    k["grad_write" + _index(s)](lse, row, tk, tq, off, words, dwords)
     return s, ds
 
 

@@ -89,6 +89,26 @@ def test_a_column_that_sees_no_key_is_zero_with_lse_minus_inf(host_kernels):
     assert got[0, 0, 0, 5] == 1 and lse[0, 0, 5] == s[0, 0, 0, 5].astype(np.float32)
 
 
+def test_the_64_bit_index_variants_give_the_same_words(host_kernels, monkeypatch):
+    """Arrays of 2**32 elements or more take the per-element kernels with 64-bit index
+    arithmetic; forced here (INDEX32 = 0) they equal the 32-bit ones word for word."""
+    shape = (2, 3, 70, 45)
+    s, ds = scores("bfloat16", shape, 21), scores("bfloat16", shape, 22, spread=0.5)
+
+    def both():
+        p, lse = run_softmax("bfloat16", s, 3)
+        return (p, lse) + fused_low.softmax_grad_t(np, s.copy(), ds.copy(), lse, 3)
+    want = both()
+    monkeypatch.setattr(fused_low, "INDEX32", 0)
+    HostLaunch.calls.clear()
+    got = both()
+    assert "mpishard_softmax16_write" in HostLaunch.calls
+    assert "mpishard_softmax16_grad_write" in HostLaunch.calls
+    for a, b in zip(got, want):
+        assert np.array_equal(a.view(np.uint16) if a.dtype.itemsize == 2 else a,
+                              b.view(np.uint16) if b.dtype.itemsize == 2 else b)
+
+
 def reference_grad(s32, ds32, lse, offset):
     """attention_block_backward's xp path (whole, rounding cast): (p^T, ds^T / sqrt Dh)."""
     tk, tq = s32.shape[-2:]
@@ -182,8 +202,8 @@ def test_the_attention_layer_on_the_16_bit_path_equals_the_float32_one(built, mo
     HostLaunch.calls.clear()
     y1, da1, p1 = run(True)
     assert [c for c in HostLaunch.calls if "softmax" in c] == [
-        f"mpishard_softmax16_{k}" for k in ("stats", "combine", "write", "grad_stats",
-                                            "grad_combine", "grad_write")]
+        f"mpishard_softmax16_{k}" for k in ("stats", "combine", "write32", "grad_stats",
+                                            "grad_combine", "grad_write32")]
     tol = 8 * ULP[kind]
     assert np.abs(y1 - y0).max() <= tol * np.abs(y0).max()
     assert np.abs(da1 - da0).max() <= tol * np.abs(da0).max()
