@@ -27,7 +27,10 @@ keep softmax, the norms and the losses in float32):
                        (softmax runs in float32 and saves its float32 output, as autocast's
                        fp32 list does; the PV matmul rounds them at use), and the softmax's
                        backward row sums are sum_s p dp (its autograd's), not flash
-                       attention's sum_d dout out
+                       attention's sum_d dout out. On cupy with the fused kernels the
+                       attention keeps lse instead and recomputes p = exp(s - lse) in float32
+                       from the 16-bit scores (nn/fused_low.py): that p differs from the
+                       forward's exp(s - m) / d by float32 roundings only
       everything else  float32: softmax and its statistics, LayerNorm/RMSNorm, activations,
                        the loss, reductions, the residual stream, the embeddings
     tf32
