@@ -109,7 +109,7 @@ help:
 	@echo "make test             test-serial, then $(MPI_TESTS)"
 	@echo "make test-serial      tests not marked mpi, plain pytest"
 	@echo "make test-N           MPI tests on N ranks, N in TEST_SIZES=\"$(TEST_SIZES)\""
-	@echo "make test-nvrtc       every CUDA kernel source compiled to PTX by NVRTC (installs $(NVRTC_PIN)), no GPU"
+	@echo "make test-nvrtc       every CUDA kernel source compiled to PTX by NVRTC (installs $(NVRTC_PIN)), no GPU; fused_low's bodies run on the host (C++)"
 	@echo "make test-cpu-fused   the cpu-fused extra (numba) installed, its kernels against the numpy ops, GPT layouts at 2 ranks"
 	@echo "make test-hf          tests/hf (installs the hf extra: transformers, CPU torch) serially and on $(HF_SIZES) ranks"
 	@echo "make test-serve       tests/serve (installs the serve extra, openai, httpx) serially and on $(SERVE_SIZES) ranks"
@@ -215,7 +215,8 @@ NVRTC_PIN ?= nvidia-cuda-nvrtc-cu12==12.9.86
 .PHONY: test-nvrtc
 test-nvrtc: $(STAMP)
 	$(PY) -m pip install -q $(NVRTC_PIN)
-	MPISHARD_REQUIRE_NVRTC=1 $(TIMEOUT_CMD) $(PY) -m pytest -q -p no:cacheprovider tests/nn/test_nvrtc.py
+	MPISHARD_REQUIRE_NVRTC=1 MPISHARD_REQUIRE_CXX=1 $(TIMEOUT_CMD) $(PY) -m pytest -q \
+	    -p no:cacheprovider tests/nn/test_nvrtc.py tests/nn/test_fused_low.py
 
 # --- the CPU's fused element-wise kernels (the cpu-fused extra, numba; .ci/run's last stage) ---
 # Installs the extra into $(VENV) and runs the kernels' exactness tests against the numpy

@@ -8,8 +8,11 @@ rounds its input). The kernels' float32 arithmetic is that path's, so the probab
 to the host's exp against numpy's (a float32 ulp, then one 16-bit rounding: at most one
 16-bit ulp apart); the backward's row sum runs key by key where numpy sums pairwise, so ds
 agrees to a float32 rounding of the row sum, scaled by the largest |ds| (atol). The GPU check
-runs the kernels themselves (layouts-16, bench-step).
+runs the kernels themselves (layouts-16, bench-step). Without a C++ compiler the tests skip,
+unless MPISHARD_REQUIRE_CXX=1 (make test-nvrtc, a CI stage), which makes that a failure.
 """
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,6 +20,9 @@ import pytest
 from host_kernels import HOST_PREAMBLE, HostKernel, compiler
 from mpishard.nn import attention, fused_low
 
+if compiler() is None and os.environ.get("MPISHARD_REQUIRE_CXX") == "1":   # make test-nvrtc
+    pytest.fail("MPISHARD_REQUIRE_CXX=1 but no C++ compiler (c++, g++) is on PATH",
+                pytrace=False)
 pytestmark = pytest.mark.skipif(compiler() is None, reason="needs a C++ compiler (g++)")
 LOW = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 ULP = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
