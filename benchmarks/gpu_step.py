@@ -102,15 +102,18 @@ def peak_bytes(dev, fn, torch=None):
     return dev.tracked_peak(fn)
 
 
-def attention_name(dev) -> str:
-    return ("fused causal softmax + cuBLAS batched GEMMs (nn/fused.py)"
-            if fused.use(dev.xp) else "xp ops (matmul, softmax)")
+def attention_name(dev, keywords) -> str:
+    if not fused.use(dev.xp):
+        return "xp ops (matmul, softmax)"
+    if keywords.get("compute_dtype") in ("bfloat16", "float16") and not dev.standin:
+        return "16-bit softmax kernels + cuBLAS 16-bit batched GEMMs (nn/fused_low.py)"
+    return "fused causal softmax + cuBLAS batched GEMMs (nn/fused.py)"
 
 
 def one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32, samples):
     model, params, x, t, batch = problem
     rec = dict(part="step", precision=label, keywords=keywords, batch=batch,
-               attention=attention_name(dev))
+               attention=attention_name(dev, keywords))
     fns = list(ours(dev, model, params, x, t, keywords))
     rec["loss_ours"] = float(fns[1]())             # the first step's, before any update
     if torch is not None:

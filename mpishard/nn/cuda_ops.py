@@ -87,7 +87,8 @@ def norm_takes(xp, x, *params) -> bool:
 def saved_input(xp, x):
     """x as a norm's backward reads it: C-contiguous and the norm's own (a copy of the
     caller's array, which may be written later: a reused receive buffer), one pass."""
-    return xp.array(x, order="C", copy=True)
+    c = xp.ascontiguousarray(x)
+    return c.copy() if c is x else c
 
 
 def layernorm_forward(xp, x, scale, shift, eps):

@@ -37,7 +37,8 @@ tree: equal to rounding, not bit for bit; the max is exact. On the H200 (GPT-2-s
 size, bfloat16) the three launches took ~1.5 ms a layer for both directions, against 1.9
 ms for one thread per column; most of it is the per-element launch (0.62 and 0.75 ms, ~5x
 its bytes' time), whose index arithmetic, two 64-bit divisions an element then, now runs in
-32 bits for arrays under INDEX32 elements: not yet timed on a GPU.
+32 bits for arrays under INDEX32 elements: not yet run on a GPU (compiled by NVRTC and run
+on the host only).
 
     round_in_place(y, dtype)       float32 y rounded to the 16-bit grid in place, one pass
                                    (autocast.Narrow.output's float32 matmul outputs: a
@@ -45,11 +46,11 @@ its bytes' time), whose index arithmetic, two 64-bit divisions an element then, 
                                    took two).
 
 The bodies are cupy ElementwiseKernel code over `unsigned short` words, with a preamble that
-defines ms16_ld (a word widened to float: exact) and ms16_st (a float narrowed, nearest even;
-a NaN becomes the quiet NaN of its sign, as parallel/bf16.py and cuda_src.py round). PREAMBLE
-holds the CUDA versions; tests/nn/test_fused_low.py compiles the same bodies with a C++
-preamble on the host and runs them against the xp path, and tests/nn/test_nvrtc.py compiles
-them to PTX.
+defines ms16_ld (a word widened to float: exact) and ms16_st (a float narrowed, nearest even,
+a NaN stays a NaN; bfloat16 as parallel/bf16.py and cuda_src.py round, float16 by PTX's
+cvt). PREAMBLE holds the CUDA versions; tests/nn/test_fused_low.py compiles the same
+bodies with a C++ preamble on the host and runs them against the xp path, and
+tests/nn/test_nvrtc.py compiles them to PTX.
 """
 from __future__ import annotations
 
@@ -150,9 +151,9 @@ if (chunks > 0) {
     if (!isfinite(mm)) mm = 0.0f;
 }
 float dd = 0.0f;
-for (long long c = 0; c < chunks; ++c) {
-    const float v = m[at0 + c * tq];
-    dd += d[at0 + c * tq] * exp((isfinite(v) ? v : 0.0f) - mm);
+for (long long c = 0; c < chunks; ++c) {            // a chunk of -inf scores adds nothing
+    const float v = m[at0 + c * tq], dc = d[at0 + c * tq];   // (not 0 exp(0 - mm): NaN when
+    if (dc != 0.0f) dd += dc * exp((isfinite(v) ? v : 0.0f) - mm);   // mm < -88)
 }
 mx = mm;
 inv = 1.0f / (dd > 0.0f ? dd : 1.0f);

@@ -92,7 +92,8 @@ class CausalSelfAttention(Layer):
         out, lse, p = att.causal_attention_forward(q, k, v, keep_probs=True,  # softmax(q k^T
                                                    visible=visible,  # / sqrt Dh) v, in docs
                                                    cast=cast)
-        self.save(mb, record, (q, k, v, out, lse, p))            # p for backward (or None)
+        self.save(mb, record, (q, k, v, out, None if p is not None else lse, p))  # p, or lse
+        #                          (the 16-bit device path recomputes p: attention_block)
         return att.merge_heads(out)                               # heads concatenated
 
     def backward(self, dy, mb=0):

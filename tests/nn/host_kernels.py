@@ -2,8 +2,9 @@
 
 A CUDA kernel body that uses no CUDA intrinsic beyond its preamble (nn/fused_low.py's: the
 16-bit words' ms16_ld and ms16_st) is plain C++: here it is compiled with a host preamble
-that defines those two the same way (bit arithmetic for bfloat16, the compiler's _Float16 for
-float16, both round to nearest even), inside a loop over i as cupy's kernel runs it
+that defines those two to the same effect (the same bit arithmetic for bfloat16, copied by
+hand; the compiler's _Float16 for float16, where the device uses PTX's cvt; both round to
+nearest even), inside a loop over i as cupy's kernel runs it
 (nvrtc._params' binding: a raw parameter is a pointer, any other is element i of its array,
 a scalar passed as an array of n copies), and loaded with ctypes. So the kernel's logic (its
 indexing, masking, in-place order) runs on this machine; only the device's exp and log

@@ -187,9 +187,17 @@ def mirrored_norms(monkeypatch):
         dx, ds = rmsnorm_bwd(rows(dy), rows(x), scale, rstd.reshape(-1, 1), blocks(x))
         return dx.reshape(dy.shape), ds
 
+    calls = []
+
+    def counted(name, fn):
+        def call(*args):
+            calls.append(name)
+            return fn(*args)
+        return call
     for name, fn in (("layernorm_forward", ln_fwd), ("layernorm_backward", ln_bwd),
                      ("rmsnorm_forward", rms_fwd), ("rmsnorm_backward", rms_bwd)):
-        monkeypatch.setattr(cuda_ops, name, fn)
+        monkeypatch.setattr(cuda_ops, name, counted(name, fn))
+    return calls
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -214,12 +222,29 @@ def test_the_norm_kernels_wired_into_a_model_step_equal_the_xp_path(monkeypatch,
     monkeypatch.setenv("MPISHARD_CPU_FUSED", "0")
     loss0, g0 = step()
     with monkeypatch.context() as m:
-        mirrored_norms(m)
+        calls = mirrored_norms(m)
         loss1, g1 = step()
+    norm = "layernorm" if model == "gpt" else "rmsnorm"
+    n = 2 * 2 + 1                                          # two a block, and the final one
+    assert calls == [f"{norm}_forward"] * n + [f"{norm}_backward"] * n
     assert loss1 == pytest.approx(loss0, rel=1e-12)
     assert sorted(g1) == sorted(g0)
     for k in g0:
         close(g1[k], g0[k])
+
+
+def test_rmsnorm_keeps_its_own_copy_of_the_input(monkeypatch):
+    mirrored_norms(monkeypatch)
+    x, scale, _, dy = rows_problem(seed=1)
+    store = SimpleNamespace(params={"n/scale": scale}, grads={"n/scale": np.zeros_like(scale)})
+    unit = RMSNorm(LocalAccess(store), "n", 1e-6)
+    want = RMSNorm(LocalAccess(SimpleNamespace(params={"n/scale": scale}, grads={
+        "n/scale": np.zeros_like(scale)})), "n", 1e-6)
+    want.forward(x.copy())
+    unit.forward(x)
+    assert unit.tape[0][0] is not x and unit.tape[0][2] is True   # the kernel's tape
+    x[...] = 0                                             # e.g. a reused receive buffer
+    close(unit.backward(dy), want.backward(dy))
 
 
 def test_a_norm_keeps_its_own_copy_of_the_input(monkeypatch):

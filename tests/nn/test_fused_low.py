@@ -1,7 +1,9 @@
 """nn/fused_low.py's 16-bit attention softmax kernels, their bodies run on the host.
 
-tests/nn/host_kernels.py compiles each ElementwiseKernel body with a C++ preamble equal to
-the CUDA one (16-bit words widened exactly, narrowed to nearest even) and runs it here; the
+tests/nn/host_kernels.py compiles each ElementwiseKernel body with a C++ preamble doing the
+CUDA one's conversions (16-bit words widened exactly, narrowed to nearest even: the same bit
+arithmetic for bfloat16, the compiler's _Float16 where the device's float16 helpers use PTX's
+cvt, which only a GPU runs) and runs it here; the
 results are checked against attention.py's xp path on the widened scores (float32 numpy: the
 mask, the row max, exp, the sum, the scaling, then rounded to 16 bits as the next matmul
 rounds its input). The kernels' float32 arithmetic is that path's, so the probabilities agree
@@ -113,6 +115,18 @@ def test_the_64_bit_index_variants_give_the_same_words(host_kernels, monkeypatch
     for a, b in zip(got, want):
         assert np.array_equal(a.view(np.uint16) if a.dtype.itemsize == 2 else a,
                               b.view(np.uint16) if b.dtype.itemsize == 2 else b)
+
+
+def test_a_chunk_of_minus_inf_scores_adds_nothing(host_kernels):
+    """A column whose visible scores are -100 (64 keys) then -inf (a chunk of 64): the float32
+    path's p = 1/64 on the first and lse = -100 + log 64 (0 exp(0 + 100) was NaN)."""
+    s32 = np.full((1, 1, 128, 128), -np.inf, np.float32)
+    s32[:, :, :64] = -100.0
+    p, lse = run_softmax("bfloat16", s32.astype(LOW["bfloat16"]), None)
+    want_p, want_lse = reference_softmax(s32.astype(LOW["bfloat16"]).astype(np.float32), None)
+    assert np.isfinite(lse).all()
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    np.testing.assert_allclose(p.astype(np.float32), want_p, rtol=ULP["bfloat16"])
 
 
 def reference_grad(s32, ds32, lse, offset):

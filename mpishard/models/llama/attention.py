@@ -173,7 +173,7 @@ class GroupedQueryAttention(Layer):
         visible = None if ids is None else docs.visible(ids, ids)
         out, lse, p = att.causal_attention_forward(q, k, v, keep_probs=True, visible=visible,
                                                    cast=cast)
-        self.save(mb, record, (q, k, v, out, lse, p))            # p None: recomputed
+        self.save(mb, record, (q, k, v, out, None if p is not None else lse, p))  # p, or lse
         return att.merge_heads(out)                               # heads concatenated
 
     def backward(self, dy, mb=0):
