@@ -57,6 +57,7 @@ masters and the checkpoint writer make. `precision.param` and `.comm` stay the l
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import ml_dtypes
@@ -150,6 +151,13 @@ class Precision:
         if self.matmul is not None:
             if xp is not np and holds(xp, self.matmul):  # cupy 13 has no bfloat16: emulated
                 return Narrow(self.matmul)
+            if xp is not np:
+                logging.getLogger("mpishard").warning(
+                    "compute dtype %s is emulated on this device (float32 GEMMs, no tensor "
+                    "cores): %s %s has no %s dtype; cupy >= 14 has (pip install "
+                    "'cupy-cuda12x>=14', Python >= 3.10, NumPy >= 2)", self.matmul.name,
+                    getattr(xp, "__name__", "the array module"),
+                    getattr(xp, "__version__", ""), self.matmul.name)
             to_16 = partial(round_to, dtype=self.matmul)
             return Rounding(to_16, to_16, self.matmul.name)
         if not self.tf32:

@@ -163,3 +163,22 @@ def test_engine_holds_bf16_words_on_gpu():
         assert np.array_equal(words, host_words(cp.asnumpy(opt.state[n]["master"]))), n
         assert np.array_equal(cp.asnumpy(full[n]), words.view(BF16).astype(np.float32)), n
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_a_device_without_bfloat16_warns_that_compute_is_emulated(monkeypatch, caplog):
+    """cupy 13 has no bfloat16 dtype: the engine falls back to the rounding emulation
+    (float32 GEMMs) and says so, naming the cupy that would run it on the tensor cores."""
+    from mpishard.nn.autocast import Narrow, Rounding
+    from mpishard.parallel import precision
+
+    p = precision.Precision(np.float32, compute_dtype="bfloat16")
+    with caplog.at_level("WARNING", logger="mpishard"):
+        assert isinstance(p.autocast(DeviceModule()), Narrow) and not caplog.records
+        monkeypatch.setattr(precision, "holds", lambda xp, dtype: False)
+        policy = p.autocast(DeviceModule())
+    assert isinstance(policy, Rounding) and not isinstance(policy, Narrow)
+    assert "emulated" in caplog.text and "cupy-cuda12x>=14" in caplog.text
+    assert not caplog.records[1:]
+    with caplog.at_level("WARNING", logger="mpishard"):
+        p.autocast(np)                                      # numpy: the emulation, silently
+    assert len(caplog.records) == 1
