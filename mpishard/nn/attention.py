@@ -83,22 +83,24 @@ def _masked_scores_t(q, k, offset, visible=None, cast=FULL):
     return s
 
 
+def _scaled_t(x):
+    """(x / sqrt Dh)^T of (…, T, Dh) x, C-ordered (…, Dh, T) in x's dtype: one copy."""
+    xp = array_module(x)
+    out = xp.empty(x.shape[:-2] + (x.shape[-1], x.shape[-2]), dtype=x.dtype)
+    xp.multiply(_t(x), inv_sqrt(x), out=out)
+    return out
+
+
 def _product_t(q, k, cast=FULL):
     """s^T = 'bhsd,bhdt->bhst' (k, (q / sqrt Dh)^T) as the matmul returns it: unmasked, its
     output not yet through cast.output (16-bit under a `Narrow` cast)."""
-    xp = array_module(q)
-    qt = xp.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype)
-    xp.multiply(_t(q), inv_sqrt(q), out=qt)                      # (q / sqrt Dh)^T, one copy
-    return matmul(xp, cast.round(k), cast.round(qt))
+    return matmul(array_module(q), cast.round(k), cast.round(_scaled_t(q)))
 
 
-def _low_scores_t(q, k, cast):
-    """The 16-bit s^T of _product_t when nn/fused_low.py's kernels take this attention (cupy
-    with the fused kernels on, a `Narrow` cast: 16-bit compute on a device), else None."""
-    if not (isinstance(cast, Narrow) and fused.use(array_module(q))):
-        return None
-    s = _product_t(q, k, cast)
-    return s if is_low(s) else None
+def _takes_low(q, cast) -> bool:
+    """Whether nn/fused_low.py's kernels take this attention: cupy with the fused kernels
+    on and a `Narrow` cast (16-bit compute on a device), whose _product_t is 16-bit."""
+    return isinstance(cast, Narrow) and fused.use(array_module(q))
 
 
 def _max_over_keys(s):
@@ -140,9 +142,10 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     takes (nn/fused_low.py): the same values, no float32 (B, H, Tk, Tq) array.
     """
     xp = array_module(q)
-    low = None if visible is not None else _low_scores_t(q, k, cast)
-    if low is not None:                   # 16-bit scores: the softmax in place, in 16 bits
-        p, lse = low, fused_low.causal_softmax_t(xp, low, offset)
+    low = visible is None and _takes_low(q, cast)
+    if low:                               # 16-bit scores: the softmax in place, in 16 bits
+        p = _product_t(q, k, cast)
+        lse = fused_low.causal_softmax_t(xp, p, offset)
     elif visible is None and fused.use(xp):                  # the same softmax, one kernel
         p = _masked_scores_t(q, k, None, cast=cast)
         lse = fused.causal_softmax_t(xp, p, offset)
@@ -164,7 +167,7 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     cast.output(fused.matmul_tn(xp, cast.round(p), cast.round(v), out=out))  # 'bhst,bhsd->bhtd'
     if not keep_probs:
         return out, lse
-    return out, lse, (None if low is not None else p)   # 16-bit: recomputed (_backward_low)
+    return out, lse, (None if low else p)               # 16-bit: recomputed (_backward_low)
 
 
 def merge_blocks(out_a, lse_a, out_b, lse_b):
@@ -208,10 +211,8 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     xp = array_module(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = (None, None, None) if into is None else into
-    if probs is None and visible is None and whole:
-        low = _low_scores_t(q, k, cast)
-        if low is not None:
-            return _backward_low(dout, q, k, v, lse, offset, low, cast, (dq, dk, dv))
+    if probs is None and visible is None and whole and _takes_low(q, cast):
+        return _backward_low(dout, q, k, v, lse, offset, cast, (dq, dk, dv))
     p = probs
     if p is None:
         p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
@@ -219,9 +220,7 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
         xp.exp(p, out=p)
     dout = cast.round(dout)
     dv = cast.output(matmul(xp, cast.round(p), dout, out=dv))    # 'bhst,bhtd->bhsd' (p^T, dout)
-    dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
-    xp.multiply(_t(dout), inv_sqrt(dout), out=dout_t)        # (dout / sqrt Dh)^T, one copy
-    ds = cast.output(matmul(xp, cast.round(v), cast.round(dout_t)))  # dp^T / sqrt Dh
+    ds = cast.output(matmul(xp, cast.round(v), cast.round(_scaled_t(dout))))  # dp^T / sqrt Dh
     #                                                          'bhsd,bhdt->bhst'
     if cast.active and whole:          # sum_s p dp / sqrt Dh, from the rounded dp: the
         row = fused.dot_over_keys(xp, ds, p)         # softmax's own backward (autocast's)
@@ -236,16 +235,16 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
     return dq, dk, dv
 
 
-def _backward_low(dout, q, k, v, lse, offset, s, cast, into):
-    """attention_block_backward of a whole block under a `Narrow` cast on cupy, from the
-    recomputed 16-bit scores s^T: the softmax's backward in 16 bits (nn/fused_low.py), the
-    same products and roundings as the float32 path, no (B, H, Tk, Tq) float32 array."""
+def _backward_low(dout, q, k, v, lse, offset, cast, into):
+    """attention_block_backward of a whole block under a `Narrow` cast on cupy (_takes_low),
+    from the recomputed 16-bit scores s^T: the softmax's backward in 16 bits
+    (nn/fused_low.py), the same products and roundings as the float32 path, no (B, H, Tk,
+    Tq) float32 array."""
     xp = array_module(q)
     dq, dk, dv = into
+    s = _product_t(q, k, cast)                               # 16-bit s^T, recomputed
     dout = cast.round(dout)
-    dout_t = xp.empty(dout.shape[:-2] + dout.shape[:-3:-1], dtype=dout.dtype)
-    xp.multiply(_t(dout), inv_sqrt(dout), out=dout_t)        # (dout / sqrt Dh)^T, one copy
-    ds = matmul(xp, cast.round(v), cast.round(dout_t))       # 16-bit dp^T / sqrt Dh
+    ds = matmul(xp, cast.round(v), cast.round(_scaled_t(dout)))   # 16-bit dp^T / sqrt Dh
     p, ds = fused_low.softmax_grad_t(xp, s, ds, lse, offset)  # p^T, ds^T / sqrt Dh: 16 bits
     dv = cast.output(matmul(xp, p, dout, out=dv))            # 'bhst,bhtd->bhsd' (p^T, dout)
     dq = cast.output(fused.matmul_tn(xp, ds, cast.round(k), out=dq))   # 'bhts,bhsd->bhtd'

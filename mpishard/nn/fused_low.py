@@ -60,17 +60,29 @@ import numpy as np
 
 from .cuda_ops import OPTIONS
 
-_BF16 = r"""
-__device__ __forceinline__ float ms16_ld(unsigned short w) {
-    return __uint_as_float(((unsigned int)w) << 16);
-}
-__device__ __forceinline__ unsigned short ms16_st(float v) {
-    unsigned int u = __float_as_uint(v);
-    return (unsigned short)(((u & 0x7FFFFFFFu) > 0x7F800000u)
-                            ? (((u >> 16) & 0x8000u) | 0x7FC0u)
-                            : ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
-}
+BF16_TO_WORDS = """
+unsigned int u = __float_as_uint(x);
+w = (unsigned short)(((u & 0x7FFFFFFFu) > 0x7F800000u)
+                     ? (((u >> 16) & 0x8000u) | 0x7FC0u)
+                     : ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
 """
+"""float32 x -> its bfloat16 word w (nearest even; a NaN becomes the quiet NaN of its sign):
+a CUDA statement list, also parallel/bf16.py's kernel body."""
+BF16_TO_FLOAT32 = "x = __uint_as_float(((unsigned int)w) << 16);"
+"""A bfloat16 word w -> float32 x, exactly (also parallel/bf16.py's kernel body)."""
+
+
+
+def bf16_helpers(qualifier: str) -> str:
+    """ms16_ld and ms16_st of bfloat16 words, each function declared `qualifier`: the device
+    preamble's, and (with host definitions of __float_as_uint and __uint_as_float)
+    tests/nn/host_kernels.py's, so both run the same rounding text."""
+    return (f"{qualifier} float ms16_ld(unsigned short w) {{\nfloat x;\n{BF16_TO_FLOAT32}\n"
+            f"return x;\n}}\n{qualifier} unsigned short ms16_st(float x) {{\n"
+            f"unsigned short w;{BF16_TO_WORDS}return w;\n}}\n")
+
+
+_BF16 = bf16_helpers("__device__ __forceinline__")
 _F16 = r"""
 __device__ __forceinline__ float ms16_ld(unsigned short w) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(w)); return f;

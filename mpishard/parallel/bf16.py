@@ -27,15 +27,9 @@ from functools import lru_cache
 
 import numpy as np
 
-WORD = np.dtype(np.uint16)          # a bfloat16 as stored on a device: its raw 16 bits
+from ..nn.fused_low import BF16_TO_FLOAT32, BF16_TO_WORDS
 
-_TO_WORDS = """
-unsigned int u = __float_as_uint(x);
-w = (unsigned short)(((u & 0x7FFFFFFFu) > 0x7F800000u)
-                     ? (((u >> 16) & 0x8000u) | 0x7FC0u)
-                     : ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
-"""
-_TO_FLOAT32 = "x = __uint_as_float(((unsigned int)w) << 16);"
+WORD = np.dtype(np.uint16)          # a bfloat16 as stored on a device: its raw 16 bits
 
 
 def is_cupy(xp) -> bool:
@@ -45,8 +39,8 @@ def is_cupy(xp) -> bool:
 @lru_cache(maxsize=None)
 def cupy_kernels(cupy) -> tuple:
     """(float32 -> words, words -> float32) as cupy ElementwiseKernels."""
-    return (cupy.ElementwiseKernel("float32 x", "uint16 w", _TO_WORDS, "mpishard_bf16_words"),
-            cupy.ElementwiseKernel("uint16 w", "float32 x", _TO_FLOAT32,
+    return (cupy.ElementwiseKernel("float32 x", "uint16 w", BF16_TO_WORDS, "mpishard_bf16_words"),
+            cupy.ElementwiseKernel("uint16 w", "float32 x", BF16_TO_FLOAT32,
                                    "mpishard_bf16_float32"))
 
 

@@ -2,9 +2,10 @@
 
 A CUDA kernel body that uses no CUDA intrinsic beyond its preamble (nn/fused_low.py's: the
 16-bit words' ms16_ld and ms16_st) is plain C++: here it is compiled with a host preamble
-that defines those two to the same effect (the same bit arithmetic for bfloat16, copied by
-hand; the compiler's _Float16 for float16, where the device uses PTX's cvt; both round to
-nearest even), inside a loop over i as cupy's kernel runs it
+that defines those two to the same effect (for bfloat16 fused_low.bf16_helpers' own text,
+over host versions of the two CUDA bit-cast intrinsics it calls; for float16 the compiler's
+_Float16, where the device uses PTX's cvt; both round to nearest even), inside a loop over
+i as cupy's kernel runs it
 (nvrtc._params' binding: a raw parameter is a pointer, any other is element i of its array,
 a scalar passed as an array of n copies), and loaded with ctypes. So the kernel's logic (its
 indexing, masking, in-place order) runs on this machine; only the device's exp and log
@@ -21,20 +22,17 @@ import tempfile
 
 import numpy as np
 
-from mpishard.nn import nvrtc
+from mpishard.nn import fused_low, nvrtc
 
 HOST_PREAMBLE = {
     "bfloat16": r"""
-static inline float ms16_ld(unsigned short w) {
-    unsigned int u = ((unsigned int)w) << 16; float f; std::memcpy(&f, &u, 4); return f;
+static inline unsigned int __float_as_uint(float v) {
+    unsigned int u; std::memcpy(&u, &v, 4); return u;
 }
-static inline unsigned short ms16_st(float v) {
-    unsigned int u; std::memcpy(&u, &v, 4);
-    return (unsigned short)(((u & 0x7FFFFFFFu) > 0x7F800000u)
-                            ? (((u >> 16) & 0x8000u) | 0x7FC0u)
-                            : ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
+static inline float __uint_as_float(unsigned int u) {
+    float v; std::memcpy(&v, &u, 4); return v;
 }
-""",
+""" + fused_low.bf16_helpers("static inline"),
     "float16": r"""
 static inline float ms16_ld(unsigned short w) {
     _Float16 h; std::memcpy(&h, &w, 2); return (float)h;

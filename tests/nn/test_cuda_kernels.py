@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from one_step import stepper
 from cuda_mirror import (adamw, attention_bwd, attention_fwd, block_sum, embedding_bwd, gelu,
                          layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd, swiglu)
 
@@ -204,21 +205,11 @@ def mirrored_norms(monkeypatch):
 def test_the_norm_kernels_wired_into_a_model_step_equal_the_xp_path(monkeypatch, model):
     """A float64 train step of a tiny GPT (LayerNorm) and Llama (RMSNorm) with the norms on
     cuda_ops' kernels (their mirrors) equals the xp path's: loss and every gradient, rtol
-    1e-12; the input the norm saved is its own copy (a later write to the caller's array
-    changes nothing)."""
-    from mpi4py import MPI
+    1e-12, the kernels called once each way per norm."""
     sizes = dict(vocab_size=17, seq_len=8, d_model=16, n_heads=4, n_layers=2)
     net = ms.GPT(**sizes) if model == "gpt" else ms.Llama(**sizes, n_kv_heads=2, d_ff=24)
-    params = net.init(seed=0)
     rng = np.random.default_rng(4)
-    x, t = rng.integers(0, 17, (3, 8)), rng.integers(0, 17, (3, 8))
-
-    def step():
-        engine = ms.make_engine(net, "single", dtype=np.float64, comm=MPI.COMM_SELF)
-        engine.load_checkpoint(params)
-        loss, grads = engine.train_step(x, t, ms.losses.CrossEntropy())
-        return loss, {n: g.copy() for n, g in grads.items()}
-
+    step = stepper(net, rng.integers(0, 17, (3, 8)), rng.integers(0, 17, (3, 8)))
     monkeypatch.setenv("MPISHARD_CPU_FUSED", "0")
     loss0, g0 = step()
     with monkeypatch.context() as m:

@@ -8,8 +8,9 @@ gets from the package (no FMA contraction):
   compiler must have nothing to say (no warning);
 - nn/fused.py's ElementwiseKernel and ReductionKernel bodies, for T float and double,
   nn/fused_low.py's bodies after each 16-bit dtype's preamble, and
-  parallel/bf16.py's two ElementwiseKernel bodies, each inside nvrtc.elementwise_source's /
-  reduction_source's harness (cupy's parameter binding, flat indices);
+  the bfloat16 word kernels' bodies (fused_low.BF16_TO_WORDS and BF16_TO_FLOAT32,
+  parallel/bf16.py's), each inside nvrtc.elementwise_source's / reduction_source's harness
+  (cupy's parameter binding, flat indices);
 and a source with an error is refused with NVRTC's log, so the check can fail.
 """
 import os
@@ -17,7 +18,6 @@ import os
 import pytest
 
 from mpishard.nn import cuda_ops, cuda_src, fused, fused_low, nvrtc
-from mpishard.parallel import bf16
 
 ARCHS = ("compute_80", "compute_90")
 
@@ -80,8 +80,9 @@ def test_fused_reduction_compiles(compiler, name, t):
     assert nvrtc.entries(compiler.ptx(src, spec[-1], options(ARCHS[0]))) == [spec[-1]]
 
 
-@pytest.mark.parametrize("spec", [("float32 x", "uint16 w", bf16._TO_WORDS, "bf16_words"),
-                                  ("uint16 w", "float32 x", bf16._TO_FLOAT32, "bf16_float32")])
+@pytest.mark.parametrize("spec", [
+    ("float32 x", "uint16 w", fused_low.BF16_TO_WORDS, "bf16_words"),
+    ("uint16 w", "float32 x", fused_low.BF16_TO_FLOAT32, "bf16_float32")])
 def test_bf16_kernels_compile(compiler, spec):
     src = nvrtc.elementwise_source(*spec, "float")
     assert nvrtc.entries(compiler.ptx(src, spec[-1])) == [spec[-1]]
