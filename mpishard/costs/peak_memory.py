@@ -23,10 +23,11 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
           and their gradient through the whole backward: 2 L; an MLP's workspace already
           counts them);
         - the loss (last stage), L = r x the logits' bytes: the logits, their shifted copy and
-          its exponent, 3 L (vocab-parallel: logits, exp, softmax, softmax - one-hot and
-          its scaled copy, the gradient, with the one-hot mask, 5 L + L / itemsize, and L
-          more where the vocabulary is padded), and the
-          logits' gradients of the other microbatches in flight (the runner keeps each until
+          its exponent, 3 L (2 L where this process's numpy step runs nn/cpu_rows.py's
+          kernel, cpu_rows.runs_here: the logits and dy, written in place; vocab-parallel:
+          logits, exp, softmax, softmax - one-hot and its scaled copy, the gradient, with
+          the one-hot mask, 5 L + L / itemsize, and L more where the vocabulary is padded),
+          and the logits' gradients of the other microbatches in flight (the runner keeps each until
           its backward: under GPipe all m), (k - 1) L for k in flight;
         - the head's backward: the last logits and the k gradients (1 + k) L, the head's
           weight gradient W, and under ZeRO-3 the head weight gathered whole.
@@ -48,6 +49,7 @@ only its held state, gathered weights and buffers.
 """
 from __future__ import annotations
 
+from ..nn import cpu_rows
 from ..parallel import fsdp
 from ..parallel.data_parallel import DEFAULT_BUCKET_MB
 from ..parallel.placement import local_shape
@@ -105,7 +107,8 @@ def moments(view, parts, rows_mb) -> list:
             "logits": (waiting + (logits if layout.size("pp") == 1 else 0)) *
             bool(parts.get("backward_holds_logits"))}]
     if logits:                       # the runner keeps each in-flight microbatch's dlogits
-        factor = 5 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else 3
+        factor = 5 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else \
+            2 if cpu_rows.runs_here(itemsize) else 3
         out.append({"activations": saved, "logits": int(factor * logits) + waiting - logits})
         head_zero3 = head if any(whole[n] == head for n in zero3) else 0
         out.append({"activations": saved, "logits": logits + waiting + head,

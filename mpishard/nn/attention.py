@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from . import cpu_fused, fused, fused_low
+from . import cpu_attention, cpu_fused, fused, fused_low
 from .autocast import FULL, Narrow
 from .functional import array_module
 from .gemm import is_low, matmul
@@ -127,7 +127,8 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     visible: None, or a bool mask broadcastable to (B, H, Tq, Tk), False hiding a key from a
     query (with offset, a key must pass both; the backward takes the same mask); with it the
     xp ops run on a device (nn/fused.py's kernel is causal-only); on numpy the numba kernel
-    (nn/cpu_fused.py) takes a 4-axis bool mask (cpu_fused.takes_mask), the xp ops any other.
+    (nn/cpu_attention.py) takes a 4-axis bool mask (cpu_attention.takes_mask), the xp ops any
+    other.
     A row
     that sees no key gets out 0 and lse -inf (merge_blocks then gives it weight 0). `out` is a
     (B, H, Tq, Dh) view of a (B, Tq, H, Dh) array, so merge_heads needs no copy.
@@ -149,9 +150,9 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
     elif visible is None and fused.use(xp):                  # the same softmax, one kernel
         p = _masked_scores_t(q, k, None, cast=cast)
         lse = fused.causal_softmax_t(xp, p, offset)
-    elif cpu_fused.use(q, k) and (visible is None or cpu_fused.takes_mask(
+    elif cpu_fused.use(q, k) and (visible is None or cpu_attention.takes_mask(
             visible, k.shape[:2] + (k.shape[-2], q.shape[-2]))):   # numpy + numba: two loops
-        p, lse = cpu_fused.causal_softmax_t(_masked_scores_t(q, k, None, cast=cast), offset,
+        p, lse = cpu_attention.causal_softmax_t(_masked_scores_t(q, k, None, cast=cast), offset,
                                             visible)
     else:
         p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
@@ -228,7 +229,10 @@ def attention_block_backward(dout, q, k, v, out, lse, offset=None, into=None, pr
         pair = (dout.astype(p.dtype, copy=False), out.astype(p.dtype, copy=False))   # 16-bit
         row = xp.einsum("bthd,bthd->bht", *(u.transpose(0, 2, 1, 3) for u in pair))
         row *= scale                                         # sum_d dout * out / sqrt Dh
-    fused.softmax_grad_t(xp, ds, row, p)                     # ds^T / sqrt Dh = (ds - row) p
+    if cpu_attention.takes_grad(ds, row, p):                 # numpy + numba: one pass
+        cpu_attention.softmax_grad_t(ds, row, p)
+    else:
+        fused.softmax_grad_t(xp, ds, row, p)                 # ds^T / sqrt Dh = (ds - row) p
     ds = cast.round(ds)
     dq = cast.output(fused.matmul_tn(xp, ds, cast.round(k), out=dq))   # 'bhts,bhsd->bhtd'
     dk = cast.output(matmul(xp, ds, cast.round(q), out=dk))  # 'bhst,bhtd->bhsd' (ds^T, q)

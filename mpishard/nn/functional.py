@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import cpu_fused, cuda_ops, fused
+from . import cpu_fused, cpu_rows, cuda_ops, fused
 from .gemm import F32, is_low, matmul
 
 
@@ -204,10 +204,14 @@ def embedding_forward(table, ids):
 def embedding_backward(dy, ids, rows: int):
     """Undo the gather: scatter-add dy (..., D) into a (rows, D) gradient (repeated ids add).
 
-    On numpy: sort the ids, sum each run of equal ids with one add.reduceat and write the
-    sums to their rows (one buffered pass instead of the unbuffered, element-at-a-time
-    `np.add.at`); other array modules (cupy: an atomic scatter-add kernel) use `xp.add.at`."""
+    On numpy: nn/cpu_rows.py's loop where numba runs (np.add.at's sums, in its order), else
+    sort the ids, sum each run of equal ids with one add.reduceat and write the sums to their
+    rows (one buffered pass instead of the unbuffered, element-at-a-time `np.add.at`); other
+    array modules (cupy: an atomic scatter-add kernel) use `xp.add.at`."""
     xp = array_module(dy)
+    if cpu_rows.takes_embedding(dy, ids) and ids.size and -rows <= ids.min() \
+            and ids.max() < rows:                           # numpy + numba: one pass, in order
+        return cpu_rows.embedding_backward(dy, ids, rows)
     g = xp.zeros((rows, dy.shape[-1]), dtype=dy.dtype)
     flat, dy2 = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])
     if xp is not np or flat.size == 0:
@@ -279,8 +283,14 @@ def gelu_forward(z):
     return y.reshape(z.shape), dydz.reshape(z.shape)
 
 
-def gelu_backward(dy, dydz):
-    """dz = dy dy/dz (the derivative gelu_forward saved)."""
+def gelu_backward(dy, dydz, overwrite=False):
+    """dz = dy dy/dz (the derivative gelu_forward saved). overwrite: written into dydz, which
+    the caller owns and needs no more (the Activation layer's popped tape entry), where shapes
+    and dtypes allow: no new (B*T, F) array to write."""
+    xp = array_module(dy)
+    if overwrite and dy.shape == dydz.shape and dy.dtype == dydz.dtype \
+            and array_module(dydz) is xp:
+        return xp.multiply(dy, dydz, out=dydz)
     return dy * dydz
 
 
@@ -331,5 +341,9 @@ def activation_forward(name, z):
     return ACTIVATIONS[name][0](z)
 
 
-def activation_backward(name, dy, saved):
+def activation_backward(name, dy, saved, overwrite=False):
+    """dL/dz from dL/dy and what the forward saved; overwrite: the caller owns `saved` and
+    needs it no more, so GELU may write dz into it (gelu_backward)."""
+    if overwrite and name == "gelu":
+        return gelu_backward(dy, saved, overwrite=True)
     return ACTIVATIONS[name][1](dy, saved)

@@ -292,7 +292,7 @@ class Activation(Layer):
         return y
 
     def backward(self, dy, mb=0):
-        return nn.activation_backward(self.name, dy, self.pop(mb))
+        return nn.activation_backward(self.name, dy, self.pop(mb), overwrite=True)
 
 
 class Composite(Layer):

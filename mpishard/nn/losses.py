@@ -26,7 +26,7 @@ import copy
 
 import numpy as np
 
-from . import fused
+from . import cpu_rows, fused
 from .functional import array_module
 
 
@@ -159,6 +159,9 @@ class CrossEntropy(Loss):
         n = self.divisor(t)
         if fused.use(xp):                                            # cupy: 4 passes, not ~11
             value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t, keep, n)
+            return value, dy.reshape(y.shape)
+        if cpu_rows.takes_loss(y.reshape(-1, y.shape[-1]), flat_t):  # numpy + numba: 3 passes
+            value, dy = cpu_rows.cross_entropy(y.reshape(-1, y.shape[-1]), flat_t, keep, n)
             return value, dy.reshape(y.shape)
         keep = None if bool(keep.all()) else keep                    # one host read per call
         lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
