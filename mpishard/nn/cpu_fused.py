@@ -10,7 +10,10 @@ sums along a row (`_sum`, `_dot2`) may reassociate, so they run in vector-wide p
     gelu(z)                 (y, dy/dz) of functional.gelu_forward: chunk by chunk, one loop
                             for c (z + 0.044715 z^3), numpy's own vectorised tanh in place,
                             one loop for the rest: 3 passes instead of ~15. Bit for bit the
-                            numpy result, in float32 and float64.
+                            numpy result, in float32 and float64. gelu(z, overwrite=True): y
+                            written over z (a GPT block's fc output, which nothing keeps).
+    add_bias(y, b)          y += b on each row in place (a linear layer's bias): the same
+                            adds, one plain loop instead of numpy's broadcast one.
     layernorm(x, ..)        (y, (xhat, rstd)) of functional.layernorm_forward, one row at a
                             time: sum, centre, sum of squares; then scale and shift.
     layernorm_grad(dy, ..)  (dx, dscale, dshift) of functional.layernorm_backward, one row at
@@ -87,11 +90,30 @@ def _gelu_outer(z, h, y, b, c2, one, half):
         h[i] = t * s                      # 0.5 (1 + t) (1 + z (1 - t) u')
 
 
-def gelu(z):
-    """functional.gelu_forward on numpy: (y, dy/dz), the same steps and roundings."""
+@jit
+def _gelu_outer_over(zy, h, b, c2, one, half):
+    for i in range(zy.shape[0]):          # _gelu_outer with y written over z: one array,
+        x = zy[i]                         # so the loop needs no overlap check to vectorise
+        t = h[i] + one
+        t *= half
+        s = x * x * b
+        s += c2
+        s *= x
+        s *= one - t
+        s += one
+        zy[i] = x * t
+        h[i] = t * s
+
+
+def gelu(z, overwrite=False):
+    """functional.gelu_forward on numpy: (y, dy/dz), the same steps and roundings.
+    overwrite: y written over z where z is C-contiguous and writeable (the caller owns z
+    and needs it no more): one fresh (B*T, F) array fewer, whose first write would cost a
+    read of its memory as well."""
     dt = z.dtype.type
+    over = overwrite and z.flags.c_contiguous and z.flags.writeable
     zf = np.ascontiguousarray(z).reshape(-1)
-    y, dydz = np.empty_like(zf), np.empty_like(zf)
+    y, dydz = (zf if over else np.empty_like(zf)), np.empty_like(zf)
     a, c = dt(0.044715 * _GELU_C), dt(_GELU_C)
     b, c2, one, half = dt(6 * 0.044715 * _GELU_C), dt(2 * _GELU_C), dt(1.0), dt(0.5)
     for lo in range(0, zf.size, CHUNK):
@@ -99,8 +121,31 @@ def gelu(z):
         zc, h = zf[lo:hi], dydz[lo:hi]
         _gelu_inner(zc, h, a, c)
         np.tanh(h, out=h)                 # numpy's tanh: its rounding, vectorised
-        _gelu_outer(zc, h, y[lo:hi], b, c2, one, half)
+        if over:
+            _gelu_outer_over(zc, h, b, c2, one, half)
+        else:
+            _gelu_outer(zc, h, y[lo:hi], b, c2, one, half)
     return y.reshape(z.shape), dydz.reshape(z.shape)
+
+
+# -- bias -------------------------------------------------------------------------------------
+@jit
+def _add_rows(y, b):
+    for r in range(y.shape[0]):
+        row = y[r]
+        for j in range(row.shape[0]):
+            row[j] += b[j]
+
+
+def add_bias(y, b) -> bool:
+    """y += b over y's rows, in place, where the kernel takes it (`use`, y C-contiguous with
+    b as its last axis): numpy's own add, bit for bit, at 2-3x its broadcast loop's speed.
+    Returns whether it ran (the caller adds with numpy otherwise)."""
+    if not (use(y, b) and b.ndim == 1 and y.ndim >= 1 and y.shape[-1] == b.shape[0]
+            and y.flags.c_contiguous and y.flags.writeable):
+        return False
+    _add_rows(y.reshape(-1, b.shape[0]), np.ascontiguousarray(b))
+    return True
 
 
 # -- LayerNorm -----------------------------------------------------------------------------------
@@ -193,4 +238,4 @@ def layernorm_grad(dy, saved, scale):
     return dx.reshape(dy.shape), dscale, dshift
 
 
-__all__ = ["available", "use", "jit", "gelu", "layernorm", "layernorm_grad", "CHUNK"]
+__all__ = ["available", "use", "jit", "add_bias", "gelu", "layernorm", "layernorm_grad", "CHUNK"]

@@ -98,7 +98,7 @@ def linear_forward(x, w, b=None):
     else:
         y = einsum("bd,df->bf", x2, w)
     y = y.reshape(x.shape[:-1] + w.shape[1:])
-    if b is not None:
+    if b is not None and not cpu_fused.add_bias(y, b):     # numpy + numba: a plain loop
         y += b
     return y
 
@@ -242,7 +242,7 @@ GELU_CHUNK = 1 << 16
 cache instead of streaming whole (B*T, F) arrays through memory each time."""
 
 
-def gelu_forward(z):
+def gelu_forward(z, overwrite=False):
     """GELU, tanh form (PyTorch approximate='tanh'): y = 0.5 z (1 + t), t = tanh(c (z + 0.044715
     z^3)). Saves the derivative dy/dz instead of z and t (one array on the tape, not two), so
     the backward is one multiply:
@@ -251,12 +251,13 @@ def gelu_forward(z):
               = 0.5 (1 + t) (1 + z (1 - t) u'),   u' = c (1 + 3 0.044715 z^2)
 
     Computed chunk by chunk (GELU_CHUNK elements) on numpy, in place on the chunk's buffers;
-    on cupy one fused kernel of the same steps (fused.py)."""
+    on cupy one fused kernel of the same steps (fused.py). overwrite: the caller owns z and
+    needs it no more, so y may be written over it (the numba kernel does: cpu_fused.gelu)."""
     xp = array_module(z)
     if fused.use(xp):                                        # cupy: the same steps, one kernel
         return fused.gelu(xp, z)
     if cpu_fused.use(z):                                     # numpy + numba: 3 passes, not ~15
-        return cpu_fused.gelu(z)
+        return cpu_fused.gelu(z, overwrite)
     zf = z.reshape(-1)
     y, dydz = xp.empty_like(zf), xp.empty_like(zf)
     n = zf.size
@@ -337,7 +338,11 @@ def check_activation(name) -> str:
     return name
 
 
-def activation_forward(name, z):
+def activation_forward(name, z, overwrite=False):
+    """(act(z), what the backward needs); overwrite: the caller owns z and needs it no more,
+    so GELU may write y over it (gelu_forward)."""
+    if overwrite and name == "gelu":
+        return gelu_forward(z, overwrite=True)
     return ACTIVATIONS[name][0](z)
 
 

@@ -277,17 +277,22 @@ class Sequential:
 
 
 class Activation(Layer):
-    """Element-wise act(z); works on full or feature-sharded activations alike."""
+    """Element-wise act(z); works on full or feature-sharded activations alike.
 
-    def __init__(self, name):
+    overwrite_input: the unit before returns a fresh array that nothing else keeps (a linear
+    layer's product: Linear saves its input, not its output), so the activation may write
+    its output over it (GELU on numpy with numba: functional.gelu_forward)."""
+
+    def __init__(self, name, overwrite_input=False):
         super().__init__()
         self.name = nn.check_activation(name)
+        self.overwrite_input = bool(overwrite_input)
 
     def __repr__(self):
         return f"Activation({self.name})"
 
     def forward(self, z, mb=0, record=True):
-        y, saved = nn.activation_forward(self.name, z)
+        y, saved = nn.activation_forward(self.name, z, self.overwrite_input)
         self.save(mb, record, saved)
         return y
 

@@ -3,10 +3,11 @@
 numba comes with the `cpu-fused` extra; without it these tests skip, unless
 MPISHARD_REQUIRE_NUMBA=1, which turns the skip into a failure. Each case runs the functional
 entry point twice in one process, MPISHARD_CPU_FUSED=0 (the numpy ops) and =1 (the kernels):
-GELU bit for bit in float32 and float64; LayerNorm forward and backward to 1e-12 of each
-array's largest magnitude in float64 (their sums add in another order; `close`), 1e-5 in
-float32; a whole GPT train step's loss and gradients at rtol 1e-12 in float64. And the switch
-itself: off for other dtypes, mixed dtypes, other array modules and MPISHARD_CPU_FUSED=0.
+GELU and the linear layer's bias add bit for bit in float32 and float64; LayerNorm forward
+and backward to 1e-12 of each array's largest magnitude in float64 (their sums add in another
+order; `close`), 1e-5 in float32; a whole GPT train step's loss and gradients at rtol 1e-12
+in float64. And the switch itself: off for other dtypes, mixed dtypes, other array modules
+and MPISHARD_CPU_FUSED=0.
 The attention's kernels: test_cpu_attention.py; the loss's and the embedding's:
 test_cpu_rows.py.
 """
@@ -57,6 +58,24 @@ def test_gelu_bit_for_bit(dtype, shape, monkeypatch):
     np.testing.assert_array_equal(on, off)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_written_over_its_input(dtype, monkeypatch):
+    """overwrite=True: the same y and dy/dz bit for bit, y in z's own memory (the kernel's
+    in-place loop); a strided z is not written over."""
+    monkeypatch.setenv("MPISHARD_CPU_FUSED", "1")
+    z = sample((3, cpu_fused.CHUNK // 64 + 5, 64), dtype, 14)
+    want = nn.gelu_forward(z)
+    zc = z.copy()
+    got = nn.activation_forward("gelu", zc, overwrite=True)
+    assert np.shares_memory(got[0], zc)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    strided = z.copy()[:, ::2]
+    before = strided.copy()
+    nn.gelu_forward(strided, overwrite=True)
+    np.testing.assert_array_equal(strided, before)
+
+
 def test_gelu_of_a_strided_view(monkeypatch):
     z = sample((8, 10), np.float64, 2)[:, ::3]
     off, on = both(lambda: nn.gelu_forward(z), monkeypatch)
@@ -85,6 +104,21 @@ def test_layernorm_of_a_strided_view(monkeypatch):
     scale, shift = sample((10,), np.float64, 8), sample((10,), np.float64, 9)
     off, on = both(lambda: nn.layernorm_forward(x, scale, shift)[0], monkeypatch)
     close([on], [off], 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_linear_bias_bit_for_bit(dtype, monkeypatch):
+    """linear_forward's bias: the kernel's add runs and equals numpy's bit for bit; a bias of
+    another dtype takes numpy's add."""
+    x, w, b = sample((3, 4, 6), dtype, 10), sample((6, 5), dtype, 11), sample((5,), dtype, 12)
+    calls = []
+    kernel = cpu_fused.add_bias
+    monkeypatch.setattr(cpu_fused, "add_bias", lambda *a: calls.append(kernel(*a)) or calls[-1])
+    off, on = both(lambda: nn.linear_forward(x, w, b), monkeypatch)
+    assert calls == [False, True]                            # the switch off, then on
+    assert on.shape == (3, 4, 5)
+    np.testing.assert_array_equal(on, off)
+    assert not cpu_fused.add_bias(np.ones((2, 5), dtype), b.astype(np.float16))
 
 
 def test_gpt_step_equals_the_numpy_ops(monkeypatch):

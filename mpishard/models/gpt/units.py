@@ -42,7 +42,7 @@ class Block(Composite):
                                  "row")])
         mlp = Residual([LayerNorm(access, f"{p}/ln_2"),
                         *linear(access, f"{p}/mlp/fc/weights", f"{p}/mlp/fc/bias", "column"),
-                        Activation("gelu"),                      # tanh form
+                        Activation("gelu", overwrite_input=True),  # tanh; y over fc's out
                         *linear(access, f"{p}/mlp/proj/weights", f"{p}/mlp/proj/bias", "row")])
         super().__init__([attn, mlp])
         self.index = index
