@@ -227,7 +227,8 @@ test-nvrtc: $(STAMP)
 test-cpu-fused: $(STAMP)
 	$(PY) -m pip install -q -e '.[cpu-fused]'
 	MPISHARD_REQUIRE_NUMBA=1 $(TIMEOUT_CMD) $(PY) -m pytest -q -p no:cacheprovider \
-	    tests/nn/test_cpu_fused.py tests/train/test_optim_fused.py
+	    tests/nn/test_cpu_fused.py tests/nn/test_cpu_attention.py tests/nn/test_cpu_rows.py \
+	    tests/costs/test_peak_memory.py tests/train/test_optim_fused.py
 	$(TIMEOUT_CMD) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(PY) -m mpi4py -m pytest -q --with-mpi -m mpi \
 	    -p no:cacheprovider tests/parallel/test_gpt_tp.py tests/parallel/test_gpt_cp.py \
 	    tests/parallel/test_packing.py tests/parallel/test_cp_packing.py tests/train/test_optim.py
