@@ -7,7 +7,7 @@ with every constant in the array's dtype and without fast-math (no FMA contracti
 reassociation), so each product and sum rounds as the numpy op does; only the LayerNorm's
 sums along a row (`_sum`, `_dot2`) may reassociate, so they run in vector-wide partial sums:
 
-    gelu(z)                 (y, dy/dz) of functional.gelu_forward: chunk by chunk, one loop
+    gelu(z)                 (y, dy/dz) of pointwise.gelu_forward: chunk by chunk, one loop
                             for c (z + 0.044715 z^3), numpy's own vectorised tanh in place,
                             one loop for the rest: 3 passes instead of ~15. Bit for bit the
                             numpy result, in float32 and float64. gelu(z, overwrite=True): y
@@ -43,7 +43,7 @@ except ImportError:                     # pragma: no cover - depends on the envi
     numba = None
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_GELU_C = float(np.sqrt(2.0 / np.pi))   # as functional._GELU_C
+_GELU_C = float(np.sqrt(2.0 / np.pi))   # as pointwise._GELU_C
 CHUNK = 1 << 16                         # GELU elements per chunk: the call's dispatch amortised
 
 
@@ -106,7 +106,7 @@ def _gelu_outer_over(zy, h, b, c2, one, half):
 
 
 def gelu(z, overwrite=False):
-    """functional.gelu_forward on numpy: (y, dy/dz), the same steps and roundings.
+    """pointwise.gelu_forward on numpy: (y, dy/dz), the same steps and roundings.
     overwrite: y written over z where z is C-contiguous and writeable (the caller owns z
     and needs it no more): one fresh (B*T, F) array fewer, whose first write would cost a
     read of its memory as well."""

@@ -142,7 +142,7 @@ def rmsnorm_backward(xp, dy, x, scale, rstd):
 
 
 def bias_gelu_forward(xp, z, bias=None):
-    """(y, u): u = z + bias (z itself without a bias), y = functional.gelu_forward(u)[0]; u is
+    """(y, u): u = z + bias (z itself without a bias), y = pointwise.gelu_forward(u)[0]; u is
     what gelu_backward needs (one saved array, as gelu_forward's dy/dz)."""
     z = xp.ascontiguousarray(z)
     u = z if bias is None else xp.empty_like(z)
@@ -155,7 +155,7 @@ def bias_gelu_forward(xp, z, bias=None):
 
 
 def gelu_backward(xp, dy, u):
-    """dz = dy gelu'(u): functional.gelu_backward with gelu_forward's dy/dz recomputed from
+    """dz = dy gelu'(u): pointwise.gelu_backward with gelu_forward's dy/dz recomputed from
     u (the bias gradient is the column sum of dz, functional.column_sums)."""
     dy, u = xp.ascontiguousarray(dy), xp.ascontiguousarray(u)
     du = xp.empty_like(u)

@@ -80,7 +80,7 @@ template <typename A> __device__ A ms_block_sum(A v) {
 """ % {"block": BLOCK}
 
 _POINTWISE = r"""
-// The tanh GELU of functional.gelu_forward, its steps in its order: (y, dy/dz) of z.
+// The tanh GELU of pointwise.gelu_forward, its steps in its order: (y, dy/dz) of z.
 template <typename A> __device__ void ms_gelu(A z, A& y, A& dydz) {
     A s = z * z;
     A h = s * (A)%(a)s;
@@ -224,7 +224,7 @@ _ADAMW_CALL = ("table, size, hyper, chunk_tensor, chunk_start, chunk, decay, one
 
 
 def _gelu_constants() -> dict:
-    """The constants of functional.gelu_forward, as C literals."""
+    """The constants of pointwise.gelu_forward, as C literals."""
     c = math.sqrt(2.0 / math.pi)
     return {"a": repr(0.044715 * c), "c": repr(c), "b": repr(6 * 0.044715 * c),
             "c2": repr(2 * c)}

@@ -24,7 +24,7 @@ REDUCTION, which tests/nn/test_nvrtc.py compiles with NVRTC without a GPU):
                                   backward's row sums under autocast), one pass, no copies.
     matmul_tn(a, b)               a^T b of batched matrices without cupy's copy of a^T (the
                                   attention's p^T v and ds^T k: 2 x 400 MB copies per layer).
-    gelu(z)                       (y, dy/dz) of functional.gelu_forward, one pass, not ~15.
+    gelu(z)                       (y, dy/dz) of pointwise.gelu_forward, one pass, not ~15.
     cross_entropy(y2, t)          (value, dy) of losses.CrossEntropy: row max, sum of
                                   exp(y - m), then dy = (exp((y - m) - log s) - onehot) / N in
                                   one pass: 4 passes over the logits instead of ~11.

@@ -281,7 +281,7 @@ class Activation(Layer):
 
     overwrite_input: the unit before returns a fresh array that nothing else keeps (a linear
     layer's product: Linear saves its input, not its output), so the activation may write
-    its output over it (GELU on numpy with numba: functional.gelu_forward)."""
+    its output over it (GELU on numpy with numba: pointwise.gelu_forward)."""
 
     def __init__(self, name, overwrite_input=False):
         super().__init__()
