@@ -179,13 +179,20 @@ class SwiGLU(Layer):
 
     backward  dgate = dy up s (1 + g (1 - s)),  s = sigmoid(g);  dup = dy silu(g)
               (written into the two halves of one (B, T, 2 F) gradient)
+
+    On cupy with the fused kernels on (cuda_ops.swiglu_takes) one kernel each way: the tape
+    keeps the input alone (2 F a token, not 4 F) and the backward recomputes s from it.
     """
 
     def __repr__(self):
         return "SwiGLU"
 
     def forward(self, a, mb=0, record=True):
-        f = a.shape[-1] // 2
+        xp, f = nn.array_module(a), a.shape[-1] // 2
+        if cuda_ops.swiglu_takes(xp, a):                         # cupy: one kernel
+            a = xp.ascontiguousarray(a)
+            self.save(mb, record, (a,))
+            return cuda_ops.swiglu_forward(xp, a)
         g, u = a[..., :f], a[..., f:]
         s, _ = nn.sigmoid_forward(g)
         silu = g * s
@@ -193,8 +200,16 @@ class SwiGLU(Layer):
         return silu * u
 
     def backward(self, dy, mb=0):
-        g, u, s, silu = self.pop(mb)
+        saved = self.pop(mb)
         xp, f = nn.array_module(dy), dy.shape[-1]
+        if len(saved) == 1:                                      # the kernel's tape: a alone
+            (a,) = saved
+            if dy.dtype == a.dtype:
+                return cuda_ops.swiglu_backward(xp, dy, a)
+            g, u = a[..., :f], a[..., f:]                         # (another dtype: xp ops)
+            s = nn.sigmoid_forward(g)[0]
+            saved = (g, u, s, g * s)
+        g, u, s, silu = saved
         da = xp.empty(dy.shape[:-1] + (2 * f,), dtype=dy.dtype)
         dgate, dup = da[..., :f], da[..., f:]
         xp.multiply(dy, silu, out=dup)                           # undoes silu * up in up
