@@ -16,7 +16,7 @@ and only while MPISHARD_FUSED is not "0" (read at each call). AdamW calls adamw_
 rstd) for the backward, and the Llama's SwiGLU its pair where `swiglu_takes`, saving only its
 input; the others (bias+GELU, the residual add, the embedding's backward, attention) are
 checked and timed on a GPU (gpu_kernels_check) and not called: fused.py's one-pass GELU and
-16-bit softmax run instead, and the embedding kernel measured 0.10-0.14x the scatter-add's
+16-bit softmax run instead, and the embedding kernel measured 0.10-0.20x the scatter-add's
 speed on the H200. The module is compiled once per
 process (`module`, memoised like fused.kernels) by cupy's NVRTC, without FMA contraction;
 `import cupy` happens only in a caller that holds cupy arrays (xp is cupy).
