@@ -26,7 +26,11 @@ tokens, a batch row being one sequence of seq_len tokens). Rank 0 prints:
                  pipeline receives are waits, shown as 'pipeline idle' instead), max over ranks
   comm bytes     bytes sent per step per kind (engine.comm_bytes / steps), max over ranks,
                  next to the prediction of cli/plan.py's step_comm (max over ranks);
-                 'total' is the busiest rank's sum (not the sum of the rows above it)
+                 'total' is the busiest rank's sum (not the sum of the rows above it). The
+                 prediction is --dtype's throughout: with --param-dtype or --comm-dtype
+                 bfloat16/float16 (as `train`'s) the 16-bit gathers and gradients send half
+                 the bytes, 16-bit gradients by all_to_all (summed in float32), and the
+                 header says the plan column does not model it
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ from ..train.optim import SGD, AdamW
 from .auto_layout import add_auto_arguments, agree_choice, agree_memory_limit, chosen
 from .model_flag import add_model_arguments, model_from_flag
 from .plan import COMM_KINDS, check_fit, step_comm_total
-from .device_options import add_device_arguments, compute_text, engine_options
+from .device_options import (add_device_arguments, add_precision_arguments,
+                             check_precision_flags, compute_text, engine_options)
 from .usage import (agreed, check_flags, checked_layout, default_layout, print_report,
                     world_comm)
 
@@ -53,6 +58,7 @@ def add_bench_arguments(p):
     p.add_argument("--activation", default="relu", help="hidden activation (relu)")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    add_precision_arguments(p.add_argument)          # --param-dtype, --comm-dtype
     add_device_arguments(p.add_argument)
     p.add_argument("--steps", type=int, default=10, help="timed steps (10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
@@ -70,13 +76,15 @@ def build_bench(args, comm):
     any collective on bad input."""
     check_flags(args, ("batch", "steps", "lr"), low=0, low_open=True)
     check_flags(args, ("warmup", "seed"), low=0)
+    check_precision_flags(args.param_dtype, args.comm_dtype, args.dtype)
     options = engine_options(args, args.dtype)
     world = comm.Get_size()
     model = model_from_flag(args.model, args.activation, gpt=args.gpt)
     text = chosen(args, model, world, "train", args.batch, args.optimizer)   # --layout auto
     layout = checked_layout(text or default_layout(world), world)
     check_fit(model, layout, args.batch)      # tp divides the hidden sizes, batch fits, ...
-    engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm, **options)
+    engine = make_engine(model, layout, dtype=np.dtype(args.dtype), comm=comm,
+                         param_dtype=args.param_dtype, comm_dtype=args.comm_dtype, **options)
     engine.load_checkpoint(model.init(seed=args.seed))
     opt = (AdamW(engine, lr=args.lr) if args.optimizer == "adamw"
            else SGD(engine, lr=args.lr))
@@ -153,6 +161,13 @@ def format_table(engine, args, result) -> str:
             f"       {args.steps} timed steps after {args.warmup} warm-up (train_step + "
             f"optimizer step); max over ranks; {flops:,} FLOP per step",
             f"{'metric':<30}{'measured':>16}{'plan':>16}"]
+    narrow = [f"{flag} {v}" for flag, v in (("--param-dtype", args.param_dtype),
+                                            ("--comm-dtype", args.comm_dtype))
+              if v not in (None, args.dtype)]
+    if narrow:                       # the plan's bytes are at one width (costs/rank_costs.py)
+        head.insert(2, f"       plan: {engine.dtype.name} throughout ({', '.join(narrow)} not "
+                    "modelled: 16-bit gathers and gradients send half the bytes, and 16-bit "
+                    "gradients go by all_to_all to be summed in float32)")
     return "\n".join(head + [f"{a:<30}{b:>16}{c:>16}" for a, b, c in rows])
 
 

@@ -59,6 +59,28 @@ def add_device_arguments(add, default="auto"):
         "is CUDA-aware, else staged)")
 
 
+PRECISION_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def add_precision_arguments(add) -> None:
+    """--param-dtype and --comm-dtype through `add` (train's model group, bench's parser);
+    their defaults stay None: the run's --dtype (check_precision_flags)."""
+    for flag, what in (("--param-dtype", "parameter storage (fsdp: all-gather)"),
+                       ("--comm-dtype", "gradient communication (sums stay fp32)")):
+        add(flag, choices=PRECISION_DTYPES, help=f"{what} dtype; bfloat16/float16 need --dtype "
+            "float32 (float16: dynamic loss scaling); default: --dtype")
+
+
+def check_precision_flags(param_dtype, comm_dtype, dtype: str) -> None:
+    """UsageError unless each of --param-dtype/--comm-dtype is unset, the run's --dtype, or a
+    16-bit dtype beside --dtype float32 (no MPI)."""
+    for flag, value in (("--param-dtype", param_dtype), ("--comm-dtype", comm_dtype)):
+        if value not in (None, dtype) and (value in ("float32", "float64")
+                                           or dtype != "float32"):
+            raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
+                             f"or the --dtype itself), got --dtype {dtype}")
+
+
 def gpu_comm_choice(gpu_comm: str, cuda_aware: str) -> tuple:
     """(gpu_comm, cuda_aware) for make_engine from --gpu-comm and --cuda-aware: with
     --gpu-comm auto, --cuda-aware yes/no picks the mpi/staged path; the staged path never

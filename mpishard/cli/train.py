@@ -47,7 +47,8 @@ from .token_options import (TOKEN_DEFAULTS, add_token_arguments, check_seq_len,
 from .train_config import config_tokens, load_toml
 from .trace_options import (TRACE_DEFAULTS, add_trace_arguments, add_trace_callback,
                             trace_lines, validate_trace_args)
-from .device_options import add_device_arguments, engine_options, precision_line
+from .device_options import (add_device_arguments, add_precision_arguments,
+                             check_precision_flags, engine_options, precision_line)
 from .usage import (PROG, Parser, UsageError, agreed, check_flags, checked_layout,
                     default_layout, parse_dims, print_report, world_comm)
 
@@ -55,7 +56,6 @@ from .usage import (PROG, Parser, UsageError, agreed, check_flags, checked_layou
 DATASET_MODELS = {"digits": "64,128,128,10", "synthetic-regression": "16,32,32,1",
                   "synthetic-classification": "16,32,32,4", TEXT_DATASET: "gpt"}
 LOSS_CHOICES = ("mse", "bce", "cross_entropy")
-PRECISION_DTYPES = ("float32", "float64", "bfloat16", "float16")
 HOST_HEAP = {"keep": "keep", "none": None}     # --host-heap -> make_engine(host_heap=)
 
 # Defaults applied after merging the command line and the --config file (argparse itself
@@ -96,10 +96,7 @@ def add_train_arguments(p):
       "library's make_engine defaults to float64, the exact reference)")
     m("--host-heap", choices=("keep", "none"), help="keep: glibc keeps freed arrays for the "
       "next step (mallopt, logged; the train process's default), none: malloc as it is")
-    for flag, what in (("--param-dtype", "parameter storage (fsdp: all-gather)"),
-                       ("--comm-dtype", "gradient communication (sums stay fp32)")):
-        m(flag, choices=PRECISION_DTYPES, help=f"{what} dtype; bfloat16/float16 need --dtype "
-          "float32 (float16: dynamic loss scaling); default: --dtype")
+    add_precision_arguments(m)                        # --param-dtype, --comm-dtype
     add_device_arguments(m, default=None)
     d = _recording(p.add_argument_group("data"), options)
     d("--dataset", type=dataset_name, help=f"{', '.join(DATASETS + (TEXT_DATASET,))}, "
@@ -248,11 +245,7 @@ def validate_train_args(args, world_size: int):
         args.weight_decay = 0.01 if args.optimizer == "adamw" else 0.0
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr:g} must not exceed --lr {args.lr:g}")
-    for flag, value in (("--param-dtype", args.param_dtype), ("--comm-dtype", args.comm_dtype)):
-        if value not in (None, args.dtype) and (value in ("float32", "float64")
-                                                or args.dtype != "float32"):
-            raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
-                             f"or the --dtype itself), got --dtype {args.dtype}")
+    check_precision_flags(args.param_dtype, args.comm_dtype, args.dtype)
     engine_options(args, args.dtype)    # --compute-dtype, --tf32, --gpu-comm vs --cuda-aware
     loss = gpt.default_loss if gpt else fitting_loss(args, dims)
     dp = layout.data_parallel_size

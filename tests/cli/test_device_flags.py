@@ -178,6 +178,8 @@ def test_bfloat16_compute_trains_logs_and_resumes_without_it(tmp_path):
      "--tf32 applies to float32 matmuls"),
     ("train", ("--gpu-comm", "staged", "--cuda-aware", "yes"),
      "--gpu-comm staged contradicts --cuda-aware yes"),
+    ("bench", ("--model", "8,8,2", "--dtype", "float64", "--param-dtype", "bfloat16"),
+     "--param-dtype bfloat16 needs --dtype float32"),
 ])
 def test_bad_combination_exits_2_with_one_line_on_two_ranks(command, argv, message):
     r = run_mpi(2, "-m", "mpishard", command, *argv, timeout=60)
