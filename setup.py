@@ -94,8 +94,9 @@ setup(
         "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13"],
         # NVRTC alone (no GPU, no driver): `make test-nvrtc` compiles every kernel to PTX.
         "nvrtc": ["nvidia-cuda-nvrtc-cu12==12.9.86"],
-        # numba: the CPU step's GELU, LayerNorm and AdamW passes as fused loops
-        # (nn/cpu_fused.py, train/optim_fused.py; MPISHARD_CPU_FUSED=0 turns them off).
+        # numba: the CPU step's element-wise passes as fused loops: GELU, LayerNorm, biases,
+        # attention's softmax, the loss, the embedding's backward, AdamW (nn/cpu_*.py,
+        # train/optim_fused.py; MPISHARD_CPU_FUSED=0 turns them off).
         "cpu-fused": ["numba>=0.60,<1"],
     },
     entry_points={

@@ -24,7 +24,9 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
           counts them);
         - the loss (last stage), L = r x the logits' bytes: the logits, their shifted copy and
           its exponent, 3 L (2 L where this process's numpy step runs nn/cpu_rows.py's
-          kernel, cpu_rows.runs_here: the logits and dy, written in place; vocab-parallel:
+          kernel, cpu_rows.runs_here: the logits and dy, written in place; judged on the
+          planning host, so a GPU run, whose fused loss holds 2 L too, is priced at 3 L
+          where the planner has no numba; vocab-parallel:
           logits, exp, softmax, softmax - one-hot and its scaled copy, the gradient, with
           the one-hot mask, 5 L + L / itemsize, and L more where the vocabulary is padded),
           and the logits' gradients of the other microbatches in flight (the runner keeps each until

@@ -152,8 +152,8 @@ def attention_block(q, k, v, offset=None, keep_probs=False, visible=None, cast=F
         lse = fused.causal_softmax_t(xp, p, offset)
     elif cpu_fused.use(q, k) and (visible is None or cpu_attention.takes_mask(
             visible, k.shape[:2] + (k.shape[-2], q.shape[-2]))):   # numpy + numba: two loops
-        p, lse = cpu_attention.causal_softmax_t(_masked_scores_t(q, k, None, cast=cast), offset,
-                                            visible)
+        p, lse = cpu_attention.causal_softmax_t(_masked_scores_t(q, k, None, cast=cast),
+                                                offset, visible)
     else:
         p = _masked_scores_t(q, k, offset, visible, cast)    # s^T, then p^T in place
         m = _finite_or_zero(xp, _max_over_keys(p))           # per query max: exp(s - m) <= 1

@@ -13,7 +13,7 @@ below runs along whole contiguous rows of queries (nn/attention.py says why).
                             not two, bit for bit numpy's.
 
 The forward's sums over keys add in another order than the xp path's matrix-vector product
-and lse's log is libm's, so it equals the xp path to rounding (tests/nn/test_cpu_fused.py:
+and lse's log is libm's, so it equals the xp path to rounding (tests/nn/test_cpu_attention.py:
 1e-12 of the largest magnitude in float64). Both run where nn/cpu_fused.py's `use` says
 (numba present, float32 or float64 numpy arrays, MPISHARD_CPU_FUSED not "0"); the callers
 run their xp ops otherwise.

@@ -64,8 +64,10 @@ def jit(fn):
     """numba.njit without fast-math (every operation rounds as numpy's), cached on disk, and
     with numpy's error model: a float division by zero gives inf or NaN as numpy's does,
     where numba's default (Python's) tests every divisor to raise ZeroDivisionError, a
-    branch that keeps a loop with a division from vectorising (AdamW's update ran 7x
-    slower for it)."""
+    branch that keeps a loop with a division from vectorising (AdamW's update ran 5x
+    slower for it). numba's disk cache does not key on these flags, only on the source of
+    the module that defines a kernel: a change of flags here must touch every module that
+    uses `jit` (cpu_attention, cpu_rows, train/optim_fused), or old caches keep the old build."""
     return (numba.njit(fastmath=False, cache=True, error_model="numpy")(fn)
             if numba is not None else fn)
 
@@ -146,7 +148,7 @@ def add_bias(y, b) -> bool:
     """y += b over y's rows, in place, where the kernel takes it (`use`, y C-contiguous with
     b as its last axis): numpy's own add, bit for bit, at 2-3x its broadcast loop's speed.
     Returns whether it ran (the caller adds with numpy otherwise)."""
-    if not (use(y, b) and b.ndim == 1 and y.ndim >= 1 and y.shape[-1] == b.shape[0]
+    if not (use(y, b) and b.ndim == 1 and y.ndim >= 1 and y.shape[-1] == b.shape[0] > 0
             and y.flags.c_contiguous and y.flags.writeable):
         return False
     _add_rows(y.reshape(-1, b.shape[0]), np.ascontiguousarray(b))

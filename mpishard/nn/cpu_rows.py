@@ -95,8 +95,10 @@ def _scatter_rows(g, ids, dy):
 
 
 def takes_embedding(dy, ids) -> bool:
-    """Whether embedding_backward runs here: `use` for dy, numpy integer ids."""
-    return use(dy) and type(ids) is np.ndarray and ids.dtype.kind in "iu"
+    """Whether embedding_backward runs here: `use` for dy, numpy integer ids, and one row of
+    dy per id (the loop reads dy's rows unchecked)."""
+    return (use(dy) and type(ids) is np.ndarray and ids.dtype.kind in "iu" and dy.ndim >= 1
+            and dy.size == ids.size * dy.shape[-1])
 
 
 def embedding_backward(dy, ids, rows: int):

@@ -13,12 +13,10 @@ SwiGLU nothing beyond its input: each backward recomputes the rest.
 and only while MPISHARD_FUSED is not "0" (read at each call). AdamW calls adamw_step
 (train/optim.py), LayerNorm (functional.layernorm_forward/backward) and RMSNorm
 (models/llama/units.py) the norms' kernels where `norm_takes`, saving (x, mean, rstd) or (x,
-rstd) for the backward, and the Llama's SwiGLU its pair where `swiglu_takes`, saving only its
-input; the others (bias+GELU, the residual add, the embedding's backward, attention) are
-checked and timed on a GPU (gpu_kernels_check) and not called: fused.py's one-pass GELU and
-16-bit softmax run instead, and the embedding kernel measured 0.10-0.20x the scatter-add's
-speed on the H200. The module is compiled once per
-process (`module`, memoised like fused.kernels) by cupy's NVRTC, without FMA contraction;
+rstd) for the backward, and the Llama's SwiGLU its pair (`swiglu_takes`), saving its input;
+the others are checked and timed on a GPU (gpu_kernels_check), not called (docs/gpus.md).
+The module is compiled once per process (`module`, memoised like fused.kernels) by cupy's
+NVRTC, without FMA contraction;
 `import cupy` happens only in a caller that holds cupy arrays (xp is cupy).
 """
 from __future__ import annotations
@@ -39,8 +37,8 @@ ADAMW_CHUNK = 16 * cuda_src.BLOCK     # elements per block of the multi-tensor A
 __all__ = ["use", "norm_takes", "saved_input", "layernorm_forward", "layernorm_backward",
            "rmsnorm_forward", "rmsnorm_backward", "bias_gelu_forward", "gelu_backward",
            "swiglu_takes", "swiglu_forward", "swiglu_backward", "residual_add",
-           "embedding_backward",
-           "adamw_takes", "adamw_step", "attention_forward", "attention_backward"]
+           "embedding_backward", "adamw_takes", "adamw_step", "attention_forward",
+           "attention_backward"]
 
 
 @lru_cache(maxsize=None)
@@ -169,10 +167,10 @@ def gelu_backward(xp, dy, u):
 
 
 def swiglu_takes(xp, a) -> bool:
-    """Whether the Llama SwiGLU unit runs on these kernels: `use(xp)`, and a (..., 2 F) of a
-    storage dtype the kernels have (float64, float32, float16, bfloat16)."""
-    return (use(xp) and a.ndim >= 1 and a.shape[-1] % 2 == 0
-            and (np.dtype(a.dtype).name in ("float64", "float32", "float16", "bfloat16")))
+    """Whether the Llama SwiGLU unit runs on these kernels: `use(xp)`, a (..., 2 F) of a
+    storage dtype they have (float64, float32, float16, bfloat16)."""
+    return use(xp) and a.ndim >= 1 and a.shape[-1] % 2 == 0 and np.dtype(a.dtype).name in (
+        "float64", "float32", "float16", "bfloat16")
 
 
 def swiglu_forward(xp, a):

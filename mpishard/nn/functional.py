@@ -212,6 +212,7 @@ def embedding_backward(dy, ids, rows: int):
     if xp is not np or flat.size == 0:
         xp.add.at(g, flat, dy2)
         return g
+    flat = np.where((flat < 0) & (flat >= -rows), flat + rows, flat)   # -1, rows - 1: one run
     order = np.argsort(flat, kind="stable")                 # equal ids keep their order
     sorted_ids = flat[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])   # each run

@@ -160,7 +160,7 @@ class CrossEntropy(Loss):
         if fused.use(xp):                                            # cupy: 4 passes, not ~11
             value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t, keep, n)
             return value, dy.reshape(y.shape)
-        if cpu_rows.takes_loss(y.reshape(-1, y.shape[-1]), flat_t):  # numpy + numba: 3 passes
+        if cpu_rows.takes_loss(y.reshape(-1, y.shape[-1]), flat_t):  # numpy + numba: in place
             value, dy = cpu_rows.cross_entropy(y.reshape(-1, y.shape[-1]), flat_t, keep, n)
             return value, dy.reshape(y.shape)
         keep = None if bool(keep.all()) else keep                    # one host read per call

@@ -8,6 +8,9 @@ block's dtype first (as numpy does with a Python float beside an array) and ever
 is in the numpy path's order, without fast-math (no FMA contraction), so the result is bit
 for bit the numpy one in float32 and float64 (tests/train/test_optim_fused.py).
 
+Compiled by nn/cpu_fused.jit: numpy's error model, so the square root's and divisions' loop
+vectorises (numba's default tests each divisor to raise, one element at a time: 5x slower).
+
 Used when nn/cpu_fused.use() allows it for the four arrays (numba present,
 MPISHARD_CPU_FUSED != "0", float32/float64 numpy) and p, m, v are C-contiguous (updated in
 place through a flat view).

@@ -433,19 +433,6 @@ def test_plan_errors(capsys, argv, message):
 
 
 # -- bench under mpiexec (serial test, subprocess) ---------------------------------------------
-def test_bench_takes_train_s_16_bit_parameter_and_gradient_dtypes():
-    """--param-dtype/--comm-dtype bfloat16 as train's: fsdp's gathers send half the plan's
-    float32 bytes, and the header says the plan column does not model them."""
-    r = _launch(2, "bench", "--layout", "fsdp=2,zero=2", "--model", "12,16,8,6", "--batch",
-                "16", "--steps", "2", "--warmup", "1", "--param-dtype", "bfloat16",
-                "--comm-dtype", "bfloat16")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "plan: float32 throughout (--param-dtype bfloat16, --comm-dtype bfloat16" in r.stdout
-    gather = re.search(r"comm bytes/step all_gather\s+(\d+)\s+(\d+)", r.stdout)
-    assert gather and 2 * int(gather.group(1)) == int(gather.group(2)), r.stdout
-
-
-
 def _launch(n, *args):
     """`mpiexec -n n python -m mpi4py -m mpishard args...`, the CompletedProcess."""
     return run_mpi(n, "-m", "mpishard", *args)
@@ -469,6 +456,18 @@ def test_bench_two_ranks():
     for name, (measured, planned) in rows.items():
         if name.startswith("comm bytes/step"):
             assert measured == planned, f"{name}: measured {measured} != plan {planned}"
+
+
+def test_bench_takes_train_s_16_bit_parameter_and_gradient_dtypes():
+    """--param-dtype/--comm-dtype bfloat16 as train's: fsdp's gathers send half the plan's
+    float32 bytes, and the header says the plan column does not model them."""
+    r = _launch(2, "bench", "--layout", "fsdp=2,zero=2", "--model", "12,16,8,6", "--batch",
+                "16", "--steps", "2", "--warmup", "1", "--param-dtype", "bfloat16",
+                "--comm-dtype", "bfloat16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "plan: float32 throughout (--param-dtype bfloat16, --comm-dtype bfloat16" in r.stdout
+    gather = re.search(r"comm bytes/step all_gather\s+(\d+)\s+(\d+)", r.stdout)
+    assert gather and 2 * int(gather.group(1)) == int(gather.group(2)), r.stdout
 
 
 def test_bench_a_gpt_both_spellings():

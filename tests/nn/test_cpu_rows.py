@@ -30,7 +30,7 @@ def test_cross_entropy(dtype, rtol, shape, ignored, monkeypatch):
     """Value and dy, labels at both ends of the vocabulary, logits far apart; `ignored`: some
     labels are ignore_index (0 gradient, not counted) and `over` sets the divisor."""
     y = sample(shape, dtype, 1) * 4
-    y.reshape(-1, shape[-1])[1, 2] = 60.0                    # exp(60) overflows float32
+    y.reshape(-1, shape[-1])[1, 2] = 60.0                    # a logit far above its row's
     t = np.random.default_rng(2).integers(0, shape[-1], shape[:-1])
     t.reshape(-1)[:2] = [0, shape[-1] - 1]
     loss = CrossEntropy()
@@ -52,7 +52,9 @@ def test_cross_entropy_of_a_nan_logit(monkeypatch):
     """A NaN logit makes its row's value and gradient NaN on both paths, the others equal."""
     y, t = sample((4, 6), np.float64, 3), np.array([1, 2, 3, 4])
     y[2, 5] = np.nan
+    calls = counted(monkeypatch, "cross_entropy")
     off, on = both(lambda: CrossEntropy()(y, t), monkeypatch)
+    assert calls == [1]
     assert np.isnan(on[0]) and np.isnan(off[0])
     np.testing.assert_array_equal(np.isnan(on[1]), np.isnan(off[1]))
     assert np.isnan(on[1][2]).all()
@@ -77,6 +79,19 @@ def test_embedding_backward(dtype, rtol, monkeypatch):
     assert not on[np.setdiff1d(np.arange(9), ids)].any()
 
 
+def test_embedding_backward_of_negative_ids(monkeypatch):
+    """Ids in [-rows, 0) count from the end, as numpy's indexing and np.add.at do: -1 and 8
+    add into one row, on the kernel (bit for bit np.add.at) and on the numpy path."""
+    dy, ids = sample((2, 4, 3), np.float64, 7), np.array([[0, -1, 8, -9], [-1, 2, 2, 8]])
+    calls = counted(monkeypatch, "embedding_backward")
+    off, on = both(lambda: nn.embedding_backward(dy, ids, 9), monkeypatch)
+    at = np.zeros((9, 3))
+    np.add.at(at, ids.reshape(-1), dy.reshape(-1, 3))
+    assert calls == [1]
+    np.testing.assert_array_equal(on, at)
+    close([off], [at], 1e-12)
+
+
 def test_embedding_backward_leaves_bad_ids_to_numpy(monkeypatch):
     """An id past the table never reaches the loop (it would write outside g): the numpy
     path raises numpy's IndexError, with the kernels on as off."""
@@ -85,4 +100,7 @@ def test_embedding_backward_leaves_bad_ids_to_numpy(monkeypatch):
     monkeypatch.setenv("MPISHARD_CPU_FUSED", "1")
     with pytest.raises(IndexError):
         nn.embedding_backward(dy, ids, 9)
+    with pytest.raises(IndexError):                          # below -rows: the same
+        nn.embedding_backward(dy, np.array([[0, -10, 1]]), 9)
     assert calls == []
+    assert not cpu_rows.takes_embedding(dy[:, :1], ids)        # a row of dy per id

@@ -235,8 +235,9 @@ def llama_block(model, view, t: int, n: int) -> dict:
     two RMSNorms' n and rsqrt 2 n (D + 1), the q | k | v input T D, the rotated q | k | v
     T (q + 2 w) (the core's input), k and v repeated to every query head 2 T q (the 'core':
     recompute=attn drops them), the attention output T q (the proj input is a view of it);
-    the MLP: its input T D, SwiGLU's gate | up, sigmoid and silu 4 T F / tp and the down
-    input T F / tp; in a Mixtral instead sparse_moe's. Per microbatch, the rotary's cos and
+    the MLP: its input T D, SwiGLU's gate | up, sigmoid and silu 4 T F / tp (its CUDA kernels,
+    on a GPU, keep gate | up alone, 2 T F / tp: this counts 2 T F / tp too many there) and the
+    down input T F / tp; in a Mixtral instead sparse_moe's. Per microbatch, the rotary's cos and
     sin of the T positions: half-width casts T Dh, or in float64 the angles' arrays 2 T Dh."""
     tp, d, dh = view.layout.size("tp"), model.d_model, model.d_head
     q = model.n_heads * dh // tp
