@@ -27,10 +27,10 @@ tokens, a batch row being one sequence of seq_len tokens). Rank 0 prints:
   comm bytes     bytes sent per step per kind (engine.comm_bytes / steps), max over ranks,
                  next to the prediction of cli/plan.py's step_comm (max over ranks);
                  'total' is the busiest rank's sum (not the sum of the rows above it). The
-                 prediction is --dtype's throughout: with --param-dtype or --comm-dtype
-                 bfloat16/float16 (as `train`'s) the 16-bit gathers and gradients send half
-                 the bytes, 16-bit gradients by all_to_all (summed in float32), and the
-                 header says the plan column does not model it
+                 prediction is --dtype's throughout. --param-dtype and --comm-dtype
+                 bfloat16/float16 (as `train` takes them) send 16-bit gathers and gradients,
+                 half the bytes, the gradients by all_to_all to be summed in float32: the
+                 header then says the plan column does not model them
 """
 from __future__ import annotations
 

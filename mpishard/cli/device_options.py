@@ -67,18 +67,21 @@ def add_precision_arguments(add) -> None:
     their defaults stay None: the run's --dtype (check_precision_flags)."""
     for flag, what in (("--param-dtype", "parameter storage (fsdp: all-gather)"),
                        ("--comm-dtype", "gradient communication (sums stay fp32)")):
-        add(flag, choices=PRECISION_DTYPES, help=f"{what} dtype; bfloat16/float16 need --dtype "
-            "float32 (float16: dynamic loss scaling); default: --dtype")
+        add(flag, choices=PRECISION_DTYPES, help=f"{what} dtype: bfloat16 or float16 (with "
+            "--dtype float32; float16: dynamic loss scaling), or the run's --dtype (default)")
 
 
 def check_precision_flags(param_dtype, comm_dtype, dtype: str) -> None:
     """UsageError unless each of --param-dtype/--comm-dtype is unset, the run's --dtype, or a
     16-bit dtype beside --dtype float32 (no MPI)."""
     for flag, value in (("--param-dtype", param_dtype), ("--comm-dtype", comm_dtype)):
-        if value not in (None, dtype) and (value in ("float32", "float64")
-                                           or dtype != "float32"):
-            raise UsageError(f"{flag} {value} needs --dtype float32 (and is bfloat16, float16 "
-                             f"or the --dtype itself), got --dtype {dtype}")
+        if value in (None, dtype):
+            continue
+        if value in ("float32", "float64"):
+            raise UsageError(f"{flag} {value} must be bfloat16, float16 or the run's --dtype "
+                             f"({dtype})")
+        if dtype != "float32":
+            raise UsageError(f"{flag} {value} needs --dtype float32, got --dtype {dtype}")
 
 
 def gpu_comm_choice(gpu_comm: str, cuda_aware: str) -> tuple:
