@@ -36,8 +36,9 @@ def _shift_rows(y, m, g, t, keep, picked):
 @jit
 def _grad_rows(g, s, logs, t, keep, picked, n, zero, one):
     """g = exp(z) in, s its row sums, logs their logs; value -= z_t - log s (summed in
-    float64), g = (g / s - onehot) / n, or 0 on an ignored row. Returns the summed value
-    (the caller divides it by n)."""
+    float64), g = (g / s - onehot) / n in one pass (the label's element first, with its
+    onehot: the same roundings), or 0 on an ignored row. Returns the summed value (the
+    caller divides it by n)."""
     total = 0.0
     for r in range(g.shape[0]):
         out = g[r]
@@ -45,12 +46,11 @@ def _grad_rows(g, s, logs, t, keep, picked, n, zero, one):
             out[:] = zero
             continue
         total -= float(picked[r] - logs[r])
-        sr = s[r]
+        sr, tr = s[r], t[r]
+        label = out[tr] / sr - one
         for j in range(out.shape[0]):
-            out[j] = out[j] / sr
-        out[t[r]] -= one
-        for j in range(out.shape[0]):
-            out[j] = out[j] / n
+            out[j] = (out[j] / sr) / n
+        out[tr] = label / n
     return total
 
 
@@ -59,8 +59,7 @@ def runs_here(itemsize: int) -> bool:
     `itemsize` bytes (numba present, float32 or float64, MPISHARD_CPU_FUSED not "0"): the
     loss then holds 2 logits-sized arrays (the logits and dy), not the xp path's 3 (the
     planner's memory, costs/peak_memory.py)."""
-    return itemsize in (4, 8) and use(np.empty(0, dtype=np.float32 if itemsize == 4
-                                               else np.float64))
+    return itemsize in (4, 8) and use(np.empty(0, dtype=f"f{itemsize}"))
 
 
 def takes_loss(y2, t) -> bool:
@@ -94,17 +93,18 @@ def _scatter_rows(g, ids, dy):
             dst[j] += src[j]
 
 
-def takes_embedding(dy, ids) -> bool:
-    """Whether embedding_backward runs here: `use` for dy, numpy integer ids, and one row of
-    dy per id (the loop reads dy's rows unchecked)."""
-    return (use(dy) and type(ids) is np.ndarray and ids.dtype.kind in "iu" and dy.ndim >= 1
-            and dy.size == ids.size * dy.shape[-1])
+def takes_embedding(dy, ids, rows: int) -> bool:
+    """Whether embedding_backward runs here: `use` for dy, numpy integer ids in [-rows,
+    rows), and one row of dy per id (the loop indexes unchecked)."""
+    return (use(dy) and type(ids) is np.ndarray and ids.dtype.kind in "iu" and ids.size > 0
+            and dy.ndim >= 1 and dy.size == ids.size * dy.shape[-1]
+            and -rows <= ids.min() and ids.max() < rows)
 
 
 def embedding_backward(dy, ids, rows: int):
     """functional.embedding_backward on numpy: scatter-add dy (..., D) into (rows, D), each of
-    dy's rows added in order (repeated ids as np.add.at adds them). Ids are checked by the
-    caller's gather (the forward's `table[ids]` raised on one out of range)."""
+    dy's rows added in order (repeated ids as np.add.at adds them), where takes_embedding
+    says so (ids in range, a row of dy per id)."""
     g = np.zeros((rows, dy.shape[-1]), dtype=dy.dtype)
     flat = np.ascontiguousarray(ids.reshape(-1)).astype(np.int64, copy=False)
     _scatter_rows(g, flat, np.ascontiguousarray(dy).reshape(-1, dy.shape[-1]))

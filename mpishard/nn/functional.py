@@ -204,8 +204,7 @@ def embedding_backward(dy, ids, rows: int):
     rows (one buffered pass instead of the unbuffered, element-at-a-time `np.add.at`); other
     array modules (cupy: an atomic scatter-add kernel) use `xp.add.at`."""
     xp = array_module(dy)
-    if cpu_rows.takes_embedding(dy, ids) and ids.size and -rows <= ids.min() \
-            and ids.max() < rows:                           # numpy + numba: one pass, in order
+    if cpu_rows.takes_embedding(dy, ids, rows):             # numpy + numba: one pass, in order
         return cpu_rows.embedding_backward(dy, ids, rows)
     g = xp.zeros((rows, dy.shape[-1]), dtype=dy.dtype)
     flat, dy2 = ids.reshape(-1), dy.reshape(-1, dy.shape[-1])

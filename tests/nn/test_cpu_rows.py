@@ -103,4 +103,4 @@ def test_embedding_backward_leaves_bad_ids_to_numpy(monkeypatch):
     with pytest.raises(IndexError):                          # below -rows: the same
         nn.embedding_backward(dy, np.array([[0, -10, 1]]), 9)
     assert calls == []
-    assert not cpu_rows.takes_embedding(dy[:, :1], ids)        # a row of dy per id
+    assert not cpu_rows.takes_embedding(dy[:, :1], ids, 9)     # a row of dy per id
