@@ -92,6 +92,27 @@ def test_rows_joining_a_running_batch_get_their_alone_completions(engine):
     assert loop.steps > 0 and not loop.rows and not any(loop.slots)
 
 
+class GatedStepper:
+    """A Stepper whose forwards after the first wait for a permit, so that the test, not the
+    machine's speed, decides how far a row has decoded when it cancels or drains."""
+
+    def __init__(self, stepper):
+        self.stepper, self.calls = stepper, 0
+        self.permits, self.started, self.opened = threading.Semaphore(0), threading.Event(), False
+
+    def forward(self, *args):
+        self.calls += 1
+        if self.calls > 1 and not self.opened:
+            assert self.permits.acquire(timeout=60), "the test gave no permit"
+        out = self.stepper.forward(*args)
+        self.started.set()
+        return out
+
+    def open(self):
+        self.opened = True
+        self.permits.release()
+
+
 def test_queue_full_cancel_and_drain_abort(engine):
     intake = Intake(max_queue=2)
     client = Client(intake)
@@ -100,15 +121,24 @@ def test_queue_full_cancel_and_drain_abort(engine):
     with pytest.raises(QueueFull):
         client.submit(PROMPTS[2])
     f1, f2 = client.collect(first), client.collect(second)
-    loop, thread = serve(engine, intake, max_batch=1, drain_timeout=0.0)
+    gate = GatedStepper(Stepper(engine, 1, SEQ))
+    loop = ServeLoop(engine.comm, gate, replica=0, replicas=1, leader=True, max_batch=1,
+                     max_len=SEQ, eos=(), intake=intake, heartbeat=0.05, drain_timeout=0.0)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    assert gate.started.wait(60)                            # the first row's prefill ran
     second.cancel()                                         # cancelled while waiting
+    gate.permits.release()                  # one more step: its plan (or the next) sees it
     assert f2.result(30) == ([], "abort")
+    assert not f1.done() and gate.calls <= 3
     intake.drain()
     with pytest.raises(Draining):
         client.submit(PROMPTS[3])
+    gate.open()
     thread.join(60)
+    assert not thread.is_alive()
     got, finish = f1.result(5)
-    assert finish == "abort" and len(got) < 43               # cut by the drain's deadline
+    assert finish == "abort" and len(got) <= 4    # the drain deadline (0 s) cut it
     assert got == engine.generate([PROMPTS[0]], len(got), temperature=0.0)[0]
 
 
