@@ -143,7 +143,10 @@ def test_sigterm_drains_finishes_in_flight_rows_and_exits_0(long_model):
         assert events, lines
         job.proc.send_signal(signal.SIGTERM)
         signalled = True
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30        # until rank 0's loop has begun the drain
+        while _healthy(job.url):
+            assert time.monotonic() < deadline, "no drain 30 s after SIGTERM"
+            time.sleep(0.02)
         try:
             refused = httpx.post(f"{job.url}/v1/completions", timeout=10,
                                  json={"model": "long", "prompt": "late", "max_tokens": 2})
@@ -162,6 +165,14 @@ def test_sigterm_drains_finishes_in_flight_rows_and_exits_0(long_model):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "abort"), chunks[-1]
     assert t_end - events[0] < 30
     assert rc == 0 and not job.left, (rc, job.left)
+
+
+def _healthy(url) -> bool:
+    """GET /health answers 200 (not 503 draining, nor a closed socket)."""
+    try:
+        return httpx.get(f"{url}/health", timeout=10).status_code == 200
+    except httpx.ConnectError:
+        return False
 
 
 def test_a_layout_serve_cannot_run_is_refused_before_listening(models):
