@@ -109,7 +109,7 @@ def agree_memory_limit(args, comm) -> None:
         return
     error, mine = None, (0, "")
     try:
-        mine = max_memory(args.max_memory, comm)
+        mine = max_memory(args.max_memory, comm, getattr(args, "device", None) or "cpu")
     except ValueError as exc:
         error = str(exc)
     errors = comm.allgather(error)

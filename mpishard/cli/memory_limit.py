@@ -17,6 +17,12 @@ job runs on that node, from the first source that sets it:
 The ranks on the node: under MPI the size of the job's shared-memory group
 (MPI_COMM_TYPE_SHARED); without a communicator the launcher's variables
 (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE), else 1.
+
+On a GPU (`--device gpu`, or `auto` where cupy sees one) what a rank's step holds lives in
+the GPU's memory, not the node's, so the default is instead the free memory of the GPU the
+rank computes on (cupy's memGetInfo, after its CUDA context is made; the GPU picked as the
+engine picks it, comm/gpu.gpu_for_rank), over the ranks of the node that compute on the same
+GPU (compared by PCI bus id, so per-rank CUDA_VISIBLE_DEVICES counts as distinct GPUs).
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ import os
 import re
 
 from mpi4py import MPI
+
+from ..comm.gpu import gpu_for_rank, try_import_cupy
 
 UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 CGROUP = "/sys/fs/cgroup"
@@ -121,25 +129,77 @@ def node_ranks(comm=None, environ=None) -> int:
 
 
 def default_max_memory(comm=None, environ=None, root: str = CGROUP,
-                       meminfo: str = MEMINFO) -> tuple:
-    """(bytes per rank, where from): job_memory over node_ranks (the module docstring)."""
+                       meminfo: str = MEMINFO, ranks=None) -> tuple:
+    """(bytes per rank, where from): job_memory over node_ranks (the module docstring);
+    `ranks`: the ranks on the node where the caller knows them (then no collective)."""
     total, source, per_rank = job_memory(environ, root, meminfo)
     if total is None:
         raise ValueError("--max-memory: this job's memory is unknown (no cgroup limit, no "
                          "Slurm memory, no /proc/meminfo); give --max-memory BYTES")
-    ranks = 1 if per_rank else node_ranks(comm, environ)
+    if per_rank:
+        ranks = 1
+    elif ranks is None:
+        ranks = node_ranks(comm, environ)
     return total // ranks, (source if per_rank else f"{source} / {ranks} rank(s) on the node")
 
 
-def max_memory(text, comm=None) -> tuple:
-    """(bytes per rank, where from) of --max-memory `text`, or its default when None."""
-    if text is None:
+def local_gpu(device: str, cupy=None):
+    """(cupy, GPUs it sees) where `device` puts this rank's arrays on a GPU ('gpu', or
+    'auto' where cupy sees one: comm/backend.Backend's rule), else None. No MPI."""
+    if device == "cpu":
+        return None
+    cupy = cupy if cupy is not None else try_import_cupy()
+    if cupy is None:
+        return None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:                    # a broken CUDA install: no GPU, as Backend says
+        return None
+    return (cupy, count) if count > 0 else None
+
+
+def gpu_max_memory(device: str, comm=None, cupy=None) -> tuple:
+    """((bytes per rank, where from) of the GPU's free memory over the node's ranks sharing
+    it, or None where this rank computes on the host; the ranks on the node). Collective over
+    `comm` (one allgather among the node's ranks; comm None: one rank)."""
+    found = local_gpu(device, cupy)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if comm is not None else None
+    try:
+        mine = None
+        if found is not None:
+            module, count = found
+            index = gpu_for_rank(node.Get_rank() if node is not None else 0, count)
+            with module.cuda.Device(index) as dev:
+                free, _ = module.cuda.runtime.memGetInfo()
+                ident = str(getattr(dev, "pci_bus_id", index))
+            mine = (ident, int(free), index)
+        ids = node.allgather(mine and mine[0]) if node is not None else [mine and mine[0]]
+    finally:
+        if node is not None:
+            node.Free()
+    if mine is None:
+        return None, len(ids)
+    sharing = ids.count(mine[0])
+    return (mine[1] // sharing, f"free memory of GPU {mine[2]} (cupy memGetInfo) / "
+                                f"{sharing} rank(s) on it"), len(ids)
+
+
+def max_memory(text, comm=None, device: str = "cpu") -> tuple:
+    """(bytes per rank, where from) of --max-memory `text`, or its default when None: the
+    GPU's (gpu_max_memory) where `device` puts the arrays on one, else the host's. With
+    device 'cpu' the default is collective over `comm` as node_ranks is, otherwise as
+    gpu_max_memory is (every rank the same calls, GPU or not)."""
+    if text is not None:
+        return parse_bytes(text), "--max-memory"
+    if device == "cpu":
         return default_max_memory(comm)
-    return parse_bytes(text), "--max-memory"
+    gpu, ranks = gpu_max_memory(device, comm)
+    return gpu if gpu is not None else default_max_memory(ranks=ranks)
 
 
 def add_max_memory_argument(add) -> None:
     """--max-memory through `add` (a parser's or a group's add_argument)."""
     add("--max-memory", metavar="BYTES", help="memory one rank may use, with K, M, G or T "
         "(e.g. 12G); --layout auto picks among the layouts predicted to fit (default: the "
-        "job's cgroup or Slurm memory, else the node's, over its ranks on the node)")
+        "job's cgroup or Slurm memory, else the node's, over its ranks on the node; on a GPU "
+        "its free memory over the ranks sharing it)")

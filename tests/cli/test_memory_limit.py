@@ -1,8 +1,11 @@
 """--max-memory: its parsing and its default from fake cgroup files, Slurm variables and
-/proc/meminfo (cli/memory_limit.py), no MPI."""
+/proc/meminfo (cli/memory_limit.py), and on a GPU from a fake cupy's memGetInfo: serially,
+and under MPI (`-m mpi`, any rank count) the GPU's share per rank on the node."""
 import pytest
 
-from mpishard.cli.memory_limit import default_max_memory, job_memory, node_ranks, parse_bytes
+from mpishard.cli import memory_limit
+from mpishard.cli.memory_limit import (default_max_memory, gpu_max_memory, job_memory,
+                                       max_memory, node_ranks, parse_bytes)
 
 GIB = 2 ** 30
 
@@ -75,3 +78,85 @@ def test_default_divides_by_the_ranks_on_the_node(tmp_path):
     assert node_ranks(None, {"SLURM_NTASKS_PER_NODE": "6"}) == 6 and node_ranks(None, {}) == 1
     with pytest.raises(ValueError, match="give --max-memory"):
         default_max_memory(None, {}, root + "x", str(tmp_path / "none"))
+
+
+class FakeCupy:
+    """cupy's calls gpu_max_memory makes: `count` GPUs, GPU i with free[i] bytes free and bus
+    id bus[i]; getDeviceCount raises where `broken`."""
+
+    def __init__(self, free, bus=None, broken=False):
+        fake, self.free, self.bus, self.current = self, list(free), bus, 0
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+                if fake.bus is not None:
+                    self.pci_bus_id = fake.bus[index]
+
+            def __enter__(self):
+                self.before, fake.current = fake.current, self.index
+                return self
+
+            def __exit__(self, *exc):
+                fake.current = self.before
+
+        class Runtime:
+            @staticmethod
+            def getDeviceCount():
+                if broken:
+                    raise RuntimeError("cudaErrorInsufficientDriver")
+                return len(fake.free)
+
+            @staticmethod
+            def memGetInfo():
+                return fake.free[fake.current], 80 * GIB
+
+        self.cuda = type("cuda", (), {"Device": Device, "runtime": Runtime})
+
+
+def test_on_a_gpu_the_default_is_its_free_memory():
+    cupy = FakeCupy([40 * GIB, 30 * GIB])
+    (limit, source), ranks = gpu_max_memory("gpu", None, cupy)
+    assert (limit, ranks) == (40 * GIB, 1) and "GPU 0" in source and "/ 1 rank(s)" in source
+    assert gpu_max_memory("auto", None, cupy)[0][0] == 40 * GIB
+    assert gpu_max_memory("cpu", None, cupy) == (None, 1)                 # forced host
+    assert gpu_max_memory("auto", None, FakeCupy([])) == (None, 1)       # cupy, no GPU
+    assert gpu_max_memory("auto", None, FakeCupy([GIB], broken=True)) == (None, 1)
+
+
+def test_max_memory_falls_back_to_the_host_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(memory_limit, "try_import_cupy", lambda: None)
+    host = default_max_memory(None)
+    assert max_memory(None, None, "auto") == host == max_memory(None, None, "cpu")
+    assert max_memory("3G", None, "gpu") == (3 * GIB, "--max-memory")
+    monkeypatch.setattr(memory_limit, "try_import_cupy", lambda: FakeCupy([7 * GIB]))
+    assert max_memory(None, None, "auto")[0] == 7 * GIB
+    assert max_memory(None, None, "cpu") == host
+
+
+@pytest.mark.mpi(min_size=1)
+def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch):
+    """Every rank of this test's node on one GPU: each gets its free memory over the node's
+    ranks; two GPUs: node-local rank r on GPU r % 2, split among the ranks on it; the same
+    bus id behind two indices (a GPU listed twice) counts as one; ranks without a GPU fall
+    back to the host's default, divided by the node's ranks, with no collective more."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local, size = node.Get_rank(), node.Get_size()
+    node.Free()
+    (limit, _), ranks = gpu_max_memory("gpu", comm, FakeCupy([60 * GIB]))
+    assert ranks == size and limit == 60 * GIB // size
+    (limit, source), _ = gpu_max_memory("gpu", comm, FakeCupy([60 * GIB, 20 * GIB]))
+    on_mine = len([r for r in range(size) if r % 2 == local % 2])
+    assert limit == [60, 20][local % 2] * GIB // on_mine, source
+    (limit, _), _ = gpu_max_memory("gpu", comm, FakeCupy([60 * GIB, 60 * GIB], ["a", "a"]))
+    assert limit == 60 * GIB // size
+    monkeypatch.setattr(memory_limit, "try_import_cupy",
+                        lambda: FakeCupy([GIB]) if comm.Get_rank() == 0 else None)
+    got = max_memory(None, comm, "auto")          # rank 0 a GPU, the others the host's
+    if comm.Get_rank() == 0:
+        assert got[0] == GIB                    # the one rank on that GPU
+    else:
+        assert got == default_max_memory(None, ranks=size)
+    comm.Barrier()
