@@ -7,8 +7,8 @@ autocast     (in gpu_check.py) tests/hf/test_autocast_torch.py against torch.aut
 nccl         benchmarks/gpu_comm_check.py at 1 rank (a size-1 NcclCommunicator smoke test)
              and 2 ranks sharing the GPU (staged all-reduce with pinned buffers beside a
              raw host Allreduce of the same size; the multi-GPU part when there are 2+ GPUs)
-cli          `train`, `generate` and `bench` of the installed CLI with --device gpu (the
-             stand-in: --device cpu, the same commands), each a few seconds
+cli          `train`, `generate` and `bench --layout auto` of the installed CLI with --device
+             gpu (the stand-in: --device cpu, the same commands), each a few seconds
 profile      benchmarks/gpu_profile.py: the GPT step per unit, fused and not, and the
              kernel table of ours and PyTorch's (its JSON lines under profile/)
 
@@ -77,7 +77,7 @@ def part_cli(check, budget):
         "generate": ["generate", "--checkpoint", str(ckpt), "--prompt", "a", "--max-new-tokens",
                      "8", "--seed", "0", "--device", device],
         "bench": ["bench", "--model", "gpt", "--gpt", TINY_GPT, "--steps", "3", "--device",
-                  device]}
+                  device, "--layout", "auto"]}      # its limit: the GPU's free memory
     for name in ("train", "train-bf16"):       # a bounded evaluation (the whole split took
         cmds[name] += ["--eval-batches", "8"]  # longer than the first H200 run allowed)
     rec, failed = {}, []
@@ -86,7 +86,8 @@ def part_cli(check, budget):
         later = len(cmds) - 1 - i                     # what the later ones do not need
         rc, lines = check.run(check.mpi(1, "-m", "mpishard", *args),
                               max(end - time.monotonic() - 6 * later, 3))
-        rec[name] = {"exit": rc, "tail": lines[-3:]}
+        rec[name] = {"exit": rc, "tail": lines[-3:],
+                     "limit": [line for line in lines if "memGetInfo" in line][:1]}
         if rc:
             failed.append(name)
     if failed:
