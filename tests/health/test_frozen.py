@@ -147,7 +147,7 @@ def test_a_polled_wait_does_not_count_a_freeze_in_its_yielding_polls(monkeypatch
 
 
 SUSPENDED = '''
-import os, sys, time
+import os, signal, sys, threading, time
 from pathlib import Path
 import numpy as np
 from mpi4py import MPI
@@ -158,21 +158,50 @@ rank, directory = comm.Get_rank(), Path(sys.argv[1])
 engine = ms.make_engine(ms.MLP([2, 2]), "dp=2", comm=comm, timeout=2.0)
 (directory / f"pid{rank}").write_text(str(os.getpid()))
 engine.comm.barrier()
+peer = int((directory / "pid1").read_text())
+if rank == 0:                          # both pids, written whole
+    (directory / "pids.part").write_text(f"{os.getpid()} {peer}")
+    os.replace(directory / "pids.part", directory / "pids")
+
+
+def stop_both():                       # 0.3 s into rank 0's wait: rank 1, then all of rank 0
+    time.sleep(0.3)
+    os.kill(peer, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def entering(wait):                    # the wait's entry (the guarded blocking call, or the
+    def enter(*args):                  # polled wait): the stop is timed from in there
+        if stopper.ident is None:      # the first wait only
+            stopper.start()
+        return wait(*args)
+    return enter
+
+
 if rank == 0:
-    (directory / "waiting").write_text("")
-else:                                  # its peer waits in the all_reduce meanwhile, until the
-    while not (directory / "go").exists():     # test has stopped and continued them both
+    stopper, watchdog = threading.Thread(target=stop_both, daemon=True), engine.comm.watchdog
+    watchdog.call_with_deadline = entering(watchdog.call_with_deadline)
+    watchdog.poll_until = entering(watchdog.poll_until)
+else:                                  # its peer waits in the all_reduce meanwhile; the test
+    while not (directory / "go").exists():     # writes go just before it continues them both
         time.sleep(0.01)
 total = engine.all_reduce(np.ones(3))
 print(f"rank {rank} done {total.tolist()}", flush=True)
 '''
 
 
+def stopped(pid) -> bool:
+    """Is process `pid` stopped (SIGSTOP)? Its state in /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 @pytest.mark.parametrize("level", ["multiple", "serialized"])
 def test_a_job_suspended_inside_a_collective_resumes(tmp_path, level):
-    """Both ranks stopped 0.3 s into rank 0's wait, for 3.5 s (the timeout is 2 s), then
-    continued (rank 1 enters once told to): the all_reduce completes, no rank times out.
-    `multiple`: the guard bounds the blocking call; `serialized`: the polled wait."""
+    """Both ranks stopped 0.3 s into rank 0's wait (rank 0 stops them itself, timed from the
+    entry of its wait, so the test's own speed cannot add to that wait), for 3.5 s (the timeout
+    is 2 s), then continued, rank 1 entering the all_reduce at once: it completes, no rank
+    times out. `multiple`: the guard bounds the blocking call; `serialized`: the polled wait."""
     script = tmp_path / "suspended.py"
     script.write_text(SUSPENDED)
     env = dict(os.environ, OMP_NUM_THREADS="1", MPI4PY_RC_THREAD_LEVEL=level,
@@ -180,22 +209,28 @@ def test_a_job_suspended_inside_a_collective_resumes(tmp_path, level):
     job = subprocess.Popen([*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", str(script),
                             str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
+    pids = []
     try:
         deadline = time.monotonic() + 90
-        while not (tmp_path / "waiting").exists():
+        while not (tmp_path / "pids").exists():
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()
             time.sleep(0.01)
-        pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
-        time.sleep(0.3)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+        pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+        while not all(stopped(pid) for pid in pids):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.01)
         time.sleep(3.5)
+        (tmp_path / "go").write_text("")              # before SIGCONT: rank 1 enters at once
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
-        (tmp_path / "go").write_text("")
         out, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
+            for pid in pids:           # a stopped rank left behind must not stay stopped
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
             job.kill()
             job.wait()
     assert job.returncode == 0, out + err

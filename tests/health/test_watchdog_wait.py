@@ -124,7 +124,7 @@ def test_late_ranks_are_read_with_one_deadline_for_all(monkeypatch):
 
 
 SERIALIZED_TIMEOUT = """
-import sys, time
+import os, sys, time
 import numpy as np
 from mpi4py import MPI
 import mpishard as ms
@@ -132,7 +132,7 @@ from mpishard import CommUnusable
 
 assert MPI.Query_thread() == MPI.THREAD_SERIALIZED, MPI.Query_thread()
 comm = MPI.COMM_WORLD
-rank, late = comm.Get_rank(), sys.argv[1] == "late"
+rank, late, caught = comm.Get_rank(), sys.argv[1] == "late", sys.argv[2]
 engine = ms.make_engine(ms.MLP([2, 2]), "dp=2", comm=comm, timeout=1.0)
 assert engine.comm.watchdog.guard is None
 engine.all_reduce(np.ones(3))
@@ -141,12 +141,16 @@ if rank == 0:
         engine.all_reduce(np.ones(3))
     except ms.CollectiveTimeout as exc:
         print("rank 0 caught:", exc, flush=True)
+    open(caught, "w").close()        # rank 1 may come now: past rank 0's timeout
     try:
         engine.barrier()
     except ms.CommUnusable as exc:
         print("rank 0 then:", exc, flush=True)
 else:
-    time.sleep(2.5)                  # past rank 0's timeout
+    deadline = time.monotonic() + 45
+    while not os.path.exists(caught):    # past rank 0's timeout, however slow the machine
+        assert time.monotonic() < deadline, "rank 0 never timed out"
+        time.sleep(0.01)
     if late:                         # meets rank 0's abandoned all_reduce
         print("rank 1 late:", engine.all_reduce(np.ones(3)), flush=True)
 print(f"rank {rank} exits", flush=True)
@@ -162,7 +166,8 @@ def test_a_caught_polled_timeout_ends_the_job_cleanly(tmp_path, peer):
     request while rank 0 exits)."""
     script = tmp_path / "serialized_timeout.py"
     script.write_text(SERIALIZED_TIMEOUT)
-    proc = run_mpi(2, script, peer, timeout=60, env={"MPI4PY_RC_THREAD_LEVEL": "serialized"})
+    proc = run_mpi(2, script, peer, tmp_path / "caught", timeout=60,
+                   env={"MPI4PY_RC_THREAD_LEVEL": "serialized"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "rank 0 caught: all_reduce on group world (ranks [0, 1]) timed out" in out, out

@@ -3,6 +3,12 @@ that writes each rank's exit code to DIR/exit.<rank> (a rank killed by a signal 
 and, with HOLD a name in mpishard.cli.train (make_engine, resume; "-": none), waits on entry to
 that function: it writes DIR/ready.<rank> and returns to the build once DIR/go exists. A test
 signals the ranks while they are held: inside the engine build or the resume, deterministically.
+
+HOLD `step:N` holds the ranks mid-run instead: after step N's callbacks (its metrics record
+written, its preemption check done) each rank writes DIR/ready.<rank> and waits for DIR/go,
+writing DIR/signalled.<rank> once the stop flag holds a signal meanwhile, so a test knows the
+signal has reached the rank before it lets the run go on (the stop then comes at step N + 1).
+A run that finds DIR/go already there (a restart, a resumed run) does not wait.
 """
 import os
 import sys
@@ -14,22 +20,58 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import mpishard.cli.train as train  # noqa: E402
 from mpishard.__main__ import run  # noqa: E402
+from mpishard.train.preemption import Preemption  # noqa: E402
+from mpishard.train.trainer import Callback  # noqa: E402
 
 where, hold = sys.argv[1], sys.argv[2]
 del sys.argv[1:3]
 rank = MPI.COMM_WORLD.Get_rank()
+GO = os.path.join(where, "go")
+
+
+def touch(name):
+    open(os.path.join(where, f"{name}.{rank}"), "w").close()
 
 
 def held(original):
     def wait_then_run(*args, **kwargs):
-        open(os.path.join(where, f"ready.{rank}"), "w").close()
-        while not os.path.exists(os.path.join(where, "go")):
+        touch("ready")
+        while not os.path.exists(GO):
             time.sleep(0.01)
         return original(*args, **kwargs)
     return wait_then_run
 
 
-if hold != "-":
+class HoldAt(Callback):
+    """After step `step` (the last callback): wait for DIR/go unless it exists already."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.state.step != self.step or os.path.exists(GO):
+            return
+        flags = [cb.flag for cb in trainer.callbacks if isinstance(cb, Preemption)]
+        touch("ready")
+        told = False
+        while not os.path.exists(GO):
+            if not told and any(f.signum for f in flags):
+                touch("signalled")
+                told = True
+            time.sleep(0.01)
+
+
+def holding_at(step, build):
+    def build_then_hold(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        trainer.callbacks.append(HoldAt(step))
+        return trainer
+    return build_then_hold
+
+
+if hold.startswith("step:"):
+    train.build_training = holding_at(int(hold[len("step:"):]), train.build_training)
+elif hold != "-":
     setattr(train, hold, held(getattr(train, hold)))
 try:
     run()

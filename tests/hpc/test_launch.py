@@ -3,7 +3,10 @@
 leaving no file of the MPI library behind; a job given --resume PATH that dies before its first
 save restarts from PATH; its command line, its causes and its refusals.
 
-Serial tests: the supervisor starts its own `mpiexec -n 2` jobs.
+Serial tests: the supervisor starts its own `mpiexec -n 2` jobs. The jobs that are signalled
+run their ranks through held_train.py (held_launch.py as the launcher), which holds them after
+a given step until the test, having signalled them, lets them go on: the test, not the
+machine's speed, decides where in the run the signal lands.
 """
 import json
 import os
@@ -24,10 +27,29 @@ from mpishard.cli import main
 from mpishard.cli.launch import cause, job_command, restart_resume, without_resume
 from running_job import RunningJob, train_steps
 
+HELD_LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "held_launch.py")
+
 STEPS, EVERY, KILL_AT = 500, 50, 120
 ARGS = ["--dataset", "synthetic-regression", "--model", "16,64,64,1", "--n-train", "2048",
         "--batch", "64", "--steps", str(STEPS), "--dtype", "float64", "--log-every", "1",
         "--no-progress", "--log-level", "WARNING"]
+
+
+def held_launcher(where, step) -> str:
+    """`--launcher`: mpiexec $MPIEXEC_FLAGS with every rank held after `step` (held_train.py)
+    until `where/go` exists; a restart, which finds it there, is not held."""
+    where.mkdir()
+    return shlex.join([sys.executable, HELD_LAUNCH, str(where), f"step:{step}",
+                       *mpiexec_cmd(2)[:-2]])
+
+
+def wait_for_files(job, where, name, ranks=(0, 1), timeout=120):
+    """Wait until `where/<name>.<rank>` exists for every rank (held_train.py writes them)."""
+    deadline = time.monotonic() + timeout
+    while not all((where / f"{name}.{r}").exists() for r in ranks):
+        assert job.proc.poll() is None, job.proc.stdout.read()
+        assert time.monotonic() < deadline, f"no {name} file from every rank in {timeout} s"
+        time.sleep(0.02)
 
 
 def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
@@ -36,15 +58,18 @@ def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = json.loads(ref.read_text())
 
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
-    launcher = shlex.join(mpiexec_cmd(2)[:-2])           # mpiexec $MPIEXEC_FLAGS
+    ckpt, metrics, where = tmp_path / "ckpt", tmp_path / "metrics.json", tmp_path / "ranks"
+    launcher = held_launcher(where, KILL_AT)             # mpiexec $MPIEXEC_FLAGS, held
     job = RunningJob([sys.executable, "-m", "mpishard", "launch", "-n", "2", "--max-restarts",
                       "2", "--launcher", launcher, "--", "train", *ARGS, "--checkpoint-dir",
                       ckpt, "--checkpoint-every", EVERY, "--metrics-json", metrics],
                      marker=str(ckpt), cwd=ROOT)
+    wait_for_files(job, where, "ready")                 # both ranks held after step KILL_AT
     seen = job.wait_for_step(tmp_path / "ckpt.metrics.jsonl", KILL_AT)
+    assert seen == KILL_AT
     pids = job.ranks()                                  # {rank: pid} of the first run
     killed, t_kill = job.signal(signal.SIGKILL, ranks=[1]), time.strftime("%H:%M:%S")
+    (where / "go").touch()                              # rank 0 goes on, to meet a dead peer
     rc, out = job.finish(timeout=300)
     left = leftovers.left_since(job.before)
     for _ in range(30):                 # hydra's proxy may still be removing its own file
@@ -144,12 +169,16 @@ def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
     """A batch script's SIGTERM goes to `launch`, which passes it to the launcher as SIGUSR1
     (Open MPI's would kill the job on a SIGTERM): the ranks save and exit 75, and launch exits
     75 without relaunching (requeue the job)."""
-    ckpt = tmp_path / "ckpt"
+    ckpt, where = tmp_path / "ckpt", tmp_path / "ranks"
     job = RunningJob([sys.executable, "-m", "mpishard", "launch", "-n", "2", "--launcher",
-                      shlex.join(mpiexec_cmd(2)[:-2]), "--", "train",
+                      held_launcher(where, 50), "--", "train",
                       *ARGS, "--checkpoint-dir", ckpt], marker=str(ckpt), cwd=ROOT)
+    wait_for_files(job, where, "ready")                 # both ranks held after step 50
     seen = job.wait_for_step(tmp_path / "ckpt.metrics.jsonl", 50)
+    assert seen == 50
     job.proc.send_signal(signal.SIGTERM)
+    wait_for_files(job, where, "signalled")             # forwarded to every rank: let them go
+    (where / "go").touch()
     rc, out = job.finish(timeout=120)
     lines = [s for s in out.splitlines() if s.startswith("mpishard")]
     print(f"SIGTERM to launch at step {seen}\n" + "\n".join(lines))
@@ -157,7 +186,7 @@ def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
     assert [s for s in lines if "stopped by SIGUSR1" in s], lines     # as launch forwards it
     assert lines[-1].endswith(" stopped on SIGTERM: exit code 75")
     assert len([s for s in lines if "starting:" in s]) == 1
-    assert json.loads((ckpt / "index.json").read_text())["step"] >= seen
+    assert json.loads((ckpt / "index.json").read_text())["step"] == seen + 1
 
 
 def test_job_command_adds_mpi4py_and_replaces_resume():

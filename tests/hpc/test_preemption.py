@@ -7,7 +7,8 @@ it change no rank's exit code.
 Serial tests: each launches its own `mpiexec -n 2 python -m mpi4py -m mpishard train` jobs and
 signals the rank processes directly (no Slurm: tests/hpc/slurm_stage.sh has the batch cycle).
 The jobs that are stopped run through held_train.py, which records every rank's exit code and
-can hold the ranks inside the build while the test signals them.
+holds the ranks (inside the build, or after step HOLD_AT) while the test signals them: the test,
+not the machine's speed, decides where in the run a signal lands.
 """
 import json
 import os
@@ -21,7 +22,7 @@ import pytest
 from conftest import mpiexec_cmd, run_mpi
 from running_job import RunningJob, last_step, train_steps
 
-STEPS = 600
+STEPS, HOLD_AT = 600, 100
 ARGS = ["--dataset", "synthetic-regression", "--model", "16,64,64,1", "--n-train", "2048",
         "--batch", "64", "--steps", str(STEPS), "--dtype", "float64", "--log-every", "1",
         "--no-progress", "--log-level", "WARNING"]
@@ -44,18 +45,24 @@ def rank_exits(where, n=2) -> list:
 
 
 def held_job(tmp_path, hold, *extra):
-    """A job held in `hold` (a name in mpishard.cli.train) on every rank; returns (job, where);
-    `(where / "go").touch()` lets it go on."""
+    """A job held in `hold` (a name in mpishard.cli.train, or `step:N`) on every rank; returns
+    (job, where); `(where / "go").touch()` lets it go on."""
     where = tmp_path / "ranks"
     where.mkdir()
     job = RunningJob(train_argv(tmp_path / "ckpt", tmp_path / "metrics.json", *extra,
                                 where=where, hold=hold), marker=str(tmp_path / "ckpt"))
-    deadline = time.monotonic() + 120
-    while not all((where / f"ready.{r}").exists() for r in range(2)):
-        assert job.proc.poll() is None, job.proc.stdout.read()
-        assert time.monotonic() < deadline, "the ranks never reached " + hold
-        time.sleep(0.02)
+    wait_for_files(job, where, "ready", range(2), "the ranks never reached " + hold)
     return job, where
+
+
+def wait_for_files(job, where, name, ranks, why, timeout=120):
+    """Wait until `where/<name>.<rank>` exists for each of `ranks` (held_train.py writes them)
+    while the job runs."""
+    deadline = time.monotonic() + timeout
+    while not all((where / f"{name}.{r}").exists() for r in ranks):
+        assert job.proc.poll() is None, job.proc.stdout.read()
+        assert time.monotonic() < deadline, why
+        time.sleep(0.02)
 
 
 def keep_signalling(job, signums=(signal.SIGTERM, signal.SIGUSR1)):
@@ -84,23 +91,27 @@ def uninterrupted(tmp_path_factory):
     return json.loads(path.read_text())
 
 
-def preempt_and_resume(tmp_path, reference, send):
-    """Run, `send(job)` once step 100 is recorded, expect exit 75, then rerun the same command
-    line to the end; returns (the stopped step, the first run's output)."""
+def preempt_and_resume(tmp_path, reference, send, ranks=(0, 1), then=None):
+    """Run to step HOLD_AT and hold there, `send(job)`, let the job go on once the signal has
+    reached `ranks` (then `then(job)`), expect exit 75, then rerun the same command line to the
+    end; returns (the stopped step, the first run's output)."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.json"
     jsonl = tmp_path / "ckpt.metrics.jsonl"             # the default beside --checkpoint-dir
-    where = tmp_path / "ranks"
-    where.mkdir()
-    job = RunningJob(train_argv(ckpt, metrics, where=where), marker=str(ckpt))
-    seen = job.wait_for_step(jsonl, 100)
+    job, where = held_job(tmp_path, f"step:{HOLD_AT}")
+    seen = job.wait_for_step(jsonl, HOLD_AT)
+    assert seen == HOLD_AT                               # held there: provably mid-run
     send(job)
+    wait_for_files(job, where, "signalled", ranks, "the signal never reached the ranks")
+    (where / "go").touch()
+    if then is not None:
+        then(job)
     rc, out = job.finish(timeout=120)
     print(f"signalled at step {seen}; rc {rc}\n{out[-1500:]}")
     assert rc == 75 and rank_exits(where) == [75, 75], out[-3000:]
     stop = the_stop_line(out)
     assert "checkpoint saved at step" in stop, out[-3000:]
     step = int(stop.split("checkpoint saved at step ")[1].split(";")[0])
-    assert seen <= step < STEPS
+    assert step == seen + 1                  # the first step boundary after the signal
     index = json.loads((ckpt / "index.json").read_text())
     assert index["step"] == step
     assert not metrics.exists()                          # no end-of-run summary: not the end
@@ -122,16 +133,14 @@ def preempt_and_resume(tmp_path, reference, send):
 def test_sigusr1_to_one_rank_stops_the_whole_job(tmp_path, uninterrupted):
     """Only rank 1 receives SIGUSR1: the ranks agree at the next step boundary all the same."""
     preempt_and_resume(tmp_path, uninterrupted,
-                       lambda job: job.signal(signal.SIGUSR1, ranks=[1]))
+                       lambda job: job.signal(signal.SIGUSR1, ranks=[1]), ranks=[1])
 
 
 def test_sigterm_to_all_ranks_then_more_signals(tmp_path, uninterrupted):
     """SIGTERM to every rank, then SIGTERM and SIGUSR1 again and again while they stop, save
     and exit: one stop, one intact checkpoint named after the first signal, 75 on every rank."""
-    def send(job):
-        job.signal(signal.SIGTERM)
-        keep_signalling(job)
-    preempt_and_resume(tmp_path, uninterrupted, send)
+    preempt_and_resume(tmp_path, uninterrupted, lambda job: job.signal(signal.SIGTERM),
+                       then=keep_signalling)
 
 
 def test_a_signal_during_the_engine_build_stops_before_the_first_step(tmp_path):

@@ -1,7 +1,8 @@
 """The fake decode loop and app the serve.api tests share (tests/serve/test_api*.py): the real
 Intake served with deterministic tokens, the bytes of ANSWER then an eos, or for a prompt
-starting "slow" an endless run of "a" until max_tokens; the app in-process (Served) or over
-loopback through uvicorn (Uvicorn)."""
+starting "slow" an endless run of "a" until max_tokens (while FakeLoop.hold_slow is set a slow
+row holds its last token back: it ends only when cancelled, or once the test clears the event);
+the app in-process (Served) or over loopback through uvicorn (Uvicorn)."""
 from __future__ import annotations
 
 import json
@@ -29,12 +30,16 @@ class FakeLoop(threading.Thread):
         super().__init__(daemon=True)
         self.intake, self.max_batch, self.answers, self.eos = intake, max_batch, answers, eos
         self.rows, self.joined, self.cancelled = {}, [], []
-        self.halt = threading.Event()
+        self.halt, self.hold_slow = threading.Event(), threading.Event()
+
+    @staticmethod
+    def slow(ticket) -> bool:
+        return bytes(ticket.ids).startswith(b"slow")
 
     def script(self, ticket) -> list:
         if self.answers is not None:
             return self.answers(ticket.ids)
-        if bytes(ticket.ids).startswith(b"slow"):
+        if self.slow(ticket):
             return [ord("a")] * MAX_LEN
         return list(ANSWER.encode()) + [EOS]
 
@@ -63,6 +68,9 @@ class FakeLoop(threading.Thread):
                     self.intake.deliver(rid, None, "abort")
             for rid, row in list(self.rows.items()):
                 ticket, step = row
+                if step + 1 >= ticket.params["max_tokens"] and self.hold_slow.is_set() \
+                        and self.answers is None and self.slow(ticket):
+                    continue                        # held: its last token waits
                 token = self.script(ticket)[step]
                 row[1] = step + 1
                 finish = ("stop" if token == self.eos else
@@ -71,6 +79,14 @@ class FakeLoop(threading.Thread):
                 if finish:
                     del self.rows[rid]
             time.sleep(0.005)
+
+    def wait_joined(self, n, timeout=10.0):
+        """The ticket of the row that joined `n`-th (from 0), once it has."""
+        end = time.time() + timeout
+        while time.time() < end and len(self.joined) <= n:
+            time.sleep(0.01)
+        assert len(self.joined) > n, f"no row {n} joined in {timeout} s: {len(self.joined)}"
+        return self.joined[n]
 
     def wait_cancelled(self, rid, timeout=10.0) -> bool:
         end = time.time() + timeout

@@ -43,17 +43,21 @@ def test_openai_client_over_uvicorn():
 
 
 def test_a_client_that_goes_away_cancels_its_row():
+    """The slow rows are held (FakeLoop.hold_slow): none can end by itself, however late the
+    server notices that its client went away, so only a cancel ends it."""
     with Served() as s, Uvicorn(s) as server:
+        s.loop.hold_slow.set()
         body = {"model": MODEL, "prompt": "slow", "max_tokens": MAX_LEN - 4, "stream": True}
         with httpx.Client(base_url=server.url) as client:
             with client.stream("POST", "/v1/completions", json=body) as r:
                 next(r.iter_lines())
-            rid = s.loop.joined[-1].rid
+            rid = s.loop.wait_joined(0).rid
             assert s.loop.wait_cancelled(rid), "the closed stream did not cancel its row"
             with pytest.raises(httpx.ReadTimeout):
                 client.post("/v1/completions", json=dict(body, stream=False), timeout=0.3)
-            rid = s.loop.joined[-1].rid
+            rid = s.loop.wait_joined(1).rid                 # this request's row, once joined
             assert s.loop.wait_cancelled(rid), "the abandoned request did not cancel its row"
+            assert len(s.loop.joined) == 2
             ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
             assert ok.json()["choices"][0]["text"] == ANSWER.encode()[:16].decode()
 
