@@ -21,7 +21,7 @@ The ranks on the node: under MPI the size of the job's shared-memory group
 On a GPU (`--device gpu`, or `auto` where cupy sees one) what a rank's step holds lives in
 the GPU's memory, not the node's, so the default is instead the free memory of the GPU the
 rank computes on (cupy's memGetInfo, after its CUDA context is made; the GPU picked as the
-engine picks it, comm/gpu.gpu_for_rank), over the ranks of the node that compute on the same
+engine picks it, comm/gpu.device_rank), over the ranks of the node that compute on the same
 GPU (compared by PCI bus id, so per-rank CUDA_VISIBLE_DEVICES counts as distinct GPUs).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import re
 
 from mpi4py import MPI
 
-from ..comm.gpu import gpu_for_rank, try_import_cupy
+from ..comm.gpu import device_rank, gpu_for_rank, try_import_cupy
 
 UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 CGROUP = "/sys/fs/cgroup"
@@ -161,27 +161,36 @@ def local_gpu(device: str, cupy=None):
 def gpu_max_memory(device: str, comm=None, cupy=None) -> tuple:
     """((bytes per rank, where from) of the GPU's free memory over the node's ranks sharing
     it, or None where this rank computes on the host; the ranks on the node). Collective over
-    `comm` (one allgather among the node's ranks; comm None: one rank)."""
+    `comm` (comm None: one rank): every rank makes the same calls, GPU or not, and a query
+    that fails on any rank raises the same ValueError on every rank."""
     found = local_gpu(device, cupy)
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if comm is not None else None
-    try:
-        mine = None
-        if found is not None:
-            module, count = found
-            index = gpu_for_rank(node.Get_rank() if node is not None else 0, count)
+    rank = device_rank(comm) if comm is not None else 0      # the engine's choice of GPU
+    mine, error = None, None
+    if found is not None:
+        module, count = found
+        index = gpu_for_rank(rank, count)
+        try:
             with module.cuda.Device(index) as dev:
                 free, _ = module.cuda.runtime.memGetInfo()
-                ident = str(getattr(dev, "pci_bus_id", index))
-            mine = (ident, int(free), index)
-        ids = node.allgather(mine and mine[0]) if node is not None else [mine and mine[0]]
+                mine = (str(getattr(dev, "pci_bus_id", index)), int(free), index)
+        except Exception as exc:                 # a CUDA error: reported on every rank
+            error = f"GPU {index}: {type(exc).__name__}: {exc}"
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if comm is not None else None
+    try:
+        pairs = node.allgather((mine and mine[0], error)) if node is not None else \
+            [(mine and mine[0], error)]
     finally:
         if node is not None:
             node.Free()
+    errors = [e for _, e in pairs if e]
+    if errors:
+        raise ValueError(f"--max-memory: the GPU's free memory could not be read ({errors[0]}"
+                         f"); give --max-memory BYTES")
     if mine is None:
-        return None, len(ids)
-    sharing = ids.count(mine[0])
+        return None, len(pairs)
+    sharing = [ident for ident, _ in pairs].count(mine[0])
     return (mine[1] // sharing, f"free memory of GPU {mine[2]} (cupy memGetInfo) / "
-                                f"{sharing} rank(s) on it"), len(ids)
+                                f"{sharing} rank(s) on it"), len(pairs)
 
 
 def max_memory(text, comm=None, device: str = "cpu") -> tuple:
@@ -194,7 +203,9 @@ def max_memory(text, comm=None, device: str = "cpu") -> tuple:
     if device == "cpu":
         return default_max_memory(comm)
     gpu, ranks = gpu_max_memory(device, comm)
-    return gpu if gpu is not None else default_max_memory(ranks=ranks)
+    if gpu is not None:
+        return gpu
+    return default_max_memory(ranks=ranks) if comm is not None else default_max_memory()
 
 
 def add_max_memory_argument(add) -> None:

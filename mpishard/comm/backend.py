@@ -15,7 +15,8 @@ array to mpi4py:
   large all_reduce goes in pipelined chunks (`pipeline`: staging.py).
 
 Whether the MPI is CUDA-aware is asked of the library (gpu.query_cuda_support) unless the
-caller says (`cuda_aware=True|False`). The device is chosen per node-local rank (gpu.py).
+caller says (`cuda_aware=True|False`). The device is chosen per node-local rank in the job
+(gpu.device_rank: a serve replica's engine on its own communicator too).
 `array_module=` replaces cupy with another device array module (the test suite's strict CPU
 stand-in, tests/device_double.py), `nccl_module=` cupy's NCCL (tests/nccl_double.py). Nothing
 here is a global: the engine owns one Backend.
@@ -45,7 +46,7 @@ import numpy as np
 
 from mpi4py import MPI
 
-from .gpu import gpu_for_rank, node_local_rank, own_device, query_cuda_support, try_import_cupy
+from .gpu import device_rank, gpu_for_rank, own_device, query_cuda_support, try_import_cupy
 from .nccl import NcclTransport, try_import_nccl
 from .staging import BF16, StagedPipeline, as_words, pinned_empty
 
@@ -93,7 +94,7 @@ class Backend:
         self.is_gpu = module is not None
         self.xp = module if self.is_gpu else np
         self.name = getattr(self.xp, "__name__", "device") if self.is_gpu else "numpy"
-        self.local_rank = node_local_rank(comm) if self.is_gpu and comm is not None else 0
+        self.local_rank = device_rank(comm) if self.is_gpu and comm is not None else 0
         self.device_index = None
         if self.is_gpu:
             self.device_index = gpu_for_rank(self.local_rank, _device_count(module))

@@ -126,12 +126,23 @@ def test_on_a_gpu_the_default_is_its_free_memory():
 
 def test_max_memory_falls_back_to_the_host_without_a_gpu(monkeypatch):
     monkeypatch.setattr(memory_limit, "try_import_cupy", lambda: None)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")       # no comm: the launcher's count
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(name, raising=False)
     host = default_max_memory(None)
+    assert "/ 4 rank(s)" in host[1]
     assert max_memory(None, None, "auto") == host == max_memory(None, None, "cpu")
     assert max_memory("3G", None, "gpu") == (3 * GIB, "--max-memory")
     monkeypatch.setattr(memory_limit, "try_import_cupy", lambda: FakeCupy([7 * GIB]))
     assert max_memory(None, None, "auto")[0] == 7 * GIB
     assert max_memory(None, None, "cpu") == host
+
+
+def test_a_failed_query_is_a_value_error():
+    cupy = FakeCupy([GIB])
+    cupy.cuda.runtime.memGetInfo = staticmethod(lambda: 1 / 0)
+    with pytest.raises(ValueError, match="ZeroDivisionError.*give --max-memory"):
+        gpu_max_memory("gpu", None, cupy)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -159,4 +170,9 @@ def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch):
         assert got[0] == GIB                    # the one rank on that GPU
     else:
         assert got == default_max_memory(None, ranks=size)
+    broken = FakeCupy([GIB])                    # the query fails on rank 0 alone: every
+    if comm.Get_rank() == 0:                    # rank raises, none waits in the allgather
+        broken.cuda.runtime.memGetInfo = staticmethod(lambda: 1 / 0)
+    with pytest.raises(ValueError, match="could not be read"):
+        gpu_max_memory("gpu", comm, broken)
     comm.Barrier()
