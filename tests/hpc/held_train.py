@@ -8,7 +8,8 @@ HOLD `step:N` holds the ranks mid-run instead: after step N's callbacks (its met
 written, its preemption check done) each rank writes DIR/ready.<rank> and waits for DIR/go,
 writing DIR/signalled.<rank> once the stop flag holds a signal meanwhile, so a test knows the
 signal has reached the rank before it lets the run go on (the stop then comes at step N + 1).
-A run that finds DIR/go already there (a restart, a resumed run) does not wait.
+A run that finds DIR/go already there (a restart, a resumed run) does not wait; a rank that
+waits 300 s for it exits (3), so a test that failed before writing it leaves no job behind.
 """
 import os
 import sys
@@ -33,11 +34,22 @@ def touch(name):
     open(os.path.join(where, f"{name}.{rank}"), "w").close()
 
 
+def wait_for_go(poll=lambda: None, limit=300.0):
+    """Until DIR/go exists; a test that failed without writing it leaves no job behind: the
+    rank exits (3) after `limit` seconds."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(GO):
+        poll()
+        if time.monotonic() > deadline:
+            print(f"held_train: no {GO} in {limit:.0f} s, exiting", file=sys.stderr, flush=True)
+            os._exit(3)
+        time.sleep(0.01)
+
+
 def held(original):
     def wait_then_run(*args, **kwargs):
         touch("ready")
-        while not os.path.exists(GO):
-            time.sleep(0.01)
+        wait_for_go()
         return original(*args, **kwargs)
     return wait_then_run
 
@@ -53,12 +65,13 @@ class HoldAt(Callback):
             return
         flags = [cb.flag for cb in trainer.callbacks if isinstance(cb, Preemption)]
         touch("ready")
-        told = False
-        while not os.path.exists(GO):
+        told = []
+
+        def tell():
             if not told and any(f.signum for f in flags):
                 touch("signalled")
-                told = True
-            time.sleep(0.01)
+                told.append(True)
+        wait_for_go(tell)
 
 
 def holding_at(step, build):

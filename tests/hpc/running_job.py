@@ -39,6 +39,15 @@ class RunningJob:
             time.sleep(0.02)
         raise AssertionError(f"no step {step} in {jsonl} after {timeout} s")
 
+    def wait_for_files(self, where, name, ranks=(0, 1), why=None, timeout: float = 120.0):
+        """Block until `where/<name>.<rank>` exists for each of `ranks` (held_train.py writes
+        them) while the job runs; `why`: the failure's message."""
+        deadline = time.monotonic() + timeout
+        while not all((where / f"{name}.{r}").exists() for r in ranks):
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert time.monotonic() < deadline, why or f"no {name} file from ranks {ranks}"
+            time.sleep(0.02)
+
     def ranks(self) -> dict:
         """{rank: pid} of this job's rank processes."""
         found = {}

@@ -43,15 +43,6 @@ def held_launcher(where, step) -> str:
                        *mpiexec_cmd(2)[:-2]])
 
 
-def wait_for_files(job, where, name, ranks=(0, 1), timeout=120):
-    """Wait until `where/<name>.<rank>` exists for every rank (held_train.py writes them)."""
-    deadline = time.monotonic() + timeout
-    while not all((where / f"{name}.{r}").exists() for r in ranks):
-        assert job.proc.poll() is None, job.proc.stdout.read()
-        assert time.monotonic() < deadline, f"no {name} file from every rank in {timeout} s"
-        time.sleep(0.02)
-
-
 def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
     ref = tmp_path / "reference.json"
     proc = run_mpi(2, "-m", "mpishard", "train", *ARGS, "--metrics-json", ref, timeout=300)
@@ -64,7 +55,7 @@ def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
                       "2", "--launcher", launcher, "--", "train", *ARGS, "--checkpoint-dir",
                       ckpt, "--checkpoint-every", EVERY, "--metrics-json", metrics],
                      marker=str(ckpt), cwd=ROOT)
-    wait_for_files(job, where, "ready")                 # both ranks held after step KILL_AT
+    job.wait_for_files(where, "ready")                 # both ranks held after step KILL_AT
     seen = job.wait_for_step(tmp_path / "ckpt.metrics.jsonl", KILL_AT)
     assert seen == KILL_AT
     pids = job.ranks()                                  # {rank: pid} of the first run
@@ -173,11 +164,11 @@ def test_sigterm_to_the_supervisor_reaches_the_ranks_and_exits_75(tmp_path):
     job = RunningJob([sys.executable, "-m", "mpishard", "launch", "-n", "2", "--launcher",
                       held_launcher(where, 50), "--", "train",
                       *ARGS, "--checkpoint-dir", ckpt], marker=str(ckpt), cwd=ROOT)
-    wait_for_files(job, where, "ready")                 # both ranks held after step 50
+    job.wait_for_files(where, "ready")                 # both ranks held after step 50
     seen = job.wait_for_step(tmp_path / "ckpt.metrics.jsonl", 50)
     assert seen == 50
     job.proc.send_signal(signal.SIGTERM)
-    wait_for_files(job, where, "signalled")             # forwarded to every rank: let them go
+    job.wait_for_files(where, "signalled")             # forwarded to every rank: let them go
     (where / "go").touch()
     rc, out = job.finish(timeout=120)
     lines = [s for s in out.splitlines() if s.startswith("mpishard")]

@@ -51,18 +51,8 @@ def held_job(tmp_path, hold, *extra):
     where.mkdir()
     job = RunningJob(train_argv(tmp_path / "ckpt", tmp_path / "metrics.json", *extra,
                                 where=where, hold=hold), marker=str(tmp_path / "ckpt"))
-    wait_for_files(job, where, "ready", range(2), "the ranks never reached " + hold)
+    job.wait_for_files(where, "ready", range(2), "the ranks never reached " + hold)
     return job, where
-
-
-def wait_for_files(job, where, name, ranks, why, timeout=120):
-    """Wait until `where/<name>.<rank>` exists for each of `ranks` (held_train.py writes them)
-    while the job runs."""
-    deadline = time.monotonic() + timeout
-    while not all((where / f"{name}.{r}").exists() for r in ranks):
-        assert job.proc.poll() is None, job.proc.stdout.read()
-        assert time.monotonic() < deadline, why
-        time.sleep(0.02)
 
 
 def keep_signalling(job, signums=(signal.SIGTERM, signal.SIGUSR1)):
@@ -101,7 +91,7 @@ def preempt_and_resume(tmp_path, reference, send, ranks=(0, 1), then=None):
     seen = job.wait_for_step(jsonl, HOLD_AT)
     assert seen == HOLD_AT                               # held there: provably mid-run
     send(job)
-    wait_for_files(job, where, "signalled", ranks, "the signal never reached the ranks")
+    job.wait_for_files(where, "signalled", ranks, "the signal never reached the ranks")
     (where / "go").touch()
     if then is not None:
         then(job)

@@ -171,7 +171,7 @@ def _healthy(url) -> bool:
     """GET /health answers 200 (not 503 draining, nor a closed socket)."""
     try:
         return httpx.get(f"{url}/health", timeout=10).status_code == 200
-    except httpx.ConnectError:
+    except httpx.TransportError:        # refused, or cut while the server shuts down
         return False
 
 
