@@ -17,6 +17,8 @@ Weights gathered by FSDP are counted by the access policy (`gathered_peak`), not
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .layers import every_layer
 
 
@@ -29,21 +31,24 @@ class TapeMeter:
         self._held: dict = {}        # id(buffer) -> [buffer, nbytes, references]
 
     def hold(self, value) -> None:
+        held = self._held
         for buf in buffers(value):
-            entry = self._held.get(id(buf))
+            entry = held.get(id(buf))
             if entry is None:
-                self._held[id(buf)] = [buf, int(buf.nbytes), 1]
-                self.current += int(buf.nbytes)
+                held[id(buf)] = [buf, buf.nbytes, 1]
+                self.current += buf.nbytes
             else:
                 entry[2] += 1
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
 
     def drop(self, value) -> None:
+        held = self._held
         for buf in buffers(value):
-            entry = self._held[id(buf)]
+            entry = held[id(buf)]
             entry[2] -= 1
             if entry[2] == 0:
-                del self._held[id(buf)]
+                del held[id(buf)]
                 self.current -= entry[1]
 
     def reset_peak(self) -> None:
@@ -53,7 +58,12 @@ class TapeMeter:
 def buffers(value) -> list:
     """The distinct array buffers behind a saved value (an array, or tuples, lists and dicts
     of arrays and other things: a MoE layer saves a dict); a view stands for the buffer it
-    lives in."""
+    lives in. (A bare numpy array, the common value, takes a short way: the same result.)"""
+    if type(value) is np.ndarray:
+        while type(value.base) is np.ndarray:
+            value = value.base
+        if value.base is None or not hasattr(value.base, "nbytes"):
+            return [value]
     out, stack = {}, [value]
     while stack:
         v = stack.pop()
