@@ -22,7 +22,9 @@ over the card's dense datasheet peak for that precision (gpu.py DATASHEET: non-t
 for float32, 16-bit tensor cores for bfloat16 and float16; none for TF32, not in the table).
 `peak_gib`: each side's allocator high-water mark over one full step from a released pool
 (ours: cupy's pool, tracked by a wrapping allocator for that step only; PyTorch's
-max_memory_allocated). `attention` names the attention ours ran. `loss_ours`, `loss_torch`:
+max_memory_allocated); `predicted_peak_gib`: costs/peak_memory.rank_peak's total for the same
+step (float32 itemsizes: the planner knows no compute dtype), and its ratio to ours.
+`attention` names the attention ours ran. `loss_ours`, `loss_torch`:
 the first step's loss on each side, before any update (the same weights and batch: equal to
 the precision's rounding). The fused kernels are on
 (nn/fused.py); `--unfused` adds MPISHARD_FUSED=0 runs of ours.
@@ -42,6 +44,7 @@ from mpi4py import MPI
 import mpishard as ms
 from gpt import model_flops, torch_gpt
 from gpu import FULL, TINY, Device, emit, fitting_problem, timed
+from mpishard.costs.peak_memory import rank_peak
 from mpishard.nn import fused
 
 PRECISIONS = [("float32", {}, None, False), ("tf32", {"tf32": True}, None, True),
@@ -144,8 +147,11 @@ def one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32, s
         torch_peak = peak_bytes(dev, full, torch)
         full = None
         dev.release()
-    if ours_peak is not None:
+    predicted = rank_peak(model, ms.parse_layout("single"), 0, batch)["total"]
+    rec["predicted_peak_gib"] = round(predicted / 2 ** 30, 3)   # the planner's, in --dtype's
+    if ours_peak is not None:                                     # itemsize (no compute dtype)
         rec["ours_peak_gib"] = round(ours_peak / 2 ** 30, 3)
+        rec["predicted_over_ours_peak"] = round(predicted / ours_peak, 3)
     if torch_peak is not None:
         rec["torch_peak_gib"] = round(torch_peak / 2 ** 30, 3)
     return rec
