@@ -208,9 +208,11 @@ def max_memory(text, comm=None, device: str = "cpu") -> tuple:
     return default_max_memory(ranks=ranks) if comm is not None else default_max_memory()
 
 
-def add_max_memory_argument(add) -> None:
-    """--max-memory through `add` (a parser's or a group's add_argument)."""
+def add_max_memory_argument(add, gpu: bool = True) -> None:
+    """--max-memory through `add` (a parser's or a group's add_argument); gpu: the command
+    runs on a GPU where it sees one (plan does not: its default is the host's)."""
     add("--max-memory", metavar="BYTES", help="memory one rank may use, with K, M, G or T "
         "(e.g. 12G); --layout auto picks among the layouts predicted to fit (default: the "
-        "job's cgroup or Slurm memory, else the node's, over its ranks on the node; on a GPU "
-        "its free memory over the ranks sharing it)")
+        "job's cgroup or Slurm memory, else the node's, over its ranks on the node"
+        + ("; on a GPU its free memory over the ranks sharing it)" if gpu else
+           "; plan runs on the host: give a GPU's memory here to plan for one)"))

@@ -246,7 +246,7 @@ def add_plan_arguments(p):
     p.add_argument("--explain", action="store_true", help="show how --layout auto ranks the "
                    "top layouts: memory against --max-memory, the predicted step time (with "
                    "a calibration) or the rule of thumb's numbers")
-    add_max_memory_argument(p.add_argument)
+    add_max_memory_argument(p.add_argument, gpu=False)
     p.add_argument("--json", metavar="FILE", help="also write the layouts, and with --validate "
                    "the predicted vs measured times and their summary, to FILE (rank 0)")
     return p

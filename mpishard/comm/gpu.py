@@ -90,9 +90,10 @@ def node_local_rank(comm) -> int:
 
 
 # A rank's node-local rank in the whole job, as its launcher sets it: Open MPI's mpirun,
-# MPICH's and Intel MPI's hydra, MVAPICH's mpirun_rsh.
+# MPICH's and Intel MPI's hydra, MVAPICH's mpirun_rsh, and Slurm's srun last (inside a batch
+# job an mpiexec's own variable comes first: the batch step's SLURM_LOCALID is every rank's).
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                        "MV2_COMM_WORLD_LOCAL_RANK")
+                        "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
 def device_rank(comm, environ=None) -> int:
