@@ -54,13 +54,14 @@ def describe(row: dict, rule: str) -> str:
             f"elements updated by the optimizer, {mem}")
 
 
-def choice_line(ranked: dict, limit: int, source: str, candidates: int) -> str:
-    """The one line `--layout auto` logs."""
+def choice_line(ranked: dict, limit: int, source: str, candidates: int,
+                planned: str = "") -> str:
+    """The one line `--layout auto` logs; `planned`: what the memory was priced for."""
     best, rule = ranked["best"], ranked["rule"]
     runner = ranked["fit"][1] if len(ranked["fit"]) > 1 else None
     return (f"layout auto: {best['layout']} ({describe(best, rule)}); ranked by {RULES[rule]}; "
             f"{len(ranked['fit'])} of {candidates} layouts fit in {format_bytes(limit)} per "
-            f"rank ({source})"
+            f"rank ({source})" + (f" for {planned}" if planned else "")
             + (f"; next {runner['layout']} ({describe(runner, rule)})" if runner else ""))
 
 
@@ -97,8 +98,11 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
                          f"{format_bytes(max_memory)} per rank ({source}): the smallest, "
                          f"{least['layout']}, needs {format_bytes(least['memory'])}; give "
                          f"more --max-memory, more ranks or a smaller model")
+    planned = (f"a step of {batch} rows in {np.dtype(dtype).name}" if purpose == "train" else
+               f"{rows} row(s) of up to {max_len or model.seq_len} positions in "
+               f"{np.dtype(dtype).name}")
     return {"layout": ranked["best"]["layout"], "ranked": ranked,
-            "line": choice_line(ranked, max_memory, source, len(rows_))}
+            "line": choice_line(ranked, max_memory, source, len(rows_), planned)}
 
 
 def agree_memory_limit(args, comm) -> None:
