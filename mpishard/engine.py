@@ -55,7 +55,7 @@ class ShardedEngine(ABC):
 
     def __init__(self, layout="single", comm=None, dtype=np.float64, device="cpu", debug=None,
                  cuda_aware=None, timeout=DEFAULT_TIMEOUT, blas_threads="auto",
-                 host_heap=None, gpu_comm="auto"):
+                 host_heap=None, gpu_comm="auto", device_rank=None):
         world = MPI.COMM_WORLD if comm is None else comm
         self.layout = parse_layout(layout)
         self.host_heap = keep_host_heap(host_heap)        # health/heap.py: opt-in, no MPI
@@ -63,7 +63,8 @@ class ShardedEngine(ABC):
         remove_singleton_segment_at_exit(world)   # Open MPI's leak (health/signals.py)
         self.blas_threads = pin_blas_threads(world, blas_threads)    # health/threads.py
         self.backend = (device if isinstance(device, Backend)
-                        else Backend(device, world, cuda_aware, gpu_comm=gpu_comm))
+                        else Backend(device, world, cuda_aware, gpu_comm=gpu_comm,
+                                     local_rank=device_rank))
         self.xp = self.backend.xp
         self.dtype = np.dtype(dtype)
         self.comm = Comm(self.mesh, self.backend, watchdog=Watchdog(self.mesh, timeout),
@@ -171,16 +172,19 @@ class MeshEngine(ShardedEngine):
     blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int (threads.py)
     host_heap : None (malloc as is) or "keep": freed arrays under 32 MiB stay in glibc's heap
         instead of being page-faulted in again every step (process-wide mallopt; health/heap.py)
+    device_rank : the node-local rank that picks this rank's GPU (comm/gpu.py); None: its rank
+        among `comm`'s ranks on the node. An engine on part of a job (serve's replicas) passes
+        its rank among the job's ranks on the node, so the parts take different GPUs.
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
                  debug=None, cuda_aware=None, param_dtype=None, comm_dtype=None,
                  timeout=DEFAULT_TIMEOUT, blas_threads="auto", host_heap=None,
-                 compute_dtype=None, tf32=False, gpu_comm="auto"):
+                 compute_dtype=None, tf32=False, gpu_comm="auto", device_rank=None):
         dtype = np.dtype(dtype)
         self.precision = Precision(dtype, param_dtype, comm_dtype, compute_dtype, tf32)  # no MPI
         super().__init__(layout, comm, dtype, device, debug, cuda_aware, timeout, blas_threads,
-                         host_heap, gpu_comm)
+                         host_heap, gpu_comm, device_rank)
         if not isinstance(model, ParamSpec):           # every spec's base (models/interface.py)
             names = ", ".join(f"ms.{cls.__name__}" for cls in ARCHITECTURES.values())
             raise TypeError(f"model must be a model spec ({names}), got {type(model).__name__}")

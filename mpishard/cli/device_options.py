@@ -114,12 +114,13 @@ def check_compute_flags(compute_dtype, tf32, dtype) -> None:
 
 def engine_options(args, dtype) -> dict:
     """make_engine's device, communication and compute keywords from the flags in `args`,
-    checked against the run's `dtype` (UsageError naming the flags; no MPI)."""
+    checked against the run's `dtype` (UsageError naming the flags; no MPI); `device_rank`
+    where the command set args.device_rank (serve: a replica's rank among the job's)."""
     check_compute_flags(args.compute_dtype, args.tf32, dtype)
     gpu_comm, cuda_aware = gpu_comm_choice(args.gpu_comm, args.cuda_aware)
     return {"device": args.device, "cuda_aware": cuda_aware, "gpu_comm": gpu_comm,
             "compute_dtype": args.compute_dtype, "tf32": bool(args.tf32),
-            "timeout": args.timeout}
+            "timeout": args.timeout, "device_rank": getattr(args, "device_rank", None)}
 
 
 def precision_line(precision):

@@ -21,7 +21,8 @@ The ranks on the node: under MPI the size of the job's shared-memory group
 On a GPU (`--device gpu`, or `auto` where cupy sees one) what a rank's step holds lives in
 the GPU's memory, not the node's, so the default is instead the free memory of the GPU the
 rank computes on (cupy's memGetInfo, after its CUDA context is made; the GPU picked as the
-engine picks it, comm/gpu.device_rank), over the ranks of the node that compute on the same
+engine picks it, by the rank's place among the job's ranks on the node: comm/gpu.py), over the
+ranks of the node that compute on the same
 GPU (compared by PCI bus id, so per-rank CUDA_VISIBLE_DEVICES counts as distinct GPUs).
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ import re
 
 from mpi4py import MPI
 
-from ..comm.gpu import device_rank, gpu_for_rank, try_import_cupy
+from ..comm.gpu import gpu_for_rank, try_import_cupy
 
 UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 CGROUP = "/sys/fs/cgroup"
@@ -164,19 +165,18 @@ def gpu_max_memory(device: str, comm=None, cupy=None) -> tuple:
     `comm` (comm None: one rank): every rank makes the same calls, GPU or not, and a query
     that fails on any rank raises the same ValueError on every rank."""
     found = local_gpu(device, cupy)
-    rank = device_rank(comm) if comm is not None else 0      # the engine's choice of GPU
-    mine, error = None, None
-    if found is not None:
-        module, count = found
-        index = gpu_for_rank(rank, count)
-        try:
-            with module.cuda.Device(index) as dev:
-                free, _ = module.cuda.runtime.memGetInfo()
-                mine = (str(getattr(dev, "pci_bus_id", index)), int(free), index)
-        except Exception as exc:                 # a CUDA error: reported on every rank
-            error = f"GPU {index}: {type(exc).__name__}: {exc}"
     node = comm.Split_type(MPI.COMM_TYPE_SHARED) if comm is not None else None
     try:
+        mine, error = None, None
+        if found is not None:                    # the GPU the engine on `comm` picks
+            module, count = found
+            index = gpu_for_rank(node.Get_rank() if node is not None else 0, count)
+            try:
+                with module.cuda.Device(index) as dev:
+                    free, _ = module.cuda.runtime.memGetInfo()
+                    mine = (str(getattr(dev, "pci_bus_id", index)), int(free), index)
+            except Exception as exc:             # a CUDA error: reported on every rank
+                error = f"GPU {index}: {type(exc).__name__}: {exc}"
         pairs = node.allgather((mine and mine[0], error)) if node is not None else \
             [(mine and mine[0], error)]
     finally:

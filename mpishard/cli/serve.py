@@ -36,6 +36,7 @@ import threading
 import numpy as np
 
 from .. import hf
+from ..comm.gpu import node_local_rank
 from ..health.lines import write_line
 from ..serve.api import build_app
 from ..serve.metrics import make_metrics
@@ -211,6 +212,7 @@ def run_serve(args) -> int:
     world = world_comm()
     rank = world.Get_rank()
     agree_memory_limit(args, world)               # --layout auto: the smallest rank's limit
+    args.device_rank = node_local_rank(world)     # a replica's engine: its GPU by the job's
     (layout, replicas, inner), model, ckpt, text, eos, (template, files) = agreed(
         world, lambda: prepare_server(args, world))
     agree_choice(args, world, layout.text, show=True)

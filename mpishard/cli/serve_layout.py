@@ -65,7 +65,9 @@ def auto_layout(args, model, size: int, itemsize: int) -> str:
                             f"{format_bytes(least['memory'])} with --max-batch "
                             f"{args.max_batch} --max-model-len {args.max_model_len}"
                             if least else ""))
-    args.layout_line = choice_line(ranked, limit, source, len(rows))
+    args.layout_line = choice_line(ranked, limit, source, len(rows),
+                                   f"{args.max_batch} row(s) a replica of up to "
+                                   f"{args.max_model_len} positions")
     return ranked["best"]["layout"]
 
 

@@ -15,8 +15,9 @@ array to mpi4py:
   large all_reduce goes in pipelined chunks (`pipeline`: staging.py).
 
 Whether the MPI is CUDA-aware is asked of the library (gpu.query_cuda_support) unless the
-caller says (`cuda_aware=True|False`). The device is chosen per node-local rank in the job
-(gpu.device_rank: a serve replica's engine on its own communicator too).
+caller says (`cuda_aware=True|False`). The device is chosen per node-local rank (gpu.py): the
+rank among `comm`'s ranks on the node, or `local_rank=` where the caller knows it better (a
+serve replica's engine: its rank among the whole job's ranks on the node).
 `array_module=` replaces cupy with another device array module (the test suite's strict CPU
 stand-in, tests/device_double.py), `nccl_module=` cupy's NCCL (tests/nccl_double.py). Nothing
 here is a global: the engine owns one Backend.
@@ -46,7 +47,7 @@ import numpy as np
 
 from mpi4py import MPI
 
-from .gpu import device_rank, gpu_for_rank, own_device, query_cuda_support, try_import_cupy
+from .gpu import gpu_for_rank, node_local_rank, own_device, query_cuda_support, try_import_cupy
 from .nccl import NcclTransport, try_import_nccl
 from .staging import BF16, StagedPipeline, as_words, pinned_empty
 
@@ -74,7 +75,8 @@ class Backend:
     KEEP_PER_SHAPE = 4           # free host buffers the pool keeps per (shape, dtype)
 
     def __init__(self, device: str = "cpu", comm=None, cuda_aware: bool | None = None,
-                 array_module=None, gpu_comm: str = "auto", nccl_module=None):
+                 array_module=None, gpu_comm: str = "auto", nccl_module=None,
+                 local_rank: int | None = None):
         if device not in ("auto", "cpu", "gpu"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
         if gpu_comm not in GPU_COMM:
@@ -94,7 +96,9 @@ class Backend:
         self.is_gpu = module is not None
         self.xp = module if self.is_gpu else np
         self.name = getattr(self.xp, "__name__", "device") if self.is_gpu else "numpy"
-        self.local_rank = device_rank(comm) if self.is_gpu and comm is not None else 0
+        self.local_rank = 0
+        if self.is_gpu and comm is not None:                  # the GPU follows it (gpu.py)
+            self.local_rank = node_local_rank(comm) if local_rank is None else int(local_rank)
         self.device_index = None
         if self.is_gpu:
             self.device_index = gpu_for_rank(self.local_rank, _device_count(module))

@@ -10,10 +10,11 @@ is opened with ctypes and asked through
 The answer is False, with the reason, when the library has neither (or cannot be found);
 `make_engine(..., cuda_aware=True|False)` overrides it for an MPI that cannot say.
 
-A rank uses GPU `local_rank % n_visible`, where `local_rank` is its rank among the job's ranks
-on its node (`device_rank`: MPI_COMM_TYPE_SHARED of a communicator spanning the job, else the
-launcher's node-local rank) and `n_visible` counts the GPUs that CUDA_VISIBLE_DEVICES leaves
-visible (cupy numbers the visible ones from 0).
+A rank uses GPU `local_rank % n_visible`, where `local_rank` is its rank among the ranks on
+its node (MPI_COMM_TYPE_SHARED of the engine's communicator, or the `device_rank` its caller
+gives: a serve replica's engine, on a communicator smaller than the job's, is given its rank
+among the job's) and `n_visible` counts the GPUs that CUDA_VISIBLE_DEVICES leaves visible
+(cupy numbers the visible ones from 0).
 """
 from __future__ import annotations
 
@@ -87,27 +88,6 @@ def node_local_rank(comm) -> int:
         return node.Get_rank()
     finally:
         node.Free()
-
-
-# A rank's node-local rank in the whole job, as its launcher sets it: Open MPI's mpirun,
-# MPICH's and Intel MPI's hydra, MVAPICH's mpirun_rsh, and Slurm's srun last (inside a batch
-# job an mpiexec's own variable comes first: the batch step's SLURM_LOCALID is every rank's).
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                        "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-
-
-def device_rank(comm, environ=None) -> int:
-    """The node-local rank that picks this rank's GPU (gpu_for_rank): its rank among the job's
-    ranks on its node. For `comm` as large as MPI.COMM_WORLD, node_local_rank(comm) (a
-    collective over it); for a smaller one (a serve replica's engine), whose own numbering
-    would put every replica on the node's first GPUs, the launcher's node-local rank
-    (LOCAL_RANK_VARIABLES) where set, else node_local_rank(comm)."""
-    if comm.Get_size() != MPI.COMM_WORLD.Get_size():
-        env = os.environ if environ is None else environ
-        for name in LOCAL_RANK_VARIABLES:
-            if env.get(name, "").isdigit():
-                return int(env[name])
-    return node_local_rank(comm)
 
 
 def own_device(comm, xp, index) -> bool:

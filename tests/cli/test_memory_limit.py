@@ -127,8 +127,10 @@ def test_on_a_gpu_the_default_is_its_free_memory():
 def test_max_memory_falls_back_to_the_host_without_a_gpu(monkeypatch):
     monkeypatch.setattr(memory_limit, "try_import_cupy", lambda: None)
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")       # no comm: the launcher's count
-    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_MEM_PER_NODE",
+                 "SLURM_MEM_PER_CPU"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(memory_limit, "cgroup_limit", lambda *a: None)    # MemTotal's
     host = default_max_memory(None)
     assert "/ 4 rank(s)" in host[1]
     assert max_memory(None, None, "auto") == host == max_memory(None, None, "cpu")
