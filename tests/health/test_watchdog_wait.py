@@ -106,7 +106,7 @@ class _Window:
 def test_late_ranks_are_read_with_one_deadline_for_all(monkeypatch):
     """Defect 8: a report used to wait READ_TIMEOUT for each rank that does not answer, one
     after the other (group size x 1 s on a TCP job); now all reads share one deadline."""
-    deadline = 0.3
+    deadline = 0.5                       # one per silent rank, as before the fix: 2 s
     monkeypatch.setattr(arrivals, "READ_TIMEOUT", deadline)
     window = Arrivals.__new__(Arrivals)
     window.win = _Window({1: 5, 2: 4, 3: 5, 4: 4}, silent={5, 6, 7, 8})
@@ -120,7 +120,7 @@ def test_late_ranks_are_read_with_one_deadline_for_all(monkeypatch):
     print(f"late ranks read in {took:.2f} s, {len(window.win.silent)} silent, deadline "
           f"{deadline} s: {text}")
     assert text == "[2, 4] (not yet in this collective); ranks [5, 6, 7, 8] did not answer"
-    assert deadline <= took < 2 * deadline
+    assert deadline <= took < 3 * deadline         # room for a stalled test process
 
 
 SERIALIZED_TIMEOUT = """
