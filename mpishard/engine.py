@@ -62,9 +62,8 @@ class ShardedEngine(ABC):
         self.mesh = DeviceMesh(world, self.layout)  # raises on a world-size mismatch
         remove_singleton_segment_at_exit(world)   # Open MPI's leak (health/signals.py)
         self.blas_threads = pin_blas_threads(world, blas_threads)    # health/threads.py
-        self.backend = (device if isinstance(device, Backend)
-                        else Backend(device, world, cuda_aware, gpu_comm=gpu_comm,
-                                     local_rank=device_rank))
+        self.backend = device if isinstance(device, Backend) else Backend(
+            device, world, cuda_aware, gpu_comm=gpu_comm, local_rank=device_rank)
         self.xp = self.backend.xp
         self.dtype = np.dtype(dtype)
         self.comm = Comm(self.mesh, self.backend, watchdog=Watchdog(self.mesh, timeout),
@@ -172,9 +171,7 @@ class MeshEngine(ShardedEngine):
     blas_threads : "auto" (a node's ranks split its cores; logged), None (as is), int (threads.py)
     host_heap : None (malloc as is) or "keep": freed arrays under 32 MiB stay in glibc's heap
         instead of being page-faulted in again every step (process-wide mallopt; health/heap.py)
-    device_rank : the node-local rank that picks this rank's GPU (comm/gpu.py); None: its rank
-        among `comm`'s ranks on the node. An engine on part of a job (serve's replicas) passes
-        its rank among the job's ranks on the node, so the parts take different GPUs.
+    device_rank : the node-local rank picking the GPU (None: comm's; serve's replicas: the job's)
     """
 
     def __init__(self, model, layout="single", comm=None, dtype=np.float64, device="cpu",
