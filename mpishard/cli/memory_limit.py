@@ -32,7 +32,7 @@ import re
 
 from mpi4py import MPI
 
-from ..comm.gpu import gpu_for_rank, try_import_cupy
+from ..comm.gpu import device_count, gpu_for_rank, try_import_cupy
 
 UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 CGROUP = "/sys/fs/cgroup"
@@ -150,12 +150,7 @@ def local_gpu(device: str, cupy=None):
     if device == "cpu":
         return None
     cupy = cupy if cupy is not None else try_import_cupy()
-    if cupy is None:
-        return None
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception:                    # a broken CUDA install: no GPU, as Backend says
-        return None
+    count = device_count(cupy)
     return (cupy, count) if count > 0 else None
 
 

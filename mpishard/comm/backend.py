@@ -47,7 +47,8 @@ import numpy as np
 
 from mpi4py import MPI
 
-from .gpu import gpu_for_rank, node_local_rank, own_device, query_cuda_support, try_import_cupy
+from .gpu import (device_count, gpu_for_rank, node_local_rank, own_device, query_cuda_support,
+                  try_import_cupy)
 from .nccl import NcclTransport, try_import_nccl
 from .staging import BF16, StagedPipeline, as_words, pinned_empty
 
@@ -56,13 +57,6 @@ log = logging.getLogger("mpishard")
 GPU_COMM = ("auto", "nccl", "mpi", "staged")
 """How device arrays travel between GPUs: NCCL, a CUDA-aware MPI, or staged through host
 memory; auto: a CUDA-aware MPI, else staged (NCCL is opt-in: module docstring)."""
-
-
-def _device_count(cupy) -> int:
-    try:
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
 
 
 class Backend:
@@ -89,7 +83,7 @@ class Backend:
             module = array_module if array_module is not None else try_import_cupy()
             if device == "gpu" and module is None:
                 raise ValueError("device='gpu' needs cupy (pip install -e '.[cuda12]')")
-            if module is not None and _device_count(module) == 0:
+            if module is not None and device_count(module) == 0:
                 if device == "gpu":
                     raise ValueError("device='gpu' but cupy sees no CUDA device")
                 module = None
@@ -101,7 +95,7 @@ class Backend:
             self.local_rank = node_local_rank(comm) if local_rank is None else int(local_rank)
         self.device_index = None
         if self.is_gpu:
-            self.device_index = gpu_for_rank(self.local_rank, _device_count(module))
+            self.device_index = gpu_for_rank(self.local_rank, device_count(module))
             module.cuda.Device(self.device_index).use()
         if self.is_gpu and gpu_comm == "staged":
             if cuda_aware:

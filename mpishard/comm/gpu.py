@@ -120,6 +120,17 @@ def physical_gpu(index: int) -> str:
     return ids[index] if index < len(ids) else f"{index} (not in CUDA_VISIBLE_DEVICES)"
 
 
+def device_count(cupy) -> int:
+    """The GPUs cupy sees (CUDA_VISIBLE_DEVICES applied); 0 without cupy or on a CUDA error
+    (a broken install counts as no GPU)."""
+    if cupy is None:
+        return 0
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
 def visible_gpus(cupy) -> list:
     """Names of the GPUs cupy sees (CUDA_VISIBLE_DEVICES applied); [] without cupy/CUDA."""
     if cupy is None:
