@@ -299,7 +299,8 @@ flight-sweep: $(STAMP)
 GPU           ?= gpu
 GPU_WHEELS    ?= .gpu-wheels
 GPU_CHECK_OUT ?= gpu-check-out
-GPU_WHEEL_PINS = mpich==5.0.2 mpi4py==4.1.2 pytest-mpi==0.6 threadpoolctl==3.8.0
+GPU_WHEEL_PINS = mpich==5.0.2 mpi4py==4.1.2 pytest-mpi==0.6 threadpoolctl==3.8.0 \
+                 nvidia-cudnn-frontend==1.16.0
 gpu-check: $(if $(filter standin,$(GPU)),$(STAMP))
 	GPU_CHECK=$(GPU) GPU_WHEELS=$(GPU_WHEELS) GPU_CHECK_OUT=$(GPU_CHECK_OUT) \
 	    PYTHON=$(if $(filter standin,$(GPU)),$(PY),python3) bash benchmarks/gpu_check.sh

@@ -12,7 +12,8 @@ with its own budget (a share of the whole, never past its end), each printing as
 written to $GPU_CHECK_OUT/gpu_check.json as it ends, so a cut-off run still says what it did;
 a failing part does not stop the later ones:
 
-wheels       the carried wheels (make gpu-wheels: mpich, mpi4py, pytest-mpi, threadpoolctl;
+wheels       the carried wheels (make gpu-wheels: mpich, mpi4py, pytest-mpi, threadpoolctl,
+             nvidia-cudnn-frontend;
              at most 64 MiB) installed offline into a scratch prefix (gpu_wheels.py: pip
              --no-index --prefix, or unpacked without pip), which then leads PYTHONPATH, PATH
              and LD_LIBRARY_PATH; removed at the end; skipped
@@ -41,9 +42,9 @@ bench-step   benchmarks/gpu_step.py (1 rank: the GPT-2-small step with AdamW in 
 bench-llama  benchmarks/gpu_llama.py (1 rank: a GPT-2-small-sized Llama, fused and not, in
              float32 and bfloat16 compute, next to transformers' LlamaForCausalLM)
 bench-allreduce   benchmarks/gpu.py allreduce (2 ranks sharing the GPU)
-kernels, nccl, cli, profile   gpu_check_parts.py (its docstring): the hand-written kernels
-             against the xp path, the NCCL and staged paths, train/generate/bench with
-             --device gpu, the per-unit profile
+kernels, cudnn, nccl, cli, profile   gpu_check_parts.py (its docstring): the hand-written
+             kernels against the xp path, cuDNN's attention against ours, the NCCL and staged
+             paths, train/generate/bench with --device gpu, the per-unit profile
 
 Exit status 0 when no part failed. The log of everything printed is gpu_check.log.
 """
@@ -68,8 +69,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
 SHARES = [("wheels", 10), ("environment", 30), ("gemm", 15), ("kernels", 80),
           ("reference-1", 40), ("reference-2", 40), ("layouts-16", 60), ("bf16-cupy", 20),
-          ("fused", 30),
-          ("autocast", 20), ("bench-step", 100), ("bench-llama", 60), ("bench-allreduce", 20),
+          ("fused", 30), ("autocast", 20), ("cudnn", 30), ("bench-step", 110),
+          ("bench-llama", 60), ("bench-allreduce", 20),
           ("nccl", 30), ("cli", 60), ("profile", 40)]   # shares, scaled to GPU_CHECK_BUDGET
 # The H100's first run (before fused, Llama, generate, hf and every part after
 # bench-allreduce) took 2, 9, -, 8, 4, 15, -, -, 50, -, 2 s; a bare node compiles each cupy
@@ -284,7 +285,8 @@ def main() -> int:
            "bench-step": part_bench(["benchmarks/gpu_step.py"], 1),
            "bench-llama": part_bench(["benchmarks/gpu_llama.py"], 1),
            "bench-allreduce": part_bench(["benchmarks/gpu.py", "allreduce"], 2),
-           "kernels": more.part_kernels, "nccl": more.part_nccl, "cli": more.part_cli,
+           "kernels": more.part_kernels, "cudnn": more.part_cudnn, "nccl": more.part_nccl,
+           "cli": more.part_cli,
            "profile": more.part_profile}
     t0 = time.monotonic()
     try:

@@ -4,6 +4,9 @@ kernels      benchmarks/gpu_kernels_check.py: every hand-written cupy kernel com
              against its xp path (float64 rtol 1e-12; 16 bits within its stated tolerance)
              and timed beside it. Skipped on the stand-in, which cannot run CUDA C.
 autocast     (in gpu_check.py) tests/hf/test_autocast_torch.py against torch.autocast
+cudnn        benchmarks/gpu_cudnn_check.py: cuDNN's fused attention (nn/cudnn_attention.py)
+             against our 16-bit kernels and a float64 reference, timed beside them; passed
+             with a `cudnn_absent` row where the cudnn module does not import
 nccl         benchmarks/gpu_comm_check.py at 1 rank (a size-1 NcclCommunicator smoke test)
              and 2 ranks sharing the GPU (staged all-reduce with pinned buffers beside a
              raw host Allreduce of the same size; the multi-GPU part when there are 2+ GPUs)
@@ -45,6 +48,19 @@ def part_kernels(check, budget):
     if rc or not rows or bad:
         rec.update(status="failed", error=f"exit {rc}; {len(bad)} of {len(rows)} kernels "
                    "failed")
+    return rec
+
+
+def part_cudnn(check, budget):
+    script = ROOT / "benchmarks" / "gpu_cudnn_check.py"
+    if check.standin:
+        return {"status": "skipped", "why": "the stand-in has no cuDNN (tests/nn/"
+                "test_cudnn_attention.py checks the graphs on a fake cudnn module)"}
+    rc, lines = check.run([sys.executable, str(script)], budget)
+    rows = bench_lines(lines)
+    rec = {"rows": rows}
+    if rc or not rows or not all(r.get("ok") for r in rows):
+        rec.update(status="failed", error=f"exit {rc}; {len(rows)} rows")
     return rec
 
 

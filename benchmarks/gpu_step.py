@@ -24,10 +24,12 @@ for float32, 16-bit tensor cores for bfloat16 and float16; none for TF32, not in
 (ours: cupy's pool, tracked by a wrapping allocator for that step only; PyTorch's
 max_memory_allocated); `predicted_peak_gib`: costs/peak_memory.rank_peak's total for the same
 step (float32 itemsizes: the planner knows no compute dtype), and its ratio to ours.
-`attention` names the attention ours ran. `loss_ours`, `loss_torch`:
-the first step's loss on each side, before any update (the same weights and batch: equal to
-the precision's rounding). The fused kernels are on
-(nn/fused.py); `--unfused` adds MPISHARD_FUSED=0 runs of ours.
+`attention` names the attention ours ran: with the `cudnn` module
+(nvidia-cudnn-frontend) importable, cuDNN's flash kernels in 16 bits (nn/cudnn_attention.py),
+and one more bfloat16 record, "bfloat16 own attention", with them switched off
+(MPISHARD_CUDNN=0). `loss_ours`, `loss_torch`: the first step's loss on each side, before
+any update (the same weights and batch: equal to the precision's rounding). The fused kernels
+are on (nn/fused.py); `--unfused` adds MPISHARD_FUSED=0 runs of ours.
 
 Prints one `BENCH {json}` line per measurement, as benchmarks/gpu.py does.
 """
@@ -45,6 +47,7 @@ import mpishard as ms
 from gpt import model_flops, torch_gpt
 from gpu import FULL, TINY, Device, emit, fitting_problem, timed
 from mpishard.costs.peak_memory import rank_peak
+from mpishard.nn import cudnn_attention as cda
 from mpishard.nn import fused
 
 PRECISIONS = [("float32", {}, None, False), ("tf32", {"tf32": True}, None, True),
@@ -106,17 +109,23 @@ def peak_bytes(dev, fn, torch=None):
 
 
 def attention_name(dev, keywords) -> str:
+    """The attention our step ran (after it ran: a shape cuDNN refused is in cda.refusals)."""
     if not fused.use(dev.xp):
         return "xp ops (matmul, softmax)"
     if keywords.get("compute_dtype") in ("bfloat16", "float16") and not dev.standin:
-        return "16-bit softmax kernels + cuBLAS 16-bit batched GEMMs (nn/fused_low.py)"
+        own = "16-bit softmax kernels + cuBLAS 16-bit batched GEMMs (nn/fused_low.py)"
+        if cda.load() is None or os.environ.get(cda.SWITCH) == "0":
+            return own
+        if cda.refusals:
+            return f"{own}: cuDNN refused ({sorted(set(cda.refusals.values()))[0][:300]})"
+        return "cuDNN's fused flash attention (nn/cudnn_attention.py)"
     return "fused causal softmax + cuBLAS batched GEMMs (nn/fused.py)"
 
 
 def one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32, samples):
     model, params, x, t, batch = problem
-    rec = dict(part="step", precision=label, keywords=keywords, batch=batch,
-               attention=attention_name(dev, keywords))
+    rec = dict(part="step", precision=label, keywords=keywords, batch=batch)
+    cda.refusals.clear()
     fns = list(ours(dev, model, params, x, t, keywords))
     rec["loss_ours"] = float(fns[1]())             # the first step's, before any update
     if torch is not None:
@@ -125,6 +134,7 @@ def one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32, s
         fns += list(theirs(torch, dev, model, params, x, t, autocast))
         rec["loss_torch"] = float(fns[3]().item())
     times = timed(dev, fns, samples)
+    rec["attention"] = attention_name(dev, keywords)
     rec.update(ours_s=round(times[0], 5), ours_train_step_s=round(times[1], 5),
                ours_tflops=round(flops / times[0] / 1e12, 3))
     sheet = dev.datasheet()
@@ -170,14 +180,17 @@ def run(dev, budget, samples, unfused=False):
         import torch
     except ImportError:
         torch = None
-    runs = [(p, False) for p in PRECISIONS] + ([(PRECISIONS[0], True)] if unfused else [])
-    for (label, keywords, autocast, tf32), off in runs:
-        name = label + (" unfused" if off else "")
+    runs = [(p, "", {}) for p in PRECISIONS]
+    if cda.load() is not None and not dev.standin:          # bfloat16 without cuDNN's attention
+        runs.append((PRECISIONS[2], " own attention", {cda.SWITCH: "0"}))
+    if unfused:
+        runs.append((PRECISIONS[0], " unfused", {"MPISHARD_FUSED": "0"}))
+    for (label, keywords, autocast, tf32), suffix, env in runs:
+        name = label + suffix
         if time.perf_counter() > t_end:
             emit(part="step", precision=name, skipped=f"budget {budget} s spent")
             continue
-        if off:
-            os.environ["MPISHARD_FUSED"] = "0"
+        os.environ.update(env)
         try:
             rec = one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32,
                                 samples)
@@ -185,7 +198,8 @@ def run(dev, budget, samples, unfused=False):
         except Exception as exc:                 # reported; the other precisions still run
             rec = dict(part="step", precision=name, error=f"{type(exc).__name__}: {exc}"[:2000])
         finally:
-            os.environ.pop("MPISHARD_FUSED", None)
+            for key in env:
+                os.environ.pop(key, None)
             dev.release()
         emit(**rec)
     return 0

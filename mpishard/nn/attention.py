@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from . import cpu_attention, cpu_fused, fused, fused_low
+from . import cpu_attention, cpu_fused, cudnn_attention, fused, fused_low
 from .autocast import FULL, Narrow
 from .functional import array_module
 from .gemm import is_low, matmul
@@ -259,7 +259,12 @@ def _backward_low(dout, q, k, v, lse, offset, cast, into):
 def causal_attention_forward(q, k, v, keep_probs=False, visible=None, cast=FULL):
     """Causal self-attention of a whole sequence: (out, lse), one block at offset 0 (and the
     probabilities with keep_probs); visible: a further mask, e.g. packed documents'
-    (nn.documents.visible)."""
+    (nn.documents.visible). Under a `Narrow` cast on cupy without `visible`, cuDNN's flash
+    kernels take it where they can (nn/cudnn_attention.py: `out` then 16-bit, p None)."""
+    if visible is None and isinstance(cast, Narrow):
+        fast = cudnn_attention.forward(cast.round(q), cast.round(k), cast.round(v))
+        if fast is not None:
+            return fast + (None,) if keep_probs else fast
     return attention_block(q, k, v, offset=0, keep_probs=keep_probs, visible=visible,
                            cast=cast)
 
@@ -267,7 +272,13 @@ def causal_attention_forward(q, k, v, keep_probs=False, visible=None, cast=FULL)
 def causal_attention_backward(dout, q, k, v, out, lse, into=None, probs=None, visible=None,
                               cast=FULL):
     """Undo causal_attention_forward: (dq, dk, dv) (written to `into` when given; `probs`:
-    the forward's kept probabilities, else recomputed under the same `visible`)."""
+    the forward's kept probabilities, else recomputed under the same `visible`). A forward
+    by cuDNN (a 16-bit `out`) has its backward by cuDNN (nn/cudnn_attention.py)."""
+    if probs is None and visible is None and isinstance(cast, Narrow) and is_low(out):
+        grads = cudnn_attention.backward(cast.round(dout), cast.round(q), cast.round(k),
+                                         cast.round(v), out, lse, into)
+        if grads is not None:
+            return grads
     return attention_block_backward(dout, q, k, v, out, lse, offset=0, into=into, probs=probs,
                                     visible=visible, cast=cast, whole=True)
 

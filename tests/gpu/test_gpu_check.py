@@ -3,7 +3,7 @@
 The same script that `make gpu-check` runs on a GPU node runs here with GPU_CHECK=standin:
 tests/device_double.py in place of cupy, the venv's MPI, tiny sizes. Every part must pass
 (the wheels part may only be skipped, when this Python is not the cp312 the wheels are for;
-the kernels part, which needs a GPU, is skipped), its JSON must name every part and the
+the kernels and cudnn parts, which need a GPU, are skipped), its JSON must name every part and the
 reference cases of both world sizes (every model and layout, generate, hf load_into), the
 bf16 and fused test files (and the autocast one, where torch is installed) must have passed
 tests, the benchmarks must have measured each of their figures (the GPT step with AdamW and
@@ -23,9 +23,10 @@ import leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["wheels", "environment", "gemm", "kernels", "reference-1", "reference-2", "layouts-16",
-         "bf16-cupy", "fused", "autocast", "bench-step", "bench-llama", "bench-allreduce", "nccl",
-         "cli", "profile"]
-SKIPPABLE = {"wheels": "no mpi4py wheel for this Python", "kernels": "the stand-in cannot run"}
+         "bf16-cupy", "fused", "autocast", "cudnn", "bench-step", "bench-llama",
+         "bench-allreduce", "nccl", "cli", "profile"]
+SKIPPABLE = {"wheels": "no mpi4py wheel for this Python", "kernels": "the stand-in cannot run",
+             "cudnn": "the stand-in has no cuDNN"}
 PP = "pp=2,microbatches=2"
 CASES_1 = {"mlp single", "moe single", "gpt single", "llama single", "generate-gpt single",
            "generate-llama single", "hf-llama single"}
