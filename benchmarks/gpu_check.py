@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
 SHARES = [("wheels", 10), ("environment", 30), ("gemm", 15), ("kernels", 80),
           ("reference-1", 40), ("reference-2", 40), ("layouts-16", 60), ("bf16-cupy", 20),
-          ("fused", 30), ("autocast", 20), ("cudnn", 30), ("bench-step", 110),
+          ("fused", 30), ("autocast", 20), ("cudnn", 40), ("bench-step", 110),
           ("bench-llama", 60), ("bench-allreduce", 20),
           ("nccl", 30), ("cli", 60), ("profile", 40)]   # shares, scaled to GPU_CHECK_BUDGET
 # The H100's first run (before fused, Llama, generate, hf and every part after

@@ -31,7 +31,8 @@ and one more bfloat16 record, "bfloat16 own attention", with them switched off
 any update (the same weights and batch: equal to the precision's rounding). The fused kernels
 are on (nn/fused.py); `--unfused` adds MPISHARD_FUSED=0 runs of ours.
 
-Prints one `BENCH {json}` line per measurement, as benchmarks/gpu.py does.
+Prints one `BENCH {json}` line per measurement, as benchmarks/gpu.py does. The environment
+variable GPU_STEP_PRECISIONS (comma-separated record names) keeps only those records.
 """
 from __future__ import annotations
 
@@ -185,6 +186,9 @@ def run(dev, budget, samples, unfused=False):
         runs.append((PRECISIONS[2], " own attention", {cda.SWITCH: "0"}))
     if unfused:
         runs.append((PRECISIONS[0], " unfused", {"MPISHARD_FUSED": "0"}))
+    only = os.environ.get("GPU_STEP_PRECISIONS")              # e.g. "bfloat16,bfloat16 own
+    if only:                                                  # attention", for a short rerun
+        runs = [r for r in runs if r[0][0] + r[1] in only.split(",")]
     for (label, keywords, autocast, tf32), suffix, env in runs:
         name = label + suffix
         if time.perf_counter() > t_end:
