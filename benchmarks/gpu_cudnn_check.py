@@ -124,7 +124,7 @@ def main() -> int:
             why = f"{type(exc).__name__}: {exc}"
         emit(dict(check="cudnn_absent", ok=True, why=why))
         return 0
-    emit(dict(check="cudnn_module", version=getattr(cudnn, "__version__", "?"),
+    emit(dict(check="cudnn_module", ok=True, version=getattr(cudnn, "__version__", "?"),
               backend=int(cudnn.backend_version())))
     ok = True
     for dtype in ("bfloat16", "float16"):

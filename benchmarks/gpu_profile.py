@@ -22,6 +22,12 @@ unit        forward and backward of each unit type at the step's shapes, fused a
             each, ...). The device is synchronised around each measured call.
 kernels     torch.profiler's top 15 CUDA kernels by device time of one step of PyTorch's,
             and of ours fused and unfused (CUPTI sees cupy's kernels too), per step.
+host        ours fused, on the host: `issue_s`, the median time one step's call takes to
+            return after a synchronised start (the host's work: Python and launches), beside
+            `wall_s`, the same with the device synchronised at its end (issue close to wall:
+            the step waits on the host, or the host on the device inside it); and cProfile's
+            top functions by own time over 3 steps (a synchronisation inside the step shows
+            there as the time of a cupy/cuda call).
 
 Past --budget seconds the remaining parts are skipped with a `skipped` record.
 """
@@ -216,6 +222,36 @@ def kernels(dev, emit, torch, which, fn, steps=2, top=15):
               for dt, k, c in rows[:top]])
 
 
+def host(dev, emit, fn, steps=3, top=25):
+    """The host side of one step of `fn` (the module docstring's `host` part)."""
+    import cProfile
+    import pstats
+    fn()
+    dev.sync()
+    issue, wall = [], []
+    for _ in range(5):
+        dev.sync()
+        t0 = time.perf_counter()
+        fn()
+        issue.append(time.perf_counter() - t0)
+        dev.sync()
+        wall.append(time.perf_counter() - t0)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    dev.sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats             # (file, line, name) -> (cc, nc, tt, ct, ...)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    emit(part="host", issue_s=round(float(np.median(issue)), 5),
+         wall_s=round(float(np.median(wall)), 5),
+         top=[dict(name=f"{Path(f).name}:{line} {name}"[:120], calls=nc // steps,
+                   own_ms_per_step=round(1e3 * tt / steps, 3),
+                   cum_ms_per_step=round(1e3 * ct / steps, 3))
+              for (f, line, name), (cc, nc, tt, ct, _) in rows])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--standin", action="store_true", help="CPU stand-in, tiny sizes")
@@ -244,6 +280,10 @@ def main(argv=None) -> int:
         units(dev, emit, model, batch, engine, x, t, args.samples, t_end)
     if torch is None:
         emit(part="kernels", skipped="no torch")
+    try:
+        host(dev, emit, fns[0])
+    except Exception as exc:                          # costs only this part
+        emit(part="host", error=f"{type(exc).__name__}: {exc}")
     for which, fn in zip(("ours_fused", "ours_unfused", f"torch_{args.compute_dtype or 'fp32'}"),
                          fns):
         if torch is None:

@@ -326,7 +326,7 @@ class MeshEngine(ShardedEngine):
         self._begin_backward(accumulate, sync)
         self._drop_tape()
         self.meter.reset_peak()                # activations_peak: this step's
-        value, _ = self.runner.train_step(x, t, loss, grad_scale)
+        value = float(self.runner.train_step(x, t, loss, grad_scale)[0])  # read: backward out
         self._end_backward(sync)
         return (self.global_mean(value) if sync else value), self.grads
 

@@ -180,7 +180,9 @@ def gelu(xp, z):
 
 def cross_entropy(xp, y2, t, keep, n):
     """(value, dy) of the softmax cross entropy of logits y2 (N, C) at labels t, summed over
-    the rows where `keep` (N,) is True and divided by n (cupy); 0 gradient on the others."""
+    the rows where `keep` (N,) is True and divided by n (cupy); 0 gradient on the others.
+    n: a number, or a 0-d device array (the count of kept labels, not read back); value: a
+    0-d device array (read it with float(), a wait for the device)."""
     c = y2.shape[1]
     y2 = xp.ascontiguousarray(y2)
     keep = xp.ascontiguousarray(keep)
@@ -189,7 +191,8 @@ def cross_entropy(xp, y2, t, keep, n):
     logs = xp.log(kernels(xp)["sumexp"](y2, xp.broadcast_to(m, y2.shape), axis=-1,
                                         keepdims=True))
     rows = xp.arange(y2.shape[0])
-    value = float(-(((y2[rows, labels] - m[:, 0]) - logs[:, 0]) * keep).sum() / n)
+    value = -(((y2[rows, labels] - m[:, 0]) - logs[:, 0]) * keep).sum() / n
     g = xp.empty_like(y2)
-    kernels(xp)["ce_grad"](y2, m, logs, labels, keep, c, y2.dtype.type(n), g)
+    n = n.astype(y2.dtype) if hasattr(n, "astype") else y2.dtype.type(n)
+    kernels(xp)["ce_grad"](y2, m, logs, labels, keep, c, n, g)
     return value, g

@@ -24,6 +24,7 @@ import time
 
 from . import functional as nn
 from .autocast import FULL
+from .losses import step_pair
 
 
 class LocalAccess:
@@ -267,7 +268,7 @@ class Sequential:
         """Forward, loss, backward of one batch: (this rank's local-mean loss, rows)."""
         y = self.forward(x)
         t0 = time.perf_counter() if self.tracer is not None else 0.0
-        value, dy = loss(y, t)
+        value, dy = step_pair(loss, y, t)    # value: maybe a device scalar, read at the end
         if self.tracer is not None:
             self.tracer.span("loss", "compute", t0)
         if grad_scale != 1.0:

@@ -36,6 +36,14 @@ class Loss:
     def __call__(self, y, t):
         return self.value(y, t), self.grad(y, t)
 
+    def pair(self, y, t):
+        """(value, dy) for a training step that has checked t already (the engine's
+        check_targets, before the forward): __call__'s, except that the value may be a 0-d
+        device array not yet read back (CrossEntropy on cupy), so that reading it, a wait for
+        the device, comes after the backward is launched, not between forward and backward
+        (engine.train_step reads it with float())."""
+        return self(y, t)
+
     def value(self, y, t) -> float:
         raise NotImplementedError
 
@@ -122,7 +130,8 @@ class CrossEntropy(Loss):
     def counted(self, t) -> int:
         return int((t != self.ignore_index).sum())
 
-    def check(self, y, t):
+    def check_shapes(self, y, t):
+        """The checks that read no label (no wait for a device): shapes and dtype."""
         super().check(y, t)
         if y.ndim not in (2, 3) or t.ndim != y.ndim - 1 or tuple(y.shape[:-1]) != tuple(t.shape):
             raise ValueError(f"cross_entropy: expects logits (B, C) with labels (B,) or logits "
@@ -130,6 +139,9 @@ class CrossEntropy(Loss):
                              f"{tuple(t.shape)}")
         if t.dtype.kind not in "iu":
             raise TypeError(f"cross_entropy: labels must be integers, got {t.dtype}")
+
+    def check(self, y, t):
+        self.check_shapes(y, t)
         if t.size:                             # one host read; the message's only on error
             bad = (t != self.ignore_index) & ((t < 0) | (t >= y.shape[-1]))
             if bool(bad.any()):
@@ -153,13 +165,24 @@ class CrossEntropy(Loss):
     def __call__(self, y, t):
         """(value, dy) from one log-softmax."""
         self.check(y, t)
+        value, dy = self.pair(y, t)
+        return float(value), dy
+
+    def pair(self, y, t):
+        """(value, dy) checking shapes only (Loss.pair: the labels' range was checked before
+        the step); on cupy the value, and the count of the labels it divides by, stay on the
+        device (no read back)."""
+        self.check_shapes(y, t)
         xp = array_module(y)
         flat_t = t.reshape(-1)
         keep = flat_t != self.ignore_index
-        n = self.divisor(t)
         if fused.use(xp):                                            # cupy: 4 passes, not ~11
+            n = self.denominator
+            if n is None:                                            # counted on the device
+                n = xp.maximum(keep.sum(), 1).astype(y.dtype)
             value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t, keep, n)
             return value, dy.reshape(y.shape)
+        n = self.divisor(t)
         if cpu_rows.takes_loss(y.reshape(-1, y.shape[-1]), flat_t):  # numpy + numba: in place
             value, dy = cpu_rows.cross_entropy(y.reshape(-1, y.shape[-1]), flat_t, keep, n)
             return value, dy.reshape(y.shape)
@@ -207,6 +230,13 @@ class CrossEntropy(Loss):
         p /= n
         p *= keep[:, None]                                           # 0 on ignored rows
         return p
+
+
+def step_pair(loss, y, t):
+    """(value, dy) of `loss` inside a training step: its `pair` (the value possibly still on
+    the device, Loss.pair) where it has one, else its call."""
+    pair = getattr(loss, "pair", None)
+    return pair(y, t) if pair is not None else loss(y, t)
 
 
 LOSSES = {"mse": MSE, "bce": BCE, "cross_entropy": CrossEntropy, "ce": CrossEntropy}

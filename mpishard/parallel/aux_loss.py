@@ -13,6 +13,7 @@ routing statistics) is summed over.
 from __future__ import annotations
 
 from ..comm.mesh import DATA_AXES
+from ..nn.losses import step_pair
 
 
 def token_axes(layout) -> tuple:
@@ -49,7 +50,7 @@ class AuxLossRunner:
         self.aux.begin(grad_scale)
 
         def with_aux(y, target):
-            value, dy = loss(y, target)
+            value, dy = step_pair(loss, y, target)
             return value + self.aux.total(), dy
         try:
             return self.runner.train_step(x, t, with_aux, grad_scale)

@@ -47,6 +47,7 @@ from itertools import islice
 
 import numpy as np
 
+from ..nn.losses import step_pair
 from .schedules import make_schedule, splits_backward
 from .stages import assign_stages, pipeline_options
 
@@ -218,7 +219,7 @@ class PipelineRunner:
     def _loss(self, loss, y, t, mb, scale):
         """(local-mean loss of microbatch mb, its dy scaled: the mean over microbatches)."""
         t0 = time.perf_counter()
-        value, dy = loss(y, t)
+        value, dy = step_pair(loss, y, t)   # value: maybe a device scalar (summed, then read)
         if self.tracer is not None:
             self.tracer.span("loss", "compute", t0, mb=mb)
         return value, dy * scale

@@ -186,13 +186,21 @@ def test_device_layouts_hold_16_bits_and_match_the_host(name, layout, compute, m
 @pytest.mark.mpi
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name,layout", DEVICE_CASES, ids=[f"{m}-{v}" for m, v in DEVICE_CASES])
-def test_16_bit_layouts_on_cupy_match_the_host(name, layout, compute):
+def test_16_bit_layouts_on_cupy_match_the_host(name, layout, compute, monkeypatch):
     """The same layouts on real cupy (the GPU check's `layouts-16` part, 2 ranks sharing a
     GPU; skipped without one): tensor-core GEMMs sum in another order than the host's BLAS,
     so a rounding to 16 bits can move by one ulp and the layers carry it on. Loss, logits and
     every gradient within TOL (8 bf16 ulps of the array's largest element, as the layouts
-    against single; float16's ulp is 8 times smaller) of the host's."""
+    against single; float16's ulp is 8 times smaller) of the host's. Where the `cudnn` module
+    imports, the GPT and Llama attention runs cuDNN's flash kernels (nn/cudnn_attention.py),
+    whose roundings are as accurate as the emulation's but not the same. A top-k router is
+    discontinuous in them: on the H200 (2026-11-30) one token of the Mixtral case went to
+    another expert, its logits 0.24 of the largest apart in bfloat16 (loss 4e-4). So the
+    Mixtral cases run our own attention kernels (MPISHARD_CUDNN=0), which round as the
+    emulation does; benchmarks/gpu_cudnn_check.py measures cuDNN's error op by op."""
     gpu_cupy()                                    # skips without cupy and a GPU
+    if name == "mixtral":
+        monkeypatch.setenv("MPISHARD_CUDNN", "0")
     (hl, hg, hy), (dl, dg, dy) = device_against_host(
         name, layout, compute, lambda comm: Backend("gpu", comm, gpu_comm="staged"))
     g_err, g_name = worst(dg, hg)
