@@ -300,13 +300,15 @@ def split_heads_backward(dq, dk, dv):
     return da
 
 
-def split_heads_grads(q):
+def split_heads_grads(q, dtype=None):
     """A (B, T, 3 D) gradient of split_heads' input for heads shaped like q (B, H, T, Dh),
     and its q, k, v parts as (B, H, T, Dh) views: a backward that writes dq, dk, dv there
-    (attention_block_backward's `into`) has undone split_heads without a copy."""
+    (attention_block_backward's `into`) has undone split_heads without a copy. dtype: the
+    gradient's, default wide(q) (a cuDNN backward writes 16-bit ones, which the qkv matmul's
+    backward takes as they are)."""
     xp = array_module(q)
     b, h, t, dh = q.shape
-    da = xp.empty((b, t, 3, h, dh), dtype=wide(q))
+    da = xp.empty((b, t, 3, h, dh), dtype=wide(q) if dtype is None else dtype)
     return da.reshape(b, t, 3 * h * dh), tuple(da[:, :, i].transpose(0, 2, 1, 3)
                                                for i in range(3))
 

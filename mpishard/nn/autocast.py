@@ -52,7 +52,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import fused, fused_low
-from .functional import array_module
+from .functional import array_module, linear_forward, wide_product
+from .gemm import is_low
 
 
 class Full:
@@ -70,6 +71,10 @@ class Full:
 
     def enter(self):
         """Nothing (a matmul whose inputs were rounded earlier: a deferred weight gradient)."""
+
+    def linear_output(self, x, w, b=None):
+        """A linear layer's y = x W + b of its (rounded) inputs, as this policy outputs it."""
+        return self.output(linear_forward(x, w, b))
 
     def __repr__(self):
         return "FULL"
@@ -96,6 +101,8 @@ class Rounding:
     def enter(self):
         """A matmul follows whose inputs were rounded earlier (a deferred weight gradient):
         nothing to do here; precision.CublasTF32 switches cuBLAS's TF32 on."""
+
+    linear_output = Full.linear_output
 
     def output(self, y):
         """A matmul output: y rounded in place (a view is written through), and returned
@@ -125,6 +132,16 @@ class Narrow(Rounding):
         """x as a C-ordered `low` array (x itself if it is one): the cast also lays out
         a view (split heads, a transpose) so that cuBLAS reads it without another copy."""
         return x.astype(self.low, order="C", copy=False)
+
+    def linear_output(self, x, w, b=None):
+        """x W + b: on cupy with a bias, the float32 product and the bias rounded once in
+        one pass (nn/fused_low.py add_bias_round), not an add and a rounding."""
+        xp = array_module(x)
+        if b is None or not (fused.use(xp) and is_low(x) and is_low(b)):
+            return super().linear_output(x, w, b)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = fused_low.add_bias_round(xp, wide_product(x2, w), b)
+        return y.reshape(x.shape[:-1] + w.shape[1:])
 
     def output(self, y):
         """A matmul output as float32: a 16-bit one widened (a new array); a float32 one (a

@@ -15,8 +15,10 @@ only lse, the backward recomputes each tile from q, k and lse.
               without a copy; lse (B, H, T) float32, the log-sum-exp of each query's scaled
               scores, attention_block's lse (cuDNN's "stats").
     backward  dq, dk, dv (B, H, T, Dh) from dout and the forward's out and lse, written into
-              `into` (three arrays or views, e.g. split_heads_grads') when given, else float32
-              arrays (attention.wide): the dtype the attention's gradients are held in.
+              `into` (three arrays or views, e.g. split_heads_grads') when given: by cuDNN
+              itself where they are 16-bit (the GPT unit's, a (B, T, 3, H, Dh) gradient the
+              qkv matmul's backward takes without a cast), else widened into them; without
+              `into`, float32 arrays (attention.wide), the dtype the gradients are held in.
 
 Numerics: float32 accumulation and softmax statistics, 16-bit inputs and outputs, as
 nn/fused_low.py's path; but not its values rounding for rounding. The probabilities are
@@ -221,11 +223,15 @@ def backward(dout, q, k, v, out, lse, into=None):
     if dout.strides[-1] != dout.itemsize:
         dout = xp.ascontiguousarray(dout)
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
-    grads = [xp.empty(q.shape, dtype=q.dtype) for _ in range(3)]
+    direct = into is not None and all(g.dtype == q.dtype and g.shape == q.shape
+                                      and g.strides[-1] == g.itemsize for g in into)
+    grads = list(into) if direct else [xp.empty(q.shape, dtype=q.dtype) for _ in range(3)]
     arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse,
               "dq": grads[0], "dk": grads[1], "dv": grads[2]}
     if not _run(xp, "backward", arrays):
         return None
+    if direct:                                         # written where the caller wants them
+        return tuple(into)
     if into is None:
         return tuple(g.astype(np.float32) for g in grads)
     for dst, g in zip(into, grads):

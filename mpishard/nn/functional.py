@@ -88,14 +88,20 @@ def linear_forward(x, w, b=None):
     """y = x W + b.   'bd,df->bf'  (x: (..., D) as rows b, w: (D, F), b: (F,))."""
     x2 = x.reshape(-1, x.shape[-1])
     if b is not None and is_low(x2):       # 16-bit: the bias goes into the float32 product
-        xp = array_module(x2)              # (autocast's addmm: one rounding, by the caller)
-        y = matmul(xp, x2, w, out=xp.empty((x2.shape[0],) + w.shape[1:], dtype=F32))
+        y = wide_product(x2, w)            # (autocast's addmm: one rounding, by the caller)
     else:
         y = einsum("bd,df->bf", x2, w)
     y = y.reshape(x.shape[:-1] + w.shape[1:])
     if b is not None and not cpu_fused.add_bias(y, b):     # numpy + numba: a plain loop
         y += b
     return y
+
+
+def wide_product(x2, w):
+    """x2 @ w of 16-bit (rows, D) and (D, F) as float32, unrounded: the product a bias is
+    added to before autocast's one rounding."""
+    xp = array_module(x2)
+    return matmul(xp, x2, w, out=xp.empty((x2.shape[0],) + w.shape[1:], dtype=F32))
 
 
 def linear_backward(dy, x, w, need_dx=True):

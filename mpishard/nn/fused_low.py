@@ -44,6 +44,9 @@ on the host only).
                                    (autocast.Narrow.output's float32 matmul outputs: a
                                    weight's gradient, a biased product; astype there and back
                                    took two).
+    add_bias_round(y, b)           float32 y (…, F) <- round16(y + b) in place, b (F,) 16-bit:
+                                   a linear layer's product and bias in one pass
+                                   (autocast.Narrow.linear_output), not an add and a round.
 
 The bodies are cupy ElementwiseKernel code over `unsigned short` words, with a preamble that
 defines ms16_ld (a word widened to float: exact) and ms16_st (a float narrowed, nearest even,
@@ -205,6 +208,11 @@ _SHAPE = "int64 tk, int64 tq, int64 offset"
 
 _ROUND = "y = ms16_ld(ms16_st(x))"
 
+_BIAS_ROUND = """
+const IDX col = (IDX)i % (IDX)f;                   // y (rows, f) C-ordered: its column
+y = ms16_ld(ms16_st(y + ms16_ld(b[col])));
+"""
+
 ELEMENTWISE = {
     "softmax_stats": (f"raw uint16 s, {_SHAPE}, int64 nc", "float32 m, float32 d",
                       _SOFTMAX_STATS, "mpishard_softmax16_stats"),
@@ -220,8 +228,10 @@ ELEMENTWISE = {
     "grad_write": (f"raw float32 lse, raw float32 row, {_SHAPE}", "uint16 s, uint16 ds",
                    _GRAD_WRITE, "mpishard_softmax16_grad_write"),
     "round": ("float32 x", "float32 y", _ROUND, "mpishard_round16_f32"),
+    "bias_round": ("raw uint16 b, int64 f", "float32 y", _BIAS_ROUND,
+                   "mpishard_bias_round16"),
 }
-for _name in ("softmax_write", "grad_write"):               # 64-bit and 32-bit index variants
+for _name in ("softmax_write", "grad_write", "bias_round"):   # 64- and 32-bit index variants
     _in, _out, _body, _entry = ELEMENTWISE[_name]
     ELEMENTWISE[_name] = (_in, _out, "typedef long long IDX;" + _body, _entry)
     ELEMENTWISE[_name + "32"] = (_in, _out, "typedef unsigned int IDX;" + _body, _entry + "32")
@@ -290,4 +300,15 @@ def softmax_grad_t(xp, s, ds, lse, offset):
 def round_in_place(xp, y, dtype):
     """float32 y (any layout) rounded to the grid of the 16-bit `dtype` in place; returns y."""
     kernels(xp, np.dtype(dtype).name)["round"](y, y)
+    return y
+
+
+def add_bias_round(xp, y, b):
+    """float32 y (…, F), C-contiguous, <- y + b rounded to the grid of b's 16-bit dtype, in
+    place, one pass (a linear layer's float32 product, its rounded bias b (F,) added before
+    the one rounding, as autocast's addmm does); returns y."""
+    if not y.flags.c_contiguous or y.shape[-1:] != b.shape:
+        raise ValueError(f"fused_low: bias {b.shape} does not fit a C-ordered {y.shape}")
+    k = kernels(xp, b.dtype.name)["bias_round" + ("32" if y.size < INDEX32 else "")]
+    k(_words(xp.ascontiguousarray(b), "b"), b.shape[0], y)
     return y

@@ -33,6 +33,7 @@ Other layouts are made contiguous first.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from types import SimpleNamespace
 
 import ml_dtypes
@@ -68,40 +69,46 @@ def matmul(xp, a, b, out=None):
 
 
 def _cublas(cp, a, b, out):
-    """matmul of two cupy arrays of one 16-bit dtype, one cublasGemmStridedBatchedEx call."""
-    from cupy.cuda import cublas, device, runtime
+    """matmul of two cupy arrays of one 16-bit dtype, one cublasGemmStridedBatchedEx call.
+    The call's integers come from `plan` (cached by shapes and strides: a step repeats the
+    same few dozen products), so the host's work per product is the pointers and the call."""
+    from cupy.cuda import cublas, device
 
-    vec_a, vec_b = a.ndim == 1, b.ndim == 1
-    a = a[None, :] if vec_a else a
-    b = b[:, None] if vec_b else b
-    (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
-    if k != k2:
-        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} not aligned")
-    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    shape = batch + ((m,) if not vec_a else ()) + ((n,) if not vec_b else ())
+    p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
+    if p is None:                          # an operand cuBLAS cannot read where it lies
+        a, b = readable(cp, a, b)
+        p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
     direct = (out is not None and out.dtype in (a.dtype, F32) and out.flags.c_contiguous
-              and out.shape == shape)
+              and out.shape == p.shape)
     wide = out is not None and out.dtype == F32          # the float32 product, unrounded
-    c = out if direct else cp.empty(batch + (m, n), dtype=F32 if wide else a.dtype)
-    if m and n and math.prod(batch):
-        if k == 0:
-            c.fill(0)
-        else:
-            g = gemm_args(cp, a, b, batch)
-            one, zero = np.ones((), np.float32), np.zeros((), np.float32)
-            cublas.gemmStridedBatchedEx(
-                device.get_cublas_handle(), g.transa, g.transb, g.m, g.n, g.k, one.ctypes.data,
-                g.A.data.ptr, _enum(runtime, CUDA_TYPES[g.A.dtype]), g.lda, g.strideA,
-                g.B.data.ptr, _enum(runtime, CUDA_TYPES[g.B.dtype]), g.ldb, g.strideB,
-                zero.ctypes.data, c.data.ptr, _enum(runtime, CUDA_TYPES[c.dtype]), g.ldc,
-                g.strideC, g.batch, _enum(cublas, COMPUTE_32F), _enum(cublas, GEMM_DEFAULT))
+    c = out if direct else cp.empty(p.c_shape, dtype=F32 if wide else a.dtype)
+    if p.work and p.k == 0:
+        c.fill(0)
+    elif p.work:
+        t = _types(a.dtype, c.dtype)
+        cublas.gemmStridedBatchedEx(
+            device.get_cublas_handle(), p.transa, p.transb, p.m, p.n, p.k, ONE.ctypes.data,
+            b.data.ptr, t[0], p.lda, p.strideA, a.data.ptr, t[0], p.ldb, p.strideB,
+            ZERO.ctypes.data, c.data.ptr, t[1], p.ldc, p.strideC, p.batch, t[2], t[3])
     if direct:
         return out
-    c = c.reshape(shape)
+    c = c.reshape(p.shape)
     if out is None:
         return c
     out[...] = c                                           # (cast to out's dtype)
     return out
+
+
+ONE, ZERO = np.ones((), np.float32), np.zeros((), np.float32)   # alpha, beta (host pointers)
+
+
+@lru_cache(maxsize=None)
+def _types(low, c_dtype) -> tuple:
+    """cuBLAS's (operand type, result type, compute type, algorithm) enums for these dtypes."""
+    from cupy.cuda import cublas, runtime
+    return (_enum(runtime, CUDA_TYPES[np.dtype(low)]),
+            _enum(runtime, CUDA_TYPES[np.dtype(c_dtype)]),
+            _enum(cublas, COMPUTE_32F), _enum(cublas, GEMM_DEFAULT))
 
 
 def _enum(mod, pair):
@@ -109,46 +116,78 @@ def _enum(mod, pair):
     return getattr(mod, pair[0], pair[1])
 
 
-def gemm_args(cp, a, b, batch) -> SimpleNamespace:
-    """a @ b (a: (…, M, K), b: (…, K, N), `batch` their broadcast batch shape) as one strided
-    batched GEMM in cuBLAS's terms, elements not bytes: C' (m x n, ld ldc) = op(A') (m x k)
-    op(B') (k x n) for each of `batch` matrices, C' being the row-major C (…, M, N) read
-    column-major, i.e. C^T = B^T A^T. Operands are read where they lie, copied only where
-    cuBLAS cannot read them."""
-    (m, k), n = a.shape[-2:], b.shape[-1]
-    ta, lda, sa, a = _operand(cp, a, batch)
-    tb, ldb, sb, b = _operand(cp, b, batch)
-    return SimpleNamespace(transa=tb, transb=ta, m=n, n=m, k=k, A=b, lda=ldb, strideA=sb, B=a,
-                    ldb=lda, strideB=sa, ldc=n, strideC=m * n, batch=math.prod(batch))
+@lru_cache(maxsize=4096)
+def plan(a_shape, a_strides, b_shape, b_strides, item):
+    """a @ b as one strided batched GEMM in cuBLAS's terms, from the operands' shapes and
+    strides (bytes) alone (numpy's rules: 1-D operands, broadcast batch axes), or None when
+    an operand must be copied first (`readable`). Elements, not bytes: C' (m x n, ld ldc) =
+    op(A') (m x k) op(B') (k x n) for each of `batch` matrices, C' being the row-major C
+    (…, M, N) read column-major, i.e. C^T = B^T A^T: A' is b, B' is a. Also the result's
+    shape (`shape`; `c_shape` with the vectors' axes kept) and whether there is work."""
+    vec_a, vec_b = len(a_shape) == 1, len(b_shape) == 1
+    if vec_a:                                              # a[None, :]
+        a_shape, a_strides = (1,) + a_shape, (0,) + a_strides
+    if vec_b:                                              # b[:, None]
+        b_shape, b_strides = b_shape + (1,), b_strides + (0,)
+    (m, k), (k2, n) = a_shape[-2:], b_shape[-2:]
+    if k != k2:
+        raise ValueError(f"matmul: shapes {a_shape} and {b_shape} not aligned")
+    batch = tuple(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
+    la, lb = (None if len(sh) > 2 and sh[:-2] != batch else _layout_of(sh, st, item)
+              for sh, st in ((a_shape, a_strides), (b_shape, b_strides)))
+    if la is None or lb is None:
+        return None
+    (ta, lda, sa), (tb, ldb, sb) = la, lb
+    shape = batch + ((m,) if not vec_a else ()) + ((n,) if not vec_b else ())
+    return SimpleNamespace(shape=shape, c_shape=batch + (m, n),
+                           work=bool(m and n and math.prod(batch)), transa=tb, transb=ta,
+                           m=n, n=m, k=k, lda=ldb, strideA=sb, ldb=lda, strideB=sa, ldc=n,
+                           strideC=m * n, batch=math.prod(batch))
 
 
-def _operand(cp, x, batch):
-    """(cuBLAS op, leading dimension, batch stride, array) of one operand read where it lies:
-    op 0 for a row-major matrix, 1 for a column-major one (a transposed view), batch stride 0
-    for a 2-D operand shared by the batch. Anything else is copied to C order first."""
-    if x.ndim > 2 and x.shape[:-2] != batch:              # broadcast batch axes: materialise
-        x = cp.ascontiguousarray(cp.broadcast_to(x, batch + x.shape[-2:]))
-    layout = _layout(x)
-    if layout is None:
-        x = cp.ascontiguousarray(x)
-        layout = _layout(x)
-    return layout + (x,)
+def readable(cp, a, b):
+    """(a, b) as cuBLAS can read them: a broadcast batch axis materialised, any other layout
+    `plan` refuses copied to C order (vectors stay vectors)."""
+    batch = tuple(np.broadcast_shapes(a.shape[:-2] if a.ndim > 1 else (),
+                                      b.shape[:-2] if b.ndim > 1 else ()))
+    out = []
+    for x in (a, b):
+        if x.ndim > 2 and x.shape[:-2] != batch:
+            x = cp.ascontiguousarray(cp.broadcast_to(x, batch + x.shape[-2:]))
+        elif x.ndim > 1 and _layout(x) is None:
+            x = cp.ascontiguousarray(x)
+        out.append(x)
+    return tuple(out)
+
+
+def gemm_args(cp, a, b, batch=None) -> SimpleNamespace:
+    """`plan`'s arguments for a @ b with the operands cuBLAS reads: A (b, or its copy) and B
+    (a, or its copy). batch: unused (the plan computes it), kept for callers."""
+    p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
+    if p is None:
+        a, b = readable(cp, a, b)
+        p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
+    return SimpleNamespace(**vars(p), A=b, B=a)
 
 
 def _layout(x):
     """(op, ld, batch stride) in elements, or None when cuBLAS cannot read x as it lies."""
-    item = x.itemsize
-    r, c = x.shape[-2:]
-    sr, sc = (s // item for s in x.strides[-2:])
+    return _layout_of(x.shape, x.strides, x.itemsize)
+
+
+def _layout_of(shape, strides, item):
+    """_layout of an array of these shape, strides (bytes) and itemsize."""
+    r, c = shape[-2:]
+    sr, sc = (s // item for s in strides[-2:])
     if (sc == 1 or c == 1) and (r == 1 or sr >= c):      # row-major: op N, ld >= c
         op, ld = 0, (sr if r > 1 else c)
     elif (sr == 1 or r == 1) and (c == 1 or sc >= r):    # column-major: op T, ld >= r
         op, ld = 1, (sc if c > 1 else r)
     else:
         return None
-    if x.ndim == 2:
+    if len(shape) == 2:
         return op, ld, 0
-    dims = [(n, s // item) for n, s in zip(x.shape[:-2], x.strides[:-2]) if n != 1]
+    dims = [(n, s // item) for n, s in zip(shape[:-2], strides[:-2]) if n != 1]
     for (_, outer), (n, inner) in zip(dims, dims[1:]):
         if outer != inner * n:                             # not one uniform batch stride
             return None

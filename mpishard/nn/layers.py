@@ -168,7 +168,7 @@ class Linear(Layer):
         w = cast.round(self.access.get(self.w_name, mb))
         if self.reduce is None:
             b = cast.round(self.access.get(self.b_name, mb)) if self.b_name else None
-            y = cast.output(nn.linear_forward(x, w, b))         # 'bd,df->bf' + b
+            y = cast.linear_output(x, w, b)                     # 'bd,df->bf' + b
         else:
             y = cast.output(nn.linear_forward(x, w))            # 'bf,fd->bd' partial sums
         self.access.release(self.w_name, mb)

@@ -27,6 +27,7 @@ from . import attention as att
 from . import documents as docs
 from . import functional as nn
 from .autocast import FULL
+from .gemm import is_low
 from .layers import Layer, Linear
 
 
@@ -99,7 +100,8 @@ class CausalSelfAttention(Layer):
     def backward(self, dy, mb=0):
         q, k, v, out, lse, p = self.pop(mb)
         dout = att.merge_heads_backward(dy, self.n_heads)         # undoes merge_heads
-        da, into = att.split_heads_grads(q)                       # undoes split_heads as
+        low = out.dtype if is_low(out) else None                  # cuDNN's: 16-bit grads
+        da, into = att.split_heads_grads(q, low)                  # undoes split_heads as
         att.causal_attention_backward(dout, q, k, v, out, lse, into=into, probs=p,  # attn's
                                       cast=self.autocast)
         return da                                                 # undone

@@ -72,7 +72,13 @@ class FakeGraph:
     def sdpa_backward(self, name, q, k, v, o, dO, stats, attn_scale, use_causal_mask):
         assert use_causal_mask
         self.op = ("backward", q, k, v, o, dO, stats, attn_scale)
-        return [FakeTensor(self, n) for n in ("dq", "dk", "dv")]
+        self.grads = [FakeTensor(self, n) for n in ("dq", "dk", "dv")]
+        return self.grads
+
+    @staticmethod
+    def outputs(graph):
+        """The backward's dq, dk, dv tensors as the module declared them."""
+        return graph.grads
 
     def validate(self):
         pass
@@ -191,6 +197,15 @@ def test_forward_and_backward_read_and_write_where_the_arrays_lie(fake, dtype):
     assert o.stride == [t * h * dh, dh, h * dh, 1] and o.dim == [b, h, t, dh]
     att.causal_attention_forward(q, k, v, cast=cast)       # the same shapes: no new graph
     assert cudnn.runs == 3 and len(cudnn.graphs) == 2 and cudnn.streams[-1] == 0
+    # 16-bit `into` (the GPT unit's after a cuDNN forward): written by cuDNN where it lies
+    da, into = att.split_heads_grads(q, dtype)
+    grads = att.causal_attention_backward(dout, q, k, v, out, lse, into=into, cast=cast)
+    assert all(g is i for g, i in zip(grads, into)) and da.dtype == dtype
+    for g, w in zip(into, want):
+        np.testing.assert_array_equal(host(g), w.astype(dtype).astype(np.float64))
+    assert cudnn.runs == 4 and cudnn.graphs[2].op[0] == "backward"   # a graph for da's strides
+    written = [g.stride for g in FakeGraph.outputs(cudnn.graphs[2])]
+    assert written == [[t * 3 * h * dh, dh, 3 * h * dh, 1]] * 3
 
 
 def test_switched_off_refused_or_masked_runs_the_own_kernels(fake, monkeypatch):

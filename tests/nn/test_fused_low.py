@@ -14,6 +14,7 @@ runs the kernels themselves (layouts-16, bench-step). Without a C++ compiler the
 unless MPISHARD_REQUIRE_CXX=1 (make test-nvrtc, a CI stage), which makes that a failure.
 """
 import os
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +22,7 @@ import pytest
 
 from host_kernels import HOST_PREAMBLE, HostKernel, compiler
 from mpishard.nn import attention, fused_low
+from mpishard.nn.layers import LocalAccess
 
 if compiler() is None and os.environ.get("MPISHARD_REQUIRE_CXX") == "1":   # make test-nvrtc
     pytest.fail("MPISHARD_REQUIRE_CXX=1 but no C++ compiler (c++, g++) is on PATH",
@@ -185,6 +187,15 @@ class HostLaunch:
                 a[...] = f                                     # ... written back
 
 
+def on_host_kernels(m, built):
+    """Inside monkeypatch context m: nn/fused.py's switch on and fused_low's kernels the
+    host-built ones (so numpy runs the cupy path's wiring)."""
+    from mpishard.nn import fused
+    m.setattr(fused, "use", lambda xp: True)
+    m.setattr(fused_low, "kernels", lambda xp, name: {
+        k: HostLaunch(built[name, k]) for k in fused_low.ELEMENTWISE})
+
+
 @pytest.mark.parametrize("kind", sorted(LOW))
 @pytest.mark.parametrize("cls", ["gpt", "llama"])
 def test_the_attention_layer_on_the_16_bit_path_equals_the_float32_one(built, monkeypatch,
@@ -193,7 +204,7 @@ def test_the_attention_layer_on_the_16_bit_path_equals_the_float32_one(built, mo
     numpy with a `Narrow` cast and the host-built kernels standing in for cupy's, against
     the float32 path of the same layer: output and input gradient within 8 16-bit ulps of
     their scale (the layouts-16 bound), and the 16-bit path keeps no probabilities."""
-    from mpishard.nn import autocast, fused, transformer
+    from mpishard.nn import autocast, transformer
     from mpishard.models.llama.attention import GroupedQueryAttention, KVHeads
 
     rng = np.random.default_rng(3)
@@ -211,9 +222,7 @@ def test_the_attention_layer_on_the_16_bit_path_equals_the_float32_one(built, mo
         unit.autocast = autocast.Narrow(LOW[kind])
         with monkeypatch.context() as m:
             if low_path:
-                m.setattr(fused, "use", lambda xp: True)
-                m.setattr(fused_low, "kernels", lambda xp, name: {
-                    k: HostLaunch(built[name, k]) for k in fused_low.ELEMENTWISE})
+                on_host_kernels(m, built)
             y = unit.forward(a.copy(), mb=0, record=True)
             kept = unit.tape[0][-1]                               # the probabilities, or None
             return y, unit.backward(dy.copy(), mb=0), kept
@@ -243,3 +252,36 @@ def test_round_in_place_rounds_as_the_16_bit_cast(built, kind):
     np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
     ok = ~np.isnan(want)
     assert np.array_equal(y[ok].view(np.uint32), want[ok].view(np.uint32))   # bit for bit
+
+
+@pytest.mark.parametrize("kind", sorted(LOW))
+@pytest.mark.parametrize("index32", [True, False])
+def test_a_linear_layer_adds_its_bias_and_rounds_in_one_pass(built, monkeypatch, kind,
+                                                             index32):
+    """layers.Linear under a `Narrow` cast with a bias: on the fused path (the host-built
+    bias_round kernel standing in for cupy's) the float32 product plus the rounded bias,
+    rounded once, word for word the xp path's add then rounding; in 32- and 64-bit index
+    arithmetic."""
+    from mpishard.nn import autocast
+    from mpishard.nn.layers import Linear
+
+    rng = np.random.default_rng(5)
+    store = SimpleNamespace(params={"w": rng.normal(0, 0.3, (24, 40)).astype(np.float32),
+                                    "b": rng.normal(0, 1, 40).astype(np.float32)}, grads={})
+    x = rng.normal(0, 1, (3, 7, 24)).astype(np.float32)
+
+    def run(fused_path):
+        layer = Linear(LocalAccess(store), "w", "b")
+        layer.autocast = autocast.Narrow(LOW[kind])
+        with monkeypatch.context() as m:
+            if fused_path:
+                on_host_kernels(m, built)
+                m.setattr(fused_low, "INDEX32", 1 << 32 if index32 else 0)
+            return layer.forward(x.copy(), mb=0, record=False)
+
+    want = run(False)
+    HostLaunch.calls.clear()
+    got = run(True)
+    assert HostLaunch.calls == ["mpishard_bias_round16" + ("32" if index32 else "")]
+    assert got.dtype == np.float32 and got.shape == (3, 7, 40)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

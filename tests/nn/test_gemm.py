@@ -151,3 +151,90 @@ def test_on_cupy_the_tensor_cores_agree_with_the_emulation():
             assert float(np.abs(cp.asnumpy(strided) - exact).max()) / scale <= 2.0 ** -20
         empty = gemm.matmul(cp, cp.zeros((0, 3, 4), low), cp.zeros((0, 4, 5), low))
         assert empty.shape == (0, 3, 5)                  # an empty batch: no cuBLAS call
+
+
+class FakeCublas:
+    """cupy.cuda's cublas and runtime as _cublas calls them, on the device double's host
+    memory: gemmStridedBatchedEx reads A and B at their pointers with the transposes, leading
+    dimensions and batch strides it is given, and writes C there (column-major, ldc)."""
+
+    CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F = 14, 2, 0
+    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+    TYPES = {14: BF16, 2: np.dtype(np.float16), 0: np.dtype(np.float32)}
+
+    def __init__(self):
+        self.calls = 0
+
+    def gemmStridedBatchedEx(self, handle, transa, transb, m, n, k, alpha, A, ta, lda, sa,
+                             B, tb, ldb, sb, beta, C, tc, ldc, sc, batch, compute, algo):
+        import ctypes
+        assert compute == 68 and algo == -1 and handle == "handle"
+        assert ctypes.c_float.from_address(alpha).value == 1.0
+        assert ctypes.c_float.from_address(beta).value == 0.0
+        self.calls += 1
+
+        def at(ptr, dtype, trans, rows, cols, ld, stride):
+            dtype = self.TYPES[dtype]
+            item = dtype.itemsize
+            span = (batch - 1) * stride + ld * max(rows, cols) + max(rows, cols)
+            flat = np.frombuffer((ctypes.c_char * (span * item)).from_address(ptr), dtype)
+            if trans == 0:
+                return as_strided(flat, (batch, rows, cols), (stride * item, item, ld * item))
+            return as_strided(flat, (batch, rows, cols), (stride * item, ld * item, item))
+        a = at(A, ta, transa, m, k, lda, sa).astype(np.float64)
+        b = at(B, tb, transb, k, n, ldb, sb).astype(np.float64)
+        c = at(C, tc, 0, m, n, ldc, sc)
+        c[...] = np.matmul(a, b).astype(c.dtype)
+
+
+def t(x):
+    return x.swapaxes(-1, -2)
+
+
+def same(x):
+    return x
+
+
+VIEWS = [((5, 7), same, (7, 3), same), ((7, 5), t, (7, 3), same), ((5, 7), same, (3, 7), t),
+         ((7, 5), t, (3, 7), t), ((2, 3, 6, 4), same, (2, 3, 4, 5), same),
+         ((2, 3, 4, 6), t, (2, 3, 4, 5), same), ((2, 3, 6, 4), same, (2, 3, 5, 4), t),
+         ((4, 6, 8), same, (8, 3), same), ((1, 3, 6, 4), same, (2, 3, 4, 5), same),
+         ((2, 6, 3, 4), lambda x: x.transpose(0, 2, 1, 3), (2, 3, 4, 5), same),
+         ((6, 4), lambda x: x[::2], (4, 5), same), ((7,), same, (7, 3), same),
+         ((5, 7), same, (7,), same), ((1, 7), same, (7, 1), same)]
+"""(a's base shape, its view, b's, its view): the layouts of `layouts`, made on a device."""
+
+
+def test_the_cublas_call_reads_and_writes_where_the_arrays_lie(monkeypatch):
+    """gemm._cublas itself (the cached plan, the pointers, the dtypes' enums, a float32 or
+    16-bit result, a given `out`) on the strict device double, with a fake cuBLAS that reads
+    and writes the double's host memory at the pointers it is handed: each layout (views
+    made on the device: transposes, split heads, a row step, vectors, a broadcast batch)
+    equals numpy's float64 product rounded once, twice over (the second time from the cached
+    plan)."""
+    import sys
+    import types
+
+    from device_double import DeviceModule
+    fake = FakeCublas()
+    cuda = types.SimpleNamespace(cublas=fake, runtime=fake,
+                                 device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    gemm._types.cache_clear()
+    xp = DeviceModule()
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        for sa, va, sb, vb in VIEWS:
+            for low in LOWS:
+                ha, hb = rounded(rng.normal(size=sa), low), rounded(rng.normal(size=sb), low)
+                da, db = va(xp.asarray(ha)), vb(xp.asarray(hb))
+                want = np.matmul(va(ha).astype(np.float64), vb(hb).astype(np.float64))
+                got = gemm._cublas(xp, da, db, None).get()
+                assert got.dtype == low and got.shape == want.shape
+                np.testing.assert_array_equal(got, want.astype(low))
+                out = xp.empty(want.shape, dtype=np.float32)
+                assert gemm._cublas(xp, da, db, out) is out
+                np.testing.assert_allclose(out.get(), want, rtol=1e-6)
+    assert fake.calls == 2 * 2 * 2 * len(VIEWS)
+    gemm._types.cache_clear()
