@@ -194,6 +194,7 @@ def run(dev, budget, samples, unfused=False):
         if time.perf_counter() > t_end:
             emit(part="step", precision=name, skipped=f"budget {budget} s spent")
             continue
+        before = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         try:
             rec = one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32,
@@ -202,8 +203,11 @@ def run(dev, budget, samples, unfused=False):
         except Exception as exc:                 # reported; the other precisions still run
             rec = dict(part="step", precision=name, error=f"{type(exc).__name__}: {exc}"[:2000])
         finally:
-            for key in env:
-                os.environ.pop(key, None)
+            for key, value in before.items():            # as the caller had them
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             dev.release()
         emit(**rec)
     return 0

@@ -35,14 +35,17 @@ A graph that cuDNN refuses is remembered (`refusals`) and the caller runs its ow
 forward by cuDNN is recognised by its 16-bit `out` (the other paths' is float32), so the
 backward runs by cuDNN exactly when the forward did.
 
-Graphs are built once per shape, strides and dtype, and kept (graph building takes ~0.1 s;
-cuDNN's plans, once built, run from any stream: the current cupy stream is set before each
-call).
+Graphs are built once per shape, strides and dtype and kept, the last 64 of them (graph
+building takes ~0.1 s; cuDNN's plans, once built, run from any stream: the current cupy stream
+is set before each call). A refusal (cuDNN's not-supported error, a ValueError) is kept too;
+any other failure to build (out of memory, say) is reported in `refusals` and tried again at
+the next call.
 """
 from __future__ import annotations
 
 import math
 import os
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -119,8 +122,10 @@ def _stats_layout(q) -> tuple:
 
 @lru_cache(maxsize=8)
 def _handle(cudnn, device: int):
-    """One cuDNN handle per device (made while that device is current)."""
-    return cudnn.create_handle()
+    """(One cuDNN handle per device, made while that device is current; a lock, held while
+    its stream is set and a graph runs on it, so that threads on other streams do not
+    interleave the two)."""
+    return cudnn.create_handle(), threading.Lock()
 
 
 def _tensor(cudnn, graph, name, layout, dtype):
@@ -143,7 +148,7 @@ def _graph(cudnn, device, kind, dtype_name, layouts):
     scale = 1.0 / math.sqrt(lay["q"][0][-1])
     try:
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32,
-                              compute_data_type=f32, handle=_handle(cudnn, device))
+                              compute_data_type=f32, handle=_handle(cudnn, device)[0])
         t = {n: _tensor(cudnn, graph, n, lay[n], io) for n in ("q", "k", "v")}
         if kind == "forward":
             out, stats = graph.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"],
@@ -168,8 +173,8 @@ def _graph(cudnn, device, kind, dtype_name, layouts):
         graph.check_support()
         graph.build_plans()
         return graph, t, int(graph.get_workspace_size())
-    except Exception as exc:          # cuDNN's refusals: unsupported shape, layout, version
-        return f"{type(exc).__name__}: {exc}"
+    except (ValueError, getattr(cudnn, "cudnnGraphNotSupportedError", ValueError)) as exc:
+        return f"{type(exc).__name__}: {exc}"  # a refusal (shape, layout, version): kept
 
 
 def _run(xp, kind, arrays):
@@ -178,16 +183,21 @@ def _run(xp, kind, arrays):
     device = int(xp.cuda.runtime.getDevice())
     layouts = tuple((n, _stats_layout(arrays["q"]) if n == "lse" else _layout(a))
                     for n, a in arrays.items())
-    built = _graph(cudnn, device, kind, arrays["q"].dtype.name, layouts)
+    key = (kind, arrays["q"].dtype.name, layouts)
+    try:
+        built = _graph(cudnn, device, kind, arrays["q"].dtype.name, layouts)
+    except Exception as exc:          # a passing failure (out of memory): not kept, tried again
+        built = f"{type(exc).__name__}: {exc}"
     if isinstance(built, str):
-        refusals[(kind, arrays["q"].dtype.name, layouts)] = built
+        refusals[key] = built
         return False
     graph, tensors, workspace = built
-    handle = _handle(cudnn, device)
-    cudnn.set_stream(handle, xp.cuda.get_current_stream().ptr)
+    handle, lock = _handle(cudnn, device)
     space = xp.empty(max(workspace, 1), dtype=np.uint8)
-    graph.execute({tensors[n]: a.data.ptr for n, a in arrays.items()}, space.data.ptr,
-                  handle=handle)
+    with lock:
+        cudnn.set_stream(handle, xp.cuda.get_current_stream().ptr)
+        graph.execute({tensors[n]: a.data.ptr for n, a in arrays.items()}, space.data.ptr,
+                      handle=handle)
     return True
 
 

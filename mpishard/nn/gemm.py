@@ -156,6 +156,8 @@ def readable(cp, a, b):
             x = cp.ascontiguousarray(cp.broadcast_to(x, batch + x.shape[-2:]))
         elif x.ndim > 1 and _layout(x) is None:
             x = cp.ascontiguousarray(x)
+        elif x.ndim == 1 and _layout_of((1,) + x.shape, (0,) + x.strides, x.itemsize) is None:
+            x = cp.ascontiguousarray(x)                    # a reversed or broadcast vector
         out.append(x)
     return tuple(out)
 

@@ -177,9 +177,8 @@ class CrossEntropy(Loss):
         flat_t = t.reshape(-1)
         keep = flat_t != self.ignore_index
         if fused.use(xp):                                            # cupy: 4 passes, not ~11
-            n = self.denominator
-            if n is None:                                            # counted on the device
-                n = xp.maximum(keep.sum(), 1).astype(y.dtype)
+            n = (self.divisor(t) if self.denominator is not None     # (0: 1, as divisor says)
+                 else xp.maximum(keep.sum(), 1).astype(y.dtype))     # counted on the device
             value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t, keep, n)
             return value, dy.reshape(y.shape)
         n = self.divisor(t)
@@ -234,9 +233,15 @@ class CrossEntropy(Loss):
 
 def step_pair(loss, y, t):
     """(value, dy) of `loss` inside a training step: its `pair` (the value possibly still on
-    the device, Loss.pair) where it has one, else its call."""
-    pair = getattr(loss, "pair", None)
-    return pair(y, t) if pair is not None else loss(y, t)
+    the device, Loss.pair) where it has one defined at or below the class that defines its
+    call, else its call (a subclass that overrides __call__ alone, label smoothing say, is
+    called)."""
+    cls = type(loss)
+    owner = {name: next((c for c in cls.__mro__ if name in c.__dict__), None)
+             for name in ("pair", "__call__")}
+    if owner["pair"] is not None and issubclass(owner["pair"], owner["__call__"]):
+        return loss.pair(y, t)
+    return loss(y, t)
 
 
 LOSSES = {"mse": MSE, "bce": BCE, "cross_entropy": CrossEntropy, "ce": CrossEntropy}

@@ -91,7 +91,10 @@ class FakeGraph:
 
     def check_support(self):
         if self.cudnn.refuse:
-            raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+            raise self.cudnn.cudnnGraphNotSupportedError("no engine for this graph")
+        if self.cudnn.fail_once:
+            self.cudnn.fail_once = False
+            raise RuntimeError("CUDA out of memory while building plans")
 
     def build_plans(self):
         self.plans = True
@@ -132,6 +135,8 @@ class FakeCudnn:
         self.data_type = types.SimpleNamespace(**{k: k for k in DTYPES})
         self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
         self.graphs, self.runs, self.refuse, self.streams = [], 0, refuse, []
+        self.fail_once = False
+        self.cudnnGraphNotSupportedError = type("cudnnGraphNotSupportedError", (Exception,), {})
 
     def create_handle(self):
         return object()
@@ -153,6 +158,8 @@ def fake(monkeypatch):
     cda.refusals.clear()
     xp = DeviceModule()
     xp.cuda.runtime.getDevice = lambda: 0
+    stream = xp.cuda.get_current_stream()
+    xp.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=77, inner=stream)
     return xp, cudnn
 
 
@@ -196,7 +203,7 @@ def test_forward_and_backward_read_and_write_where_the_arrays_lie(fake, dtype):
     o = cudnn.graphs[1].op[4]                 # the backward reads out where the forward wrote
     assert o.stride == [t * h * dh, dh, h * dh, 1] and o.dim == [b, h, t, dh]
     att.causal_attention_forward(q, k, v, cast=cast)       # the same shapes: no new graph
-    assert cudnn.runs == 3 and len(cudnn.graphs) == 2 and cudnn.streams[-1] == 0
+    assert cudnn.runs == 3 and len(cudnn.graphs) == 2 and cudnn.streams[-1] == 77
     # 16-bit `into` (the GPT unit's after a cuDNN forward): written by cuDNN where it lies
     da, into = att.split_heads_grads(q, dtype)
     grads = att.causal_attention_backward(dout, q, k, v, out, lse, into=into, cast=cast)
@@ -221,10 +228,19 @@ def test_switched_off_refused_or_masked_runs_the_own_kernels(fake, monkeypatch):
     visible = xp.asarray(np.ones((1, 1, 16, 16), dtype=bool))
     att.causal_attention_forward(q, k, v, visible=visible, cast=cast)
     assert cudnn.runs == 0                                  # a further mask: not cuDNN's
-    cudnn.refuse = True
+    cudnn.fail_once = True                                  # out of memory: not kept
     out, lse = att.causal_attention_forward(q, k, v, cast=cast)
     assert out.dtype == np.float32 and cudnn.runs == 0
+    assert any("out of memory" in why for why in cda.refusals.values())
+    out, lse = att.causal_attention_forward(q, k, v, cast=cast)
+    assert out.dtype == BF16 and cudnn.runs == 1            # built at the next call
+    cudnn.refuse = True                                     # a refusal: kept
+    q2, k2, v2, _ = qkv_dout(xp, BF16, t=24)
+    for _ in range(2):
+        out, lse = att.causal_attention_forward(q2, k2, v2, cast=cast)
+        assert out.dtype == np.float32 and cudnn.runs == 1
     assert any("no engine" in why for why in cda.refusals.values())
+    assert len(cudnn.graphs) == 3                           # the refused graph built once
     q32 = q.astype(np.float32)
     assert cda.forward(q32, q32, q32) is None               # 16-bit inputs only
 

@@ -201,8 +201,10 @@ VIEWS = [((5, 7), same, (7, 3), same), ((7, 5), t, (7, 3), same), ((5, 7), same,
          ((4, 6, 8), same, (8, 3), same), ((1, 3, 6, 4), same, (2, 3, 4, 5), same),
          ((2, 6, 3, 4), lambda x: x.transpose(0, 2, 1, 3), (2, 3, 4, 5), same),
          ((6, 4), lambda x: x[::2], (4, 5), same), ((7,), same, (7, 3), same),
-         ((5, 7), same, (7,), same), ((1, 7), same, (7, 1), same)]
-"""(a's base shape, its view, b's, its view): the layouts of `layouts`, made on a device."""
+         ((5, 7), same, (7,), same), ((1, 7), same, (7, 1), same),
+         ((7,), lambda x: x[::-1], (7, 3), same), ((5, 7), same, (7,), lambda x: x[::-1])]
+"""(a's base shape, its view, b's, its view): the layouts of `layouts`, made on a device,
+and reversed vectors (which cuBLAS cannot read: copied first)."""
 
 
 def test_the_cublas_call_reads_and_writes_where_the_arrays_lie(monkeypatch):

@@ -140,3 +140,49 @@ def test_get_loss():
     assert losses.get_loss(mse) is mse
     with pytest.raises(ValueError, match="unknown loss 'hinge'"):
         losses.get_loss("hinge")
+
+
+def test_the_fused_pair_divides_by_the_device_count_or_the_given_denominator(monkeypatch):
+    """CrossEntropy.pair's cupy branch (fused.cross_entropy faked here: it records what it
+    is handed): without a denominator it divides by the kept labels counted as an array (not
+    read back), at least 1; with one, by it, and by 1 where it is 0 (a batch whose every
+    label is ignored: the loss 0, not 0 / 0)."""
+    from mpishard.nn import fused
+    seen = []
+
+    def fake(xp, y2, t, keep, n):
+        seen.append(n)
+        return xp.zeros(()), xp.zeros_like(y2)
+    monkeypatch.setattr(fused, "use", lambda xp: True)
+    monkeypatch.setattr(fused, "cross_entropy", fake)
+    y = np.zeros((2, 3, 5), np.float32)
+    t = np.array([[1, -100, 2], [-100, -100, 4]])
+    ce = losses.CrossEntropy()
+    value, dy = ce.pair(y, t)
+    assert not isinstance(seen[-1], float) and seen[-1] == 3.0 and dy.shape == y.shape
+    ce.pair(y, np.full((2, 3), -100))
+    assert seen[-1] == 1.0                                   # nothing counted: divided by 1
+    ce.over(0.0).pair(y, t)
+    assert seen[-1] == 1.0
+    ce.over(7.0).pair(y, t)
+    assert seen[-1] == 7.0
+    assert isinstance(ce(y, t)[0], float)                    # __call__ still gives a float
+
+
+def test_a_training_step_calls_a_subclass_that_overrides_only_call():
+    """step_pair: the loss's `pair` where it is defined at or below its __call__; a subclass
+    overriding __call__ alone (label smoothing, say) is called, not bypassed."""
+    from mpishard.nn.losses import step_pair
+
+    class Smoothed(losses.CrossEntropy):
+        def __call__(self, y, t):
+            return 42.0, y
+
+    class Paired(losses.CrossEntropy):
+        def pair(self, y, t):
+            return 7.0, y
+    y, t = np.zeros((2, 5), np.float32), np.array([1, 2])
+    assert step_pair(Smoothed(), y, t)[0] == 42.0
+    assert step_pair(Paired(), y, t)[0] == 7.0
+    assert step_pair(losses.CrossEntropy(), y, t)[0] == pytest.approx(np.log(5))
+    assert step_pair(lambda y, t: (3.0, y), y, t)[0] == 3.0   # any callable
