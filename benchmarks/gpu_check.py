@@ -67,18 +67,23 @@ import gpu_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WHEEL_BYTES = 64 << 20
-SHARES = [("wheels", 10), ("environment", 30), ("gemm", 15), ("kernels", 80),
-          ("reference-1", 40), ("reference-2", 40), ("layouts-16", 60), ("bf16-cupy", 20),
-          ("fused", 30), ("autocast", 20), ("cudnn", 40), ("bench-step", 110),
-          ("bench-llama", 60), ("bench-allreduce", 20),
-          ("nccl", 30), ("cli", 60), ("profile", 40)]   # shares, scaled to GPU_CHECK_BUDGET
+SHARES = [("wheels", 4), ("environment", 12), ("gemm", 8), ("kernels", 42),
+          ("reference-1", 15), ("reference-2", 8), ("layouts-16", 75), ("bf16-cupy", 15),
+          ("fused", 9), ("autocast", 12), ("cudnn", 24), ("bench-step", 106),
+          ("bench-llama", 45), ("bench-allreduce", 5),
+          ("nccl", 10), ("cli", 48), ("profile", 35)]   # shares, scaled to GPU_CHECK_BUDGET
+#                                   (about 1.25 x each part's time on the H200, in seconds)
 # The H100's first run (before fused, Llama, generate, hf and every part after
 # bench-allreduce) took 2, 9, -, 8, 4, 15, -, -, 50, -, 2 s; a bare node compiles each cupy
 # kernel once, which the shares allow for. The H200's (2026-11-29, a cold node each time):
 # wheels 1.5, environment 5-9, gemm 4-6, kernels 27, reference-1 9-16, reference-2 6,
 # layouts-16 over 20 at 2 ranks (killed; 5 warm), fused 7, autocast 7-9, bench-step 64-68,
 # bench-llama 29, nccl 4-6, cli 19-26, profile 20 s; on 2026-11-30 kernels was killed at its
-# 31 s share (the attention kernels' float64 check) and cli's cold first train at 13 s.
+# 31 s share (the attention kernels' float64 check) and cli's cold first train at 13 s. The
+# whole check at fc2065f (2026-11-30, every part passed in 283 s of its 540 s budget): 2, 9,
+# 5, 33, 11, 5, 30, 12, 7, 9, -, 59, 36, 3, 8, 29, 25 s; since then layouts-16 took 44 s and
+# over 54 s (killed: cuDNN's graphs and the bias kernel built cold at 2 ranks), cudnn 11-19 s,
+# bench-step (5 records) 85 s, cli 38 s, profile (a host part more) 28 s.
 ENV_PROBE = """
 import platform, numpy, mpi4py
 from mpi4py import MPI
