@@ -90,13 +90,15 @@ setup(
         # gpu_comm="nccl" loads through cupy.cuda.nccl. Any cupy >= 13 works: bfloat16 is
         # held as uint16 words (parallel/bf16.py), so cupy 14's bfloat16 dtype (and the
         # Python >= 3.10, NumPy >= 2 it needs) is not required; the install keeps Python 3.9.
-        # cuDNN's flash attention for the 16-bit step (nn/cudnn_attention.py): the frontend's
-        # Python graphs (the version the H200 ran; later ones pull in CUTLASS's DSL) and
-        # libcudnn 9; without them the step runs our own attention kernels.
-        "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12", "nvidia-cudnn-frontend==1.16.0",
-                   "nvidia-cudnn-cu12>=9"],
-        "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13", "nvidia-cudnn-frontend==1.16.0",
-                   "nvidia-cudnn-cu13>=9"],
+        "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
+        "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13"],
+        # cuDNN's flash attention for the 16-bit step (nn/cudnn_attention.py), beside a cuda
+        # extra: the frontend's Python graphs (the version the H200 ran; later ones pull in
+        # CUTLASS's DSL; wheels for glibc >= 2.28 only) and libcudnn 9 (~550 MB). Where torch
+        # is installed its libcudnn is there already: `pip install nvidia-cudnn-frontend==1.16.0`
+        # alone. Without them the step runs our own attention kernels.
+        "cudnn12": ["nvidia-cudnn-frontend==1.16.0", "nvidia-cudnn-cu12>=9"],
+        "cudnn13": ["nvidia-cudnn-frontend==1.16.0", "nvidia-cudnn-cu13>=9"],
         # NVRTC alone (no GPU, no driver): `make test-nvrtc` compiles every kernel to PTX.
         "nvrtc": ["nvidia-cuda-nvrtc-cu12==12.9.86"],
         # numba: the CPU step's element-wise passes as fused loops: GELU, LayerNorm, biases,

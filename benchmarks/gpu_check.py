@@ -38,13 +38,14 @@ bf16-cupy, fused   tests/parallel/test_bf16_cupy.py and tests/nn/test_fused.py (
 autocast     tests/hf/test_autocast_torch.py: the 16-bit compute policy against torch.autocast
 bench-step   benchmarks/gpu_step.py (1 rank: the GPT-2-small step with AdamW in float32,
              TF32, bfloat16 and float16 compute next to PyTorch's in the same precision, the
-             train_step alone too, peak memory of both)
+             train_step alone too, peak memory of both; where cuDNN's attention runs, a
+             bfloat16 row with it off)
 bench-llama  benchmarks/gpu_llama.py (1 rank: a GPT-2-small-sized Llama, fused and not, in
              float32 and bfloat16 compute, next to transformers' LlamaForCausalLM)
 bench-allreduce   benchmarks/gpu.py allreduce (2 ranks sharing the GPU)
 kernels, cudnn, nccl, cli, profile   gpu_check_parts.py (its docstring): the hand-written
              kernels against the xp path, cuDNN's attention against ours, the NCCL and staged
-             paths, train/generate/bench with --device gpu, the per-unit profile
+             paths, train/generate/bench with --device gpu, the profile (kernels and host)
 
 Exit status 0 when no part failed. The log of everything printed is gpu_check.log.
 """

@@ -12,8 +12,9 @@ nccl         benchmarks/gpu_comm_check.py at 1 rank (a size-1 NcclCommunicator s
              raw host Allreduce of the same size; the multi-GPU part when there are 2+ GPUs)
 cli          `train`, `generate` and `bench --layout auto` of the installed CLI with --device
              gpu (the stand-in: --device cpu, the same commands), each a few seconds
-profile      benchmarks/gpu_profile.py: the GPT step per unit, fused and not, and the
-             kernel table of ours and PyTorch's (its JSON lines under profile/)
+profile      benchmarks/gpu_profile.py: the GPT step per unit, fused and not, the kernel
+             table of ours and PyTorch's, and the host's side of our step (its JSON lines
+             under profile/)
 
 Each is `fn(check, budget) -> record`, as gpu_check.py's parts are: it raises, or returns
 status "failed", when what it checks fails.

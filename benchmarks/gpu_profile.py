@@ -11,7 +11,8 @@ DIR/gpu_profile.jsonl (DIR: --out, else $GPU_PROFILE_OUT, else gpu-profile-out):
 exactness   tests/nn/test_fused.py run first under pytest (on a GPU: the fused cupy kernels
             against the xp-op versions in float64, rtol 1e-12); a failure is reported loudly
             ("ok": false) and the profile still runs.
-step        our engine.train_step with the fused kernels (MPISHARD_FUSED=1) and without (=0),
+step        our engine.train_step with the fused kernels (MPISHARD_FUSED=1) and without (=0:
+            the xp ops alone, cuDNN's attention off too),
             and PyTorch's step on the same model and batch (benchmarks/gpt.py torch_gpt, fp32,
             sdpa attention), samples alternating, medians; ratios of the medians. With
             --compute-dtype, ours at that compute_dtype and PyTorch's under autocast to it.

@@ -11,7 +11,9 @@ A layer with a policy `cast` writes each matmul as
     y = cast.output(gemm.matmul(xp, cast.round(a), cast.round(b)))   (nn.einsum alike)
 
 (`cast.enter()` before a product whose inputs were rounded earlier, a deferred weight
-gradient), and the policy decides what that means (PyTorch autocast's lists, CUDA's, which
+gradient; `cast.linear_output(x, w, b)` for a linear layer's x W + b, which `Narrow` on cupy
+adds and rounds in one kernel, fused_low.add_bias_round), and the policy decides what that
+means (PyTorch autocast's lists, CUDA's, which
 keep softmax, the norms and the losses in float32):
 
     16-bit (bfloat16 / float16)

@@ -29,22 +29,25 @@ tolerance, not a bit-level twin of the emulation: benchmarks/gpu_cudnn_check.py 
 paths' error against a float64 reference on the same 16-bit inputs.
 
 Used where it can be (attention.causal_attention_forward/backward) when all of these hold:
-the arrays are cupy's, the environment variable MPISHARD_CUDNN is not "0" (read at each call,
-as nn/fused.py's switch), the `cudnn` module imports, and cuDNN builds a plan for the shape.
+the arrays are cupy's, the environment variables MPISHARD_CUDNN and MPISHARD_FUSED are not
+"0" (read at each call, as nn/fused.py's switch: MPISHARD_FUSED=0 runs the xp ops alone),
+the `cudnn` module imports with a CUDA runtime, and cuDNN builds a plan for the shape.
 A graph that cuDNN refuses is remembered (`refusals`) and the caller runs its own kernels. A
 forward by cuDNN is recognised by its 16-bit `out` (the other paths' is float32), so the
 backward runs by cuDNN exactly when the forward did.
 
-Graphs are built once per shape, strides and dtype and kept, the last 64 of them (graph
-building takes ~0.1 s; cuDNN's plans, once built, run from any stream: the current cupy stream
-is set before each call). A refusal (cuDNN's not-supported error, a ValueError) is kept too;
-any other failure to build (out of memory, say) is reported in `refusals` and tried again at
-the next call.
+Graphs are built once per shape, strides and dtype and kept, the last 64 of them (cuDNN's
+plans, once built, run from any stream: the current cupy stream is set before each call). A
+refusal (cuDNN's not-supported error, a ValueError) is kept too; any other failure to build
+(out of memory, say) is reported in `refusals` and tried again at the next call.
 """
 from __future__ import annotations
 
+import ctypes
+import glob
 import math
 import os
+import sys
 import threading
 from functools import lru_cache
 
@@ -55,43 +58,44 @@ from .gemm import LOW, is_low
 
 SWITCH = "MPISHARD_CUDNN"
 refusals: dict = {}
-"""Graph key -> why cuDNN refused it (the message), for reports (benchmarks, inspect)."""
+"""Graph key -> why cuDNN did not build it (the message), while it stands: what the
+benchmarks report as the attention that ran."""
 
 
 @lru_cache(maxsize=1)
 def load():
     """The `cudnn` module (nvidia-cudnn-frontend), or None where it does not import (absent,
-    or no libcudnn to load)."""
+    no libcudnn to load) or no CUDA runtime can be loaded for it."""
     try:
         import cudnn
     except Exception:                 # ImportError, OSError, a RuntimeError from its loader
         return None
-    _preload_cudart()
-    return cudnn
+    return cudnn if preload_cudart() else None
 
 
-def _preload_cudart() -> None:
-    """The frontend dlopens the CUDA runtime by its soname (libcudart.so.13, else .12). Where
-    that runtime came in a wheel (nvidia-cuda-runtime, beside cupy's or torch's) the loader's
-    path does not hold it: load it from the wheel's folder first, as torch does for its CUDA
-    wheels. One runtime only (the frontend refuses two); nothing when none is found."""
-    import ctypes
-    import glob
-    import sys
-    for name in ("libcudart.so.13", "libcudart.so.12"):
-        try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-            return
-        except OSError:
-            pass
-    for base in sys.path:
-        for path in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib",
-                                                  "libcudart.so.1[23]")), reverse=True):
+def preload_cudart() -> bool:
+    """The frontend dlopens the CUDA runtime by its soname (libcudart.so.13 or .12). Load
+    cupy's major version first (the one the arrays live in), by soname (already loaded, or on
+    the loader's path), else from a wheel's folder (nvidia-cuda-runtime beside cupy's or
+    torch's, which the loader's path does not hold), as torch does for its CUDA wheels. One
+    runtime only (the frontend refuses two). False when none loads: this path is then off."""
+    try:
+        import cupy
+        first = int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    except Exception:                 # no cupy, no driver: 13 first, as cupy-cuda13x's
+        first = 13
+    majors = [first] + [m for m in (13, 12) if m != first]
+    for major in majors:
+        candidates = [f"libcudart.so.{major}"] + sorted(
+            path for base in sys.path for path in
+            glob.glob(os.path.join(base, "nvidia", "*", "lib", f"libcudart.so.{major}")))
+        for name in candidates:
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                return
+                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+                return True
             except OSError:
                 pass
+    return False
 
 
 def is_cupy(xp) -> bool:
@@ -100,10 +104,11 @@ def is_cupy(xp) -> bool:
 
 
 def usable(q) -> bool:
-    """Whether this path may take attention on q: a cupy 16-bit array, the switch not "0",
-    the module importable."""
+    """Whether this path may take attention on q: a cupy 16-bit array, neither
+    MPISHARD_CUDNN nor MPISHARD_FUSED (every fused and hand-written kernel, nn/fused.py) "0",
+    the module loadable."""
     return (is_cupy(array_module(q)) and is_low(q) and os.environ.get(SWITCH) != "0"
-            and load() is not None)
+            and os.environ.get("MPISHARD_FUSED") != "0" and load() is not None)
 
 
 def _io_type(cudnn, dtype):
@@ -191,6 +196,7 @@ def _run(xp, kind, arrays):
     if isinstance(built, str):
         refusals[key] = built
         return False
+    refusals.pop(key, None)                  # built now (a passing failure before)
     graph, tensors, workspace = built
     handle, lock = _handle(cudnn, device)
     space = xp.empty(max(workspace, 1), dtype=np.uint8)
@@ -249,4 +255,5 @@ def backward(dout, q, k, v, out, lse, into=None):
     return tuple(into)
 
 
-__all__ = ["SWITCH", "backward", "forward", "is_cupy", "load", "refusals", "usable"]
+__all__ = ["SWITCH", "backward", "forward", "is_cupy", "load", "preload_cudart", "refusals",
+           "usable"]

@@ -37,13 +37,13 @@ tree: equal to rounding, not bit for bit; the max is exact. On the H200 (GPT-2-s
 size, bfloat16) the three launches took ~1.5 ms a layer for both directions, against 1.9
 ms for one thread per column; most of it is the per-element launch (0.62 and 0.75 ms, ~5x
 its bytes' time), whose index arithmetic, two 64-bit divisions an element then, now runs in
-32 bits for arrays under INDEX32 elements: not yet run on a GPU (compiled by NVRTC and run
-on the host only).
+32 bits for arrays under INDEX32 elements (run on the H200 since: docs/gpus.md). Where
+cuDNN's flash attention runs (nn/cudnn_attention.py) these two are not called.
 
     round_in_place(y, dtype)       float32 y rounded to the 16-bit grid in place, one pass
                                    (autocast.Narrow.output's float32 matmul outputs: a
-                                   weight's gradient, a biased product; astype there and back
-                                   took two).
+                                   weight's gradient, a row-parallel layer's biased sum;
+                                   astype there and back took two).
     add_bias_round(y, b)           float32 y (…, F) <- round16(y + b) in place, b (F,) 16-bit:
                                    a linear layer's product and bias in one pass
                                    (autocast.Narrow.linear_output), not an add and a round.

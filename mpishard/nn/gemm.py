@@ -162,9 +162,9 @@ def readable(cp, a, b):
     return tuple(out)
 
 
-def gemm_args(cp, a, b, batch=None) -> SimpleNamespace:
+def gemm_args(cp, a, b) -> SimpleNamespace:
     """`plan`'s arguments for a @ b with the operands cuBLAS reads: A (b, or its copy) and B
-    (a, or its copy). batch: unused (the plan computes it), kept for callers."""
+    (a, or its copy), as _cublas hands them over (tests/nn/test_gemm.py replays them)."""
     p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
     if p is None:
         a, b = readable(cp, a, b)

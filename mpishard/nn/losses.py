@@ -1,9 +1,11 @@
 """Losses with PyTorch's default reductions: value and gradient, on any array module.
 
 Every loss is called as `loss(y, t) -> (value, dy)`: `value` is a Python float, the mean over
-this rank's rows (the DDP/Horovod convention), and `dy = dL/dy` of that local mean. The engines
-average values and gradients over the data-parallel axes, which for equal local batches gives
-the single-device numbers of the mean over the global batch.
+this rank's rows (the DDP/Horovod convention), and `dy = dL/dy` of that local mean. Inside
+a training step the engine calls `loss.pair(y, t)` (through `step_pair`), whose value may be
+a 0-d device array that engine.train_step reads with float() once the backward is launched.
+The engines average values and gradients over the data-parallel axes, which for equal local
+batches gives the single-device numbers of the mean over the global batch.
 
 - `MSE`: mean over all elements of (y - t)^2            (torch.nn.MSELoss())
 - `BCE`: mean over all elements of -(t log y + (1-t) log(1-y)) on probabilities, each log

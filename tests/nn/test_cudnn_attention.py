@@ -155,6 +155,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cda, "load", lambda: cudnn)
     monkeypatch.setattr(cda, "is_cupy", lambda xp: isinstance(xp, DeviceModule))
     monkeypatch.delenv(cda.SWITCH, raising=False)
+    monkeypatch.delenv("MPISHARD_FUSED", raising=False)
     cda.refusals.clear()
     xp = DeviceModule()
     xp.cuda.runtime.getDevice = lambda: 0
@@ -216,6 +217,9 @@ def test_forward_and_backward_read_and_write_where_the_arrays_lie(fake, dtype):
 
 
 def test_switched_off_refused_or_masked_runs_the_own_kernels(fake, monkeypatch):
+    """MPISHARD_CUDNN=0, a further mask, a passing failure to build (tried again, then no
+    longer reported), MPISHARD_FUSED=0, a refusal (kept: built once) and float32 inputs each
+    leave the attention to our own kernels."""
     xp, cudnn = fake
     q, k, v, dout = qkv_dout(xp, BF16)
     cast = Narrow(BF16)
@@ -234,6 +238,11 @@ def test_switched_off_refused_or_masked_runs_the_own_kernels(fake, monkeypatch):
     assert any("out of memory" in why for why in cda.refusals.values())
     out, lse = att.causal_attention_forward(q, k, v, cast=cast)
     assert out.dtype == BF16 and cudnn.runs == 1            # built at the next call
+    assert not cda.refusals                                 # and no longer reported
+    monkeypatch.setenv("MPISHARD_FUSED", "0")               # every fused kernel off: cuDNN too
+    out, lse = att.causal_attention_forward(q, k, v, cast=cast)
+    assert out.dtype == np.float32 and cudnn.runs == 1
+    monkeypatch.delenv("MPISHARD_FUSED")
     cudnn.refuse = True                                     # a refusal: kept
     q2, k2, v2, _ = qkv_dout(xp, BF16, t=24)
     for _ in range(2):

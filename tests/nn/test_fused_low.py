@@ -1,4 +1,5 @@
-"""nn/fused_low.py's 16-bit attention softmax kernels, their bodies run on the host.
+"""nn/fused_low.py's 16-bit kernels (the attention softmax's, the in-place rounding, a linear
+layer's bias add and rounding), their bodies run on the host.
 
 tests/nn/host_kernels.py compiles each ElementwiseKernel body with a C++ preamble doing the
 CUDA one's conversions (16-bit words widened exactly, narrowed to nearest even: the same bit

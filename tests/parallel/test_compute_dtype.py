@@ -195,7 +195,7 @@ def test_16_bit_layouts_on_cupy_match_the_host(name, layout, compute, monkeypatc
     imports, the GPT and Llama attention runs cuDNN's flash kernels (nn/cudnn_attention.py),
     whose roundings are as accurate as the emulation's but not the same. A top-k router is
     discontinuous in them: on the H200 (2026-11-30) one token of the Mixtral case went to
-    another expert, its logits 0.24 of the largest apart in bfloat16 (loss 4e-4). So the
+    another expert, its logits 0.24 of the largest apart in bfloat16 (loss 1.4e-4). So the
     Mixtral cases run our own attention kernels (MPISHARD_CUDNN=0), which round as the
     emulation does; benchmarks/gpu_cudnn_check.py measures cuDNN's error op by op."""
     gpu_cupy()                                    # skips without cupy and a GPU
