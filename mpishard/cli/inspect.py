@@ -29,6 +29,7 @@ from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.compose import plan_params
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import check_fit, rank_memory
+from ..nn import cudnn_attention
 from .model_flag import add_model_arguments, model_from_args
 from .usage import UsageError, print_report, world_comm
 
@@ -169,8 +170,8 @@ def run_inspect(args) -> int:
             raise UsageError("inspect: --env takes no checkpoint, --layout, --model or --hf")
         world = world_comm()
         backend = Backend("auto", world)               # the path gpu_comm="auto" takes here
-        return print_report(environment_report(world, (backend.comm_path,
-                                                       backend.comm_path_reason)))
+        text = environment_report(world, (backend.comm_path, backend.comm_path_reason))
+        return print_report(text and f"{text}\ncuDNN attention  {cudnn_attention.status()}")
     if args.layout is not None or model_given:
         return _run_inspect_layout(args)
     if args.checkpoint is None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import math
 import os
 import sys
@@ -96,6 +97,22 @@ def preload_cudart() -> bool:
             except OSError:
                 pass
     return False
+
+
+def status() -> str:
+    """One line for `inspect --env`: whether this path can run here, and why not."""
+    if os.environ.get(SWITCH) == "0" or os.environ.get("MPISHARD_FUSED") == "0":
+        return "off (MPISHARD_CUDNN or MPISHARD_FUSED is 0): our 16-bit softmax kernels"
+    try:
+        import cudnn
+    except Exception as exc:
+        return (f"not loadable ({type(exc).__name__}: {exc}; pip install "
+                f"nvidia-cudnn-frontend==1.16.0): our 16-bit softmax kernels")
+    if load() is None:
+        return "not loadable (no libcudart.so.13 or .12 to load): our 16-bit softmax kernels"
+    return (f"nvidia-cudnn-frontend {getattr(cudnn, '__version__', '?')}, libcudnn "
+            f"{cudnn.backend_version()}: a 16-bit step's causal attention over whole sequences "
+            f"(a refused shape is logged and runs our kernels)")
 
 
 def is_cupy(xp) -> bool:
@@ -194,6 +211,10 @@ def _run(xp, kind, arrays):
     except Exception as exc:          # a passing failure (out of memory): not kept, tried again
         built = f"{type(exc).__name__}: {exc}"
     if isinstance(built, str):
+        if key not in refusals:              # once per shape, while it stands
+            logging.getLogger(__name__).warning(
+                "cuDNN's attention did not build for %s %s %s (%s): our 16-bit kernels run",
+                kind, arrays["q"].dtype.name, tuple(arrays["q"].shape), built[:300])
         refusals[key] = built
         return False
     refusals.pop(key, None)                  # built now (a passing failure before)
@@ -256,4 +277,4 @@ def backward(dout, q, k, v, out, lse, into=None):
 
 
 __all__ = ["SWITCH", "backward", "forward", "is_cupy", "load", "preload_cudart", "refusals",
-           "usable"]
+           "status", "usable"]

@@ -279,3 +279,19 @@ def test_a_gpt_step_through_the_fake_stays_within_the_layouts_tolerance(fake, mo
     for n in hg:
         err = np.abs(dg[n] - hg[n]).max() / np.abs(hg[n]).max()
         assert err <= tol, (n, err)
+
+
+def test_a_refused_shape_is_logged_once_and_status_says_what_runs(fake, monkeypatch, caplog):
+    """A refusal warns once per shape (the attention that runs is discoverable from the log),
+    and cudnn_attention.status(), `inspect --env`'s line, names the switch when it is off."""
+    import logging
+    xp, cudnn = fake
+    cudnn.refuse = True
+    q, k, v, _ = qkv_dout(xp, BF16, t=40)
+    with caplog.at_level(logging.WARNING, logger=cda.__name__):
+        for _ in range(3):
+            att.causal_attention_forward(q, k, v, cast=Narrow(BF16))
+    warned = [r for r in caplog.records if "did not build" in r.getMessage()]
+    assert len(warned) == 1 and "(2, 3, 40, 8)" in warned[0].getMessage()
+    monkeypatch.setenv(cda.SWITCH, "0")
+    assert cda.status().startswith("off")
