@@ -93,9 +93,11 @@ def preload_cudart() -> bool:
         for name in candidates:
             try:
                 ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-                return True
             except OSError:
-                pass
+                continue
+            logging.getLogger(__name__).info("cuDNN's attention: CUDA runtime %s loaded "
+                                             "(global symbols) for the frontend", name)
+            return True
     return False
 
 
@@ -150,12 +152,12 @@ def _handle(cudnn, device: int):
     return cudnn.create_handle(), threading.Lock()
 
 
-def _tensor(cudnn, graph, name, layout, dtype):
+def _tensor(graph, name, layout, dtype):
     dims, strides = layout
     return graph.tensor(name=name, dim=list(dims), stride=list(strides), data_type=dtype)
 
 
-def _output(cudnn, t, layout, dtype):
+def _output(t, layout, dtype):
     dims, strides = layout
     t.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(dtype)
 
@@ -171,23 +173,23 @@ def _graph(cudnn, device, kind, dtype_name, layouts):
     try:
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32,
                               compute_data_type=f32, handle=_handle(cudnn, device)[0])
-        t = {n: _tensor(cudnn, graph, n, lay[n], io) for n in ("q", "k", "v")}
+        t = {n: _tensor(graph, n, lay[n], io) for n in ("q", "k", "v")}
         if kind == "forward":
             out, stats = graph.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"],
                                     generate_stats=True, attn_scale=scale,
                                     use_causal_mask=True)
-            _output(cudnn, out, lay["out"], io)
-            _output(cudnn, stats, lay["lse"], f32)
+            _output(out, lay["out"], io)
+            _output(stats, lay["lse"], f32)
             t.update(out=out, lse=stats)
         else:
-            t.update(out=_tensor(cudnn, graph, "out", lay["out"], io),
-                     dout=_tensor(cudnn, graph, "dout", lay["dout"], io),
-                     lse=_tensor(cudnn, graph, "lse", lay["lse"], f32))
+            t.update(out=_tensor(graph, "out", lay["out"], io),
+                     dout=_tensor(graph, "dout", lay["dout"], io),
+                     lse=_tensor(graph, "lse", lay["lse"], f32))
             grads = graph.sdpa_backward(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"],
                                         o=t["out"], dO=t["dout"], stats=t["lse"],
                                         attn_scale=scale, use_causal_mask=True)
             for name, g in zip(("dq", "dk", "dv"), grads):
-                _output(cudnn, g, lay[name], io)
+                _output(g, lay[name], io)
                 t[name] = g
         graph.validate()
         graph.build_operation_graph()

@@ -74,10 +74,7 @@ def _cublas(cp, a, b, out):
     same few dozen products), so the host's work per product is the pointers and the call."""
     from cupy.cuda import cublas, device
 
-    p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
-    if p is None:                          # an operand cuBLAS cannot read where it lies
-        a, b = readable(cp, a, b)
-        p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
+    p, a, b = planned(cp, a, b)
     direct = (out is not None and out.dtype in (a.dtype, F32) and out.flags.c_contiguous
               and out.shape == p.shape)
     wide = out is not None and out.dtype == F32          # the float32 product, unrounded
@@ -162,13 +159,20 @@ def readable(cp, a, b):
     return tuple(out)
 
 
-def gemm_args(cp, a, b) -> SimpleNamespace:
-    """`plan`'s arguments for a @ b with the operands cuBLAS reads: A (b, or its copy) and B
-    (a, or its copy), as _cublas hands them over (tests/nn/test_gemm.py replays them)."""
+def planned(cp, a, b) -> tuple:
+    """(plan, a, b) for a @ b: the operands as cuBLAS reads them (copied by `readable` only
+    where the plan cannot read one where it lies)."""
     p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
-    if p is None:
+    if p is None:                          # an operand cuBLAS cannot read where it lies
         a, b = readable(cp, a, b)
         p = plan(a.shape, a.strides, b.shape, b.strides, a.itemsize)
+    return p, a, b
+
+
+def gemm_args(cp, a, b) -> SimpleNamespace:
+    """`planned`'s arguments for a @ b with the operands cuBLAS reads: A (b, or its copy) and
+    B (a, or its copy), as _cublas hands them over (tests/nn/test_gemm.py replays them)."""
+    p, a, b = planned(cp, a, b)
     return SimpleNamespace(**vars(p), A=b, B=a)
 
 
