@@ -79,7 +79,10 @@ def test_a_killed_rank_restarts_once_and_ends_exactly(tmp_path):
         f"restart 1 of 2 with --resume auto: the newest checkpoint in {ckpt}"), lines
     removed = [s for s in lines if "the ended job's MPI library left" in s]
     if "MPICH" in MPI.Get_library_version():      # Open MPI's prterun removes its own
-        assert len(removed) == 1 and "/dev/shm/" in removed[0], lines   # the dead job's segment
+        # the dead job's segment, where its surviving rank left one: hydra's clean-up may
+        # remove it first (seen once in a fresh clone, 2026-11-30); what must hold is that
+        # launch named only /dev/shm files and nothing is left behind (next assert)
+        assert len(removed) <= 1 and all("/dev/shm/" in r for r in removed), lines
     assert not left, out[-3000:]
     banner = re.search(r"BAD TERMINATION[\s\S]*?PID (\d+) RUNNING AT", out)
     if banner:              # MPICH's hydra names one rank's pid: the killed one, or a peer its
