@@ -23,7 +23,8 @@ for float32, 16-bit tensor cores for bfloat16 and float16; none for TF32, not in
 `peak_gib`: each side's allocator high-water mark over one full step from a released pool
 (ours: cupy's pool, tracked by a wrapping allocator for that step only; PyTorch's
 max_memory_allocated); `predicted_peak_gib`: costs/peak_memory.rank_peak's total for the same
-step (float32 itemsizes: the planner knows no compute dtype), and its ratio to ours.
+step, its arrays held as costs/storage.py says for this precision on the GPU (the fused
+kernels, cuDNN's attention where it ran; on the stand-in neither), and its ratio to ours.
 `attention` names the attention ours ran: with the `cudnn` module
 (nvidia-cudnn-frontend) importable, cuDNN's flash kernels in 16 bits (nn/cudnn_attention.py),
 and one more bfloat16 record, "bfloat16 own attention", with them switched off
@@ -48,6 +49,7 @@ import mpishard as ms
 from gpt import model_flops, torch_gpt
 from gpu import FULL, TINY, Device, emit, fitting_problem, timed
 from mpishard.costs.peak_memory import rank_peak
+from mpishard.costs.storage import storage_for
 from mpishard.nn import cudnn_attention as cda
 from mpishard.nn import fused
 
@@ -158,9 +160,11 @@ def one_precision(dev, torch, problem, flops, label, keywords, autocast, tf32, s
         torch_peak = peak_bytes(dev, full, torch)
         full = None
         dev.release()
-    predicted = rank_peak(model, ms.parse_layout("single"), 0, batch)["total"]
-    rec["predicted_peak_gib"] = round(predicted / 2 ** 30, 3)   # the planner's, in --dtype's
-    if ours_peak is not None:                                     # itemsize (no compute dtype)
+    storage = storage_for("float32", keywords.get("compute_dtype"), "gpu",
+                          fused=not dev.standin, cudnn=rec["attention"].startswith("cuDNN"))
+    predicted = rank_peak(model, ms.parse_layout("single"), 0, batch, storage=storage)["total"]
+    rec["predicted_peak_gib"] = round(predicted / 2 ** 30, 3)   # the planner's, as this step
+    if ours_peak is not None:                                     # holds its arrays
         rec["ours_peak_gib"] = round(ours_peak / 2 ** 30, 3)
         rec["predicted_over_ours_peak"] = round(predicted / ours_peak, 3)
     if torch_peak is not None:

@@ -9,8 +9,10 @@ the same kind run: the CPU kernels' JIT compiled, `warm_up`), resets the high-wa
 there (/proc/self/clear_refs, train/memory.py), builds the engine, loads parameters shard by
 shard (a `Filled` stand-in: no rank ever holds the full model), and runs `--steps` AdamW
 training steps (train_step + optimizer step). Its measured peak is VmHWM minus that start-up
-resident size. The table gives, per rank, predicted and measured MiB and the error
-(predicted / measured - 1); the target is within 15% on each rank.
+resident size. A case with a compute dtype runs the CPU's rounding emulation of it
+(`compute_dtype=`), priced by costs/storage.py's `storage_for(..., "cpu")`. The table gives,
+per rank, predicted and measured MiB and the error (predicted / measured - 1); the target is
+within 15% on each rank.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import mpishard as ms
 from mpishard.health.signals import remove_singleton_segment_at_exit
 from mpishard.comm.mesh import parse_layout
 from mpishard.costs.peak_memory import rank_peak
+from mpishard.costs.storage import storage_for
 from mpishard.train.memory import reset_high_water_mark, status_bytes
 
 GPT2 = {"kind": "gpt", "vocab": 50257, "seq": 256, "d": 768, "heads": 12, "layers": 12}
@@ -41,7 +44,7 @@ QWEN2 = {**LLAMA, "kind": "qwen2", "kv_heads": 2}
 MIXTRAL = {**LLAMA, "kind": "llama", "d_ff": 1024, "experts": 4, "top_k": 2}
 LLAMA_CI = {**LLAMA, "seq": 128, "d": 384, "heads": 6, "kv_heads": 2, "d_ff": 1024}
 
-# name -> (model, layout, global batch, ranks)
+# name -> (model, layout, global batch, ranks[, compute dtype: the CPU's rounding emulation])
 CASES = {
     "gpt2-single": (GPT2, "single", 2, 1),
     "gpt2-fsdp4": (GPT2, "fsdp=4", 4, 4),
@@ -62,11 +65,15 @@ CASES = {
     "llama-pp2-gpipe": (LLAMA, "pp=2,schedule=gpipe,microbatches=4", 8, 2),
     "qwen2-dp2": (QWEN2, "dp=2", 8, 2),
     "mixtral-ep2": (MIXTRAL, "ep=2", 8, 2),
+    "gpt2-single-bf16": (GPT2, "single", 2, 1, "bfloat16"),
+    "gpt2-fsdp2-bf16": (GPT2, "fsdp=2", 4, 2, "bfloat16"),
+    "llama-tp2-bf16": (LLAMA, "tp=2", 8, 2, "bfloat16"),
     # smaller ones for CI (tests/costs/test_peak_memory.py): about 100-200 MB per rank
     "ci-gpt-tp2": (GPT_CI, "tp=2", 4, 2),
     "ci-gpt-pp2-gpipe": (GPT_CI, "pp=2,schedule=gpipe,microbatches=4", 8, 2),
     "ci-mlp-fsdp2": (MLP_CI, "fsdp=2", 2048, 2),
     "ci-llama-tp2-sp": (LLAMA_CI, "tp=2,sequence_parallel=1", 4, 2),
+    "ci-gpt-dp2-bf16": (GPT_CI, "dp=2", 4, 2, "bfloat16"),
 }
 BIG = [name for name in CASES if not name.startswith("ci-")]
 TARGET = 0.15
@@ -127,14 +134,14 @@ def warm_up(spec) -> None:
     engine.close()
 
 
-def worker(spec, layout, batch, steps) -> None:
+def worker(spec, layout, batch, steps, compute=None) -> None:
     """One rank: its peak above the start-up resident size, gathered on rank 0 as JSON."""
     comm = MPI.COMM_WORLD
     warm_up(spec)
     baseline = status_bytes("VmRSS")
     reset_high_water_mark()
     model = build_model(spec)
-    engine = ms.make_engine(model, layout, dtype=np.float32, comm=comm)
+    engine = ms.make_engine(model, layout, dtype=np.float32, comm=comm, compute_dtype=compute)
     engine.load_checkpoint({n: Filled(s, i) for i, (n, s) in
                             enumerate(model.param_shapes().items())})
     opt = ms.optim.AdamW(engine, lr=1e-4)
@@ -151,12 +158,12 @@ def worker(spec, layout, batch, steps) -> None:
         print("MEMORY_CHECK " + json.dumps(peaks), flush=True)
 
 
-def measure(spec, layout, batch, ranks, steps=2) -> list:
+def measure(spec, layout, batch, ranks, steps=2, compute=None) -> list:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks),
            sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec), layout,
-           str(batch), str(steps)]
+           str(batch), str(steps), compute or "none"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("MEMORY_CHECK "):
@@ -166,21 +173,25 @@ def measure(spec, layout, batch, ranks, steps=2) -> list:
 
 def check(name, steps=2) -> list:
     """[{case, layout, rank, predicted, measured, error}] of one case."""
-    spec, layout, batch, ranks = CASES[name]
+    spec, layout, batch, ranks, *compute = CASES[name]
+    compute = compute[0] if compute else None
     model = build_model(spec)
-    measured = measure(spec, layout, batch, ranks, steps)
+    measured = measure(spec, layout, batch, ranks, steps, compute)
+    storage = storage_for("float32", compute, "cpu")
     rows = []
     for r, got in enumerate(measured):
-        pred = rank_peak(model, parse_layout(layout), r, batch, itemsize=4)["total"]
-        rows.append({"case": name, "layout": layout, "rank": r, "predicted": pred,
-                     "measured": got, "error": pred / got - 1})
+        pred = rank_peak(model, parse_layout(layout), r, batch, itemsize=4,
+                         storage=storage)["total"]
+        rows.append({"case": name, "layout": layout, "compute": storage.name, "rank": r,
+                     "predicted": pred, "measured": got, "error": pred / got - 1})
     return rows
 
 
 def table(rows) -> str:
-    lines = ["| case | layout | rank | predicted MiB | measured MiB | error |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['case']} | {r['layout']} | {r['rank']} | {r['predicted'] / 2**20:.0f} | "
+    lines = ["| case | layout | compute | rank | predicted MiB | measured MiB | error |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['layout']} | {r['compute']} | {r['rank']} | "
+              f"{r['predicted'] / 2**20:.0f} | "
               f"{r['measured'] / 2**20:.0f} | {100 * r['error']:+.1f}% |" for r in rows]
     worst = max(abs(r["error"]) for r in rows)
     lines.append(f"\nworst |error| {100 * worst:.1f}% (target {100 * TARGET:.0f}%)")
@@ -209,6 +220,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        worker(json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
+               None if sys.argv[6] == "none" else sys.argv[6])
     else:
         sys.exit(main())

@@ -10,8 +10,10 @@ time, without one the documented rule of thumb, which the line says. It needs no
 
 In a job, every rank decides from the same inputs: the memory limit is first made the same
 everywhere (`agree_memory_limit`: the smallest rank's, a collective before anything can fail
-on one rank alone), then each rank chooses inside the command's `agreed` preparation (no
-collective there; a layout that fits nowhere is the same UsageError on every rank), and
+on one rank alone; the step is priced on the GPU only where every rank computes on one, with
+the run's `--compute-dtype`: costs/storage.py), then each rank chooses inside the command's
+`agreed` preparation (no collective there; a layout that fits nowhere is the same UsageError
+on every rank), and
 `agree_choice` broadcasts rank 0's choice and checks every rank made it (a calibration file
 that differs between nodes would not). Rank 0 logs one line: the layout, why (the deciding
 numbers) and the runner-up.
@@ -23,8 +25,9 @@ import sys
 import numpy as np
 from ..costs.calibration import load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, generate_rows, rank_rows
+from ..costs.storage import storage_for
 from .inspect import format_bytes
-from .memory_limit import add_max_memory_argument, max_memory
+from .memory_limit import add_max_memory_argument, local_gpu, max_memory
 from .plan import candidate_layouts, plan_layouts
 from .plan_explain import count_text, unlent_text
 from .usage import UsageError, agreed
@@ -68,18 +71,21 @@ def choice_line(ranked: dict, limit: int, source: str, candidates: int,
 def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
                   purpose: str = "train", dtype="float32", optimizer: str = "adamw",
                   momentum: float = 0.0, microbatches=None, calibration=None, rows: int = 1,
-                  max_len=None, source: str = "--max-memory") -> dict:
+                  max_len=None, source: str = "--max-memory", compute_dtype=None,
+                  device: str = "cpu") -> dict:
     """{'layout': the chosen layout's text, 'line': why (choice_line), 'ranked':
     costs/choose.rank_rows' result}: the best of `world_size`'s layouts predicted to fit in
     `max_memory` bytes per rank. purpose 'train' (also bench): a training step of global
     `batch` rows with `optimizer` (`calibration`: a loaded calibration dict, ranks by its
     predicted step time); 'generate' (also serve): decoding `rows` prompts together, each
-    up to `max_len` tokens (default the model's seq_len) in the KV cache. No MPI.
-    UsageError naming the smallest need when no layout fits."""
+    up to `max_len` tokens (default the model's seq_len) in the KV cache. compute_dtype,
+    device ('cpu' or 'gpu'): how the training step holds its arrays (costs/storage.py). No
+    MPI. UsageError naming the smallest need when no layout fits."""
     itemsize = np.dtype(dtype).itemsize
+    storage = storage_for(dtype, compute_dtype, device)
     if purpose == "train":
         rows_, rejected = plan_layouts(model, world_size, batch, dtype, optimizer, momentum,
-                                       microbatches, calibration)
+                                       microbatches, calibration, storage)
     else:
         seq_len = model.seq_len if model.takes_tokens else None
         rows_, rejected = generate_rows(
@@ -98,7 +104,9 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
                          f"{format_bytes(max_memory)} per rank ({source}): the smallest, "
                          f"{least['layout']}, needs {format_bytes(least['memory'])}; give "
                          f"more --max-memory, more ranks or a smaller model")
-    planned = (f"{batch} rows a forward in {np.dtype(dtype).name}" if purpose == "train" else
+    held = "" if storage == storage_for(dtype) else \
+        f" ({storage.name} compute on the {'GPU' if storage.device else 'CPU'})"
+    planned = (f"{batch} rows a forward in {np.dtype(dtype).name}{held}" if purpose == "train" else
                f"{rows} row(s) of up to {max_len or model.seq_len} positions in "
                f"{np.dtype(dtype).name}")
     return {"layout": ranked["best"]["layout"], "ranked": ranked,
@@ -111,15 +119,17 @@ def agree_memory_limit(args, comm) -> None:
     --max-memory is one UsageError on every rank."""
     if args.layout != AUTO:
         return
-    error, mine = None, (0, "")
+    error, mine, device = None, (0, ""), getattr(args, "device", None) or "cpu"
     try:
-        mine = max_memory(args.max_memory, comm, getattr(args, "device", None) or "cpu")
+        mine = max_memory(args.max_memory, comm, device)
     except ValueError as exc:
         error = str(exc)
     errors = comm.allgather(error)
     if any(errors):
         raise UsageError(next(e for e in errors if e))
     args.max_memory_limit = min(comm.allgather(mine))
+    on_gpu = comm.allgather(local_gpu(device) is not None)       # priced on the GPU: all are
+    args.planned_device = "gpu" if all(on_gpu) else "cpu"
 
 
 def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64,
@@ -141,7 +151,8 @@ def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64
                            getattr(args, "dtype", None) or "float32", optimizer, momentum,
                            calibration=calibration, rows=max(1, len(prompts)),
                            max_len=min(longest, getattr(model, "seq_len", 1)) or None,
-                           source=source)
+                           source=source, compute_dtype=getattr(args, "compute_dtype", None),
+                           device=getattr(args, "planned_device", "cpu"))
     note = rank_count_note(calibration, world_size) if calibration else None
     args.layout_line = choice["line"] + (f" (note: {note})" if note else "")
     return choice["layout"]

@@ -29,7 +29,9 @@ from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.compose import plan_params
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import check_fit, rank_memory
+from ..costs.storage import storage_for
 from ..nn import cudnn_attention
+from .device_options import add_held_arguments, check_compute_flags
 from .model_flag import add_model_arguments, model_from_args
 from .usage import UsageError, print_report, world_comm
 
@@ -44,12 +46,13 @@ def format_bytes(n: float) -> str:
 
 def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
                   momentum: float = 0.0, shapes: bool = True, batch=None,
-                  memory_parts: bool = False) -> str:
+                  memory_parts: bool = False, storage=None) -> str:
     """Text report: the mesh groups, each rank's shard shapes and memory (no MPI); `layout`
     is a parsed Layout. Memory: each rank's held state and its predicted peak in a training
     step of `batch` global rows (costs/peak_memory.rank_peak; None: the fewest rows the
-    layout takes, one per data-parallel rank and microbatch), with memory_parts each of the
-    peak's transient components too."""
+    layout takes, one per data-parallel rank and microbatch; storage: how the step holds its
+    arrays, costs/storage.py), with memory_parts each of the peak's transient components
+    too."""
     microbatches = check_fit(model, layout)   # the engine's ValueError for a layout it refuses
     batch = layout.data_parallel_size * microbatches if batch is None else batch
     itemsize = np.dtype(dtype).itemsize
@@ -75,11 +78,13 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
     lines.append(f"dtype  {np.dtype(dtype).name} assumed" + (
         " (make_engine's default; --dtype float32 for train's)"
         if np.dtype(dtype) == np.float64 else " (train's default; make_engine's is float64)"))
-    peaks = [rank_peak(model, layout, r, batch, itemsize, optimizer, momentum)
-             for r in range(world)]
+    peaks = [rank_peak(model, layout, r, batch, itemsize, optimizer, momentum,
+                       storage=storage) for r in range(world)]
+    held = "" if storage is None or storage == storage_for(dtype) else \
+        f", {storage.name} compute on the {'GPU' if storage.device else 'CPU'}"
     parts = [k for k in PEAK_COMPONENTS[3:] if any(p[k] for p in peaks)] if memory_parts \
         else []
-    lines.append(f"memory per rank ({np.dtype(dtype).name}, optimizer {optimizer}; peak: "
+    lines.append(f"memory per rank ({np.dtype(dtype).name}{held}, optimizer {optimizer}; peak: "
                  f"predicted in a training step of global batch {batch}, "
                  + ("its transient parts beside it)" if memory_parts else
                     "--memory-parts: its transient parts)"))
@@ -148,6 +153,7 @@ def add_inspect_arguments(p):
     p.add_argument("--dtype", default="float64", choices=["float32", "float64"],
                    help="with --layout: the dtype memory is counted in (default float64, "
                    "make_engine's default; train defaults to float32)")
+    add_held_arguments(p.add_argument)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="with --layout: optimizer whose state is counted (default adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
@@ -211,9 +217,12 @@ def _run_inspect_layout(args) -> int:
     if args.layout is None or (args.model is None and args.hf is None):
         raise UsageError("inspect: --layout and --model (or --hf DIR) go together, e.g. "
                          "inspect --layout dp=2,tp=2 --model 64,256,256,10")
+    check_compute_flags(args.compute_dtype, False, args.dtype)
+    storage = storage_for(args.dtype, args.compute_dtype, args.device)
     return report_mlp("inspect", args, lambda model: layout_report(
         model, parse_layout(args.layout), dtype=args.dtype, optimizer=args.optimizer,
-        momentum=args.momentum, batch=args.batch, memory_parts=args.memory_parts))
+        momentum=args.momentum, batch=args.batch, memory_parts=args.memory_parts,
+        storage=storage))
 
 
 def report_mlp(command, args, report) -> int:

@@ -35,10 +35,12 @@ from ..costs.choose import add_calls, rank_rows, train_key
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import COMM_KINDS, check_fit, step_comm_total
 from ..costs.step_time import predict_step, representative_ranks
+from ..costs.storage import storage_for
 from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
 from .calibrate import calibrate
+from .device_options import add_held_arguments, check_compute_flags
 from .memory_limit import add_max_memory_argument, max_memory, node_ranks
 from .plan_explain import explain_report, unlent_seconds
 from .plan_time import validate, validation_report, validation_summary
@@ -88,11 +90,12 @@ def _option_sets(nf, pp, cp, tp, microbatches, gpt: bool) -> list:
 
 def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
                  optimizer: str = "adamw", momentum: float = 0.0, microbatches=None,
-                 calibration=None):
+                 calibration=None, storage=None):
     """(rows, rejected): a row per layout that fits, {layout, memory (max over ranks of the
-    predicted peak: costs/peak_memory.rank_peak), parts (that rank's peak by component), comm
-    (max over ranks of bytes sent per step), kinds (per kind, of that busiest rank)};
-    rejected = [(layout, reason)]."""
+    predicted peak: costs/peak_memory.rank_peak, its arrays held as `storage` says:
+    costs/storage.py, default every one in `dtype` on the CPU), parts (that rank's peak by
+    component), comm (max over ranks of bytes sent per step), kinds (per kind, of that
+    busiest rank)}; rejected = [(layout, reason)]."""
     itemsize = np.dtype(dtype).itemsize
     rows, rejected = [], []
     seq_len = model.seq_len if model.takes_tokens else None    # cp and sequence_parallel
@@ -101,8 +104,8 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
             layout = parse_layout(text)
             check_fit(model, layout, batch)
             ranks = representative_ranks(layout)      # the max over them is over all
-            peak = max((rank_peak(model, layout, r, batch, itemsize, optimizer, momentum)
-                        for r in ranks), key=lambda p: p["total"])
+            peak = max((rank_peak(model, layout, r, batch, itemsize, optimizer, momentum,
+                                  storage=storage) for r in ranks), key=lambda p: p["total"])
             comms = [step_comm_total(model, layout, r, batch, itemsize) for r in ranks]
         except ValueError as exc:
             rejected.append((text, str(exc)))
@@ -136,7 +139,8 @@ SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
 
 def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                 momentum=0.0, microbatches=None, top=None, sort=None,
-                calibration=None, layouts=None, memory_parts=False, limit=None) -> str:
+                calibration=None, layouts=None, memory_parts=False, limit=None,
+                storage=None) -> str:
     """The `plan` command's table; `layouts`: plan_layouts' (rows, rejected) for these
     arguments when the caller has them already; memory_parts: a column per component of the
     peak too; sort None: time with a calibration, else memory; `limit` (--max-memory, bytes):
@@ -147,14 +151,16 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     if top is not None:
         check_number("--top", top, low=1, integer=True)
     rows, rejected = layouts or plan_layouts(model, world_size, batch, dtype, optimizer,
-                                             momentum, microbatches, calibration)
+                                             momentum, microbatches, calibration, storage)
+    held = "" if storage is None or storage == storage_for(dtype) else \
+        f" ({storage.name} compute on the {'GPU' if storage.device else 'CPU'})"
     rows.sort(key=SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
     note = rank_count_note(calibration, world_size) if calibration else None
     unlent = calibration is not None and any(unlent_seconds(r) is not None for r in shown)
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
-             f"batch {batch}, {np.dtype(dtype).name}, optimizer {optimizer}",
+             f"batch {batch}, {np.dtype(dtype).name}{held}, optimizer {optimizer}",
              f"       {len(rows)} layouts pass the engine's checks, {len(rejected)} do not; "
              f"showing {len(shown)}, sorted by {SORT_TEXT.get(sort, sort)}",
              "memory: max over ranks of the predicted peak in a training step (parameters, "
@@ -221,6 +227,7 @@ def add_plan_arguments(p):
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
     p.add_argument("--batch", type=int, default=64, help="global batch per step (64)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    add_held_arguments(p.add_argument)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="optimizer whose state is counted (adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
@@ -262,15 +269,17 @@ def run_plan(args) -> int:
         calibration = load_calibration(args.calibration)
     if args.validate and calibration is None:
         raise UsageError("plan: --validate needs --calibration FILE or --calibrate")
+    check_compute_flags(args.compute_dtype, False, args.dtype)
+    storage = storage_for(args.dtype, args.compute_dtype, args.device)
 
     def report(model):
         layouts = plan_layouts(model, args.world_size, args.batch, args.dtype, args.optimizer,
-                               args.momentum, args.microbatches, calibration)
+                               args.momentum, args.microbatches, calibration, storage)
         text = plan_report(model, args.world_size, args.batch, dtype=args.dtype,
                            optimizer=args.optimizer, momentum=args.momentum,
                            microbatches=args.microbatches, top=args.top, sort=args.sort,
                            calibration=calibration, layouts=layouts,
-                           memory_parts=args.memory_parts,
+                           memory_parts=args.memory_parts, storage=storage,
                            limit=max_memory(args.max_memory)[0] if args.max_memory else None)
         if args.explain:
             rows = layouts[0] if calibration else add_calls(

@@ -59,6 +59,7 @@ from ..parallel.pipeline import boundary_widths
 from ..parallel.schedules import make_schedule
 from ..parallel.stages import pipeline_options
 from .rank_costs import rank_memory, rank_view
+from .storage import Storage
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits",
               "buffers", "evaluation", "kv_cache")
@@ -91,11 +92,36 @@ def saved_elements(parts, rows_mb) -> float:
     return parts["saved"] * rows_mb + parts.get("per_microbatch", 0)
 
 
-def moments(view, parts, rows_mb) -> list:
+def priced(parts, key, storage) -> float:
+    """Bytes per row of the model's `key` elements ('saved' or 'workspace') as `storage` holds
+    them (costs/storage.py). Under a rounding policy, where the model splits them, what the
+    policy keeps instead: `key`_wide at the itemsize and `key`_low, the rounded matmul
+    inputs, at storage.low; with keeps_lse the probabilities among the wide as the (B, H, T)
+    log-sum-exp (saved) or a 16-bit scores-sized array (workspace), and where cuDNN's
+    attention runs, no wide attention output (`key`_out); without it the backward's ds
+    beside its rounded copy. Otherwise all at the itemsize."""
+    if not storage.rounds_copies or f"{key}_low" not in parts:
+        return parts[key] * storage.itemsize
+    total = parts[f"{key}_wide"] * storage.itemsize + parts[f"{key}_low"] * storage.low
+    probs = parts.get(f"{key}_probs", 0)
+    if storage.keeps_lse:
+        kept = parts.get("lse", 0) * 4 if key == "saved" else probs * storage.low
+        total -= probs * storage.itemsize - kept
+        if storage.cudnn:           # its 16-bit output is the proj input: no wide one
+            total -= parts.get(f"{key}_out", 0) * storage.itemsize
+    elif key == "workspace":        # ds rounded for its two products: a copy beside it
+        total += probs * storage.low
+    return total
+
+
+def moments(view, parts, rows_mb, storage) -> list:
     """The step's candidate peak moments beyond the held state, each {component: bytes}: the
     loss, the head's backward and the largest block's backward (module docstring)."""
     itemsize, layout = view.itemsize, view.layout
-    saved = int(saved_elements(parts, rows_mb) * itemsize * in_flight(layout, view.coords["pp"]))
+    per_row = dict(parts, saved=priced(parts, "saved", storage) / itemsize)
+    saved = int(saved_elements(per_row, rows_mb) * itemsize *
+                in_flight(layout, view.coords["pp"]))
+    workspace = priced(parts, "workspace", storage) * rows_mb
     whole = {n: view.nbytes(tp_block(view, n)) for n in view.params}
     zero3 = {n for n, i in view.params.items()
              if view.size("fsdp") > 1 and fsdp.zero_stage(i.placement, layout) == 3}
@@ -104,17 +130,21 @@ def moments(view, parts, rows_mb) -> list:
     biggest = max(whole, key=whole.get, default=None)
     logits = rows_mb * parts["logits"] * itemsize
     waiting = int(-(-in_flight(layout, view.coords["pp"]) // 1)) * logits
-    out = [{"activations": saved + parts["workspace"] * itemsize * rows_mb + whole.get(biggest, 0),
+    copies = storage.rounds_copies           # a matmul input rounded at use: a new array
+    out = [{"activations": saved + workspace + whole.get(biggest, 0) +
+            copies * storage.rounded(whole.get(biggest, 0)),
             "gathered": gathers * whole[biggest] if biggest in zero3 else 0,
             "logits": (waiting + (logits if layout.size("pp") == 1 else 0)) *
             bool(parts.get("backward_holds_logits"))}]
     if logits:                       # the runner keeps each in-flight microbatch's dlogits
+        fused = storage.fused if storage.device else cpu_rows.runs_here(itemsize)
         factor = 5 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else \
-            2 if cpu_rows.runs_here(itemsize) else 3
+            2 if fused else 3
         out.append({"activations": saved, "logits": int(factor * logits) + waiting - logits})
         head_zero3 = head if any(whole[n] == head for n in zero3) else 0
-        out.append({"activations": saved, "logits": logits + waiting + head,
-                    "gathered": gathers * head_zero3})
+        out.append({"activations": saved, "gathered": gathers * head_zero3,
+                    "logits": int(logits + waiting + head +
+                                  copies * storage.rounded(logits + head))})
     return out
 
 
@@ -161,11 +191,16 @@ def activation_parts(model, view, recompute):
 
 def rank_peak(model, layout, rank: int, batch: int, itemsize: int = 4,
               optimizer: str = "adamw", momentum: float = 0.0, recompute=None,
-              eval_batch=None, generate=None) -> dict:
+              eval_batch=None, generate=None, storage=None) -> dict:
     """Bytes of each component of `rank`'s peak in a training step of `batch` global rows
     (module docstring), and their 'total'. recompute: '0', '1' or 'attn' instead of the
     layout's option; eval_batch: global rows of an evaluation between steps; generate:
-    (rows, max_len) of a KV-cached generation. Raises rank_costs.check_fit's ValueError."""
+    (rows, max_len) of a KV-cached generation; storage: how the step holds its arrays
+    (costs/storage.py: a compute dtype, the device; default: every array at `itemsize` on
+    the CPU). Raises rank_costs.check_fit's ValueError."""
+    storage = storage or Storage(itemsize, itemsize)
+    if storage.itemsize != itemsize:
+        raise ValueError(f"storage.itemsize {storage.itemsize} != itemsize {itemsize}")
     view = rank_view(model, layout, rank, itemsize, batch)
     held = rank_memory(model, layout, rank, itemsize, optimizer, momentum)
     recompute = str(layout.option("recompute", 0) if recompute is None else recompute)
@@ -175,7 +210,7 @@ def rank_peak(model, layout, rank: int, batch: int, itemsize: int = 4,
     if parts is None:
         peak = {"gathered": gathered_only(view)}
     else:
-        peak = max(moments(view, parts, rows_mb), key=lambda m: sum(m.values()))
+        peak = max(moments(view, parts, rows_mb, storage), key=lambda m: sum(m.values()))
     out.update({k: int(peak.get(k, 0)) for k in ("gathered", "activations", "logits")})
     out["buffers"] = buffer_bytes(model, view, rows_mb)
     out["evaluation"] = evaluation_bytes(view, parts, eval_batch, out)

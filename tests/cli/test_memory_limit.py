@@ -178,3 +178,25 @@ def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch):
     with pytest.raises(ValueError, match="could not be read"):
         gpu_max_memory("gpu", comm, broken)
     comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_layout_auto_prices_the_gpu_only_where_every_rank_has_one(monkeypatch):
+    """agree_memory_limit: args.planned_device 'gpu' where every rank computes on a GPU, else
+    'cpu' on every rank (one rank on the host prices the step as the host holds it)."""
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+
+    from mpishard.cli.auto_layout import agree_memory_limit
+    comm = MPI.COMM_WORLD
+    for on_gpu, want in ((lambda r: True, "gpu"), (lambda r: r != 0, "cpu")):
+        monkeypatch.setattr(memory_limit, "try_import_cupy", lambda: FakeCupy([GIB]) if
+                            on_gpu(comm.Get_rank()) else None)
+        args = SimpleNamespace(layout="auto", max_memory="1G", device="auto")
+        agree_memory_limit(args, comm)
+        assert args.planned_device == want
+        assert args.max_memory_limit == (GIB, "--max-memory")
+    args = SimpleNamespace(layout="auto", max_memory="1G", device="cpu")     # forced host
+    agree_memory_limit(args, comm)
+    assert args.planned_device == "cpu"

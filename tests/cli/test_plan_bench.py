@@ -208,6 +208,30 @@ def test_plan_and_inspect_know_gpt(capsys):
     assert "--model: unknown key 'depth'; known keys: d_model" in capsys.readouterr().err
 
 
+def test_plan_and_inspect_price_a_compute_dtype(capsys):
+    """--compute-dtype bfloat16 --device gpu: a smaller peak than float32's, said in the
+    header; on the CPU (emulated) a larger one; float64 with a 16-bit compute dtype is the
+    engine flags' UsageError (exit 2)."""
+    spec = "gpt:d_model=32,n_heads=4,n_layers=2,seq_len=64,vocab=256"
+
+    def peak(*flags):
+        assert cli.main(["inspect", "--layout", "single", "--model", spec, "--dtype",
+                         "float32", "--batch", "8", *flags]) == 0
+        out = capsys.readouterr().out
+        line = out.splitlines()[-1].split()
+        return out, float(line[-2]) * {"KiB": 1, "MiB": 1024}[line[-1]]
+    _, wide = peak()
+    out, gpu = peak("--compute-dtype", "bfloat16", "--device", "gpu")
+    assert "bfloat16 compute on the GPU" in out and gpu < 0.8 * wide
+    assert peak("--compute-dtype", "bfloat16")[1] > wide                # rounded copies
+    assert cli.main(["plan", "--model", spec, "--world-size", "2", "--batch", "8",
+                     "--compute-dtype", "float16", "--device", "gpu"]) == 0
+    assert "float32 (float16 compute on the GPU)" in capsys.readouterr().out
+    assert cli.main(["plan", "--model", spec, "--world-size", "2", "--dtype", "float64",
+                     "--compute-dtype", "bfloat16"]) == 2
+    assert "--compute-dtype bfloat16 needs --dtype float32" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["plan", "--world-size", "2"],
                                      ["inspect", "--layout", "tp=2"]])
 def test_both_gpt_spellings_name_the_same_model(capsys, command):

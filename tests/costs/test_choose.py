@@ -21,6 +21,7 @@ from mpishard.costs.choose import add_calls, decode_bytes, generate_rows, rank_r
 from mpishard.costs.call_counts import step_calls
 from mpishard.costs.rank_costs import rank_memory, rank_view
 from mpishard.costs.step_time import bubble, ranking_seconds
+from mpishard.costs.storage import storage_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 2 ** 20
@@ -185,3 +186,23 @@ def test_decode_bytes_per_strategy():
     best = choice["ranked"]["best"]
     assert best["layout"] != "dp=4" and best["cached"] and best["memory"] <= limit
     assert best["comm"] == min(r["comm"] for r in choice["ranked"]["fit"] if r["cached"])
+
+
+def test_a_16_bit_gpu_step_is_priced_as_it_holds_its_arrays(monkeypatch):
+    """choose_layout with compute_dtype bfloat16 on the GPU prices the saved matmul inputs in
+    2 bytes and the attention's log-sum-exp: a limit between its need and float32's lets
+    the 16-bit step run where float32's pricing would refuse every layout; the line says
+    what was priced. The CPU's emulation needs more than float32 (rounded copies)."""
+    monkeypatch.delenv("MPISHARD_FUSED", raising=False)
+    model = model_from_flag("gpt", "relu", gpt="vocab_size=512,seq_len=128,d_model=64,"
+                                               "n_heads=4,n_layers=2")
+    need = {key: min(r["memory"] for r in plan_layouts(
+        model, 2, 16, storage=storage_for("float32", *key))[0])
+        for key in ((None, "cpu"), ("bfloat16", "gpu"), ("bfloat16", "cpu"))}
+    assert need["bfloat16", "gpu"] < 0.8 * need[None, "cpu"] < need["bfloat16", "cpu"]
+    limit = (need["bfloat16", "gpu"] + need[None, "cpu"]) // 2
+    with pytest.raises(UsageError, match="no layout"):
+        choose_layout(model, 2, limit, 16)
+    choice = choose_layout(model, 2, limit, 16, compute_dtype="bfloat16", device="gpu")
+    assert "16 rows a forward in float32 (bfloat16 compute on the GPU)" in choice["line"]
+    assert choice["ranked"]["best"]["memory"] <= limit

@@ -20,6 +20,7 @@ import pytest
 import mpishard as ms
 from conftest import group_comm
 from mpishard.costs.peak_memory import COMPONENTS, in_flight, rank_peak
+from mpishard.costs.storage import storage_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "benchmarks" / "memory_check.py"
@@ -52,32 +53,34 @@ def test_components_add_up_and_follow_the_layout():
 
 
 def test_predicted_peak_within_15_percent_of_the_measured(tmp_path):
-    """Four layouts (tp, a GPipe pipeline, FSDP, a Llama's tp with sequence_parallel) of a GPT,
-    an MLP and a Llama of about 100-200 MB per rank: every rank's prediction within 15% of
-    VmHWM above its start-up size."""
+    """Five layouts (tp, a GPipe pipeline, FSDP, a Llama's tp with sequence_parallel, dp with
+    bfloat16 compute emulated on the CPU) of a GPT, an MLP and a Llama of about 100-300 MB
+    per rank: every rank's prediction within 15% of VmHWM above its start-up size."""
     out = tmp_path / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(CHECK), "--only", "ci-gpt-tp2",
-                          "ci-gpt-pp2-gpipe", "ci-mlp-fsdp2", "ci-llama-tp2-sp", "--json",
-                          str(out)],
-                         capture_output=True, text=True, env=env, timeout=240)
+                          "ci-gpt-pp2-gpipe", "ci-mlp-fsdp2", "ci-llama-tp2-sp",
+                          "ci-gpt-dp2-bf16", "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
     rows = json.loads(out.read_text()) if out.exists() else []
-    assert len(rows) == 8, run.stdout + run.stderr
+    assert len(rows) == 10, run.stdout + run.stderr
     for row in rows:
         assert row["measured"] > 50 * 2**20, row
         assert abs(row["error"]) <= 0.15, run.stdout
 
 
-def dynamic_peak(layout, comm=None, batch=8) -> tuple:
-    """(bytes a float32 train_step + AdamW step of a small Llama allocates at its peak beyond
-    what the step before left, traced by tracemalloc; rank_peak's gathered + activations +
-    logits for it)."""
-    model = ms.Llama(1024, 64, 64, 4, 2, n_kv_heads=2, d_ff=160)
-    engine = ms.make_engine(model, layout, dtype=np.float32, comm=comm)
+def dynamic_peak(layout, comm=None, batch=8, model=None, compute=None, device=None) -> tuple:
+    """(bytes a float32 train_step + AdamW step of `model` (default a small Llama) allocates
+    at its peak beyond what the step before left, traced by tracemalloc; rank_peak's gathered
+    + activations + logits for it). compute: the compute dtype; device: a Backend on the
+    device double (the step priced on a GPU without the fused kernels), None the host."""
+    model = model or ms.Llama(1024, 64, 64, 4, 2, n_kv_heads=2, d_ff=160)
+    engine = ms.make_engine(model, layout, dtype=np.float32, comm=comm,
+                            device=device or "cpu", compute_dtype=compute)
     engine.load_checkpoint(model.init(0))
     opt = ms.optim.AdamW(engine, lr=1e-4)
     ids = np.random.default_rng(0).integers(0, model.vocab_size, (batch, model.seq_len + 1))
-    x, t = (np.array(engine.shard_batch(a)) for a in (ids[:, :-1], ids[:, 1:]))
+    x, t = (engine.shard_batch(a) for a in (ids[:, :-1], ids[:, 1:]))
 
     def step():
         _, grads = engine.train_step(x, t, ms.losses.CrossEntropy())
@@ -91,7 +94,9 @@ def dynamic_peak(layout, comm=None, batch=8) -> tuple:
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    predicted = rank_peak(model, ms.parse_layout(layout), engine.device_id, batch)
+    storage = storage_for("float32", compute, "gpu" if device else "cpu", fused=False)
+    predicted = rank_peak(model, ms.parse_layout(layout), engine.device_id, batch,
+                          storage=storage)
     engine.close()
     return peak, sum(predicted[k] for k in ("gathered", "activations", "logits"))
 

@@ -161,10 +161,18 @@ def gpt_block(model, view, t: int, n: int) -> dict:
     (activation_elements): two LayerNorms' xhat and rstd 2 n (D + 1), the qkv and fc inputs
     2 T D, q | k | v (views of one array) 3 T D / tp, the attention output (the proj input is
     a view of it) T D / tp, the GELU's derivative and output 2 T F / tp. recompute=attn keeps
-    all of it (the core's q | k | v input is the qkv array)."""
-    tp, d = view.layout.size("tp"), model.d_model
-    return {"kept": 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * model.d_ff // tp,
-            "core": 0, "per_microbatch": 0}
+    all of it (the core's q | k | v input is the qkv array).
+
+    Under a rounding policy (costs/storage.py) 'wide' at the itemsize and 'low' at the compute
+    dtype's: the norms' xhat and rstd, the attention output and GELU's derivative stay wide;
+    the qkv and fc inputs, q | k | v, the proj input (a rounded copy of the attention output,
+    beside it) and the mlp proj input (GELU's output rounded) are low; 'out': the attention
+    output's elements."""
+    tp, d, f = view.layout.size("tp"), model.d_model, model.d_ff
+    return {"kept": 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * f // tp,
+            "wide": 2 * n * (d + 1) + t * d // tp + t * f // tp,
+            "low": 2 * t * d + 4 * t * d // tp + t * f // tp, "out": t * d // tp, "core": 0,
+            "per_microbatch": 0}
 
 
 def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> dict:
@@ -184,7 +192,15 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     the head input T D, the logits T v (v the vocabulary, per tp rank padded: vocab-parallel;
     alive with their gradient through the blocks' backward: backward_holds_logits) and the
     head's weight block D v. Under cp the probabilities are an upper bound: the ring
-    and Ulysses units keep less (measured: a few % of the total at toy size)."""
+    and Ulysses units keep less (measured: a few % of the total at toy size).
+
+    For costs/storage.py, what a rounding policy keeps instead: saved_wide and saved_low (the
+    blocks' 'wide' with the probabilities and 'low'; ln_f's stats wide, the head input low),
+    workspace_wide and workspace_low alike; saved_probs and workspace_probs, the
+    probabilities among them; lse, the (H / tp) x T log-sum-exp a device's fused attention
+    keeps instead of each block's probabilities (whole sequences and Ulysses; the ring keeps
+    its own: priced as probabilities); saved_out and workspace_out, the attention outputs
+    among the wide (block_terms' 'out'), which cuDNN writes in 16 bits."""
     layout = view.layout
     tp, cp = layout.size("tp"), layout.size("cp")
     t, d = local_tokens(model, layout), model.d_model
@@ -195,15 +211,29 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     block = terms["kept"]
     blocks = len({name.split("/")[0] for name in view.params if name.startswith("block_")})
     kept = {"0": block + probs, "attn": block - terms["core"], "1": n * d}[recompute]
-    out = {"saved": blocks * kept, "workspace": probs + (block + probs) * (recompute == "1"),
+    rounded = {"0": (terms["wide"] + probs, terms["low"]),       # under a rounding policy
+               "attn": (terms["wide"], terms["low"] - terms["core"]), "1": (n * d, 0)}[recompute]
+    whole = cp == 1 or layout.option("cp_kind", "ring") != "ring"
+    again = recompute == "1"                      # the backward's block forward, again
+    out = {"saved": blocks * kept, "workspace": probs + (block + probs) * again,
+           "saved_wide": blocks * rounded[0], "saved_low": blocks * rounded[1],
+           "saved_probs": blocks * probs * (recompute == "0") * whole,
+           "saved_out": blocks * terms["out"] * (recompute != "1") * whole,
+           "workspace_out": terms["out"] * again * whole,
+           "lse": blocks * model.n_heads // tp * t * whole * (recompute == "0"),
+           "workspace_wide": probs + (terms["wide"] + probs) * again,
+           "workspace_low": terms["low"] * again, "workspace_probs": probs * (1 + again) * whole,
            "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
            "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,
            "input_bytes": 2 * 8 * model.seq_len // cp, "backward_holds_logits": True}
     if holds_embedding(view.params):
-        out["saved"] += (8 + (tp > 1)) * t / view.itemsize     # the token ids (int64); their
-                                                # vocab-parallel in-range mask (bool)
+        ids = (8 + (tp > 1)) * t / view.itemsize     # the token ids (int64); their
+        out["saved"] += ids                          # vocab-parallel in-range mask (bool)
+        out["saved_wide"] += ids
     if HEAD_MARK in view.params:
         v = -(-model.vocab_size // tp)
         out["saved"] += n * (d + 1) + t * d
+        out["saved_wide"] += n * (d + 1)
+        out["saved_low"] += t * d
         out.update(logits=t * v, head_weights=d * v, padded=v * tp != model.vocab_size)
     return out

@@ -238,16 +238,26 @@ def llama_block(model, view, t: int, n: int) -> dict:
     the MLP: its input T D, SwiGLU's gate | up, sigmoid and silu 4 T F / tp (its CUDA kernels,
     on a GPU, keep gate | up alone, 2 T F / tp: this counts 2 T F / tp too many there) and the
     down input T F / tp; in a Mixtral instead sparse_moe's. Per microbatch, the rotary's cos and
-    sin of the T positions: half-width casts T Dh, or in float64 the angles' arrays 2 T Dh."""
+    sin of the T positions: half-width casts T Dh, or in float64 the angles' arrays 2 T Dh.
+    Under a rounding policy (costs/storage.py) 'wide' at the itemsize and 'low' at the compute
+    dtype's: the norms, the attention output and SwiGLU's arrays stay wide; the q | k | v and
+    MLP inputs, q and the repeated k and v rounded (the rotated array is then freed; the
+    repeated k and v are the 'core'), the proj input (a rounded copy of the attention
+    output) and the down input are low; 'out': the attention output's elements."""
     tp, d, dh = view.layout.size("tp"), model.d_model, model.d_head
     q = model.n_heads * dh // tp
     attention = n * (d + 1) + t * d + t * (q + 2 * model.kv_width(tp)) + 3 * t * q
+    wide, low = n * (d + 1) + t * q, t * d + 4 * t * q
     if model.n_experts is None:
         mlp, fixed = n * (d + 1) + t * d + 5 * t * model.d_ff // tp, 0
+        wide += n * (d + 1) + 4 * t * model.d_ff // tp
+        low += t * d + t * model.d_ff // tp
     else:
         mlp, fixed = sparse_moe(model, view, n)
+        wide += mlp                                    # a Mixtral's MoE priced wide
     rotary = t * dh * (2 if view.itemsize == 8 else 1)
-    return {"kept": attention + mlp, "core": 2 * t * q, "per_microbatch": rotary + fixed}
+    return {"kept": attention + mlp, "wide": wide, "low": low, "out": t * q, "core": 2 * t * q,
+            "per_microbatch": rotary + fixed}
 
 
 def sparse_moe(model, view, n: int) -> tuple:

@@ -1,0 +1,103 @@
+"""How a training step holds its arrays, which is what the planner prices its peak at (no MPI).
+
+    storage_for(dtype, compute_dtype=None, device="cpu") -> Storage
+
+A step with `--compute-dtype` bfloat16 or float16 does not hold the same arrays as a float32
+step. What changes (nn/autocast.py):
+
+- On a device (cupy: `Narrow`), a matmul input is a real 16-bit array, and it is saved for the
+  backward in 2 bytes: the Linear layers' inputs, the attention's q, k and v, and the head's
+  input. The norms' statistics, GELU's derivative and the residual stream stay float32.
+  - The fused kernels (nn/fused_low.py, or cuDNN's flash attention) keep the softmax's
+    log-sum-exp, (B, H, T) in float32, instead of its probabilities. The backward recomputes
+    16-bit scores, which makes its workspace a 16-bit scores-sized array.
+  - The head's 16-bit product is widened to float32 logits, and the fused loss writes a
+    float32 gradient, as in a float32 step. The head's backward adds that gradient rounded
+    to 16 bits and the head weight rounded to 16 bits.
+  - cuDNN's attention (nn/cudnn_attention.py) writes its output in 16 bits, and that array is
+    the projection's input. Our kernels keep a float32 output beside its rounded copy.
+  - The device double (tests/device_double.py) has no fused kernels. It keeps the
+    probabilities in float32 and runs the loss unfused, like numpy without numba:
+    `fused=False`.
+- On the CPU (`Rounding`), a 16-bit or tf32 compute dtype is emulated: every array stays
+  float32, and its values are rounded. Saved activations take 4 bytes, as in float32. Each
+  matmul input rounded at use is a float32 copy: the head's backward holds its gradient
+  rounded (one more logits-sized array) and the head weight rounded.
+- tf32 on a device is a cuBLAS setting: nothing is copied, so it is priced as float32.
+
+A float32 step on a device has the fused loss (2 logits-sized arrays at its peak, as numba's
+on the CPU) and the fused float32 softmax, which keeps the probabilities.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..nn import cudnn_attention
+
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """itemsize: --dtype's bytes (parameters, and every float32 activation); low: the bytes
+    a saved matmul input takes (2 for 16-bit compute on a device, else itemsize); device:
+    the arrays live on a GPU; fused: the device's fused kernels run (the loss, and with
+    low < itemsize the attention keeping log-sum-exp); rounding: the CPU emulates a compute
+    dtype with rounded float32 copies; name: the compute dtype's, for reports; cudnn:
+    cuDNN's flash attention runs (its 16-bit output is the next matmul's input, where our
+    kernels keep a float32 output beside its rounded copy)."""
+
+    itemsize: int = 4
+    low: int = 4
+    device: bool = False
+    fused: bool = False
+    rounding: bool = False
+    name: str = "float32"
+    cudnn: bool = False
+
+    @property
+    def keeps_lse(self) -> bool:
+        """The attention keeps (B, H, T) log-sum-exp, not its probabilities."""
+        return self.device and self.fused and self.low < self.itemsize
+
+    @property
+    def rounds_copies(self) -> bool:
+        """A matmul input rounded at use is a new array (16-bit on a device, a float32 copy
+        in the CPU's emulation)."""
+        return self.rounding or self.low < self.itemsize
+
+    def rounded(self, nbytes: float) -> float:
+        """Bytes of the rounded copy of a float array of `nbytes`."""
+        return nbytes * self.low / self.itemsize
+
+
+def storage_for(dtype="float32", compute_dtype=None, device: str = "cpu",
+                fused=None, cudnn=None) -> Storage:
+    """The Storage of a step in `dtype` with `compute_dtype` (None, 'bfloat16', 'float16',
+    'tf32' or dtype's own name) on `device` ('cpu' or 'gpu'). fused: whether the device's
+    fused kernels run (default: unless MPISHARD_FUSED=0, nn/fused.py's switch; the device
+    double's tests pass False); cudnn: whether cuDNN's attention runs in a 16-bit step on
+    the device (default: fused, MPISHARD_CUDNN not 0 and the `cudnn` module installed, not
+    loaded: nn/cudnn_attention.py)."""
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+    itemsize = np.dtype(dtype).itemsize
+    gpu = device == "gpu"
+    if fused is None:
+        fused = gpu and os.environ.get("MPISHARD_FUSED") != "0"
+    name = compute_dtype or np.dtype(dtype).name
+    if compute_dtype in SIXTEEN_BIT and itemsize == 4:
+        if cudnn is None:
+            cudnn = bool(fused) and os.environ.get(cudnn_attention.SWITCH) != "0" and \
+                importlib.util.find_spec("cudnn") is not None
+        return Storage(itemsize, 2 if gpu else itemsize, gpu, bool(fused), not gpu, name,
+                       gpu and bool(fused) and bool(cudnn))
+    rounding = compute_dtype == "tf32" and not gpu
+    return Storage(itemsize, itemsize, gpu, bool(fused) and gpu, rounding, name)
+
+
+FLOAT32 = Storage()

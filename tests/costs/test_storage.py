@@ -1,0 +1,118 @@
+"""costs/storage.py: how a step with a compute dtype holds its arrays, priced by rank_peak.
+
+- storage_for's cases (CPU emulation, device, tf32, the switches);
+- a 16-bit GPT block on a GPU priced term by term, by hand;
+- the recorded H200 step (benchmarks/gpu_check_h200_1130g.json, GPT-2-small shape, batch 8):
+  the prediction within 15% of each precision's measured peak, where pricing every array in
+  float32 was 1.7-1.8x the 16-bit steps' peaks;
+- the dynamic peak, traced by tracemalloc, of a 16-bit step against the prediction: the CPU's
+  rounding emulation, and the 16-bit arrays of the device path on the strict device double
+  (tests/device_double.py: no fused kernels; its 16-bit products widen both operands to
+  float32 copies, which a GPU does not, hence the wider bound there).
+"""
+import json
+import types
+from pathlib import Path
+
+import pytest
+from device_double import DeviceModule
+from mpi4py import MPI
+from test_peak_memory import dynamic_peak
+
+import mpishard as ms
+from mpishard.comm.backend import Backend
+from mpishard.costs.peak_memory import priced, rank_peak
+from mpishard.costs.storage import FLOAT32, storage_for
+from mpishard.nn import cudnn_attention as cda
+
+ROOT = Path(__file__).resolve().parents[2]
+H200 = ROOT / "benchmarks" / "gpu_check_h200_1130g.json"
+GIB = 2 ** 30
+
+
+def test_storage_for_each_case(monkeypatch):
+    monkeypatch.delenv("MPISHARD_FUSED", raising=False)
+    assert storage_for("float32") == FLOAT32
+    cpu = storage_for("float32", "bfloat16", "cpu")
+    assert (cpu.low, cpu.device, cpu.rounding, cpu.keeps_lse) == (4, False, True, False)
+    gpu = storage_for("float32", "float16", "gpu", cudnn=False)
+    assert (gpu.low, gpu.fused, gpu.keeps_lse, gpu.cudnn) == (2, True, True, False)
+    assert storage_for("float32", "bfloat16", "gpu", cudnn=True).cudnn
+    assert not storage_for("float32", "bfloat16", "gpu", fused=False).keeps_lse   # the double
+    assert storage_for("float32", "tf32", "gpu").rounds_copies is False   # a cuBLAS setting
+    assert storage_for("float32", "tf32", "cpu").rounding                 # rounded copies
+    assert storage_for("float64").itemsize == 8
+    monkeypatch.setenv("MPISHARD_FUSED", "0")
+    off = storage_for("float32", "bfloat16", "gpu")
+    assert not off.fused and not off.keeps_lse and not off.cudnn
+    with pytest.raises(ValueError, match="device"):
+        storage_for("float32", None, "tpu")
+
+
+def test_a_16_bit_gpt_step_on_a_gpu_priced_term_by_term():
+    """Per row and block: the norms' xhat and rstd, the attention output and GELU's derivative
+    in 4 bytes; the qkv and fc inputs, q | k | v, the proj and mlp proj inputs in 2; the
+    log-sum-exp, not the probabilities (4 bytes per head and token). cuDNN: no 4-byte
+    attention output."""
+    model = ms.GPT(vocab_size=512, seq_len=128, d_model=64, n_heads=4, n_layers=3, d_ff=256)
+    t, d, f, h = 128, 64, 256, 4
+    block = 4 * (2 * t * (d + 1) + t * d + t * f) + 2 * (2 * t * d + 4 * t * d + t * f) \
+        + 4 * h * t
+    head = 4 * t * (d + 1) + 2 * t * d + 8 * t                # ln_f; the head input; the ids
+    view = ms.costs.rank_costs.rank_view(model, ms.parse_layout("single"), 0, 4, 8)
+    parts = model.activation_elements(view, "0")
+    own = storage_for("float32", "bfloat16", "gpu", cudnn=False)
+    assert priced(parts, "saved", own) == 3 * block + head
+    cudnn = storage_for("float32", "bfloat16", "gpu", cudnn=True)
+    assert priced(parts, "saved", cudnn) == 3 * (block - 4 * t * d) + head
+    assert priced(parts, "saved", FLOAT32) == 4 * parts["saved"]
+    assert priced(parts, "workspace", own) == 2 * h * t * t    # a 16-bit scores-sized array
+
+
+def h200_rows():
+    rows = json.loads(H200.read_text())["parts"]["bench-step"]["measurements"]
+    size = next(r for r in rows if r["part"] == "step_size")
+    return size, [r for r in rows if r["part"] == "step"]
+
+
+def test_the_recorded_h200_peaks_are_predicted_within_15_percent():
+    size, steps = h200_rows()
+    model = ms.GPT(vocab_size=size["vocab"], seq_len=size["seq_len"], d_model=size["d_model"],
+                   n_heads=12, n_layers=size["n_layers"])
+    assert len(steps) == 5
+    for row in steps:
+        compute = row["keywords"].get("compute_dtype")
+        storage = storage_for("float32", compute, "gpu", fused=True,
+                              cudnn=row["attention"].startswith("cuDNN"))
+        predicted = rank_peak(model, ms.parse_layout("single"), 0, size["batch"],
+                              storage=storage)["total"] / GIB
+        assert abs(predicted / row["ours_peak_gib"] - 1) <= 0.15, (row["precision"], predicted)
+        if compute is not None:                    # float32's pricing: far off for 16 bits
+            assert row["predicted_peak_gib"] / row["ours_peak_gib"] > 1.7
+
+
+MODELS = {"gpt": lambda v: ms.GPT(vocab_size=v, seq_len=64, d_model=64, n_heads=4,
+                                  n_layers=3, d_ff=256),
+          "llama": lambda v: ms.Llama(v, 64, 64, 4, 3, n_kv_heads=2, d_ff=160)}
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("vocab", [128, 1024])
+def test_the_cpu_emulation_s_dynamic_peak_is_predicted(kind, vocab):
+    peak, predicted = dynamic_peak("single", model=MODELS[kind](vocab), compute="bfloat16")
+    assert abs(predicted / peak - 1) < 0.05, (peak, predicted)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_the_device_path_s_dynamic_peak_is_predicted_on_the_double(kind, monkeypatch):
+    monkeypatch.setattr(cda, "is_cupy", lambda xp: False)       # our attention kernels
+    xp = DeviceModule()
+    xp.cuda.runtime.getDevice = lambda: 0
+    stream = xp.cuda.get_current_stream()
+    xp.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=77, inner=stream)
+    model = MODELS[kind](128)
+    device = Backend("gpu", MPI.COMM_SELF, array_module=xp)
+    peak, predicted = dynamic_peak("single", model=model, compute="bfloat16", device=device)
+    assert abs(predicted / peak - 1) < 0.06, (peak, predicted)
+    wide, wide_predicted = dynamic_peak("single", model=model, device=device)
+    assert peak < 0.95 * wide and abs(wide_predicted / wide - 1) < 0.05
