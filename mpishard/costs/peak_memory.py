@@ -48,6 +48,13 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
 
 A model without `activation_elements` is priced without activations, logits and workspace:
 only its held state, gathered weights and buffers.
+
+With a compute dtype (`storage`, costs/storage.py) the saved activations and the workspace are
+priced by `priced`: a rounding policy keeps the model's `*_wide` elements at the itemsize and
+its `*_low` ones (matmul inputs) at the compute dtype's bytes on a device; a device's fused
+attention keeps the log-sum-exp instead of the probabilities. Every matmul input rounded at use
+is a new array: the largest weight's backward adds that weight rounded, and the head's backward
+the logits' gradient and the head weight rounded.
 """
 from __future__ import annotations
 
