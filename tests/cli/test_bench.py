@@ -23,7 +23,7 @@ import bench_parts  # noqa: E402
 import peers_torch  # noqa: E402
 import run_all  # noqa: E402
 import leftovers  # noqa: E402
-from conftest import mpiexec_cmd, run_python  # noqa: E402
+from conftest import mpiexec_cmd, run_mpi, run_python  # noqa: E402
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -215,3 +215,15 @@ def test_cached_einsum_paths_give_the_same_numbers(spec, sa, sb, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
     if nn._matmul_plan(spec) is None:            # the path was computed once and kept
         assert (spec, sa, sb) in nn._PATHS
+
+
+def test_sync_points_runs_and_reports_every_group(tmp_path):
+    """benchmarks/sync_points.py at 2 ranks: a row per chunk for the one group that fits,
+    each with the chunk's seconds and the sync point's cost and share."""
+    out = tmp_path / "sync.json"
+    proc = run_mpi(2, BENCH / "sync_points.py", "--json", out, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["ranks"], r["group"]) for r in rows] == [(2, 2), (2, 2)]
+    assert all(r["chunk_s"] > 1e-4 and r["share"] == r["sync_s"] / r["chunk_s"] for r in rows)
+    assert "2 ranks, group 2:" in proc.stdout
