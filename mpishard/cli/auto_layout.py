@@ -26,6 +26,7 @@ import numpy as np
 from ..costs.calibration import load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, generate_rows, rank_rows
 from ..costs.storage import storage_for
+from .device_options import held_compute
 from .inspect import format_bytes
 from .memory_limit import add_max_memory_argument, local_gpu, max_memory
 from .plan import candidate_layouts, plan_layouts
@@ -115,8 +116,9 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
 
 def agree_memory_limit(args, comm) -> None:
     """Collective, with --layout auto only: args.max_memory_limit = (bytes, where from), the
-    smallest over the ranks of --max-memory or its default (memory_limit.max_memory); a bad
-    --max-memory is one UsageError on every rank."""
+    smallest over the ranks of --max-memory or its default (memory_limit.max_memory), and
+    args.planned_device, 'gpu' where every rank computes on a GPU (the step is priced there),
+    else 'cpu'; a bad --max-memory is one UsageError on every rank."""
     if args.layout != AUTO:
         return
     error, mine, device = None, (0, ""), getattr(args, "device", None) or "cpu"
@@ -151,7 +153,7 @@ def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64
                            getattr(args, "dtype", None) or "float32", optimizer, momentum,
                            calibration=calibration, rows=max(1, len(prompts)),
                            max_len=min(longest, getattr(model, "seq_len", 1)) or None,
-                           source=source, compute_dtype=getattr(args, "compute_dtype", None),
+                           source=source, compute_dtype=held_compute(args),
                            device=getattr(args, "planned_device", "cpu"))
     note = rank_count_note(calibration, world_size) if calibration else None
     args.layout_line = choice["line"] + (f" (note: {note})" if note else "")

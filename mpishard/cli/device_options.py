@@ -4,7 +4,8 @@ train, bench, infer, generate and serve take `--device`, `--cuda-aware`, `--time
 `--compute-dtype`, `--tf32` and `--gpu-comm`; `engine_options` turns them into make_engine's
 keywords, refusing a contradictory combination with one UsageError that names the flags (no
 MPI: the same on every rank, before any collective). plan and inspect, which build no engine,
-take `--compute-dtype` and `--device cpu|gpu` (`add_held_arguments`) to price the run's memory.
+take `--compute-dtype`, `--tf32` and `--device cpu|gpu` (`add_held_arguments`) to price the
+run's memory.
 
 How `--gpu-comm` and `--cuda-aware` relate (docs/gpus.md, "Choosing the GPU communication
 path"): `--cuda-aware` is the MPI path's detail. `yes` is the mpi path (device arrays straight
@@ -33,14 +34,22 @@ CUDA_AWARE_FITS = {"auto": (None, True, False), "mpi": (None, True), "staged": (
 
 
 def add_held_arguments(add) -> None:
-    """plan's and inspect's --compute-dtype and --device through `add`: how the planned step
-    holds its arrays (costs/storage.py), on the host that plans."""
+    """plan's and inspect's --compute-dtype, --tf32 and --device through `add`: how the
+    planned step holds its arrays (costs/storage.py), on the host that plans."""
     add("--compute-dtype", choices=COMPUTE_DTYPES, default=None,
         help="the run's --compute-dtype: a 16-bit one saves matmul inputs in 2 bytes on a GPU, "
         "and adds rounded float32 copies on the CPU (default: --dtype)")
+    add("--tf32", action="store_true", help="the run's --tf32: on the CPU its rounded "
+        "float32 copies")
     add("--device", choices=("cpu", "gpu"), default="cpu",
         help="where the run's arrays live (cpu, default): on a GPU the fused kernels' "
         "memory (the loss; with a 16-bit --compute-dtype the attention's log-sum-exp)")
+
+
+def held_compute(args) -> str:
+    """The compute dtype a run's flags price (costs/storage.py): 'tf32' with --tf32, else
+    --compute-dtype (None: --dtype's own)."""
+    return "tf32" if getattr(args, "tf32", False) else getattr(args, "compute_dtype", None)
 
 
 def add_device_arguments(add, default="auto"):

@@ -31,7 +31,7 @@ from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import check_fit, rank_memory
 from ..costs.storage import storage_for
 from ..nn import cudnn_attention
-from .device_options import add_held_arguments, check_compute_flags
+from .device_options import add_held_arguments, check_compute_flags, held_compute
 from .model_flag import add_model_arguments, model_from_args
 from .usage import UsageError, print_report, world_comm
 
@@ -217,8 +217,8 @@ def _run_inspect_layout(args) -> int:
     if args.layout is None or (args.model is None and args.hf is None):
         raise UsageError("inspect: --layout and --model (or --hf DIR) go together, e.g. "
                          "inspect --layout dp=2,tp=2 --model 64,256,256,10")
-    check_compute_flags(args.compute_dtype, False, args.dtype)
-    storage = storage_for(args.dtype, args.compute_dtype, args.device)
+    check_compute_flags(args.compute_dtype, args.tf32, args.dtype)
+    storage = storage_for(args.dtype, held_compute(args), args.device)
     return report_mlp("inspect", args, lambda model: layout_report(
         model, parse_layout(args.layout), dtype=args.dtype, optimizer=args.optimizer,
         momentum=args.momentum, batch=args.batch, memory_parts=args.memory_parts,

@@ -40,7 +40,7 @@ from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
 from .calibrate import calibrate
-from .device_options import add_held_arguments, check_compute_flags
+from .device_options import add_held_arguments, check_compute_flags, held_compute
 from .memory_limit import add_max_memory_argument, max_memory, node_ranks
 from .plan_explain import explain_report, unlent_seconds
 from .plan_time import validate, validation_report, validation_summary
@@ -269,8 +269,8 @@ def run_plan(args) -> int:
         calibration = load_calibration(args.calibration)
     if args.validate and calibration is None:
         raise UsageError("plan: --validate needs --calibration FILE or --calibrate")
-    check_compute_flags(args.compute_dtype, False, args.dtype)
-    storage = storage_for(args.dtype, args.compute_dtype, args.device)
+    check_compute_flags(args.compute_dtype, args.tf32, args.dtype)
+    storage = storage_for(args.dtype, held_compute(args), args.device)
 
     def report(model):
         layouts = plan_layouts(model, args.world_size, args.batch, args.dtype, args.optimizer,

@@ -24,13 +24,13 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
           counts them);
         - the loss (last stage), L = r x the logits' bytes: the logits, their shifted copy and
           its exponent, 3 L (2 L where this process's numpy step runs nn/cpu_rows.py's
-          kernel, cpu_rows.runs_here: the logits and dy, written in place; judged on the
-          planning host, so a GPU run, whose fused loss holds 2 L too, is priced at 3 L
-          where the planner has no numba; vocab-parallel:
-          logits, exp, softmax, softmax - one-hot and its scaled copy, the gradient, with
-          the one-hot mask, 5 L + L / itemsize, and L more where the vocabulary is padded),
-          and the logits' gradients of the other microbatches in flight (the runner keeps each until
-          its backward: under GPipe all m), (k - 1) L for k in flight;
+          kernel, cpu_rows.runs_here: the logits and dy, written in place; on a device, as
+          `storage` says, 2 L with the fused kernels (its fused loss), 3 L without;
+          vocab-parallel: logits, exp, softmax, softmax - one-hot and its scaled copy, the
+          gradient, with the one-hot mask, 5 L + L / itemsize, and L more where the
+          vocabulary is padded), and the logits' gradients of the other microbatches in
+          flight (the runner keeps each until its backward: under GPipe all m), (k - 1) L for
+          k in flight;
         - the head's backward: the last logits and the k gradients (1 + k) L, the head's
           weight gradient W, and under ZeRO-3 the head weight gathered whole.
     buffers
@@ -103,21 +103,25 @@ def priced(parts, key, storage) -> float:
     """Bytes per row of the model's `key` elements ('saved' or 'workspace') as `storage` holds
     them (costs/storage.py). Under a rounding policy, where the model splits them, what the
     policy keeps instead: `key`_wide at the itemsize and `key`_low, the rounded matmul
-    inputs, at storage.low; with keeps_lse the probabilities among the wide as the (B, H, T)
-    log-sum-exp (saved) or a 16-bit scores-sized array (workspace), and where cuDNN's
-    attention runs, no wide attention output (`key`_out); without it the backward's ds
-    beside its rounded copy. Otherwise all at the itemsize."""
+    inputs, at storage.low. Where a device's fused attention takes the model's blocks
+    (keeps_lse, parts' fused_attention): the kept probabilities (`key`_probs) as the
+    (B, H, T) log-sum-exp; cuDNN's 16-bit output is the proj input (no wide `key`_out); the
+    backward's ds none under cuDNN (its flash backward has no T x T array), else the
+    recomputed 16-bit scores and the 16-bit ds. Without it, ds beside its rounded copy.
+    Otherwise all at the itemsize."""
     if not storage.rounds_copies or f"{key}_low" not in parts:
         return parts[key] * storage.itemsize
-    total = parts[f"{key}_wide"] * storage.itemsize + parts[f"{key}_low"] * storage.low
-    probs = parts.get(f"{key}_probs", 0)
-    if storage.keeps_lse:
-        kept = parts.get("lse", 0) * 4 if key == "saved" else probs * storage.low
-        total -= probs * storage.itemsize - kept
-        if storage.cudnn:           # its 16-bit output is the proj input: no wide one
-            total -= parts.get(f"{key}_out", 0) * storage.itemsize
-    elif key == "workspace":        # ds rounded for its two products: a copy beside it
-        total += probs * storage.low
+    wide, low = storage.itemsize, storage.low
+    total = parts[f"{key}_wide"] * wide + parts[f"{key}_low"] * low
+    ds = parts.get("ds", 0) if key == "workspace" else 0
+    if storage.keeps_lse and parts.get("fused_attention"):
+        total -= parts.get(f"{key}_probs", 0) * wide - (parts.get("lse", 0) * 4
+                                                         if key == "saved" else 0)
+        total -= ds * wide - (0 if storage.cudnn else 2 * ds * low)
+        if storage.cudnn:
+            total -= parts.get(f"{key}_out", 0) * wide
+    else:
+        total += ds * low                       # ds rounded for its two products
     return total
 
 
@@ -137,7 +141,8 @@ def moments(view, parts, rows_mb, storage) -> list:
     biggest = max(whole, key=whole.get, default=None)
     logits = rows_mb * parts["logits"] * itemsize
     waiting = int(-(-in_flight(layout, view.coords["pp"]) // 1)) * logits
-    copies = storage.rounds_copies           # a matmul input rounded at use: a new array
+    copies = storage.rounds_copies and "saved_low" in parts     # a matmul input rounded at
+                                                                  # use: a new array
     out = [{"activations": saved + workspace + whole.get(biggest, 0) +
             copies * storage.rounded(whole.get(biggest, 0)),
             "gathered": gathers * whole[biggest] if biggest in zero3 else 0,

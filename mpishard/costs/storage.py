@@ -9,8 +9,10 @@ step. What changes (nn/autocast.py):
   backward in 2 bytes: the Linear layers' inputs, the attention's q, k and v, and the head's
   input. The norms' statistics, GELU's derivative and the residual stream stay float32.
   - The fused kernels (nn/fused_low.py, or cuDNN's flash attention) keep the softmax's
-    log-sum-exp, (B, H, T) in float32, instead of its probabilities. The backward recomputes
-    16-bit scores, which makes its workspace a 16-bit scores-sized array.
+    log-sum-exp, (B, H, T) in float32, instead of its probabilities. Our backward recomputes
+    the 16-bit scores and writes a 16-bit ds beside them (two 16-bit scores-sized arrays);
+    cuDNN's flash backward holds no T x T array. Packed documents (a `visible` mask) take
+    neither: their probabilities stay float32, which this does not price.
   - The head's 16-bit product is widened to float32 logits, and the fused loss writes a
     float32 gradient, as in a float32 step. The head's backward adds that gradient rounded
     to 16 bits and the head weight rounded to 16 bits.
@@ -86,18 +88,18 @@ def storage_for(dtype="float32", compute_dtype=None, device: str = "cpu",
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
     itemsize = np.dtype(dtype).itemsize
-    gpu = device == "gpu"
-    if fused is None:
-        fused = gpu and os.environ.get("MPISHARD_FUSED") != "0"
     name = compute_dtype or np.dtype(dtype).name
-    if compute_dtype in SIXTEEN_BIT and itemsize == 4:
+    if name != np.dtype(dtype).name and itemsize != 4:
+        raise ValueError(f"compute dtype {name} needs dtype float32, got {np.dtype(dtype)}")
+    gpu = device == "gpu"
+    fused = gpu and (os.environ.get("MPISHARD_FUSED") != "0" if fused is None else bool(fused))
+    if compute_dtype in SIXTEEN_BIT:
         if cudnn is None:
             cudnn = bool(fused) and os.environ.get(cudnn_attention.SWITCH) != "0" and \
                 importlib.util.find_spec("cudnn") is not None
-        return Storage(itemsize, 2 if gpu else itemsize, gpu, bool(fused), not gpu, name,
-                       gpu and bool(fused) and bool(cudnn))
-    rounding = compute_dtype == "tf32" and not gpu
-    return Storage(itemsize, itemsize, gpu, bool(fused) and gpu, rounding, name)
+        return Storage(itemsize, 2 if gpu else itemsize, gpu, fused, not gpu, name,
+                       fused and bool(cudnn))
+    return Storage(itemsize, itemsize, gpu, fused, compute_dtype == "tf32" and not gpu, name)
 
 
 FLOAT32 = Storage()

@@ -183,7 +183,9 @@ def test_ranks_sharing_a_gpu_split_its_memory(monkeypatch):
 @pytest.mark.mpi(min_size=1)
 def test_layout_auto_prices_the_gpu_only_where_every_rank_has_one(monkeypatch):
     """agree_memory_limit: args.planned_device 'gpu' where every rank computes on a GPU, else
-    'cpu' on every rank (one rank on the host prices the step as the host holds it)."""
+    'cpu' on every rank (one rank on the host prices the step as the host holds it; with
+    one rank that case is all on the host, so `all` against `any` is told apart from 2
+    ranks on)."""
     from types import SimpleNamespace
 
     from mpi4py import MPI

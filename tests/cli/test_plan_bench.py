@@ -208,10 +208,11 @@ def test_plan_and_inspect_know_gpt(capsys):
     assert "--model: unknown key 'depth'; known keys: d_model" in capsys.readouterr().err
 
 
-def test_plan_and_inspect_price_a_compute_dtype(capsys):
+def test_plan_and_inspect_price_a_compute_dtype(capsys, monkeypatch):
     """--compute-dtype bfloat16 --device gpu: a smaller peak than float32's, said in the
     header; on the CPU (emulated) a larger one; float64 with a 16-bit compute dtype is the
     engine flags' UsageError (exit 2)."""
+    monkeypatch.delenv("MPISHARD_FUSED", raising=False)     # the GPU's fused kernels priced
     spec = "gpt:d_model=32,n_heads=4,n_layers=2,seq_len=64,vocab=256"
 
     def peak(*flags):

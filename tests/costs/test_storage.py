@@ -14,6 +14,7 @@ import json
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 from device_double import DeviceModule
 from mpi4py import MPI
@@ -42,6 +43,9 @@ def test_storage_for_each_case(monkeypatch):
     assert storage_for("float32", "tf32", "gpu").rounds_copies is False   # a cuBLAS setting
     assert storage_for("float32", "tf32", "cpu").rounding                 # rounded copies
     assert storage_for("float64").itemsize == 8
+    assert not storage_for("float32", None, "cpu", fused=True).fused      # no device kernels
+    with pytest.raises(ValueError, match="needs dtype float32"):
+        storage_for("float64", "bfloat16")
     monkeypatch.setenv("MPISHARD_FUSED", "0")
     off = storage_for("float32", "bfloat16", "gpu")
     assert not off.fused and not off.keeps_lse and not off.cudnn
@@ -66,7 +70,10 @@ def test_a_16_bit_gpt_step_on_a_gpu_priced_term_by_term():
     cudnn = storage_for("float32", "bfloat16", "gpu", cudnn=True)
     assert priced(parts, "saved", cudnn) == 3 * (block - 4 * t * d) + head
     assert priced(parts, "saved", FLOAT32) == 4 * parts["saved"]
-    assert priced(parts, "workspace", own) == 2 * h * t * t    # a 16-bit scores-sized array
+    assert priced(parts, "workspace", own) == 2 * 2 * h * t * t     # 16-bit scores and ds
+    assert priced(parts, "workspace", cudnn) == 0                   # its flash backward
+    emulated = storage_for("float32", "bfloat16", "cpu")            # ds and its rounded copy
+    assert priced(parts, "workspace", emulated) == 2 * 4 * h * t * t
 
 
 def h200_rows():
@@ -88,30 +95,106 @@ def test_the_recorded_h200_peaks_are_predicted_within_15_percent():
                               storage=storage)["total"] / GIB
         assert abs(predicted / row["ours_peak_gib"] - 1) <= 0.15, (row["precision"], predicted)
         if compute is not None:                    # float32's pricing: far off for 16 bits
-            assert row["predicted_peak_gib"] / row["ours_peak_gib"] > 1.7
+            wide = rank_peak(model, ms.parse_layout("single"), 0, size["batch"],
+                             storage=storage_for("float32", None, "gpu", fused=True))
+            assert wide["total"] / GIB / row["ours_peak_gib"] > 1.7
 
 
 MODELS = {"gpt": lambda v: ms.GPT(vocab_size=v, seq_len=64, d_model=64, n_heads=4,
                                   n_layers=3, d_ff=256),
-          "llama": lambda v: ms.Llama(v, 64, 64, 4, 3, n_kv_heads=2, d_ff=160)}
+          "llama": lambda v: ms.Llama(v, 64, 64, 4, 3, n_kv_heads=2, d_ff=160),
+          "llama-mha": lambda v: ms.Llama(v, 64, 64, 4, 3, n_kv_heads=4, d_ff=160)}
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("vocab", [128, 1024])
-def test_the_cpu_emulation_s_dynamic_peak_is_predicted(kind, vocab):
-    peak, predicted = dynamic_peak("single", model=MODELS[kind](vocab), compute="bfloat16")
-    assert abs(predicted / peak - 1) < 0.05, (peak, predicted)
-
-
-@pytest.mark.parametrize("kind", sorted(MODELS))
-def test_the_device_path_s_dynamic_peak_is_predicted_on_the_double(kind, monkeypatch):
-    monkeypatch.setattr(cda, "is_cupy", lambda xp: False)       # our attention kernels
+@pytest.fixture
+def device(monkeypatch):
+    """A Backend on the strict device double, our attention kernels (not cuDNN's)."""
+    monkeypatch.setattr(cda, "is_cupy", lambda xp: False)
     xp = DeviceModule()
     xp.cuda.runtime.getDevice = lambda: 0
     stream = xp.cuda.get_current_stream()
     xp.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=77, inner=stream)
+    return Backend("gpu", MPI.COMM_SELF, array_module=xp)
+
+
+def held_arrays(value, out: dict) -> dict:
+    """{id of the owning buffer: its bytes} of every array in a tape entry (tuples, lists,
+    dicts; a view counts as the whole buffer it keeps alive; device double arrays by their
+    host data)."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            held_arrays(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            held_arrays(v, out)
+    else:
+        a = getattr(value, "_data", value)
+        if isinstance(a, np.ndarray):
+            while isinstance(a.base, np.ndarray):
+                a = a.base
+            out[id(a)] = a.nbytes
+    return out
+
+
+def tape_bytes(layers) -> int:
+    """Bytes the units' tapes hold after a recorded forward (the Recompute wrapper's inner
+    units and every Composite's sub-units included)."""
+    found: dict = {}
+
+    def walk(unit):
+        for value in unit.tape.values():
+            held_arrays(value, found)
+        for sub in getattr(unit, "units", []) + [getattr(unit, "inner", None)]:
+            if sub is not None:
+                walk(sub)
+    for layer in layers:
+        walk(layer)
+    return sum(found.values())
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("recompute", ["0", "attn"])
+@pytest.mark.parametrize("where", ["cpu", "device double"])
+def test_the_saved_activations_are_priced_exactly(kind, recompute, where, device):
+    """After a recorded forward of a 16-bit step, the bytes the tapes hold equal rank_peak's
+    saved activations for that storage: the CPU's rounding emulation (float32 copies) and
+    the device path (16-bit matmul inputs; the double runs our unfused attention, which
+    keeps the float32 probabilities)."""
+    model, batch = MODELS[kind](128), 8
+    layout = ms.parse_layout("single" if recompute == "0" else f"recompute={recompute}")
+    engine = ms.make_engine(model, layout.text, dtype=np.float32, compute_dtype="bfloat16",
+                            device=device if where != "cpu" else "cpu")
+    engine.load_checkpoint(model.init(0))
+    ids = np.random.default_rng(0).integers(0, model.vocab_size, (batch, model.seq_len))
+    engine.runner.forward(engine.shard_batch(ids))
+    storage = storage_for("float32", "bfloat16", "gpu" if where != "cpu" else "cpu",
+                          fused=False)
+    view = ms.costs.rank_costs.rank_view(model, layout, 0, 4, batch)
+    parts = model.activation_elements(view, recompute)
+    per_row = priced(parts, "saved", storage)
+    assert tape_bytes(engine.runner.layers) == batch * per_row + 4 * parts["per_microbatch"]
+    if where != "cpu":                                   # 2-byte matmul inputs: less
+        assert per_row < 0.9 * priced(parts, "saved", FLOAT32)
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("vocab", [128, 1024])
+@pytest.mark.parametrize("layout", ["single", "recompute=attn", "recompute=1"])
+def test_the_cpu_emulation_s_dynamic_peak_is_predicted(kind, vocab, layout):
+    """Within 5%, as float32's is (test_peak_memory); recompute=1 within 8%: its backward's
+    re-run block is priced with every internal alive at once (measured +7% for a Llama)."""
+    peak, predicted = dynamic_peak(layout, model=MODELS[kind](vocab), compute="bfloat16")
+    bound = 0.08 if layout == "recompute=1" else 0.05
+    assert abs(predicted / peak - 1) < bound, (peak, predicted)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_the_device_path_s_dynamic_peak_is_predicted_on_the_double(kind, device):
+    """The double's 16-bit products widen both operands to float32 copies, which a GPU does
+    not make and the model does not price: within 6% where the logits are small (vocab
+    128); the 16-bit step's peak clearly below float32's, whose prediction holds to 5%."""
     model = MODELS[kind](128)
-    device = Backend("gpu", MPI.COMM_SELF, array_module=xp)
     peak, predicted = dynamic_peak("single", model=model, compute="bfloat16", device=device)
     assert abs(predicted / peak - 1) < 0.06, (peak, predicted)
     wide, wide_predicted = dynamic_peak("single", model=model, device=device)

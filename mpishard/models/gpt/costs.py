@@ -166,13 +166,14 @@ def gpt_block(model, view, t: int, n: int) -> dict:
     Under a rounding policy (costs/storage.py) 'wide' at the itemsize and 'low' at the compute
     dtype's: the norms' xhat and rstd, the attention output and GELU's derivative stay wide;
     the qkv and fc inputs, q | k | v, the proj input (a rounded copy of the attention output,
-    beside it) and the mlp proj input (GELU's output rounded) are low; 'out': the attention
-    output's elements."""
+    beside it) and the mlp proj input (GELU's output rounded) are low. For recompute=attn:
+    'out', the attention output (wide); 'core_low', what the core keeps low (q | k | v, 3 T D
+    / tp); 'core_input', the core's input it keeps instead (the qkv product, wide)."""
     tp, d, f = view.layout.size("tp"), model.d_model, model.d_ff
     return {"kept": 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * f // tp,
             "wide": 2 * n * (d + 1) + t * d // tp + t * f // tp,
             "low": 2 * t * d + 4 * t * d // tp + t * f // tp, "out": t * d // tp, "core": 0,
-            "per_microbatch": 0}
+            "core_low": 3 * t * d // tp, "core_input": 3 * t * d // tp, "per_microbatch": 0}
 
 
 def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> dict:
@@ -195,12 +196,14 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     and Ulysses units keep less (measured: a few % of the total at toy size).
 
     For costs/storage.py, what a rounding policy keeps instead: saved_wide and saved_low (the
-    blocks' 'wide' with the probabilities and 'low'; ln_f's stats wide, the head input low),
-    workspace_wide and workspace_low alike; saved_probs and workspace_probs, the
-    probabilities among them; lse, the (H / tp) x T log-sum-exp a device's fused attention
-    keeps instead of each block's probabilities (whole sequences and Ulysses; the ring keeps
-    its own: priced as probabilities); saved_out and workspace_out, the attention outputs
-    among the wide (block_terms' 'out'), which cuDNN writes in 16 bits."""
+    blocks' 'wide' with the probabilities and 'low'; recompute=attn: the core's input wide
+    instead of its output and its low q | k | v; ln_f's stats wide, the head input low),
+    workspace_wide and workspace_low alike (the backward's ds wide; recompute=1 one block's
+    internals); saved_probs and workspace_probs, the kept probabilities among them, and lse,
+    the (H / tp) x T log-sum-exp a device's fused attention keeps instead; saved_out and
+    workspace_out, the attention outputs among the wide, which cuDNN writes in 16 bits; ds,
+    the backward's probabilities-sized ds; fused_attention: whether a device's fused
+    attention takes these blocks (whole sequences and Ulysses; the ring keeps its own)."""
     layout = view.layout
     tp, cp = layout.size("tp"), layout.size("cp")
     t, d = local_tokens(model, layout), model.d_model
@@ -212,17 +215,18 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     blocks = len({name.split("/")[0] for name in view.params if name.startswith("block_")})
     kept = {"0": block + probs, "attn": block - terms["core"], "1": n * d}[recompute]
     rounded = {"0": (terms["wide"] + probs, terms["low"]),       # under a rounding policy
-               "attn": (terms["wide"], terms["low"] - terms["core"]), "1": (n * d, 0)}[recompute]
-    whole = cp == 1 or layout.option("cp_kind", "ring") != "ring"
+               "attn": (terms["wide"] - terms["out"] + terms["core_input"],
+                        terms["low"] - terms["core_low"]), "1": (n * d, 0)}[recompute]
     again = recompute == "1"                      # the backward's block forward, again
     out = {"saved": blocks * kept, "workspace": probs + (block + probs) * again,
            "saved_wide": blocks * rounded[0], "saved_low": blocks * rounded[1],
-           "saved_probs": blocks * probs * (recompute == "0") * whole,
-           "saved_out": blocks * terms["out"] * (recompute != "1") * whole,
-           "workspace_out": terms["out"] * again * whole,
-           "lse": blocks * model.n_heads // tp * t * whole * (recompute == "0"),
+           "saved_probs": blocks * probs * (recompute == "0"),
+           "saved_out": blocks * terms["out"] * (recompute == "0"),
+           "lse": blocks * model.n_heads // tp * t * (recompute == "0"),
            "workspace_wide": probs + (terms["wide"] + probs) * again,
-           "workspace_low": terms["low"] * again, "workspace_probs": probs * (1 + again) * whole,
+           "workspace_low": terms["low"] * again, "workspace_probs": probs * again,
+           "workspace_out": terms["out"] * again, "ds": probs,
+           "fused_attention": cp == 1 or layout.option("cp_kind", "ring") != "ring",
            "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
            "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,
            "input_bytes": 2 * 8 * model.seq_len // cp, "backward_holds_logits": True}

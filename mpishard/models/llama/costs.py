@@ -243,7 +243,9 @@ def llama_block(model, view, t: int, n: int) -> dict:
     dtype's: the norms, the attention output and SwiGLU's arrays stay wide; the q | k | v and
     MLP inputs, q and the repeated k and v rounded (the rotated array is then freed; the
     repeated k and v are the 'core'), the proj input (a rounded copy of the attention
-    output) and the down input are low; 'out': the attention output's elements."""
+    output) and the down input are low. For recompute=attn: 'out', the attention output
+    (wide); 'core_low', what the core keeps low (q and the repeated k and v, 3 T q);
+    'core_input', the core's input it keeps instead (the rotated q | k | v, wide)."""
     tp, d, dh = view.layout.size("tp"), model.d_model, model.d_head
     q = model.n_heads * dh // tp
     attention = n * (d + 1) + t * d + t * (q + 2 * model.kv_width(tp)) + 3 * t * q
@@ -257,6 +259,7 @@ def llama_block(model, view, t: int, n: int) -> dict:
         wide += mlp                                    # a Mixtral's MoE priced wide
     rotary = t * dh * (2 if view.itemsize == 8 else 1)
     return {"kept": attention + mlp, "wide": wide, "low": low, "out": t * q, "core": 2 * t * q,
+            "core_low": 3 * t * q, "core_input": t * (q + 2 * model.kv_width(tp)),
             "per_microbatch": rotary + fixed}
 
 
