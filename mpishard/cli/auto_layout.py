@@ -91,7 +91,7 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
         seq_len = model.seq_len if model.takes_tokens else None
         rows_, rejected = generate_rows(
             model, candidate_layouts(world_size, None, seq_len, model.planned_experts()),
-            rows, itemsize, max_len)
+            rows, itemsize, max_len, storage)
     if purpose == "train" and calibration is None:
         add_calls(rows_, model, batch, itemsize)
     ranked = rank_rows(rows_, max_memory, purpose, calibration is not None)
@@ -109,7 +109,7 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
         f" ({storage.name} compute on the {'GPU' if storage.device else 'CPU'})"
     planned = (f"{batch} rows a forward in {np.dtype(dtype).name}{held}" if purpose == "train" else
                f"{rows} row(s) of up to {max_len or model.seq_len} positions in "
-               f"{np.dtype(dtype).name}")
+               f"{np.dtype(dtype).name}{held}")
     return {"layout": ranked["best"]["layout"], "ranked": ranked,
             "line": choice_line(ranked, max_memory, source, len(rows_), planned)}
 

@@ -33,8 +33,6 @@ import socket
 import sys
 import threading
 
-import numpy as np
-
 from .. import hf
 from ..comm.gpu import node_local_rank
 from ..health.lines import write_line
@@ -146,7 +144,7 @@ def prepare_server(args, comm):
     if args.layout == AUTO:
         dtype = args.dtype or ("float32" if ckpt is None else
                                next(iter(ckpt.values())).dtype.name)
-        args.layout = auto_layout(args, model, comm.Get_size(), np.dtype(dtype).itemsize)
+        args.layout = auto_layout(args, model, comm.Get_size(), dtype)
     layout = serve_layout(args, comm.Get_size())
     text = open_tokenizer(args, model, ckpt)
     return layout, model, ckpt, text, eos, chat_files(args, text)

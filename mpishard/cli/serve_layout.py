@@ -13,11 +13,15 @@ from the same inputs (cli/auto_layout.py agrees on the limit first and on the ch
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..comm.mesh import parse_layout
 from ..costs.choose import generate_rows, rank_rows
+from ..costs.storage import storage_for
 from ..parallel.decoder import check_decode
 from ..serve.replicas import split_replicas
 from .auto_layout import AUTO, choice_line
+from .device_options import held_compute
 from .inspect import format_bytes
 from .plan import candidate_layouts
 from .usage import UsageError, checked_layout
@@ -45,16 +49,21 @@ def serves(text: str, size: int) -> bool:
     return True
 
 
-def auto_layout(args, model, size: int, itemsize: int) -> str:
+def auto_layout(args, model, size: int, dtype) -> str:
     """--layout auto (module docstring): the chosen layout's text; args.layout_line says why.
-    UsageError naming the smallest need when none fits."""
+    The KV pool is priced as the run holds it (costs/storage.py: its --compute-dtype, on the
+    GPU where every rank computes on one). UsageError naming the smallest need when none
+    fits."""
     limit, source = args.max_memory_limit
+    itemsize = np.dtype(dtype).itemsize
+    compute = held_compute(args) if np.dtype(dtype) == np.float32 else None
+    storage = storage_for(dtype, compute, getattr(args, "planned_device", "cpu"))
     texts = [t for t in candidate_layouts(size, None, model.seq_len, model.planned_experts())
              if serves(t, size)]
     rows = []
     for text in texts:                   # each replica holds --max-batch rows
         found, _ = generate_rows(model, [text], args.max_batch * parse_layout(text).size("dp"),
-                                 itemsize, args.max_model_len)
+                                 itemsize, args.max_model_len, storage)
         rows += found
     ranked = rank_rows(rows, limit, "generate")
     if ranked["best"] is None:

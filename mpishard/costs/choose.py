@@ -136,21 +136,24 @@ def decode_bytes(model, layout, rank: int, rows: int, itemsize: int = 4) -> floa
 
 
 def generate_memory(model, layout, rank: int, rows: int, max_len: int, itemsize: int = 4,
-                    cached: bool = True) -> int:
+                    cached: bool = True, storage=None) -> int:
     """Bytes `rank` holds to generate `rows` prompts of up to `max_len` tokens: its parameters,
     the weights ZeRO-3 gathers for a forward and its rows' KV cache (peak_memory.rank_peak's
-    parameters, gathered and kv_cache; no gradients, optimizer state or saved activations)."""
+    parameters, gathered and kv_cache; no gradients, optimizer state or saved activations;
+    storage: costs/storage.py, the cache's bytes under a compute dtype)."""
     m, data = check_fit(model, layout), layout.data_parallel_size
     peak = rank_peak(model, layout, rank, m * data, itemsize, "sgd",
-                     generate=(ceil(rows / data), max_len) if cached else None)
+                     generate=(ceil(rows / data), max_len) if cached else None,
+                     storage=storage)
     return peak["parameters"] + peak["gathered"] + peak["kv_cache"]
 
 
-def generate_rows(model, layouts, rows: int = 1, itemsize: int = 4, max_len=None) -> tuple:
+def generate_rows(model, layouts, rows: int = 1, itemsize: int = 4, max_len=None,
+                  storage=None) -> tuple:
     """(rows, rejected) like plan_layouts' for generation: per layout text of `layouts` the
     busiest rank's generate_memory ('memory'; `max_len` default the model's seq_len),
     decode_bytes ('comm') and whether it decodes with a KV cache ('cached'); rejected =
-    [(layout, the engine's reason)]."""
+    [(layout, the engine's reason)]; storage: generate_memory's."""
     out, rejected = [], []
     max_len = max_len or getattr(model, "seq_len", 1)
     for text in layouts:
@@ -159,7 +162,8 @@ def generate_rows(model, layouts, rows: int = 1, itemsize: int = 4, max_len=None
             check_fit(model, layout)
             ranks = representative_ranks(layout)
             cached = decodes_with_cache(layout)
-            memory = max(generate_memory(model, layout, r, rows, max_len, itemsize, cached)
+            memory = max(generate_memory(model, layout, r, rows, max_len, itemsize, cached,
+                                         storage)
                          for r in ranks)
             comm = max(decode_bytes(model, layout, r, rows, itemsize) for r in ranks)
         except ValueError as exc:

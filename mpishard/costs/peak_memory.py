@@ -44,7 +44,8 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
         dynamic peak: its logits and the loss's two temporaries (3 L_eval) and one workspace
     kv_cache
         with generate=(rows, max_len): k and v of every block the rank holds, rows x max_len
-        x the model's kv_width(tp), plus the prefill's logits
+        x the model's kv_width(tp) (in 2 bytes under 16-bit compute on a device), plus the
+        prefill's logits
 
 A model without `activation_elements` is priced without activations, logits and workspace:
 only its held state, gathered weights and buffers.
@@ -226,7 +227,7 @@ def rank_peak(model, layout, rank: int, batch: int, itemsize: int = 4,
     out.update({k: int(peak.get(k, 0)) for k in ("gathered", "activations", "logits")})
     out["buffers"] = buffer_bytes(model, view, rows_mb)
     out["evaluation"] = evaluation_bytes(view, parts, eval_batch, out)
-    out["kv_cache"] = kv_cache_bytes(model, view, parts, generate)
+    out["kv_cache"] = kv_cache_bytes(model, view, parts, generate, storage)
     out["total"] = sum(out[k] for k in COMPONENTS)
     return out
 
@@ -242,12 +243,14 @@ def evaluation_bytes(view, parts, eval_batch, out) -> int:
     return max(0, need - out["activations"] - out["logits"])
 
 
-def kv_cache_bytes(model, view, parts, generate) -> int:
-    """k and v of the rank's blocks for generate=(rows, max_len), plus the prefill logits."""
+def kv_cache_bytes(model, view, parts, generate, storage=None) -> int:
+    """k and v of the rank's blocks for generate=(rows, max_len), plus the prefill logits.
+    The cache holds k and v as the attention's matmuls take them (nn/kv_cache.py): at
+    storage.low bytes (2 under 16-bit compute on a device), else the itemsize."""
     if not generate:
         return 0
     rows, max_len = generate
     blocks = len({n.split("/")[0] for n in view.params if n.startswith("block_")})
     width = model.kv_width(view.size("tp"))
-    cache = 2 * blocks * rows * max_len * width * view.itemsize
+    cache = 2 * blocks * rows * max_len * width * (storage.low if storage else view.itemsize)
     return cache + (rows * parts["logits"] * view.itemsize if parts else 0)

@@ -98,14 +98,19 @@ class KVCache:
     def attend(self, unit, q, k, v, cast=FULL):
         """q (B, Hq, t, Dh), k, v (B, Hkv, t, Dh) of t new slots -> their attention output
         (B, Hq, t, Dh) over the cached keys and these; k, v are stored for the next calls.
-        cast: the unit's matmul precision (its `autocast`, nn/autocast.py)."""
+        cast: the unit's matmul precision (its `autocast`, nn/autocast.py). k and v are
+        stored as `cast.round` gives them to the attention's matmuls (rounding is
+        idempotent, so the values are those of rounding at use): under 16-bit compute on a
+        device the cache holds 2 bytes an element, and no step rounds the whole cache
+        again."""
         xp = array_module(k)
         b, hq, t, dh = q.shape
         hkv = k.shape[1]
         if hq % hkv:
             raise ValueError(f"KV cache: {hq} query heads do not divide into {hkv} kv heads")
         self._check_room(t)
-        kb, vb = self.buffers.get(unit, (None, None))
+        k, v = cast.round(k), cast.round(v)     # as the attention's matmuls take them: under
+        kb, vb = self.buffers.get(unit, (None, None))    # 16-bit compute on a device, 2 bytes
         shape = (b, hkv, self.capacity, dh)
         if kb is None or kb.shape != shape or kb.dtype != k.dtype:
             if self.length:

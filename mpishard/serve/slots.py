@@ -22,6 +22,9 @@ of t tokens per row:
     mask     visible[i, j, p] = p <= starts[i] + j                 (causal by position)
     out      softmax(q K^T / sqrt(Dh) + mask) V                    (n, Hq, t, Dh)
 
+k and v are stored as the attention's matmuls take them (`cast.round`, as KVCache): under
+16-bit compute on a device, 2 bytes an element.
+
 Right padding (token j >= lengths[i]) is neither stored nor used: its query attends to junk
 and its output is dropped by the caller; its position is clipped to max_len - 1 so the
 embeddings stay inside their tables. Grouped-query attention as KVCache: the g = Hq / Hkv
@@ -124,6 +127,7 @@ class SlotCache:
         if self.pos is None or (n, t) != tuple(self.pos.shape):
             raise ValueError(f"SlotCache: a forward of {(n, t)} tokens after select() "
                              f"declared {None if self.pos is None else self.pos.shape}")
+        k, v = cast.round(k), cast.round(v)     # stored as the matmuls take them (KVCache)
         kb, vb = self._buffers(unit, k)
         slot, pos, row, col = self.write
         kb[slot, :, pos] = k[row, :, col]                # (m, Hkv, Dh): the real tokens

@@ -206,3 +206,21 @@ def test_a_16_bit_gpu_step_is_priced_as_it_holds_its_arrays(monkeypatch):
     choice = choose_layout(model, 2, limit, 16, compute_dtype="bfloat16", device="gpu")
     assert "16 rows a forward in float32 (bfloat16 compute on the GPU)" in choice["line"]
     assert choice["ranked"]["best"]["memory"] <= limit
+
+
+def test_a_16_bit_gpu_generation_prices_its_kv_cache_in_2_bytes(monkeypatch):
+    """generate's --layout auto on the GPU with compute_dtype bfloat16: the KV cache (k and
+    v as the matmuls take them, nn/kv_cache.py) in 2 bytes an element, half of float32's;
+    the parameters as they are; the line says what was priced."""
+    monkeypatch.delenv("MPISHARD_FUSED", raising=False)
+    model = model_from_flag("gpt", "relu", gpt="vocab_size=64,seq_len=256,d_model=64,"
+                                               "n_heads=4,n_layers=2")
+    wide, _ = generate_rows(model, ["dp=2"], rows=8)
+    low, _ = generate_rows(model, ["dp=2"], rows=8,
+                           storage=storage_for("float32", "bfloat16", "gpu"))
+    params = rank_memory(model, parse_layout("dp=2"), 0, 4)["parameters"]
+    kv = 2 * model.n_layers * 4 * model.seq_len * model.d_model       # 4 rows per dp rank
+    assert wide[0]["memory"] - low[0]["memory"] == kv * 2 and low[0]["memory"] > params
+    choice = choose_layout(model, 2, 2 ** 30, purpose="generate", rows=8,
+                           compute_dtype="bfloat16", device="gpu")
+    assert "in float32 (bfloat16 compute on the GPU)" in choice["line"]

@@ -121,20 +121,35 @@ def test_float16_compute_turns_the_loss_scaler_on():
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_kv_cached_decoding_rounds_as_the_full_forward(kind):
+@pytest.mark.parametrize("where", ["cpu", "device double"])
+def test_kv_cached_decoding_rounds_as_the_full_forward(kind, where):
     """Under compute_dtype bfloat16 a KV-cached forward's last logits are on the bf16 grid
     and equal the full forward's last position within a quarter bf16 ulp of the scale
     (observed: equal; the cached attention multiplies (g t, Dh) blocks where the full one
     multiplies (t, Dh) ones, so a rare rounding flip could appear). A cache whose attention
-    does not round is 0.6 ulps off here: the bound tells them apart."""
+    does not round is 0.6 ulps off here: the bound tells them apart. The cache holds k and v
+    as the matmuls take them: float32 on the grid on the CPU, bfloat16 (2 bytes) on a
+    device."""
+    from device_double import DeviceModule
+
+    from mpishard.comm.backend import Backend
     sizes = dict(vocab_size=64, seq_len=16, d_model=16, n_heads=4, n_layers=2)
     model = ms.GPT(**sizes) if kind == "gpt" else ms.Llama(**sizes, n_kv_heads=2, d_ff=24)
-    engine = ms.make_engine(model, dtype=np.float32, compute_dtype="bfloat16")
+    device = "cpu" if where == "cpu" else Backend("gpu", None, array_module=DeviceModule())
+    engine = ms.make_engine(model, dtype=np.float32, compute_dtype="bfloat16", device=device)
     engine.load_checkpoint(model.init(seed=0))
     ids = np.random.default_rng(3).integers(0, 64, size=(2, 6))
-    full = engine.predict(ids)[:, -1:]
-    with caching(engine.chunks, KVCache(8)):
-        last = engine.predict(ids)
+    host = (lambda a: a) if where == "cpu" else device.to_host
+    full = host(engine.predict(ids))[:, -1:]
+    cache = KVCache(8)
+    with caching(engine.chunks, cache):
+        last = host(engine.predict(ids))
+    held = {kb.dtype for kb, vb in cache.buffers.values()} | \
+        {vb.dtype for kb, vb in cache.buffers.values()}
+    assert held == {np.dtype(np.float32 if where == "cpu" else ml_dtypes.bfloat16)}
+    for kb, _ in cache.buffers.values():
+        k = host(kb).astype(np.float32)
+        assert np.array_equal(k.astype(ml_dtypes.bfloat16).astype(np.float32), k)
     assert np.array_equal(last.astype(ml_dtypes.bfloat16).astype(np.float32), last)
     err = float(np.abs(last - full).max()) / (2.0 ** -7 * float(np.abs(full).max()))
     print(f"{kind}: cached vs full last logits: {err:.3f} bf16 ulps of the scale")

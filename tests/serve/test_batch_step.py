@@ -211,11 +211,36 @@ def test_16_bit_compute_serves_each_prompt_as_generate_alone(name):
     engine = ms.make_engine(model, "single", comm=MPI.COMM_SELF, dtype=np.float32,
                             compute_dtype="bfloat16")
     engine.load_checkpoint(model.init(seed=3))
-    stepper = Stepper(engine, MAX_BATCH, SEQ)
+    serves_as_generate_alone(engine, Stepper(engine, MAX_BATCH, SEQ))
+    engine.close()
+
+
+def serves_as_generate_alone(engine, stepper):
+    """Each prompt the 16-bit `stepper` serves: generate's ids alone, logits within a
+    quarter of a bf16 ulp of their scale."""
     got = served(stepper, PROMPTS, SCHEDULE)
     for r, (p, _, _, n_new, _) in enumerate(SCHEDULE):
         want_ids, want_logits = alone(engine, PROMPTS[p], n_new)
         ids, logits = got[r]
         ulps = np.abs(logits - want_logits).max() / (2.0 ** -8 * np.abs(want_logits).max())
         assert ids == want_ids and ulps <= 0.25, (r, ids, want_ids, ulps)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_16_bit_compute_on_a_device_keeps_a_16_bit_pool(name):
+    """On the device double with compute_dtype="bfloat16": the slot pool holds k and v in
+    bfloat16, half of kv_pool_bytes at float32 (the values the attention's matmuls take, so
+    nothing is rounded twice), and serves each prompt as generate does alone."""
+    import ml_dtypes
+    backend, _ = device_backend(MPI.COMM_SELF, "staged")
+    model = MODELS[name]()
+    engine = ms.make_engine(model, "single", comm=MPI.COMM_SELF, dtype=np.float32,
+                            compute_dtype="bfloat16", device=backend)
+    engine.load_checkpoint(model.init(seed=3))
+    stepper = Stepper(engine, MAX_BATCH, SEQ)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert {a.dtype for pair in stepper.cache.buffers.values() for a in pair} == {bf16}
+    assert stepper.nbytes() == kv_pool_bytes(model, "single", MAX_BATCH, SEQ, bf16) == \
+        kv_pool_bytes(model, "single", MAX_BATCH, SEQ, np.float32) // 2
+    serves_as_generate_alone(engine, stepper)
     engine.close()
