@@ -81,7 +81,8 @@ def part_nccl(check, budget):
 
 
 def part_cli(check, budget):
-    """train (checkpoint), generate from it and bench, at 1 rank, tiny, on the device."""
+    """train (checkpoint), generate from it (also with bfloat16 compute: its KV cache in 16
+    bits) and bench, at 1 rank, tiny, on the device."""
     device = "cpu" if check.standin else "gpu"
     ckpt = check.out / "cli-ckpt"
     cmds = {
@@ -93,6 +94,9 @@ def part_cli(check, budget):
                        device, "--compute-dtype", "bfloat16"],
         "generate": ["generate", "--checkpoint", str(ckpt), "--prompt", "a", "--max-new-tokens",
                      "8", "--seed", "0", "--device", device],
+        "generate-bf16": ["generate", "--checkpoint", str(ckpt), "--prompt", "a",  # a 16-bit
+                          "--max-new-tokens", "8", "--seed", "0", "--device", device,  # cache
+                          "--compute-dtype", "bfloat16"],
         "bench": ["bench", "--model", "gpt", "--gpt", TINY_GPT, "--steps", "3", "--device",
                   device, "--layout", "auto"]}      # its limit: the GPU's free memory
     for name in ("train", "train-bf16"):       # a bounded evaluation (the whole split took

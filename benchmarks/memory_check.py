@@ -68,7 +68,7 @@ CASES = {
     "gpt2-single-bf16": (GPT2, "single", 2, 1, "bfloat16"),
     "gpt2-fsdp2-bf16": (GPT2, "fsdp=2", 4, 2, "bfloat16"),
     "llama-tp2-bf16": (LLAMA, "tp=2", 8, 2, "bfloat16"),
-    # smaller ones for CI (tests/costs/test_peak_memory.py): about 100-200 MB per rank
+    # smaller ones for CI (tests/costs/test_peak_memory.py): about 100-300 MB per rank
     "ci-gpt-tp2": (GPT_CI, "tp=2", 4, 2),
     "ci-gpt-pp2-gpipe": (GPT_CI, "pp=2,schedule=gpipe,microbatches=4", 8, 2),
     "ci-mlp-fsdp2": (MLP_CI, "fsdp=2", 2048, 2),

@@ -4,8 +4,9 @@
 
 Every rank runs `iters` rounds of [GEMMs for about `chunk` seconds, then a 64-byte
 Allreduce on its group of g consecutive ranks (tp's grouping)], against the same rounds
-without the Allreduce (one Barrier at the end), alternated over 5 repetitions; the median
-difference per round is the sync point's cost, printed with its share of the chunk. A tp or
+without the Allreduce (one Barrier at the end), alternated over 5 repetitions; the
+difference of the two medians, per round, is the sync point's cost, printed with its share
+of the chunk. A tp or
 cp layout blocks like this inside every block's forward and backward. With a core per rank
 the cost is the call's latency and the members' skew (microseconds). On ranks sharing cores a
 member that reaches the call waits until its partners are scheduled and have finished their

@@ -10,11 +10,11 @@ time, without one the documented rule of thumb, which the line says. It needs no
 
 In a job, every rank decides from the same inputs: the memory limit is first made the same
 everywhere (`agree_memory_limit`: the smallest rank's, a collective before anything can fail
-on one rank alone; the step is priced on the GPU only where every rank computes on one, with
-the run's `--compute-dtype`: costs/storage.py), then each rank chooses inside the command's
-`agreed` preparation (no collective there; a layout that fits nowhere is the same UsageError
-on every rank), and
-`agree_choice` broadcasts rank 0's choice and checks every rank made it (a calibration file
+on one rank alone; the step, or generation's KV cache, is priced on the GPU only where every
+rank computes on one, with the run's `--compute-dtype` or `--tf32`: costs/storage.py), then
+each rank chooses inside the command's `agreed` preparation (no collective there; a layout
+that fits nowhere is the same UsageError on every rank), and `agree_choice` broadcasts rank
+0's choice and checks every rank made it (a calibration file
 that differs between nodes would not). Rank 0 logs one line: the layout, why (the deciding
 numbers) and the runner-up.
 """
@@ -26,7 +26,7 @@ import numpy as np
 from ..costs.calibration import load_calibration, rank_count_note
 from ..costs.choose import RULES, add_calls, generate_rows, rank_rows
 from ..costs.storage import storage_for
-from .device_options import held_compute
+from .device_options import check_compute_flags, held_compute
 from .inspect import format_bytes
 from .memory_limit import add_max_memory_argument, local_gpu, max_memory
 from .plan import candidate_layouts, plan_layouts
@@ -79,9 +79,10 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
     `max_memory` bytes per rank. purpose 'train' (also bench): a training step of global
     `batch` rows with `optimizer` (`calibration`: a loaded calibration dict, ranks by its
     predicted step time); 'generate' (also serve): decoding `rows` prompts together, each
-    up to `max_len` tokens (default the model's seq_len) in the KV cache. compute_dtype,
-    device ('cpu' or 'gpu'): how the training step holds its arrays (costs/storage.py). No
-    MPI. UsageError naming the smallest need when no layout fits."""
+    up to `max_len` tokens (default the model's seq_len) in the KV cache. compute_dtype
+    (or 'tf32'), device ('cpu' or 'gpu'): how the step holds its arrays, the training step's
+    activations or generation's KV cache (costs/storage.py). No MPI. UsageError naming the
+    smallest need when no layout fits."""
     itemsize = np.dtype(dtype).itemsize
     storage = storage_for(dtype, compute_dtype, device)
     if purpose == "train":
@@ -141,6 +142,8 @@ def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64
     args.max_new_tokens size the KV cache."""
     if args.layout != AUTO:
         return args.layout
+    check_compute_flags(getattr(args, "compute_dtype", None), getattr(args, "tf32", False),
+                        getattr(args, "dtype", None) or "float32")     # the flags' own error
     longest = max(map(len, prompts), default=0) + getattr(args, "max_new_tokens", 0)
     calibration = None
     if getattr(args, "calibration", None):

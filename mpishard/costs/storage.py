@@ -26,6 +26,9 @@ step. What changes (nn/autocast.py):
   matmul input rounded at use is a float32 copy: the head's backward holds its gradient
   rounded (one more logits-sized array) and the head weight rounded.
 - tf32 on a device is a cuBLAS setting: nothing is copied, so it is priced as float32.
+- A device without the 16-bit dtype (cupy 13 has no bfloat16) emulates it in float32
+  (parallel/precision.py warns): `device="gpu"` then under-prices it; price such a run
+  with `device="cpu"`.
 
 A float32 step on a device has the fused loss (2 logits-sized arrays at its peak, as numba's
 on the CPU) and the fused float32 softmax, which keeps the probabilities.

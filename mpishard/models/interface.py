@@ -198,7 +198,15 @@ class ModelSpec(Protocol):
         ('vocab_parallel') over a padded vocabulary ('padded'), the bytes of one row of
         the batch ('input_bytes'), and optionally whether the logits and their gradients
         stay alive through the backward beyond 'workspace' ('backward_holds_logits'). A spec
-        without it is priced without activations."""
+        without it is priced without activations. Optional, for a compute dtype
+        (costs/storage.py; without them every element is priced at the itemsize):
+        'saved_wide' and 'saved_low', what a rounding policy keeps instead of 'saved' (low:
+        the matmul inputs, 2 bytes on a device), 'workspace_wide' and 'workspace_low' alike,
+        'saved_probs', 'workspace_probs' and 'lse' (the probabilities among them and the
+        log-sum-exp a device's fused attention keeps instead), 'saved_out' and
+        'workspace_out' (attention outputs cuDNN writes in 16 bits), 'ds' (the attention
+        backward's probabilities-sized ds) and 'fused_attention' (whether a device's fused
+        attention takes the blocks): models/gpt/costs.py."""
 
     def planned_experts(self) -> int | None:
         """The expert count the planner may split over ep (None: it tries no ep layout)."""

@@ -101,16 +101,17 @@ class KVCache:
         cast: the unit's matmul precision (its `autocast`, nn/autocast.py). k and v are
         stored as `cast.round` gives them to the attention's matmuls (rounding is
         idempotent, so the values are those of rounding at use): under 16-bit compute on a
-        device the cache holds 2 bytes an element, and no step rounds the whole cache
-        again."""
+        device the cache holds 2 bytes an element, and a step's rounding of the cached
+        prefix is a 2-byte copy where it was a conversion from float32 (on the CPU's
+        emulation the cache is float32 on the grid, rounded again at use)."""
         xp = array_module(k)
         b, hq, t, dh = q.shape
         hkv = k.shape[1]
         if hq % hkv:
             raise ValueError(f"KV cache: {hq} query heads do not divide into {hkv} kv heads")
         self._check_room(t)
-        k, v = cast.round(k), cast.round(v)     # as the attention's matmuls take them: under
-        kb, vb = self.buffers.get(unit, (None, None))    # 16-bit compute on a device, 2 bytes
+        k, v = cast.round(k), cast.round(v)         # as the attention's matmuls take them
+        kb, vb = self.buffers.get(unit, (None, None))
         shape = (b, hkv, self.capacity, dh)
         if kb is None or kb.shape != shape or kb.dtype != k.dtype:
             if self.length:

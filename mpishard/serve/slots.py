@@ -147,8 +147,10 @@ class SlotCache:
 
 def kv_pool_bytes(model, layout, max_batch: int, max_len: int, dtype) -> int:
     """The bytes a SlotCache of max_batch x max_len takes at most on any rank of `layout`,
-    before anything is allocated (no MPI): k and v for each block of the fullest pp stage, of
-    the columns one tp rank caches. Exact when tp splits the kv heads (model.kv_width(tp) =
+    before anything is allocated (no MPI), `dtype` the cache's (the engine's, or under 16-bit
+    compute on a device the 16-bit one: the pool holds what the matmuls take): k and v for
+    each block of the fullest pp stage, of the columns one tp rank caches. Exact when tp
+    splits the kv heads (model.kv_width(tp) =
     kv_width(1) / tp) or there is no tp. When tp does not divide them, each rank holds every
     kv head, and caches them as is (kv_width(tp)) or, when its query heads do not read them in
     order, repeated one per local query head (d_model / tp): the larger of the two is given."""
