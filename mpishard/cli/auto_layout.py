@@ -131,8 +131,8 @@ def agree_memory_limit(args, comm) -> None:
     if any(errors):
         raise UsageError(next(e for e in errors if e))
     args.max_memory_limit = min(comm.allgather(mine))
-    on_gpu = comm.allgather(local_gpu(device) is not None)       # priced on the GPU: all are
-    args.planned_device = "gpu" if all(on_gpu) else "cpu"
+    on_gpu = comm.allgather(device == "gpu" or local_gpu(device) is not None)   # forced, or
+    args.planned_device = "gpu" if all(on_gpu) else "cpu"          # auto finding one
 
 
 def chosen(args, model, world_size: int, purpose: str = "train", batch: int = 64,

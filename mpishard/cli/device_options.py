@@ -42,8 +42,9 @@ def add_held_arguments(add) -> None:
     add("--tf32", action="store_true", help="the run's --tf32: on the CPU its rounded "
         "float32 copies")
     add("--device", choices=("cpu", "gpu"), default="cpu",
-        help="where the run's arrays live (cpu, default): on a GPU the fused kernels' "
-        "memory (the loss; with a 16-bit --compute-dtype the attention's log-sum-exp)")
+        help="where the run's arrays live (cpu, default): on a GPU, with a 16-bit "
+        "--compute-dtype, 2-byte matmul inputs and the attention's log-sum-exp (plan's "
+        "limit stays this host's memory unless --max-memory gives the GPU's)")
 
 
 def held_compute(args) -> str:
@@ -66,10 +67,11 @@ def add_device_arguments(add, default="auto"):
         DEFAULT_TIMEOUT, help="the longest any collective or receive may wait before every "
         f"waiting rank stops the job naming the late ranks ({DEFAULT_TIMEOUT:g}; 0: off)")
     add("--compute-dtype", choices=COMPUTE_DTYPES, default=None,
-        help="matmul inputs and outputs and the activations saved for backward in 16 bits "
-        "(bfloat16, or float16 with dynamic loss scaling), softmax, norms and the loss in "
-        "--dtype float32, as torch.autocast: on a GPU 16-bit arrays and tensor-core GEMMs, "
-        "on the CPU emulated (the numerics, float32's memory and speed; default: --dtype)")
+        help="matmul inputs and outputs, the activations saved for backward and the KV "
+        "cache in 16 bits (bfloat16, or float16 with dynamic loss scaling in training), "
+        "softmax, norms and the loss in --dtype float32, as torch.autocast: on a GPU 16-bit "
+        "arrays and tensor-core GEMMs, on the CPU emulated (the numerics; float32's speed, and "
+        "a little more than float32's memory: rounded copies; default: --dtype)")
     add("--tf32", action="store_true", default=None if default is None else False,
         help="float32 layer matmuls in TF32, PyTorch allow_tf32's numerics (on a GPU cuBLAS's "
         "TF32 tensor cores around each layer matmul only, on the CPU inputs rounded to TF32: "

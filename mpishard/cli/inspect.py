@@ -150,9 +150,10 @@ def add_inspect_arguments(p):
     add_model_arguments(p, required=False, hf=True)
     p.add_argument("--activation", default="relu", help="with --layout (default relu)")
     p.add_argument("--no-bias", action="store_true", help="with --layout: layers without bias")
-    p.add_argument("--dtype", default="float64", choices=["float32", "float64"],
+    p.add_argument("--dtype", default=None, choices=["float32", "float64"],
                    help="with --layout: the dtype memory is counted in (default float64, "
-                   "make_engine's default; train defaults to float32)")
+                   "make_engine's default, or float32 with --compute-dtype or --tf32; train "
+                   "defaults to float32)")
     add_held_arguments(p.add_argument)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="with --layout: optimizer whose state is counted (default adamw)")
@@ -217,6 +218,8 @@ def _run_inspect_layout(args) -> int:
     if args.layout is None or (args.model is None and args.hf is None):
         raise UsageError("inspect: --layout and --model (or --hf DIR) go together, e.g. "
                          "inspect --layout dp=2,tp=2 --model 64,256,256,10")
+    if args.dtype is None:               # a compute dtype's master weights are float32
+        args.dtype = "float32" if args.compute_dtype or args.tf32 else "float64"
     check_compute_flags(args.compute_dtype, args.tf32, args.dtype)
     storage = storage_for(args.dtype, held_compute(args), args.device)
     return report_mlp("inspect", args, lambda model: layout_report(

@@ -207,13 +207,17 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     return "\n".join(lines)
 
 
-def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None) -> dict:
+def plan_json(model, world_size, batch, dtype, rows, rejected, validation=None,
+              storage=None) -> dict:
     """What `plan --json FILE` writes: every layout that fits (bytes; predicted seconds or
     null without a calibration), the predicted best, the rejected ones with the reason, and
-    with --validate its numbers (plan_time.validation_summary)."""
+    with --validate its numbers (plan_time.validation_summary); what the memory was priced
+    for (costs/storage.py: the compute dtype, and the device)."""
     timed = [r for r in rows if r["step_s"] is not None]
+    storage = storage or storage_for(dtype)
     return {"model": repr(model), "parameters": model.num_params(), "world_size": world_size,
-            "batch": batch, "dtype": np.dtype(dtype).name,
+            "batch": batch, "dtype": np.dtype(dtype).name, "compute_dtype": storage.name,
+            "device": "gpu" if storage.device else "cpu",
             "layouts": [{k: r[k] for k in ("layout", "memory", "parts", "comm", "kinds",
                                            "step_s", "unlent_s")}
                         for r in rows],
@@ -285,7 +289,10 @@ def run_plan(args) -> int:
             rows = layouts[0] if calibration else add_calls(
                 layouts[0], model, args.batch, np.dtype(args.dtype).itemsize)
             limit, source = max_memory(args.max_memory)
-            if args.max_memory is None and args.world_size > 1 and node_ranks() == 1:
+            if args.max_memory is None and args.device == "gpu":
+                source += ("; this host's memory, not a GPU's: planning a GPU run, give "
+                           "--max-memory (the GPU's memory a rank may use)")
+            elif args.max_memory is None and args.world_size > 1 and node_ranks() == 1:
                 source += (f"; plan ran as one process: where {args.world_size} ranks share "
                            f"a node, --max-memory gives a rank's share")
             text += "\n\n" + explain_report(rows, limit, source,
@@ -302,6 +309,6 @@ def run_plan(args) -> int:
         if args.json and world_rank() == 0:
             with open(args.json, "w") as f:
                 json.dump(plan_json(model, args.world_size, args.batch, args.dtype,
-                                    *layouts, summary), f, indent=1)
+                                    *layouts, summary, storage), f, indent=1)
         return text
     return report_mlp("plan", args, report)

@@ -202,3 +202,7 @@ def test_layout_auto_prices_the_gpu_only_where_every_rank_has_one(monkeypatch):
     args = SimpleNamespace(layout="auto", max_memory="1G", device="cpu")     # forced host
     agree_memory_limit(args, comm)
     assert args.planned_device == "cpu"
+    monkeypatch.setattr(memory_limit, "try_import_cupy", lambda: None)
+    args = SimpleNamespace(layout="auto", max_memory="1G", device="gpu")     # forced GPU: the
+    agree_memory_limit(args, comm)                                # engine fails without one
+    assert args.planned_device == "gpu"
