@@ -165,7 +165,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              f"showing {len(shown)}, sorted by {SORT_TEXT.get(sort, sort)}",
              "memory: max over ranks of the predicted peak in a training step (parameters, "
              "gradients, optimizer state, gathered weights, activations, logits, buffers; "
-             "--memory-parts: each)",
+             "--memory-parts: each)" + (f"; ! over --max-memory {format_bytes(limit)}"
+                                        if limit is not None and not calibration else ""),
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
                  ["step:   predicted seconds per train_step + optimizer step "
@@ -191,7 +192,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                            for i, (h, w) in enumerate(zip(header, widths))))
     for r in shown:
         mark = " *" if r["layout"] == best else \
-            " !" if calibration and limit is not None and r["memory"] > limit else ""
+            " !" if limit is not None and r["memory"] > limit else ""
         cells = [r["layout"] + mark, format_bytes(r["memory"]), format_bytes(r["comm"])] + \
             [f"{r['step_s'] * 1e3:.2f} ms" if k == "step" else unlent_cell(r) for k in timed] + \
             [format_bytes(r["parts"][k]) for k in parts] + \

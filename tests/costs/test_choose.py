@@ -102,6 +102,13 @@ def test_plan_stars_and_explain_show_the_ranking_by_unlent_time():
     assert [k for k, v in marks.items() if v == "*"] == [best_within["layout"]]
     assert {k for k, v in marks.items() if v == "!"} == {r["layout"] for r in rows
                                                          if r not in within}
+    ruled = plan_report(model, 4, 256, layouts=([dict(r, step_s=None) for r in rows],
+                                                rejected), top=200,
+                        limit=sorted(r["memory"] for r in rows)[len(rows) // 2])
+    over = {line.split()[0] for line in ruled.splitlines() if line.split()[1:2] == ["!"]}
+    assert over == {r["layout"] for r in rows if r not in within}     # without a calibration
+    assert "! over --max-memory" in ruled                 # no ranking without a calibration:
+    assert not any(line.split()[1:2] == ["*"] for line in ruled.splitlines())    # no best
     best = min(rows, key=lambda r: (ranking_seconds(r), r["memory"], r["layout"]))
     starred = [line.split()[0] for line in text.splitlines() if line.split()[1:2] == ["*"]]
     assert starred == [best["layout"]] and best["layout"] != pipes[0]["layout"]
