@@ -106,8 +106,7 @@ def choose_layout(model, world_size: int, max_memory: int, batch: int = 64,
                          f"{format_bytes(max_memory)} per rank ({source}): the smallest, "
                          f"{least['layout']}, needs {format_bytes(least['memory'])}; give "
                          f"more --max-memory, more ranks or a smaller model")
-    held = "" if storage == storage_for(dtype) else \
-        f" ({storage.name} compute on the {'GPU' if storage.device else 'CPU'})"
+    held = f" ({storage.label})" if storage.label else ""
     planned = (f"{batch} rows a forward in {np.dtype(dtype).name}{held}" if purpose == "train" else
                f"{rows} row(s) of up to {max_len or model.seq_len} positions in "
                f"{np.dtype(dtype).name}{held}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm.backend import GPU_COMM
+from ..costs.storage import storage_for
 from ..health.watchdog import DEFAULT_TIMEOUT
 from ..parallel.precision import COMPUTE_DTYPES, LOW
 from .usage import UsageError
@@ -51,6 +52,14 @@ def held_compute(args) -> str:
     """The compute dtype a run's flags price (costs/storage.py): 'tf32' with --tf32, else
     --compute-dtype (None: --dtype's own)."""
     return "tf32" if getattr(args, "tf32", False) else getattr(args, "compute_dtype", None)
+
+
+def held_storage(args, dtype, device: str):
+    """costs/storage.py's Storage of a run of `dtype` with `args`' --compute-dtype or --tf32
+    on `device`, after check_compute_flags (the flags' own UsageError first)."""
+    check_compute_flags(getattr(args, "compute_dtype", None), getattr(args, "tf32", False),
+                        np.dtype(dtype).name)
+    return storage_for(dtype, held_compute(args), device)
 
 
 def add_device_arguments(add, default="auto"):

@@ -29,9 +29,8 @@ from ..comm.mesh import AXES, coordinates, group_ranks, parse_layout
 from ..parallel.compose import plan_params
 from ..costs.peak_memory import COMPONENTS as PEAK_COMPONENTS, rank_peak
 from ..costs.rank_costs import check_fit, rank_memory
-from ..costs.storage import storage_for
 from ..nn import cudnn_attention
-from .device_options import add_held_arguments, check_compute_flags, held_compute
+from .device_options import add_held_arguments, held_storage
 from .model_flag import add_model_arguments, model_from_args
 from .usage import UsageError, print_report, world_comm
 
@@ -80,8 +79,7 @@ def layout_report(model, layout, dtype=np.float64, optimizer: str = "adamw",
         if np.dtype(dtype) == np.float64 else " (train's default; make_engine's is float64)"))
     peaks = [rank_peak(model, layout, r, batch, itemsize, optimizer, momentum,
                        storage=storage) for r in range(world)]
-    held = "" if storage is None or storage == storage_for(dtype) else \
-        f", {storage.name} compute on the {'GPU' if storage.device else 'CPU'}"
+    held = f", {storage.label}" if storage is not None and storage.label else ""
     parts = [k for k in PEAK_COMPONENTS[3:] if any(p[k] for p in peaks)] if memory_parts \
         else []
     lines.append(f"memory per rank ({np.dtype(dtype).name}{held}, optimizer {optimizer}; peak: "
@@ -220,8 +218,7 @@ def _run_inspect_layout(args) -> int:
                          "inspect --layout dp=2,tp=2 --model 64,256,256,10")
     if args.dtype is None:               # a compute dtype's master weights are float32
         args.dtype = "float32" if args.compute_dtype or args.tf32 else "float64"
-    check_compute_flags(args.compute_dtype, args.tf32, args.dtype)
-    storage = storage_for(args.dtype, held_compute(args), args.device)
+    storage = held_storage(args, args.dtype, args.device)
     return report_mlp("inspect", args, lambda model: layout_report(
         model, parse_layout(args.layout), dtype=args.dtype, optimizer=args.optimizer,
         momentum=args.momentum, batch=args.batch, memory_parts=args.memory_parts,

@@ -40,7 +40,7 @@ from ..validate import check_number
 from .inspect import format_bytes, report_mlp
 from .model_flag import add_model_arguments
 from .calibrate import calibrate
-from .device_options import add_held_arguments, check_compute_flags, held_compute
+from .device_options import add_held_arguments, held_storage
 from .memory_limit import add_max_memory_argument, max_memory, node_ranks
 from .plan_explain import explain_report, unlent_seconds
 from .plan_time import validate, validation_report, validation_summary
@@ -152,8 +152,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
         check_number("--top", top, low=1, integer=True)
     rows, rejected = layouts or plan_layouts(model, world_size, batch, dtype, optimizer,
                                              momentum, microbatches, calibration, storage)
-    held = "" if storage is None or storage == storage_for(dtype) else \
-        f" ({storage.name} compute on the {'GPU' if storage.device else 'CPU'})"
+    held = f" ({storage.label})" if storage is not None and storage.label else ""
     rows.sort(key=SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
@@ -274,8 +273,7 @@ def run_plan(args) -> int:
         calibration = load_calibration(args.calibration)
     if args.validate and calibration is None:
         raise UsageError("plan: --validate needs --calibration FILE or --calibrate")
-    check_compute_flags(args.compute_dtype, args.tf32, args.dtype)
-    storage = storage_for(args.dtype, held_compute(args), args.device)
+    storage = held_storage(args, args.dtype, args.device)
 
     def report(model):
         layouts = plan_layouts(model, args.world_size, args.batch, args.dtype, args.optimizer,

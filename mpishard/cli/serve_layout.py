@@ -17,11 +17,10 @@ import numpy as np
 
 from ..comm.mesh import parse_layout
 from ..costs.choose import generate_rows, rank_rows
-from ..costs.storage import storage_for
 from ..parallel.decoder import check_decode
 from ..serve.replicas import split_replicas
 from .auto_layout import AUTO, choice_line
-from .device_options import held_compute
+from .device_options import held_storage
 from .inspect import format_bytes
 from .plan import candidate_layouts
 from .usage import UsageError, checked_layout
@@ -56,8 +55,7 @@ def auto_layout(args, model, size: int, dtype) -> str:
     fits."""
     limit, source = args.max_memory_limit
     itemsize = np.dtype(dtype).itemsize
-    compute = held_compute(args) if np.dtype(dtype) == np.float32 else None
-    storage = storage_for(dtype, compute, getattr(args, "planned_device", "cpu"))
+    storage = held_storage(args, dtype, getattr(args, "planned_device", "cpu"))
     texts = [t for t in candidate_layouts(size, None, model.seq_len, model.planned_experts())
              if serves(t, size)]
     rows = []

@@ -94,10 +94,12 @@ def tp_block(view, name) -> tuple:
     return local_shape(info.full_shape, info.placement, {**view.layout.sizes, "fsdp": 1})
 
 
-def saved_elements(parts, rows_mb) -> float:
-    """Elements the units keep for backward of one microbatch of `rows_mb` rows: 'saved' per
-    row, and 'per_microbatch' whatever its rows (a Llama's rotary angles)."""
-    return parts["saved"] * rows_mb + parts.get("per_microbatch", 0)
+def saved_bytes(parts, rows_mb, storage) -> float:
+    """Bytes the units keep for backward of one microbatch of `rows_mb` rows: 'saved' per
+    row as `storage` holds it (`priced`), and 'per_microbatch' whatever its rows (a Llama's
+    rotary angles) at the itemsize."""
+    return priced(parts, "saved", storage) * rows_mb + \
+        parts.get("per_microbatch", 0) * storage.itemsize
 
 
 def priced(parts, key, storage) -> float:
@@ -130,9 +132,7 @@ def moments(view, parts, rows_mb, storage) -> list:
     """The step's candidate peak moments beyond the held state, each {component: bytes}: the
     loss, the head's backward and the largest block's backward (module docstring)."""
     itemsize, layout = view.itemsize, view.layout
-    per_row = dict(parts, saved=priced(parts, "saved", storage) / itemsize)
-    saved = int(saved_elements(per_row, rows_mb) * itemsize *
-                in_flight(layout, view.coords["pp"]))
+    saved = int(saved_bytes(parts, rows_mb, storage) * in_flight(layout, view.coords["pp"]))
     workspace = priced(parts, "workspace", storage) * rows_mb
     whole = {n: view.nbytes(tp_block(view, n)) for n in view.params}
     zero3 = {n for n, i in view.params.items()
@@ -243,7 +243,7 @@ def evaluation_bytes(view, parts, eval_batch, out) -> int:
     return max(0, need - out["activations"] - out["logits"])
 
 
-def kv_cache_bytes(model, view, parts, generate, storage=None) -> int:
+def kv_cache_bytes(model, view, parts, generate, storage) -> int:
     """k and v of the rank's blocks for generate=(rows, max_len), plus the prefill logits.
     The cache holds k and v as the attention's matmuls take them (nn/kv_cache.py): at
     storage.low bytes (2 under 16-bit compute on a device), else the itemsize."""
@@ -252,5 +252,5 @@ def kv_cache_bytes(model, view, parts, generate, storage=None) -> int:
     rows, max_len = generate
     blocks = len({n.split("/")[0] for n in view.params if n.startswith("block_")})
     width = model.kv_width(view.size("tp"))
-    cache = 2 * blocks * rows * max_len * width * (storage.low if storage else view.itemsize)
+    cache = 2 * blocks * rows * max_len * width * storage.low
     return cache + (rows * parts["logits"] * view.itemsize if parts else 0)

@@ -75,6 +75,14 @@ class Storage:
         in the CPU's emulation)."""
         return self.rounding or self.low < self.itemsize
 
+    @property
+    def label(self) -> str:
+        """What reports say was priced beyond --dtype: 'bfloat16 compute on the GPU', or ''
+        for --dtype's own arrays on the CPU."""
+        if not (self.device or self.rounding):
+            return ""
+        return f"{self.name} compute on the {'GPU' if self.device else 'CPU'}"
+
     def rounded(self, nbytes: float) -> float:
         """Bytes of the rounded copy of a float array of `nbytes`."""
         return nbytes * self.low / self.itemsize

@@ -14,7 +14,8 @@ import pytest
 
 import mpishard as ms
 from conftest import group_comm
-from mpishard.costs.peak_memory import rank_peak, saved_elements
+from mpishard.costs.peak_memory import rank_peak, saved_bytes
+from mpishard.costs.storage import Storage
 from mpishard.costs.rank_costs import rank_view
 from test_moe_costs import balanced
 
@@ -43,7 +44,8 @@ def tape_and_prediction(model, layout, dtype, comm=None, params=None, ids=None, 
     parsed = ms.parse_layout(layout)
     view = rank_view(model, parsed, engine.device_id, itemsize, len(ids))
     parts = model.activation_elements(view, str(parsed.option("recompute", 0)))
-    predicted = saved_elements(parts, view.rows // view.microbatches) * itemsize
+    predicted = saved_bytes(parts, view.rows // view.microbatches,
+                            Storage(itemsize, itemsize))
     engine.close()
     return held, predicted
 
