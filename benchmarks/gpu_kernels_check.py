@@ -5,7 +5,8 @@ xp path it replaces, and timed beside it.
 
 check_kernels(xp) -> rows, one per kernel and storage dtype. Each case draws its inputs on
 the host (fixed seeds, GPT-2-small sizes: 8 x 1024 rows of d 768, the MLP's 3072; causal
-attention of 4 x 12 heads, T 1024, Dh 64, forward and backward), stores
+attention of 4 x 12 heads, T 1024, Dh 64, forward and backward; the cross entropy on 1024
+rows of the 50304 logits, a tenth of the labels ignored, the gradient scaled by 1/2), stores
 them as the dtype (bfloat16 as parallel/bf16.py's uint16 words), and compares the kernel's
 outputs with the xp path run in float64 on the same (widened) values, on the device:
 
@@ -46,10 +47,12 @@ from mpishard.nn import attention as att  # noqa: E402
 from mpishard.nn import cuda_ops  # noqa: E402
 from mpishard.nn import functional as nn  # noqa: E402
 from mpishard.nn.layers import LocalAccess  # noqa: E402
+from mpishard.nn.losses import CrossEntropy  # noqa: E402
 from mpishard.parallel import bf16  # noqa: E402
 from mpishard.train.optim import AdamW  # noqa: E402
 
 ROWS, D, F, VOCAB = 8 * 1024, 768, 3072, 50304
+LOSS_ROWS = 1024                # rows of the cross entropy's (LOSS_ROWS, VOCAB) logits
 ATT = (4, 12, 1024, 64)         # B, H, T, Dh of the attention case (causal, offset 0)
 RTOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2.0 ** -7 + 1e-5,
         "float16": 2.0 ** -10 + 1e-5}
@@ -140,6 +143,18 @@ def attention_ref(xp, q, k, v, dout):
     return (out, lse) + att.attention_block_backward(dout, q, k, v, out, lse, offset=0)
 
 
+def loss_kernel(xp, y, t):
+    keep = t != -100
+    n = keep.sum()
+    rows, g = cuda_ops.cross_entropy(xp, y, xp.where(keep, t, 0), keep, n, 0.5)
+    return -rows.sum() / n, g
+
+
+def loss_ref(xp, y, t):
+    value, dy = CrossEntropy().pair(y, t)
+    return xp.asarray(value), dy * 0.5
+
+
 def cases(rng):
     """name -> (host inputs, names stored in the mode, kernel(xp, *a), xp path(xp, *a))."""
     x, dy = rng.standard_normal((ROWS, D)) * 2 + 0.3, rng.standard_normal((ROWS, D))
@@ -150,6 +165,9 @@ def cases(rng):
     ids = rng.integers(0, VOCAB, ROWS)
     ids[:512] = 7                                              # a long run of one token
     qkvd = {n: rng.standard_normal(ATT) for n in ("q", "k", "v", "dout")}
+    logits, labels = 3 * rng.standard_normal((LOSS_ROWS, VOCAB)), rng.integers(0, VOCAB,
+                                                                                LOSS_ROWS)
+    labels[::10] = -100
     return {
         "layernorm": ({"x": x, "scale": scale, "shift": shift, "dy": dy}, "x scale shift dy",
                       layernorm_kernel, layernorm_ref),
@@ -160,6 +178,7 @@ def cases(rng):
         "residual_add": ({"h": x, "branch": dy}, "branch", residual_kernel, residual_ref),
         "embedding_bwd": ({"dy": dy, "ids": ids}, "dy", embedding_kernel, embedding_ref),
         "attention": (qkvd, "q k v dout", attention_kernel, attention_ref),
+        "cross_entropy": ({"y": logits, "t": labels}, "y", loss_kernel, loss_ref),
     }
 
 
@@ -254,7 +273,7 @@ def kernel_rows(xp, rng, report) -> list:
                      for k, v in host.items()]
                 if name == "residual_add":              # the stream h is A-typed, float32 or 64
                     a[0] = xp.asarray(host["h"].astype(cuda_ops.acc_dtype(a[1].dtype)))
-                ref_in = [widened(xp, v) if v.dtype.kind in "fu" and k != "ids" else v
+                ref_in = [widened(xp, v) if v.dtype.kind in "fu" and k not in ("ids", "t") else v
                           for k, v in zip(host, a)]
                 row["ok"], row["max_rel_diff"] = compare(xp, kernel(xp, *a), ref(xp, *ref_in),
                                                          RTOL[mode])

@@ -168,3 +168,18 @@ def attention_bwd(dout, q, k, v, out, lse, offset):
         dk[:, :, j] = np.einsum("bhi,bhid->bhd", ds, q)
         dv[:, :, j] = np.einsum("bhi,bhid->bhd", p, dout)
     return dq, dk, dv
+
+
+def cross_entropy(y, t, keep, n, scale):
+    """ms cross_entropy (cuda_loss_src): per row the exact max, the sum of exp(y - m) in the
+    block's order, lse = log of it; loss (y[t] - m) - lse and g = ((exp((y - m) - lse) -
+    onehot) / n) * scale on kept rows, 0 on the others. y (N, C) in A; t 0 on ignored rows."""
+    a = y.dtype.type
+    m = y.max(axis=1, keepdims=True)
+    lse = np.log(block_sum(np.exp(y - m)))
+    rows = np.arange(len(y))
+    loss = np.where(keep, (y[rows, t] - m[:, 0]) - lse[:, 0], a(0))
+    e = np.exp((y - m) - lse)
+    e[rows, t] -= a(1)
+    g = (e / a(n)) * a(scale)
+    return loss, np.where(keep[:, None], g, a(0))

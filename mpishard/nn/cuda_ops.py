@@ -38,7 +38,7 @@ __all__ = ["use", "norm_takes", "saved_input", "layernorm_forward", "layernorm_b
            "rmsnorm_forward", "rmsnorm_backward", "bias_gelu_forward", "gelu_backward",
            "swiglu_takes", "swiglu_forward", "swiglu_backward", "residual_add",
            "embedding_backward", "adamw_takes", "adamw_step", "attention_forward",
-           "attention_backward"]
+           "attention_backward", "cross_entropy"]
 
 
 @lru_cache(maxsize=None)
@@ -306,3 +306,22 @@ def attention_backward(xp, dout, q, k, v, out, lse, offset=None):
     _launch(xp, "attention_bwd_dkv", q.dtype, _warps_grid(bh * tk),
             (q, k, v, dout, lse, row, dk, dv) + shape)
     return dq, dk, dv
+
+
+def cross_entropy(xp, y2, labels, keep, n, scale=1.0):
+    """(loss, g) of the softmax cross entropy of logits y2 (N, C) as stored (16 bits: read
+    there, float32 arithmetic; cuda_loss_src): loss (N,) A-typed, (y[t] - m) - lse on the
+    kept rows and 0 on the others (the value is -loss.sum() / n), and g (N, C) in y2's dtype,
+    ((softmax - onehot) / n) * scale on the kept rows and 0 on the others. labels (N,): 0 on
+    ignored rows; keep (N,) bool; n: a number or a 0-d device array, read on the device."""
+    y2 = xp.ascontiguousarray(y2)
+    rows, c = y2.shape
+    a = acc_dtype(y2.dtype)
+    loss, g = xp.empty(rows, dtype=a), xp.empty_like(y2)
+    if rows and c:
+        count = (n if hasattr(n, "astype") else xp.asarray(n)).astype(a).reshape(1)
+        _launch(xp, "cross_entropy", y2.dtype, min(rows, GRID_CAP),
+                (y2, xp.ascontiguousarray(labels).astype(xp.int64, copy=False),
+                 xp.ascontiguousarray(keep), count, a(scale), loss, g, np.int64(rows),
+                 np.int64(c)))
+    return loss, g

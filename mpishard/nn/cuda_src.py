@@ -22,7 +22,8 @@ the warps' partials in warp order, so the result is the same on every thread and
 (tests/cuda_mirror.py mirrors this order in numpy). Compiled without FMA contraction
 (cuda_ops.OPTIONS), so each product and sum rounds as the xp op's does.
 
-The norms' kernels are in cuda_norms_src.py, attention's in cuda_attention_src.py; here the
+The norms' kernels are in cuda_norms_src.py, attention's in cuda_attention_src.py, the
+cross entropy's in cuda_loss_src.py; here the
 header, bias+GELU, SwiGLU, the residual add, the embedding backward, the multi-tensor AdamW,
 and the instantiation of them all.
 """
@@ -32,6 +33,7 @@ import math
 import re
 
 from . import cuda_attention_src as attention
+from . import cuda_loss_src as loss
 from . import cuda_norms_src as norms
 
 BLOCK = 256        # threads per block of every kernel here (a multiple of the warp, 32)
@@ -215,6 +217,7 @@ _ENTRIES = {
     "embedding_bwd": ("const S* dy, const i64* order, const i64* starts, const i64* ids, S* g, "
                       "i64 runs, i64 d", "dy, order, starts, ids, g, runs, d"),
     **attention.ENTRIES,
+    **loss.ENTRIES,
 }
 _ADAMW_ARGS = ("const unsigned long long* table, const i64* size, const A* hyper, "
                "const i64* chunk_tensor, const i64* chunk_start, i64 chunk, A decay, "
@@ -251,7 +254,7 @@ def _instances() -> str:
 
 
 SOURCE = (_HEADER + norms.SOURCE + (_POINTWISE % _gelu_constants()) + _ADAMW + attention.SOURCE
-          + _instances())
+          + loss.SOURCE + _instances())
 """The whole module: every kernel of cuda_ops, for every storage type."""
 
 ENTRIES = tuple(entry_name(k, s) for k in _ENTRIES for s in SUFFIXES) + tuple(

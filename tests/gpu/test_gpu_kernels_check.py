@@ -101,6 +101,12 @@ class Emulated:
                                                              acc(v), acc(o), lse, offset))
 
     @staticmethod
+    def cross_entropy(xp, y2, labels, keep, n, scale=1.0):
+        a = acc(y2)
+        rows, g = mirror.cross_entropy(a, labels, keep, a.dtype.type(n), scale)
+        return rows, out(g, y2)
+
+    @staticmethod
     def adamw_step(xp, blocks_, lr, betas, eps, weight_decay):
         hyper = cuda_ops.adamw_hyper(lr, betas, eps, weight_decay, [b[4] for b in blocks_])
         for k, (p, g, m, v, _) in enumerate(blocks_):
@@ -112,7 +118,8 @@ def emulated(monkeypatch):
     for name, fn in vars(Emulated).items():
         if not name.startswith("_"):
             monkeypatch.setattr(cuda_ops, name, fn.__func__)
-    for name, value in dict(ROWS=40, D=300, F=24, VOCAB=50, ATT=(2, 3, 20, 40)).items():
+    for name, value in dict(ROWS=40, D=300, F=24, VOCAB=50, ATT=(2, 3, 20, 40),
+                            LOSS_ROWS=30).items():
         monkeypatch.setattr(check, name, value)
     monkeypatch.setattr(check, "seconds", lambda xp, fn, reps=1: (fn(), 1.0)[1])
 
@@ -123,7 +130,7 @@ def test_every_kernel_row_passes_on_the_emulated_kernels(emulated):
         print(r)
     assert sorted((r["kernel"], r["dtype"]) for r in rows) == sorted(
         [(k, m) for k in ("layernorm", "rmsnorm", "bias_gelu", "swiglu", "residual_add",
-                          "embedding_bwd", "attention") for m in check.MODES]
+                          "embedding_bwd", "attention", "cross_entropy") for m in check.MODES]
         + [("adamw", "float64"), ("adamw", "float32")])
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert all(r["exact"] for r in rows if r["kernel"] == "adamw")

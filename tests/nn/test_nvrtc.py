@@ -46,7 +46,8 @@ def test_cuda_src_compiles_with_every_entry(compiler, arch):
     assert sorted(found) == sorted(cuda_src.ENTRIES)
     for kernel in ("layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd",
                    "bias_gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd", "residual_add",
-                   "embedding_bwd", "attention_fwd", "attention_bwd_dq", "attention_bwd_dkv"):
+                   "embedding_bwd", "attention_fwd", "attention_bwd_dq", "attention_bwd_dkv",
+                   "cross_entropy"):
         for s in ("f64", "f32", "bf16", "f16"):
             assert cuda_src.entry_name(kernel, s) in found
     assert {"mpishard_adamw_f64", "mpishard_adamw_f32"} <= set(found)
