@@ -28,6 +28,7 @@ from .health.signals import remove_singleton_segment_at_exit
 from .health.threads import pin_blas_threads
 from .health.watchdog import DEFAULT_TIMEOUT, Watchdog
 from .models import ARCHITECTURES
+from .nn.gemm import widened
 from .nn.losses import get_loss
 from .nn.params import ParamSpec
 from .parallel.compose import compose
@@ -253,16 +254,15 @@ class MeshEngine(ShardedEngine):
     # -- compute -------------------------------------------------------------------------------
     def forward(self, x, mb: int = 0, documents=None):
         """Forward this rank's rows, recording activations for `backward` (documents: see
-        train_step)."""
+        train_step); logits a 16-bit step's head keeps in 16 bits come back as float32."""
         self._require_loaded()
         x = None if x is None else self._input(x)
         set_documents(self.documents, documents, x, self._to_device, 1, mb)
         self._drop_tape(mb)          # a forward that never got its backward is forgotten
-        return self.runner.forward(x, mb=mb, record=True)
+        return widened(self.runner.forward(x, mb=mb, record=True))
 
     def _drop_tape(self, mb=None) -> None:
-        """Forget saved activations (of microbatch `mb`, or all): a new forward replaces
-        a recorded one whose backward never came, as re-running a model does in PyTorch."""
+        """Forget saved activations (microbatch `mb`'s, or all), as a PyTorch re-run does."""
         for layer in self.layers:
             layer.clear() if mb is None else layer.forget(mb)
 

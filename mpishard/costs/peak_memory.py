@@ -55,7 +55,11 @@ priced by `priced`: a rounding policy keeps the model's `*_wide` elements at the
 its `*_low` ones (matmul inputs) at the compute dtype's bytes on a device; a device's fused
 attention keeps the log-sum-exp instead of the probabilities. Every matmul input rounded at use
 is a new array: the largest weight's backward adds that weight rounded, and the head's backward
-the logits' gradient and the head weight rounded.
+the logits' gradient and the head weight rounded. On a device a 16-bit step's own head (not
+vocab-parallel: the model's 'head_keeps_low') hands the loss 16-bit logits and gets a 16-bit
+gradient back (`Storage.low_logits`): every L above at the compute dtype's bytes, the head's
+backward without a rounded copy of the gradient, and the loss at 2 L fused (the logits and
+dy) or L / 2 beyond the unfused 3 L (the logits' 16-bit array beside their float32 copy).
 """
 from __future__ import annotations
 
@@ -140,7 +144,8 @@ def moments(view, parts, rows_mb, storage) -> list:
     gathers = 2 if layout.option("prefetch", 0) else 1
     head = parts["head_weights"] * itemsize
     biggest = max(whole, key=whole.get, default=None)
-    logits = rows_mb * parts["logits"] * itemsize
+    low_logits = storage.low_logits and bool(parts.get("head_keeps_low"))
+    logits = rows_mb * parts["logits"] * (storage.low if low_logits else itemsize)
     waiting = int(-(-in_flight(layout, view.coords["pp"]) // 1)) * logits
     copies = storage.rounds_copies and "saved_low" in parts     # a matmul input rounded at
                                                                   # use: a new array
@@ -153,11 +158,13 @@ def moments(view, parts, rows_mb, storage) -> list:
         fused = storage.fused if storage.device else cpu_rows.runs_here(itemsize)
         factor = 5 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else \
             2 if fused else 3
+        if low_logits and not fused:          # the float32 loss on the logits widened
+            factor = 1 + 3 * itemsize / storage.low
         out.append({"activations": saved, "logits": int(factor * logits) + waiting - logits})
         head_zero3 = head if any(whole[n] == head for n in zero3) else 0
         out.append({"activations": saved, "gathered": gathers * head_zero3,
-                    "logits": int(logits + waiting + head +
-                                  copies * storage.rounded(logits + head))})
+                    "logits": int(logits + waiting + head + copies * storage.rounded(
+                        (0 if low_logits else logits) + head))})
     return out
 
 

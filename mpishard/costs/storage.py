@@ -13,14 +13,17 @@ step. What changes (nn/autocast.py):
     the 16-bit scores and writes a 16-bit ds beside them (two 16-bit scores-sized arrays);
     cuDNN's flash backward holds no T x T array. Packed documents (a `visible` mask) take
     neither: their probabilities stay float32, which this does not price.
-  - The head's 16-bit product is widened to float32 logits, and the fused loss writes a
-    float32 gradient, as in a float32 step. The head's backward adds that gradient rounded
-    to 16 bits and the head weight rounded to 16 bits.
+  - In a training step the model's own head keeps its 16-bit product: the loss reads the
+    16-bit logits and writes a 16-bit gradient (nn/cuda_loss_src.py), the head's backward
+    matmul's input as it is (`low_logits`). The head's backward adds the head weight rounded
+    to 16 bits. A vocab-parallel head (tp) widens its logits to float32, and its loss
+    writes a float32 gradient, as in a float32 step; so did every head before 16-bit logits
+    (`kept_logits=False` prices those runs: the H200's of 2026-11-30).
   - cuDNN's attention (nn/cudnn_attention.py) writes its output in 16 bits, and that array is
     the projection's input. Our kernels keep a float32 output beside its rounded copy.
   - The device double (tests/device_double.py) has no fused kernels. It keeps the
-    probabilities in float32 and runs the loss unfused, like numpy without numba:
-    `fused=False`.
+    probabilities in float32 and runs the loss unfused, like numpy without numba, on the
+    logits widened to float32: `fused=False`.
 - On the CPU (`Rounding`), a 16-bit or tf32 compute dtype is emulated: every array stays
   float32, and its values are rounded. Saved activations take 4 bytes, as in float32. Each
   matmul input rounded at use is a float32 copy: the head's backward holds its gradient
@@ -54,7 +57,8 @@ class Storage:
     low < itemsize the attention keeping log-sum-exp); rounding: the CPU emulates a compute
     dtype with rounded float32 copies; name: the compute dtype's, for reports; cudnn:
     cuDNN's flash attention runs (its 16-bit output is the next matmul's input, where our
-    kernels keep a float32 output beside its rounded copy)."""
+    kernels keep a float32 output beside its rounded copy); kept_logits: a 16-bit step's
+    own head keeps its logits in 16 bits for the loss (False: as before it did)."""
 
     itemsize: int = 4
     low: int = 4
@@ -63,6 +67,13 @@ class Storage:
     rounding: bool = False
     name: str = "float32"
     cudnn: bool = False
+    kept_logits: bool = True
+
+    @property
+    def low_logits(self) -> bool:
+        """A model's own head hands the loss 16-bit logits, and the loss gives a 16-bit
+        gradient back (a device's 16-bit step)."""
+        return self.kept_logits and self.device and self.low < self.itemsize
 
     @property
     def keeps_lse(self) -> bool:

@@ -12,8 +12,9 @@ A layer with a policy `cast` writes each matmul as
 
 (`cast.enter()` before a product whose inputs were rounded earlier, a deferred weight
 gradient; `cast.linear_output(x, w, b)` for a linear layer's x W + b, which `Narrow` on cupy
-adds and rounds in one kernel, fused_low.add_bias_round), and the policy decides what that
-means (PyTorch autocast's lists, CUDA's, which
+adds and rounds in one kernel, fused_low.add_bias_round; `cast.kept(y)` for the head's
+logits in a training step, which `Narrow` leaves in 16 bits for the loss), and the policy
+decides what that means (PyTorch autocast's lists, CUDA's, which
 keep softmax, the norms and the losses in float32):
 
     16-bit (bfloat16 / float16)
@@ -78,6 +79,11 @@ class Full:
         """A linear layer's y = x W + b of its (rounded) inputs, as this policy outputs it."""
         return self.output(linear_forward(x, w, b))
 
+    def kept(self, y):
+        """A matmul output that its next user reads as it is stored (a training step's
+        logits, into the loss): `output`'s here; Narrow's keeps it in 16 bits."""
+        return self.output(y)
+
     def __repr__(self):
         return "FULL"
 
@@ -105,6 +111,7 @@ class Rounding:
         nothing to do here; precision.CublasTF32 switches cuBLAS's TF32 on."""
 
     linear_output = Full.linear_output
+    kept = Full.kept
 
     def output(self, y):
         """A matmul output: y rounded in place (a view is written through), and returned
@@ -144,6 +151,15 @@ class Narrow(Rounding):
         x2 = x.reshape(-1, x.shape[-1])
         y = fused_low.add_bias_round(xp, wide_product(x2, w), b)
         return y.reshape(x.shape[:-1] + w.shape[1:])
+
+    def kept(self, y):
+        """A matmul output as its next user reads it, in 16 bits: a training step's logits,
+        which the loss reads as they are stored (nn/losses.py; cuda_loss_src on cupy), its
+        gradient written in 16 bits for the head's backward. The values are `output`'s,
+        without the float32 copy (the logits' bytes, halved)."""
+        if y is None or y.dtype == self.low:
+            return y
+        return y.astype(self.low)
 
     def output(self, y):
         """A matmul output as float32: a 16-bit one widened (a new array); a float32 one (a

@@ -54,6 +54,12 @@ def is_low(a) -> bool:
     return a.dtype in LOW
 
 
+def widened(a):
+    """a as float32 where it is a 16-bit float array (exact: a new array), else a itself
+    (None stays None): 16-bit logits for a caller that expects float32 ones."""
+    return a.astype(F32) if a is not None and is_low(a) else a
+
+
 def matmul(xp, a, b, out=None):
     """a @ b; 16-bit operands as the module docstring says, others by xp.matmul."""
     if not (is_low(a) or is_low(b)):
@@ -202,4 +208,4 @@ def _layout_of(shape, strides, item):
     return op, ld, dims[-1][1] if dims else 0
 
 
-__all__ = ["LOW", "is_low", "matmul"]
+__all__ = ["LOW", "is_low", "matmul", "widened"]

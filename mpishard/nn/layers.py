@@ -134,10 +134,12 @@ class Linear(Layer):
 
     `autocast` (nn/autocast.py, set by attach_autocast): x, W, b and dy rounded before use,
     y, dx, dW and db rounded after (a partial product before its reduce too); the tape and
-    the deferred W pass keep the rounded x and dy.
+    the deferred W pass keep the rounded x and dy. `low_logits` (a model's own head without
+    a bias or a reduce, Head.keep_low_logits): a training forward's y is `cast.kept`.
     """
 
     autocast = FULL
+    low_logits = False
 
     def __init__(self, access, w_name, b_name=None, need_dx=True, reduce=None):
         super().__init__()
@@ -168,7 +170,10 @@ class Linear(Layer):
         w = cast.round(self.access.get(self.w_name, mb))
         if self.reduce is None:
             b = cast.round(self.access.get(self.b_name, mb)) if self.b_name else None
-            y = cast.linear_output(x, w, b)                     # 'bd,df->bf' + b
+            if self.low_logits and record and b is None:        # the loss reads it as it is
+                y = cast.kept(nn.linear_forward(x, w))
+            else:
+                y = cast.linear_output(x, w, b)                 # 'bd,df->bf' + b
         else:
             y = cast.output(nn.linear_forward(x, w))            # 'bf,fd->bd' partial sums
         self.access.release(self.w_name, mb)
@@ -268,11 +273,9 @@ class Sequential:
         """Forward, loss, backward of one batch: (this rank's local-mean loss, rows)."""
         y = self.forward(x)
         t0 = time.perf_counter() if self.tracer is not None else 0.0
-        value, dy = step_pair(loss, y, t)    # value: maybe a device scalar, read at the end
-        if self.tracer is not None:
+        value, dy = step_pair(loss, y, t, grad_scale)   # value: maybe on the device, read
+        if self.tracer is not None:                       # at the end; dy scaled
             self.tracer.span("loss", "compute", t0)
-        if grad_scale != 1.0:
-            dy = dy * grad_scale
         self.backward(dy)
         return value, t.shape[0]
 
@@ -362,6 +365,13 @@ class Head(Composite):
     step's work for a small model with a large vocabulary; transformers' logits_to_keep=1)."""
 
     keep_last = None
+
+    def keep_low_logits(self):
+        """Let the head unit (the last) hand a training step's logits to the loss as its
+        matmul stores them (`low_logits`: 16 bits under a device's 16-bit compute); every
+        other output stays as `cast.output` makes it. Returns self."""
+        self.units[-1].low_logits = True
+        return self
 
     def forward(self, x, mb=0, record=True):
         if self.keep_last is not None and not record:

@@ -25,11 +25,14 @@ average over ranks and microbatches is sum(token losses) / (global count) exactl
 from __future__ import annotations
 
 import copy
+import inspect
+from functools import lru_cache
 
 import numpy as np
 
-from . import cpu_rows, fused
+from . import cpu_rows, cuda_ops, fused
 from .functional import array_module
+from .gemm import is_low, widened
 
 
 class Loss:
@@ -170,26 +173,45 @@ class CrossEntropy(Loss):
         value, dy = self.pair(y, t)
         return float(value), dy
 
-    def pair(self, y, t):
+    def pair(self, y, t, scale=None):
         """(value, dy) checking shapes only (Loss.pair: the labels' range was checked before
         the step); on cupy the value, and the count of the labels it divides by, stay on the
-        device (no read back)."""
+        device (no read back).
+
+        scale: the step's gradient scale (step_pair's), or None. With a scale, dy is
+        multiplied by it, and 16-bit logits (a device's 16-bit step, autocast.Narrow.kept)
+        give a 16-bit dy, the array the head's backward matmul takes: on cupy one kernel
+        reads the logits where they are and writes it (cuda_ops.cross_entropy), elsewhere
+        the logits are widened, the float32 loss runs, and dy is scaled and rounded. The
+        values are the float32 loss's on the widened logits either way (the head's backward
+        rounds dy to 16 bits itself). Without a scale, 16-bit logits are widened first."""
         self.check_shapes(y, t)
         xp = array_module(y)
+        low = y.dtype if is_low(y) else None
+        if scale is None:
+            y, low = widened(y), None
         flat_t = t.reshape(-1)
         keep = flat_t != self.ignore_index
+        y2 = y.reshape(-1, y.shape[-1])
         if fused.use(xp):                                            # cupy: 4 passes, not ~11
             n = (self.divisor(t) if self.denominator is not None     # (0: 1, as divisor says)
-                 else xp.maximum(keep.sum(), 1).astype(y.dtype))     # counted on the device
-            value, dy = fused.cross_entropy(xp, y.reshape(-1, y.shape[-1]), t, keep, n)
-            return value, dy.reshape(y.shape)
+                 else xp.maximum(keep.sum(), 1).astype(np.float32 if low else y.dtype))
+            if low is not None:                                      # 16 bits: 1 kernel
+                rows, dy = cuda_ops.cross_entropy(xp, y2, xp.where(keep, flat_t, 0), keep, n,
+                                                  scale)
+                return -rows.sum() / n, dy.reshape(y.shape)
+            value, dy = fused.cross_entropy(xp, y2, t, keep, n)
+            return value, scaled(dy, scale).reshape(y.shape)
+        y2 = widened(y2)
         n = self.divisor(t)
-        if cpu_rows.takes_loss(y.reshape(-1, y.shape[-1]), flat_t):  # numpy + numba: in place
-            value, dy = cpu_rows.cross_entropy(y.reshape(-1, y.shape[-1]), flat_t, keep, n)
-            return value, dy.reshape(y.shape)
-        keep = None if bool(keep.all()) else keep                    # one host read per call
-        lp = self._log_softmax(y.reshape(-1, y.shape[-1]))          # (N, C), N = B or B*T
-        return self._value(lp, flat_t, keep, n), self._grad(lp, flat_t, keep, n).reshape(y.shape)
+        if cpu_rows.takes_loss(y2, flat_t):                          # numpy + numba: in place
+            value, dy = cpu_rows.cross_entropy(y2, flat_t, keep, n)
+        else:
+            keep = None if bool(keep.all()) else keep                # one host read per call
+            lp = self._log_softmax(y2)                               # (N, C), N = B or B*T
+            value, dy = self._value(lp, flat_t, keep, n), self._grad(lp, flat_t, keep, n)
+        dy = scaled(dy, scale)
+        return value, (dy if low is None else dy.astype(low)).reshape(y.shape)
 
     def value(self, y, t):
         self.check(y, t)
@@ -233,17 +255,43 @@ class CrossEntropy(Loss):
         return p
 
 
-def step_pair(loss, y, t):
-    """(value, dy) of `loss` inside a training step: its `pair` (the value possibly still on
-    the device, Loss.pair) where it has one defined at or below the class that defines its
-    call, else its call (a subclass that overrides __call__ alone, label smoothing say, is
-    called)."""
+def scaled(dy, scale):
+    """dy times the gradient scale, in place (dy is the loss's own new array); None or 1:
+    dy as it is."""
+    if scale is not None and scale != 1.0:
+        dy *= scale
+    return dy
+
+
+def step_pair(loss, y, t, scale=None):
+    """(value, dy * scale) of `loss` inside a training step (scale: the step's gradient
+    scale, None for 1): its `pair` (the value possibly still on the device, Loss.pair) where
+    it has one defined at or below the class that defines its call, else its call (a
+    subclass that overrides __call__ alone, label smoothing say, is called). A pair that
+    takes `scale` (CrossEntropy's) gets it, and with it the logits as they are (16 bits in a
+    device's 16-bit step: its dy is then 16-bit too); any other loss gets 16-bit logits
+    widened to float32, and its dy is scaled after."""
     cls = type(loss)
+    uses_pair = pair_owner(cls)
+    if uses_pair and takes_scale(cls) and scale is not None:
+        return loss.pair(y, t, scale=scale)
+    y = widened(y)
+    value, dy = loss.pair(y, t) if uses_pair else loss(y, t)
+    return value, (dy if scale is None or scale == 1.0 else dy * scale)
+
+
+@lru_cache(maxsize=None)
+def pair_owner(cls) -> bool:
+    """Whether a loss of class `cls` is called through its `pair` (step_pair)."""
     owner = {name: next((c for c in cls.__mro__ if name in c.__dict__), None)
              for name in ("pair", "__call__")}
-    if owner["pair"] is not None and issubclass(owner["pair"], owner["__call__"]):
-        return loss.pair(y, t)
-    return loss(y, t)
+    return owner["pair"] is not None and issubclass(owner["pair"], owner["__call__"])
+
+
+@lru_cache(maxsize=None)
+def takes_scale(cls) -> bool:
+    """Whether the `pair` of loss class `cls` takes the gradient scale."""
+    return "scale" in inspect.signature(cls.pair).parameters
 
 
 LOSSES = {"mse": MSE, "bce": BCE, "cross_entropy": CrossEntropy, "ce": CrossEntropy}

@@ -193,9 +193,12 @@ class TiedHead(Layer):
     """logits = x embed/tokens^T   'bd,vd->bv'  (b = B*T): the head that reuses the token
     embedding. Its gradient adds to the embedding's own (two add_grad calls per backward).
     `autocast` (nn/autocast.py): x, the table and dy rounded before use, the logits, dx and
-    the table's gradient after; the tape keeps the rounded x."""
+    the table's gradient after; the tape keeps the rounded x. `low_logits` (a model's own
+    head, Head.keep_low_logits): a training forward's logits are `cast.kept`, in 16 bits
+    under a device's 16-bit compute, for the loss to read as they are."""
 
     autocast = FULL
+    low_logits = False
 
     def __init__(self, access, w_name="embed/tokens"):
         super().__init__()
@@ -208,7 +211,8 @@ class TiedHead(Layer):
     def forward(self, x, mb=0, record=True):
         cast = self.autocast
         x, w = cast.round(x), cast.round(self.access.get(self.w_name, mb))
-        y = cast.output(nn.einsum("bd,vd->bv", x.reshape(-1, x.shape[-1]), w))
+        out = cast.kept if self.low_logits and record else cast.output
+        y = out(nn.einsum("bd,vd->bv", x.reshape(-1, x.shape[-1]), w))
         self.access.release(self.w_name, mb)
         self.save(mb, record, x)
         return y.reshape(x.shape[:-1] + (w.shape[0],))

@@ -48,14 +48,25 @@ class AuxLossRunner:
 
     def train_step(self, x, t, loss, grad_scale):
         self.aux.begin(grad_scale)
-
-        def with_aux(y, target):
-            value, dy = step_pair(loss, y, target)
-            return value + self.aux.total(), dy
         try:
-            return self.runner.train_step(x, t, with_aux, grad_scale)
+            return self.runner.train_step(x, t, WithAux(loss, self.aux), grad_scale)
         finally:
             self.aux.end()
+
+
+class WithAux:
+    """`loss` with c aux added to its value (the hook's total, the collective that ends the
+    forward's collection). step_pair calls its `pair` with the step's gradient scale, which
+    it hands on to the loss's own (so a 16-bit step's logits reach the loss as they are)."""
+
+    def __init__(self, loss, aux):
+        self.loss, self.aux = loss, aux
+
+    def pair(self, y, t, scale=None):
+        value, dy = step_pair(self.loss, y, t, scale)
+        return value + self.aux.total(), dy
+
+    __call__ = pair
 
 
 class AuxLossPipeline(AuxLossRunner):

@@ -219,10 +219,10 @@ class PipelineRunner:
     def _loss(self, loss, y, t, mb, scale):
         """(local-mean loss of microbatch mb, its dy scaled: the mean over microbatches)."""
         t0 = time.perf_counter()
-        value, dy = step_pair(loss, y, t)   # value: maybe a device scalar (summed, then read)
-        if self.tracer is not None:
+        value, dy = step_pair(loss, y, t, scale)   # value: maybe a device scalar (summed,
+        if self.tracer is not None:                 # then read)
             self.tracer.span("loss", "compute", t0, mb=mb)
-        return value, dy * scale
+        return value, dy
 
     def _trace_actions(self, timeline, t_start):
         for a, t0, t1 in timeline:

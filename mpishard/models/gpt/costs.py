@@ -192,7 +192,9 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     token ids (int64), under tp with their in-range mask (bool). Last stage: ln_f n (D + 1),
     the head input T D, the logits T v (v the vocabulary, per tp rank padded: vocab-parallel;
     alive with their gradient through the blocks' backward: backward_holds_logits) and the
-    head's weight block D v. Under cp the probabilities are an upper bound: the ring
+    head's weight block D v; head_keeps_low: the head is the model's own (not tp's
+    vocab-parallel one), whose logits a device's 16-bit step keeps in 16 bits for the loss
+    (nn/layers.Head.keep_low_logits). Under cp the probabilities are an upper bound: the ring
     and Ulysses units keep less (measured: a few % of the total at toy size).
 
     For costs/storage.py, what a rounding policy keeps instead: saved_wide and saved_low (the
@@ -229,7 +231,8 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
            "fused_attention": cp == 1 or layout.option("cp_kind", "ring") != "ring",
            "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
            "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,
-           "input_bytes": 2 * 8 * model.seq_len // cp, "backward_holds_logits": True}
+           "input_bytes": 2 * 8 * model.seq_len // cp, "backward_holds_logits": True,
+           "head_keeps_low": tp == 1}
     if holds_embedding(view.params):
         ids = (8 + (tp > 1)) * t / view.itemsize     # the token ids (int64); their
         out["saved"] += ids                          # vocab-parallel in-range mask (bool)

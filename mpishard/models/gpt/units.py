@@ -56,9 +56,12 @@ class FinalNormHead(Head):
     when `tied`. head: replacement head units (e.g. a vocab-parallel head)."""
 
     def __init__(self, access, tied=False, head=None):
-        if head is None:
+        own = head is None
+        if own:
             head = [TiedHead(access)] if tied else [Linear(access, "head/weights")]
         super().__init__([LayerNorm(access, "ln_f"), *head])
+        if own:
+            self.keep_low_logits()
 
     def __repr__(self):
         return "FinalNormHead"

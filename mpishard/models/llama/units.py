@@ -263,9 +263,12 @@ class LlamaHead(Head):
     tied. head: replacement head units (e.g. a vocab-parallel head)."""
 
     def __init__(self, model, access, head=None):
-        if head is None:
+        own = head is None
+        if own:
             head = [TiedHead(access)] if model.tied else [Linear(access, "head/weights")]
         super().__init__([RMSNorm(access, "ln_f", model.norm_eps), *head])
+        if own:
+            self.keep_low_logits()
 
     def __repr__(self):
         return "LlamaHead"
