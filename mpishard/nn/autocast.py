@@ -13,8 +13,9 @@ A layer with a policy `cast` writes each matmul as
 (`cast.enter()` before a product whose inputs were rounded earlier, a deferred weight
 gradient; `cast.linear_output(x, w, b)` for a linear layer's x W + b, which `Narrow` on cupy
 adds and rounds in one kernel, fused_low.add_bias_round; `cast.kept(y)` for the head's
-logits in a training step, which `Narrow` leaves in 16 bits for the loss), and the policy
-decides what that means (PyTorch autocast's lists, CUDA's, which
+logits in a training step, which `Narrow` leaves in 16 bits for the loss, and
+`cast.linear_kept(x, w, b)` for the GPT MLP's fc, whose 16-bit output its GELU reads), and
+the policy decides what that means (PyTorch autocast's lists, CUDA's, which
 keep softmax, the norms and the losses in float32):
 
     16-bit (bfloat16 / float16)
@@ -84,6 +85,16 @@ class Full:
         logits, into the loss): `output`'s here; Narrow's keeps it in 16 bits."""
         return self.output(y)
 
+    def linear_kept(self, x, w, b=None):
+        """A linear layer's x W + b for a next unit with 16-bit kernels (the GPT MLP's
+        GELU): `linear_output`'s here; Narrow's is in 16 bits where those kernels run."""
+        return self.linear_output(x, w, b)
+
+    def grad_kept(self, dx):
+        """A matmul's input gradient for a unit with 16-bit kernels: `output`'s here;
+        Narrow's is in 16 bits where those kernels run."""
+        return self.output(dx)
+
     def __repr__(self):
         return "FULL"
 
@@ -112,6 +123,8 @@ class Rounding:
 
     linear_output = Full.linear_output
     kept = Full.kept
+    linear_kept = Full.linear_kept
+    grad_kept = Full.grad_kept
 
     def output(self, y):
         """A matmul output: y rounded in place (a view is written through), and returned
@@ -151,6 +164,24 @@ class Narrow(Rounding):
         x2 = x.reshape(-1, x.shape[-1])
         y = fused_low.add_bias_round(xp, wide_product(x2, w), b)
         return y.reshape(x.shape[:-1] + w.shape[1:])
+
+    def linear_kept(self, x, w, b=None):
+        """x W + b, the values of linear_output, in 16 bits where the fused kernels run
+        (cupy): with a bias, the float32 product and the bias added and rounded in one pass
+        that writes 16 bits (fused_low.add_bias_narrow); without one, the 16-bit product as
+        it is. Elsewhere linear_output's float32 (the next unit runs its float32 ops)."""
+        xp = array_module(x)
+        if not fused.use(xp):
+            return self.linear_output(x, w, b)
+        if b is None or not (is_low(x) and is_low(b)):
+            return self.kept(self.linear_output(x, w, b) if b is not None else
+                             linear_forward(x, w))
+        y = fused_low.add_bias_narrow(xp, wide_product(x.reshape(-1, x.shape[-1]), w), b)
+        return y.reshape(x.shape[:-1] + w.shape[1:])
+
+    def grad_kept(self, dx):
+        """dx in 16 bits (`kept`) where the fused kernels run (cupy), else `output`'s."""
+        return self.kept(dx) if fused.use(array_module(dx)) else self.output(dx)
 
     def kept(self, y):
         """A matmul output as its next user reads it, in 16 bits: a training step's logits,

@@ -47,6 +47,9 @@ cuDNN's flash attention runs (nn/cudnn_attention.py) these two are not called.
     add_bias_round(y, b)           float32 y (…, F) <- round16(y + b) in place, b (F,) 16-bit:
                                    a linear layer's product and bias in one pass
                                    (autocast.Narrow.linear_output), not an add and a round.
+    add_bias_narrow(y, b)          round16(y + b) as a new 16-bit array: the same pass written
+                                   in 16 bits, for a unit that reads them (the GPT MLP's
+                                   GELU: autocast.Narrow.linear_kept).
 
 The bodies are cupy ElementwiseKernel code over `unsigned short` words, with a preamble that
 defines ms16_ld (a word widened to float: exact) and ms16_st (a float narrowed, nearest even,
@@ -213,6 +216,11 @@ const IDX col = (IDX)i % (IDX)f;                   // y (rows, f) C-ordered: its
 y = ms16_ld(ms16_st(y + ms16_ld(b[col])));
 """
 
+_BIAS_NARROW = """
+const IDX col = (IDX)i % (IDX)f;                   // y (rows, f) C-ordered: its column
+z = ms16_st(y + ms16_ld(b[col]));
+"""
+
 ELEMENTWISE = {
     "softmax_stats": (f"raw uint16 s, {_SHAPE}, int64 nc", "float32 m, float32 d",
                       _SOFTMAX_STATS, "mpishard_softmax16_stats"),
@@ -230,8 +238,10 @@ ELEMENTWISE = {
     "round": ("float32 x", "float32 y", _ROUND, "mpishard_round16_f32"),
     "bias_round": ("raw uint16 b, int64 f", "float32 y", _BIAS_ROUND,
                    "mpishard_bias_round16"),
+    "bias_narrow": ("float32 y, raw uint16 b, int64 f", "uint16 z", _BIAS_NARROW,
+                    "mpishard_bias_narrow16"),
 }
-for _name in ("softmax_write", "grad_write", "bias_round"):   # 64- and 32-bit index variants
+for _name in ("softmax_write", "grad_write", "bias_round", "bias_narrow"):   # 64-, 32-bit index
     _in, _out, _body, _entry = ELEMENTWISE[_name]
     ELEMENTWISE[_name] = (_in, _out, "typedef long long IDX;" + _body, _entry)
     ELEMENTWISE[_name + "32"] = (_in, _out, "typedef unsigned int IDX;" + _body, _entry + "32")
@@ -312,3 +322,14 @@ def add_bias_round(xp, y, b):
     k = kernels(xp, b.dtype.name)["bias_round" + ("32" if y.size < INDEX32 else "")]
     k(_words(xp.ascontiguousarray(b), "b"), b.shape[0], y)
     return y
+
+
+def add_bias_narrow(xp, y, b):
+    """round16(y + b), a new array of b's 16-bit dtype: add_bias_round's one pass, written
+    in 16 bits (a product whose next unit reads 16 bits: autocast.Narrow.linear_kept)."""
+    if not y.flags.c_contiguous or y.shape[-1:] != b.shape:
+        raise ValueError(f"fused_low: bias {b.shape} does not fit a C-ordered {y.shape}")
+    z = xp.empty(y.shape, dtype=b.dtype)
+    k = kernels(xp, b.dtype.name)["bias_narrow" + ("32" if y.size < INDEX32 else "")]
+    k(y, _words(xp.ascontiguousarray(b), "b"), b.shape[0], _words(z, "z"))
+    return z

@@ -136,10 +136,12 @@ class Linear(Layer):
     y, dx, dW and db rounded after (a partial product before its reduce too); the tape and
     the deferred W pass keep the rounded x and dy. `low_logits` (a model's own head without
     a bias or a reduce, Head.keep_low_logits): a training forward's y is `cast.kept`.
+    `low_out` (no reduce) / `low_dx`: y is `cast.linear_kept` / dx is `cast.grad_kept`, for
+    a next unit with 16-bit kernels (activation_layer.keep_low_around).
     """
 
     autocast = FULL
-    low_logits = False
+    low_logits = low_out = low_dx = False
 
     def __init__(self, access, w_name, b_name=None, need_dx=True, reduce=None):
         super().__init__()
@@ -170,7 +172,9 @@ class Linear(Layer):
         w = cast.round(self.access.get(self.w_name, mb))
         if self.reduce is None:
             b = cast.round(self.access.get(self.b_name, mb)) if self.b_name else None
-            if self.low_logits and record and b is None:        # the loss reads it as it is
+            if self.low_out:                                    # the next unit's kernels
+                y = cast.linear_kept(x, w, b)                   # read 16 bits
+            elif self.low_logits and record and b is None:      # the loss reads it as it is
                 y = cast.kept(nn.linear_forward(x, w))
             else:
                 y = cast.linear_output(x, w, b)                 # 'bd,df->bf' + b
@@ -201,7 +205,8 @@ class Linear(Layer):
         dx = None                  # the model input: dW = x^T dy needs no W, so no get
         if self.need_dx:           # (FSDP ZeRO-3 skips the layer's backward all_gather)
             w = cast.round(self.access.get(self.w_name, mb))
-            dx = cast.output(nn.linear_backward_input(dy, w, x.shape))      # 'bf,df->bd'
+            out = cast.grad_kept if self.low_dx else cast.output
+            dx = out(nn.linear_backward_input(dy, w, x.shape))                # 'bf,df->bd'
             self.access.release(self.w_name, mb)
         self.deferred[mb] = (x, dy)
         return dx
@@ -278,30 +283,6 @@ class Sequential:
             self.tracer.span("loss", "compute", t0)
         self.backward(dy)
         return value, t.shape[0]
-
-
-class Activation(Layer):
-    """Element-wise act(z); works on full or feature-sharded activations alike.
-
-    overwrite_input: the unit before returns a fresh array that nothing else keeps (a linear
-    layer's product: Linear saves its input, not its output), so the activation may write
-    its output over it (GELU on numpy with numba: pointwise.gelu_forward)."""
-
-    def __init__(self, name, overwrite_input=False):
-        super().__init__()
-        self.name = nn.check_activation(name)
-        self.overwrite_input = bool(overwrite_input)
-
-    def __repr__(self):
-        return f"Activation({self.name})"
-
-    def forward(self, z, mb=0, record=True):
-        y, saved = nn.activation_forward(self.name, z, self.overwrite_input)
-        self.save(mb, record, saved)
-        return y
-
-    def backward(self, dy, mb=0):
-        return nn.activation_backward(self.name, dy, self.pop(mb), overwrite=True)
 
 
 class Composite(Layer):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cpu_fused, fused
+from . import cpu_fused, cuda_ops, fused
 from .xp import array_module
 
 _GELU_C = float(np.sqrt(2.0 / np.pi))
@@ -138,3 +138,33 @@ def activation_backward(name, dy, saved, overwrite=False):
     if overwrite and name == "gelu":
         return gelu_backward(dy, saved, overwrite=True)
     return ACTIVATIONS[name][1](dy, saved)
+
+
+class LowSaved(tuple):
+    """What a 16-bit GELU keeps for its backward on cupy: (u,), its 16-bit input, from which
+    the kernel recomputes the derivative (a tuple: the tape meter counts u)."""
+
+
+def low_activation_forward(name, z):
+    """(act(z), saved) of a 16-bit z (the GPT MLP's fc output under a device's 16-bit
+    compute): act's float32 value on the exactly widened z, rounded once to z's dtype (what
+    the next matmul would round it to). GELU on cupy: one kernel that reads z as stored and
+    keeps it (cuda_ops.bias_gelu_forward, the derivative recomputed in the backward; half
+    the bytes of a float32 derivative); otherwise the float32 activation on a widened copy,
+    keeping its own saved value."""
+    xp = array_module(z)
+    if name == "gelu" and cuda_ops.use(xp):
+        y, u = cuda_ops.bias_gelu_forward(xp, z)
+        return y, LowSaved((u,))
+    y, saved = activation_forward(name, z.astype(np.float32), overwrite=True)
+    return y.astype(z.dtype), saved
+
+
+def low_activation_backward(name, dy, saved):
+    """dL/dz of low_activation_forward from a 16-bit dy (or a float32 one on the 16-bit
+    grid): the GELU kernel's dz = dy gelu'(u) rounded to u's dtype (the next matmul rounds
+    it so), or the float32 activation's backward on dy widened."""
+    if isinstance(saved, LowSaved):
+        (u,) = saved
+        return cuda_ops.gelu_backward(array_module(u), dy.astype(u.dtype, copy=False), u)
+    return activation_backward(name, dy.astype(np.float32), saved, overwrite=True)

@@ -16,7 +16,8 @@ vocab-parallel head the same way (tensor_parallel.py).
 """
 from __future__ import annotations
 
-from ...nn.layers import Activation, Composite, Head, Linear, Residual
+from ...nn.activation_layer import Activation, keep_low_around
+from ...nn.layers import Composite, Head, Linear, Residual
 from ...nn.transformer import (CausalSelfAttention, Embedding, LayerNorm, TiedHead,
                                leading_positions, plain_linear)
 
@@ -40,10 +41,11 @@ class Block(Composite):
                          attention(n_heads),
                          *linear(access, f"{p}/attn/proj/weights", f"{p}/attn/proj/bias",
                                  "row")])
-        mlp = Residual([LayerNorm(access, f"{p}/ln_2"),
-                        *linear(access, f"{p}/mlp/fc/weights", f"{p}/mlp/fc/bias", "column"),
-                        Activation("gelu", overwrite_input=True),  # tanh; y over fc's out
-                        *linear(access, f"{p}/mlp/proj/weights", f"{p}/mlp/proj/bias", "row")])
+        mlp = Residual(keep_low_around([   # 16-bit compute on a device: GELU reads 16 bits
+            LayerNorm(access, f"{p}/ln_2"),
+            *linear(access, f"{p}/mlp/fc/weights", f"{p}/mlp/fc/bias", "column"),
+            Activation("gelu", overwrite_input=True),              # tanh; y over fc's out
+            *linear(access, f"{p}/mlp/proj/weights", f"{p}/mlp/proj/bias", "row")]))
         super().__init__([attn, mlp])
         self.index = index
 

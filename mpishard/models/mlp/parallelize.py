@@ -8,7 +8,8 @@ An MLP has no sequence (no cp) and no experts (no ep).
 """
 from __future__ import annotations
 
-from ...nn.layers import Activation, Layer, Linear
+from ...nn.activation_layer import Activation
+from ...nn.layers import Layer, Linear
 from ...parallel import placement as pl
 from ...parallel.compose import RankUnits, layer_stages
 from ...parallel.context_parallel import refuse_cp
