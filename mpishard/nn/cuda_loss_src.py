@@ -5,9 +5,12 @@ A 16-bit step's head writes its logits in 16 bits (nn/autocast.py `Narrow.kept`)
 kernel reads them there: the loss's arithmetic is float32 (A) on exactly widened values, as
 autocast's float32 loss is, and the gradient is written in the storage type, the 16-bit
 array the head's backward matmul takes. Against fused.cross_entropy on float32 logits (a max
-pass, a sum-of-exp pass, a gradient pass, and a float32 gradient), the logits are read three
-times at 2 bytes and the gradient written once at 2 bytes: a third of the bytes, and no cast
-of the logits to float32 before it or of the gradient to 16 bits after it.
+pass, a sum-of-exp pass, a gradient pass, and a float32 gradient: 16 bytes an element), the
+logits are read three times at 2 bytes and the gradient written once at 2 bytes (8 bytes),
+and the casts around it (the logits widened before, the gradient rounded after: 12 bytes)
+are gone: 8 bytes an element where there were 28. An ignored row adds 0 to the loss
+whatever its logits, as PyTorch's ignore_index does (cupy's float32 path multiplies its term
+by 0, so inf logits there gave NaN).
 
 One block per row r of y (rows, c), MS_BLOCK threads, labels t already 0 on ignored rows:
 

@@ -312,12 +312,14 @@ def cross_entropy(xp, y2, labels, keep, n, scale=1.0):
     """(loss, g) of the softmax cross entropy of logits y2 (N, C) as stored (16 bits: read
     there, float32 arithmetic; cuda_loss_src): loss (N,) A-typed, (y[t] - m) - lse on the
     kept rows and 0 on the others (the value is -loss.sum() / n), and g (N, C) in y2's dtype,
-    ((softmax - onehot) / n) * scale on the kept rows and 0 on the others. labels (N,): 0 on
+    ((softmax - onehot) / n) * scale on the kept rows and 0 on the others (PyTorch's rule:
+    an ignored row adds nothing, whatever its logits). labels (N,): in [0, C) on kept rows
+    (the engine's check_targets; not checked here: the kernel reads y[r, label]), 0 on
     ignored rows; keep (N,) bool; n: a number or a 0-d device array, read on the device."""
     y2 = xp.ascontiguousarray(y2)
     rows, c = y2.shape
     a = acc_dtype(y2.dtype)
-    loss, g = xp.empty(rows, dtype=a), xp.empty_like(y2)
+    loss, g = xp.zeros(rows, dtype=a), xp.empty_like(y2)
     if rows and c:
         count = (n if hasattr(n, "astype") else xp.asarray(n)).astype(a).reshape(1)
         _launch(xp, "cross_entropy", y2.dtype, min(rows, GRID_CAP),

@@ -2,8 +2,10 @@
 
 Every loss is called as `loss(y, t) -> (value, dy)`: `value` is a Python float, the mean over
 this rank's rows (the DDP/Horovod convention), and `dy = dL/dy` of that local mean. Inside
-a training step the engine calls `loss.pair(y, t)` (through `step_pair`), whose value may be
-a 0-d device array that engine.train_step reads with float() once the backward is launched.
+a training step the engine calls `loss.pair(y, t)` through `step_pair`, which also applies
+the step's gradient scale (CrossEntropy's pair takes it, and 16-bit logits as they are); the
+value may be a 0-d device array that engine.train_step reads with float() once the backward
+is launched.
 The engines average values and gradients over the data-parallel axes, which for equal local
 batches gives the single-device numbers of the mean over the global batch.
 

@@ -222,3 +222,25 @@ def test_the_16_bit_logits_are_priced_on_the_double(kind, device):
     old = rank_peak(model, ms.parse_layout("single"), 0, 8, storage=before)
     old = sum(old[k] for k in ("gathered", "activations", "logits"))
     assert abs(old / peak - 1) > 0.10, (peak, old)
+
+
+def test_the_fused_16_bit_logits_moments_by_hand():
+    """On a GPU with the fused kernels (the path the double cannot run), the moments that
+    hold logits, L16 = rows x vocabulary x 2 bytes: the loss 2 L16 (the 16-bit logits and
+    their 16-bit gradient), the head's backward the logits and their gradient, 2 L16, with
+    the head weight and its 16-bit copy and no rounded copy of the gradient; the blocks'
+    backward the logits and gradient train_step holds, 2 L16. kept16=False: the float32
+    logits of before, 2 L32 at the loss and at the head with its rounded gradient beside."""
+    from mpishard.costs.peak_memory import activation_parts, moments
+    model = MODELS["gpt"](4096)
+    layout = ms.parse_layout("single")
+    view = ms.costs.rank_costs.rank_view(model, layout, 0, 4, 8)
+    parts = activation_parts(model, view, "0")
+    fused = storage_for("float32", "bfloat16", "gpu", fused=True, cudnn=False)
+    l16, head = 8 * 64 * 4096 * 2, 64 * 4096 * 4
+    blocks, loss, head_bwd = moments(view, parts, 8, fused)
+    assert (blocks["logits"], loss["logits"]) == (2 * l16, 2 * l16)
+    assert head_bwd["logits"] == 2 * l16 + head + head // 2
+    blocks, loss, head_bwd = moments(view, parts, 8, replace(fused, kept16=False))
+    assert (blocks["logits"], loss["logits"]) == (4 * l16, 4 * l16)
+    assert head_bwd["logits"] == 4 * l16 + head + l16 + head // 2

@@ -138,6 +138,20 @@ def test_every_kernel_row_passes_on_the_emulated_kernels(emulated):
     assert 2.0 ** -10 < worst16 < check.RTOL["bfloat16"]     # 16-bit rounding is what shows
 
 
+def test_a_loss_kernel_that_loses_the_small_gradients_fails(emulated, monkeypatch):
+    """The cross entropy's rows hold each gradient element to its own size: a kernel that
+    writes 0 where the gradient is small (under a tenth of the largest) fails every dtype's
+    row, though rtol of the largest element would let it pass."""
+    def lossy(xp, y2, labels, keep, n, scale=1.0):
+        rows, g = Emulated.cross_entropy(xp, y2, labels, keep, n, scale)
+        wide = acc(g)
+        return rows, out(np.where(np.abs(wide) < 0.1 * np.abs(wide).max(), 0, wide), y2)
+    monkeypatch.setattr(cuda_ops, "cross_entropy", lossy)
+    rows = {(r["kernel"], r["dtype"]): r for r in check.check_kernels(np)}
+    assert not any(rows[("cross_entropy", m)]["ok"] for m in check.MODES)
+    assert rows[("layernorm", "bfloat16")]["ok"]
+
+
 def test_a_wrong_kernel_fails_its_row(emulated, monkeypatch):
     monkeypatch.setattr(cuda_ops, "swiglu_backward",
                         lambda xp, dy, a: out(mirror.swiglu(acc(a), acc(dy)) * 1.01, a))

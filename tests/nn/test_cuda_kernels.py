@@ -145,7 +145,8 @@ def test_cross_entropy_kernel_algorithm_equals_the_loss(c):
     """The kernel's algorithm (cuda_mirror.cross_entropy: a block's sum order, c below,
     above and many times the block's width) against losses.CrossEntropy's xp path on the
     same float64 logits: value and gradient to rtol 1e-12, with ignored labels, a global
-    count (over) and a gradient scale."""
+    count (over) and a gradient scale (1/3: applied after the division, in the order the
+    float32 path applies step_pair's scale)."""
     from mpishard.nn.losses import CrossEntropy
     rng = np.random.default_rng(c)
     y = rng.standard_normal((9, c)) * 4
@@ -154,9 +155,9 @@ def test_cross_entropy_kernel_algorithm_equals_the_loss(c):
     keep = t != -100
     for loss, n in ((CrossEntropy(), keep.sum()), (CrossEntropy().over(13.0), 13.0)):
         value, dy = loss(y, t)
-        rows, g = cross_entropy(y, np.where(keep, t, 0), keep, n, 0.25)
+        rows, g = cross_entropy(y, np.where(keep, t, 0), keep, n, 1 / 3)
         close(-rows.sum() / n, value)
-        close(g, dy * 0.25)
+        close(g, dy * (1 / 3))
         assert not g[~keep].any()
 
 

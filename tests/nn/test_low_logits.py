@@ -42,11 +42,12 @@ def problem(kind, rows=12, c=300, seed=0):
 @pytest.mark.parametrize("loss", [losses.CrossEntropy(), losses.CrossEntropy().over(17.0)])
 def test_the_xp_path_is_the_float32_loss_rounded(kind, loss):
     y, t = problem(kind)
-    value, dy = loss.pair(y, t, scale=0.25)
     want_value, want = loss.pair(y.astype(np.float32), t)
-    assert dy.dtype == LOW[kind] and dy.shape == y.shape
-    assert value == want_value
-    np.testing.assert_array_equal(dy, (want * np.float32(0.25)).astype(LOW[kind]))
+    for scale in (1 / 3, 4096 / 3):          # not powers of two: scaled, then rounded
+        value, dy = loss.pair(y, t, scale=scale)
+        assert dy.dtype == LOW[kind] and dy.shape == y.shape
+        assert value == want_value
+        np.testing.assert_array_equal(dy, (want * np.float32(scale)).astype(LOW[kind]))
     value, wide = loss.pair(y, t)                            # no scale: widened first
     assert wide.dtype == np.float32 and np.array_equal(wide, want)
 
@@ -56,7 +57,7 @@ def emulated_kernel(calls):
     gradient stored in the logits' 16-bit dtype, as the kernel stores it."""
     def run(xp, y2, labels, keep, n, scale=1.0):
         calls.append((y2.dtype, float(scale)))
-        rows, g = mirror(y2.astype(np.float32), labels, keep, np.float32(n), scale)
+        rows, g = mirror(y2.astype(np.float32), labels, keep, np.float32(n), np.float32(scale))
         return rows, g.astype(y2.dtype)
     return run
 
@@ -69,11 +70,12 @@ def test_the_cupy_path_s_wiring_gives_the_float32_loss(kind, loss, monkeypatch):
     calls = []
     monkeypatch.setattr(fused, "use", lambda xp: True)
     monkeypatch.setattr(cuda_ops, "cross_entropy", emulated_kernel(calls))
-    value, dy = loss.pair(y, t, scale=0.5)
-    assert calls == [(LOW[kind], 0.5)]                       # the 16-bit logits, unwidened
+    scale = 1 / 3
+    value, dy = loss.pair(y, t, scale=scale)
+    assert calls == [(LOW[kind], scale)]                     # the 16-bit logits, unwidened
     assert dy.dtype == LOW[kind] and dy.shape == y.shape
     assert abs(float(value) / want_value - 1) < 1e-6
-    want = (want * np.float32(0.5)).astype(np.float32)
+    want = (want * np.float32(scale)).astype(np.float32)
     got = dy.astype(np.float32)
     assert np.all(np.abs(got - want) <= ULP[kind] * np.abs(want) + TINY[kind])
     assert not got[t == -100].any() and (t == -100).sum() == 2
