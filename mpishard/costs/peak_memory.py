@@ -115,15 +115,15 @@ def priced(parts, key, storage) -> float:
     (B, H, T) log-sum-exp; cuDNN's 16-bit output is the proj input (no wide `key`_out); the
     backward's ds none under cuDNN (its flash backward has no T x T array), else the
     recomputed 16-bit scores and the 16-bit ds. Without it, ds beside its rounded copy.
-    With the fused kernels (low_gelu) a GPT MLP's `key`_derivative at storage.low. Otherwise
-    all at the itemsize."""
+    With the fused 16-bit kernels (low_act) the MLP activation's `key`_act_low at
+    storage.low instead of its `key`_act_wide. Otherwise all at the itemsize."""
     if not storage.rounds_copies or f"{key}_low" not in parts:
         return parts[key] * storage.itemsize
     wide, low = storage.itemsize, storage.low
     total = parts[f"{key}_wide"] * wide + parts[f"{key}_low"] * low
     ds = parts.get("ds", 0) if key == "workspace" else 0
-    if storage.low_gelu:                        # GELU's 16-bit input, not its derivative
-        total -= parts.get(f"{key}_derivative", 0) * (wide - low)
+    if storage.low_act:                         # the activation's 16-bit input, not its
+        total += parts.get(f"{key}_act_low", 0) * low - parts.get(f"{key}_act_wide", 0) * wide
     if storage.keeps_lse and parts.get("fused_attention"):
         total -= parts.get(f"{key}_probs", 0) * wide - (parts.get("lse", 0) * 4
                                                          if key == "saved" else 0)

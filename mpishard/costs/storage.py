@@ -19,9 +19,10 @@ step. What changes (nn/autocast.py):
     to 16 bits. A vocab-parallel head (tp) widens its logits to float32, and its loss
     writes a float32 gradient, as in a float32 step; so did every head before 16-bit logits
     (`kept16=False` prices those runs: the H200's of 2026-11-30).
-  - With the fused kernels, the GPT MLP's GELU keeps its 16-bit input (the fc's output,
-    nn/activation_layer.py) instead of a float32 derivative (`low_gelu`); also since the
-    H200's runs (`kept16`).
+  - With the fused kernels, the MLP's activation keeps its 16-bit input (the GPT's GELU the
+    fc's output, instead of a float32 derivative; the Llama's SwiGLU gate | up, instead of
+    four float32 arrays: nn/activation_layer.py) (`low_act`); also since the H200's runs
+    (`kept16`).
   - cuDNN's attention (nn/cudnn_attention.py) writes its output in 16 bits, and that array is
     the projection's input. Our kernels keep a float32 output beside its rounded copy.
   - The device double (tests/device_double.py) has no fused kernels. It keeps the
@@ -61,7 +62,7 @@ class Storage:
     dtype with rounded float32 copies; name: the compute dtype's, for reports; cudnn:
     cuDNN's flash attention runs (its 16-bit output is the next matmul's input, where our
     kernels keep a float32 output beside its rounded copy); kept16: a 16-bit step's own
-    head keeps its logits in 16 bits for the loss, and its GPT MLP's GELU its 16-bit input
+    head keeps its logits in 16 bits for the loss, and its MLP's activation its 16-bit input
     (False: as both did before, in float32)."""
 
     itemsize: int = 4
@@ -80,9 +81,9 @@ class Storage:
         return self.kept16 and self.device and self.low < self.itemsize
 
     @property
-    def low_gelu(self) -> bool:
-        """The GPT MLP's GELU keeps its 16-bit input for the backward, not a float32
-        derivative (a device's 16-bit step with the fused kernels)."""
+    def low_act(self) -> bool:
+        """The MLP's activation keeps its 16-bit input for the backward (a device's 16-bit
+        step with the fused kernels)."""
         return self.low_logits and self.fused
 
     @property

@@ -23,6 +23,8 @@ class Activation(Layer):
     gives a 16-bit y, act's float32 value rounded (what the next matmul takes):
     pointwise.low_activation_forward."""
 
+    reads_low = True
+
     def __init__(self, name, overwrite_input=False):
         super().__init__()
         self.name = nn.check_activation(name)
@@ -47,12 +49,13 @@ class Activation(Layer):
 
 
 def keep_low_around(units) -> list:
-    """Mark the Linear before each Activation in `units` `low_out` and the first Linear after
-    it `low_dx`: under a device's 16-bit compute, where the fused kernels run, the activation
-    then reads its input and its gradient in 16 bits, as stored (no float32 copy of either;
-    autocast.Narrow.linear_kept, grad_kept). Returns units."""
+    """Mark the Linear before each unit in `units` that `reads_low` (an Activation, the
+    Llama's SwiGLU) `low_out` and the first Linear after it `low_dx`: under a device's 16-bit
+    compute, where the fused kernels run, that unit then reads its input and its gradient in
+    16 bits, as stored (no float32 copy of either; autocast.Narrow.linear_kept, grad_kept).
+    Returns units."""
     for i, unit in enumerate(units):
-        if isinstance(unit, Activation):
+        if getattr(unit, "reads_low", False):
             before = units[i - 1] if i else None
             after = next((u for u in units[i + 1:] if isinstance(u, Linear)), None)
             if isinstance(before, Linear) and before.reduce is None and after is not None:

@@ -14,7 +14,10 @@ and only while MPISHARD_FUSED is not "0" (read at each call). AdamW calls adamw_
 (train/optim.py), LayerNorm (functional.layernorm_forward/backward) and RMSNorm
 (models/llama/units.py) the norms' kernels where `norm_takes`, saving (x, mean, rstd) or (x,
 rstd) for the backward, and the Llama's SwiGLU its pair (`swiglu_takes`), saving its input;
-the others are checked and timed on a GPU (gpu_kernels_check), not called (docs/gpus.md).
+a 16-bit step's GELU (pointwise.low_activation_forward) the bias_gelu pair on its 16-bit
+input, and its loss (losses.CrossEntropy.pair) cross_entropy on 16-bit logits; the others
+(the residual add, the embedding backward, attention) are checked and timed on a GPU
+(gpu_kernels_check), not called (docs/gpus.md).
 The module is compiled once per process (`module`, memoised like fused.kernels) by cupy's
 NVRTC, without FMA contraction;
 `import cupy` happens only in a caller that holds cupy arrays (xp is cupy).

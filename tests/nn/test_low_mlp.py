@@ -93,3 +93,60 @@ def test_the_mlp_on_the_16_bit_kernels_equals_the_float32_path(built, monkeypatc
         assert a.dtype == b.dtype == np.float32
         assert np.array_equal(a, b)
     assert fused_low.ELEMENTWISE["bias_narrow"]
+
+
+def emulated_swiglu(m):
+    """cuda_ops' SwiGLU launches on numpy: float32 arithmetic in the kernel's steps
+    (tests/cuda_mirror.py), stored in the input's dtype, as the kernel stores."""
+    from cuda_mirror import swiglu
+
+    def forward(xp, a):
+        return swiglu(a.astype(np.float32)).astype(a.dtype)
+
+    def backward(xp, dy, a):
+        assert dy.dtype == a.dtype
+        return swiglu(a.astype(np.float32), dy.astype(np.float32)).astype(a.dtype)
+    m.setattr(cuda_ops, "use", lambda xp: True)
+    m.setattr(cuda_ops, "norm_takes", lambda xp, x, *p: False)
+    m.setattr(cuda_ops, "swiglu_forward", forward)
+    m.setattr(cuda_ops, "swiglu_backward", backward)
+
+
+@pytest.mark.parametrize("kind", sorted(LOW))
+def test_the_llama_mlp_on_the_16_bit_kernels_equals_the_float32_kernels(monkeypatch, kind):
+    """The Llama MLP (RMSNorm, gate | up, SwiGLU, down) with the SwiGLU kernels in both runs
+    (emulated: the GPU's float32 path before, which ran them on float32 gate | up) and the
+    16-bit path switched on in one (nn/fused.py's switch): gate | up and the down's input
+    gradient reach SwiGLU in 16 bits and it keeps gate | up in 16 bits; output, input
+    gradient and every weight gradient equal bit for bit."""
+    import mpishard as ms
+    from mpishard.models.llama.attention import KVHeads
+    from mpishard.models.llama.units import LlamaBlock, SwiGLU
+    rng = np.random.default_rng(4)
+    model = ms.Llama(32, 8, 16, 2, 1, n_kv_heads=1, d_ff=24)
+    params = {k: v.astype(np.float32) for k, v in model.init(seed=3).items()
+              if "/ln_2/" in k or "/mlp/" in k}
+    x = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    dy = rng.standard_normal((3, 5, 16)).astype(np.float32)
+
+    def run(low):
+        store = SimpleNamespace(params=params, grads={k: np.zeros_like(v)
+                                                      for k, v in params.items()})
+        mlp = LlamaBlock(model, LocalAccess(store), 0, KVHeads(2, 1)).units[1]
+        for u in mlp.units:
+            if hasattr(type(u), "autocast"):
+                u.autocast = autocast.Narrow(LOW[kind])
+        with monkeypatch.context() as m:
+            emulated_swiglu(m)
+            m.setattr(fused, "use", lambda xp: low)
+            y = mlp.forward(x.copy(), mb=0)
+            kept = next(u for u in mlp.units if isinstance(u, SwiGLU)).tape[0][0]
+            dx = mlp.backward(dy.copy(), mb=0)
+        return y, dx, store.grads, kept
+
+    y0, dx0, g0, kept0 = run(False)
+    y1, dx1, g1, kept1 = run(True)
+    assert kept0.dtype == np.float32 and kept1.dtype == LOW[kind]
+    for a, b in [(y1, y0), (dx1, dx0)] + [(g1[k], g0[k]) for k in g0]:
+        assert a.dtype == b.dtype == np.float32
+        assert np.array_equal(a, b)

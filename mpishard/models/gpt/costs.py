@@ -169,14 +169,15 @@ def gpt_block(model, view, t: int, n: int) -> dict:
     beside it) and the mlp proj input (GELU's output rounded) are low. For recompute=attn:
     'out', the attention output (wide); 'core_low', what the core keeps low (q | k | v, 3 T D
     / tp); 'core_input', the core's input it keeps instead (the qkv product, wide);
-    'derivative', GELU's (among the wide), which a device's fused 16-bit step replaces by
-    GELU's 16-bit input (costs/storage.py low_gelu)."""
+    'act_wide', what the MLP's activation keeps among the wide (GELU's derivative T F / tp),
+    and 'act_low', what it keeps instead, in 16 bits, on a device's fused 16-bit step
+    (GELU's input T F / tp; costs/storage.py low_act)."""
     tp, d, f = view.layout.size("tp"), model.d_model, model.d_ff
     return {"kept": 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * f // tp,
             "wide": 2 * n * (d + 1) + t * d // tp + t * f // tp,
             "low": 2 * t * d + 4 * t * d // tp + t * f // tp, "out": t * d // tp, "core": 0,
             "core_low": 3 * t * d // tp, "core_input": 3 * t * d // tp, "per_microbatch": 0,
-            "derivative": t * f // tp}
+            "act_wide": t * f // tp, "act_low": t * f // tp}
 
 
 def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> dict:
@@ -207,7 +208,8 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     internals); saved_probs and workspace_probs, the kept probabilities among them, and lse,
     the (H / tp) x T log-sum-exp a device's fused attention keeps instead; saved_out and
     workspace_out, the attention outputs among the wide, which cuDNN writes in 16 bits;
-    saved_derivative and workspace_derivative, the GELU derivatives among them; ds,
+    saved_act_wide and workspace_act_wide, the MLP activations' wide arrays among them, and
+    saved_act_low and workspace_act_low, the 16-bit ones a device's fused kernels keep; ds,
     the backward's probabilities-sized ds; fused_attention: whether a device's fused
     attention takes these blocks (whole sequences and Ulysses; the ring keeps its own)."""
     layout = view.layout
@@ -232,8 +234,9 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
            "workspace_wide": probs + (terms["wide"] + probs) * again,
            "workspace_low": terms["low"] * again, "workspace_probs": probs * again,
            "workspace_out": terms["out"] * again, "ds": probs,
-           "saved_derivative": blocks * terms.get("derivative", 0) * (recompute != "1"),
-           "workspace_derivative": terms.get("derivative", 0) * again,
+           **{f"{key}_act_{k}": terms.get(f"act_{k}", 0) * (blocks * (recompute != "1")
+                                                            if key == "saved" else again)
+              for key in ("saved", "workspace") for k in ("wide", "low")},
            "fused_attention": cp == 1 or layout.option("cp_kind", "ring") != "ring",
            "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
            "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,

@@ -236,8 +236,9 @@ def llama_block(model, view, t: int, n: int) -> dict:
     T (q + 2 w) (the core's input), k and v repeated to every query head 2 T q (the 'core':
     recompute=attn drops them), the attention output T q (the proj input is a view of it);
     the MLP: its input T D, SwiGLU's gate | up, sigmoid and silu 4 T F / tp (its CUDA kernels,
-    on a GPU, keep gate | up alone, 2 T F / tp: this counts 2 T F / tp too many there) and the
-    down input T F / tp; in a Mixtral instead sparse_moe's. Per microbatch, the rotary's cos and
+    on a GPU, keep gate | up alone, 2 T F / tp: in float32 this counts 2 T F / tp too many;
+    a 16-bit step's, in 16 bits: act_wide and act_low) and the down input T F / tp; in a
+    Mixtral instead sparse_moe's. Per microbatch, the rotary's cos and
     sin of the T positions: half-width casts T Dh, or in float64 the angles' arrays 2 T Dh.
     Under a rounding policy (costs/storage.py) 'wide' at the itemsize and 'low' at the compute
     dtype's: the norms, the attention output and SwiGLU's arrays stay wide; the q | k | v and
@@ -250,17 +251,19 @@ def llama_block(model, view, t: int, n: int) -> dict:
     q = model.n_heads * dh // tp
     attention = n * (d + 1) + t * d + t * (q + 2 * model.kv_width(tp)) + 3 * t * q
     wide, low = n * (d + 1) + t * q, t * d + 4 * t * q
+    act = {}
     if model.n_experts is None:
         mlp, fixed = n * (d + 1) + t * d + 5 * t * model.d_ff // tp, 0
         wide += n * (d + 1) + 4 * t * model.d_ff // tp
         low += t * d + t * model.d_ff // tp
+        act = {"act_wide": 4 * t * model.d_ff // tp, "act_low": 2 * t * model.d_ff // tp}
     else:
         mlp, fixed = sparse_moe(model, view, n)
         wide += mlp                                    # a Mixtral's MoE priced wide
     rotary = t * dh * (2 if view.itemsize == 8 else 1)
     return {"kept": attention + mlp, "wide": wide, "low": low, "out": t * q, "core": 2 * t * q,
             "core_low": 3 * t * q, "core_input": t * (q + 2 * model.kv_width(tp)),
-            "per_microbatch": rotary + fixed}
+            "per_microbatch": rotary + fixed, **act}
 
 
 def sparse_moe(model, view, n: int) -> tuple:

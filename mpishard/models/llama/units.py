@@ -22,8 +22,12 @@ computes the column projections that read the same input as one matmul.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ...nn import cuda_ops
 from ...nn import functional as nn
+from ...nn.activation_layer import keep_low_around
+from ...nn.gemm import is_low
 from ...nn.layers import Composite, Head, Layer, Linear, Residual
 from ...nn.transformer import TiedHead, leading_positions, plain_linear
 from .attention import GroupedQueryAttention, KVHeads, Rotary
@@ -142,6 +146,8 @@ class FusedLinear(Linear):
         w, widths = self._joined(mb)
         x = cast.round(x)
         self.save(mb, record, (x, widths))
+        if self.low_out:                                         # SwiGLU's kernels: 16 bits
+            return cast.linear_kept(x, cast.round(w))
         return cast.output(nn.linear_forward(x, cast.round(w)))  # 'bd,df->bf'
 
     def backward_input(self, dy, mb=0):
@@ -150,7 +156,8 @@ class FusedLinear(Linear):
         cast = self.autocast
         dy = cast.round(dy)
         self.deferred[mb] = (x, dy, widths)
-        return cast.output(nn.linear_backward_input(dy, cast.round(w), x.shape))  # 'bf,df->bd'
+        out = cast.grad_kept if self.low_dx else cast.output
+        return out(nn.linear_backward_input(dy, cast.round(w), x.shape))   # 'bf,df->bd'
 
     def backward_weights(self, mb=0) -> None:
         x, dy, widths = self.deferred.pop(mb)
@@ -182,13 +189,19 @@ class SwiGLU(Layer):
 
     On cupy with the fused kernels on (cuda_ops.swiglu_takes) one kernel each way: the tape
     keeps the input alone (2 F a token, not 4 F) and the backward recomputes s from it.
+    Under a 16-bit compute there, gate | up arrive in 16 bits and y leaves in 16 bits (the
+    values the down projection rounds to; activation_layer.keep_low_around): `reads_low`.
     """
+
+    reads_low = True
 
     def __repr__(self):
         return "SwiGLU"
 
     def forward(self, a, mb=0, record=True):
         xp, f = nn.array_module(a), a.shape[-1] // 2
+        if is_low(a) and not cuda_ops.swiglu_takes(xp, a):       # xp ops: in float32
+            a = a.astype(np.float32)
         if cuda_ops.swiglu_takes(xp, a):                         # cupy: one kernel
             a = xp.ascontiguousarray(a)
             self.save(mb, record, (a,))
@@ -204,6 +217,8 @@ class SwiGLU(Layer):
         xp, f = nn.array_module(dy), dy.shape[-1]
         if len(saved) == 1:                                      # the kernel's tape: a alone
             (a,) = saved
+            if is_low(a):                      # dy on the 16-bit grid (the down's dx): exact
+                dy = dy.astype(a.dtype, copy=False)
             if dy.dtype == a.dtype:
                 return cuda_ops.swiglu_backward(xp, dy, a)
             g, u = a[..., :f], a[..., f:]                         # (another dtype: xp ops)
@@ -245,12 +260,12 @@ class LlamaBlock(Composite):
                          *linear(access, f"{p}/attn/proj/weights", None, "row")])
         if model.n_experts is not None:        # Mixtral: experts replicated on tp
             mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps), SparseMoE(model, access, index)])
-        else:
-            mlp = Residual([RMSNorm(access, f"{p}/ln_2", eps),
-                            *fused_column(linear, access, FusedLinear(
-                                access, [f"{p}/mlp/gate/weights", f"{p}/mlp/up/weights"])),
-                            SwiGLU(),
-                            *linear(access, f"{p}/mlp/down/weights", None, "row")])
+        else:                                  # SwiGLU reads 16 bits on a device's kernels
+            mlp = Residual(keep_low_around([
+                RMSNorm(access, f"{p}/ln_2", eps),
+                *fused_column(linear, access, FusedLinear(
+                    access, [f"{p}/mlp/gate/weights", f"{p}/mlp/up/weights"])),
+                SwiGLU(), *linear(access, f"{p}/mlp/down/weights", None, "row")]))
         super().__init__([attn, mlp])
         self.index = index
 
