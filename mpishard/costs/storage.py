@@ -7,7 +7,8 @@ step. What changes (nn/autocast.py):
 
 - On a device (cupy: `Narrow`), a matmul input is a real 16-bit array, and it is saved for the
   backward in 2 bytes: the Linear layers' inputs, the attention's q, k and v, and the head's
-  input. The norms' statistics, GELU's derivative and the residual stream stay float32.
+  input. The norms' statistics and the residual stream stay float32; so does GELU's
+  derivative without the fused kernels.
   - The fused kernels (nn/fused_low.py, or cuDNN's flash attention) keep the softmax's
     log-sum-exp, (B, H, T) in float32, instead of its probabilities. Our backward recomputes
     the 16-bit scores and writes a 16-bit ds beside them (two 16-bit scores-sized arrays);
@@ -21,8 +22,8 @@ step. What changes (nn/autocast.py):
     (`kept16=False` prices those runs: the H200's of 2026-11-30).
   - With the fused kernels, the MLP's activation keeps its 16-bit input (the GPT's GELU the
     fc's output, instead of a float32 derivative; the Llama's SwiGLU gate | up, instead of
-    four float32 arrays: nn/activation_layer.py) (`low_act`); also since the H200's runs
-    (`kept16`).
+    the four float32 arrays priced before: nn/activation_layer.py) (`low_act`); also since
+    the H200's runs (`kept16`).
   - cuDNN's attention (nn/cudnn_attention.py) writes its output in 16 bits, and that array is
     the projection's input. Our kernels keep a float32 output beside its rounded copy.
   - The device double (tests/device_double.py) has no fused kernels. It keeps the

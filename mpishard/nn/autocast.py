@@ -14,7 +14,8 @@ A layer with a policy `cast` writes each matmul as
 gradient; `cast.linear_output(x, w, b)` for a linear layer's x W + b, which `Narrow` on cupy
 adds and rounds in one kernel, fused_low.add_bias_round; `cast.kept(y)` for the head's
 logits in a training step, which `Narrow` leaves in 16 bits for the loss, and
-`cast.linear_kept(x, w, b)` for the GPT MLP's fc, whose 16-bit output its GELU reads), and
+`cast.linear_kept(x, w, b)` for the MLP's fc (GPT) or gate | up (Llama), whose 16-bit output
+its GELU or SwiGLU kernels read, `cast.grad_kept(dx)` for the gradient they read), and
 the policy decides what that means (PyTorch autocast's lists, CUDA's, which
 keep softmax, the norms and the losses in float32):
 
@@ -86,8 +87,8 @@ class Full:
         return self.output(y)
 
     def linear_kept(self, x, w, b=None):
-        """A linear layer's x W + b for a next unit with 16-bit kernels (the GPT MLP's
-        GELU): `linear_output`'s here; Narrow's is in 16 bits where those kernels run."""
+        """A linear layer's x W + b for a next unit with 16-bit kernels (the MLP's GELU or
+        SwiGLU): `linear_output`'s here; Narrow's is in 16 bits where those kernels run."""
         return self.linear_output(x, w, b)
 
     def grad_kept(self, dx):

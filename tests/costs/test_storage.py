@@ -246,19 +246,27 @@ def test_the_fused_16_bit_logits_moments_by_hand():
     assert head_bwd["logits"] == 4 * l16 + head + l16 + head // 2
 
 
-def test_the_mlp_activation_s_16_bit_input_is_priced():
+@pytest.mark.parametrize("recompute", ["0", "attn", "1"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_mlp_activation_s_16_bit_input_is_priced(recompute, tp):
     """With the fused kernels a 16-bit step's MLP activation keeps its 16-bit input: per
-    block and row a GPT's GELU 2 T F bytes in place of its 4 T F derivative, a Llama's
-    SwiGLU gate | up 2 x 2 T F in place of 4 float32 arrays 4 x 4 T F; the double (no fused
-    kernels) and kept16=False keep the float32 arrays."""
+    block and row a GPT's GELU 2 T F / tp bytes in place of its 4 T F / tp derivative, a
+    Llama's SwiGLU gate | up 2 x 2 T F / tp in place of 4 float32 arrays 4 x 4 T F / tp; on
+    the 3 blocks' tapes, or under recompute=1 in the one block the backward re-runs (its
+    workspace; the tapes keep the blocks' inputs alone). The double (no fused kernels) and
+    kept16=False keep the float32 arrays."""
     gpt = ms.GPT(vocab_size=512, seq_len=128, d_model=64, n_heads=4, n_layers=3, d_ff=256)
     llama = ms.Llama(512, 128, 64, 4, 3, n_kv_heads=2, d_ff=160)
     fused = storage_for("float32", "bfloat16", "gpu", fused=True, cudnn=False)
+    layout = ms.parse_layout("single" if tp == 1 else "tp=2")
     for model, f, saved_by_float32 in ((gpt, 256, 4 - 2), (llama, 160, 16 - 4)):
-        view = ms.costs.rank_costs.rank_view(model, ms.parse_layout("single"), 0, 4, 8)
-        parts = model.activation_elements(view, "0")
-        old = priced(parts, "saved", replace(fused, kept16=False))
-        assert old - priced(parts, "saved", fused) == 3 * 128 * f * saved_by_float32
+        view = ms.costs.rank_costs.rank_view(model, layout, 0, 4, 8)
+        parts = model.activation_elements(view, recompute)
+        old = {k: priced(parts, k, replace(fused, kept16=False)) for k in ("saved", "workspace")}
+        new = {k: priced(parts, k, fused) for k in ("saved", "workspace")}
+        per_block = 128 * f // tp * saved_by_float32
+        assert old["saved"] - new["saved"] == (0 if recompute == "1" else 3 * per_block)
+        assert old["workspace"] - new["workspace"] == (per_block if recompute == "1" else 0)
         double = storage_for("float32", "bfloat16", "gpu", fused=False)
         assert priced(parts, "saved", double) == priced(parts, "saved",
                                                         replace(double, kept16=False))

@@ -51,8 +51,21 @@ def emulated_gelu(m):
     m.setattr(cuda_ops, "use", lambda xp: True)
 
 
+def arriving(m, cls):
+    """The dtypes of the gradients that reach cls.backward (wrapped in context m)."""
+    seen, backward = [], cls.backward
+
+    def spy(self, dy, mb=0):
+        seen.append(dy.dtype)
+        return backward(self, dy, mb)
+    m.setattr(cls, "backward", spy)
+    return seen
+
+
 @pytest.mark.parametrize("kind", sorted(LOW))
-def test_the_mlp_on_the_16_bit_kernels_equals_the_float32_path(built, monkeypatch, kind):  # noqa: F811
+@pytest.mark.parametrize("index32", [True, False])
+def test_the_mlp_on_the_16_bit_kernels_equals_the_float32_path(built, monkeypatch,  # noqa: F811
+                                                               kind, index32):
     rng = np.random.default_rng(2)
     d, f = 24, 64
     params = {"block_0/ln_2/scale": 1 + 0.1 * rng.standard_normal(d),
@@ -77,22 +90,24 @@ def test_the_mlp_on_the_16_bit_kernels_equals_the_float32_path(built, monkeypatc
             if kernels:
                 on_host_kernels(m, built)
                 emulated_gelu(m)
+                m.setattr(fused_low, "INDEX32", 1 << 32 if index32 else 0)
+            seen = arriving(m, Activation)
             y = mlp.forward(x.copy(), mb=0)
             gelu = next(u for u in mlp.units if isinstance(u, Activation))
             kept = gelu.tape[0]
             dx = mlp.backward(dy.copy(), mb=0)
-        return y, dx, store.grads, kept
+        return y, dx, store.grads, kept, seen
 
-    y0, dx0, g0, kept0 = run(False)
+    y0, dx0, g0, kept0, seen0 = run(False)
     HostLaunch.calls.clear()
-    y1, dx1, g1, kept1 = run(True)
-    assert "mpishard_bias_narrow1632" in HostLaunch.calls           # the fc's bias, in 16 bits
+    y1, dx1, g1, kept1, seen1 = run(True)
+    assert "mpishard_bias_narrow16" + ("32" if index32 else "") in HostLaunch.calls
     assert isinstance(kept1, LowSaved) and kept1[0].dtype == LOW[kind]
     assert not isinstance(kept0, LowSaved) and kept0.dtype == np.float32
+    assert seen1 == [LOW[kind]] and seen0 == [np.float32]     # the proj's dx: 16 bits
     for a, b in [(y1, y0), (dx1, dx0)] + [(g1[k], g0[k]) for k in g0]:
         assert a.dtype == b.dtype == np.float32
         assert np.array_equal(a, b)
-    assert fused_low.ELEMENTWISE["bias_narrow"]
 
 
 def emulated_swiglu(m):
@@ -139,14 +154,16 @@ def test_the_llama_mlp_on_the_16_bit_kernels_equals_the_float32_kernels(monkeypa
         with monkeypatch.context() as m:
             emulated_swiglu(m)
             m.setattr(fused, "use", lambda xp: low)
+            seen = arriving(m, SwiGLU)
             y = mlp.forward(x.copy(), mb=0)
             kept = next(u for u in mlp.units if isinstance(u, SwiGLU)).tape[0][0]
             dx = mlp.backward(dy.copy(), mb=0)
-        return y, dx, store.grads, kept
+        return y, dx, store.grads, kept, seen
 
-    y0, dx0, g0, kept0 = run(False)
-    y1, dx1, g1, kept1 = run(True)
+    y0, dx0, g0, kept0, seen0 = run(False)
+    y1, dx1, g1, kept1, seen1 = run(True)
     assert kept0.dtype == np.float32 and kept1.dtype == LOW[kind]
+    assert seen1 == [LOW[kind]] and seen0 == [np.float32]     # the down's dx: 16 bits
     for a, b in [(y1, y0), (dx1, dx0)] + [(g1[k], g0[k]) for k in g0]:
         assert a.dtype == b.dtype == np.float32
         assert np.array_equal(a, b)
