@@ -174,9 +174,10 @@ class Narrow(Rounding):
         xp = array_module(x)
         if not fused.use(xp):
             return self.linear_output(x, w, b)
-        if b is None or not (is_low(x) and is_low(b)):
-            return self.kept(self.linear_output(x, w, b) if b is not None else
-                             linear_forward(x, w))
+        if b is None:
+            return self.kept(linear_forward(x, w))
+        if not (is_low(x) and is_low(b)):
+            return self.kept(self.linear_output(x, w, b))
         y = fused_low.add_bias_narrow(xp, wide_product(x.reshape(-1, x.shape[-1]), w), b)
         return y.reshape(x.shape[:-1] + w.shape[1:])
 

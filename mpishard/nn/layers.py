@@ -135,7 +135,7 @@ class Linear(Layer):
     `autocast` (nn/autocast.py, set by attach_autocast): x, W, b and dy rounded before use,
     y, dx, dW and db rounded after (a partial product before its reduce too); the tape and
     the deferred W pass keep the rounded x and dy. `low_logits` (a model's own head without
-    a bias or a reduce, Head.keep_low_logits): a training forward's y is `cast.kept`.
+    a bias or a reduce, transformer.model_head): a training forward's y is `cast.kept`.
     `low_out` (no reduce) / `low_dx`: y is `cast.linear_kept` / dx is `cast.grad_kept`, for
     a next unit with 16-bit kernels (activation_layer.keep_low_around).
     """
@@ -346,13 +346,6 @@ class Head(Composite):
     step's work for a small model with a large vocabulary; transformers' logits_to_keep=1)."""
 
     keep_last = None
-
-    def keep_low_logits(self):
-        """Let the head unit (the last) hand a training step's logits to the loss as its
-        matmul stores them (`low_logits`: 16 bits under a device's 16-bit compute); every
-        other output stays as `cast.output` makes it. Returns self."""
-        self.units[-1].low_logits = True
-        return self
 
     def forward(self, x, mb=0, record=True):
         if self.keep_last is not None and not record:

@@ -194,7 +194,7 @@ class TiedHead(Layer):
     embedding. Its gradient adds to the embedding's own (two add_grad calls per backward).
     `autocast` (nn/autocast.py): x, the table and dy rounded before use, the logits, dx and
     the table's gradient after; the tape keeps the rounded x. `low_logits` (a model's own
-    head, Head.keep_low_logits): a training forward's logits are `cast.kept`, in 16 bits
+    head, model_head): a training forward's logits are `cast.kept`, in 16 bits
     under a device's 16-bit compute, for the loss to read as they are."""
 
     autocast = FULL
@@ -226,6 +226,16 @@ class TiedHead(Layer):
         cast.enter()
         self.access.add_grad(self.w_name, cast.output(nn.einsum("bv,bd->vd", dy2, x2)))  # w
         return dx.reshape(x.shape)
+
+
+def model_head(access, tied: bool) -> list:
+    """A decoder's own head unit: the tied embedding (TiedHead) or head/weights (a Linear),
+    handing a training step's logits to the loss as its matmul stores them (`low_logits`:
+    16 bits under a device's 16-bit compute); a replacement head (tp's vocab-parallel one)
+    widens them as every other matmul output."""
+    head = TiedHead(access) if tied else Linear(access, "head/weights")
+    head.low_logits = True
+    return [head]
 
 
 def plain_linear(access, w_name, b_name, role) -> list:

@@ -198,7 +198,7 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     alive with their gradient through the blocks' backward: backward_holds_logits) and the
     head's weight block D v; head_keeps_low: the head is the model's own (not tp's
     vocab-parallel one), whose logits a device's 16-bit step keeps in 16 bits for the loss
-    (nn/layers.Head.keep_low_logits). Under cp the probabilities are an upper bound: the ring
+    (nn/transformer.model_head). Under cp the probabilities are an upper bound: the ring
     and Ulysses units keep less (measured: a few % of the total at toy size).
 
     For costs/storage.py, what a rounding policy keeps instead: saved_wide and saved_low (the

@@ -17,9 +17,9 @@ vocab-parallel head the same way (tensor_parallel.py).
 from __future__ import annotations
 
 from ...nn.activation_layer import Activation, keep_low_around
-from ...nn.layers import Composite, Head, Linear, Residual
-from ...nn.transformer import (CausalSelfAttention, Embedding, LayerNorm, TiedHead,
-                               leading_positions, plain_linear)
+from ...nn.layers import Composite, Head, Residual
+from ...nn.transformer import (CausalSelfAttention, Embedding, LayerNorm, leading_positions,
+                               model_head, plain_linear)
 
 
 class Block(Composite):
@@ -58,12 +58,8 @@ class FinalNormHead(Head):
     when `tied`. head: replacement head units (e.g. a vocab-parallel head)."""
 
     def __init__(self, access, tied=False, head=None):
-        own = head is None
-        if own:
-            head = [TiedHead(access)] if tied else [Linear(access, "head/weights")]
+        head = model_head(access, tied) if head is None else head
         super().__init__([LayerNorm(access, "ln_f"), *head])
-        if own:
-            self.keep_low_logits()
 
     def __repr__(self):
         return "FinalNormHead"

@@ -22,14 +22,12 @@ computes the column projections that read the same input as one matmul.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ...nn import cuda_ops
 from ...nn import functional as nn
 from ...nn.activation_layer import keep_low_around
 from ...nn.gemm import is_low
 from ...nn.layers import Composite, Head, Layer, Linear, Residual
-from ...nn.transformer import TiedHead, leading_positions, plain_linear
+from ...nn.transformer import leading_positions, model_head, plain_linear
 from .attention import GroupedQueryAttention, KVHeads, Rotary
 from .moe_units import SparseMoE
 
@@ -200,8 +198,6 @@ class SwiGLU(Layer):
 
     def forward(self, a, mb=0, record=True):
         xp, f = nn.array_module(a), a.shape[-1] // 2
-        if is_low(a) and not cuda_ops.swiglu_takes(xp, a):       # xp ops: in float32
-            a = a.astype(np.float32)
         if cuda_ops.swiglu_takes(xp, a):                         # cupy: one kernel
             a = xp.ascontiguousarray(a)
             self.save(mb, record, (a,))
@@ -278,12 +274,8 @@ class LlamaHead(Head):
     tied. head: replacement head units (e.g. a vocab-parallel head)."""
 
     def __init__(self, model, access, head=None):
-        own = head is None
-        if own:
-            head = [TiedHead(access)] if model.tied else [Linear(access, "head/weights")]
+        head = model_head(access, model.tied) if head is None else head
         super().__init__([RMSNorm(access, "ln_f", model.norm_eps), *head])
-        if own:
-            self.keep_low_logits()
 
     def __repr__(self):
         return "LlamaHead"
