@@ -11,7 +11,8 @@ with the pipeline schedule's in-flight microbatches, the loss's logits, buffers;
 benchmarks/memory_check.py holds it to the measured high-water mark) and bytes sent per
 training step (costs/rank_costs.py), which the strategy files compute for their own part
 (tests/cli/test_plan_bench.py holds them to the engine's counters).
-Layouts that do not fit are listed with the engine's reason (the first MAX_REJECTED).
+Layouts the engine refuses are listed with its reason (the first MAX_REJECTED). The table is
+in `--layout auto`'s order (--sort auto: costs/choose.py), `*` on its choice.
 `--memory-parts` adds a column per component of the peak. `--json FILE` also writes the table (every
 layout that fits), the rejected layouts and --validate's numbers as JSON (plan_json), which
 benchmarks/run_all.py's `planner` part reads.
@@ -122,7 +123,9 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
 
 MAX_REJECTED = 40          # a large world rejects thousands: list the first ones
 
-SORT_TEXT = {"time": "time (a pipeline's unlent)"}
+SORT_TEXT = {"time": "time (a pipeline's unlent)",
+             "rule": "--layout auto's rule of thumb (no calibration: pipeline idle time, "
+                     "then bytes and calls sent, then memory)"}
 
 
 def unlent_cell(row: dict) -> str:
@@ -131,8 +134,10 @@ def unlent_cell(row: dict) -> str:
     return "-" if ranked is None else f"{ranked * 1e3:.2f} ms"
 
 
-SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
+SORT_KEYS = {"auto": None,        # --layout auto's order: "time", or "rule" uncalibrated
+             "memory": lambda r: (r["memory"], r["comm"], r["layout"]),
              "time": lambda r: train_key(r, calibrated=True),       # --layout auto's order
+             "rule": lambda r: train_key(r, calibrated=False),     # ... without a calibration
              "comm": lambda r: (r["comm"], r["memory"], r["layout"]),
              "layout": lambda r: r["layout"]}
 
@@ -143,16 +148,25 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                 storage=None) -> str:
     """The `plan` command's table; `layouts`: plan_layouts' (rows, rejected) for these
     arguments when the caller has them already; memory_parts: a column per component of the
-    peak too; sort None: time with a calibration, else memory; `limit` (--max-memory, bytes):
-    the * goes to the best row within it, and rows over it are marked."""
-    sort = sort or ("time" if calibration else "memory")
-    if sort not in SORT_KEYS:
+    peak too; sort None or 'auto': `--layout auto`'s order (time with a calibration, else
+    its rule of thumb: costs/choose.py); 'time' needs a calibration; `limit` (--max-memory,
+    bytes): the * goes to the best row within it as --layout auto ranks, and rows over it
+    are marked."""
+    if sort is not None and sort not in SORT_KEYS:
         raise ValueError(f"sort must be one of {sorted(SORT_KEYS)}, got {sort!r}")
+    if sort == "time" and not calibration:
+        raise ValueError("--sort time needs --calibration FILE or --calibrate (without "
+                         "one no step time is predicted; the default, --sort auto, ranks as "
+                         "--layout auto's rule of thumb does)")
+    sort = "time" if calibration and sort in (None, "auto") else (
+        "rule" if sort in (None, "auto") else sort)
     if top is not None:
         check_number("--top", top, low=1, integer=True)
     rows, rejected = layouts or plan_layouts(model, world_size, batch, dtype, optimizer,
                                              momentum, microbatches, calibration, storage)
     held = f" ({storage.label})" if storage is not None and storage.label else ""
+    if not calibration:          # the rule's calls and updates (costs/choose.add_calls)
+        add_calls(rows, model, batch, np.dtype(dtype).itemsize)
     rows.sort(key=SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
@@ -168,6 +182,10 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                                         if limit is not None and not calibration else ""),
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
+                 [] if calibration else
+                 ["*:      the layout --layout auto picks by its rule of thumb (no "
+                  "--calibration; --explain shows the rule's numbers)" +
+                  (", within --max-memory" if limit is not None else "")]) + (
                  ["step:   predicted seconds per train_step + optimizer step "
                   "(costs/step_time.py and the calibration); * the best as --layout auto "
                   "ranks" + (" (by unlent)" if unlent else "") +
@@ -184,8 +202,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     widths = [max([len("layout")] + [len(r["layout"]) + 2 for r in shown]), 11, 11] + \
         [11] * len(timed) + [max(11, len(k)) for k in parts + kinds]
     header = ["layout", "memory", "comm/step"] + timed + parts + kinds
-    best = rank_rows(rows, inf if limit is None else limit, calibrated=True)["best"] \
-        if calibration else None
+    best = rank_rows(rows, inf if limit is None else limit,
+                     calibrated=calibration is not None)["best"]
     best = best and best["layout"]
     lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                            for i, (h, w) in enumerate(zip(header, widths))))
@@ -200,7 +218,7 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
                                for i, (c, w) in enumerate(zip(cells, widths))))
     if rejected:
         lines.append("")
-        lines.append("do not fit:")
+        lines.append("rejected by the engine's checks:")
         lines += [f"  {text}: {reason}" for text, reason in rejected[:MAX_REJECTED]]
         if len(rejected) > MAX_REJECTED:
             lines.append(f"  ... and {len(rejected) - MAX_REJECTED} more")
@@ -243,10 +261,12 @@ def add_plan_arguments(p):
                    "the peak memory (parameters, gradients, optimizer, gathered, activations, "
                    "logits, buffers)")
     p.add_argument("--top", type=int, default=10, help="show the best K layouts (10)")
-    p.add_argument("--sort", default=None, choices=sorted(SORT_KEYS),
-                   help="memory (then comm, default; time with a calibration), comm (then "
-                   "memory), time (predicted step time, a pipeline's with its idle time paid "
-                   "in full) or layout")
+    p.add_argument("--sort", default="auto", choices=sorted(SORT_KEYS),
+                   help="auto (default: as --layout auto ranks, time with a calibration, "
+                   "else rule), rule (the rule of thumb: pipeline idle time, bytes and "
+                   "calls sent, memory), time (predicted step time, a pipeline's with its "
+                   "idle time paid in full; needs a calibration), memory (then comm), comm "
+                   "(then memory) or layout")
     p.add_argument("--calibrate", metavar="FILE", nargs="?", const=DEFAULT_PATH,
                    help="measure this machine first (under mpiexec: every rank of the job) "
                         f"and write the calibration to FILE ({DEFAULT_PATH})")
@@ -285,8 +305,7 @@ def run_plan(args) -> int:
                            memory_parts=args.memory_parts, storage=storage,
                            limit=max_memory(args.max_memory)[0] if args.max_memory else None)
         if args.explain:
-            rows = layouts[0] if calibration else add_calls(
-                layouts[0], model, args.batch, np.dtype(args.dtype).itemsize)
+            rows = layouts[0]              # plan_report added the rule's calls to them
             limit, source = max_memory(args.max_memory)
             if args.max_memory is None and args.device == "gpu":
                 source += ("; this host's memory, not a GPU's: planning a GPU run, give "

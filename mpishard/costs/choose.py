@@ -76,11 +76,13 @@ def rule_bytes(row: dict) -> float:
 
 def add_calls(rows: list, model, batch: int, itemsize: int = 4) -> list:
     """`rows` (plan rows, changed in place and returned) with what the rule counts besides
-    bytes (module docstring), each the largest over the representative ranks (not always
-    the same rank): 'calls', the communication calls per training step, and 'updated', the
-    elements its optimizer updates (its gradient blocks)."""
+    bytes (module docstring): 'bubble', the pipeline's idle fraction, and, each the largest
+    over the representative ranks (not always the same rank), 'calls', the communication
+    calls per training step, and 'updated', the elements its optimizer updates (its
+    gradient blocks)."""
     for row in rows:
         layout = parse_layout(row["layout"])
+        row.setdefault("bubble", bubble(layout))
         views = [rank_view(model, layout, r, itemsize, batch)
                  for r in representative_ranks(layout)]
         row["calls"] = max(sum(call_counts.step_calls(view).values()) for view in views)

@@ -375,7 +375,7 @@ def test_candidates_are_every_factorisation(world):
 
 def test_plan_table(capsys):
     rc = cli.main(["plan", "--model", "784,512,256,10", "--world-size", "8", "--batch", "64",
-                   "--top", "6"])
+                   "--top", "6", "--sort", "memory"])
     out = capsys.readouterr().out
     assert rc == 0, out
     lines = out.splitlines()

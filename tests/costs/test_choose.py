@@ -107,8 +107,11 @@ def test_plan_stars_and_explain_show_the_ranking_by_unlent_time():
                         limit=sorted(r["memory"] for r in rows)[len(rows) // 2])
     over = {line.split()[0] for line in ruled.splitlines() if line.split()[1:2] == ["!"]}
     assert over == {r["layout"] for r in rows if r not in within}     # without a calibration
-    assert "! over --max-memory" in ruled                 # no ranking without a calibration:
-    assert not any(line.split()[1:2] == ["*"] for line in ruled.splitlines())    # no best
+    assert "! over --max-memory" in ruled          # without a calibration, the rule's best:
+    ruled_rows = add_calls([dict(r, step_s=None) for r in rows], model, 256)
+    ruled_best = rank_rows(ruled_rows, sorted(r["memory"] for r in rows)[len(rows) // 2])
+    assert [line.split()[0] for line in ruled.splitlines()
+            if line.split()[1:2] == ["*"]] == [ruled_best["best"]["layout"]]
     best = min(rows, key=lambda r: (ranking_seconds(r), r["memory"], r["layout"]))
     starred = [line.split()[0] for line in text.splitlines() if line.split()[1:2] == ["*"]]
     assert starred == [best["layout"]] and best["layout"] != pipes[0]["layout"]
@@ -159,6 +162,21 @@ def test_choice_is_the_plans_best_that_fits(spec, batch, calibrated):
     text = explain_report(rows if calibrated else add_calls(rows, model, batch), limit,
                           "--max-memory", calibrated, top=3)
     assert choice["layout"] in text.splitlines()[3] and "over the limit" in text
+    table = plan_report(model, 4, batch, calibration=cal, limit=limit, top=len(rows)).split(
+        "\n\n")[1].splitlines()[1:]                # plan's default order is auto's
+    assert f"{choice['layout']} *" in table[[k for k, line in enumerate(table)
+                                             if "!" not in line.split()[1]][0]]
+    assert [line.split()[0] for line in table] == [r["layout"] for r in sorted(
+        rows, key=lambda r: (key(r), r["memory"], r["layout"]) if calibrated else (
+            key(r), len(r["layout"]), r["layout"]))]
+    assert sum("*" in line.split()[1] for line in table) == 1
+
+
+def test_plan_sorts_by_time_only_with_a_calibration():
+    model = model_from_flag("784,256,256,10", "relu")
+    with pytest.raises(ValueError, match="--sort time needs --calibration FILE"):
+        plan_report(model, 4, 64, sort="time")
+    assert "sorted by --layout auto's rule of thumb" in plan_report(model, 4, 64, sort="auto")
 
 
 def test_nothing_fits_names_the_smallest_need():

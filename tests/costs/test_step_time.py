@@ -329,7 +329,9 @@ def test_plan_says_how_it_sorts_and_when_the_calibration_has_another_rank_count(
     model = ms.MLP([64, 32, 32, 16])
     four = plan_report(model, 4, 32, dtype=np.float32, calibration=cal)
     assert "sorted by time" in four and "note:" not in four      # the default, calibrated
-    assert "sorted by memory" in plan_report(model, 4, 32, dtype=np.float32)
+    assert "sorted by --layout auto's rule of thumb" in plan_report(model, 4, 32,
+                                                                    dtype=np.float32)
+    assert "sorted by memory" in plan_report(model, 4, 32, dtype=np.float32, sort="memory")
     two = plan_report(model, 2, 32, dtype=np.float32, calibration=cal)
     assert "note:   the calibration was measured at 4 ranks, these layouts have 2" in two
     assert rank_count_note(cal, 4) is None and rank_count_note({}, 2) is None
