@@ -154,6 +154,18 @@ def loss_kernel(xp, y, t):
     return -rows.sum() / n, g
 
 
+def bad_labels_give_nan(xp, y) -> bool:
+    """The loss kernel on labels outside [0, C) in rows 1 (C) and 2 (-5): those rows' loss
+    and gradient are nan (no read outside the row), row 0's finite."""
+    t = xp.zeros(y.shape[0], dtype=xp.int64)
+    t[1], t[2] = y.shape[1], -5
+    keep = xp.ones(y.shape[0], dtype=bool)
+    rows, g = cuda_ops.cross_entropy(xp, y, t, keep, xp.asarray(float(y.shape[0])), 1.0)
+    g = widened(xp, g)
+    return bool(xp.isnan(rows[1:3]).all() and xp.isnan(g[1:3]).all()
+                and xp.isfinite(rows[0]) and xp.isfinite(g[0]).all())
+
+
 def loss_ref(xp, y, t):
     value, dy = CrossEntropy().pair(y, t)
     return xp.asarray(value), dy * LOSS_SCALE
@@ -285,6 +297,9 @@ def kernel_rows(xp, rng, report) -> list:
                 row["ok"], row["max_rel_diff"] = compare(
                     xp, kernel(xp, *a), ref(xp, *ref_in), RTOL[mode],
                     FLOOR[mode] if name == "cross_entropy" else None)
+                if name == "cross_entropy":
+                    row["bad_labels_nan"] = bad_labels_give_nan(xp, a[0])
+                    row["ok"] = row["ok"] and row["bad_labels_nan"]
                 fast = [widened(xp, v).astype(xp.float32) if v.dtype.itemsize == 2 else v
                         for v in a]
                 row["kernel_s"] = seconds(xp, lambda: kernel(xp, *a))

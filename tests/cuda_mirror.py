@@ -173,13 +173,16 @@ def attention_bwd(dout, q, k, v, out, lse, offset):
 def cross_entropy(y, t, keep, n, scale):
     """ms cross_entropy (cuda_loss_src): per row the exact max, the sum of exp(y - m) in the
     block's order, lse = log of it; loss (y[t] - m) - lse and g = ((exp((y - m) - lse) -
-    onehot) / n) * scale on kept rows, 0 on the others. y (N, C) in A; t 0 on ignored rows."""
+    onehot) / n) * scale on kept rows, 0 on the others, nan on a kept row whose label is
+    outside [0, C). y (N, C) in A; t 0 on ignored rows."""
     a = y.dtype.type
+    bad = keep & ((t < 0) | (t >= y.shape[1]))
+    t = np.where(bad, 0, t)
     m = y.max(axis=1, keepdims=True)
     lse = np.log(block_sum(np.exp(y - m)))
     rows = np.arange(len(y))
     loss = np.where(keep, (y[rows, t] - m[:, 0]) - lse[:, 0], a(0))
     e = np.exp((y - m) - lse)
     e[rows, t] -= a(1)
-    g = (e / a(n)) * a(scale)
-    return loss, np.where(keep[:, None], g, a(0))
+    g = np.where(keep[:, None], (e / a(n)) * a(scale), a(0))
+    return np.where(bad, a(np.nan), loss), np.where(bad[:, None], a(np.nan), g)

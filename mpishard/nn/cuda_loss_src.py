@@ -9,8 +9,8 @@ pass, a sum-of-exp pass, a gradient pass, and a float32 gradient: 16 bytes an el
 logits are read three times at 2 bytes and the gradient written once at 2 bytes (8 bytes),
 and the casts around it (the logits widened before, the gradient rounded after: 12 bytes)
 are gone: 8 bytes an element where there were 28. An ignored row adds 0 to the loss
-whatever its logits, as PyTorch's ignore_index does (cupy's float32 path multiplies its term
-by 0, so inf logits there gave NaN).
+whatever its logits, as PyTorch's ignore_index does, and 0 to the gradient (PyTorch's is nan
+on a row of inf or nan logits), as every path of losses.CrossEntropy does.
 
 One block per row r of y (rows, c), MS_BLOCK threads, labels t already 0 on ignored rows:
 
@@ -21,6 +21,10 @@ One block per row r of y (rows, c), MS_BLOCK threads, labels t already 0 on igno
     lse    = log s
     loss[r] = keep[r] ? (y[r, t_r] - m) - lse : 0       (the value: -sum(loss) / n)
     g[r, j] = keep[r] ? ((exp((y[r, j] - m) - lse) - [j == t_r]) / n) * scale : 0
+
+A kept label outside [0, c) (the engine's check_targets refuses one before every step; a
+direct CrossEntropy.pair call does not check) gives its row a nan loss and gradient instead
+of a read outside the row.
 
 n is read from device memory (a count of the kept labels that is never read back, or the
 engine's global count); scale is the step's gradient scale (1 / microbatches, a loss scale),
@@ -58,6 +62,12 @@ template <typename S> __device__ void cross_entropy(
         const A lse = log(ms_block_sum(s));
         const bool k = keep[r];
         const i64 label = t[r];
+        if (k && (label < 0 || label >= c)) {        // never read outside the row: nan
+            const A nan = (A)__int_as_float(0x7fffffff);
+            if (threadIdx.x == 0) loss[r] = nan;
+            for (i64 j = threadIdx.x; j < c; j += MS_BLOCK) ms_st(g, at + j, nan);
+            continue;
+        }
         if (threadIdx.x == 0) loss[r] = k ? (ms_ld(y, at + label) - m) - lse : (A)0;
         for (i64 j = threadIdx.x; j < c; j += MS_BLOCK) {
             A e = 0;

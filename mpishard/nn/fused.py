@@ -191,7 +191,7 @@ def cross_entropy(xp, y2, t, keep, n):
     logs = xp.log(kernels(xp)["sumexp"](y2, xp.broadcast_to(m, y2.shape), axis=-1,
                                         keepdims=True))
     rows = xp.arange(y2.shape[0])
-    value = -(((y2[rows, labels] - m[:, 0]) - logs[:, 0]) * keep).sum() / n
+    value = -xp.where(keep, (y2[rows, labels] - m[:, 0]) - logs[:, 0], 0).sum() / n
     g = xp.empty_like(y2)
     n = n.astype(y2.dtype) if hasattr(n, "astype") else y2.dtype.type(n)
     kernels(xp)["ce_grad"](y2, m, logs, labels, keep, c, n, g)

@@ -238,12 +238,13 @@ class CrossEntropy(Loss):
         if keep is None:                                              # nothing ignored
             return float(-lp[xp.arange(lp.shape[0]), t].sum() / n)
         picked = lp[xp.arange(lp.shape[0]), xp.where(keep, t, 0)]   # (N,)
-        return float(-(picked * keep).sum() / n)                      # an ignored row: 0
+        return float(-xp.where(keep, picked, 0).sum() / n)  # an ignored row: 0, even inf/nan
 
     @staticmethod
     def _grad(lp, t, keep, n):
-        """(softmax - onehot) / n on counted rows, 0 on ignored ones, in place on lp (the
-        caller's temporary)."""
+        """(softmax - onehot) / n on counted rows, 0 on ignored ones (even where their
+        logits are inf or nan, as the kernels give: torch gives nan there), in place on lp
+        (the caller's temporary)."""
         xp = array_module(lp)
         p = xp.exp(lp, out=lp)                                       # softmax, (N, C)
         rows = xp.arange(p.shape[0])
@@ -253,7 +254,7 @@ class CrossEntropy(Loss):
             return p
         p[rows, xp.where(keep, t, 0)] -= keep                        # softmax - onehot
         p /= n
-        p *= keep[:, None]                                           # 0 on ignored rows
+        p[~keep] = 0                                                 # 0 on ignored rows
         return p
 
 

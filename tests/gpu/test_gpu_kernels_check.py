@@ -152,6 +152,18 @@ def test_a_loss_kernel_that_loses_the_small_gradients_fails(emulated, monkeypatc
     assert rows[("layernorm", "bfloat16")]["ok"]
 
 
+def test_a_loss_kernel_that_reads_outside_the_row_on_a_bad_label_fails(emulated, monkeypatch):
+    """The cross entropy's row also runs labels outside [0, C): a kernel that does not give
+    those rows nan (here: clips the label into the row) fails it."""
+    def clipping(xp, y2, labels, keep, n, scale=1.0):
+        return Emulated.cross_entropy(xp, y2, np.clip(labels, 0, y2.shape[1] - 1), keep, n,
+                                      scale)
+    monkeypatch.setattr(cuda_ops, "cross_entropy", clipping)
+    rows = {(r["kernel"], r["dtype"]): r for r in check.check_kernels(np)}
+    assert not any(rows[("cross_entropy", m)]["ok"] for m in check.MODES)
+    assert not any(rows[("cross_entropy", m)]["bad_labels_nan"] for m in check.MODES)
+
+
 def test_a_wrong_kernel_fails_its_row(emulated, monkeypatch):
     monkeypatch.setattr(cuda_ops, "swiglu_backward",
                         lambda xp, dy, a: out(mirror.swiglu(acc(a), acc(dy)) * 1.01, a))

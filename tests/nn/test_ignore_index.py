@@ -1,6 +1,8 @@
 """CrossEntropy(ignore_index=-100) against torch.nn.functional.cross_entropy on the same mask:
 value and gradient in float64 (rtol 1e-9), for (B, C) and (B, T, C) logits; `over(n)` divides
-the same sum by n; a call where everything is ignored gives 0 and a zero gradient."""
+the same sum by n; a call where everything is ignored gives 0 and a zero gradient; an ignored
+row of inf or nan logits adds nothing to the value (torch's rule) nor to the gradient (torch
+gives nan there) on every CPU path."""
 import numpy as np
 import pytest
 
@@ -61,6 +63,26 @@ def test_everything_ignored_gives_zero():
     t[:] = -100
     value, dy = ms.losses.CrossEntropy()(y, t)
     assert value == 0.0 and not dy.any()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_ignored_rows_of_inf_or_nan_logits_add_nothing(fused, monkeypatch):
+    """The xp path (MPISHARD_CPU_FUSED=0) and numba's kernel (where installed) alike: the value
+    is the kept rows' (as torch's), the gradient 0 on the ignored rows."""
+    monkeypatch.setenv("MPISHARD_CPU_FUSED", fused)
+    y, t = masked_case((6,), 5, seed=3, share=0.0)
+    t[[1, 4]] = -100
+    bad = y.copy()
+    bad[1, 2], bad[4, :] = np.inf, np.nan
+    for dtype in (np.float64, np.float32):
+        want, want_dy = ms.losses.CrossEntropy()(y.astype(dtype), t)
+        value, dy = ms.losses.CrossEntropy()(bad.astype(dtype), t)
+        assert np.isfinite(value) and value == want
+        assert np.array_equal(dy, want_dy) and not dy[[1, 4]].any()
+    ty = torch.tensor(bad, requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(ty, torch.tensor(t), ignore_index=-100)
+    assert_close(value, ref.item(), rtol=1e-6, what="value")      # float32's against torch's
 
 
 def test_labels_out_of_range_still_refused():
