@@ -116,9 +116,13 @@ def priced(parts, key, storage) -> float:
     backward's ds none under cuDNN (its flash backward has no T x T array), else the
     recomputed 16-bit scores and the 16-bit ds. Without it, ds beside its rounded copy.
     With the fused 16-bit kernels (low_act) the MLP activation's `key`_act_low at
-    storage.low instead of its `key`_act_wide. Otherwise all at the itemsize."""
+    storage.low instead of its `key`_act_wide. Otherwise all at the itemsize, and with a
+    device's fused kernels in a float32 or float64 step the activation's `key`_act_fused
+    instead of its `key`_act_wide (a Llama's SwiGLU keeps gate | up alone)."""
     if not storage.rounds_copies or f"{key}_low" not in parts:
-        return parts[key] * storage.itemsize
+        fused = parts.get(f"{key}_act_wide", 0) - parts.get(f"{key}_act_fused", 0) \
+            if storage.device and storage.fused else 0
+        return (parts[key] - fused) * storage.itemsize
     wide, low = storage.itemsize, storage.low
     total = parts[f"{key}_wide"] * wide + parts[f"{key}_low"] * low
     ds = parts.get("ds", 0) if key == "workspace" else 0

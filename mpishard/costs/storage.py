@@ -39,7 +39,8 @@ step. What changes (nn/autocast.py):
   with `device="cpu"`.
 
 A float32 step on a device has the fused loss (2 logits-sized arrays at its peak, as numba's
-on the CPU) and the fused float32 softmax, which keeps the probabilities.
+on the CPU), the fused float32 softmax, which keeps the probabilities, and the Llama's SwiGLU
+kernels, which keep gate | up alone (the models' `act_fused`).
 """
 from __future__ import annotations
 

@@ -270,3 +270,33 @@ def test_the_mlp_activation_s_16_bit_input_is_priced(recompute, tp):
         double = storage_for("float32", "bfloat16", "gpu", fused=False)
         assert priced(parts, "saved", double) == priced(parts, "saved",
                                                         replace(double, kept16=False))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("recompute", ["0", "attn"])
+def test_a_float32_device_step_s_fused_mlp_activation_is_priced(kind, recompute, monkeypatch):
+    """A float32 step with a device's fused kernels: the Llama's SwiGLU kernels keep gate |
+    up alone (2 T F / tp a block and row, not the xp path's 4), the GPT's GELU kernel its
+    derivative as the xp path does. The tapes after a recorded forward with the SwiGLU
+    launches on their numpy mirror (tests/cuda_mirror.py) hold what storage_for(..., 'gpu',
+    fused=True) prices; without them, what fused=False prices."""
+    from cuda_mirror import swiglu
+    from mpishard.nn import cuda_ops
+    model, batch = MODELS[kind](128), 4
+    layout = ms.parse_layout("single" if recompute == "0" else f"recompute={recompute}")
+    view = ms.costs.rank_costs.rank_view(model, layout, 0, 4, batch)
+    parts = model.activation_elements(view, recompute)
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr(cuda_ops, "swiglu_takes", lambda xp, a: True)
+            monkeypatch.setattr(cuda_ops, "swiglu_forward", lambda xp, a: swiglu(a))
+        engine = ms.make_engine(model, layout.text, dtype=np.float32)
+        engine.load_checkpoint(model.init(0))
+        ids = np.random.default_rng(0).integers(0, model.vocab_size, (batch, model.seq_len))
+        engine.runner.forward(engine.shard_batch(ids))
+        per_row = priced(parts, "saved", storage_for("float32", None, "gpu", fused=fused))
+        assert tape_bytes(engine.runner.layers) == batch * per_row + 4 * parts["per_microbatch"]
+        engine.close()
+    kept = {f: priced(parts, "saved", storage_for("float32", None, "gpu", fused=f))
+            for f in (False, True)}
+    assert kept[False] - kept[True] == (3 * 64 * 2 * 160 * 4 if kind == "llama" else 0)

@@ -171,13 +171,14 @@ def gpt_block(model, view, t: int, n: int) -> dict:
     / tp); 'core_input', the core's input it keeps instead (the qkv product, wide);
     'act_wide', what the MLP's activation keeps among the wide (GELU's derivative T F / tp),
     and 'act_low', what it keeps instead, in 16 bits, on a device's fused 16-bit step
-    (GELU's input T F / tp; costs/storage.py low_act)."""
+    (GELU's input T F / tp; costs/storage.py low_act); 'act_fused', what the device's fused
+    kernels keep in a float32 or float64 step (fused.py's GELU: its derivative, T F / tp)."""
     tp, d, f = view.layout.size("tp"), model.d_model, model.d_ff
     return {"kept": 2 * n * (d + 1) + 2 * t * d + 4 * t * d // tp + 2 * t * f // tp,
             "wide": 2 * n * (d + 1) + t * d // tp + t * f // tp,
             "low": 2 * t * d + 4 * t * d // tp + t * f // tp, "out": t * d // tp, "core": 0,
             "core_low": 3 * t * d // tp, "core_input": 3 * t * d // tp, "per_microbatch": 0,
-            "act_wide": t * f // tp, "act_low": t * f // tp}
+            "act_wide": t * f // tp, "act_low": t * f // tp, "act_fused": t * f // tp}
 
 
 def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> dict:
@@ -209,7 +210,8 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
     the (H / tp) x T log-sum-exp a device's fused attention keeps instead; saved_out and
     workspace_out, the attention outputs among the wide, which cuDNN writes in 16 bits;
     saved_act_wide and workspace_act_wide, the MLP activations' wide arrays among them, and
-    saved_act_low and workspace_act_low, the 16-bit ones a device's fused kernels keep; ds,
+    saved_act_low and workspace_act_low, the 16-bit ones a device's fused kernels keep,
+    saved_act_fused and workspace_act_fused, what they keep in a float32 step; ds,
     the backward's probabilities-sized ds; fused_attention: whether a device's fused
     attention takes these blocks (whole sequences and Ulysses; the ring keeps its own)."""
     layout = view.layout
@@ -236,7 +238,7 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
            "workspace_out": terms["out"] * again, "ds": probs,
            **{f"{key}_act_{k}": terms.get(f"act_{k}", 0) * (blocks * (recompute != "1")
                                                             if key == "saved" else again)
-              for key in ("saved", "workspace") for k in ("wide", "low")},
+              for key in ("saved", "workspace") for k in ("wide", "low", "fused")},
            "fused_attention": cp == 1 or layout.option("cp_kind", "ring") != "ring",
            "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
            "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,

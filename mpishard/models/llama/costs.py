@@ -235,9 +235,9 @@ def llama_block(model, view, t: int, n: int) -> dict:
     two RMSNorms' n and rsqrt 2 n (D + 1), the q | k | v input T D, the rotated q | k | v
     T (q + 2 w) (the core's input), k and v repeated to every query head 2 T q (the 'core':
     recompute=attn drops them), the attention output T q (the proj input is a view of it);
-    the MLP: its input T D, SwiGLU's gate | up, sigmoid and silu 4 T F / tp (its CUDA kernels,
-    on a GPU, keep gate | up alone, 2 T F / tp: in float32 this counts 2 T F / tp too many;
-    a 16-bit step's, in 16 bits: act_wide and act_low) and the down input T F / tp; in a
+    the MLP: its input T D, SwiGLU's gate | up, sigmoid and silu 4 T F / tp (act_wide; its
+    CUDA kernels, on a GPU, keep gate | up alone, 2 T F / tp: act_fused in a float32 or
+    float64 step, act_low in 16 bits in a 16-bit one) and the down input T F / tp; in a
     Mixtral instead sparse_moe's. Per microbatch, the rotary's cos and
     sin of the T positions: half-width casts T Dh, or in float64 the angles' arrays 2 T Dh.
     Under a rounding policy (costs/storage.py) 'wide' at the itemsize and 'low' at the compute
@@ -256,7 +256,8 @@ def llama_block(model, view, t: int, n: int) -> dict:
         mlp, fixed = n * (d + 1) + t * d + 5 * t * model.d_ff // tp, 0
         wide += n * (d + 1) + 4 * t * model.d_ff // tp
         low += t * d + t * model.d_ff // tp
-        act = {"act_wide": 4 * t * model.d_ff // tp, "act_low": 2 * t * model.d_ff // tp}
+        act = {"act_wide": 4 * t * model.d_ff // tp, "act_low": 2 * t * model.d_ff // tp,
+               "act_fused": 2 * t * model.d_ff // tp}
     else:
         mlp, fixed = sparse_moe(model, view, n)
         wide += mlp                                    # a Mixtral's MoE priced wide
