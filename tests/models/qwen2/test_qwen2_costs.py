@@ -28,7 +28,8 @@ def test_qwen2_comm_bytes_and_calls_match_the_plan(n, layout, kw):
 
 def test_plan_knows_qwen2(capsys):
     spec = "qwen2:d_model=16,n_heads=4,n_kv_heads=1,n_layers=2,seq_len=8,vocab=13"
-    assert cli.main(["plan", "--model", spec, "--world-size", "4", "--batch", "8"]) == 0
+    assert cli.main(["plan", "--model", spec, "--world-size", "4", "--batch", "8",
+                     "--top", "99"]) == 0
     out = capsys.readouterr().out
     assert "Qwen2(vocab_size=13, seq_len=8, d_model=16, n_heads=4, n_layers=2, n_kv_heads=1" \
         in out and "norm_eps=1e-06" in out and "tp=2" in out
