@@ -82,7 +82,9 @@ class Backend:
         if device != "cpu":
             module = array_module if array_module is not None else try_import_cupy()
             if device == "gpu" and module is None:
-                raise ValueError("device='gpu' needs cupy (pip install -e '.[cuda12]')")
+                raise ValueError("device='gpu' needs cupy (pip install -e '.[cuda12]', or "
+                                 "'.[cuda13]'; bfloat16 on the tensor cores needs cupy 14: "
+                                 "'cupy-cuda12x>=14', Python >= 3.10, docs/gpus.md)")
             if module is not None and device_count(module) == 0:
                 if device == "gpu":
                     raise ValueError("device='gpu' but cupy sees no CUDA device")
