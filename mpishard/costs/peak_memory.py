@@ -26,9 +26,8 @@ Components (itemsize bytes per element; r = rows per microbatch = batch / data r
           its exponent, 3 L (2 L where this process's numpy step runs nn/cpu_rows.py's
           kernel, cpu_rows.runs_here: the logits and dy, written in place; on a device, as
           `storage` says, 2 L with the fused kernels (its fused loss), 3 L without;
-          vocab-parallel: logits, exp, softmax, softmax - one-hot and its scaled copy, the
-          gradient, with the one-hot mask, 5 L + L / itemsize, and L more where the
-          vocabulary is padded), and the logits' gradients of the other microbatches in
+          vocab-parallel: 2 L, the logits and exp(logits - max) turned into the gradient in
+          place), and the logits' gradients of the other microbatches in
           flight (the runner keeps each until its backward: under GPipe all m), (k - 1) L for
           k in flight;
         - the head's backward: the last logits and the k gradients (1 + k) L, the head's
@@ -163,8 +162,7 @@ def moments(view, parts, rows_mb, storage) -> list:
             bool(parts.get("backward_holds_logits"))}]
     if logits:                       # the runner keeps each in-flight microbatch's dlogits
         fused = storage.fused if storage.device else cpu_rows.runs_here(itemsize)
-        factor = 5 + 1 / itemsize + parts["padded"] if parts["vocab_parallel"] else \
-            2 if fused else 3
+        factor = 2 if parts["vocab_parallel"] or fused else 3
         if low_logits and not fused:          # the float32 loss on the logits widened
             factor = 1 + 3 * itemsize / storage.low
         out.append({"activations": saved, "logits": int(factor * logits) + waiting - logits})

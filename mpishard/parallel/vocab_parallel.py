@@ -154,14 +154,16 @@ class VocabParallelCrossEntropy(Loss):
 
     def __call__(self, y, t):
         """(global token-mean loss, dL/dy_local); y: this rank's (B, T, v) vocab shard, the
-        padded columns (global index >= V) masked to -inf."""
-        value, e, se, idx, inside, keep, n = self._forward(y, t)
+        padded columns (global index >= V) masked to -inf. One logits-sized array beside y:
+        exp(y - m) turned into the gradient in place."""
+        value, g, se, idx, inside, keep, n = self._forward(y, t)
         xp = nn.array_module(y)
-        p = e / se[..., None]                                       # softmax, local columns
-        onehot = (xp.arange(y.shape[-1]) == idx) & inside[..., None]
-        g = (p - onehot) / n                                        # d mean / d logits
+        g /= se[..., None]                                          # softmax, local columns
+        flat = g.reshape(-1, g.shape[-1])                           # (B T, v), a view
+        flat[xp.arange(flat.shape[0]), idx.reshape(-1)] -= inside.reshape(-1)  # - onehot
+        g /= n                                                      # d mean / d logits
         if keep is not None:
-            g *= keep[..., None]                                    # 0 on ignored targets
+            g[~keep] = 0                                            # 0 on ignored targets
         return value, g
 
     def value(self, y, t) -> float:
@@ -170,8 +172,8 @@ class VocabParallelCrossEntropy(Loss):
         return self._forward(y, t)[0]
 
     def _forward(self, y, t):
-        """(loss, exp(y - m), se, the target's local column, whether it is local, the counted
-        targets' mask or None when all count, the divisor)."""
+        """(loss, exp(y - m) in a new array, se, the target's local column, whether it is
+        local, the counted targets' mask or None when all count, the divisor)."""
         n, v = self.tp.size(), y.shape[-1]
         if v != vocab_width(self.vocab, n) or y.ndim != 3:
             raise ValueError(f"vocab-parallel cross_entropy expects (B, T, "
@@ -180,24 +182,23 @@ class VocabParallelCrossEntropy(Loss):
         self.seen_shapes.append(tuple(y.shape))
         xp = nn.array_module(y)
         real = self.vocab - self.tp.rank() * v                      # this rank's real columns
-        if real < v:                                                # padding: exp(-inf) = 0
-            y = xp.where(xp.arange(v) < real, y, -xp.inf)
-        m = self.tp.all_reduce(y.max(axis=-1), op="max")            # global row max (B, T)
-        z = y - m[..., None]
-        e = xp.exp(z)
-        se = self.tp.all_reduce(e.sum(axis=-1), op="sum")           # global sum-exp (B, T)
+        z = xp.where(xp.arange(v) < real, y, -xp.inf) if real < v else y.copy()  # exp(-inf)
+        m = self.tp.all_reduce(z.max(axis=-1), op="max")            # global row max (B, T)
+        z -= m[..., None]                                           # z = y - m
         local = t - self.tp.rank() * v                              # an ignored target (-100)
         inside = (local >= 0) & (local < v)                         # is no rank's column
         idx = xp.where(inside, local, 0)[..., None]
         tgt_local = xp.where(inside, xp.take_along_axis(z, idx, axis=-1)[..., 0], 0.0)
+        e = xp.exp(z, out=z)                                        # in place: exp(y - m)
+        se = self.tp.all_reduce(e.sum(axis=-1), op="sum")           # global sum-exp (B, T)
         tgt = self.tp.all_reduce(tgt_local, op="sum")               # target logit - m
         keep = t != self.full.ignore_index
         divisor = self.full.divisor(t)
         if bool(keep.all()):
             keep = None
             value = float((xp.log(se) - tgt).sum() / divisor)       # -log softmax[t], mean
-        else:
-            value = float(((xp.log(se) - tgt) * keep).sum() / divisor)
+        else:                                     # an ignored row adds 0, whatever its logits
+            value = float(xp.where(keep, xp.log(se) - tgt, 0).sum() / divisor)
         return value, e, se, idx, inside, keep, divisor
 
 
