@@ -317,8 +317,9 @@ def cross_entropy(xp, y2, labels, keep, n, scale=1.0):
     kept rows and 0 on the others (the value is -loss.sum() / n), and g (N, C) in y2's dtype,
     ((softmax - onehot) / n) * scale on the kept rows and 0 on the others (PyTorch's rule:
     an ignored row adds nothing, whatever its logits). labels (N,): in [0, C) on kept rows
-    (the engine's check_targets; not checked here: the kernel reads y[r, label]), 0 on
-    ignored rows; keep (N,) bool; n: a number or a 0-d device array, read on the device."""
+    (the engine's check_targets; a kept row's label outside it gives that row a nan loss and
+    gradient, never a read outside the row), 0 on ignored rows; keep (N,) bool; n: a number
+    or a 0-d device array, read on the device."""
     y2 = xp.ascontiguousarray(y2)
     rows, c = y2.shape
     a = acc_dtype(y2.dtype)
