@@ -14,7 +14,8 @@ rows, transposed). No rank ever holds the full (B, T, V) logits in training:
                 tgt = all-reduce(sum) of the target logit - m (0 where the target is
                       another rank's)                                 (B, T)
                 loss = mean(log se - tgt);  dL/dlogits_local = (softmax_local - onehot_local)
-                / (B T), computed from the reduced m and se with no further communication.
+                / (B T), computed from the reduced m and se with no further communication,
+                in place in the one logits-sized array exp(logits_local - m) was written to
 
 Vocabulary padding. A V that t does not divide (GPT-2's 50,257) is padded to t v inside the
 placements (`VOCAB_TP_SHARDS`: padded Shard steps, placement.py): the last ranks' blocks end in
