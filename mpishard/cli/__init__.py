@@ -75,7 +75,8 @@ COMMANDS = {
     "serve": ("serve a language model over an OpenAI-compatible HTTP API with continuous "
               "batching, rank 0 listening (python -m mpi4py -m mpishard serve --hf DIR|"
               "--checkpoint DIR --layout L --port 8000)", add_serve_arguments, run_serve),
-    "plan": ("rank every layout of a world size by memory and communication per rank, no MPI "
+    "plan": ("rank every layout of a world size as --layout auto does (memory, bytes sent "
+             "and, with a calibration, step time per rank), no MPI "
              "(plan --model DIMS|--hf DIR --world-size N --batch B)", add_plan_arguments,
              run_plan),
     "import": (f"a Hugging Face directory ({HF_NAMES}) into a checkpoint, each rank reading "

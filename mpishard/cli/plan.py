@@ -1,4 +1,4 @@
-"""`plan`: every layout of a world size, ranked by memory and communication per rank, no MPI.
+"""`plan`: every layout of a world size, ranked as `--layout auto` ranks them, no MPI.
 
     python -m mpishard plan --model 784,512,256,10 --world-size 8 --batch 64
     python -m mpishard plan --hf ./Mixtral-8x7B --world-size 64 --batch 32   # its config.json
@@ -124,8 +124,8 @@ def plan_layouts(model, world_size: int, batch: int, dtype=np.float32,
 MAX_REJECTED = 40          # a large world rejects thousands: list the first ones
 
 SORT_TEXT = {"time": "time (a pipeline's unlent)",
-             "rule": "--layout auto's rule of thumb (no calibration: pipeline idle time, "
-                     "then bytes and calls sent, then memory)"}
+             "rule": "--layout auto's rule of thumb (pipeline idle time, then bytes and "
+                     "calls sent and elements the optimizer updates, then memory)"}
 
 
 def unlent_cell(row: dict) -> str:
@@ -154,23 +154,23 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     are marked."""
     if sort is not None and sort not in SORT_KEYS:
         raise ValueError(f"sort must be one of {sorted(SORT_KEYS)}, got {sort!r}")
-    if sort == "time" and not calibration:
+    calibration = calibration or None           # one test throughout: an empty one is none
+    if sort == "time" and calibration is None:
         raise ValueError("--sort time needs --calibration FILE or --calibrate (without "
                          "one no step time is predicted; the default, --sort auto, ranks as "
                          "--layout auto's rule of thumb does)")
-    sort = "time" if calibration and sort in (None, "auto") else (
-        "rule" if sort in (None, "auto") else sort)
+    sort = ("time" if calibration is not None else "rule") if sort in (None, "auto") else sort
     if top is not None:
         check_number("--top", top, low=1, integer=True)
     rows, rejected = layouts or plan_layouts(model, world_size, batch, dtype, optimizer,
                                              momentum, microbatches, calibration, storage)
     held = f" ({storage.label})" if storage is not None and storage.label else ""
-    if not calibration:          # the rule's calls and updates (costs/choose.add_calls)
+    if calibration is None or sort == "rule":       # the rule's numbers (choose.add_calls)
         add_calls(rows, model, batch, np.dtype(dtype).itemsize)
     rows.sort(key=SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
-    note = rank_count_note(calibration, world_size) if calibration else None
+    note = rank_count_note(calibration, world_size) if calibration is not None else None
     unlent = calibration is not None and any(unlent_seconds(r) is not None for r in shown)
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
              f"batch {batch}, {np.dtype(dtype).name}{held}, optimizer {optimizer}",
@@ -264,8 +264,9 @@ def add_plan_arguments(p):
     p.add_argument("--sort", default="auto", choices=sorted(SORT_KEYS),
                    help="auto (default: as --layout auto ranks, time with a calibration, "
                    "else rule), rule (the rule of thumb: pipeline idle time, bytes and "
-                   "calls sent, memory), time (predicted step time, a pipeline's with its "
-                   "idle time paid in full; needs a calibration), memory (then comm), comm "
+                   "calls sent and elements the optimizer updates, memory), time "
+                   "(predicted step time, a pipeline's with its idle time paid in full; "
+                   "needs a calibration), memory (then comm), comm "
                    "(then memory) or layout")
     p.add_argument("--calibrate", metavar="FILE", nargs="?", const=DEFAULT_PATH,
                    help="measure this machine first (under mpiexec: every rank of the job) "

@@ -195,7 +195,7 @@ class ModelSpec(Protocol):
         'per_microbatch', optional: elements kept once per microbatch whatever its rows), its
         largest backward transient ('workspace'), the loss's logits ('logits', 0 off the last
         stage), the head's weight block ('head_weights'), whether the loss is vocab-parallel
-        ('vocab_parallel') over a padded vocabulary ('padded'), the bytes of one row of
+        ('vocab_parallel'), the bytes of one row of
         the batch ('input_bytes'), and optionally whether the logits and their gradients
         stay alive through the backward beyond 'workspace' ('backward_holds_logits'). A spec
         without it is priced without activations. Optional, for a compute dtype

@@ -177,6 +177,13 @@ def test_plan_sorts_by_time_only_with_a_calibration():
     with pytest.raises(ValueError, match="--sort time needs --calibration FILE"):
         plan_report(model, 4, 64, sort="time")
     assert "sorted by --layout auto's rule of thumb" in plan_report(model, 4, 64, sort="auto")
+    cal = json.loads((ROOT / "examples/calibration.example.json").read_text())
+
+    def order(text):
+        return [line.split()[0] for line in text.split("\n\n")[1].splitlines()[1:]]
+    ruled = plan_report(model, 4, 64, calibration=cal, sort="rule", top=99)  # the rule's
+    assert order(ruled) == order(plan_report(model, 4, 64, top=99))      # numbers, calibrated
+    assert order(ruled) != order(plan_report(model, 4, 64, calibration=cal, top=99))
 
 
 def test_nothing_fits_names_the_smallest_need():

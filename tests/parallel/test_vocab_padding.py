@@ -113,6 +113,31 @@ def test_layouts_equal_single(ranks, layout, vocab, kw):
     check_against_single(group_comm(ranks), layout, vocab, **kw)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_ignored_rows_of_inf_or_nan_logits_add_nothing_under_tp():
+    """The vocab-parallel loss on a padded vocabulary (13 at tp=2): rows whose target is
+    ignore_index add nothing to the value (torch's rule) nor to the gradient, whatever their
+    logits (inf, nan); the others equal CrossEntropy's on the full logits."""
+    from mpishard.parallel.vocab_parallel import VocabParallelCrossEntropy
+    comm = group_comm(2)
+    engine = ms.make_engine(make_gpt(13), "tp=2", comm=comm)
+    tp = engine.comm.group("tp")
+    rng = np.random.default_rng(4)
+    y, t = rng.normal(size=(2, 5, 13)) * 3, rng.integers(0, 13, (2, 5))
+    t[0, 1] = t[1, 3] = -100
+    bad = y.copy()
+    bad[0, 1, 2], bad[1, 3, :] = np.inf, np.nan
+    shard = np.pad(bad, ((0, 0), (0, 0), (0, 1)))[..., 7 * comm.rank:7 * (comm.rank + 1)]
+    value, dy = VocabParallelCrossEntropy(tp, 13)(shard, t)
+    want, want_dy = CE(y, t)
+    assert_close(value, want, what="loss")
+    full = np.pad(want_dy, ((0, 0), (0, 0), (0, 1)))[..., 7 * comm.rank:7 * (comm.rank + 1)]
+    assert_close(dy, full, what="dloss/dlogits")
+    assert not dy[0, 1].any() and not dy[1, 3].any()
+    engine.close()
+
+
 # -- training: the padding stays zero -----------------------------------------------------------
 TRAINED = [(2, "tp=2", False), (2, "tp=2", True), (4, "tp=4", True),
            (4, "fsdp=2,tp=2,zero=1", False), (4, "tp=2,pp=2", True)]

@@ -241,7 +241,7 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
               for key in ("saved", "workspace") for k in ("wide", "low", "fused")},
            "fused_attention": cp == 1 or layout.option("cp_kind", "ring") != "ring",
            "per_microbatch": blocks * terms["per_microbatch"] * (recompute != "1"),
-           "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1, "padded": False,
+           "logits": 0, "head_weights": 0, "vocab_parallel": tp > 1,
            "input_bytes": 2 * 8 * model.seq_len // cp, "backward_holds_logits": True,
            "head_keeps_low": tp == 1}
     if holds_embedding(view.params):
@@ -253,5 +253,5 @@ def activation_elements(model, view, recompute: str, block_terms=gpt_block) -> d
         out["saved"] += n * (d + 1) + t * d
         out["saved_wide"] += n * (d + 1)
         out["saved_low"] += t * d
-        out.update(logits=t * v, head_weights=d * v, padded=v * tp != model.vocab_size)
+        out.update(logits=t * v, head_weights=d * v)
     return out

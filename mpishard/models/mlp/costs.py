@@ -105,5 +105,5 @@ def activation_elements(model, view, recompute: str) -> dict:
         if last:
             logits, head = d_out, d_in * d_out
     return {"saved": saved, "workspace": max(0, max(moments) - saved), "logits": logits,
-            "head_weights": head, "vocab_parallel": False, "padded": False,
+            "head_weights": head, "vocab_parallel": False,
             "input_bytes": model.dims[0] * view.itemsize + 8}

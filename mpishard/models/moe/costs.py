@@ -60,5 +60,5 @@ def activation_elements(model, view, recompute: str) -> dict:
     saved = d + e + k + k * d + 3 * k * ints + \
         kept_assignments(model, view, rows) * per_assignment / rows
     return {"saved": saved, "per_microbatch": (e + 3) * ints, "workspace": 0, "logits": d,
-            "head_weights": 0, "vocab_parallel": False, "padded": False,
+            "head_weights": 0, "vocab_parallel": False,
             "input_bytes": d * view.itemsize + 8}
