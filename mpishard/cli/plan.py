@@ -167,7 +167,9 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     held = f" ({storage.label})" if storage is not None and storage.label else ""
     if calibration is None or sort == "rule":       # the rule's numbers (choose.add_calls)
         add_calls(rows, model, batch, np.dtype(dtype).itemsize)
-    rows.sort(key=SORT_KEYS[sort])
+    ranked = sort in ("time", "rule") and limit is not None     # auto's: the fitting first
+    rows.sort(key=(lambda r: (r["memory"] > limit, SORT_KEYS[sort](r))) if ranked else
+              SORT_KEYS[sort])
     shown = rows[:top] if top else rows
     kinds = [k for k in COMM_KINDS if any(r["kinds"].get(k) for r in shown)]
     note = rank_count_note(calibration, world_size) if calibration is not None else None
@@ -175,7 +177,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     lines = [f"plan   {model!r}: {model.num_params():,} parameters, {world_size} ranks, global "
              f"batch {batch}, {np.dtype(dtype).name}{held}, optimizer {optimizer}",
              f"       {len(rows)} layouts pass the engine's checks, {len(rejected)} do not; "
-             f"showing {len(shown)}, sorted by {SORT_TEXT.get(sort, sort)}",
+             f"showing {len(shown)}, sorted by {SORT_TEXT.get(sort, sort)}" +
+             (f", those within --max-memory {format_bytes(limit)} first" if ranked else ""),
              "memory: max over ranks of the predicted peak in a training step (parameters, "
              "gradients, optimizer state, gathered weights, activations, logits, buffers; "
              "--memory-parts: each)" + (f"; ! over --max-memory {format_bytes(limit)}"
@@ -183,10 +186,12 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
              "comm:   bytes sent per training step by the busiest rank (train_step + optimizer "
              "step), and its split by kind"] + (
                  [] if calibration else
-                 ["*:      the layout --layout auto picks by its rule of thumb (no "
-                  "--calibration; --explain shows the rule's numbers)" +
-                  (", within --max-memory" if limit is not None else "")]) + (
-                 ["step:   predicted seconds per train_step + optimizer step "
+                 ["*:      the best by --layout auto's rule of thumb (no --calibration; "
+                  "--explain shows the rule's numbers)" +
+                  (", within --max-memory" if limit is not None else
+                   " (no memory limit: --layout auto's is this host's or the job's, "
+                   "--explain shows it; give --max-memory)")]) + (
+                 ["step:   predicted time per train_step + optimizer step "
                   "(costs/step_time.py and the calibration); * the best as --layout auto "
                   "ranks" + (" (by unlent)" if unlent else "") +
                   (f", within --max-memory {format_bytes(limit)}; ! over it" if limit else

@@ -163,12 +163,12 @@ def test_choice_is_the_plans_best_that_fits(spec, batch, calibrated):
                           "--max-memory", calibrated, top=3)
     assert choice["layout"] in text.splitlines()[3] and "over the limit" in text
     table = plan_report(model, 4, batch, calibration=cal, limit=limit, top=len(rows)).split(
-        "\n\n")[1].splitlines()[1:]                # plan's default order is auto's
-    assert f"{choice['layout']} *" in table[[k for k, line in enumerate(table)
-                                             if "!" not in line.split()[1]][0]]
+        "\n\n")[1].splitlines()[1:]      # plan's default order is auto's, the fitting first
+    assert table[0].startswith(f"{choice['layout']} *")
     assert [line.split()[0] for line in table] == [r["layout"] for r in sorted(
-        rows, key=lambda r: (key(r), r["memory"], r["layout"]) if calibrated else (
-            key(r), len(r["layout"]), r["layout"]))]
+        rows, key=lambda r: (r["memory"] > limit,) + ((key(r), r["memory"], r["layout"])
+                                                      if calibrated else
+                                                      (key(r), len(r["layout"]), r["layout"])))]
     assert sum("*" in line.split()[1] for line in table) == 1
 
 
