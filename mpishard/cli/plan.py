@@ -134,8 +134,7 @@ def unlent_cell(row: dict) -> str:
     return "-" if ranked is None else f"{ranked * 1e3:.2f} ms"
 
 
-SORT_KEYS = {"auto": None,        # --layout auto's order: "time", or "rule" uncalibrated
-             "memory": lambda r: (r["memory"], r["comm"], r["layout"]),
+SORT_KEYS = {"memory": lambda r: (r["memory"], r["comm"], r["layout"]),
              "time": lambda r: train_key(r, calibrated=True),       # --layout auto's order
              "rule": lambda r: train_key(r, calibrated=False),     # ... without a calibration
              "comm": lambda r: (r["comm"], r["memory"], r["layout"]),
@@ -152,8 +151,8 @@ def plan_report(model, world_size, batch, dtype=np.float32, optimizer="adamw",
     its rule of thumb: costs/choose.py); 'time' needs a calibration; `limit` (--max-memory,
     bytes): the * goes to the best row within it as --layout auto ranks, and rows over it
     are marked."""
-    if sort is not None and sort not in SORT_KEYS:
-        raise ValueError(f"sort must be one of {sorted(SORT_KEYS)}, got {sort!r}")
+    if sort not in (None, "auto", *SORT_KEYS):
+        raise ValueError(f"sort must be one of {['auto', *sorted(SORT_KEYS)]}, got {sort!r}")
     calibration = calibration or None           # one test throughout: an empty one is none
     if sort == "time" and calibration is None:
         raise ValueError("--sort time needs --calibration FILE or --calibrate (without "
@@ -266,7 +265,7 @@ def add_plan_arguments(p):
                    "the peak memory (parameters, gradients, optimizer, gathered, activations, "
                    "logits, buffers)")
     p.add_argument("--top", type=int, default=10, help="show the best K layouts (10)")
-    p.add_argument("--sort", default="auto", choices=sorted(SORT_KEYS),
+    p.add_argument("--sort", default="auto", choices=["auto", *sorted(SORT_KEYS)],
                    help="auto (default: as --layout auto ranks, time with a calibration, "
                    "else rule), rule (the rule of thumb: pipeline idle time, bytes and "
                    "calls sent and elements the optimizer updates, memory), time "
